@@ -1,0 +1,81 @@
+"""Shared fixtures: real redis-server, real local Ray, the tiny checkpoint.
+
+Everything a test needs is started here (never by hand in CI): the embedded redis-server,
+a loopback-only local Ray, and the tiny model written by `pdserve make-model`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Loopback-only Ray and UCX, before anything imports them.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("UCX_TLS", "shm,tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny trained checkpoint (written once per session, seed 0)."""
+    from deploy.make_model import cached_tiny_model
+
+    return cached_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a real redis-server on a free loopback port, for the whole session."""
+    from deploy.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture()
+def redis_server() -> Iterator[object]:
+    """A redis-server owned by one test (for restart/outage tests)."""
+    from deploy.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray on loopback, shared by the session (2.5-5 s to start)."""
+    import ray
+
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        object_store_memory=200 * 1024 * 1024,
+        log_to_driver=True,
+        _node_ip_address="127.0.0.1",
+    )
+    yield
+    ray.shutdown()
