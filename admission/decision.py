@@ -1,0 +1,105 @@
+"""What admission answers: a `Decision` from the pure policy, an `Admission` ticket or an
+`AdmissionRejected` error from the controller.
+
+Mapping to gRPC status codes happens in the router, in one place:
+`Reason.NO_LIVE_WORKER` -> UNAVAILABLE, `Reason.REQUEST_TOO_LARGE` -> INVALID_ARGUMENT,
+`Reason.DEADLINE_UNREACHABLE` -> DEADLINE_EXCEEDED, every other rejection ->
+RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms` = `retry_after_ms` (when not None).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DecisionKind(enum.Enum):
+    ADMIT = "admit"  # start now; the controller reserves `reserve_blocks`
+    QUEUE = "queue"  # wait up to `max_wait_ms` for capacity, then re-evaluate
+    REJECT = "reject"  # answer at once; retry after `retry_after_ms` (None: retrying won't help)
+
+
+class Reason(enum.Enum):
+    """Why a decision was taken; for QUEUE and REJECT the first limit that blocked."""
+
+    ADMITTED = "admitted"
+    NO_LIVE_WORKER = "no_live_worker"  # no live decode worker (or prefill, when one is needed)
+    REQUEST_TOO_LARGE = "request_too_large"  # prompt + max_tokens exceed any worker's limit
+    DEADLINE_UNREACHABLE = "deadline_unreachable"  # estimated TTFT is past the caller's deadline
+    TENANT_RATE_LIMITED = "tenant_rate_limited"  # the tenant's token bucket is short
+    INFLIGHT_LIMIT = "inflight_limit"  # max_inflight_requests reached
+    DECODE_KV_FULL = "decode_kv_full"  # no decode worker (or the reservation budget) has room
+    TRANSFER_BUDGET = "transfer_budget"  # every decode worker's transfer budget is in use
+    TTFT_OVER_BUDGET = "ttft_over_budget"  # queued prefill work would push TTFT past the limit
+    WAITING_AHEAD = "waiting_ahead"  # earlier or more important requests are queued
+    QUEUE_FULL = "queue_full"  # overloaded and the admission queue is at its bound
+    QUEUE_TIMEOUT = "queue_timeout"  # queued, and the bounded wait ran out (controller only)
+
+    @property
+    def is_overload(self) -> bool:
+        """True for reasons that map to RESOURCE_EXHAUSTED (transient load)."""
+        return self not in _NOT_OVERLOAD
+
+
+_NOT_OVERLOAD = frozenset(
+    {
+        Reason.ADMITTED,
+        Reason.NO_LIVE_WORKER,
+        Reason.REQUEST_TOO_LARGE,
+        Reason.DEADLINE_UNREACHABLE,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer for one request against one snapshot."""
+
+    kind: DecisionKind
+    reason: Reason
+    message: str
+    """One human sentence naming the limit and the numbers, fit for a gRPC status message."""
+    retry_after_ms: float | None = None
+    """REJECT only: when retrying may succeed; None when it will not."""
+    max_wait_ms: float = 0.0
+    """QUEUE only: longest the request may wait before it is rejected."""
+    reserve_blocks: int = 0
+    """Decode KV blocks to reserve on admission (prompt + max_tokens, worst case)."""
+    estimated_ttft_ms: float = 0.0
+    """Estimated TTFT on the best prefill worker (0 when prefilled locally)."""
+    local_prefill: bool = False
+    """The uncached prompt is short enough for the decode worker to prefill it itself."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Ticket of an admitted request; hand `request_id` back to `AdmissionController.release`."""
+
+    request_id: str
+    reserved_blocks: int
+    charged_tokens: int
+    """Tokens charged to the tenant's rate limit."""
+    local_prefill: bool
+    estimated_ttft_ms: float
+    queued_ms: float
+    """Time spent in the admission queue (0 when admitted at once)."""
+
+
+class AdmissionRejected(Exception):
+    """The request was not admitted: the policy rejected it, or its bounded wait ran out."""
+
+    def __init__(self, retry_after_ms: float | None, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+        self.reason = reason
+        self.message = message
+
+    def __repr__(self) -> str:
+        return (
+            f"AdmissionRejected(retry_after_ms={self.retry_after_ms!r}, "
+            f"reason={self.reason}, message={self.message!r})"
+        )
+
+
+class DuplicateRequestId(ValueError):
+    """A request id is already admitted or queued in this controller."""

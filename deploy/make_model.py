@@ -1,0 +1,343 @@
+"""`pdserve make-model`: write a Llama-architecture checkpoint in Hugging Face format.
+
+Two presets:
+- `tiny` (the embedded default and the tests' model): ~1M parameters, a byte-level BPE
+  tokenizer trained offline on deploy/data/corpus.txt, and a few seconds of training on that
+  text, so the demo prints text-like output. After training the final norm is scaled up
+  (`sharpen`), which multiplies every logit by the same factor: greedy choices are unchanged
+  but their margins grow, so token-exact agreement checks against transformers test the engine,
+  not float rounding luck.
+- `llama3-8b`: Llama-3-8B shapes with random weights (bf16 by default, no training) for GPU
+  benchmarks; written in ~5 GB shards with an index.
+
+Output is deterministic for a given seed on a given machine (training runs single-threaded).
+Everything is built locally; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+TINY_FORMAT_VERSION = 1  # bump when the tiny model's recipe changes (invalidates caches)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape and recipe of a generated checkpoint (every field is a make-model option)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    llama3_rope: bool = False
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    tokenizer_vocab: int = 512  # BPE vocabulary trained on the corpus (<= vocab_size)
+    train_steps: int = 0
+    sharpen: float = 1.0
+    init_std: float = 0.02
+
+
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=4096,
+        train_steps=150,
+        sharpen=4.0,
+    ),
+    "llama3-8b": ModelShape(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        llama3_rope=True,
+        dtype="bfloat16",
+    ),
+}
+
+
+def build_tokenizer(vocab_size: int, max_length: int) -> tuple[object, dict[str, object]]:
+    """A byte-level BPE tokenizer trained on the bundled corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS.read_text()], trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    return tok, tokenizer_config
+
+
+def hf_config(shape: ModelShape, bos_id: int, eos_id: int) -> dict[str, object]:
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.llama3_rope:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": shape.rope_theta,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.hidden_size // shape.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": rope,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": rope if shape.llama3_rope else None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "dtype": shape.dtype,
+        "use_cache": True,
+    }
+
+
+def random_tensors(
+    cfg_dict: dict[str, object], shape: ModelShape, seed: int, device: str
+) -> dict[str, torch.Tensor]:
+    """Random weights under HF names: normal(0, init_std) matrices, unit norms."""
+    from engine.model_config import ModelConfig
+    from engine.weights import expected_tensor_names
+
+    cfg = ModelConfig.from_dict(cfg_dict)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    shapes = _hf_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name in expected_tensor_names(cfg):
+        s = shapes(name)
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(s, dtype=dtype)
+        else:
+            t = torch.empty(s, dtype=torch.float32, device=device)
+            t.normal_(0.0, shape.init_std, generator=gen)
+            out[name] = t.to(dtype).cpu()
+    return out
+
+
+def _hf_shapes(cfg: object):  # type: ignore[no-untyped-def]
+    from engine.model_config import ModelConfig
+
+    assert isinstance(cfg, ModelConfig)
+    h, q, kv, inter, v = (
+        cfg.hidden_size,
+        cfg.q_size,
+        cfg.kv_size,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    table = {
+        "q_proj.weight": (q, h),
+        "k_proj.weight": (kv, h),
+        "v_proj.weight": (kv, h),
+        "o_proj.weight": (h, q),
+        "gate_proj.weight": (inter, h),
+        "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
+        "layernorm.weight": (h,),
+    }
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (v, h)
+        if name == "model.norm.weight":
+            return (h,)
+        for suffix, s in table.items():
+            if name.endswith(suffix):
+                return s
+        raise KeyError(name)
+
+    return shape_of
+
+
+def train_tiny(
+    tensors: dict[str, torch.Tensor],
+    cfg_dict: dict[str, object],
+    token_stream: list[int],
+    shape: ModelShape,
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    """A few seconds of next-token training on the corpus; returns HF-named tensors."""
+    from engine.model import LlamaModel, causal_attend
+    from engine.model_config import ModelConfig
+    from engine.weights import hf_state_dict, load_weights
+
+    cfg = ModelConfig.from_dict(cfg_dict)
+    model = LlamaModel(cfg, dtype=torch.float32)
+    load_weights(model, iter(tensors.items()))
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    data = torch.tensor(token_stream, dtype=torch.long)
+    batch, seq = 8, 64
+    gen = torch.Generator().manual_seed(seed + 1)
+    attend = causal_attend(batch, seq, cfg.num_heads, cfg.num_kv_heads)
+    positions = torch.arange(seq).repeat(batch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic bytes for a given seed
+    try:
+        for step in range(shape.train_steps):
+            starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+            window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+            inputs, targets = window[:, :-1].reshape(-1), window[:, 1:].reshape(-1)
+            hidden = model(inputs, positions, attend)
+            loss = torch.nn.functional.cross_entropy(model.compute_logits(hidden), targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            lr = 3e-3 * min(1.0, (step + 1) / 20) * (1 - step / shape.train_steps) + 1e-4
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    out = hf_state_dict(model)
+    out["model.norm.weight"] = out["model.norm.weight"] * shape.sharpen
+    return out
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> None:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if total <= shard_bytes:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if size and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_model(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    device: str = "cpu",
+    shard_bytes: int = 5 << 30,
+    **overrides: object,
+) -> Path:
+    """Write a checkpoint folder (config.json, safetensors, tokenizer files) and return it.
+
+    `overrides` replace fields of the preset's ModelShape (e.g. num_layers=2, dtype="bfloat16").
+    The folder is written under a temporary name and renamed into place, so concurrent
+    writers never see a half-written checkpoint.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    shape = replace(PRESETS[preset], **overrides)  # type: ignore[arg-type]
+    if shape.hidden_size % shape.num_heads or shape.num_heads % shape.num_kv_heads:
+        raise ValueError("hidden_size must divide by heads, and heads by kv heads")
+    out = Path(out_dir)
+    tok, tok_cfg = build_tokenizer(
+        min(shape.tokenizer_vocab, shape.vocab_size), shape.max_position_embeddings
+    )
+    bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)  # type: ignore[attr-defined]
+    cfg_dict = hf_config(shape, bos_id, eos_id)
+    tensors = random_tensors(cfg_dict, shape, seed, device)
+    if shape.train_steps > 0:
+        stream: list[int] = []
+        for para in CORPUS.read_text().split("\n\n"):
+            stream += [*tok.encode(para.strip()).ids, eos_id]  # type: ignore[attr-defined]
+        tensors = train_tiny(tensors, cfg_dict, stream, shape, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        _save_shards(tensors, tmp, shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2)
+        )
+        tok.save(str(tmp / "tokenizer.json"))  # type: ignore[attr-defined]
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+        special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+        (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+        (tmp / "pdserve_recipe.json").write_text(
+            json.dumps({"preset": preset, "seed": seed, **asdict(shape)}, indent=2)
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def cache_dir() -> Path:
+    """pdserve's cache folder: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def cached_tiny_model(seed: int = 0) -> Path:
+    """The tiny model in the cache folder, written on first use."""
+    path = cache_dir() / "models" / f"tiny-v{TINY_FORMAT_VERSION}-seed{seed}"
+    if not (path / "config.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_model(path, preset="tiny", seed=seed)
+    return path

@@ -1,0 +1,187 @@
+"""Llama-family decoder written with torch: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+The model computes over a flat list of tokens (`[num_tokens]` ids and positions) from any mix
+of sequences; how those tokens attend to each other and to cached KV is delegated to an
+`Attend` callable per layer (an attention backend, or plain causal attention for training),
+so the same weights serve prefill, decode, chunked prefill and training. q/k/v and gate/up are
+fused into one matmul each; the loader (engine/weights.py) fills the fused parameters from
+Hugging Face tensor names.
+
+Numerics follow transformers (RMSNorm in float32, rotate-half RoPE with cos/sin in float32
+cast to the activation dtype), so float32 greedy decoding is token-identical to it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig, RopeConfig
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]."""
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param((dim,), dtype, device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies, with linear or llama3 scaling applied (float32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE with a cos/sin table for every position up to the context length."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = _param((q + 2 * kv, h), dtype, device)
+        self.qkv_bias = _param((q + 2 * kv,), dtype, device) if cfg.attention_bias else None
+        self.o_proj = _param((h, q), dtype, device)
+        self.o_bias = _param((h,), dtype, device) if cfg.o_proj_bias else None
+        if cfg.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.gate_up_proj = _param((2 * cfg.intermediate_size, h), dtype, device)
+        self.down_proj = _param((h, cfg.intermediate_size), dtype, device)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        attend: Attend,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = F.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        attn = attend(layer, q, k, v).reshape(t, cfg.q_size)
+        x = x + F.linear(attn, self.o_proj, self.o_bias)
+        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family decoder over a flat batch of tokens; weights via engine.weights."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        )
+        self.rotary = Rotary(cfg, device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] (before the final norm) for flat `input_ids` [T]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, positions, self.rotary, attend)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for hidden states [N, hidden] (final norm applied here)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(hidden), head).float()
+
+
+def causal_attend(batch: int, seq_len: int, num_heads: int, num_kv_heads: int) -> Attend:
+    """Attention for dense [batch, seq_len] inputs with no KV cache (training, references)."""
+    group = num_heads // num_kv_heads
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        del layer
+        d = q.shape[-1]
+        qb = q.reshape(batch, seq_len, num_heads, d).transpose(1, 2)
+        kb = k.reshape(batch, seq_len, num_kv_heads, d).transpose(1, 2)
+        vb = v.reshape(batch, seq_len, num_kv_heads, d).transpose(1, 2)
+        if group > 1:
+            kb = kb.repeat_interleave(group, dim=1)
+            vb = vb.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        return out.transpose(1, 2).reshape(batch * seq_len, num_heads, d)
+
+    return attend
