@@ -1,0 +1,58 @@
+"""What the scheduler hands the model runner for one step.
+
+The scheduler decides, the runner computes: a `ScheduledBatch` says, per sequence, which
+tokens get their KV computed this step, where they sit (start position) and which blocks hold
+the sequence (its block table), and whether the last token's logits are needed for sampling.
+The runner never allocates or frees blocks; the scheduler never touches tensors.
+
+Slot of the token at position p of a sequence: block_ids[p // block_size] * block_size
++ p % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """Tokens whose KV is computed now (a prompt chunk, or the one newest token of a decode)."""
+    start_pos: int
+    """Position of token_ids[0]; positions [0, start_pos) are already in the KV cache."""
+    block_ids: tuple[int, ...]
+    """The sequence's block table; covers at least start_pos + len(token_ids) tokens."""
+    sample: bool
+    """Return logits for the last token of this chunk (false for non-final prompt chunks)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the last token of the chunk (cached + new)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step: prefill chunks first, then single-token decodes."""
+
+    chunks: tuple[SeqChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for c in self.chunks if c.sample)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every chunk is one token with cached context (eligible for CUDA-graph replay)."""
+        return all(c.num_tokens == 1 for c in self.chunks)

@@ -1,0 +1,61 @@
+"""Engine configuration: one frozen dataclass, each field documented (it becomes CLI help)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class EngineMode(enum.Enum):
+    """What an engine instance does with a request.
+
+    PREFILL_ONLY: compute the prompt, sample the first token, stop, and keep the blocks (the
+        worker hands them off to a decode worker and frees them when the lease ends).
+    DECODE_ONLY: sequences arrive with their prompt KV already in the cache (pulled from a
+        prefill worker) plus the first token, and are decoded to completion.
+    COLOCATED: both, in one engine (chunked prefill mixed with decodes).
+    """
+
+    PREFILL_ONLY = "prefill_only"
+    DECODE_ONLY = "decode_only"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine (one worker's model, KV pool, scheduler and sampler)."""
+
+    model_dir: str
+    """Hugging Face checkpoint folder on local disk (config.json, *.safetensors, tokenizer)."""
+    model_id: str = ""
+    """Name that binds prefix-cache hashes and the transfer handshake; defaults to the folder name."""
+    mode: EngineMode = EngineMode.COLOCATED
+    """Prefill-only, decode-only or colocated (see EngineMode)."""
+    dtype: str = "auto"
+    """Weights/KV dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    block_size: int = 16
+    """Tokens per KV block (page)."""
+    num_kv_blocks: int = 0
+    """KV blocks in the pool; 0 = size from kv_cache_memory_fraction (GPU) or 4096 blocks (CPU)."""
+    kv_cache_memory_fraction: float = 0.85
+    """GPU: fraction of free memory (after weights and activations) given to the KV pool."""
+    max_num_seqs: int = 256
+    """Most sequences in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks that fit the step's token budget."""
+    enable_prefix_caching: bool = True
+    """Reuse cached full blocks of earlier prompts with the same hash chain."""
+    max_model_len: int = 0
+    """Longest prompt + output; 0 = the model's context length."""
+    attention_backend: str = "auto"
+    """auto (flashinfer on GPU when installed, else torch), torch, flashinfer."""
+    cuda_graphs: bool = True
+    """Capture decode steps in CUDA graphs (GPU only)."""
+    cuda_graph_max_batch: int = 256
+    """Largest decode batch captured in a CUDA graph."""
+    seed: int = 0
+    """Seed of the default sampling generator (requests may carry their own)."""
