@@ -1,0 +1,113 @@
+"""Placement: which prefill worker computes a prompt and which decode worker serves it.
+
+Pure functions over candidate snapshots (DESIGN.md, lifecycle step 4):
+
+    prefill cost = w * uncached_prompt_blocks + queued_prefill_tokens / block_size
+    decode cost  = active KV blocks + in-flight transfer blocks
+
+The decode worker is chosen first (least cost; ties go to the longer cached prefix, then to
+the id for determinism). Conditional disaggregation: when the part of the prompt the chosen
+decode worker has not cached is at most `local_prefill_threshold_tokens`, the decode worker
+prefills it itself and no transfer happens. Otherwise the prefill worker with the least cost
+is chosen, so a worker that already holds a long prefix wins unless it is much busier.
+With no live prefill worker the decode worker prefills locally (degraded, not failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    worker_id: str
+    cached_blocks: int
+    """Leading prompt blocks this worker holds (from the Redis prefix index)."""
+    queued_prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    worker_id: str
+    cached_blocks: int
+    active_kv_blocks: int
+    inflight_transfer_blocks: int
+    free_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    uncached_block_weight: float = 4.0
+    """w: the cost of one uncached prompt block relative to one block of queued prefill."""
+    local_prefill_threshold_tokens: int = 0
+    """Uncached prompt tokens at or below which the decode worker prefills locally (0: never)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode_worker_id: str
+    prefill_worker_id: str | None
+    """None when the decode worker prefills locally."""
+    cached_blocks: int
+    """Leading prompt blocks already cached where the prompt will be computed."""
+    uncached_tokens: int
+    """Prompt tokens that will be computed (the rest comes from a prefix cache)."""
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill_worker_id is None
+
+
+class NoWorkerError(Exception):
+    """No live worker of a role is available (maps to UNAVAILABLE)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no live {role} worker")
+        self.role = role
+
+
+def prefill_cost(c: PrefillCandidate, prompt_blocks: int, block_size: int, w: float) -> float:
+    uncached = max(prompt_blocks - c.cached_blocks, 0)
+    return w * uncached + c.queued_prefill_tokens / block_size
+
+
+def decode_cost(c: DecodeCandidate) -> float:
+    return float(c.active_kv_blocks + c.inflight_transfer_blocks)
+
+
+def place(
+    prompt_tokens: int,
+    block_size: int,
+    prefill: Sequence[PrefillCandidate],
+    decode: Sequence[DecodeCandidate],
+    config: PlacementConfig,
+    needed_decode_blocks: int = 0,
+) -> Placement:
+    """Choose workers for a prompt of `prompt_tokens` tokens.
+
+    Decode workers without `needed_decode_blocks` free blocks are skipped unless none has
+    them (admission has already reserved capacity; this only steers away from full workers).
+    Raises NoWorkerError when there is no decode candidate.
+    """
+    if not decode:
+        raise NoWorkerError("decode")
+    roomy = [d for d in decode if d.free_kv_blocks >= needed_decode_blocks] or list(decode)
+    dec = min(roomy, key=lambda d: (decode_cost(d), -d.cached_blocks, d.worker_id))
+    full_blocks = prompt_tokens // block_size
+    local_cached = min(dec.cached_blocks, full_blocks)
+    local_uncached = prompt_tokens - local_cached * block_size
+    if local_uncached <= config.local_prefill_threshold_tokens or not prefill:
+        # Short uncached remainder, or no live prefill worker: the decode worker prefills
+        # (its engine runs colocated-capable), so losing every prefill worker degrades
+        # throughput instead of failing requests.
+        return Placement(dec.worker_id, None, local_cached, local_uncached)
+    pre = min(
+        prefill,
+        key=lambda p: (
+            prefill_cost(p, full_blocks, block_size, config.uncached_block_weight),
+            p.worker_id,
+        ),
+    )
+    cached = min(pre.cached_blocks, full_blocks)
+    return Placement(dec.worker_id, pre.worker_id, cached, prompt_tokens - cached * block_size)
