@@ -23,7 +23,7 @@ class Reason(enum.Enum):
     """Why a decision was taken; for QUEUE and REJECT the first limit that blocked."""
 
     ADMITTED = "admitted"
-    NO_LIVE_WORKER = "no_live_worker"  # no live decode worker (or prefill, when one is needed)
+    NO_LIVE_WORKER = "no_live_worker"  # no live decode worker
     REQUEST_TOO_LARGE = "request_too_large"  # prompt + max_tokens exceed any worker's limit
     DEADLINE_UNREACHABLE = "deadline_unreachable"  # estimated TTFT is past the caller's deadline
     TENANT_RATE_LIMITED = "tenant_rate_limited"  # the tenant's token bucket is short
@@ -68,7 +68,8 @@ class Decision:
     estimated_ttft_ms: float = 0.0
     """Estimated TTFT on the best prefill worker (0 when prefilled locally)."""
     local_prefill: bool = False
-    """The uncached prompt is short enough for the decode worker to prefill it itself."""
+    """The decode worker will prefill: the uncached prompt is at most the local-prefill
+    threshold, or no prefill worker is live (degraded). A hint: placement decides per worker."""
 
 
 @dataclass(frozen=True)

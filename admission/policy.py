@@ -2,7 +2,7 @@
 
 Order of the checks (the first that fails names the reason):
 
-1. hard refusals, where waiting cannot help: no live worker of a needed role, a request larger
+1. hard refusals, where waiting cannot help: no live decode worker, a request larger
    than any decode worker may hold, a deadline the estimated TTFT already misses;
 2. the tenant's token-rate limit (rejected with the time until its bucket refills);
 3. overload: in-flight requests, decode KV (the controller's reservation budget and a worker with
@@ -74,9 +74,12 @@ def evaluate(
     limits = ScaledLimits.for_priority(thresholds, request.priority, tuning)
     block_size = snapshot.block_size
     need = request.kv_blocks(block_size)
-    local = request.uncached_prompt_tokens <= thresholds.local_prefill_threshold_tokens
     decode = snapshot.live_decode
     prefill = snapshot.live_prefill
+    # With no live prefill worker the decode worker prefills (degraded, not failed), as placement
+    # does; its TTFT is then unknown here and not checked.
+    local = request.uncached_prompt_tokens <= thresholds.local_prefill_threshold_tokens
+    local = local or not prefill
     estimated_ttft_ms = 0.0
 
     def reject(reason: Reason, message: str, retry_after_ms: float | None) -> Decision:
@@ -95,10 +98,6 @@ def evaluate(
     # 1. Hard refusals.
     if not decode:
         return reject(Reason.NO_LIVE_WORKER, "no live decode worker", tuning.default_retry_after_ms)
-    if not local and not prefill:
-        return reject(
-            Reason.NO_LIVE_WORKER, "no live prefill worker", tuning.default_retry_after_ms
-        )
     largest = max(math.floor(w.total_blocks * limits.max_kv_utilization) for w in decode)
     if need > largest:
         return reject(

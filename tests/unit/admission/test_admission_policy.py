@@ -68,10 +68,9 @@ def test_no_live_decode_worker_is_rejected_with_retry() -> None:
         assert "decode" in d.message
 
 
-def test_no_live_prefill_worker_is_rejected_when_prefill_is_needed() -> None:
+def test_no_live_prefill_worker_degrades_to_local_prefill() -> None:
     d = evaluate(make_request(), make_snapshot(prefills=(prefill(live=False),)), THRESHOLDS)
-    assert (d.kind, d.reason) == (REJECT, Reason.NO_LIVE_WORKER)
-    assert "prefill" in d.message
+    assert (d.kind, d.local_prefill, d.estimated_ttft_ms) == (ADMIT, True, 0.0)
 
 
 def test_request_larger_than_any_decode_worker_is_rejected_without_retry() -> None:
