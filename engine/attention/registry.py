@@ -1,0 +1,82 @@
+"""Attention backends by name, imported only when chosen (flashinfer is an optional GPU extra).
+
+`select_backend("auto", ...)` picks flashinfer on CUDA when it imports and supports the
+model's shape (head_dim 64/128/256, fp16/bf16), else the torch reference; an explicit name is
+honoured or fails with `BackendUnavailable` saying why.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from engine.attention.base import AttentionBackend, BackendUnavailable
+from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
+
+_BACKENDS: dict[str, str] = {
+    "torch": "engine.attention.torch_backend:TorchAttentionBackend",
+    "flashinfer": "engine.attention.flashinfer_backend:FlashInferBackend",
+}
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The backend class registered under `name` (imports its module)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose auto or {backend_names()}")
+    module, cls = _BACKENDS[name].split(":")
+    try:
+        found = getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise BackendUnavailable(f"attention backend {name!r} cannot be imported: {e}") from e
+    assert issubclass(found, AttentionBackend)
+    return found
+
+
+def flashinfer_unavailable_reason(
+    model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> str | None:
+    """Why flashinfer cannot serve this model here, or None when it can."""
+    if device.type != "cuda":
+        return f"flashinfer needs a CUDA device (got {device})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flashinfer attention runs in float16/bfloat16 (got {dtype})"
+    if model_cfg.head_dim not in FLASHINFER_HEAD_DIMS:
+        dims = FLASHINFER_HEAD_DIMS
+        return f"flashinfer supports head_dim {dims} (model has {model_cfg.head_dim})"
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as e:  # an optional extra: any import failure means "not here"
+        return f"flashinfer does not import: {e}"
+    return None
+
+
+def resolve_backend_name(
+    requested: str, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> str:
+    """The backend name to use for `requested` ("auto", "torch" or "flashinfer")."""
+    if requested == "auto":
+        reason = flashinfer_unavailable_reason(model_cfg, device, dtype)
+        return "flashinfer" if reason is None else "torch"
+    if requested == "flashinfer":
+        reason = flashinfer_unavailable_reason(model_cfg, device, dtype)
+        if reason is not None:
+            raise BackendUnavailable(reason)
+    if requested not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {requested!r}; choose auto or {backend_names()}"
+        )
+    return requested
+
+
+def create_backend(requested: str, model_cfg: ModelConfig, kv_cache: KVCache) -> AttentionBackend:
+    """Build the backend `requested` ("auto", "torch", "flashinfer") for this model and pool."""
+    name = resolve_backend_name(requested, model_cfg, kv_cache.device, kv_cache.tensor.dtype)
+    return backend_class(name)(model_cfg, kv_cache)

@@ -1,0 +1,171 @@
+"""Decode steps replayed from CUDA graphs, one graph per padded batch size.
+
+A decode-only step of n sequences replays the graph captured for the smallest size B >= n of
+(1, 2, 4, ..., max_batch). A graph reads its inputs from one fixed int32 device region
+
+    ids | positions | slot blocks | slot offsets | write rows | sample rows | pages
+
+(each of the first six `max_batch` long), filled per step by one host→device copy from a
+pinned mirror. Padding rows decode token 0 at position 0 over sequence 0's first page and
+write row 0's own k/v to row 0's slot (`StepInputs.write_rows`), so they change nothing that
+a real row does not. Before each replay the attention backend re-plans its graph-mode decode
+wrapper of size B (outside the graph, in place).
+
+Invariant: capture runs the model eagerly once per size to warm up, which writes into slot 0
+of block 0; capture before any sequence holds KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.attention.step import BatchLayout, StepInputs, build_layout
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.model import LlamaModel
+
+_NUM_ROW_FIELDS = 6  # ids, positions, slot blocks, slot offsets, write rows, sample rows
+
+
+def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to max_batch (max_batch itself included)."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return tuple(sizes)
+
+
+def pad_decode_layout(layout: BatchLayout, batch_size: int) -> tuple[BatchLayout, np.ndarray]:
+    """The layout padded to batch_size single-token sequences, and the write row of each."""
+    n, pad = layout.num_seqs, batch_size - layout.num_seqs
+
+    def cat(a: np.ndarray, fill: int | np.ndarray) -> np.ndarray:
+        out = np.concatenate([a, np.broadcast_to(np.asarray(fill, dtype=np.int32), (pad,))])
+        out.flags.writeable = False
+        return out
+
+    last_page = int(layout.kv_indptr[-1])
+    padded = replace(
+        layout,
+        input_ids=cat(layout.input_ids, 0),
+        positions=cat(layout.positions, 0),
+        slot_blocks=cat(layout.slot_blocks, layout.slot_blocks[0]),
+        slot_offsets=cat(layout.slot_offsets, layout.slot_offsets[0]),
+        qo_indptr=np.arange(batch_size + 1, dtype=np.int32),
+        kv_indptr=cat(layout.kv_indptr, np.arange(last_page + 1, last_page + pad + 1)),
+        kv_last_page_len=cat(layout.kv_last_page_len, 1),
+        kv_lens=cat(layout.kv_lens, 1),
+        start_pos=cat(layout.start_pos, 0),
+        page_indices=cat(layout.page_indices, layout.page_indices[0]),
+        num_prefill_seqs=0,
+    )
+    rows = np.concatenate([np.arange(n), np.zeros(pad, dtype=np.int64)]).astype(np.int32)
+    return padded, rows
+
+
+class DecodeGraphs:
+    """Captured decode steps of a model + attention backend (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend: AttentionBackend,
+        max_batch: int,
+        max_pages_per_seq: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.max_pages = self.max_batch * max_pages_per_seq
+        device = backend.kv_cache.device
+        region = _NUM_ROW_FIELDS * self.max_batch + self.max_pages
+        self._dev = torch.zeros(region, dtype=torch.int32, device=device)
+        self._host = torch.zeros(region, dtype=torch.int32, pin_memory=True)
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        backend.init_decode_graphs(self.max_batch, self.max_pages)
+
+    def batch_size_for(self, layout: BatchLayout) -> int | None:
+        """The captured size a decode-only layout replays at, or None (run it eagerly)."""
+        n = layout.num_seqs
+        if layout.num_tokens != n or n > self.max_batch:
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        if layout.num_pages + (size - n) > self.max_pages or size not in self._graphs:
+            return None
+        return size
+
+    def _stage(self, layout: BatchLayout, size: int) -> StepInputs:
+        padded, rows = pad_decode_layout(layout, size)
+        m = self.max_batch
+        fields = (
+            padded.input_ids,
+            padded.positions,
+            padded.slot_blocks,
+            padded.slot_offsets,
+            rows,
+            padded.sample_rows,
+        )
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host.numpy()
+        for i, arr in enumerate(fields):
+            host[i * m : i * m + arr.shape[0]] = arr
+        base, num_pages = _NUM_ROW_FIELDS * m, padded.num_pages
+        host[base : base + num_pages] = padded.page_indices
+        used = base + num_pages
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        d = self._dev
+        return StepInputs(
+            layout=padded,
+            input_ids=d[0:size],
+            positions=d[m : m + size],
+            slot_blocks=d[2 * m : 2 * m + size],
+            slot_offsets=d[3 * m : 3 * m + size],
+            write_rows=d[4 * m : 4 * m + size],
+            sample_rows=d[5 * m : 5 * m + padded.num_sampled],
+            page_indices=d[base : base + num_pages],
+        )
+
+    def _body(self, step: StepInputs) -> torch.Tensor:
+        hidden = self.model(step.input_ids, step.positions, self.backend.forward)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one shared memory pool."""
+        warm = ScheduledBatch(
+            (SeqChunk("cuda-graph-warmup", (0,), start_pos=0, block_ids=(0,), sample=True),)
+        )
+        layout = build_layout(warm, self.backend.block_size)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            step = self._stage(layout, size)
+            self.backend.prepare_decode_graph(step, size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body(step)  # JIT, lazily built buffers: never inside a capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self._body(step)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, layout: BatchLayout, size: int) -> torch.Tensor:
+        """Float32 logits of the sampled rows of a decode-only layout (replays graph `size`)."""
+        step = self._stage(layout, size)
+        self.backend.prepare_decode_graph(step, size)
+        self._graphs[size].replay()
+        logits = self._logits[size]
+        if layout.samples_every_row:
+            return logits[: layout.num_seqs].clone()
+        return logits.index_select(0, step.sample_rows)

@@ -1,0 +1,91 @@
+"""How many KV blocks a worker's pool gets.
+
+CPU: `EngineConfig.num_kv_blocks`, or 4096 blocks. GPU: the configured number, or
+kv_cache_memory_fraction * (free memory after the weights are loaded - the activation peak of
+the largest step), divided by the bytes of one block. The activation peak is measured by
+running the loaded model once on `max_num_batched_tokens` tokens (dense causal attention, no
+cache) plus logits for `max_num_seqs` rows; CUDA graphs and attention workspaces live in the
+remaining (1 - fraction) share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec, dtype_name
+from engine.model import LlamaModel, causal_attend
+from engine.model_config import ModelConfig
+
+CPU_DEFAULT_KV_BLOCKS = 4096
+
+
+def kv_cache_spec(
+    model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_blocks: int
+) -> KVCacheSpec:
+    """The pool spec of this model at this block size and dtype."""
+    return KVCacheSpec(
+        num_blocks=num_blocks,
+        num_layers=model_cfg.num_layers,
+        block_size=block_size,
+        num_kv_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim,
+        dtype=dtype_name(dtype),
+    )
+
+
+@torch.inference_mode()
+def profile_activation_peak(model: LlamaModel, num_tokens: int, num_logit_rows: int) -> int:
+    """Bytes a forward of num_tokens (one sequence) plus its logits adds on the GPU at peak."""
+    device = model.device
+    cfg = model.cfg
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device)
+    attend = causal_attend(1, num_tokens, cfg.num_heads, cfg.num_kv_heads)
+    hidden = model(ids, positions, attend)
+    model.compute_logits(hidden[:num_logit_rows])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del hidden
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def decide_num_kv_blocks(
+    config: EngineConfig,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    model: LlamaModel | None = None,
+) -> int:
+    """Number of KV blocks for the pool (see the module docstring).
+
+    On GPU without a configured number, `model` (already loaded on `device`) is required.
+    Raises ValueError when the memory left cannot hold one sequence of max_model_len tokens.
+    """
+    if config.num_kv_blocks > 0:
+        return config.num_kv_blocks
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BLOCKS
+    if model is None:
+        raise ValueError("sizing the KV pool on GPU needs the loaded model (to profile it)")
+    block_bytes = kv_cache_spec(model_cfg, config.block_size, dtype, 1).block_nbytes
+    tokens = config.max_num_batched_tokens
+    peak = profile_activation_peak(model, tokens, min(config.max_num_seqs, tokens))
+    free, _total = torch.cuda.mem_get_info(device)
+    budget = config.kv_cache_memory_fraction * (free - peak)
+    num_blocks = int(budget // block_bytes)
+    max_len = config.max_model_len or model_cfg.max_model_len
+    needed = -(-max_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV pool of {num_blocks} blocks ({budget / 2**30:.2f} GiB free for KV after "
+            f"weights and a {peak / 2**30:.2f} GiB activation peak) cannot hold one "
+            f"{max_len}-token sequence ({needed} blocks); lower max_model_len or "
+            "max_num_batched_tokens, or raise kv_cache_memory_fraction"
+        )
+    return num_blocks

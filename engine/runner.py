@@ -1,0 +1,103 @@
+"""The model runner: executes one `ScheduledBatch` and returns the logits to sample from.
+
+The runner owns tensors, never decisions: the scheduler says which tokens to compute and
+where their KV lives (block tables), the runner stages that on the device (one host→device
+copy per step), runs the model with the chosen attention backend (which writes the step's
+KV into the pool and attends over the cached context) and computes logits only for chunks
+with sample=True. Decode-only steps replay CUDA graphs on GPU when enabled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import StepStager, build_layout, create_backend
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.kv_cache import KVCache, torch_dtype
+from engine.model import LlamaModel
+
+
+def resolve_device(name: str) -> torch.device:
+    """EngineConfig.device → torch device ("auto": cuda when available, else cpu)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """EngineConfig.dtype → torch dtype ("auto": bfloat16 on GPU, float32 on CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch_dtype(name)
+
+
+class ModelRunner:
+    """Runs scheduled steps of one model over one KV pool.
+
+    Contract of `execute` (what the scheduler guarantees):
+    - every chunk has >= 1 token; positions [0, start_pos) of its sequence are in the pool;
+    - block_ids covers at least start_pos + num_tokens positions (slot of position p is
+      block_ids[p // block_size] * block_size + p % block_size);
+    - within a step no two chunks write the same slot, and no chunk writes a block another
+      sequence reads as a shared (prefix-cached) block;
+    - multi-token chunks come before single-token ones (any order is correct; this one lets
+      flashinfer run decodes with its decode kernel).
+    """
+
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, config: EngineConfig) -> None:
+        if kv_cache.spec.block_size != config.block_size:
+            raise ValueError(
+                f"KV cache block size {kv_cache.spec.block_size} != config {config.block_size}"
+            )
+        if kv_cache.tensor.dtype != model.dtype or kv_cache.device != model.device:
+            raise ValueError(
+                f"KV cache ({kv_cache.tensor.dtype}, {kv_cache.device}) does not match the "
+                f"model ({model.dtype}, {model.device})"
+            )
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.block_size = config.block_size
+        self.device = kv_cache.device
+        self.backend = create_backend(config.attention_backend, model.cfg, kv_cache)
+        self._stager = StepStager(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
+            max_len = config.max_model_len or model.cfg.max_model_len
+            max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+            pages = -(-max_len // self.block_size)
+            self.graphs = DecodeGraphs(model, self.backend, max_batch, pages)
+            self.graphs.capture()
+
+    @property
+    def attention_backend(self) -> str:
+        return self.backend.name
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Float32 logits [batch.num_sampled, vocab] of the sampled chunks, in batch order."""
+        if not batch.chunks:
+            return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
+        layout = build_layout(batch, self.block_size)
+        if self.graphs is not None and batch.is_decode_only:
+            size = self.graphs.batch_size_for(layout)
+            if size is not None:
+                return self.graphs.run(layout, size)
+        step = self._stager.stage(layout)
+        self.backend.prepare(step)
+        hidden = self.model(step.input_ids, step.positions, self.backend.forward)
+        if not layout.samples_every_row:
+            hidden = hidden.index_select(0, step.sample_rows)
+        return self.model.compute_logits(hidden)
+
+    def warmup(self, num_tokens: int = 256) -> None:
+        """Run one prompt chunk over blocks 0.. (compiles kernels); call before serving."""
+        bs = self.block_size
+        num_tokens = min(num_tokens, self.kv_cache.spec.num_blocks * bs)
+        blocks = tuple(range(-(-num_tokens // bs)))
+        chunk = SeqChunk("warmup", (0,) * num_tokens, 0, blocks, sample=True)
+        self.execute(ScheduledBatch((chunk,)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
