@@ -1,0 +1,97 @@
+"""How one request's tokens are chosen and when its generation stops (no torch: the router
+validates with it too).
+
+Defaults follow the public API (proto/pdserve/v1/serving.proto): temperature 1.0 (0 means
+greedy), top_p 1.0, top_k 0 (all tokens), min_p 0, no penalties, no seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message starts with the field's name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping settings of one request (validated on construction)."""
+
+    max_tokens: int = 16
+    """Tokens to generate, >= 1 (the first one comes from prefill)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability mass reaches top_p."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely token; 0 disables."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens seen in the prompt or output (divides positive logits,
+    multiplies negative ones, as in transformers); 1 disables."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence of a token in the output."""
+    seed: int | None = None
+    """Per-request seed: the same seed and inputs give the same tokens."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on the detokenized output; not included in the returned text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation; included in the returned token ids."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence tokens."""
+    logprobs: bool = False
+    """Return the log-probability of each chosen token (from the model's raw distribution)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingParamsError("top_k", f"must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise SamplingParamsError(name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise SamplingParamsError("seed", f"must be in [0, 2**64), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop", "stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "token ids must be >= 0")
+        # Accept lists from callers but store tuples (the dataclass stays hashable).
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 without stop strings)."""
+        return max((len(s) for s in self.stop), default=0)

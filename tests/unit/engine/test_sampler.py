@@ -1,0 +1,115 @@
+"""Sampler: greedy, filters, penalties, seeds and log-probs on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from engine.sampling_params import SamplingParams
+
+
+def row(
+    prompt: tuple[int, ...] = (),
+    output: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+    **params: object,
+) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), prompt, output, generator)  # type: ignore[arg-type]
+
+
+def logits_of(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_greedy_picks_the_argmax_per_row() -> None:
+    out = Sampler()(logits_of([0.0, 3.0, 1.0], [5.0, 0.0, 1.0]), [row(temperature=0.0)] * 2)
+    assert out.token_ids == (1, 0)
+    assert out.logprobs == (None, None)
+
+
+def test_logprobs_are_raw_log_softmax_of_the_chosen_token() -> None:
+    logits = logits_of([0.0, 3.0, 1.0])
+    out = Sampler()(logits, [row(temperature=0.0, logprobs=True, repetition_penalty=2.0)])
+    expected = torch.log_softmax(logits, dim=-1)[0, 1].item()
+    assert out.token_ids == (1,)
+    assert out.logprobs[0] is not None and math.isclose(out.logprobs[0], expected, rel_tol=1e-6)
+
+
+def test_top_k_one_is_greedy_even_at_high_temperature() -> None:
+    sampler = Sampler(seed=1)
+    logits = logits_of([0.0, 0.5, 0.4, 0.1])
+    for _ in range(20):
+        assert sampler(logits, [row(temperature=5.0, top_k=1)]).token_ids == (1,)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
+    # probs ~ [0.6, 0.3, 0.1]: top_p=0.7 keeps tokens 0 and 1 only.
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.7]))
+    assert torch.isinf(masked[0, 2]) and not torch.isinf(masked[0, :2]).any()
+    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isinf(masked[0, 1:]).all() and not torch.isinf(masked[0, 0])
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    sampler = Sampler(seed=3)
+    logits = torch.log(torch.tensor([[0.5, 0.45, 0.05]]))
+    seen = {sampler(logits, [row(min_p=0.2)]).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_seeded_rows_reproduce_regardless_of_batch_neighbours() -> None:
+    logits = torch.zeros((3, 50))
+    a = Sampler(seed=0)(logits, [row(generator=Sampler().make_generator(7))] * 1 + [row()] * 2)
+    b = Sampler(seed=99)(logits, [row(), row(), row(generator=Sampler().make_generator(7))])
+    assert a.token_ids[0] == b.token_ids[2]
+
+
+def test_seeded_sequence_is_reproducible_and_seeds_differ() -> None:
+    def draw(seed: int) -> list[int]:
+        sampler = Sampler()
+        g = sampler.make_generator(seed)
+        return [sampler(torch.zeros((1, 1000)), [row(generator=g)]).token_ids[0] for _ in range(5)]
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    sampler = Sampler(seed=0)
+    logits = torch.log(torch.tensor([[0.75, 0.25]])).repeat(4000, 1)
+    out = sampler(logits, [row()] * 4000)
+    share = sum(out.token_ids) / 4000
+    assert 0.22 < share < 0.28
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = logits_of([2.0, -2.0, 2.0, 1.0])
+    out = apply_penalties(logits.clone(), [row(prompt=(0,), output=(1,), repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -4.0, 2.0, 1.0]]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros((1, 4))
+    params = {"presence_penalty": 0.5, "frequency_penalty": 0.25}
+    out = apply_penalties(logits.clone(), [row(prompt=(3,), output=(1, 1, 2), **params)])
+    assert out.tolist() == [[0.0, -1.0, -0.75, 0.0]]
+
+
+def test_penalties_change_only_the_rows_that_ask() -> None:
+    logits = logits_of([2.0, 1.0], [2.0, 1.0])
+    out = Sampler()(
+        logits,
+        [
+            row(temperature=0.0, output=(0,), repetition_penalty=4.0),
+            row(temperature=0.0, output=(0,)),
+        ],
+    )
+    assert out.token_ids == (1, 0)
+
+
+def test_empty_batch() -> None:
+    out = Sampler()(torch.zeros((0, 8)), [])
+    assert (out.token_ids, out.logprobs) == ((), ())

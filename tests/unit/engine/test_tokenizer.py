@@ -1,0 +1,59 @@
+"""Tokenizer wrapper: encode like transformers, UTF-8-safe streaming detokenization."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_model_dir)
+
+
+def test_encode_adds_bos_like_the_post_processor(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Hello world")
+    assert ids[0] == 0  # <|begin_of_text|>
+    assert ids[1:] == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "Hello world"
+
+
+def test_encode_matches_transformers(tokenizer: Tokenizer, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    for text in ["Hello world", "héllo ✓ 日本語", "  two  spaces", ""]:
+        assert tokenizer.encode(text) == hf(text)["input_ids"]
+
+
+def test_eos_ids_and_vocab_come_from_the_checkpoint(tokenizer: Tokenizer) -> None:
+    assert tokenizer.eos_token_ids == (1,)
+    assert tokenizer.vocab_size == 512
+
+
+def test_detokenizer_holds_back_incomplete_characters(tokenizer: Tokenizer) -> None:
+    text = "é✓日"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = tokenizer.detokenizer(tokenizer.encode("context"))
+    deltas = [detok.push(t) for t in ids]
+    assert "".join(deltas) == text
+    assert all(d in ("", "é", "✓", "日") for d in deltas)  # never a partial character
+    assert deltas.count("") == len(ids) - 3
+
+
+def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
+    detok = tokenizer.detokenizer()
+    ids = tokenizer.encode("ab") + [1]  # BOS, a, b, EOS
+    assert [detok.push(t) for t in ids] == ["", "a", "b", ""]
+
+
+def test_module_imports_no_torch() -> None:
+    code = "import engine.tokenizer, engine.block_hash, engine.sampling_params, sys; "
+    code += "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
