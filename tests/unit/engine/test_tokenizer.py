@@ -48,7 +48,7 @@ def test_detokenizer_holds_back_incomplete_characters(tokenizer: Tokenizer) -> N
 
 def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
     detok = tokenizer.detokenizer()
-    ids = tokenizer.encode("ab") + [1]  # BOS, a, b, EOS
+    ids = [*tokenizer.encode("ab"), 1]  # BOS, a, b, EOS
     assert [detok.push(t) for t in ids] == ["", "a", "b", ""]
 
 
