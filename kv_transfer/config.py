@@ -1,0 +1,98 @@
+"""Configuration of the kv_transfer package (one frozen dataclass, with two nested parts).
+
+Field docstrings are the CLI help; the defaults suit one machine with a few workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kv_transfer.backend import DescriptorMode
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """In-flight limits of one decode endpoint (what it is pulling at once)."""
+
+    max_inflight_blocks: int = 4096
+    """Blocks in flight over all peers."""
+    max_inflight_bytes: int = 8 << 30
+    """Bytes in flight over all peers."""
+    max_inflight_blocks_per_peer: int = 2048
+    """Blocks in flight from one prefill peer."""
+    max_inflight_bytes_per_peer: int = 4 << 30
+    """Bytes in flight from one prefill peer."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_inflight_blocks",
+            "max_inflight_bytes",
+            "max_inflight_blocks_per_peer",
+            "max_inflight_bytes_per_peer",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"BudgetConfig.{name} must be positive")
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    """The Redis prefix-cache index and the KV-event publisher."""
+
+    socket_timeout_s: float = 0.05
+    """Redis socket read/write timeout: a lookup never waits longer than about this."""
+    connect_timeout_s: float = 0.05
+    """Redis connect timeout."""
+    retry_after_s: float = 1.0
+    """After a failed lookup, answer `available=False` at once for this long."""
+    liveness_ttl_s: float = 5.0
+    """TTL of a worker's liveness key; a worker silent for longer is treated as dead."""
+    heartbeat_interval_s: float = 1.0
+    """How often the publisher refreshes the liveness key (also detects a Redis restart)."""
+    flush_interval_s: float = 0.01
+    """The publisher batches events for at most this long before one pipelined write."""
+    max_pending_events: int = 100_000
+    """Pending events beyond this are dropped and replaced by a full resync."""
+    resync_chunk: int = 4096
+    """Hashes per script call in a full resync (all chunks go in one MULTI/EXEC)."""
+    max_backoff_s: float = 2.0
+    """Longest wait between publisher retries while Redis is down."""
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Leases, deadlines, polling and budgets of the prefill and decode endpoints."""
+
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    lease_s: float = 10.0
+    """Initial lease of handed-off prefill blocks (extended by decode heartbeats)."""
+    lease_max_extension_s: float = 30.0
+    """A heartbeat extends a lease to at most now + this (prefill side)."""
+    reaper_interval_s: float = 0.1
+    """How often the prefill endpoint frees expired leases (a timer, not work-driven)."""
+    transfer_timeout_s: float = 10.0
+    """Default decode deadline (queue wait + transfer) when `submit` gives none."""
+    heartbeat_interval_s: float = 1.0
+    """How often the decode endpoint extends the leases of its queued transfers."""
+    lease_extension_s: float = 10.0
+    """A decode heartbeat asks for the lease to last until now + this."""
+    lease_safety_margin_s: float = 0.5
+    """Decode does not start, and aborts, a read with less than this left on its lease."""
+    busy_poll_s: float = 0.0005
+    """Decode loop sleep while reads are in flight."""
+    notif_poll_s: float = 0.005
+    """Prefill loop sleep while leases are held (completion notices arrive)."""
+    idle_tick_s: float = 0.05
+    """Loop sleep with nothing in flight (deadline and lease timers still run)."""
+    call_timeout_s: float = 30.0
+    """Longest wait for the transfer thread (agent creation, memory registration, handshake)."""
+    descriptor_mode: DescriptorMode = DescriptorMode.PREPPED
+    """How read descriptors are built (see kv_transfer/nixl_backend.py for the measurement)."""
+    capture_telemetry: bool = False
+    """Ask NIXL for per-transfer telemetry (posted descriptor counts) in outcomes."""
+
+    def __post_init__(self) -> None:
+        if self.lease_safety_margin_s >= self.lease_s:
+            raise ValueError("lease_safety_margin_s must be smaller than lease_s")
+        if self.heartbeat_interval_s >= self.lease_extension_s:
+            raise ValueError("heartbeat_interval_s must be smaller than lease_extension_s")

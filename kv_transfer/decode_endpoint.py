@@ -1,0 +1,226 @@
+"""Decode side of the KV hand-off: pull the blocks a `KVHandle` names into local blocks.
+
+A decode worker's view of one request:
+
+1. it receives a `KVHandle` (from the router) and, if the handle's agent is new, the prefill
+   worker's `HandshakeInfo`, which it passes to `add_peer` (refused with `HandshakeError` when
+   protocol or KV layout differ);
+2. it allocates destination blocks (reusing the leading blocks it already caches) and calls
+   `submit`, which returns the `TransferPlan` at once; if `submit` raises, nothing happened
+   and the worker still owns its blocks;
+3. exactly one outcome follows, on the endpoint's thread: `on_done(outcome)` when the bytes
+   are in place, or `on_failed(outcome)` (FAILED or EXPIRED, with a typed `TransferError`)
+   when the destination blocks are free to reuse. Every transfer has a deadline (default
+   `transfer_timeout_s`), so an outcome always comes.
+
+Callbacks run on the transfer thread: they must be quick and must not wait on the endpoint
+(route them into the engine thread). `load()`, `stats()` and `has_peer()` read snapshots and
+never block. Every NIXL call happens on the endpoint's own thread (`AgentLoop`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from engine.kv_cache import KVCache
+from kv_transfer.agent_loop import AgentLoop
+from kv_transfer.backend import BackendFactory, TransferBackend
+from kv_transfer.budget import Candidate
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.errors import HandshakeError, TransferError, UnknownPeer
+from kv_transfer.manager import OutcomeCallback, TransferManager, TransferState
+from kv_transfer.metrics import TransferStats
+from kv_transfer.plan import plan_transfer
+from kv_transfer.protocol import HandshakeInfo, check_handshake, new_agent_name
+from kv_transfer.types import KVHandle, TransferLoad, TransferPlan, compat_fields, compat_hash
+
+
+def _default_factory() -> BackendFactory:
+    from kv_transfer.nixl_backend import nixl_backend_factory
+
+    return nixl_backend_factory
+
+
+class DecodeEndpoint:
+    """Pulls KV blocks from prefill peers under an in-flight budget (see module docstring)."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        model_id: str,
+        worker_id: str,
+        on_done: OutcomeCallback,
+        on_failed: OutcomeCallback,
+        config: KVTransferConfig | None = None,
+        backend_factory: BackendFactory | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cache = cache
+        self.worker_id = worker_id
+        self.config = config or KVTransferConfig()
+        self.compat_hash = compat_hash(cache.spec, model_id)
+        self.compat_fields = compat_fields(cache.spec, model_id)
+        self.agent_name = new_agent_name(worker_id, "decode")
+        self._factory = backend_factory or _default_factory()
+        self._on_done = on_done
+        self._on_failed = on_failed
+        self._clock = clock
+        self._backend: TransferBackend | None = None
+        self._manager: TransferManager | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[str, Candidate] = {}  # submitted, not yet seen by the loop
+        self._peers: frozenset[str] = frozenset()
+        self._load = TransferLoad(
+            max_inflight_blocks=self.config.budget.max_inflight_blocks,
+            max_inflight_bytes=self.config.budget.max_inflight_bytes,
+        )
+        self._stats = TransferStats()
+        self._loop = AgentLoop(f"kv-decode-{worker_id}", self._tick, self.config.idle_tick_s)
+
+    def start(self) -> None:
+        """Create the agent and register the KV pool (on the transfer thread)."""
+        self._loop.start(self._setup, self.config.call_timeout_s)
+
+    def _setup(self) -> None:
+        self._backend = self._factory(self.agent_name, self.cache, self.config)
+        self._manager = TransferManager(
+            self._backend,
+            self.config,
+            self.compat_hash,
+            self._on_done,
+            self._on_failed,
+            self._clock,
+        )
+
+    # ---- peers ----------------------------------------------------------------------------
+
+    def add_peer(self, info: HandshakeInfo) -> None:
+        """Accept a prefill peer's handshake (idempotent). Raises `HandshakeError`."""
+        check_handshake(info, self.compat_hash, self.compat_fields, self.cache.spec.block_nbytes)
+
+        def run() -> None:
+            assert self._backend is not None and self._manager is not None
+            self._backend.add_peer(info.agent_name, info.agent_metadata, info.region)
+            self._manager.add_peer(info.agent_name)
+            self._publish()
+
+        self._loop.call(run, self.config.call_timeout_s)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    # ---- transfers ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        handle: KVHandle,
+        local_block_ids: Sequence[int],
+        num_reused: int = 0,
+        deadline: float | None = None,
+    ) -> TransferPlan:
+        """Pull `handle.block_ids[num_reused:]` into `local_block_ids` by `deadline`.
+
+        Raises (and changes nothing) for a bad plan, an incompatible handle or an unknown
+        peer; otherwise exactly one of `on_done` / `on_failed` follows.
+        """
+        plan = plan_transfer(handle, local_block_ids, self.cache.spec.block_nbytes, num_reused)
+        if plan.local_block_ids and max(plan.local_block_ids) >= self.cache.spec.num_blocks:
+            raise ValueError(f"request {handle.request_id}: destination block outside the pool")
+        if handle.compat_hash != self.compat_hash:
+            raise HandshakeError(
+                f"request {handle.request_id}: KV compat hash {handle.compat_hash} "
+                f"differs from this worker's {self.compat_hash}"
+            )
+        if handle.agent_name not in self._peers:
+            raise UnknownPeer(f"request {handle.request_id}: no handshake with {handle.agent_name}")
+        rid = handle.request_id
+        with self._lock:
+            if rid in self._pending:
+                raise ValueError(f"request {rid} is already submitted")
+            self._pending[rid] = Candidate(rid, plan.peer, plan.num_blocks, plan.nbytes)
+
+        def run() -> None:
+            assert self._manager is not None
+            with self._lock:
+                self._pending.pop(rid, None)
+            self._manager.submit(handle, plan, deadline)
+
+        try:
+            self._loop.post(run)
+        except TransferError:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise
+        return plan
+
+    def cancel(self, request_id: str) -> None:
+        """Fail the transfer with `TransferCancelled` (its outcome frees the blocks)."""
+
+        def run() -> None:
+            assert self._manager is not None
+            self._manager.cancel(request_id)
+
+        self._loop.post(run)
+
+    def state_of(self, request_id: str) -> TransferState | None:
+        """Current or recent final state (asks the transfer thread; for tests and debugging)."""
+        with self._lock:
+            if request_id in self._pending:
+                return TransferState.QUEUED
+        assert self._manager is not None
+        manager = self._manager
+        return self._loop.call(lambda: manager.state_of(request_id), self.config.call_timeout_s)
+
+    # ---- views ----------------------------------------------------------------------------
+
+    def load(self) -> TransferLoad:
+        """Transfer load for admission/placement: last snapshot plus not-yet-queued submits."""
+        with self._lock:
+            pending = list(self._pending.values())
+            load = self._load
+        if not pending:
+            return load
+        return TransferLoad(
+            in_flight_transfers=load.in_flight_transfers,
+            in_flight_blocks=load.in_flight_blocks,
+            in_flight_bytes=load.in_flight_bytes,
+            queued_transfers=load.queued_transfers + len(pending),
+            queued_blocks=load.queued_blocks + sum(c.num_blocks for c in pending),
+            queued_bytes=load.queued_bytes + sum(c.nbytes for c in pending),
+            max_inflight_blocks=load.max_inflight_blocks,
+            max_inflight_bytes=load.max_inflight_bytes,
+            per_peer=load.per_peer,
+        )
+
+    def stats(self) -> TransferStats:
+        return self._stats
+
+    # ---- loop -----------------------------------------------------------------------------
+
+    def _tick(self) -> float:
+        if self._manager is None:
+            return self.config.idle_tick_s
+        delay = self._manager.step()
+        self._publish()
+        return delay
+
+    def _publish(self) -> None:
+        assert self._manager is not None
+        load, stats = self._manager.load(), self._manager.stats()
+        with self._lock:
+            self._load, self._stats = load, stats
+            self._peers = frozenset(self._manager.peers)
+
+    def close(self) -> None:
+        """Cancel every transfer (outcomes still arrive), then free the agent."""
+
+        def teardown() -> None:
+            if self._manager is not None:
+                self._manager.close()
+                self._publish()
+            if self._backend is not None:
+                self._backend.close()
+
+        self._loop.stop(teardown, self.config.call_timeout_s)

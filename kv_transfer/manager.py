@@ -1,0 +1,410 @@
+"""The decode-side transfer manager: one state machine per pulled `KVHandle`.
+
+Lifecycle of a transfer (`TransferState`):
+
+    QUEUED ──(budget admits)──► TRANSFERRING ──(backend DONE)──► DONE
+    QUEUED ──(deadline passed)──► EXPIRED (TransferTimeout)
+    QUEUED ──(lease has less than the safety margin left)──► EXPIRED (LeaseExpired)
+    QUEUED ──(cancel, peer lost)──► FAILED
+    TRANSFERRING ──(deadline, lease margin; read aborted)──► EXPIRED
+    TRANSFERRING ──(start or poll error, peer lost, cancel)──► FAILED
+
+Each transfer reaches exactly one terminal state and produces exactly one `TransferOutcome`:
+`on_done` for DONE, `on_failed` for FAILED/EXPIRED. `on_failed` hands the destination blocks
+back to the worker: it is called only once the backend promised not to write into them (an
+in-flight read is aborted first; if the backend cannot abort yet, the outcome waits until it
+can). Anything that happens to a finished transfer later (a late completion, a second cancel)
+is ignored. After DONE the read's own notification tells the prefill side to release its
+lease; after FAILED/EXPIRED an `abort` notice does (best effort: the lease expires anyway).
+
+While queued, transfers are kept alive on the prefill side by heartbeats (one notice per peer
+every `heartbeat_interval_s`). Not thread-safe: one thread (the endpoint's loop) calls
+everything, with `step()` driving time. The clock is injectable for tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kv_transfer.backend import TransferBackend, XferId, XferStatus
+from kv_transfer.budget import Candidate, InFlightBudget
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.errors import (
+    BackendError,
+    HandshakeError,
+    LeaseExpired,
+    PeerLost,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+    UnknownPeer,
+)
+from kv_transfer.metrics import TransferMetrics, TransferStats
+from kv_transfer.protocol import encode_abort, encode_done, encode_heartbeats
+from kv_transfer.types import KVHandle, TransferLoad, TransferPlan
+
+log = logging.getLogger(__name__)
+
+_HISTORY = 4096  # finished request ids remembered for state_of()
+
+
+class TransferState(enum.Enum):
+    QUEUED = "queued"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED, TransferState.EXPIRED)
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    """How one transfer ended. On FAILED/EXPIRED, `plan.local_block_ids` are free to reuse."""
+
+    request_id: str
+    state: TransferState
+    plan: TransferPlan
+    error: TransferError | None
+    queue_wait_s: float
+    transfer_s: float
+    posted_descriptors: int | None = None  # from backend telemetry, when enabled
+
+    @property
+    def gbps(self) -> float:
+        if self.transfer_s <= 0:
+            return 0.0
+        return self.plan.nbytes / self.transfer_s / 1e9
+
+
+OutcomeCallback = Callable[[TransferOutcome], None]
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Transfer:
+    handle: KVHandle
+    plan: TransferPlan
+    candidate: Candidate
+    deadline: float
+    lease_deadline: float  # what this side believes (raised by each heartbeat it sent)
+    submitted_at: float
+    state: TransferState = TransferState.QUEUED
+    started_at: float = 0.0
+    xfer: XferId | None = None
+    deferred: bool = False
+    abort_result: tuple[TransferState, TransferError] | None = None  # abort not confirmed yet
+
+
+class TransferManager:
+    """Queues, budgets, starts, polls and times out the reads of one decode endpoint."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        config: KVTransferConfig,
+        compat_hash: str,
+        on_done: OutcomeCallback,
+        on_failed: OutcomeCallback,
+        clock: Clock,
+    ) -> None:
+        self.backend = backend
+        self.config = config
+        self.compat_hash = compat_hash
+        self._on_done = on_done
+        self._on_failed = on_failed
+        self._clock = clock
+        self.budget = InFlightBudget(config.budget)
+        self.metrics = TransferMetrics()
+        self.peers: set[str] = set()
+        self._queued: dict[str, _Transfer] = {}  # insertion order is FCFS order
+        self._transferring: dict[str, _Transfer] = {}
+        self._finished: OrderedDict[str, TransferState] = OrderedDict()
+        self._next_heartbeat = clock() + config.heartbeat_interval_s
+
+    # ---- commands -------------------------------------------------------------------------
+
+    def add_peer(self, peer: str) -> None:
+        """Mark a peer usable (the caller has loaded its metadata into the backend)."""
+        self.peers.add(peer)
+
+    def submit(self, handle: KVHandle, plan: TransferPlan, deadline: float | None = None) -> None:
+        """Queue the pull of `plan`; a handle that cannot be pulled here fails at once."""
+        rid = handle.request_id
+        if handle.compat_hash != self.compat_hash:
+            msg = (
+                f"KV compat hash {handle.compat_hash} differs from this worker's {self.compat_hash}"
+            )
+            self._reject(plan, HandshakeError(f"request {rid}: {msg}"))
+            return
+        if handle.agent_name not in self.peers:
+            self._reject(plan, UnknownPeer(f"request {rid}: no handshake with {handle.agent_name}"))
+            return
+        if rid in self._queued or rid in self._transferring:
+            self._reject(plan, TransferError(f"request {rid} is already being transferred"))
+            return
+        now = self._clock()
+        t = _Transfer(
+            handle=handle,
+            plan=plan,
+            candidate=Candidate(rid, plan.peer, plan.num_blocks, plan.nbytes),
+            deadline=deadline if deadline is not None else now + self.config.transfer_timeout_s,
+            lease_deadline=handle.lease_deadline,
+            submitted_at=now,
+        )
+        self._finished.pop(rid, None)
+        if plan.num_blocks == 0:  # everything reused: nothing to read, release the lease
+            self._notify(plan.peer, encode_done(rid))
+            self._finish(t, TransferState.DONE, None)
+            return
+        self._queued[rid] = t
+
+    def cancel(self, request_id: str) -> bool:
+        """Fail a queued or in-flight transfer with `TransferCancelled`; False if not active."""
+        t = self._queued.get(request_id) or self._transferring.get(request_id)
+        if t is None or t.abort_result is not None:
+            return False
+        self._end(t, TransferState.FAILED, TransferCancelled(f"request {request_id} cancelled"))
+        return True
+
+    def peer_lost(self, peer: str, reason: str) -> None:
+        """Fail everything pulled from `peer` and forget it (a new handshake may re-add it)."""
+        self.peers.discard(peer)
+        for t in [*self._queued.values(), *self._transferring.values()]:
+            if t.plan.peer == peer and t.abort_result is None:
+                self._end(t, TransferState.FAILED, PeerLost(f"peer {peer} lost: {reason}"))
+        try:
+            self.backend.remove_peer(peer)
+        except BackendError as e:
+            log.warning("removing lost peer %s: %s", peer, e)
+
+    def close(self) -> None:
+        """Cancel everything (the endpoint is shutting down)."""
+        for t in [*self._queued.values(), *self._transferring.values()]:
+            if t.abort_result is None:
+                self._end(t, TransferState.FAILED, TransferCancelled("transfer endpoint closed"))
+
+    # ---- time -----------------------------------------------------------------------------
+
+    def step(self) -> float:
+        """Advance every transfer; returns how long the caller may sleep before the next step."""
+        self._poll_in_flight()
+        self._expire()
+        self._start_admitted()
+        self._heartbeat()
+        now = self._clock()
+        if self._transferring:
+            return self.config.busy_poll_s
+        wake = self._next_heartbeat if self._queued else now + self.config.idle_tick_s
+        for t in self._queued.values():
+            wake = min(wake, t.deadline, t.lease_deadline - self.config.lease_safety_margin_s)
+        return max(0.0, min(wake - now, self.config.idle_tick_s))
+
+    def _poll_in_flight(self) -> None:
+        for t in list(self._transferring.values()):
+            assert t.xfer is not None
+            if t.abort_result is not None:
+                self._retry_abort(t, first=False)
+                continue
+            try:
+                status = self.backend.poll(t.xfer)
+            except BackendError as e:
+                self._read_failed(t, e)
+                continue
+            if status is XferStatus.DONE:
+                posted = self.backend.descriptor_count(t.xfer)
+                self.backend.release(t.xfer)
+                self._finish(t, TransferState.DONE, None, posted)
+            elif status is XferStatus.FAILED:
+                self._read_failed(t, BackendError(f"read for {t.plan.request_id} failed"))
+
+    def _read_failed(self, t: _Transfer, e: BackendError) -> None:
+        assert t.xfer is not None
+        self.backend.release(t.xfer)
+        if e.peer_lost:
+            self._finish(t, TransferState.FAILED, PeerLost(f"peer {t.plan.peer} lost: {e}"))
+            self.peer_lost(t.plan.peer, str(e))
+        else:
+            self._finish(t, TransferState.FAILED, TransferError(str(e)))
+
+    def _expire(self) -> None:
+        now = self._clock()
+        margin = self.config.lease_safety_margin_s
+        for t in [*self._queued.values(), *self._transferring.values()]:
+            if t.abort_result is not None:
+                continue
+            rid = t.plan.request_id
+            if now >= t.deadline:
+                self._end(t, TransferState.EXPIRED, TransferTimeout(f"request {rid}: deadline"))
+            elif now >= t.lease_deadline - margin:
+                msg = f"request {rid}: prefill lease ends at {t.lease_deadline:.3f} (now {now:.3f})"
+                self._end(t, TransferState.EXPIRED, LeaseExpired(msg))
+
+    def _start_admitted(self) -> None:
+        if not self._queued:
+            return
+        for c in self.budget.select([t.candidate for t in self._queued.values()]):
+            t = self._queued.pop(c.request_id, None)
+            if t is None:  # failed meanwhile (its peer was lost by an earlier start)
+                continue
+            if self.budget.is_oversized(c):
+                self.metrics.oversized_requests += 1
+            self.budget.acquire(c)
+            t.state = TransferState.TRANSFERRING
+            t.started_at = self._clock()
+            self._transferring[c.request_id] = t
+            self.metrics.record_queue_wait(t.started_at - t.submitted_at)
+            try:
+                t.xfer = self.backend.start_read(t.plan, encode_done(c.request_id))
+            except BackendError as e:
+                self._finish(t, TransferState.FAILED, PeerLost(str(e)) if e.peer_lost else e)
+                if e.peer_lost:
+                    self.peer_lost(c.peer, str(e))
+        if self._queued:
+            self.metrics.budget_limited_passes += 1
+            for t in self._queued.values():
+                if not t.deferred:
+                    t.deferred = True
+                    self.metrics.deferred_requests += 1
+
+    def _heartbeat(self) -> None:
+        now = self._clock()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.config.heartbeat_interval_s
+        by_peer: dict[str, list[_Transfer]] = {}
+        for t in self._queued.values():
+            by_peer.setdefault(t.plan.peer, []).append(t)
+        deadline = now + self.config.lease_extension_s
+        for peer, transfers in by_peer.items():
+            try:
+                for msg in encode_heartbeats([t.plan.request_id for t in transfers], deadline):
+                    self.backend.send_notif(peer, msg)
+                    self.metrics.heartbeats_sent += 1
+            except BackendError as e:
+                if e.peer_lost:
+                    self.peer_lost(peer, str(e))
+                else:
+                    log.warning("heartbeat to %s failed: %s", peer, e)
+                continue
+            for t in transfers:
+                t.lease_deadline = max(t.lease_deadline, deadline)
+
+    # ---- endings --------------------------------------------------------------------------
+
+    def _end(self, t: _Transfer, state: TransferState, error: TransferError) -> None:
+        """End a transfer that has not finished: abort its read first if it is in flight."""
+        if t.state is TransferState.TRANSFERRING:
+            t.abort_result = (state, error)
+            self._retry_abort(t, first=True)
+        else:
+            self._finish(t, state, error)
+
+    def _retry_abort(self, t: _Transfer, first: bool) -> None:
+        assert t.xfer is not None and t.abort_result is not None
+        if self.backend.abort(t.xfer):
+            state, error = t.abort_result
+            self._finish(t, state, error)
+        elif first:
+            log.warning("read %s could not be aborted yet; its blocks stay held", t.plan.request_id)
+
+    def _finish(
+        self,
+        t: _Transfer,
+        state: TransferState,
+        error: TransferError | None,
+        posted_descriptors: int | None = None,
+    ) -> None:
+        rid = t.plan.request_id
+        self._queued.pop(rid, None)
+        if self._transferring.pop(rid, None) is not None:
+            self.budget.release(t.candidate)
+        now = self._clock()
+        started = t.started_at if t.started_at else now
+        outcome = TransferOutcome(
+            request_id=rid,
+            state=state,
+            plan=t.plan,
+            error=error,
+            queue_wait_s=started - t.submitted_at,
+            transfer_s=now - started if t.started_at else 0.0,
+            posted_descriptors=posted_descriptors,
+        )
+        t.state = state
+        self._finished[rid] = state
+        while len(self._finished) > _HISTORY:
+            self._finished.popitem(last=False)
+        if state is TransferState.DONE:
+            self.metrics.record_done(
+                t.plan.nbytes,
+                t.plan.num_blocks,
+                t.plan.num_reused,
+                t.plan.num_descriptors,
+                outcome.transfer_s,
+            )
+            callback = self._on_done
+        else:
+            if state is TransferState.FAILED:
+                self.metrics.transfers_failed += 1
+            else:
+                self.metrics.transfers_expired += 1
+            notify = t.plan.peer in self.peers and not isinstance(error, PeerLost)
+            if notify and self._notify(t.plan.peer, encode_abort(rid)):
+                self.metrics.abort_notices_sent += 1
+            callback = self._on_failed
+        try:
+            callback(outcome)
+        except Exception:
+            log.exception("transfer outcome callback failed for %s", rid)
+
+    def _reject(self, plan: TransferPlan, error: TransferError) -> None:
+        """Fail a submission that never entered the tables (its blocks are untouched)."""
+        self.metrics.transfers_failed += 1
+        outcome = TransferOutcome(plan.request_id, TransferState.FAILED, plan, error, 0.0, 0.0)
+        try:
+            self._on_failed(outcome)
+        except Exception:
+            log.exception("transfer outcome callback failed for %s", plan.request_id)
+
+    def _notify(self, peer: str, message: bytes) -> bool:
+        try:
+            self.backend.send_notif(peer, message)
+            return True
+        except BackendError as e:
+            log.warning("notice to %s failed: %s", peer, e)
+            return False
+
+    # ---- views ----------------------------------------------------------------------------
+
+    def state_of(self, request_id: str) -> TransferState | None:
+        """Current state, or the final one of a recently finished transfer, else None."""
+        t = self._queued.get(request_id) or self._transferring.get(request_id)
+        return t.state if t is not None else self._finished.get(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queued or self._transferring)
+
+    def load(self) -> TransferLoad:
+        queued = [t.candidate for t in self._queued.values()]
+        cfg = self.config.budget
+        return TransferLoad(
+            in_flight_transfers=self.budget.num_transfers,
+            in_flight_blocks=self.budget.num_blocks,
+            in_flight_bytes=self.budget.nbytes,
+            queued_transfers=len(queued),
+            queued_blocks=sum(c.num_blocks for c in queued),
+            queued_bytes=sum(c.nbytes for c in queued),
+            max_inflight_blocks=cfg.max_inflight_blocks,
+            max_inflight_bytes=cfg.max_inflight_bytes,
+            per_peer=self.budget.peer_loads(queued),
+        )
+
+    def stats(self) -> TransferStats:
+        return self.metrics.snapshot()

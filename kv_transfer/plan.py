@@ -1,0 +1,67 @@
+"""Turn a `KVHandle` and the decode worker's destination blocks into a `TransferPlan`.
+
+Coalescing: a descriptor covers a run of blocks whose ids are consecutive on both sides, so a
+request whose blocks were allocated contiguously on both workers moves in one descriptor (NIXL
+pays ~7 µs per descriptor; see engine/kv_cache.py for why a block is one contiguous region).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv_transfer.types import DescriptorRun, KVHandle, TransferPlan
+
+
+def coalesce_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> tuple[DescriptorRun, ...]:
+    """Group `remote_ids[i] -> local_ids[i]` into maximal runs adjacent on both sides."""
+    if len(remote_ids) != len(local_ids):
+        raise ValueError(f"{len(remote_ids)} remote ids but {len(local_ids)} local ids")
+    runs: list[DescriptorRun] = []
+    start = 0
+    for i in range(1, len(remote_ids) + 1):
+        if (
+            i == len(remote_ids)
+            or remote_ids[i] != remote_ids[i - 1] + 1
+            or local_ids[i] != local_ids[i - 1] + 1
+        ):
+            if i > start:
+                runs.append(DescriptorRun(remote_ids[start], local_ids[start], i - start))
+            start = i
+    return tuple(runs)
+
+
+def plan_transfer(
+    handle: KVHandle,
+    local_block_ids: Sequence[int],
+    block_nbytes: int,
+    num_reused: int = 0,
+) -> TransferPlan:
+    """Plan the pull of `handle.block_ids[num_reused:]` into `local_block_ids`.
+
+    `num_reused` leading blocks are already on the decode worker (found by hash); only full
+    blocks can be reused, so it may not exceed `len(handle.block_hashes)`.
+    """
+    if not 0 <= num_reused <= len(handle.block_hashes):
+        raise ValueError(
+            f"num_reused={num_reused} must be within 0..{len(handle.block_hashes)} (full blocks)"
+        )
+    remote = tuple(handle.block_ids[num_reused:])
+    local = tuple(int(b) for b in local_block_ids)
+    if len(local) != len(remote):
+        raise ValueError(
+            f"request {handle.request_id}: {len(remote)} blocks to pull "
+            f"but {len(local)} destination blocks"
+        )
+    if len(set(local)) != len(local):
+        raise ValueError(f"request {handle.request_id}: duplicate destination blocks")
+    if min(local, default=0) < 0:
+        raise ValueError(f"request {handle.request_id}: negative destination block id")
+    return TransferPlan(
+        request_id=handle.request_id,
+        peer=handle.agent_name,
+        remote_block_ids=remote,
+        local_block_ids=local,
+        num_reused=num_reused,
+        runs=coalesce_runs(remote, local),
+        block_nbytes=block_nbytes,
+    )

@@ -1,0 +1,176 @@
+"""Values that cross the kv_transfer boundary (frozen; safe to pickle through Ray).
+
+- `KVHandle`: what a prefill worker returns with the first token: where the prompt's KV lives,
+  for how long it is leased, and which layout it has.
+- `TransferPlan`: what a decode worker will pull for one handle (remote ids → local ids, after
+  skipping the blocks it reuses, coalesced into descriptor runs).
+- `PrefixMatch`: per live worker, how many leading blocks of a prompt it has cached.
+- `TransferLoad`: a decode endpoint's transfer load, for admission and placement.
+- `compat_hash`: the fingerprint of everything two pools must agree on to exchange blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
+from engine.kv_cache import KVCacheSpec
+
+
+def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
+    """The human-readable text that `compat_hash` hashes: `key=value` pairs joined by `;`.
+
+    The pool's `num_blocks` is not part of it: two workers may have pools of any size.
+    """
+    return ";".join(
+        [
+            f"model={model_id}",
+            f"dtype={spec.dtype}",
+            f"layout={spec.layout}",
+            f"block_size={spec.block_size}",
+            f"num_layers={spec.num_layers}",
+            f"num_kv_heads={spec.num_kv_heads}",
+            f"head_dim={spec.head_dim}",
+        ]
+    )
+
+
+def compat_hash(spec: KVCacheSpec, model_id: str) -> str:
+    """32 hex digits over model, dtype, layout, block size, layers, kv heads and head dim."""
+    return hashlib.sha256(compat_fields(spec, model_id).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """The KV of one prefilled prompt, held by a prefill worker under a lease.
+
+    `block_ids` covers every token (the last block may be partial); `block_hashes` covers the
+    full blocks only, so `len(block_hashes) <= len(block_ids)`. `lease_deadline` is wall-clock
+    (`time.time()`), because it crosses processes; heartbeats from the decode side move it on
+    the prefill side, so a decode endpoint treats it as a lower bound it keeps extending.
+    """
+
+    request_id: str
+    worker_id: str
+    agent_name: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    num_tokens: int
+    lease_deadline: float
+    compat_hash: str
+
+    def __post_init__(self) -> None:
+        if not self.block_ids:
+            raise ValueError("KVHandle needs at least one block")
+        if len(self.block_hashes) > len(self.block_ids):
+            raise ValueError(
+                f"KVHandle has {len(self.block_hashes)} hashes for {len(self.block_ids)} blocks"
+            )
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError("KVHandle block_ids contain duplicates")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class DescriptorRun:
+    """`num_blocks` consecutive blocks on both sides: one transfer descriptor."""
+
+    remote_start: int
+    local_start: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What a decode endpoint pulls for one handle.
+
+    `remote_block_ids[i]` is read into `local_block_ids[i]`; the first `num_reused` blocks of
+    the handle are not transferred (the decode worker already holds them). `runs` is the same
+    mapping coalesced into descriptors: adjacent ids on both sides share one descriptor.
+    """
+
+    request_id: str
+    peer: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    num_reused: int
+    runs: tuple[DescriptorRun, ...]
+    block_nbytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.remote_block_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.runs)
+
+
+@dataclass(frozen=True)
+class WorkerPrefix:
+    """One worker's cached prefix of a prompt: its first `num_blocks` blocks."""
+
+    worker_id: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Per live worker, the number of leading blocks of a hash chain it has cached.
+
+    `workers` holds only workers with at least one block, longest prefix first (ties by id).
+    `available` is False when the index could not be asked (Redis down): route on load alone.
+    """
+
+    chain_length: int
+    workers: tuple[WorkerPrefix, ...] = ()
+    available: bool = True
+
+    def blocks_cached(self, worker_id: str) -> int:
+        for w in self.workers:
+            if w.worker_id == worker_id:
+                return w.num_blocks
+        return 0
+
+    def best(self) -> WorkerPrefix | None:
+        return self.workers[0] if self.workers else None
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    """Transfer load towards one prefill peer (agent name)."""
+
+    peer: str
+    in_flight_transfers: int
+    in_flight_blocks: int
+    in_flight_bytes: int
+    queued_transfers: int
+    queued_blocks: int
+
+
+@dataclass(frozen=True)
+class TransferLoad:
+    """A decode endpoint's transfer load and budget, for admission and placement."""
+
+    in_flight_transfers: int = 0
+    in_flight_blocks: int = 0
+    in_flight_bytes: int = 0
+    queued_transfers: int = 0
+    queued_blocks: int = 0
+    queued_bytes: int = 0
+    max_inflight_blocks: int = 0
+    max_inflight_bytes: int = 0
+    per_peer: tuple[PeerLoad, ...] = ()
+
+    @property
+    def pending_blocks(self) -> int:
+        """Blocks this endpoint still has to pull (queued + in flight)."""
+        return self.in_flight_blocks + self.queued_blocks
