@@ -48,8 +48,6 @@ class PrefixIndexConfig:
     """TTL of a worker's liveness key; a worker silent for longer is treated as dead."""
     heartbeat_interval_s: float = 1.0
     """How often the publisher refreshes the liveness key (also detects a Redis restart)."""
-    flush_interval_s: float = 0.01
-    """The publisher batches events for at most this long before one pipelined write."""
     max_pending_events: int = 100_000
     """Pending events beyond this are dropped and replaced by a full resync."""
     resync_chunk: int = 4096

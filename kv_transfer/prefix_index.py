@@ -1,0 +1,223 @@
+"""The Redis prefix-cache index: which live worker holds the longest prefix of a prompt.
+
+Keys (all under `pdserve:{model}:`, so models never share entries):
+
+    blk:{hash hex}   set of worker ids that cache the block with this chained hash
+    worker:{id}      liveness key, refreshed by the worker's publisher, expires after a TTL
+    workers          set of every worker id that ever published (for purging)
+    wblk:{id}        reverse index: hashes a worker cached (for resync and purge)
+    seq:{id}         sequence number of the last KV event applied for a worker
+
+Written only by `KVEventPublisher` (kv_transfer/kv_publisher.py); read by `lookup` in one
+round trip (a Lua script walks the chain and stops at the first block no live candidate
+holds). Because block hashes chain, holding block i with a live liveness key means holding
+the prefix up to i, so "leading blocks present" is the cached prefix. The index is a hint: a
+stale entry costs a cache miss, never a wrong answer.
+
+Redis unavailable: `lookup` answers `PrefixMatch(available=False)` after at most the socket
+timeout, and then at once for `retry_after_s` (a circuit breaker), so routing falls back to
+load alone and never waits on Redis. Scripts touch keys they compute from arguments
+(liveness, reverse index): this needs a single Redis instance, not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.block_hash import BlockHash
+from kv_transfer.config import PrefixIndexConfig
+from kv_transfer.types import PrefixMatch, WorkerPrefix
+
+log = logging.getLogger(__name__)
+
+_LOOKUP = """
+local alive = {}
+local function is_alive(w)
+  local a = alive[w]
+  if a == nil then
+    a = redis.call('EXISTS', ARGV[1] .. w) == 1
+    alive[w] = a
+  end
+  return a
+end
+local cand, depth, n = {}, {}, 0
+for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if is_alive(w) then cand[w] = true; depth[w] = 1; n = n + 1 end
+end
+for i = 2, #KEYS do
+  if n == 0 then break end
+  for w in pairs(cand) do
+    if redis.call('SISMEMBER', KEYS[i], w) == 1 then depth[w] = i
+    else cand[w] = nil; n = n - 1 end
+  end
+end
+local out = {}
+for w, d in pairs(depth) do out[#out + 1] = w; out[#out + 1] = d end
+return out
+"""
+
+_PURGE = """
+local purged = {}
+for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. w) == 0 then
+    for _, h in ipairs(redis.call('SMEMBERS', ARGV[2] .. w)) do
+      redis.call('SREM', ARGV[4] .. h, w)
+    end
+    redis.call('DEL', ARGV[2] .. w, ARGV[3] .. w)
+    redis.call('SREM', KEYS[1], w)
+    purged[#purged + 1] = w
+  end
+end
+return purged
+"""
+
+
+@dataclass(frozen=True)
+class IndexKeys:
+    """Key names of one model's index (see module docstring)."""
+
+    model_id: str
+
+    @property
+    def root(self) -> str:
+        return f"pdserve:{self.model_id}:"
+
+    @property
+    def block_prefix(self) -> str:
+        return self.root + "blk:"
+
+    @property
+    def worker_prefix(self) -> str:
+        return self.root + "worker:"
+
+    @property
+    def worker_blocks_prefix(self) -> str:
+        return self.root + "wblk:"
+
+    @property
+    def seq_prefix(self) -> str:
+        return self.root + "seq:"
+
+    @property
+    def workers(self) -> str:
+        return self.root + "workers"
+
+    def block(self, block_hash: BlockHash) -> str:
+        return self.block_prefix + block_hash.hex()
+
+    def worker(self, worker_id: str) -> str:
+        return self.worker_prefix + worker_id
+
+    def worker_blocks(self, worker_id: str) -> str:
+        return self.worker_blocks_prefix + worker_id
+
+    def seq(self, worker_id: str) -> str:
+        return self.seq_prefix + worker_id
+
+
+def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> redis.Redis:
+    """A client that fails fast: small timeouts, no retries (callers decide what to do)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+    )
+
+
+class PrefixIndex:
+    """Longest cached prefix per live worker, for routing. Thread-safe; never blocks long."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        model_id: str,
+        config: PrefixIndexConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or PrefixIndexConfig()
+        self.keys = IndexKeys(model_id)
+        self._clock = clock
+        self._redis = connect(
+            redis_url, self.config.socket_timeout_s, self.config.connect_timeout_s
+        )
+        self._lookup = self._redis.register_script(_LOOKUP)
+        self._purge = self._redis.register_script(_PURGE)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.num_lookups = 0
+        self.num_unavailable = 0
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> PrefixMatch:
+        """For each live worker, how many leading blocks of `block_hashes` it caches."""
+        n = len(block_hashes)
+        with self._lock:
+            self.num_lookups += 1
+            if self._clock() < self._down_until:
+                self.num_unavailable += 1
+                return PrefixMatch(chain_length=n, available=False)
+        if n == 0:
+            return PrefixMatch(chain_length=0)
+        try:
+            raw = self._lookup(
+                keys=[self.keys.block(h) for h in block_hashes], args=[self.keys.worker_prefix]
+            )
+        except redis.RedisError as e:
+            self._mark_down(e)
+            return PrefixMatch(chain_length=n, available=False)
+        pairs = [WorkerPrefix(_text(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
+        pairs.sort(key=lambda w: (-w.num_blocks, w.worker_id))
+        return PrefixMatch(chain_length=n, workers=tuple(pairs))
+
+    def live_workers(self) -> tuple[str, ...]:
+        """Workers whose liveness key exists (empty when Redis is unavailable)."""
+        try:
+            members = self._redis.smembers(self.keys.workers)
+            ids = sorted(_text(w) for w in members)
+            pipe = self._redis.pipeline(transaction=False)
+            for w in ids:
+                pipe.exists(self.keys.worker(w))
+            flags = pipe.execute() if ids else []
+        except redis.RedisError as e:
+            self._mark_down(e)
+            return ()
+        return tuple(w for w, alive in zip(ids, flags, strict=True) if alive)
+
+    def purge_dead_workers(self) -> tuple[str, ...]:
+        """Delete every entry of workers whose liveness key expired; returns their ids.
+
+        Lookups already ignore dead workers; purging reclaims memory. Call it on a timer
+        (the controller does, e.g. every few seconds).
+        """
+        k = self.keys
+        try:
+            purged = self._purge(
+                keys=[k.workers],
+                args=[k.worker_prefix, k.worker_blocks_prefix, k.seq_prefix, k.block_prefix],
+            )
+        except redis.RedisError as e:
+            self._mark_down(e)
+            return ()
+        return tuple(sorted(_text(w) for w in purged))
+
+    def _mark_down(self, e: Exception) -> None:
+        log.warning("prefix index unavailable for %.1fs: %s", self.config.retry_after_s, e)
+        with self._lock:
+            self.num_unavailable += 1
+            self._down_until = self._clock() + self.config.retry_after_s
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
