@@ -41,15 +41,26 @@ class SamplerOutput:
 class Sampler:
     """Stateless apart from the default generator used by unseeded requests."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, seed: int = 0, device: torch.device | str = "cpu", vocab_size: int = 0
+    ) -> None:
         self.device = torch.device(device)
+        self.vocab_size = vocab_size
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def make_generator(self, seed: int) -> torch.Generator:
-        """A generator for one seeded request (on the logits' device)."""
+    def make_generator(self, seed: int, num_draws_done: int = 0) -> torch.Generator:
+        """A generator for one seeded request (on the logits' device), advanced past the
+        `num_draws_done` draws another engine already made for it (a hand-off continues the
+        same random stream as a colocated run would; needs `vocab_size`)."""
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
+        if num_draws_done:
+            if self.vocab_size <= 0:
+                raise ValueError("advancing a generator needs the sampler's vocab_size")
+            scratch = torch.empty(self.vocab_size, device=self.device)
+            for _ in range(num_draws_done):
+                scratch.exponential_(generator=g)
         return g
 
     @torch.no_grad()

@@ -1,0 +1,385 @@
+"""The engine loop of one worker: `step()` = schedule → run the model → postprocess.
+
+`LLMEngine` ties the scheduler (decisions, block bookkeeping), the model runner (tensors)
+and the sampler/stop checker (tokens, text) together, and is the only thing workers call.
+
+Hand-off hooks (DESIGN.md lifecycle steps 5-6):
+- prefill-only: a request finishes after its first token with `FinishReason.HANDOFF`; its
+  `RequestOutput.kv_handoff` lists the blocks, which stay held (never evicted) until
+  `release_request_blocks(request_id)`. A request that stops on its first token (eos,
+  max_tokens=1) finishes normally and holds nothing.
+- decode-only: `allocate_for_transfer` reserves blocks (reusing locally cached prefix blocks,
+  which need no transfer); the worker fills the rest, then `add_transferred_request` starts
+  decoding, or `free_transfer_blocks` gives them back on failure.
+
+Not thread-safe: every method must be called from one thread (or under one lock); see
+`docs` of the workers for the queueing pattern.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.block_hash import BlockHash, hash_extra
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, EngineMode
+from engine.kv_cache import KVCache
+from engine.kv_events import KVEvent
+from engine.kv_sizing import decide_num_kv_blocks, kv_cache_spec
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.outputs import EngineLoad, KVHandoff, RequestOutput, TransferAllocation
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.runner import ModelRunner, resolve_device, resolve_dtype
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, cdiv
+from engine.stop_checker import StopChecker
+from engine.tokenizer import Tokenizer
+from engine.weights import load_model
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler: add requests, call `step()` until done."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """`model`/`tokenizer` may be passed to share one loaded copy between engines
+        (tests); the model must already be on the configured device and dtype."""
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model_dir)
+        self.model_id = config.model_id or Path(config.model_dir).name
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        self.model = model if model is not None else load_model(config.model_dir, dtype, device)
+        self.tokenizer = tokenizer or Tokenizer.from_model_dir(config.model_dir)
+        self.eos_token_ids = tuple(
+            dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
+        )
+        model_len = self.model_config.max_model_len
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        num_blocks = decide_num_kv_blocks(config, self.model_config, device, dtype, self.model)
+        spec = kv_cache_spec(self.model_config, config.block_size, dtype, num_blocks)
+        self.kv_cache = KVCache(spec, device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config)
+        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_pool,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            keep_blocks_on_prefill_finish=config.mode is EngineMode.PREFILL_ONLY,
+        )
+        self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
+        self._checkers: dict[str, StopChecker] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._ready: list[RequestOutput] = []  # outputs decided outside step()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (prefilled here). Raises ValueError naming the bad field."""
+        params = sampling_params or SamplingParams()
+        self._validate_prompt(prompt_token_ids, params)
+        request = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+        self.scheduler.add_request(request)
+        self._start_tracking(request, prompt_token_ids, params, num_draws_done=0)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request wherever it is (queued, running, held for hand-off, or reserved for
+        a transfer) and free everything it held. False if nothing was held under that id."""
+        found = self.scheduler.abort(request_id)
+        found = self.release_request_blocks(request_id) or found
+        found = self.free_transfer_blocks(request_id) or found
+        self._stop_tracking(request_id)
+        return found
+
+    def has_unfinished(self) -> bool:
+        """Whether `step()` has work (requests waiting or running, or outputs to deliver)."""
+        return self.scheduler.has_unfinished() or bool(self._ready)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; one output per request that sampled or finished."""
+        outputs, self._ready = self._ready, []
+        decision = self.scheduler.schedule()
+        for request in decision.finished:
+            outputs.append(self._output(request, 0, ""))
+            self._stop_tracking(request.request_id)
+        batch = decision.batch
+        if not batch.chunks:
+            return outputs
+        logits = self.runner.execute(batch)
+        requests = [self.scheduler.requests[c.request_id] for c in batch.chunks]
+        sampled = [r for r, c in zip(requests, batch.chunks, strict=True) if c.sample]
+        rows = [
+            SamplingRow(
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                self._generators.get(r.request_id),
+            )
+            for r in sampled
+        ]
+        result = self.sampler(logits, rows)
+        for request in requests:
+            self.scheduler.cache_computed_blocks(request)
+        now = time.time()
+        for request, token_id, logprob in zip(
+            sampled, result.token_ids, result.logprobs, strict=True
+        ):
+            outputs.append(self._postprocess(request, token_id, logprob, now))
+        return outputs
+
+    def _postprocess(
+        self, request: Request, token_id: int, logprob: float | None, now: float
+    ) -> RequestOutput:
+        request.append_output(token_id, logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        checker = self._checkers[request.request_id]
+        status = checker.update(request, token_id)
+        if status is None and self.config.mode is EngineMode.PREFILL_ONLY:
+            status = RequestStatus.FINISHED_PREFILLED
+        text = checker.take_text_delta(request, finished=status is not None)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._stop_tracking(request.request_id)
+        return self._output(request, 1, text)
+
+    def _output(self, request: Request, num_new: int, text: str) -> RequestOutput:
+        handoff = None
+        if request.status is RequestStatus.FINISHED_PREFILLED and request.block_ids:
+            num_tokens = request.num_prompt_tokens
+            handoff = KVHandoff(
+                request_id=request.request_id,
+                block_ids=tuple(request.block_ids[: cdiv(num_tokens, self.config.block_size)]),
+                block_hashes=tuple(request.block_hashes[: num_tokens // self.config.block_size]),
+                num_tokens=num_tokens,
+                first_token_id=request.output_token_ids[0],
+            )
+        new_ids = tuple(request.output_token_ids[len(request.output_token_ids) - num_new :])
+        logprobs = None
+        if request.sampling_params.logprobs:
+            logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - num_new :])
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text_delta=text,
+            logprobs=logprobs,
+            finish_reason=FINISH_REASONS.get(request.status),
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            timings=request.timings(),
+            kv_handoff=handoff,
+        )
+
+    # ---- hand-off: prefill side -----------------------------------------------------------
+
+    def release_request_blocks(self, request_id: str) -> bool:
+        """Free the blocks a prefill-only request kept for hand-off (idempotent: False if
+        none are held, e.g. already released or the lease reaper got there first)."""
+        if request_id not in self.scheduler.handed_off:
+            return False
+        self.scheduler.release(request_id)
+        return True
+
+    # ---- hand-off: decode side ------------------------------------------------------------
+
+    def can_allocate_for_transfer(
+        self, prompt_token_ids: Sequence[int], block_hashes: Sequence[BlockHash]
+    ) -> bool:
+        return self.scheduler.can_reserve_transfer(len(prompt_token_ids), block_hashes)
+
+    def allocate_for_transfer(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        *,
+        cache_salt: str = "",
+    ) -> TransferAllocation:
+        """Reserve local blocks for a prompt's KV (block_hashes: its full blocks' hashes, as
+        the prefill side reported them). Raises NoFreeBlocksError when the pool is short."""
+        self._validate_prompt(prompt_token_ids, None)
+        extra = hash_extra(self.model_id, cache_salt)
+        reserved = self.scheduler.reserve_transfer(
+            request_id, prompt_token_ids, block_hashes, extra
+        )
+        return TransferAllocation(request_id, reserved.block_ids, reserved.num_cached_blocks)
+
+    def free_transfer_blocks(self, request_id: str) -> bool:
+        """Give back the blocks reserved for a transfer that failed (False if none)."""
+        if request_id not in self.scheduler.transferring:
+            return False
+        self.scheduler.free_transfer(request_id)
+        return True
+
+    def add_transferred_request(
+        self,
+        request_id: str,
+        first_token_id: int,
+        sampling_params: SamplingParams,
+        *,
+        first_token_logprob: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Start decoding a request whose prompt KV now fills its reserved blocks.
+
+        `first_token_id` is the token the prefill side sampled (already streamed to the
+        client: its text is not returned again). If it already ends the request (eos,
+        max_tokens=1) the request finishes at once and the next `step()` reports it.
+        """
+        reserved = self.scheduler.transferring.get(request_id)
+        if reserved is None:
+            raise KeyError(f"no transfer reserved for request {request_id!r}")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=reserved.prompt_token_ids,
+            sampling_params=sampling_params,
+            block_size=self.config.block_size,
+            hash_extra=reserved.hash_extra,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            block_hashes=list(reserved.block_hashes),
+        )
+        request.append_output(first_token_id, first_token_logprob)
+        request.first_token_time = time.time()
+        self.scheduler.add_transferred(request)
+        # The prefill side drew once from a seeded generator for the first token.
+        draws = 0 if sampling_params.greedy else 1
+        checker = self._start_tracking(request, reserved.prompt_token_ids, sampling_params, draws)
+        status = checker.update(request, first_token_id)
+        checker.take_text_delta(request, finished=True)  # the prefill side sent this text
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._stop_tracking(request_id)
+            self._ready.append(self._output(request, 0, ""))
+
+    # ---- observability --------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_waiting_prefill_tokens=s.num_pending_prefill_tokens(),
+            num_free_blocks=self.block_pool.num_free,
+            num_total_blocks=self.block_pool.num_blocks,
+            num_handoff_blocks=s.num_handoff_blocks(),
+            num_transfer_blocks=s.num_transfer_blocks(),
+            num_cache_query_tokens=s.num_cache_query_tokens,
+            num_cache_hit_tokens=s.num_cache_hit_tokens,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache changes since the previous call (for the prefix-index publisher)."""
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> tuple[tuple[BlockHash, ...], int]:
+        """(every cached hash, seq of the last event they include): a full-resync snapshot."""
+        return self.block_pool.cached_hashes(), self.block_pool.last_seq
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion (all added at once); output token ids per prompt."""
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(request_id, prompt, sampling_params)
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[i] for i in ids]
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _validate_prompt(self, prompt: Sequence[int], params: SamplingParams | None) -> None:
+        if not prompt:
+            raise ValueError("prompt_token_ids: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: id {bad[0]} is outside [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        pool_tokens = self.block_pool.num_blocks * self.config.block_size
+        if len(prompt) + 1 > pool_tokens:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens do not fit the KV pool "
+                f"({self.block_pool.num_blocks} blocks of {self.config.block_size})"
+            )
+        budget = self.config.max_num_batched_tokens
+        chunkless = params is not None and not self.config.enable_chunked_prefill
+        if chunkless and params is not None and len(prompt) + params.max_tokens - 1 > budget:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens + max_tokens exceed "
+                f"max_num_batched_tokens={budget} with chunked prefill disabled"
+            )
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str,
+        arrival_time: float | None,
+    ) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt),
+            sampling_params=params,
+            block_size=self.config.block_size,
+            hash_extra=hash_extra(self.model_id, cache_salt),
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+        )
+
+    def _start_tracking(
+        self,
+        request: Request,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        num_draws_done: int,
+    ) -> StopChecker:
+        checker = StopChecker(
+            self.tokenizer.detokenizer(prompt), self.eos_token_ids, self.max_model_len
+        )
+        self._checkers[request.request_id] = checker
+        if params.seed is not None:
+            self._generators[request.request_id] = self.sampler.make_generator(
+                params.seed, num_draws_done
+            )
+        return checker
+
+    def _stop_tracking(self, request_id: str) -> None:
+        self._checkers.pop(request_id, None)
+        self._generators.pop(request_id, None)

@@ -1,0 +1,90 @@
+"""Values that leave the engine: per-step request outputs, hand-off descriptions and the load
+snapshot. All frozen; none holds a tensor (workers ship them over Ray as they are)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
+from engine.request import FinishReason, RequestTimings
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A prefill-only request's finished KV, held on this engine until released.
+
+    The blocks hold the KV of the first `num_tokens` tokens (the prompt; the first sampled
+    token's KV is computed by the decode side). `block_hashes` are the hashes of its full
+    blocks (len == num_tokens // block_size); the trailing partial block has none.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    num_tokens: int
+    first_token_id: int
+
+
+@dataclass(frozen=True)
+class TransferAllocation:
+    """Blocks a decode-side engine reserved for a request's incoming KV.
+
+    `block_ids[:num_cached_blocks]` already hold this prefix locally (prefix-cache hits):
+    transfer only `block_ids[num_cached_blocks:]`.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_cached_blocks: int
+
+    @property
+    def blocks_to_transfer(self) -> tuple[int, ...]:
+        return self.block_ids[self.num_cached_blocks :]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (new tokens since the previous output)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    """UTF-8-safe text of the new tokens (stop strings and partial characters held back)."""
+    logprobs: tuple[float, ...] | None
+    """Raw log-probability of each new token, when the request asked for them."""
+    finish_reason: FinishReason | None
+    """None while the request runs."""
+    stop_reason: str | int | None
+    """The stop string or stop token id that ended it (None for eos or other reasons)."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int
+    """Prompt tokens whose KV was reused (prefix cache or transfer) rather than computed."""
+    timings: RequestTimings
+    kv_handoff: KVHandoff | None = None
+    """Prefill-only: set on the finishing output when the blocks are held for hand-off."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Snapshot of one engine's load (admission and placement read it)."""
+
+    num_waiting: int
+    num_running: int
+    num_waiting_prefill_tokens: int
+    """Prompt (and recompute) tokens not yet computed, over waiting and running requests."""
+    num_free_blocks: int
+    num_total_blocks: int
+    num_handoff_blocks: int
+    """Blocks held for prefill-only hand-offs that are not yet released."""
+    num_transfer_blocks: int
+    """Blocks reserved for incoming transfers (decode side) not yet turned into requests."""
+    num_cache_query_tokens: int
+    """Prompt tokens looked up in the prefix cache since start."""
+    num_cache_hit_tokens: int
+    """Of those, tokens found cached since start."""
+    num_preemptions: int

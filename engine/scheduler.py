@@ -1,0 +1,358 @@
+"""Continuous batching: which tokens of which requests are computed in the next step.
+
+Policy (vLLM v1's): running requests first, then waiting ones, under one token budget
+(`max_num_batched_tokens`) and `max_num_seqs`.
+
+1. Running requests, oldest first, each get min(pending tokens, budget left): one token for a
+   decode, the next chunk for a prompt still being prefilled. When the pool cannot supply a
+   request's blocks, the newest running request is preempted (blocks freed, recomputed later)
+   until it can; if the request itself is the newest, it is preempted (or, when it needs
+   more blocks than the whole pool holds, finished with LENGTH), so a step never fails.
+2. If nobody was preempted, waiting requests are admitted in FCFS order (preempted ones sit
+   at the head): the longest cached prefix of full blocks is reused (at most all but the last
+   token, which must be computed to sample), the rest is prefilled in chunks of the budget
+   left. The first request that does not fit stops admission for this step (no reordering).
+
+So decodes are never starved by long prompts, and a long prompt advances by whatever budget
+the decodes leave. The scheduler owns block bookkeeping and never touches tensors; its
+output is a `ScheduledBatch` (prefill chunks first, then single-token chunks).
+
+Hand-off states outside the two queues: `handed_off` (prefill-only requests finished with
+their blocks kept until `release`) and `transferring` (decode-side blocks reserved for KV
+that is being pulled, until `add_transferred` or `free_transfer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.block_hash import BlockHash
+from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.request import Request, RequestStatus
+
+
+class UnknownRequestError(KeyError):
+    """No request (or hand-off, or transfer) with this id is held here."""
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's decision: the batch to run, and requests it preempted or ended."""
+
+    batch: ScheduledBatch
+    preempted: tuple[str, ...] = ()
+    finished: tuple[Request, ...] = ()
+    """Requests the scheduler ended itself (FINISHED_LENGTH: more KV than the whole pool)."""
+
+
+@dataclass(frozen=True)
+class ReservedTransfer:
+    """Decode-side blocks reserved for a request whose prompt KV is being pulled."""
+
+    prompt_token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    num_cached_blocks: int
+    """Leading blocks that were already cached here (not transferred)."""
+    hash_extra: bytes
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Waiting/running queues over a `BlockPool` (see the module docstring for the policy)."""
+
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        keep_blocks_on_prefill_finish: bool = False,
+    ) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.keep_blocks_on_prefill_finish = keep_blocks_on_prefill_finish
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.handed_off: dict[str, Request] = {}
+        self.transferring: dict[str, ReservedTransfer] = {}
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests (waiting or running) by id."""
+        self.num_preemptions = 0
+        self.num_cache_query_tokens = 0
+        self.num_cache_hit_tokens = 0
+
+    # ---- queues ---------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_pending_prefill_tokens(self) -> int:
+        """Tokens to compute before each waiting or prefilling request samples again."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return waiting + sum(r.num_pending_tokens for r in self.running if r.num_pending_tokens > 1)
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests or rid in self.handed_off or rid in self.transferring:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = time.time()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        finished: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_pending_tokens, budget)
+            if num_new < request.num_pending_tokens and not self.enable_chunked_prefill:
+                i += 1
+                continue
+            if self._grow(request, num_new, preempted, finished):
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+            # else: the request itself left `running` (preempted or finished), and it was the
+            # last one, so the loop ends.
+
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = self._admit(request, budget, now)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        chunks = [self._chunk(request, num_new) for request, num_new in scheduled]
+        chunks.sort(key=lambda c: c.num_tokens == 1)  # stable: prefill chunks first
+        return SchedulerOutput(ScheduledBatch(tuple(chunks)), tuple(preempted), tuple(finished))
+
+    def _grow(
+        self, request: Request, num_new: int, preempted: list[str], finished: list[Request]
+    ) -> bool:
+        """Give a running request blocks for `num_new` more tokens, preempting the newest
+        running requests as needed. False if the request itself had to leave `running`."""
+        needed = self._blocks_needed(request, num_new)
+        while not self.block_pool.can_allocate(needed):
+            victim = self.running[-1]
+            if victim is request and len(request.block_ids) + needed > self.block_pool.num_blocks:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        request.block_ids += self.block_pool.allocate(needed)
+        return True
+
+    def _admit(self, request: Request, budget: int, now: float) -> int:
+        """Allocate a waiting request's blocks (reusing cached ones); tokens scheduled, or 0."""
+        bs = self.block_size
+        hits = self.block_pool.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
+        num_computed = len(hits) * bs
+        remaining = request.num_tokens - num_computed
+        num_new = min(remaining, budget)
+        if num_new < remaining and not self.enable_chunked_prefill:
+            return 0
+        num_new_blocks = cdiv(num_computed + num_new, bs) - len(hits)
+        if not self.block_pool.can_allocate(
+            num_new_blocks + self.block_pool.num_evictable_among(hits)
+        ):
+            return 0
+        self.block_pool.touch(hits)
+        request.block_ids = hits + self.block_pool.allocate(num_new_blocks)
+        request.num_cached_blocks = len(hits)
+        request.num_computed_tokens = num_computed
+        if request.status is RequestStatus.WAITING:  # first admission (not a recompute)
+            request.first_scheduled_time = now
+            request.num_cached_prompt_tokens = num_computed
+            self.num_cache_query_tokens += request.num_tokens
+            self.num_cache_hit_tokens += num_computed
+        request.status = RequestStatus.RUNNING
+        return num_new
+
+    def _chunk(self, request: Request, num_new: int) -> SeqChunk:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        return SeqChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_pos=start,
+            block_ids=tuple(request.block_ids),
+            sample=request.num_computed_tokens == request.num_tokens,
+        )
+
+    def _blocks_needed(self, request: Request, num_new: int) -> int:
+        total = cdiv(request.num_computed_tokens + num_new, self.block_size)
+        return max(0, total - len(request.block_ids))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_cached_blocks = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after a step ---------------------------------------------------------------------
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if num_full > request.num_cached_blocks:
+            start = request.num_cached_blocks
+            self.block_pool.cache_blocks(
+                request.block_ids[start:num_full], request.block_hashes[start:num_full]
+            )
+            request.num_cached_blocks = num_full
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request. Its blocks are freed, except FINISHED_PREFILLED ones when the
+        scheduler keeps blocks for hand-off (prefill-only): those wait for `release`."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        del self.requests[request.request_id]
+        request.status = status
+        request.finished_time = time.time()
+        if status is RequestStatus.FINISHED_PREFILLED and self.keep_blocks_on_prefill_finish:
+            self.handed_off[request.request_id] = request
+        else:
+            self.block_pool.free(request.block_ids)
+            request.block_ids = []
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an unfinished request and free its blocks; False if it is unknown here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    # ---- hand-off -------------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a prefill-only request kept for hand-off."""
+        request = self.handed_off.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+
+    def num_handoff_blocks(self) -> int:
+        return sum(len(r.block_ids) for r in self.handed_off.values())
+
+    def can_reserve_transfer(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> bool:
+        """Whether `reserve_transfer` would succeed now."""
+        hits = self.block_pool.match_prefix(block_hashes)
+        needed = cdiv(num_tokens, self.block_size) - len(hits)
+        return self.block_pool.can_allocate(needed + self.block_pool.num_evictable_among(hits))
+
+    def reserve_transfer(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        hash_extra: bytes,
+    ) -> ReservedTransfer:
+        """Reserve blocks for a prompt's incoming KV, reusing blocks cached here for its
+        leading full blocks. Raises NoFreeBlocksError when the pool is short."""
+        if request_id in self.transferring or request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise ValueError("prompt_token_ids: must not be empty")
+        if len(block_hashes) != num_tokens // self.block_size:
+            raise ValueError(
+                f"block_hashes: expected {num_tokens // self.block_size} hashes for "
+                f"{num_tokens} tokens at block size {self.block_size}, got {len(block_hashes)}"
+            )
+        if not self.can_reserve_transfer(num_tokens, block_hashes):
+            raise NoFreeBlocksError(
+                f"{cdiv(num_tokens, self.block_size)} blocks needed for the transfer of "
+                f"{request_id!r}, {self.block_pool.num_free} free"
+            )
+        hits = self.block_pool.match_prefix(block_hashes)
+        self.block_pool.touch(hits)
+        block_ids = hits + self.block_pool.allocate(cdiv(num_tokens, self.block_size) - len(hits))
+        reserved = ReservedTransfer(
+            prompt_token_ids=tuple(prompt_token_ids),
+            block_ids=tuple(block_ids),
+            block_hashes=tuple(block_hashes),
+            num_cached_blocks=len(hits),
+            hash_extra=hash_extra,
+        )
+        self.transferring[request_id] = reserved
+        return reserved
+
+    def free_transfer(self, request_id: str) -> None:
+        """Give back the blocks of a transfer that failed or was abandoned."""
+        transfer = self.transferring.pop(request_id, None)
+        if transfer is None:
+            raise UnknownRequestError(request_id)
+        self.block_pool.free(transfer.block_ids)
+
+    def num_transfer_blocks(self) -> int:
+        return sum(len(t.block_ids) for t in self.transferring.values())
+
+    def add_transferred(self, request: Request) -> None:
+        """Start decoding a request whose prompt KV landed in its reserved blocks.
+
+        Build `request` from `transferring[request_id]` (its prompt and block hashes) with the
+        first token appended. The prompt's full blocks become prefix-cache entries here. The
+        request joins `running` even past `max_num_seqs` (its blocks are already spent;
+        admission bounds how many arrive).
+        """
+        transfer = self.transferring.get(request.request_id)
+        if transfer is None:
+            raise UnknownRequestError(request.request_id)
+        if request.prompt_token_ids != transfer.prompt_token_ids:
+            raise ValueError("prompt_token_ids: differ from those the transfer reserved for")
+        del self.transferring[request.request_id]
+        num_tokens = len(transfer.prompt_token_ids)
+        request.block_ids = list(transfer.block_ids)
+        request.num_computed_tokens = num_tokens
+        request.num_cached_prompt_tokens = num_tokens
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = time.time()
+        self.cache_computed_blocks(request)
+        self.running.append(request)
+        self.requests[request.request_id] = request

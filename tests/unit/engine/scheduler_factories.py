@@ -1,0 +1,64 @@
+"""Small factories for scheduler tests: requests over a 4-token block size, a scheduler, and
+a fake step that "runs" a batch by appending a fixed token to every sampled request."""
+
+from __future__ import annotations
+
+from engine.block_hash import hash_extra
+from engine.block_pool import BlockPool
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+BLOCK_SIZE = 4
+EXTRA = hash_extra("tiny")
+
+
+def make_request(
+    request_id: str = "r1",
+    prompt_len: int = 6,
+    *,
+    first_token: int = 100,
+    max_tokens: int = 16,
+) -> Request:
+    """A request whose prompt is first_token, first_token + 1, ... (distinct per request
+    when first_token differs by more than the prompt length)."""
+    prompt = tuple(range(first_token, first_token + prompt_len))
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), BLOCK_SIZE, EXTRA)
+
+
+def make_scheduler(
+    num_blocks: int = 16,
+    *,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    chunked: bool = True,
+    keep: bool = False,
+    caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        BlockPool(num_blocks, enable_caching=caching),
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        keep_blocks_on_prefill_finish=keep,
+    )
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    """schedule(), then what the engine does after the model ran: cache the computed full
+    blocks and append `token` to every request whose chunk was sampled."""
+    out = scheduler.schedule()
+    for chunk in out.batch.chunks:
+        request = scheduler.requests[chunk.request_id]
+        scheduler.cache_computed_blocks(request)
+        if chunk.sample:
+            request.append_output(token, None)
+    return out
+
+
+def chunk_view(out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...], bool]]:
+    """(request id, start_pos, num_tokens, block_ids, sample) per chunk, in batch order."""
+    return [
+        (c.request_id, c.start_pos, c.num_tokens, c.block_ids, c.sample) for c in out.batch.chunks
+    ]
