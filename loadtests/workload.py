@@ -1,0 +1,371 @@
+"""Workload profiles and the seeded request generator both load drivers replay.
+
+A profile (YAML under `loadtests/profiles/`, or any path) says what requests look like; the
+generator turns (profile, rate, duration, seed) into the exact list of `PlannedRequest`s: send
+times and token ids of exact lengths, with `max_tokens` and `ignore_eos` so output lengths are
+exact too. Same arguments, same list, on any machine: every random draw comes from
+`random.Random` streams seeded by strings (arrivals, lengths and tokens apart, so a longer run
+only appends requests).
+
+Kinds: `synthetic` (independent prompts), `shared_prefix` (a few system prompts shared by many
+requests), `multi_turn` (each turn's prompt is the previous prompt + a reply + a new user
+message; a turn is sent `think_s` after the previous one completes). Arrivals: `poisson`,
+`gamma` (burstiness < 1 is burstier, as in vLLM's benchmark), or `on_off` bursts.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ProfileError(ValueError):
+    """A profile file is missing or malformed (the message names the field)."""
+
+
+class ProfileKind(enum.Enum):
+    SYNTHETIC = "synthetic"
+    SHARED_PREFIX = "shared_prefix"
+    MULTI_TURN = "multi_turn"
+
+
+class ArrivalProcess(enum.Enum):
+    POISSON = "poisson"
+    GAMMA = "gamma"
+    ON_OFF = "on_off"
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Lognormal token counts, clamped to [min, max]."""
+
+    median: float
+    sigma: float = 0.0
+    min: int = 1
+    max: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not (self.median > 0 and self.sigma >= 0 and 1 <= self.min <= self.max):
+            raise ProfileError(f"length: need median > 0, sigma >= 0, 1 <= min <= max: {self}")
+
+    def draw(self, rng: random.Random) -> int:
+        value = round(rng.lognormvariate(math.log(self.median), self.sigma))
+        return min(self.max, max(self.min, value))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    process: ArrivalProcess = ArrivalProcess.POISSON
+    burstiness: float = 1.0
+    """gamma: shape of the inter-arrival gamma distribution (1 is Poisson)."""
+    period_s: float = 10.0
+    """on_off: length of one burst + quiet cycle."""
+    burst_fraction: float = 0.2
+    """on_off: share of each period spent in the burst."""
+    burst_multiplier: float = 4.0
+    """on_off: burst rate / mean rate; burst_fraction * burst_multiplier must be <= 1."""
+
+    def __post_init__(self) -> None:
+        if self.burstiness <= 0 or self.period_s <= 0:
+            raise ProfileError("arrival: burstiness and period_s must be > 0")
+        if not 0 < self.burst_fraction < 1 or self.burst_multiplier < 1:
+            raise ProfileError("arrival: need 0 < burst_fraction < 1 and burst_multiplier >= 1")
+        if self.burst_fraction * self.burst_multiplier > 1 + 1e-9:
+            raise ProfileError("arrival: burst_fraction * burst_multiplier must be <= 1")
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    prefix_tokens: int
+    """Length of each shared system prompt."""
+    num_prefixes: int = 1
+    """How many distinct system prompts requests pick from (uniformly)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turns_min: int = 2
+    turns_max: int = 6
+    user_tokens: LengthDist = LengthDist(median=64, sigma=0.5, min=4, max=512)
+    """New user message appended at each turn after the first."""
+    think_time_s: float = 2.0
+    """Mean (exponential) pause between a reply and the next turn."""
+    max_prompt_tokens: int = 3072
+    """A conversation ends before a turn whose prompt would exceed this."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    kind: ProfileKind
+    prompt_tokens: LengthDist
+    """Synthetic: the prompt; shared_prefix: the part after the prefix; multi_turn: turn 1."""
+    output_tokens: LengthDist
+    description: str = ""
+    arrival: Arrival = Arrival()
+    vocab_low: int = 10
+    vocab_high: int = 500
+    """Token ids are drawn uniformly from [vocab_low, vocab_high)."""
+    temperature: float = 0.0
+    tenant: str = ""
+    shared_prefix: SharedPrefix | None = None
+    conversation: Conversation | None = None
+    rate: float = 1.0
+    """Default requests/s when the command line gives none."""
+    duration_s: float = 60.0
+    """Default length of the arrival window."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.vocab_low < self.vocab_high:
+            raise ProfileError("vocab: need 0 <= low < high")
+        if self.kind is ProfileKind.SHARED_PREFIX and self.shared_prefix is None:
+            raise ProfileError("shared_prefix: required for kind shared_prefix")
+        if self.kind is ProfileKind.MULTI_TURN and self.conversation is None:
+            raise ProfileError("conversation: required for kind multi_turn")
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request of a workload, known before the run starts."""
+
+    index: int
+    request_id: str
+    send_at_s: float
+    """Offset from the start of the run (a lower bound when `after` is set)."""
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    tenant: str = ""
+    conversation: int | None = None
+    turn: int = 0
+    after: int | None = None
+    """Index of the previous turn: send only once it completed, plus `think_s`."""
+    think_s: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+# -- profiles ----------------------------------------------------------------------------------
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a mapping, got {data!r}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ProfileError(f"{where}: {e}") from e
+
+
+def profile_from_dict(data: dict[str, Any]) -> Profile:
+    values = dict(data)
+    try:
+        values["kind"] = ProfileKind(values.get("kind", "synthetic"))
+    except ValueError as e:
+        raise ProfileError(f"kind: {e}") from e
+    vocab = values.pop("vocab", None)
+    if vocab is not None:
+        values["vocab_low"], values["vocab_high"] = int(vocab["low"]), int(vocab["high"])
+    for key in ("prompt_tokens", "output_tokens"):
+        if key not in values:
+            raise ProfileError(f"{key}: required")
+        values[key] = _build(LengthDist, values[key], key)
+    if "arrival" in values:
+        arrival = dict(values["arrival"])
+        try:
+            arrival["process"] = ArrivalProcess(arrival.get("process", "poisson"))
+        except ValueError as e:
+            raise ProfileError(f"arrival.process: {e}") from e
+        values["arrival"] = _build(Arrival, arrival, "arrival")
+    if "shared_prefix" in values:
+        values["shared_prefix"] = _build(SharedPrefix, values["shared_prefix"], "shared_prefix")
+    if "conversation" in values:
+        conversation = dict(values["conversation"])
+        if "user_tokens" in conversation:
+            conversation["user_tokens"] = _build(
+                LengthDist, conversation["user_tokens"], "conversation.user_tokens"
+            )
+        values["conversation"] = _build(Conversation, conversation, "conversation")
+    return _build(Profile, values, "profile")
+
+
+def profile_names() -> list[str]:
+    """Profiles shipped with the package."""
+    folder = resources.files("loadtests") / "profiles"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (`synthetic`), or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise ProfileError(f"profile: no such file {path}")
+        text = path.read_text()
+    else:
+        resource = resources.files("loadtests") / "profiles" / f"{name_or_path}.yaml"
+        if not resource.is_file():
+            known = ", ".join(profile_names())
+            raise ProfileError(f"profile: unknown {name_or_path!r} (shipped: {known})")
+        text = resource.read_text()
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile: {name_or_path} is not a YAML mapping")
+    return profile_from_dict(data)
+
+
+# -- generation --------------------------------------------------------------------------------
+
+
+def arrival_times(
+    arrival: Arrival, rate: float, duration_s: float, rng: random.Random
+) -> list[float]:
+    """Send offsets in [0, duration_s) of a process with mean `rate` requests/s."""
+    if rate <= 0:
+        raise ValueError(f"rate: must be > 0, got {rate}")
+    times: list[float] = []
+    t = 0.0
+    if arrival.process is ArrivalProcess.ON_OFF:
+        high = rate * arrival.burst_multiplier
+        burst_s = arrival.period_s * arrival.burst_fraction
+        low = rate * (1 - arrival.burst_fraction * arrival.burst_multiplier)
+        low /= 1 - arrival.burst_fraction
+        while True:
+            phase = t % arrival.period_s
+            in_burst = phase < burst_s
+            current = high if in_burst else low
+            boundary = t - phase + (burst_s if in_burst else arrival.period_s)
+            step = rng.expovariate(current) if current > 0 else math.inf
+            if t + step >= boundary:  # memoryless: restart the draw at the phase boundary
+                t = boundary
+            else:
+                t += step
+                if t < duration_s:
+                    times.append(t)
+            if t >= duration_s:
+                return times
+    while True:
+        if arrival.process is ArrivalProcess.GAMMA:
+            t += rng.gammavariate(arrival.burstiness, 1.0 / (rate * arrival.burstiness))
+        else:
+            t += rng.expovariate(rate)
+        if t >= duration_s:
+            return times
+        times.append(t)
+
+
+def generate(
+    profile: Profile,
+    *,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    seed: int | None = None,
+    num_requests: int | None = None,
+) -> list[PlannedRequest]:
+    """The workload's requests in send order. Pure: same arguments, same list."""
+    rate = profile.rate if rate is None else rate
+    duration_s = profile.duration_s if duration_s is None else duration_s
+    seed = profile.seed if seed is None else seed
+    key = f"{profile.name}:{seed}"
+    arrivals_rng = random.Random(f"{key}:arrivals")
+    lengths_rng = random.Random(f"{key}:lengths")
+    tokens_rng = random.Random(f"{key}:tokens")
+    span = profile.vocab_high - profile.vocab_low
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(profile.vocab_low + int(tokens_rng.random() * span) for _ in range(n))
+
+    if profile.kind is ProfileKind.MULTI_TURN:
+        planned = _conversations(profile, rate, duration_s, arrivals_rng, lengths_rng, tokens)
+    else:
+        prefixes: list[tuple[int, ...]] = []
+        if profile.shared_prefix is not None:
+            sp = profile.shared_prefix
+            prefixes = [tokens(sp.prefix_tokens) for _ in range(sp.num_prefixes)]
+        planned = []
+        for at in arrival_times(profile.arrival, rate, duration_s, arrivals_rng):
+            prompt = tokens(profile.prompt_tokens.draw(lengths_rng))
+            if prefixes:
+                prompt = prefixes[int(lengths_rng.random() * len(prefixes))] + prompt
+            out = profile.output_tokens.draw(lengths_rng)
+            planned.append(
+                PlannedRequest(
+                    index=len(planned),
+                    request_id="",
+                    send_at_s=at,
+                    token_ids=prompt,
+                    max_tokens=out,
+                    temperature=profile.temperature,
+                    tenant=profile.tenant,
+                )
+            )
+    # Final ids and indices in send order; `after` is remapped from generation order (a turn
+    # always sorts after the one it follows, so truncating keeps every `after` target).
+    order = sorted(range(len(planned)), key=lambda i: (planned[i].send_at_s, i))
+    if num_requests is not None:
+        order = order[:num_requests]
+    new_index = {old: new for new, old in enumerate(order)}
+    result = []
+    for new, old in enumerate(order):
+        p = planned[old]
+        after = None if p.after is None else new_index.get(p.after)
+        result.append(replace(p, index=new, request_id=f"{profile.name}-{seed}-{new}", after=after))
+    return result
+
+
+def _conversations(
+    profile: Profile,
+    rate: float,
+    duration_s: float,
+    arrivals_rng: random.Random,
+    lengths_rng: random.Random,
+    tokens: Any,
+) -> list[PlannedRequest]:
+    conv = profile.conversation
+    assert conv is not None
+    mean_turns = (conv.turns_min + conv.turns_max) / 2
+    planned: list[PlannedRequest] = []
+    starts = arrival_times(profile.arrival, rate / mean_turns, duration_s, arrivals_rng)
+    for number, start in enumerate(starts):
+        turns = conv.turns_min + int(lengths_rng.random() * (conv.turns_max - conv.turns_min + 1))
+        prompt = tokens(profile.prompt_tokens.draw(lengths_rng))
+        at, previous, think = start, None, 0.0
+        for turn in range(turns):
+            if len(prompt) > conv.max_prompt_tokens or at >= duration_s:
+                break
+            out = profile.output_tokens.draw(lengths_rng)
+            planned.append(
+                PlannedRequest(
+                    index=len(planned),
+                    request_id="",
+                    send_at_s=at,
+                    token_ids=prompt,
+                    max_tokens=out,
+                    temperature=profile.temperature,
+                    tenant=profile.tenant,
+                    conversation=number,
+                    turn=turn,
+                    after=previous,
+                    think_s=think,
+                )
+            )
+            previous = len(planned) - 1
+            # The next turn extends this one: prompt + a reply of the output length + a new
+            # user message. The reply is synthetic so the whole sequence is known up front;
+            # the server caches the real one, so the cache hit is this turn's prompt.
+            reply = tokens(out)
+            prompt = prompt + reply + tokens(conv.user_tokens.draw(lengths_rng))
+            think = arrivals_rng.expovariate(1.0 / conv.think_time_s)
+            at = at + think
+    return planned
