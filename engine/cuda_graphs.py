@@ -88,6 +88,7 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
         backend.init_decode_graphs(self.max_batch, self.max_pages)
 
     def batch_size_for(self, layout: BatchLayout) -> int | None:
@@ -165,6 +166,7 @@ class DecodeGraphs:
         step = self._stage(layout, size)
         self.backend.prepare_decode_graph(step, size)
         self._graphs[size].replay()
+        self.num_replays += 1
         logits = self._logits[size]
         if layout.samples_every_row:
             return logits[: layout.num_seqs].clone()

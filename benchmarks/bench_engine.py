@@ -1,0 +1,354 @@
+"""Engine execution benchmark: decode and prefill step times of the ModelRunner vs their floors.
+
+GPU mode (default when CUDA is present): a Llama-3-8B-shaped model with random bf16 weights
+made directly on the GPU (nothing on disk), a KV pool with random contents, and:
+- decode step time at batch 1, 16, 64 with 2048 tokens of context per sequence, with and
+  without CUDA graphs, vs the HBM floor (weights + KV read) / (HBM copy bandwidth measured
+  in this run, read+write counted); goal: within 1.3x of the floor at batch 64;
+- prefill of one 4096-token prompt vs the bf16 matmul rate measured in this run (8192^3);
+  prefill FLOPs = 2 * matmul params * tokens + causal attention FLOPs; goal: >= 50%.
+Every step prints what it does and catches its own failure, so one failure loses nothing else.
+
+CPU mode (`--cpu`): tokens/s of the runner in a greedy loop on the tiny model vs
+transformers.generate on the same prompts, same run (and whether their tokens agree).
+
+    python benchmarks/bench_engine.py            # GPU
+    python benchmarks/bench_engine.py --cpu      # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.kv_sizing import kv_cache_spec
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner
+
+ROWS: list[tuple[str, str, str, str]] = []  # (what, measured, reference, ratio)
+
+
+def step(title: str, fn: Callable[[], Any]) -> Any:
+    print(f"\n== {title}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception:
+        traceback.print_exc()
+        print(f"!! {title} FAILED after {time.perf_counter() - t0:.1f} s", flush=True)
+        ROWS.append((title, "FAILED", "", ""))
+        return None
+    print(f"   done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def print_table() -> None:
+    print("\n" + "=" * 96)
+    print(f"{'what':<44}{'measured':>18}{'reference':>20}{'ratio':>14}")
+    for row in ROWS:
+        print(f"{row[0]:<44}{row[1]:>18}{row[2]:>20}{row[3]:>14}")
+
+
+def decode_batch(batch_size: int, context: int, block_size: int, first_block: int = 0):
+    """batch_size single-token decodes, each attending over `context` tokens (incl. itself)."""
+    pages = -(-context // block_size)
+    chunks = tuple(
+        SeqChunk(
+            f"seq{i}",
+            (i % 1000 + 1,),
+            context - 1,
+            tuple(range(first_block + i * pages, first_block + (i + 1) * pages)),
+            sample=True,
+        )
+        for i in range(batch_size)
+    )
+    return ScheduledBatch(chunks)
+
+
+def time_steps(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Seconds per call, host and device included (synchronized at both ends)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+def measure_hbm() -> float:
+    """Device-to-device copy bandwidth, bytes/s, read + write counted."""
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    sec = time_steps(lambda: b.copy_(a), iters=20)
+    bw = 2 * a.numel() * a.element_size() / sec
+    print(f"   HBM copy: {bw / 1e9:.0f} GB/s (read+write)")
+    ROWS.append(
+        ("HBM copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s", "4236 GB/s (GPU.md)", "")
+    )
+    return bw
+
+
+def measure_matmul() -> float:
+    """bf16 8192^3 matmul rate, FLOP/s."""
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    sec = time_steps(lambda: a @ b, iters=20)
+    rate = 2 * n**3 / sec
+    print(f"   bf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s")
+    ROWS.append(("bf16 matmul 8192^3", f"{rate / 1e12:.0f} TFLOP/s", "792 TFLOP/s (GPU.md)", ""))
+    return rate
+
+
+def random_llama3_8b() -> LlamaModel:
+    from deploy.make_model import PRESETS, hf_config
+
+    cfg = ModelConfig.from_dict(hf_config(PRESETS["llama3-8b"], 0, 1))
+    model = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda").eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"   {n / 1e9:.2f} B parameters, {torch.cuda.memory_allocated() / 2**30:.1f} GiB used")
+    return model
+
+
+def decode_read_bytes(model: LlamaModel, batch_size: int, context: int) -> int:
+    """Bytes a decode step must read: every weight but the embedding table, plus the KV."""
+    cfg = model.cfg
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:  # untied: the embedding table is only gathered
+        weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    return weights + batch_size * context * kv_per_token
+
+
+def prefill_flops(model: LlamaModel, tokens: int) -> float:
+    cfg = model.cfg
+    per_layer = sum(
+        p.numel() for n, p in model.layers[0].named_parameters() if not n.endswith("norm.weight")
+    )
+    matmul = 2 * per_layer * cfg.num_layers * tokens + 2 * cfg.vocab_size * cfg.hidden_size
+    attention = 2 * tokens * tokens * cfg.head_dim * cfg.num_heads * cfg.num_layers  # causal
+    return float(matmul + attention)
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    import flashinfer
+
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name()}, flashinfer "
+        f"{getattr(flashinfer, '__version__', '?')}"
+    )
+    hbm = step("measure HBM bandwidth", measure_hbm)
+    mm = step("measure bf16 matmul rate", measure_matmul)
+    model = step(
+        "build Llama-3-8B-shaped model with random bf16 weights on the GPU", random_llama3_8b
+    )
+    if model is None:
+        return
+    bs, context, prompt = 16, args.context, args.prefill_tokens
+    batches = [int(b) for b in args.batches.split(",")]
+    pages_decode = max(batches) * -(-context // bs)
+    num_blocks = pages_decode + -(-prompt // bs) + 8
+
+    def make_pool() -> KVCache:
+        kv = KVCache(kv_cache_spec(model.cfg, bs, torch.bfloat16, num_blocks), "cuda")
+        kv.tensor.normal_()
+        print(f"   KV pool: {num_blocks} blocks, {kv.spec.nbytes / 2**30:.1f} GiB, random")
+        return kv
+
+    kv = step("allocate the KV pool", make_pool)
+    if kv is None:
+        return
+
+    def make_runner(graphs: bool) -> ModelRunner:
+        config = EngineConfig(
+            model_dir="random:llama3-8b",
+            block_size=bs,
+            attention_backend="flashinfer",
+            cuda_graphs=graphs,
+            cuda_graph_max_batch=max(batches),
+            max_num_seqs=max(batches),
+        )
+        t0 = time.perf_counter()
+        runner = ModelRunner(model, kv, config)
+        print(
+            f"   backend {runner.attention_backend}, graphs "
+            f"{runner.graphs.sizes if runner.graphs else None}, {time.perf_counter() - t0:.1f} s"
+        )
+        return runner
+
+    eager = step(
+        "eager runner (first flashinfer use: JIT ~25 s on a fresh machine)",
+        lambda: make_runner(False),
+    )
+    if eager is not None:
+        step(
+            "warm up eager prefill + decode (flashinfer JIT)",
+            lambda: (eager.execute(decode_batch(2, 64, bs, pages_decode)), eager.warmup(256)),
+        )
+    graphed = step("CUDA-graph runner (captures 1..max batch)", lambda: make_runner(True))
+
+    def bench_decode(runner: ModelRunner, label: str, b: int) -> None:
+        batch = decode_batch(b, context, bs)
+        sec = time_steps(lambda: runner.execute(batch), iters=args.iters)
+        floor = decode_read_bytes(model, b, context) / hbm if hbm else float("nan")
+        print(
+            f"   {label} B={b}: {sec * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms, "
+            f"{sec / floor:.2f}x, {b / sec:.0f} tok/s"
+        )
+        ROWS.append(
+            (
+                f"decode B={b} ctx {context} {label}",
+                f"{sec * 1e3:.2f} ms",
+                f"floor {floor * 1e3:.2f} ms",
+                f"{sec / floor:.2f}x",
+            )
+        )
+
+    for b in batches:
+        if graphed is not None:
+            step(f"decode B={b}, CUDA graphs", lambda b=b: bench_decode(graphed, "graphs", b))
+        if eager is not None:
+            step(f"decode B={b}, eager", lambda b=b: bench_decode(eager, "eager", b))
+
+    def bench_prefill() -> None:
+        runner = eager if eager is not None else graphed
+        assert runner is not None
+        first = pages_decode
+        blocks = tuple(range(first, first + -(-prompt // bs)))
+        ids = tuple(int(t) for t in torch.randint(1, 128000, (prompt,)))
+        batch = ScheduledBatch((SeqChunk("prefill", ids, 0, blocks, sample=True),))
+        sec = time_steps(lambda: runner.execute(batch), iters=max(3, args.iters // 5))
+        flops = prefill_flops(model, prompt)
+        rate = flops / sec
+        share = f"{rate / mm:.0%} of matmul" if mm else "matmul rate unknown"
+        print(
+            f"   prefill {prompt} tokens: {sec * 1e3:.1f} ms, {flops / 1e12:.1f} TFLOP, "
+            f"{rate / 1e12:.0f} TFLOP/s, {share}"
+        )
+        ROWS.append(
+            (f"prefill {prompt} tokens", f"{sec * 1e3:.1f} ms", f"{rate / 1e12:.0f} TFLOP/s", share)
+        )
+
+    step(f"prefill one {prompt}-token prompt", bench_prefill)
+
+
+# ---------------------------------------------------------------------------------- CPU
+
+
+def cpu_main(args: argparse.Namespace) -> None:
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    from deploy.make_model import CORPUS, cached_tiny_model
+    from engine.weights import load_model
+
+    torch.manual_seed(0)
+    model_dir = cached_tiny_model()
+    model = load_model(model_dir, torch.float32)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # both sides generate exactly n_new tokens
+    corpus = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(CORPUS.read_text()).ids
+    n_prompt, n_new = args.cpu_prompt, args.cpu_new
+    print(f"tiny model {model_dir}, torch threads {torch.get_num_threads()}")
+
+    def ours(prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+        bs = 16
+        per_seq = -(-(n_prompt + n_new) // bs)
+        kv = KVCache(kv_cache_spec(model.cfg, bs, torch.float32, per_seq * len(prompts)))
+        config = EngineConfig(model_dir=str(model_dir), block_size=bs, cuda_graphs=False)
+        runner = ModelRunner(model, kv, config)
+        tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+        seqs = [list(p) for p in prompts]
+        t0 = time.perf_counter()
+        chunks = [SeqChunk(str(i), tuple(s), 0, tables[i], True) for i, s in enumerate(seqs)]
+        logits = runner.execute(ScheduledBatch(tuple(chunks)))
+        for _ in range(n_new):
+            for s, row in zip(seqs, logits.argmax(-1).tolist(), strict=True):
+                s.append(row)
+            if len(seqs[0]) == n_prompt + n_new:
+                break
+            chunks = [
+                SeqChunk(str(i), (s[-1],), len(s) - 1, tables[i], True) for i, s in enumerate(seqs)
+            ]
+            logits = runner.execute(ScheduledBatch(tuple(chunks)))
+        return time.perf_counter() - t0, [s[n_prompt:] for s in seqs]
+
+    def theirs(prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+        ids = torch.tensor(prompts)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=n_new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0, out[:, n_prompt:].tolist()
+
+    for batch_size in (1, 4):
+        starts = torch.randint(0, len(corpus) - n_prompt, (batch_size,)).tolist()
+        prompts = [corpus[s : s + n_prompt] for s in starts]
+        ours(prompts)  # warm-up
+        theirs(prompts)
+        t_ours, tok_ours = ours(prompts)
+        t_hf, tok_hf = theirs(prompts)
+        gen = batch_size * n_new
+        same = tok_ours == tok_hf
+        print(
+            f"   batch {batch_size}: runner {gen / t_ours:.0f} tok/s, transformers "
+            f"{gen / t_hf:.0f} tok/s, tokens equal: {same}"
+        )
+        ROWS.append(
+            (
+                f"CPU tiny greedy, batch {batch_size}, {n_prompt}+{n_new}",
+                f"{gen / t_ours:.0f} tok/s",
+                f"HF {gen / t_hf:.0f} tok/s",
+                f"{t_hf / t_ours:.2f}x {'same' if same else 'DIFF'}",
+            )
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU mode (tiny model)")
+    parser.add_argument("--batches", default="1,16,64", help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=2048, help="decode context per sequence")
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=30, help="timed decode steps")
+    parser.add_argument("--cpu-prompt", type=int, default=32)
+    parser.add_argument("--cpu-new", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    if args.cpu or not torch.cuda.is_available():
+        step("CPU: runner greedy loop vs transformers.generate", lambda: cpu_main(args))
+    else:
+        gpu_main(args)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print_table()
+
+
+if __name__ == "__main__":
+    main()
