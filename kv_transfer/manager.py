@@ -198,10 +198,12 @@ class TransferManager:
         self._expire()
         self._start_admitted()
         self._heartbeat()
-        now = self._clock()
         if self._transferring:
             return self.config.busy_poll_s
-        wake = self._next_heartbeat if self._queued else now + self.config.idle_tick_s
+        if not self._queued:
+            return self.config.idle_tick_s
+        now = self._clock()
+        wake = self._next_heartbeat
         for t in self._queued.values():
             wake = min(wake, t.deadline, t.lease_deadline - self.config.lease_safety_margin_s)
         return max(0.0, min(wake - now, self.config.idle_tick_s))

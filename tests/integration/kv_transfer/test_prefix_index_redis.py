@@ -140,10 +140,10 @@ def test_replayed_events_after_a_lost_reply_are_idempotent(
     real_pipeline = p._redis.pipeline
 
     def lossy_pipeline(*args: object, **kwargs: object) -> object:
-        pipe = real_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+        pipe = real_pipeline(*args, **kwargs)
         execute = pipe.execute
 
-        def execute_then_lose_reply(*a: object, **k: object) -> object:
+        def execute_then_lose_reply(raise_on_error: bool = True) -> list[object]:
             execute()
             raise redis.ConnectionError("reply lost")
 

@@ -1,0 +1,204 @@
+"""TEST-ONLY loopback transfer backend and small factories for kv_transfer unit tests.
+
+`LoopbackBackend` implements `kv_transfer.backend.TransferBackend` inside one process: a
+`LoopbackFabric` connects named agents; a read copies blocks between their `KVCache`
+tensors, at once (`auto_complete`) or when the test calls `fabric.complete(request_id)`.
+Faults are switches on the fabric (fail, drop notices, refuse aborts, kill an agent). It is
+not part of the kv_transfer package and never used in production.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer.backend import BackendFactory, MemoryRegion, Notification, XferId, XferStatus
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.errors import BackendError
+from kv_transfer.types import KVHandle, TransferPlan, compat_hash
+
+MODEL = "tiny-test"
+SPEC = KVCacheSpec(
+    num_blocks=64, num_layers=1, block_size=4, num_kv_heads=1, head_dim=4, dtype="float32"
+)
+COMPAT = compat_hash(SPEC, MODEL)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class _Read:
+    plan: TransferPlan
+    notif: bytes
+    source: LoopbackBackend
+    status: XferStatus = XferStatus.IN_PROGRESS
+
+
+@dataclass
+class LoopbackFabric:
+    """The in-process network of loopback agents, with fault switches."""
+
+    auto_complete: bool = True
+    drop_notifs: bool = False  # completion notices of reads are lost
+    abort_fails: bool = False  # abort() reports the read still running
+    agents: dict[str, LoopbackBackend] = field(default_factory=dict)
+    dead: set[str] = field(default_factory=set)
+
+    def kill(self, agent_name: str) -> None:
+        self.dead.add(agent_name)
+
+    def _reads(self) -> list[tuple[LoopbackBackend, XferId, _Read]]:
+        return [(a, x, r) for a in self.agents.values() for x, r in a.reads.items()]
+
+    def complete(self, request_id: str) -> bool:
+        """Finish the read of `request_id` (False if no such read is live: a late completion)."""
+        for agent, _, read in self._reads():
+            if read.plan.request_id == request_id and read.status is XferStatus.IN_PROGRESS:
+                agent.finish(read)
+                return True
+        return False
+
+    def fail(self, request_id: str) -> None:
+        for _, _, read in self._reads():
+            if read.plan.request_id == request_id:
+                read.status = XferStatus.FAILED
+
+
+class LoopbackBackend:
+    """TEST-ONLY `TransferBackend` over the `LoopbackFabric` (see module docstring)."""
+
+    def __init__(self, fabric: LoopbackFabric, agent_name: str, cache: KVCache) -> None:
+        self.fabric = fabric
+        self.agent_name = agent_name
+        self.cache = cache
+        self.peers: set[str] = set()
+        self.reads: dict[XferId, _Read] = {}
+        self.inbox: list[Notification] = []
+        self.sent: list[tuple[str, bytes]] = []
+        self._next = 0
+        fabric.agents[agent_name] = self
+
+    def agent_metadata(self) -> bytes:
+        return self.agent_name.encode()
+
+    def memory_region(self) -> MemoryRegion:
+        spec = self.cache.spec
+        return MemoryRegion(
+            "DRAM", 0, self.cache.tensor.data_ptr(), spec.block_nbytes, spec.num_blocks
+        )
+
+    def add_peer(self, agent_name: str, agent_metadata: bytes, region: MemoryRegion) -> None:
+        if agent_name not in self.fabric.agents or agent_name in self.fabric.dead:
+            raise BackendError(f"no agent {agent_name}", peer_lost=True)
+        self.peers.add(agent_name)
+
+    def remove_peer(self, agent_name: str) -> None:
+        self.peers.discard(agent_name)
+
+    def _check_alive(self, agent_name: str) -> None:
+        if agent_name in self.fabric.dead:
+            raise BackendError(f"{agent_name} disconnected", peer_lost=True)
+
+    def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
+        self._check_alive(plan.peer)
+        if plan.peer not in self.peers:
+            raise BackendError(f"no handshake with {plan.peer}")
+        self._next += 1
+        read = _Read(plan, notif, self.fabric.agents[plan.peer])
+        self.reads[self._next] = read
+        if self.fabric.auto_complete:
+            self.finish(read)
+        return self._next
+
+    def finish(self, read: _Read) -> None:
+        p = read.plan
+        self.cache.copy_blocks_from(
+            read.source.cache, list(p.remote_block_ids), list(p.local_block_ids)
+        )
+        read.status = XferStatus.DONE
+        if read.notif and not self.fabric.drop_notifs:
+            read.source.inbox.append(Notification(self.agent_name, read.notif))
+
+    def poll(self, xfer: XferId) -> XferStatus:
+        read = self.reads[xfer]
+        if read.status is XferStatus.IN_PROGRESS:
+            self._check_alive(read.plan.peer)
+        return read.status
+
+    def descriptor_count(self, xfer: XferId) -> int | None:
+        return len(self.reads[xfer].plan.runs)
+
+    def release(self, xfer: XferId) -> None:
+        del self.reads[xfer]
+
+    def abort(self, xfer: XferId) -> bool:
+        if self.fabric.abort_fails:
+            return False
+        self.reads.pop(xfer, None)
+        return True
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        self._check_alive(agent_name)
+        self.sent.append((agent_name, message))
+        self.fabric.agents[agent_name].inbox.append(Notification(self.agent_name, message))
+
+    def get_notifs(self) -> list[Notification]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def close(self) -> None:
+        self.fabric.agents.pop(self.agent_name, None)
+
+
+def loopback_factory(fabric: LoopbackFabric, name: str | None = None) -> BackendFactory:
+    """A `BackendFactory` building loopback agents on `fabric` (optionally renamed)."""
+
+    def factory(agent_name: str, cache: KVCache, config: KVTransferConfig) -> LoopbackBackend:
+        return LoopbackBackend(fabric, name or agent_name, cache)
+
+    return factory
+
+
+def filled_cache(seed: int = 0, spec: KVCacheSpec = SPEC) -> KVCache:
+    """A cache whose block b holds values seed*1e6 + b*1e3 + offset (every block distinct)."""
+    import torch
+
+    cache = KVCache(spec)
+    per_block = cache.tensor[0].numel()
+    values = torch.arange(spec.num_blocks * per_block, dtype=torch.float32)
+    blocks = values.reshape(spec.num_blocks, per_block) // per_block
+    offsets = values.reshape(spec.num_blocks, per_block) % per_block
+    cache.tensor.copy_((seed * 1e6 + blocks * 1e3 + offsets).reshape(spec.shape))
+    return cache
+
+
+def make_handle(
+    request_id: str,
+    block_ids: tuple[int, ...],
+    lease_deadline: float,
+    agent_name: str = "P",
+    compat: str = COMPAT,
+    num_hashed: int | None = None,
+) -> KVHandle:
+    n = len(block_ids) if num_hashed is None else num_hashed
+    hashes = tuple(BlockHash(bytes([i]) * 16) for i in range(n))
+    return KVHandle(
+        request_id=request_id,
+        worker_id="prefill-0",
+        agent_name=agent_name,
+        block_ids=block_ids,
+        block_hashes=hashes,
+        num_tokens=len(block_ids) * SPEC.block_size,
+        lease_deadline=lease_deadline,
+        compat_hash=compat,
+    )

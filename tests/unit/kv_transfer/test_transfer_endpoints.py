@@ -1,0 +1,150 @@
+"""Prefill and decode endpoints with their threads, over the test-only loopback backend.
+
+Real time, short timers: these check that the reaper and the deadlines run on their own
+(no new work needed), and that callbacks arrive exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kvt_factories import MODEL, SPEC, LoopbackFabric, filled_cache, loopback_factory
+
+from engine.kv_cache import KVCache
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.decode_endpoint import DecodeEndpoint
+from kv_transfer.errors import HandshakeError, TransferTimeout, UnknownPeer
+from kv_transfer.manager import TransferOutcome, TransferState
+from kv_transfer.prefill_endpoint import PrefillEndpoint
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST = KVTransferConfig(
+    lease_s=5.0, reaper_interval_s=0.02, idle_tick_s=0.02, heartbeat_interval_s=0.05
+)
+
+
+class Pair:
+    def __init__(self, fabric: LoopbackFabric, config: KVTransferConfig = FAST) -> None:
+        self.released: queue.Queue[tuple[str, tuple[int, ...], float]] = queue.Queue()
+        self.outcomes: queue.Queue[TransferOutcome] = queue.Queue()
+        self.callback_threads: list[str] = []
+        self.prefill_cache = filled_cache(seed=3)
+        self.prefill = PrefillEndpoint(
+            self.prefill_cache,
+            MODEL,
+            "p0",
+            lambda rid, blocks: self.released.put((rid, blocks, time.monotonic())),
+            config,
+            loopback_factory(fabric),
+        )
+        self.decode_cache = KVCache(SPEC)
+        self.decode = DecodeEndpoint(
+            self.decode_cache,
+            MODEL,
+            "d0",
+            self._on_outcome,
+            self._on_outcome,
+            config,
+            loopback_factory(fabric),
+        )
+        self.info = self.prefill.start()
+        self.decode.start()
+
+    def _on_outcome(self, outcome: TransferOutcome) -> None:
+        self.callback_threads.append(threading.current_thread().name)
+        self.outcomes.put(outcome)
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+
+@pytest.fixture()
+def fabric() -> LoopbackFabric:
+    return LoopbackFabric()
+
+
+@pytest.fixture()
+def pair(fabric: LoopbackFabric) -> Iterator[Pair]:
+    p = Pair(fabric)
+    yield p
+    p.close()
+
+
+def test_hand_off_pull_and_release_over_the_loop_threads(pair: Pair) -> None:
+    pair.decode.add_peer(pair.info)
+    pair.decode.add_peer(pair.info)  # idempotent
+    assert pair.decode.has_peer(pair.info.agent_name)
+    handle = pair.prefill.hand_off("r1", [7, 8, 2], [], num_tokens=10)
+    assert pair.prefill.pinned_block_ids() == frozenset({2, 7, 8})
+    plan = pair.decode.submit(handle, [30, 31, 40])
+    outcome = pair.outcomes.get(timeout=5)
+    assert (outcome.request_id, outcome.state, outcome.plan) == ("r1", TransferState.DONE, plan)
+    assert torch.equal(pair.decode_cache.tensor[[30, 31, 40]], pair.prefill_cache.tensor[[7, 8, 2]])
+    rid, blocks, _ = pair.released.get(timeout=5)
+    assert (rid, blocks) == ("r1", (7, 8, 2))
+    assert pair.prefill.stats().released == 1 and pair.prefill.pinned_block_ids() == frozenset()
+    assert pair.decode.stats().transfers_done == 1
+    assert pair.decode.load().in_flight_blocks == 0
+    assert pair.callback_threads == ["kv-decode-d0"]  # the transfer thread, not the caller
+
+
+def test_reaper_frees_an_expired_lease_on_its_timer(pair: Pair) -> None:
+    start = time.monotonic()
+    pair.prefill.hand_off("r1", [1, 2], [], num_tokens=8, lease_s=0.2)
+    rid, blocks, at = pair.released.get(timeout=5)  # nobody calls the endpoint meanwhile
+    assert (rid, blocks) == ("r1", (1, 2))
+    assert 0.2 <= at - start < 0.2 + 0.3
+    assert pair.prefill.stats().expired == 1 and not pair.prefill.is_pinned(1)
+
+
+def test_decode_deadline_fires_on_its_timer_and_frees_the_blocks(
+    fabric: LoopbackFabric, pair: Pair
+) -> None:
+    fabric.auto_complete = False  # the read never finishes
+    pair.decode.add_peer(pair.info)
+    handle = pair.prefill.hand_off("r1", [1], [], num_tokens=4)
+    start = time.monotonic()
+    pair.decode.submit(handle, [9], deadline=time.time() + 0.2)
+    outcome = pair.outcomes.get(timeout=5)
+    assert outcome.state is TransferState.EXPIRED and isinstance(outcome.error, TransferTimeout)
+    assert outcome.plan.local_block_ids == (9,)
+    assert time.monotonic() - start < 0.2 + 0.3
+    rid, _, _ = pair.released.get(timeout=5)  # decode's abort notice ends the lease early
+    assert rid == "r1" and pair.prefill.stats().aborted == 1
+
+
+def test_submit_raises_for_unknown_peer_and_incompatible_peer_is_refused(
+    fabric: LoopbackFabric, pair: Pair
+) -> None:
+    handle = pair.prefill.hand_off("r1", [1], [], num_tokens=4)
+    with pytest.raises(UnknownPeer):
+        pair.decode.submit(handle, [9])
+    other_cache = KVCache(dataclasses.replace(SPEC, block_size=8))
+    other = PrefillEndpoint(
+        other_cache, MODEL, "p1", lambda r, b: None, FAST, loopback_factory(fabric)
+    )
+    try:
+        with pytest.raises(HandshakeError, match="block_size: peer 8 vs local 4"):
+            pair.decode.add_peer(other.start())
+    finally:
+        other.close()
+    assert pair.outcomes.empty() and pair.decode.load().queued_transfers == 0
+
+
+def test_close_releases_every_held_lease_and_fails_pending_pulls(fabric: LoopbackFabric) -> None:
+    p = Pair(fabric)
+    fabric.auto_complete = False
+    p.decode.add_peer(p.info)
+    p.decode.submit(p.prefill.hand_off("r1", [1], [], num_tokens=4), [5])
+    p.prefill.hand_off("r2", [2], [], num_tokens=4)
+    p.close()
+    assert p.outcomes.get(timeout=5).state is TransferState.FAILED
+    assert sorted(p.released.get(timeout=5)[0] for _ in range(2)) == ["r1", "r2"]
