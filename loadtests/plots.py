@@ -43,7 +43,7 @@ def plot_latency_cdfs(
         ax.set_ylabel("% of successful requests at or below")
         ax.set_ylim(0, 100.5)
         ax.grid(True, alpha=0.3)
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small", loc="lower right")
     fig.savefig(path, dpi=110)
     return path
@@ -84,6 +84,7 @@ def plot_goodput_sweep(
     ax_att.set_ylim(0, 102)
     for ax in (ax_rate, ax_att):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
     fig.savefig(path, dpi=110)
     return path

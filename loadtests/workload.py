@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -330,7 +331,7 @@ def _conversations(
     duration_s: float,
     arrivals_rng: random.Random,
     lengths_rng: random.Random,
-    tokens: Any,
+    tokens: Callable[[int], tuple[int, ...]],
 ) -> list[PlannedRequest]:
     conv = profile.conversation
     assert conv is not None
