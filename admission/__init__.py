@@ -9,7 +9,12 @@ from admission.config import (
     PolicyTuning,
     TenantLimit,
 )
-from admission.controller import AdmissionController, AdmissionStats, SnapshotProvider
+from admission.controller import (
+    AdmissionController,
+    AdmissionStats,
+    RequestState,
+    SnapshotProvider,
+)
 from admission.decision import (
     Admission,
     AdmissionRejected,
@@ -51,6 +56,7 @@ __all__ = [
     "PrefillThroughputEstimator",
     "PrefillWorkerLoad",
     "Reason",
+    "RequestState",
     "ScaledLimits",
     "SnapshotProvider",
     "TenantAllowance",

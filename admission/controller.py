@@ -2,7 +2,7 @@
 
 Lifecycle of one request in the controller:
 
-    admit() ──ADMIT──────────────────────────────► ADMITTED ──release()──► (gone)
+    admit() ──ADMIT──────────────────────────────► ADMITTED ──release()──► (gone: None)
        │                                              ▲
        ├──QUEUE──► QUEUED ──re-evaluated: ADMIT───────┘
        │             ├── re-evaluated: REJECT ──────► REJECTED (AdmissionRejected)
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import enum
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +40,14 @@ from admission.policy import evaluate
 from admission.rate_limit import Clock, TenantRateLimiter
 from admission.snapshot import AdmissionLedger, AdmissionRequest, ClusterSnapshot
 from admission.throughput import PrefillThroughputEstimator
+
+
+class RequestState(enum.Enum):
+    """Where a request the controller still tracks is (finished ones are forgotten: None)."""
+
+    QUEUED = "queued"  # waiting for capacity, bounded by its max wait
+    ADMITTED = "admitted"  # holds a reservation until release()
+
 
 SnapshotProvider = Callable[[], ClusterSnapshot]
 """Returns the router's current view of cluster load. Called on the event loop, often: it must
@@ -169,6 +178,14 @@ class AdmissionController:
             self.limiter.refund(reservation.tenant, unused)
         self._dispatch()
         return True
+
+    def state(self, request_id: str) -> RequestState | None:
+        """QUEUED, ADMITTED, or None (never seen, released, rejected, timed out, cancelled)."""
+        if request_id in self._admitted:
+            return RequestState.ADMITTED
+        if request_id in self._waiting_ids:
+            return RequestState.QUEUED
+        return None
 
     def notify_capacity_changed(self) -> None:
         """Re-evaluate queued requests now (e.g. a load report showed a prefill queue drained)."""

@@ -141,6 +141,11 @@ class TickInput:
     decode_workers: tuple[WorkerView, ...]
     ttft_samples: tuple[LatencySample, ...] = ()
     tpot_samples: tuple[LatencySample, ...] = ()
+    ttft_percentile_ms: float | None = None
+    """Already-computed TTFT percentile (at `slo_percentile`, cold starts excluded by the
+    caller), used when there are no samples; None: not reported."""
+    tpot_percentile_ms: float | None = None
+    """As `ttft_percentile_ms`, for TPOT."""
     queue_depth: int = 0
     """Requests waiting for prefill (admission queue + prefill queues)."""
     prefill_tokens_per_s: float = 0.0
@@ -153,6 +158,9 @@ class TickInput:
 
     def samples(self, role: Role) -> tuple[LatencySample, ...]:
         return self.ttft_samples if role is Role.PREFILL else self.tpot_samples
+
+    def reported_percentile_ms(self, role: Role) -> float | None:
+        return self.ttft_percentile_ms if role is Role.PREFILL else self.tpot_percentile_ms
 
     def demand_tokens_per_s(self, role: Role) -> float:
         return self.prefill_tokens_per_s if role is Role.PREFILL else self.decode_tokens_per_s
@@ -281,6 +289,8 @@ def _plan_role(
     metric = "TTFT" if role is Role.PREFILL else "TPOT"
     values = warm_samples(tick.samples(role), workers, tick.now_s, config.cold_start_s)
     p = percentile(values, config.slo_percentile) if len(values) >= config.min_samples else None
+    if not tick.samples(role):
+        p = tick.reported_percentile_ms(role)
     p_name = f"{metric} p{config.slo_percentile:g}"
     needed = _rate_needed(role, tick, config)
 

@@ -50,6 +50,8 @@ def tick_from_json(data: dict[str, Any]) -> TickInput:
             queue_depth=int(data.get("queue_depth", 0)),
             prefill_tokens_per_s=float(data.get("prefill_tokens_per_s", 0.0)),
             decode_tokens_per_s=float(data.get("decode_tokens_per_s", 0.0)),
+            ttft_percentile_ms=data.get("ttft_percentile_ms"),
+            tpot_percentile_ms=data.get("tpot_percentile_ms"),
         )
     except (KeyError, TypeError) as e:
         raise TraceError(f"tick: {e}") from e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -159,6 +160,8 @@ def run_bench(
 
 
 def _run_locust(target: str, spec: RunSpec, run_dir: Path) -> tuple[Path, Path]:
+    if importlib.util.find_spec("locust") is None:
+        raise BenchError("locust is not installed: pip install 'pdserve[bench]', or --no-locust")
     html, csv_prefix, log = run_dir / "locust.html", run_dir / "locust", run_dir / "locust.log"
     # A safety limit only: the open-loop user stops the run once its last request is done.
     limit_s = int(spec.duration_s + spec.request_timeout_s + 30)

@@ -20,6 +20,7 @@ from admission import (
     ClusterSnapshot,
     DuplicateRequestId,
     Reason,
+    RequestState,
     TenantLimit,
 )
 
@@ -388,5 +389,43 @@ def test_many_waiters_with_short_waits_all_finish_and_leave_no_state() -> None:
         stats = ctl.stats()
         assert (stats.waiting_now, stats.admitted_now, stats.reserved_blocks) == (0, 1, 75)
         assert stats.rejected_total == {Reason.QUEUE_TIMEOUT: 50}
+
+    run(scenario)
+
+
+def test_request_states_follow_the_documented_transitions() -> None:
+    async def scenario() -> None:
+        ctl = controller(replace(ONE_AT_A_TIME, max_queue_wait_ms=200.0))
+        cluster = Cluster()
+        assert ctl.state("a") is None
+        await ctl.admit(make_request("a"), cluster)
+        assert ctl.state("a") is RequestState.ADMITTED
+        # QUEUED -> ADMITTED on release
+        b = asyncio.create_task(ctl.admit(make_request("b"), cluster))
+        await settle()
+        assert ctl.state("b") is RequestState.QUEUED
+        ctl.release("a")
+        assert (ctl.state("a"), ctl.state("b")) == (None, RequestState.ADMITTED)
+        await b
+        # QUEUED -> gone on cancel
+        c = asyncio.create_task(ctl.admit(make_request("c"), cluster))
+        await settle()
+        c.cancel()
+        await settle()
+        assert ctl.state("c") is None
+        # QUEUED -> gone on timeout
+        with pytest.raises(AdmissionRejected):
+            await ctl.admit(make_request("d"), cluster)
+        assert ctl.state("d") is None
+        # QUEUED -> gone when re-evaluation rejects
+        e = asyncio.create_task(ctl.admit(make_request("e"), cluster))
+        await settle()
+        ctl.set_thresholds(replace(ONE_AT_A_TIME, max_queue_wait_ms=0.0))
+        with pytest.raises(AdmissionRejected):
+            await e
+        assert ctl.state("e") is None
+        # ADMITTED -> gone on release
+        ctl.release("b")
+        assert ctl.state("b") is None
 
     run(scenario)

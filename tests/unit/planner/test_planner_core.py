@@ -176,6 +176,15 @@ def test_scale_up_ratio_gives_the_slo_a_margin() -> None:
     assert plan(steady(ttft=samples("p0", [610.0] * 5)), config).prefill.add == 1
 
 
+def test_a_reported_percentile_is_used_when_no_samples_are_given() -> None:
+    reported = make_tick(tpot=STEADY_TPOT)
+    hot = TickInput(**{**reported.__dict__, "ttft_percentile_ms": 600.0})
+    d = plan(hot, CONFIG)
+    assert d.prefill.add == 1 and d.prefill.reasons == ("TTFT p90 600 ms > SLO 500 ms",)
+    both = TickInput(**{**hot.__dict__, "ttft_samples": tuple(STEADY_TTFT)})
+    assert plan(both, CONFIG).prefill.add == 0  # samples win over the reported value
+
+
 def test_too_few_samples_are_not_acted_on() -> None:
     d = plan(steady(ttft=samples("p0", [5000.0] * 4)), CONFIG)
     assert d.prefill.add == 0
