@@ -211,6 +211,8 @@ def _write_tables(out_dir: Path, results: Sequence[RateResult]) -> list[Path]:
 def _write_plots(
     out_dir: Path, results: Sequence[RateResult], slo: SLO, attainment_target: float
 ) -> list[Path]:
+    if importlib.util.find_spec("matplotlib") is None:  # e.g. a GPU box without the bench extra
+        return []
     from loadtests.plots import plot_goodput_sweep, plot_latency_cdfs
 
     runs = [(f"{r.rate:g} req/s", read_records(r.records_path)) for r in results]
