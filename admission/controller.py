@@ -220,6 +220,7 @@ class AdmissionController:
         if waiter.future.done():
             return waiter.future.result()  # an Admission, or raises the AdmissionRejected
         self._remove(waiter)
+        waiter.future.cancel()
         waited_ms = (loop.time() - waiter.enqueued_at) * 1000.0
         self._rejected[Reason.QUEUE_TIMEOUT] += 1
         self._dispatch()  # the head left: those behind it may go now
