@@ -19,13 +19,14 @@ transformers.generate on the same prompts, same run (and whether their tokens ag
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,10 +40,11 @@ from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
+T = TypeVar("T")
 ROWS: list[tuple[str, str, str, str]] = []  # (what, measured, reference, ratio)
 
 
-def step(title: str, fn: Callable[[], Any]) -> Any:
+def step(title: str, fn: Callable[[], T]) -> T | None:
     print(f"\n== {title}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -208,10 +210,12 @@ def gpu_main(args: argparse.Namespace) -> None:
         lambda: make_runner(False),
     )
     if eager is not None:
-        step(
-            "warm up eager prefill + decode (flashinfer JIT)",
-            lambda: (eager.execute(decode_batch(2, 64, bs, pages_decode)), eager.warmup(256)),
-        )
+
+        def warm_up(runner: ModelRunner) -> None:
+            runner.execute(decode_batch(2, 64, bs, pages_decode))
+            runner.warmup(256)
+
+        step("warm up eager prefill + decode (flashinfer JIT)", functools.partial(warm_up, eager))
     graphed = step("CUDA-graph runner (captures 1..max batch)", lambda: make_runner(True))
 
     def bench_decode(runner: ModelRunner, label: str, b: int) -> None:
@@ -233,9 +237,11 @@ def gpu_main(args: argparse.Namespace) -> None:
 
     for b in batches:
         if graphed is not None:
-            step(f"decode B={b}, CUDA graphs", lambda b=b: bench_decode(graphed, "graphs", b))
+            step(
+                f"decode B={b}, CUDA graphs", functools.partial(bench_decode, graphed, "graphs", b)
+            )
         if eager is not None:
-            step(f"decode B={b}, eager", lambda b=b: bench_decode(eager, "eager", b))
+            step(f"decode B={b}, eager", functools.partial(bench_decode, eager, "eager", b))
 
     def bench_prefill() -> None:
         runner = eager if eager is not None else graphed
@@ -257,6 +263,64 @@ def gpu_main(args: argparse.Namespace) -> None:
         )
 
     step(f"prefill one {prompt}-token prompt", bench_prefill)
+
+    def bench_decode_kernels() -> None:
+        """flashinfer decode alone on one layer's strided pool view (B=max, ctx) per kernel."""
+        b = max(batches)
+        assert kv is not None and hbm
+        pages = -(-context // bs)
+        indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32)
+        indices = torch.arange(b * pages, dtype=torch.int32, device="cuda")
+        last = torch.full((b,), context - (pages - 1) * bs, dtype=torch.int32)
+        cfg = model.cfg
+        q = torch.randn(b, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+        kv_bytes = b * context * cfg.num_kv_heads * cfg.head_dim * 2 * 2
+        floor = kv_bytes / hbm
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+        variants = [("fa2 tensor cores (ours)", "fa2", True), ("fa2 CUDA cores", "fa2", False)]
+        if args.fa3:
+            variants.append(("fa3 tensor cores", "fa3", True))
+        for label, backend, tc in variants:
+            try:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=tc, backend=backend
+                )
+                t0 = time.perf_counter()
+                w.plan(
+                    indptr,
+                    indices,
+                    last,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    cfg.head_dim,
+                    bs,
+                    q_data_type=torch.bfloat16,
+                    kv_data_type=torch.bfloat16,
+                )
+                w.run(q, kv.layer(0))
+                torch.cuda.synchronize()
+                jit = time.perf_counter() - t0
+                sec = time_steps(functools.partial(w.run, q, kv.layer(0)), iters=50)
+            except Exception as e:  # one variant failing must not hide the others
+                print(f"   {label}: FAILED {type(e).__name__}: {e}")
+                ROWS.append((f"decode attn 1 layer B={b} {label}", "FAILED", "", ""))
+                continue
+            print(
+                f"   {label}: {sec * 1e6:.0f} us/layer (first call {jit:.1f} s), "
+                f"floor {floor * 1e6:.0f} us, {sec / floor:.2f}x"
+            )
+            ROWS.append(
+                (
+                    f"decode attn 1 layer B={b} {label}",
+                    f"{sec * 1e6:.0f} us",
+                    f"floor {floor * 1e6:.0f} us",
+                    f"{sec / floor:.2f}x",
+                )
+            )
+
+    step(
+        "decode attention kernels alone (which kernel bounds the decode step)", bench_decode_kernels
+    )
 
 
 # ---------------------------------------------------------------------------------- CPU
@@ -337,6 +401,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="decode context per sequence")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=30, help="timed decode steps")
+    parser.add_argument(
+        "--fa3", action="store_true", help="also time fa3 decode attention (JIT ~100 s)"
+    )
     parser.add_argument("--cpu-prompt", type=int, default=32)
     parser.add_argument("--cpu-new", type=int, default=64)
     args = parser.parse_args()
