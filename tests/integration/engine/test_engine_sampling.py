@@ -1,0 +1,139 @@
+"""Stopping (eos, stop tokens, stop strings) and sampling (seeds, penalties) through the
+whole engine on the tiny model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Reference
+from engine_factories import greedy, make_engine, run_to_completion, text_of, tokens_of
+
+from engine.config import EngineMode
+from engine.engine import LLMEngine
+from engine.model import LlamaModel
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+EOS = 1
+
+
+@pytest.fixture()
+def engine(tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer) -> LLMEngine:
+    return make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
+
+
+def test_eos_stops_generation_unless_ignored(
+    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference
+) -> None:
+    ref = hf_greedy(prompts[5], 10)
+    assert EOS in ref
+    end = ref.index(EOS) + 1
+    engine.add_request("stop", prompts[5], greedy(10, ignore_eos=False))
+    engine.add_request("ignore", prompts[5], greedy(10, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    assert tokens_of(outputs["stop"]) == ref[:end]
+    assert outputs["stop"][-1].finish_reason is FinishReason.STOP
+    assert outputs["stop"][-1].stop_reason is None
+    assert tokens_of(outputs["ignore"]) == ref
+
+
+def test_stop_token_is_included_in_tokens_but_not_in_text(
+    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference, tiny_tokenizer: Tokenizer
+) -> None:
+    ref = hf_greedy(prompts[0], 10)
+    stop_token = ref[3]
+    end = ref.index(stop_token) + 1
+    engine.add_request("r", prompts[0], greedy(10, stop_token_ids=(stop_token,)))
+    outputs = run_to_completion(engine)["r"]
+    assert tokens_of(outputs) == ref[:end]
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert outputs[-1].stop_reason == stop_token
+    assert text_of(outputs) == tiny_tokenizer.decode(ref[: end - 1])
+
+
+def test_stop_string_ends_generation_and_is_cut_from_the_text(
+    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference, tiny_tokenizer: Tokenizer
+) -> None:
+    ref = hf_greedy(prompts[1], 16)
+    text = tiny_tokenizer.decode(ref)
+    stop = text[10:14]
+    cut = text.index(stop)
+    # The request ends on the first token whose text completes the stop string.
+    end = next(k for k in range(1, 17) if stop in tiny_tokenizer.decode(ref[:k]))
+    engine.add_request("r", prompts[1], greedy(16, stop=(stop, "never-seen")))
+    outputs = run_to_completion(engine)["r"]
+    assert tokens_of(outputs) == ref[:end]
+    assert text_of(outputs) == text[:cut]
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == (FinishReason.STOP, stop)
+    # While running, no delta ever carried a prefix of the stop string past the cut.
+    released = ""
+    for out in outputs:
+        released += out.text_delta
+        assert text[:cut].startswith(released)
+
+
+SAMPLED = SamplingParams(temperature=4.0, top_p=0.95, top_k=50, max_tokens=12, ignore_eos=True)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(
+    tiny_model_dir: Path,
+    tiny_model: LlamaModel,
+    tiny_tokenizer: Tokenizer,
+    prompts: list[list[int]],
+) -> None:
+    args = (tiny_model_dir, tiny_model, tiny_tokenizer)
+    alone = make_engine(*args)
+    alone.add_request("s", prompts[3], replace(SAMPLED, seed=1234))
+    crowd = make_engine(*args, seed=7)
+    crowd.add_request("a", prompts[0], SAMPLED)
+    crowd.add_request("s", prompts[3], replace(SAMPLED, seed=1234))
+    crowd.add_request("b", prompts[1], replace(SAMPLED, seed=99))
+    crowd.add_request("other-seed", prompts[3], replace(SAMPLED, seed=4321))
+    first, second = run_to_completion(alone), run_to_completion(crowd)
+    assert tokens_of(first["s"]) == tokens_of(second["s"])
+    assert tokens_of(second["s"]) != tokens_of(second["other-seed"])
+
+
+def test_seeded_handoff_continues_the_colocated_random_stream(
+    tiny_model_dir: Path,
+    tiny_model: LlamaModel,
+    tiny_tokenizer: Tokenizer,
+    prompts: list[list[int]],
+) -> None:
+    args = (tiny_model_dir, tiny_model, tiny_tokenizer)
+    params = replace(SAMPLED, seed=42)
+    colocated = make_engine(*args)
+    colocated.add_request("r", prompts[4], params)
+    want = tokens_of(run_to_completion(colocated)["r"])
+    p = make_engine(*args, mode=EngineMode.PREFILL_ONLY)
+    d = make_engine(*args, mode=EngineMode.DECODE_ONLY)
+    p.add_request("r", prompts[4], params)
+    [out] = run_to_completion(p)["r"]
+    assert out.kv_handoff is not None
+    alloc = d.allocate_for_transfer("r", prompts[4], out.kv_handoff.block_hashes)
+    d.kv_cache.copy_blocks_from(p.kv_cache, list(out.kv_handoff.block_ids), list(alloc.block_ids))
+    d.add_transferred_request("r", out.kv_handoff.first_token_id, params)
+    assert [out.kv_handoff.first_token_id, *tokens_of(run_to_completion(d)["r"])] == want
+
+
+def test_repetition_penalty_matches_a_transformers_reference(
+    engine: LLMEngine, prompts: list[list[int]], tiny_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    prompt, penalty = prompts[3], 1.5
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(10):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)))
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+            ids.append(int(logits.argmax()))
+    engine.add_request("r", prompt, greedy(10, repetition_penalty=penalty))
+    assert tokens_of(run_to_completion(engine)["r"]) == ids[len(prompt) :]
