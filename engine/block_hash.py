@@ -29,7 +29,9 @@ def hash_extra(model_id: str, cache_salt: str = "") -> bytes:
     return f"{model_id}\x1f{cache_salt}".encode()
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes) -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int] | np.ndarray, extra: bytes
+) -> BlockHash:
     """Hash one full block given its parent's hash (None for the first block)."""
     h = xxhash.xxh3_128(seed=_SEED)
     h.update(parent if parent is not None else _ROOT)

@@ -67,6 +67,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class Rotary(nn.Module):
     """Rotate-half RoPE with a cos/sin table for every position up to the context length."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)

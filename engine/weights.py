@@ -12,11 +12,12 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
 
-from engine.model import LlamaModel
+from engine.model import DecoderLayer, LlamaModel
 from engine.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -54,7 +55,7 @@ def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, int, int, str] 
     i, rest = int(m.group(1)), m.group(2)
     if i >= cfg.num_layers:
         raise ValueError(f"tensor {name!r} is beyond num_hidden_layers={cfg.num_layers}")
-    layer = model.layers[i]
+    layer = cast(DecoderLayer, model.layers[i])
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     fused: dict[str, tuple[torch.Tensor | None, int, int]] = {
         "self_attn.q_proj.weight": (layer.qkv_proj, 0, q),

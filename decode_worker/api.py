@@ -1,0 +1,52 @@
+"""The decode call's request and its streamed chunks (frozen, tensor-free, torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from kv_transfer.types import KVHandle
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Decode a request whose KV waits on a prefill worker (`handle`), or prefill it here.
+
+    With a handle, `first_token_id` is the token the prefill worker sampled (already sent to
+    the client). Without one (conditional disaggregation, colocated serving) the decode
+    worker computes the prompt itself and streams the first token too.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str = ""
+    handle: KVHandle | None = None
+    first_token_id: int | None = None
+    first_logprob: float | None = None
+    arrival_time: float = 0.0
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request since the previous chunk.
+
+    The first chunk of a pulled request reports the transfer; the last (finish_reason set)
+    carries the usage counts.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_transferred_tokens: int = 0
+    transfer_s: float = 0.0
+    queue_s: float = 0.0
+    """Local prefill: time from arrival to first scheduled on this worker."""
+    prefill_s: float = 0.0
+    """Local prefill: time from first scheduled to the first token."""

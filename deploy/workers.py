@@ -1,0 +1,74 @@
+"""Create worker actors on Ray: resources, names and restart policy from config.
+
+One actor per GPU (`num_gpus=1`) where the cluster has GPUs, else a fractional CPU slot. The
+actor is named `pdserve-worker-{id}` in the cluster's namespace (decode workers find prefill
+peers by that name for the KV handshake).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from decode_worker.worker import DecodeWorker
+from kv_transfer.config import KVTransferConfig
+from prefill_worker.api import WorkerInfo, WorkerRole, actor_name_for
+from prefill_worker.runtime import WorkerConfig
+from prefill_worker.worker import PrefillWorker
+
+
+@dataclass(frozen=True)
+class ActorPlacement:
+    """Ray resources of one worker actor."""
+
+    num_gpus: float = 0.0
+    num_cpus: float = 0.5
+    resources: tuple[tuple[str, float], ...] = ()
+    """Custom resources (e.g. ("prefill", 1)) for node groups of an autoscaling cluster."""
+    max_restarts: int = 0
+    """Ray restarts of a crashed actor; 0 lets the controller replace it with a fresh one."""
+
+
+def default_placement() -> ActorPlacement:
+    """One GPU per worker where the cluster has GPUs, else half a CPU."""
+    gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
+    if gpus >= 1:
+        return ActorPlacement(num_gpus=1.0, num_cpus=1.0)
+    return ActorPlacement()
+
+
+def actor_class(role: WorkerRole) -> type:
+    return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
+
+
+def create_worker(
+    config: WorkerConfig,
+    transfer: KVTransferConfig,
+    placement: ActorPlacement | None = None,
+) -> Any:
+    """Create (not start) the actor; call `.start.remote()` on the handle and await it."""
+    placement = placement or default_placement()
+    name = actor_name_for(config.worker_id)
+    remote_cls = ray.remote(actor_class(config.role))
+    return remote_cls.options(  # type: ignore[attr-defined]
+        name=name,
+        num_gpus=placement.num_gpus,
+        num_cpus=placement.num_cpus,
+        resources=dict(placement.resources),
+        max_restarts=placement.max_restarts,
+        max_concurrency=4096,
+    ).remote(config, transfer, name)
+
+
+def start_worker_sync(
+    config: WorkerConfig,
+    transfer: KVTransferConfig,
+    placement: ActorPlacement | None = None,
+    timeout_s: float = 600.0,
+) -> tuple[Any, WorkerInfo]:
+    """Create and start a worker, blocking until its model is loaded."""
+    handle = create_worker(config, transfer, placement)
+    info = ray.get(handle.start.remote(), timeout=timeout_s)
+    return handle, info

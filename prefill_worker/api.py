@@ -1,0 +1,120 @@
+"""What crosses the Ray boundary to and from workers (frozen, tensor-free, torch-free).
+
+Shared by both roles and by the router and controller: `WorkerRole`, `WorkerState`,
+`WorkerLoad`, `WorkerInfo`, the prefill call's `PrefillRequest` / `PrefillResult`, and the
+typed errors a worker raises to its caller.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.outputs import EngineLoad
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from kv_transfer.types import KVHandle, TransferLoad
+
+
+class WorkerRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class WorkerState(enum.Enum):
+    """STARTING → READY → DRAINING → STOPPED (DRAINING → READY on `undrain`)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Identity and placement of a worker (fixed for its life)."""
+
+    worker_id: str
+    role: WorkerRole
+    actor_name: str
+    node: str
+    device: str
+    model_id: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load, taken without touching its engine thread (cheap to poll)."""
+
+    worker_id: str
+    role: WorkerRole
+    state: WorkerState
+    engine: EngineLoad
+    inflight_requests: int
+    requests_done: int
+    transfer: TransferLoad = field(default_factory=TransferLoad)
+    """Decode side: blocks being pulled (queued + in flight)."""
+    leased_blocks: int = 0
+    """Prefill side: blocks held under leases until a decode worker pulls them."""
+    leases_held: int = 0
+    leases_expired: int = 0
+    prefill_tokens_per_s: float = 0.0
+    """Observed prefill throughput (prompt tokens computed per busy second), 0 until known."""
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str = ""
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    """Wall-clock time after which the worker gives up on the request."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token, and where the prompt's KV waits for a decode worker.
+
+    `handle` is None when the request already ended with its first token (`finish_reason`
+    set: eos, a stop token, max_tokens=1); then no blocks are held.
+    """
+
+    request_id: str
+    first_token_id: int
+    first_text: str
+    first_logprob: float | None
+    finish_reason: FinishReason | None
+    handle: KVHandle | None
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    queue_s: float
+    prefill_s: float
+    worker_id: str
+
+
+class WorkerDraining(Exception):
+    """The worker is draining and admits no new request: place it elsewhere."""
+
+
+class WorkerOverloaded(Exception):
+    """The worker cannot hold this request now (e.g. KV pool short): place it elsewhere."""
+
+
+class RequestDeadlineExceeded(Exception):
+    """The request's deadline passed on the worker; everything it held was freed."""
+
+
+ACTOR_NAME_PREFIX = "pdserve-worker-"
+
+
+def actor_name_for(worker_id: str) -> str:
+    """The Ray actor name of a worker (namespace: the cluster's), e.g. for handshakes."""
+    return f"{ACTOR_NAME_PREFIX}{worker_id}"

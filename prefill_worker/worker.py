@@ -1,0 +1,206 @@
+"""The prefill worker: a Ray actor that computes prompts and lends their KV to decode workers.
+
+Lifecycle of a request in this worker (DESIGN.md steps 5-6):
+
+1. `prefill(req)` arrives: the request joins the engine's waiting queue (prefill-only mode;
+   prompts are batched and chunked under the step's token budget; cached prefix blocks of
+   earlier prompts are reused).
+2. The engine computes the prompt and samples the first token; the request finishes with
+   its blocks kept (FINISHED_PREFILLED).
+3. The blocks are pinned under a lease (`PrefillEndpoint.hand_off`) and the first token plus
+   a `KVHandle` go back to the caller. A request that ended on its first token (eos,
+   max_tokens=1) holds nothing and returns no handle.
+4. A decode worker pulls the blocks over NIXL and notifies; the lease ends and the blocks
+   go back to the pool as evictable prefix-cache entries. If no notice comes, the lease
+   expires (reaper on a timer) with the same effect.
+
+Aborts: before step 3 the engine aborts the request (blocks freed at once); after it,
+`abort(request_id)` ends the lease. A cancelled or timed-out `prefill` call aborts too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine.outputs import RequestOutput
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.prefill_endpoint import PrefillEndpoint
+from kv_transfer.protocol import HandshakeInfo
+from prefill_worker.api import (
+    PrefillRequest,
+    PrefillResult,
+    WorkerDraining,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerOverloaded,
+    WorkerState,
+)
+from prefill_worker.runtime import WorkerConfig, WorkerRuntime, next_output
+
+log = logging.getLogger(__name__)
+
+_EWMA = 0.2
+
+
+class PrefillWorker:
+    """Ray actor class (wrap with `ray.remote(...)`; see deploy/launch for options)."""
+
+    def __init__(
+        self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
+    ) -> None:
+        self.runtime = WorkerRuntime(config, actor_name or config.worker_id)
+        self.transfer_config = transfer
+        self.endpoint: PrefillEndpoint | None = None
+        self._tokens_per_s = 0.0
+
+    async def start(self) -> WorkerInfo:
+        """Load the model, start the engine and the KV endpoint; returns the worker's info."""
+        info = await self.runtime.start()
+        engine = self.runtime.engine
+        assert engine is not None
+        endpoint = PrefillEndpoint(
+            engine.kv_cache,
+            engine.model_id,
+            self.runtime.config.worker_id,
+            release_blocks=self._release_blocks,
+            config=self.transfer_config,
+        )
+        await asyncio.to_thread(endpoint.start)
+        self.endpoint = endpoint
+        return info
+
+    def handshake_info(self) -> HandshakeInfo:
+        return self._endpoint.handshake_info()
+
+    @property
+    def _endpoint(self) -> PrefillEndpoint:
+        if self.endpoint is None:
+            raise RuntimeError("prefill worker not started")
+        return self.endpoint
+
+    def _release_blocks(self, request_id: str, block_ids: tuple[int, ...]) -> None:
+        # KV-transfer thread: the lease ended (pulled, aborted or expired).
+        self.runtime.post(lambda e: e.release_request_blocks(request_id))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        rt = self.runtime
+        if rt.state is not WorkerState.READY:
+            raise WorkerDraining(f"worker {rt.config.worker_id} is {rt.state.value}")
+        if rt.num_inflight >= rt.config.max_inflight_requests:
+            raise WorkerOverloaded(f"worker {rt.config.worker_id} holds too many requests")
+        rid = req.request_id
+        queue = rt.open_stream(rid)
+        try:
+            await rt.call(
+                lambda e: e.add_request(
+                    rid,
+                    req.prompt_token_ids,
+                    req.sampling,
+                    cache_salt=req.cache_salt,
+                    arrival_time=req.arrival_time or None,
+                )
+            )
+            out = await next_output(queue, req.deadline, rid)
+            return self._result(out)
+        except BaseException:
+            rt.post(lambda e: e.abort_request(rid))
+            raise
+        finally:
+            rt.close_stream(rid)
+            rt.requests_done += 1
+
+    def _result(self, out: RequestOutput) -> PrefillResult:
+        t = out.timings
+        scheduled = t.first_scheduled or t.arrival
+        first = t.first_token or scheduled
+        prefill_s = max(first - scheduled, 0.0)
+        computed = out.num_prompt_tokens - out.num_cached_prompt_tokens
+        if prefill_s > 0 and computed > 0:
+            rate = computed / prefill_s
+            self._tokens_per_s = (
+                rate
+                if not self._tokens_per_s
+                else ((1 - _EWMA) * self._tokens_per_s + _EWMA * rate)
+            )
+        handle = None
+        if out.kv_handoff is not None:
+            h = out.kv_handoff
+            handle = self._endpoint.hand_off(
+                h.request_id, h.block_ids, h.block_hashes, h.num_tokens
+            )
+            self.runtime.requests_done += 1
+        return PrefillResult(
+            request_id=out.request_id,
+            first_token_id=out.new_token_ids[0],
+            first_text=out.text_delta,
+            first_logprob=out.logprobs[0] if out.logprobs else None,
+            finish_reason=None if handle is not None else out.finish_reason,
+            handle=handle,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_prompt_tokens=out.num_cached_prompt_tokens,
+            queue_s=max(scheduled - t.arrival, 0.0),
+            prefill_s=prefill_s,
+            worker_id=self.runtime.config.worker_id,
+        )
+
+    async def abort(self, request_id: str) -> bool:
+        """Free whatever the request holds here: queued or running work, or a lease.
+
+        Call only once no decode worker can still read the blocks (the router aborts the
+        decode side first); otherwise let the lease expire.
+        """
+        found = await self.runtime.call(lambda e: e.abort_request(request_id))
+        self._endpoint.cancel(request_id)
+        return bool(found)
+
+    # ---- status and drain -------------------------------------------------------------------
+
+    def load(self) -> WorkerLoad:
+        rt = self.runtime
+        leases = self._endpoint.stats() if self.endpoint is not None else None
+        return WorkerLoad(
+            worker_id=rt.config.worker_id,
+            role=rt.config.role,
+            state=rt.state,
+            engine=rt.driver.load,
+            inflight_requests=rt.num_inflight,
+            requests_done=rt.requests_done,
+            leased_blocks=leases.pinned_blocks if leases else 0,
+            leases_held=leases.held if leases else 0,
+            leases_expired=leases.expired if leases else 0,
+            prefill_tokens_per_s=self._tokens_per_s,
+            timestamp=time.time(),
+        )
+
+    def info(self) -> WorkerInfo:
+        assert self.runtime.info is not None
+        return self.runtime.info
+
+    def ping(self) -> str:
+        return self.runtime.state.value
+
+    async def drain(self, timeout_s: float = 60.0) -> bool:
+        """Stop admitting; wait until no request is in flight and no lease is held."""
+        rt = self.runtime
+        if rt.state is WorkerState.READY:
+            rt.state = WorkerState.DRAINING
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            leases = self._endpoint.stats()
+            if rt.num_inflight == 0 and leases.held == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    def undrain(self) -> None:
+        if self.runtime.state is WorkerState.DRAINING:
+            self.runtime.state = WorkerState.READY
+
+    async def shutdown(self) -> None:
+        if self.endpoint is not None:
+            await asyncio.to_thread(self._endpoint.close)
+        self.runtime.stop()
