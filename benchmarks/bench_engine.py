@@ -59,10 +59,10 @@ def step(title: str, fn: Callable[[], T]) -> T | None:
 
 
 def print_table() -> None:
-    print("\n" + "=" * 96)
-    print(f"{'what':<44}{'measured':>18}{'reference':>20}{'ratio':>14}")
+    print("\n" + "=" * 104)
+    print(f"{'what':<52}{'measured':>18}{'reference':>20}{'ratio':>14}")
     for row in ROWS:
-        print(f"{row[0]:<44}{row[1]:>18}{row[2]:>20}{row[3]:>14}")
+        print(f"{row[0]:<52}{row[1]:>18}{row[2]:>20}{row[3]:>14}")
 
 
 def decode_batch(batch_size: int, context: int, block_size: int, first_block: int = 0):
@@ -265,45 +265,55 @@ def gpu_main(args: argparse.Namespace) -> None:
     step(f"prefill one {prompt}-token prompt", bench_prefill)
 
     def bench_decode_kernels() -> None:
-        """flashinfer decode alone on one layer's strided pool view (B=max, ctx) per kernel."""
+        """flashinfer decode alone on one layer (B=max batch, ctx tokens each), per kernel and
+        page size: our strided pool view at page 16, then contiguous per-layer tensors."""
         b = max(batches)
         assert kv is not None and hbm
-        pages = -(-context // bs)
-        indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32)
-        indices = torch.arange(b * pages, dtype=torch.int32, device="cuda")
-        last = torch.full((b,), context - (pages - 1) * bs, dtype=torch.int32)
         cfg = model.cfg
         q = torch.randn(b, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-        kv_bytes = b * context * cfg.num_kv_heads * cfg.head_dim * 2 * 2
-        floor = kv_bytes / hbm
+        floor = b * context * cfg.num_kv_heads * cfg.head_dim * 2 * 2 / hbm
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-        variants = [("fa2 tensor cores (ours)", "fa2", True), ("fa2 CUDA cores", "fa2", False)]
+        # (label, kernel backend, tensor cores, page size, strided pool view?)
+        variants = [
+            ("fa2 TC p16 pool view (ours)", "fa2", True, bs, True),
+            ("fa2 CUDA cores p16 pool view", "fa2", False, bs, True),
+            ("fa2 TC p16 contiguous", "fa2", True, 16, False),
+            ("fa2 TC p32 contiguous", "fa2", True, 32, False),
+            ("fa2 TC p64 contiguous", "fa2", True, 64, False),
+        ]
         if args.fa3:
-            variants.append(("fa3 tensor cores", "fa3", True))
-        for label, backend, tc in variants:
+            variants.append(("fa3 TC p16 pool view", "fa3", True, bs, True))
+        for label, backend, tc, page, strided in variants:
             try:
+                pages = -(-context // page)
+                if strided:
+                    cache = kv.layer(0)
+                else:
+                    shape = (b * pages, 2, page, cfg.num_kv_heads, cfg.head_dim)
+                    cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     ws, "NHD", use_tensor_cores=tc, backend=backend
                 )
                 t0 = time.perf_counter()
                 w.plan(
-                    indptr,
-                    indices,
-                    last,
+                    torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32),
+                    torch.arange(b * pages, dtype=torch.int32, device="cuda"),
+                    torch.full((b,), context - (pages - 1) * page, dtype=torch.int32),
                     cfg.num_heads,
                     cfg.num_kv_heads,
                     cfg.head_dim,
-                    bs,
+                    page,
                     q_data_type=torch.bfloat16,
                     kv_data_type=torch.bfloat16,
                 )
-                w.run(q, kv.layer(0))
+                w.run(q, cache)
                 torch.cuda.synchronize()
                 jit = time.perf_counter() - t0
-                sec = time_steps(functools.partial(w.run, q, kv.layer(0)), iters=50)
+                sec = time_steps(functools.partial(w.run, q, cache), iters=50)
+                del cache
             except Exception as e:  # one variant failing must not hide the others
                 print(f"   {label}: FAILED {type(e).__name__}: {e}")
-                ROWS.append((f"decode attn 1 layer B={b} {label}", "FAILED", "", ""))
+                ROWS.append((f"decode attn B={b} {label}", "FAILED", "", ""))
                 continue
             print(
                 f"   {label}: {sec * 1e6:.0f} us/layer (first call {jit:.1f} s), "
@@ -311,7 +321,7 @@ def gpu_main(args: argparse.Namespace) -> None:
             )
             ROWS.append(
                 (
-                    f"decode attn 1 layer B={b} {label}",
+                    f"decode attn B={b} {label}",
                     f"{sec * 1e6:.0f} us",
                     f"floor {floor * 1e6:.0f} us",
                     f"{sec / floor:.2f}x",
