@@ -1,0 +1,175 @@
+"""Peer processes for the two-process NIXL tests, and TEST-ONLY fault-injecting backends.
+
+A peer runs one real endpoint (NIXL over UCX on CPU) in its own process (multiprocessing
+"spawn") and obeys commands sent over a pipe, so the test process can hold the other side,
+read what happened, and kill the peer with SIGKILL mid-transfer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer.backend import XferId, XferStatus
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.nixl_backend import NixlBackend
+from kv_transfer.types import TransferPlan
+
+MODEL = "nixl-test-model"
+SMALL = KVCacheSpec(
+    num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype="float32"
+)
+# 512 KiB blocks: big enough that a pull is still running when a peer is killed.
+LARGE = KVCacheSpec(
+    num_blocks=256, num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32"
+)
+
+
+def fill(cache: KVCache, seed: int) -> None:
+    """Deterministic, different in every block: block b starts with seed * 1e6 + b * 1e3."""
+    spec = cache.spec
+    per_block = cache.tensor[0].numel()
+    index = torch.arange(per_block, dtype=torch.float32)
+    for b in range(spec.num_blocks):
+        cache.tensor[b].view(-1).copy_(seed * 1e6 + b * 1e3 + index % 997)
+
+
+# ---- fault injection (test-only) -----------------------------------------------------------
+
+
+class DroppedNoticeBackend(NixlBackend):
+    """Reads complete, but the completion notice never reaches the prefill side."""
+
+    def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
+        return super().start_read(plan, b"")
+
+
+class LostCompletionBackend(NixlBackend):
+    """The read's completion is never observed by the decode side (poll stays in progress)."""
+
+    def poll(self, xfer: XferId) -> XferStatus:
+        super().poll(xfer)
+        return XferStatus.IN_PROGRESS
+
+
+def backend_factory(kind: str) -> Callable[[str, KVCache, KVTransferConfig], NixlBackend]:
+    classes = {"nixl": NixlBackend, "drop": DroppedNoticeBackend, "lost": LostCompletionBackend}
+    cls = classes[kind]
+
+    def make(agent_name: str, cache: KVCache, config: KVTransferConfig) -> NixlBackend:
+        return cls(agent_name, cache, config.descriptor_mode, config.capture_telemetry)
+
+    return make
+
+
+# ---- peer processes -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Released:
+    request_id: str
+    block_ids: tuple[int, ...]
+    at: float  # time.time()
+
+
+def prefill_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) -> None:
+    """A prefill endpoint: answers hand_off / released / stats / pinned / exit."""
+    from kv_transfer.prefill_endpoint import PrefillEndpoint
+
+    cache = KVCache(spec)
+    fill(cache, seed=1)
+    released: list[Released] = []
+    lock = threading.Lock()
+
+    def release(rid: str, blocks: tuple[int, ...]) -> None:
+        with lock:
+            released.append(Released(rid, blocks, time.time()))
+
+    endpoint = PrefillEndpoint(cache, MODEL, "p0", release, config)
+    conn.send(endpoint.start())
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "hand_off":
+            rid, blocks, lease_s = args
+            hashes = [BlockHash(b.to_bytes(16, "little")) for b in blocks]  # all blocks full
+            conn.send(
+                endpoint.hand_off(rid, blocks, hashes, len(blocks) * spec.block_size, lease_s)
+            )
+        elif cmd == "released":
+            with lock:
+                conn.send(list(released))
+        elif cmd == "stats":
+            conn.send((endpoint.stats(), endpoint.pinned_block_ids()))
+        elif cmd == "exit":
+            endpoint.close()
+            conn.send("bye")
+            return
+
+
+def decode_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) -> None:
+    """A decode endpoint: add_peer, then pull every handle it is sent; reports outcomes."""
+    from kv_transfer.decode_endpoint import DecodeEndpoint
+
+    cache = KVCache(spec)
+    send_lock = threading.Lock()
+
+    def report(outcome: Any) -> None:
+        with send_lock:
+            conn.send(("outcome", outcome.request_id, outcome.state.value))
+
+    endpoint = DecodeEndpoint(cache, MODEL, "d0", report, report, config)
+    endpoint.start()
+    conn.send(("ready",))
+    info = conn.recv()
+    endpoint.add_peer(info)
+    handles, local_ids = conn.recv()
+    for handle, local in zip(handles, local_ids, strict=True):
+        endpoint.submit(handle, local)
+    with send_lock:
+        conn.send(("submitted", len(handles)))
+    while conn.recv() != "exit":
+        pass
+
+
+class Peer:
+    """A spawned peer process with a pipe; `kill()` is SIGKILL."""
+
+    def __init__(self, target: Callable[..., None], *args: object) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process.start()
+
+    def recv(self, timeout_s: float = 30.0) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"peer {self.process.pid} sent nothing within {timeout_s}s")
+        return self.conn.recv()
+
+    def ask(self, *command: object, timeout_s: float = 30.0) -> Any:
+        self.conn.send(command)
+        return self.recv(timeout_s)
+
+    def kill(self) -> None:
+        if self.process.is_alive() and self.process.pid is not None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("exit",))
+                self.process.join(5)
+            except (BrokenPipeError, OSError):
+                pass
+        self.kill()

@@ -1,0 +1,279 @@
+"""Two real processes moving KV blocks with NIXL over UCX (shm/tcp on loopback, CPU only).
+
+The test process holds one endpoint; a spawned peer process holds the other (kvt_peer.py).
+Every wait has a deadline; each test also has a hard pytest timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from kvt_peer import LARGE, MODEL, SMALL, Peer, Released, backend_factory, decode_main, fill
+from kvt_peer import prefill_main as prefill_peer_main
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer.config import BudgetConfig, KVTransferConfig
+from kv_transfer.decode_endpoint import DecodeEndpoint
+from kv_transfer.errors import HandshakeError, PeerLost, TransferError, TransferTimeout
+from kv_transfer.manager import TransferOutcome, TransferState
+from kv_transfer.prefill_endpoint import PrefillEndpoint
+from kv_transfer.protocol import HandshakeInfo
+from kv_transfer.types import KVHandle
+
+pytestmark = pytest.mark.timeout(90)
+
+PREFILL_CONFIG = KVTransferConfig(reaper_interval_s=0.05, lease_s=10.0)
+DECODE_CONFIG = KVTransferConfig(capture_telemetry=True, idle_tick_s=0.02)
+
+
+def expected_blocks(spec: KVCacheSpec, block_ids: list[int]) -> torch.Tensor:
+    cache = KVCache(dataclasses.replace(spec, num_blocks=max(block_ids) + 1))
+    fill(cache, seed=1)
+    return cache.tensor[block_ids]
+
+
+class Decoder:
+    """A decode endpoint in the test process, collecting outcomes."""
+
+    def __init__(
+        self, spec: KVCacheSpec, config: KVTransferConfig = DECODE_CONFIG, fault: str = "nixl"
+    ) -> None:
+        self.cache = KVCache(spec)
+        self.outcomes: queue.Queue[TransferOutcome] = queue.Queue()
+        self.endpoint = DecodeEndpoint(
+            self.cache,
+            MODEL,
+            "d0",
+            self.outcomes.put,
+            self.outcomes.put,
+            config,
+            backend_factory(fault),
+        )
+        self.endpoint.start()
+
+    def wait(self, n: int, timeout_s: float) -> list[TransferOutcome]:
+        deadline = time.monotonic() + timeout_s
+        got = []
+        while len(got) < n:
+            got.append(self.outcomes.get(timeout=max(0.0, deadline - time.monotonic())))
+        return got
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+DOOMED_DECODE_CONFIG = KVTransferConfig(
+    budget=BudgetConfig(max_inflight_blocks=16),
+    heartbeat_interval_s=0.2,
+    lease_extension_s=1.0,
+    lease_safety_margin_s=0.1,
+)
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[dict[str, Peer]]:
+    """Every peer process of the module, spawned at once so their start-ups overlap."""
+    started = {
+        "prefill": Peer(prefill_peer_main, SMALL, PREFILL_CONFIG),  # shared, never killed
+        "doomed_prefill": Peer(prefill_peer_main, LARGE, PREFILL_CONFIG),
+        "doomed_decode": Peer(decode_main, LARGE, DOOMED_DECODE_CONFIG),
+    }
+    try:
+        yield started
+    finally:
+        for peer in started.values():
+            peer.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(peers: dict[str, Peer]) -> tuple[Peer, HandshakeInfo]:
+    """The shared prefill process (SMALL pool, block b filled from seed 1) and its handshake."""
+    peer = peers["prefill"]
+    return peer, peer.recv(timeout_s=60)
+
+
+@pytest.fixture()
+def decoder() -> Iterator[Callable[..., Decoder]]:
+    made: list[Decoder] = []
+
+    def make(*args: object, **kwargs: object) -> Decoder:
+        d = Decoder(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.endpoint.close()
+
+
+def released_ids(peer: Peer) -> dict[str, Released]:
+    return {r.request_id: r for r in peer.ask("released")}
+
+
+def test_two_processes_pull_blocks_over_nixl_and_bytes_match(
+    prefill: tuple[Peer, HandshakeInfo], decoder: Callable[..., Decoder]
+) -> None:
+    peer, info = prefill
+    d = decoder(SMALL)
+    d.endpoint.add_peer(info)
+    contiguous: KVHandle = peer.ask("hand_off", "contig", [10, 11, 12, 13], None)
+    scattered: KVHandle = peer.ask("hand_off", "scatter", [40, 3, 4, 20], None)
+    reused: KVHandle = peer.ask("hand_off", "reuse", [30, 31, 32], None)
+    plans = [
+        d.endpoint.submit(contiguous, [0, 1, 2, 3]),
+        d.endpoint.submit(scattered, [8, 9, 10, 50]),
+        d.endpoint.submit(reused, [20, 21], num_reused=1),  # block 30 is already here
+    ]
+    assert [p.num_descriptors for p in plans] == [1, 3, 1]
+    outcomes = {o.request_id: o for o in d.wait(3, timeout_s=20)}
+    assert {o.state for o in outcomes.values()} == {TransferState.DONE}
+    for plan in plans:
+        got = d.cache.tensor[list(plan.local_block_ids)]
+        assert torch.equal(got, expected_blocks(SMALL, list(plan.remote_block_ids)))
+        assert outcomes[plan.request_id].posted_descriptors == plan.num_descriptors
+    untouched = sorted(set(range(SMALL.num_blocks)) - {b for p in plans for b in p.local_block_ids})
+    assert d.cache.tensor[untouched].abs().sum() == 0  # nothing else was written
+    wait_for(lambda: {"contig", "scatter", "reuse"} <= set(released_ids(peer)), timeout_s=5)
+    stats = d.endpoint.stats()
+    assert (stats.transfers_done, stats.blocks_transferred, stats.descriptors) == (3, 10, 5)
+
+
+def test_incompatible_peer_is_refused_with_a_clear_error(
+    prefill: tuple[Peer, HandshakeInfo], decoder: Callable[..., Decoder]
+) -> None:
+    _, info = prefill
+    d = decoder(dataclasses.replace(SMALL, block_size=32))
+    with pytest.raises(HandshakeError, match="block_size: peer 16 vs local 32"):
+        d.endpoint.add_peer(info)
+    same = decoder(SMALL)
+    with pytest.raises(HandshakeError, match="protocol v2"):
+        same.endpoint.add_peer(dataclasses.replace(info, protocol_version=2))
+    assert not same.endpoint.has_peer(info.agent_name)
+
+
+def test_dropped_completion_notice_lease_expiry_frees_prefill_blocks(
+    prefill: tuple[Peer, HandshakeInfo], decoder: Callable[..., Decoder]
+) -> None:
+    peer, info = prefill
+    d = decoder(SMALL, fault="drop")
+    d.endpoint.add_peer(info)
+    handle: KVHandle = peer.ask("hand_off", "dropped", [5, 6], 1.0)
+    d.endpoint.submit(handle, [0, 1])
+    (outcome,) = d.wait(1, timeout_s=5)
+    assert outcome.state is TransferState.DONE
+    assert torch.equal(d.cache.tensor[[0, 1]], expected_blocks(SMALL, [5, 6]))
+    wait_for(lambda: "dropped" in released_ids(peer), timeout_s=5)
+    freed = released_ids(peer)["dropped"]
+    assert freed.block_ids == (5, 6)
+    assert handle.lease_deadline <= freed.at < handle.lease_deadline + 0.5  # reaper, on time
+    stats, pinned = peer.ask("stats")
+    assert stats.expired >= 1 and not ({5, 6} & pinned)
+
+
+def test_lost_read_completion_times_out_and_both_sides_free_their_blocks(
+    prefill: tuple[Peer, HandshakeInfo], decoder: Callable[..., Decoder]
+) -> None:
+    peer, info = prefill
+    d = decoder(SMALL, fault="lost")
+    d.endpoint.add_peer(info)
+    handle: KVHandle = peer.ask("hand_off", "lost", [7, 8], None)  # 10 s lease
+    start = time.time()
+    d.endpoint.submit(handle, [30, 31], deadline=start + 0.5)
+    (outcome,) = d.wait(1, timeout_s=5)
+    assert outcome.state is TransferState.EXPIRED and isinstance(outcome.error, TransferTimeout)
+    assert outcome.plan.local_block_ids == (30, 31)
+    assert time.time() - start < 0.5 + 0.3
+    # decode's abort notice ends the prefill lease long before its 10 s deadline
+    wait_for(lambda: "lost" in released_ids(peer), timeout_s=2)
+    assert released_ids(peer)["lost"].at < handle.lease_deadline - 8
+    assert d.endpoint.load().in_flight_blocks == 0
+
+
+def test_killed_prefill_mid_pull_decode_frees_every_block_within_its_deadline(
+    peers: dict[str, Peer], decoder: Callable[..., Decoder]
+) -> None:
+    peer = peers["doomed_prefill"]
+    try:
+        info = peer.recv(timeout_s=60)
+        config = KVTransferConfig(budget=BudgetConfig(max_inflight_blocks=16), idle_tick_s=0.02)
+        d = decoder(LARGE, config)
+        d.endpoint.add_peer(info)
+        handles = [
+            peer.ask("hand_off", f"r{i}", list(range(16 * i, 16 * i + 16)), None) for i in range(12)
+        ]
+        deadline = time.time() + 5.0
+        plans = [
+            d.endpoint.submit(h, list(range(16 * i, 16 * i + 16)), deadline=deadline)
+            for i, h in enumerate(handles)
+        ]
+        first = d.wait(1, timeout_s=20)
+        peer.kill()
+        killed_at = time.time()
+        rest = d.wait(len(handles) - 1, timeout_s=deadline - time.time() + 1.0)
+    finally:
+        peer.kill()
+    outcomes = first + rest
+    assert time.time() <= deadline + 1.0
+    failed = [o for o in outcomes if o.state is not TransferState.DONE]
+    assert failed, "the kill landed after every pull finished"
+    assert all(isinstance(o.error, (PeerLost, TransferError)) for o in failed)
+    freed = sorted(b for o in failed for b in o.plan.local_block_ids)
+    done = sorted(
+        b for o in outcomes if o.state is TransferState.DONE for b in o.plan.local_block_ids
+    )
+    assert sorted(freed + done) == sorted(b for p in plans for b in p.local_block_ids)
+    wait_for(lambda: d.endpoint.load().pending_blocks == 0, timeout_s=1)
+    print(
+        f"killed prefill: {len(failed)} of {len(outcomes)} pulls failed, last outcome "
+        f"{max(time.time() - killed_at, 0):.2f}s after the kill"
+    )
+
+
+def test_killed_decode_mid_pull_prefill_frees_every_lease_in_time(
+    peers: dict[str, Peer],
+) -> None:
+    released: queue.Queue[tuple[str, tuple[int, ...], float]] = queue.Queue()
+    cache = KVCache(LARGE)
+    fill(cache, seed=1)
+    prefill = PrefillEndpoint(
+        cache,
+        MODEL,
+        "p-local",
+        lambda r, b: released.put((r, b, time.time())),
+        KVTransferConfig(lease_s=1.0, reaper_interval_s=0.05),
+    )
+    info = prefill.start()
+    peer = peers["doomed_decode"]
+    try:
+        assert peer.recv(timeout_s=60) == ("ready",)
+        handles = [
+            prefill.hand_off(f"r{i}", list(range(16 * i, 16 * i + 16)), [], 256) for i in range(12)
+        ]
+        peer.conn.send(info)
+        peer.conn.send((handles, [h.block_ids for h in handles]))
+        first = released.get(timeout=20)  # the first completion notice arrived
+        peer.kill()
+        killed_at = time.time()
+        rest = [released.get(timeout=5.0) for _ in range(len(handles) - 1)]
+    finally:
+        peer.kill()
+        prefill.close()
+    ends = [first, *rest]
+    assert sorted(r for r, _, _ in ends) == sorted(h.request_id for h in handles)
+    assert prefill.pinned_block_ids() == frozenset()
+    # A lease ends at its own deadline or, if the dead decode extended it, at most
+    # lease_extension_s after the kill; the reaper (every 0.05 s) frees it just after.
+    latest_end = max(max(h.lease_deadline for h in handles), killed_at + 1.0)
+    assert max(at for _, _, at in rest) < latest_end + 0.3
+    stats = prefill.stats()
+    assert stats.released >= 1 and stats.expired >= 1 and stats.released + stats.expired == 12
