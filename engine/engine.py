@@ -12,8 +12,12 @@ Hand-off hooks (DESIGN.md lifecycle steps 5-6):
   which need no transfer); the worker fills the rest, then `add_transferred_request` starts
   decoding, or `free_transfer_blocks` gives them back on failure.
 
-Not thread-safe: every method must be called from one thread (or under one lock); see
-`docs` of the workers for the queueing pattern.
+Every mode accepts `add_request` (a decode-only worker prefills short prompts itself:
+conditional disaggregation); the mode only decides whether a request stops after its first
+token (prefill-only) or runs to completion.
+
+Not thread-safe: every method must be called from one thread; `engine.driver.EngineDriver`
+runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
 """
 
 from __future__ import annotations
@@ -121,8 +125,9 @@ class LLMEngine:
         """Run one scheduled batch; one output per request that sampled or finished."""
         outputs, self._ready = self._ready, []
         decision = self.scheduler.schedule()
-        for request in decision.finished:
-            outputs.append(self._output(request, 0, ""))
+        for request in decision.finished:  # ended by the scheduler (LENGTH: pool too small)
+            text = self._checkers[request.request_id].take_text_delta(request, finished=True)
+            outputs.append(self._output(request, 0, text))
             self._stop_tracking(request.request_id)
         batch = decision.batch
         if not batch.chunks:

@@ -132,3 +132,45 @@ def test_logprobs_of_greedy_tokens_are_the_max_log_probability(
     n = len(prompts[3])
     want = [logp[n - 1 + k, ids[n + k]].item() for k in range(4)]
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_cache_salt_isolates_prefix_cache_entries(engine_args, prompts: list[list[int]]) -> None:
+    engine = make_engine(*engine_args)
+    engine.add_request("a", prompts[0], greedy(2), cache_salt="tenant-a")
+    run_to_completion(engine)
+    engine.add_request("b", prompts[0], greedy(2), cache_salt="tenant-b")
+    engine.add_request("a2", prompts[0], greedy(2), cache_salt="tenant-a")
+    outputs = run_to_completion(engine)
+    assert outputs["b"][-1].num_cached_prompt_tokens == 0
+    assert outputs["a2"][-1].num_cached_prompt_tokens == 32
+
+
+def test_timings_and_load_snapshot(engine_args, prompts: list[list[int]]) -> None:
+    engine = make_engine(*engine_args, max_num_batched_tokens=32)
+    for i in (0, 1):
+        engine.add_request(f"r{i}", prompts[i], greedy(3))
+    load = engine.load()
+    assert (load.num_waiting, load.num_running) == (2, 0)
+    assert load.num_waiting_prefill_tokens == len(prompts[0]) + len(prompts[1])
+    engine.step()  # 32 tokens of r0's prompt
+    load = engine.load()
+    assert (load.num_waiting, load.num_running) == (1, 1)
+    assert load.num_waiting_prefill_tokens == len(prompts[0]) - 32 + len(prompts[1])
+    assert load.num_free_blocks == load.num_total_blocks - 2
+    outputs = run_to_completion(engine)
+    t = outputs["r0"][-1].timings
+    assert t.first_scheduled is not None and t.first_token is not None
+    assert t.finished is not None
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert [o.timings.finished is None for o in outputs["r0"]] == [True, True, False]
+
+
+def test_invalid_prompts_name_the_field(engine_args) -> None:
+    engine = make_engine(*engine_args, num_kv_blocks=2)
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: must not be empty"):
+        engine.add_request("r", [], greedy())
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: id 512 is outside \[0, 512\)"):
+        engine.add_request("r", [0, 512], greedy())
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: 40 tokens do not fit the KV pool"):
+        engine.add_request("r", [5] * 40, greedy())
+    assert not engine.has_unfinished()
