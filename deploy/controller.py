@@ -1,0 +1,278 @@
+"""The controller actor: the worker registry, health checks, drain and rebalance.
+
+A named, detached Ray actor (`pdserve-controller`). It creates the workers, tells routers who
+exists (`list_workers`), pings every worker on a timer and removes a dead one from the
+registry within seconds (replacing it when `replace_dead`), and moves capacity between roles
+by draining: a worker leaving a role first stops admitting, finishes its in-flight requests
+and leases, and only then stops, so a rebalance loses no request.
+
+Worker states as the controller sees them:
+
+    STARTING ──start() ok──► READY ──drain()──► DRAINING ──drained──► STOPPED (removed)
+       │                       │
+       └── start failed        └── ping fails `failure_threshold` times ──► DEAD (removed,
+           (removed)                                                       replaced if set)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+
+from deploy.workers import ActorPlacement, create_worker, default_placement
+from engine.config import EngineConfig, EngineMode
+from kv_transfer.config import KVTransferConfig, PrefixIndexConfig
+from prefill_worker.api import WorkerInfo, WorkerRole
+from prefill_worker.runtime import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "pdserve-controller"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the controller runs: the model, how many workers of each role, and how."""
+
+    engine: EngineConfig
+    """Base engine settings; the mode is set per role."""
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False
+    """Baseline mode: decode workers get the COLOCATED role and no prefill workers run."""
+    redis_url: str | None = None
+    transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    placement: ActorPlacement | None = None
+    """Ray resources per worker; None: one GPU each where there are GPUs, else half a CPU."""
+    prefill_placement: ActorPlacement | None = None
+    decode_placement: ActorPlacement | None = None
+    torch_threads: int = 1
+    replace_dead: bool = True
+    health_interval_s: float = 1.0
+    failure_threshold: int = 3
+    start_timeout_s: float = 900.0
+
+
+@dataclass
+class _Worker:
+    info: WorkerInfo | None
+    role: WorkerRole
+    worker_id: str
+    handle: Any
+    state: str = "starting"
+    failures: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Controller:
+    """Ray actor class (create with `ray.remote(Controller).options(name=..., lifetime=...)`)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.workers: dict[str, _Worker] = {}
+        self._ids = itertools.count()
+        self._health_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.events: list[str] = []
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> list[WorkerInfo]:
+        """Start the configured workers (all at once); returns their infos."""
+        roles = [WorkerRole.PREFILL] * (0 if self.spec.colocated else self.spec.num_prefill)
+        decode_role = WorkerRole.COLOCATED if self.spec.colocated else WorkerRole.DECODE
+        roles += [decode_role] * self.spec.num_decode
+        infos = await asyncio.gather(*(self._start_worker(r) for r in roles))
+        self._health_task = asyncio.create_task(self._health_loop())
+        return list(infos)
+
+    async def shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await asyncio.gather(*(self._stop(w) for w in list(self.workers.values())))
+
+    # ---- registry ---------------------------------------------------------------------------
+
+    def list_workers(self) -> list[tuple[WorkerInfo, Any]]:
+        return [(w.info, w.handle) for w in self.workers.values() if w.info and w.state == "ready"]
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"worker_id": w.worker_id, "role": w.role.value, "state": w.state}
+            for w in self.workers.values()
+        ]
+
+    def recent_events(self) -> list[str]:
+        return list(self.events[-100:])
+
+    def _log(self, message: str) -> None:
+        log.info(message)
+        self.events.append(f"{time.strftime('%H:%M:%S')} {message}")
+
+    def _worker_config(self, role: WorkerRole, worker_id: str) -> WorkerConfig:
+        mode = EngineMode.PREFILL_ONLY if role is WorkerRole.PREFILL else EngineMode.COLOCATED
+        return WorkerConfig(
+            worker_id=worker_id,
+            role=role,
+            engine=replace(self.spec.engine, mode=mode),
+            redis_url=self.spec.redis_url,
+            index=self.spec.index,
+            torch_threads=self.spec.torch_threads,
+        )
+
+    def _placement(self, role: WorkerRole) -> ActorPlacement:
+        specific = (
+            self.spec.prefill_placement
+            if role is WorkerRole.PREFILL
+            else self.spec.decode_placement
+        )
+        return specific or self.spec.placement or default_placement()
+
+    async def _start_worker(self, role: WorkerRole) -> WorkerInfo:
+        worker_id = f"{role.value}-{next(self._ids)}"
+        handle = create_worker(
+            self._worker_config(role, worker_id), self.spec.transfer, self._placement(role)
+        )
+        w = _Worker(None, role, worker_id, handle)
+        self.workers[worker_id] = w
+        try:
+            info: WorkerInfo = await asyncio.wait_for(
+                handle.start.remote(), self.spec.start_timeout_s
+            )
+        except BaseException as e:
+            self.workers.pop(worker_id, None)
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+            self._log(f"worker {worker_id} failed to start: {e}")
+            raise
+        w.info, w.state = info, "ready"
+        self._log(f"worker {worker_id} ({role.value}) ready on {info.device}")
+        return info
+
+    async def add_worker(self, role: str) -> WorkerInfo:
+        return await self._start_worker(WorkerRole(role))
+
+    # ---- health -----------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:
+                log.exception("health check failed")
+
+    async def check_health(self) -> list[str]:
+        """Ping every ready worker; returns the ids found dead (and removed) this round."""
+        ready = [w for w in self.workers.values() if w.state in ("ready", "draining")]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(w.handle.ping.remote(), 2.0) for w in ready),
+            return_exceptions=True,
+        )
+        dead = []
+        for w, r in zip(ready, results, strict=True):
+            if not isinstance(r, BaseException):
+                w.failures = 0
+                continue
+            w.failures += 1
+            died = isinstance(r, ray.exceptions.RayActorError)
+            if died or w.failures >= self.spec.failure_threshold:
+                dead.append(w)
+        for w in dead:
+            self.workers.pop(w.worker_id, None)
+            self._log(f"worker {w.worker_id} is dead; removed from placement")
+            with contextlib.suppress(Exception):
+                ray.kill(w.handle)
+            if self.spec.replace_dead and w.state == "ready":
+                asyncio.create_task(self._replace(w.role))
+        return [w.worker_id for w in dead]
+
+    async def _replace(self, role: WorkerRole) -> None:
+        try:
+            info = await self._start_worker(role)
+            self._log(f"replaced a dead {role.value} worker with {info.worker_id}")
+        except Exception as e:
+            self._log(f"could not replace a dead {role.value} worker: {e}")
+
+    # ---- drain and rebalance ----------------------------------------------------------------
+
+    async def drain(self, worker_id: str, stop: bool, timeout_s: float) -> tuple[bool, str]:
+        """Stop admitting on a worker and wait for its in-flight work; optionally stop it."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return False, f"unknown worker {worker_id}"
+        w.state = "draining"
+        self._log(f"draining {worker_id}")
+        drained = bool(await w.handle.drain.remote(timeout_s))
+        if not drained:
+            return False, f"{worker_id} still had work after {timeout_s:.0f}s"
+        if stop:
+            await self._stop(w)
+            return True, f"{worker_id} drained and stopped"
+        return True, f"{worker_id} drained (idle, not admitting)"
+
+    async def _stop(self, w: _Worker) -> None:
+        self.workers.pop(w.worker_id, None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(w.handle.shutdown.remote(), 30)
+        with contextlib.suppress(Exception):
+            ray.kill(w.handle)
+        w.state = "stopped"
+        self._log(f"worker {w.worker_id} stopped")
+
+    async def rebalance(
+        self, prefill: int, decode: int, timeout_s: float
+    ) -> tuple[list[str], list[str], str]:
+        """Reach `prefill` prefill and `decode` decode workers, draining before stopping.
+
+        Shrinking roles are drained and stopped first (freeing their devices), then growing
+        roles start new workers; a worker is never stopped with requests in flight.
+        """
+        async with self._lock:
+            decode_role = WorkerRole.COLOCATED if self.spec.colocated else WorkerRole.DECODE
+            targets = {WorkerRole.PREFILL: prefill, decode_role: decode}
+            stopped: list[str] = []
+            started: list[str] = []
+            for role, n in targets.items():
+                current = [
+                    w for w in self.workers.values() if w.role is role and w.state == "ready"
+                ]
+                for w in sorted(current, key=lambda w: w.worker_id, reverse=True)[
+                    : max(len(current) - n, 0)
+                ]:
+                    ok, msg = await self.drain(w.worker_id, stop=True, timeout_s=timeout_s)
+                    if not ok:
+                        with contextlib.suppress(Exception):
+                            await w.handle.undrain.remote()
+                        w.state = "ready"
+                        return started, stopped, f"rebalance stopped: {msg}"
+                    stopped.append(w.worker_id)
+            for role, n in targets.items():
+                have = sum(1 for w in self.workers.values() if w.role is role)
+                infos = await asyncio.gather(
+                    *(self._start_worker(role) for _ in range(max(n - have, 0)))
+                )
+                started += [i.worker_id for i in infos]
+            msg = f"now {prefill} prefill + {decode} {decode_role.value}"
+            self._log(f"rebalance: {msg} (started {started}, stopped {stopped})")
+            return started, stopped, msg
+
+
+def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "name": CONTROLLER_NAME,
+        "namespace": namespace,
+        "num_cpus": 0,
+        "max_concurrency": 1000,
+    }
+    if detached:
+        opts["lifetime"] = "detached"
+    return opts

@@ -1,0 +1,250 @@
+"""The router's live view of the workers: who exists (from a directory), who is alive, and
+how loaded each is (polled), in the shapes admission and placement take.
+
+Loads are polled on a timer (`poll_interval_s`) with a timeout; a worker that fails
+`failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
+at once. Between polls the router adds what it dispatched itself (prompt tokens sent to a
+prefill worker, not yet reported back), so a burst does not pile onto one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from admission.snapshot import ClusterSnapshot, DecodeWorkerLoad, PrefillWorkerLoad
+from kv_transfer.types import PrefixMatch
+from prefill_worker.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from router.metrics import RouterMetrics
+from router.placement import DecodeCandidate, PrefillCandidate
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDirectory(Protocol):
+    """Where the router learns which workers exist (the controller, or a fixed list)."""
+
+    async def list_workers(self) -> list[tuple[WorkerInfo, Any]]: ...
+
+
+class StaticDirectory:
+    """A fixed set of (info, actor handle) pairs (tests, single-process setups)."""
+
+    def __init__(self, workers: list[tuple[WorkerInfo, Any]]) -> None:
+        self.workers = list(workers)
+
+    async def list_workers(self) -> list[tuple[WorkerInfo, Any]]:
+        return list(self.workers)
+
+
+class ControllerDirectory:
+    """Asks the controller actor for its registry."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+
+    async def list_workers(self) -> list[tuple[WorkerInfo, Any]]:
+        return list(await self.controller.list_workers.remote())
+
+
+@dataclass
+class WorkerEntry:
+    info: WorkerInfo
+    handle: Any
+    load: WorkerLoad | None = None
+    alive: bool = True
+    failures: int = 0
+    dispatched_prefill_tokens: int = 0
+    """Prompt tokens this router sent to the worker that its last report may not show."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def serving(self) -> bool:
+        """Alive, started, and admitting new requests."""
+        return self.alive and self.load is not None and self.load.state is WorkerState.READY
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        reported = self.load.engine.num_waiting_prefill_tokens if self.load else 0
+        return reported + self.dispatched_prefill_tokens
+
+
+class ClusterView:
+    def __init__(
+        self,
+        directory: WorkerDirectory,
+        metrics: RouterMetrics | None = None,
+        poll_interval_s: float = 0.05,
+        registry_interval_s: float = 1.0,
+        call_timeout_s: float = 2.0,
+        failure_threshold: int = 3,
+    ) -> None:
+        self.directory = directory
+        self.metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self.registry_interval_s = registry_interval_s
+        self.call_timeout_s = call_timeout_s
+        self.failure_threshold = failure_threshold
+        self.entries: dict[str, WorkerEntry] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.refresh_registry()
+        await self.poll_loads()
+        self._tasks = [
+            asyncio.create_task(self._every(self.registry_interval_s, self.refresh_registry)),
+            asyncio.create_task(self._every(self.poll_interval_s, self.poll_loads)),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    async def _every(self, interval_s: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await fn()
+            except Exception:
+                log.exception("cluster view refresh failed")
+
+    async def refresh_registry(self) -> None:
+        try:
+            listed = await asyncio.wait_for(self.directory.list_workers(), self.call_timeout_s)
+        except Exception as e:
+            log.warning("worker directory unavailable: %s", e)
+            return
+        seen = set()
+        for info, handle in listed:
+            seen.add(info.worker_id)
+            entry = self.entries.get(info.worker_id)
+            if entry is None or entry.handle != handle:
+                self.entries[info.worker_id] = WorkerEntry(info, handle)
+        for wid in set(self.entries) - seen:
+            gone = self.entries.pop(wid)
+            if self.metrics is not None:
+                self.metrics.forget_worker(wid, gone.info.role.value)
+
+    async def poll_loads(self) -> None:
+        entries = list(self.entries.values())
+        if not entries:
+            return
+        results = await asyncio.gather(
+            *(asyncio.wait_for(e.handle.load.remote(), self.call_timeout_s) for e in entries),
+            return_exceptions=True,
+        )
+        for entry, result in zip(entries, results, strict=True):
+            if isinstance(result, BaseException):
+                entry.failures += 1
+                if entry.failures >= self.failure_threshold and entry.alive:
+                    log.warning("worker %s stopped answering: %s", entry.worker_id, result)
+                    entry.alive = False
+                continue
+            entry.failures = 0
+            entry.alive = True
+            entry.load = result
+            entry.dispatched_prefill_tokens = 0
+            if self.metrics is not None:
+                self.metrics.observe_load(result)
+        self._changed.set()
+
+    def mark_dead(self, worker_id: str) -> None:
+        entry = self.entries.get(worker_id)
+        if entry is not None:
+            entry.alive = False
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Wait until the next load poll (or `timeout_s`)."""
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+    # ---- views ------------------------------------------------------------------------------
+
+    def serving(self, *roles: WorkerRole) -> list[WorkerEntry]:
+        return [e for e in self.entries.values() if e.info.role in roles and e.serving]
+
+    def prefill_workers(self) -> list[WorkerEntry]:
+        return self.serving(WorkerRole.PREFILL)
+
+    def decode_workers(self) -> list[WorkerEntry]:
+        return self.serving(WorkerRole.DECODE, WorkerRole.COLOCATED)
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self.entries.get(worker_id)
+
+    def block_size(self) -> int:
+        for e in self.entries.values():
+            return e.info.block_size
+        return 16
+
+    def prefill_candidates(
+        self, match: PrefixMatch, exclude: frozenset[str] = frozenset()
+    ) -> list[PrefillCandidate]:
+        return [
+            PrefillCandidate(e.worker_id, match.blocks_cached(e.worker_id), e.queued_prefill_tokens)
+            for e in self.prefill_workers()
+            if e.worker_id not in exclude
+        ]
+
+    def decode_candidates(
+        self, match: PrefixMatch, exclude: frozenset[str] = frozenset()
+    ) -> list[DecodeCandidate]:
+        out = []
+        for e in self.decode_workers():
+            if e.worker_id in exclude or e.load is None:
+                continue
+            eng = e.load.engine
+            out.append(
+                DecodeCandidate(
+                    e.worker_id,
+                    cached_blocks=match.blocks_cached(e.worker_id),
+                    active_kv_blocks=eng.num_total_blocks - eng.num_free_blocks,
+                    inflight_transfer_blocks=e.load.transfer.pending_blocks,
+                    free_kv_blocks=eng.num_free_blocks,
+                )
+            )
+        return out
+
+    def admission_snapshot(
+        self, throughput: Callable[[str], float], router_inflight: int
+    ) -> ClusterSnapshot:
+        prefill = tuple(
+            PrefillWorkerLoad(e.worker_id, e.queued_prefill_tokens, throughput(e.worker_id))
+            for e in self.prefill_workers()
+        )
+        decode = []
+        budget = 1
+        for e in self.decode_workers():
+            assert e.load is not None
+            eng = e.load.engine
+            decode.append(
+                DecodeWorkerLoad(
+                    e.worker_id,
+                    total_blocks=eng.num_total_blocks,
+                    free_blocks=eng.num_free_blocks,
+                    inflight_transfer_blocks=e.load.transfer.pending_blocks,
+                )
+            )
+            budget = max(budget, e.load.transfer.max_inflight_blocks)
+        return ClusterSnapshot(
+            prefill_workers=prefill,
+            decode_workers=tuple(decode),
+            transfer_budget_blocks=budget,
+            router_inflight_requests=router_inflight,
+            block_size=self.block_size(),
+        )

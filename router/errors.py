@@ -1,0 +1,99 @@
+"""Every failure of a request mapped to one gRPC status, in one place.
+
+    InvalidRequest / SamplingParamsError      INVALID_ARGUMENT (message names the field)
+    AdmissionRejected                         RESOURCE_EXHAUSTED + `retry-after-ms` trailer,
+                                              except NO_LIVE_WORKER -> UNAVAILABLE,
+                                              REQUEST_TOO_LARGE -> INVALID_ARGUMENT,
+                                              DEADLINE_UNREACHABLE -> DEADLINE_EXCEEDED
+    RequestDeadlineExceeded / TimeoutError    DEADLINE_EXCEEDED
+    NoWorkerError, WorkerLost                 UNAVAILABLE
+    TransferError (after the retry)           UNAVAILABLE
+    WorkerOverloaded / WorkerDraining         RESOURCE_EXHAUSTED + `retry-after-ms`
+    anything else                             INTERNAL (a server fault, never bad input)
+
+Worker exceptions arrive wrapped by Ray (`RayTaskError`); `unwrap` digs out the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from admission.decision import AdmissionRejected, Reason
+from engine.sampling_params import SamplingParamsError
+from kv_transfer.errors import TransferError
+from prefill_worker.api import RequestDeadlineExceeded, WorkerDraining, WorkerOverloaded
+from router.placement import NoWorkerError
+from router.validation import InvalidRequest
+
+RETRY_AFTER_KEY = "retry-after-ms"
+DEFAULT_RETRY_AFTER_MS = 500
+
+
+class WorkerLost(Exception):
+    """A worker died (or stopped answering) while serving the request."""
+
+
+@dataclass(frozen=True)
+class GrpcFailure:
+    """A status to end the call with."""
+
+    code: grpc.StatusCode
+    message: str
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+    outcome: str = "error"
+    """Label for metrics (invalid, rejected, deadline, cancelled, unavailable, internal)."""
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The original exception inside Ray's wrappers (RayTaskError.cause), if any."""
+    seen = 0
+    while seen < 8:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException) and cause is not exc:
+            exc = cause
+            seen += 1
+            continue
+        break
+    return exc
+
+
+def _retry(ms: float | None) -> tuple[tuple[str, str], ...]:
+    return ((RETRY_AFTER_KEY, str(int(ms if ms is not None else DEFAULT_RETRY_AFTER_MS))),)
+
+
+def to_grpc_failure(exc: BaseException) -> GrpcFailure:
+    exc = unwrap(exc)
+    code = grpc.StatusCode
+    if isinstance(exc, (InvalidRequest, SamplingParamsError)):
+        return GrpcFailure(code.INVALID_ARGUMENT, str(exc), outcome="invalid")
+    if isinstance(exc, AdmissionRejected):
+        if exc.reason is Reason.NO_LIVE_WORKER:
+            return GrpcFailure(code.UNAVAILABLE, exc.message, outcome="unavailable")
+        if exc.reason is Reason.REQUEST_TOO_LARGE:
+            return GrpcFailure(code.INVALID_ARGUMENT, exc.message, outcome="invalid")
+        if exc.reason is Reason.DEADLINE_UNREACHABLE:
+            return GrpcFailure(code.DEADLINE_EXCEEDED, exc.message, outcome="deadline")
+        return GrpcFailure(
+            code.RESOURCE_EXHAUSTED, exc.message, _retry(exc.retry_after_ms), "rejected"
+        )
+    if isinstance(exc, (RequestDeadlineExceeded, TimeoutError)):
+        return GrpcFailure(code.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded", (), "deadline")
+    if isinstance(exc, (WorkerOverloaded, WorkerDraining)):
+        return GrpcFailure(code.RESOURCE_EXHAUSTED, str(exc), _retry(None), "rejected")
+    if isinstance(exc, (NoWorkerError, WorkerLost, TransferError)):
+        return GrpcFailure(code.UNAVAILABLE, str(exc), outcome="unavailable")
+    if is_actor_death(exc):
+        return GrpcFailure(code.UNAVAILABLE, f"worker lost: {exc}", outcome="unavailable")
+    return GrpcFailure(
+        code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", outcome="internal"
+    )
+
+
+def is_actor_death(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:
+        return False
+    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError))

@@ -1,0 +1,439 @@
+"""The request orchestrator: hash → admit → place → prefill → hand-off → decode stream.
+
+One `generate` call per request (DESIGN.md lifecycle steps 2-8, after validation):
+
+1. Hash the prompt's full blocks (engine/block_hash.py) and ask the Redis index which worker
+   caches the longest prefix (one round trip; Redis down means "no cache info", not failure).
+2. Admit (admission controller: admit now, queue with a bounded wait, or reject early).
+3. Place: least-cost prefill worker (cache-aware) and least-loaded decode worker, or the
+   decode worker alone when the uncached remainder is short (conditional disaggregation).
+4. Prefill: the first token goes to the client at once (TTFT ends here) with the KV handle.
+5. Decode: the decode worker pulls the KV and streams the rest.
+
+Retries: a prefill worker that is draining, overloaded or dead is replaced by another; a
+hand-off that fails before the first decoded token (transfer error, lease expired, decode
+worker lost) is retried once with a fresh prefill on (if possible) other workers, and the
+decode continues from the first token already sent. Every exit path releases the admission
+reservation and aborts whatever the workers still hold for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.controller import AdmissionController
+from admission.decision import Admission
+from admission.snapshot import AdmissionRequest, ClusterSnapshot
+from decode_worker.api import DecodeRequest, TokenChunk
+from engine.block_hash import BlockHash, hash_chain, hash_extra
+from engine.request import FinishReason
+from kv_transfer.errors import TransferError
+from kv_transfer.prefix_index import PrefixIndex
+from kv_transfer.types import PrefixMatch
+from prefill_worker.api import PrefillRequest, PrefillResult, WorkerDraining, WorkerOverloaded
+from router.cluster_view import ClusterView
+from router.errors import WorkerLost, is_actor_death, to_grpc_failure, unwrap
+from router.metrics import RouterMetrics
+from router.placement import Placement, PlacementConfig, place
+from router.validation import ValidRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    uncached_block_weight: float = 4.0
+    """Placement: cost of one uncached prompt block vs one block of queued prefill work."""
+    max_handoff_retries: int = 1
+    """Fresh prefills after a failed hand-off (before the first decoded token)."""
+    max_prefill_attempts: int = 3
+    """Prefill workers tried when one is draining, overloaded or dead."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    transferred_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    prefill_worker: str
+    decode_worker: str
+    local_prefill: bool
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens for the client; the last one carries finish reason, usage and timings."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+@dataclass
+class _Progress:
+    """What one request has done so far (for timings, usage and retries)."""
+
+    t0: float
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    first_token_id: int | None = None
+    first_logprob: float | None = None
+    decoded_tokens: int = 0
+    """Tokens streamed from a decode worker (after the first)."""
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    cached_prompt_tokens: int = 0
+    transferred_prompt_tokens: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    local_prefill: bool = False
+    tried_prefill: set[str] = field(default_factory=set)
+    tried_decode: set[str] = field(default_factory=set)
+
+    def tokens_out(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.completion_tokens += n
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        view: ClusterView,
+        admission: AdmissionController,
+        index: PrefixIndex | None,
+        model_id: str,
+        config: OrchestratorConfig | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.view = view
+        self.admission = admission
+        self.index = index
+        self.model_id = model_id
+        self.config = config or OrchestratorConfig()
+        self.metrics = metrics or RouterMetrics()
+        self.inflight = 0
+
+    # ---- the request ------------------------------------------------------------------------
+
+    async def generate(
+        self, req: ValidRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """Serve one validated request; raises typed errors (mapped in router/errors.py)."""
+        progress = _Progress(t0=time.perf_counter())
+        deadline = time.time() + timeout_s if timeout_s is not None else None
+        block_size = self.view.block_size()
+        hashes = hash_chain(
+            req.prompt_token_ids, block_size, hash_extra(self.model_id, req.cache_salt)
+        )
+        match = await self._lookup(hashes)
+        best = max((w.num_blocks for w in match.workers), default=0)
+        prompt_len = len(req.prompt_token_ids)
+        areq = AdmissionRequest(
+            request_id=req.request_id,
+            prompt_tokens=prompt_len,
+            uncached_prompt_tokens=max(prompt_len - best * block_size, 0),
+            max_tokens=req.sampling.max_tokens,
+            tenant=req.tenant,
+            priority=req.priority,
+            deadline_ms=timeout_s * 1000 if timeout_s is not None else None,
+        )
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        admitted: Admission | None = None
+        outcome = "error"
+        try:
+            admitted = await self.admission.admit(areq, self._snapshot)
+            self.metrics.admission.labels("admit", "admitted").inc()
+            progress.queue_ms = admitted.queued_ms
+            self.metrics.queue.observe(admitted.queued_ms / 1000)
+            async for delta in self._serve(req, match, areq, progress, deadline):
+                yield delta
+            outcome = "ok"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except BaseException as e:
+            outcome = to_grpc_failure(e).outcome
+            raise
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.set(self.inflight)
+            if admitted is not None:
+                self.admission.release(req.request_id, generated_tokens=progress.completion_tokens)
+            self._observe(progress, outcome)
+
+    def _snapshot(self) -> ClusterSnapshot:
+        return self.view.admission_snapshot(self.admission.throughput.tokens_per_s, self.inflight)
+
+    async def _lookup(self, hashes: list[BlockHash]) -> PrefixMatch:
+        if self.index is None or not hashes:
+            return PrefixMatch(chain_length=len(hashes), available=self.index is not None)
+        return await asyncio.to_thread(self.index.lookup, hashes)
+
+    async def _serve(
+        self,
+        req: ValidRequest,
+        match: PrefixMatch,
+        areq: AdmissionRequest,
+        progress: _Progress,
+        deadline: float | None,
+    ) -> AsyncIterator[StreamDelta]:
+        block_size = self.view.block_size()
+        handoff_failures = 0
+        while True:
+            placement = place(
+                len(req.prompt_token_ids),
+                block_size,
+                self.view.prefill_candidates(match, frozenset(progress.tried_prefill)),
+                self.view.decode_candidates(match, frozenset(progress.tried_decode)),
+                PlacementConfig(
+                    self.config.uncached_block_weight,
+                    # once the first token is out, only a prefill worker can redo the KV
+                    self.admission.thresholds.local_prefill_threshold_tokens
+                    if progress.first_token_id is None
+                    else -1,
+                ),
+                needed_decode_blocks=areq.kv_blocks(block_size),
+            )
+            progress.decode_worker = placement.decode_worker_id
+            if placement.local_prefill and progress.first_token_id is None:
+                progress.local_prefill = True
+                dreq = _decode_request(req, None, None, deadline)
+                async for delta in self._decode(placement, dreq, progress):
+                    yield delta
+                return
+            result = await self._prefill(req, placement, match, progress, deadline)
+            if progress.first_token_id is None:
+                progress.first_token_id = result.first_token_id
+                progress.first_logprob = result.first_logprob
+                progress.cached_prompt_tokens = result.num_cached_prompt_tokens
+                progress.tokens_out(1)
+                self.metrics.ttft.observe(time.perf_counter() - progress.t0)
+                yield StreamDelta(
+                    (result.first_token_id,),
+                    result.first_text,
+                    (result.first_logprob,) if result.first_logprob is not None else None,
+                )
+                if result.finish_reason is not None:
+                    yield self._final(progress, result.finish_reason, len(req.prompt_token_ids))
+                    return
+            dreq = _decode_request(req, result, progress, deadline)
+            try:
+                async for delta in self._decode(placement, dreq, progress):
+                    yield delta
+                return
+            except BaseException as e:
+                err = unwrap(e)
+                retryable = isinstance(err, (TransferError, WorkerLost, WorkerDraining,
+                                             WorkerOverloaded)) or is_actor_death(err)  # fmt: skip
+                self._abort_prefill(result)
+                if (
+                    not retryable
+                    or progress.decoded_tokens > 0
+                    or handoff_failures >= self.config.max_handoff_retries
+                ):
+                    raise
+                handoff_failures += 1
+                progress.tried_decode.add(placement.decode_worker_id)
+                if not self.view.decode_candidates(match, frozenset(progress.tried_decode)):
+                    progress.tried_decode.clear()  # the only decode worker: try it again
+                log.warning("request %s: hand-off failed (%s); re-prefilling", req.request_id, err)
+
+    async def _prefill(
+        self,
+        req: ValidRequest,
+        placement: Placement,
+        match: PrefixMatch,
+        progress: _Progress,
+        deadline: float | None,
+    ) -> PrefillResult:
+        """Prefill on the placed worker, moving to another if it is draining, full or dead."""
+        worker_id = placement.prefill_worker_id
+        for attempt in range(self.config.max_prefill_attempts):
+            if worker_id is None:
+                break
+            entry = self.view.get(worker_id)
+            if entry is None:
+                break
+            entry.dispatched_prefill_tokens += placement.uncached_tokens
+            preq = PrefillRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling,
+                cache_salt=req.cache_salt,
+                arrival_time=time.time(),
+                deadline=deadline,
+            )
+            ref = entry.handle.prefill.remote(preq)
+            try:
+                result: PrefillResult = await ref
+            except asyncio.CancelledError:
+                _fire(entry.handle.abort.remote(req.request_id))
+                raise
+            except Exception as e:
+                err = unwrap(e)
+                dead = is_actor_death(err)
+                if dead:
+                    self.view.mark_dead(worker_id)
+                if not (dead or isinstance(err, (WorkerDraining, WorkerOverloaded))):
+                    raise err from None
+                progress.tried_prefill.add(worker_id)
+                candidates = self.view.prefill_candidates(match, frozenset(progress.tried_prefill))
+                if not candidates or attempt + 1 >= self.config.max_prefill_attempts:
+                    raise WorkerLost(f"prefill worker {worker_id}: {err}") from None
+                worker_id = min(candidates, key=lambda c: c.queued_prefill_tokens).worker_id
+                continue
+            finally:
+                entry.dispatched_prefill_tokens = max(
+                    entry.dispatched_prefill_tokens - placement.uncached_tokens, 0
+                )
+            progress.prefill_worker = worker_id
+            progress.prefill_ms = result.prefill_s * 1000
+            computed = result.num_prompt_tokens - result.num_cached_prompt_tokens
+            self.admission.throughput.observe(worker_id, computed, result.prefill_s)
+            return result
+        raise WorkerLost("no prefill worker could take the request")
+
+    async def _decode(
+        self, placement: Placement, dreq: DecodeRequest, progress: _Progress
+    ) -> AsyncIterator[StreamDelta]:
+        entry = self.view.get(placement.decode_worker_id)
+        if entry is None:
+            raise WorkerLost(f"decode worker {placement.decode_worker_id} left the cluster")
+        gen = entry.handle.generate.options(num_returns="streaming").remote(dreq)
+        finished = False
+        try:
+            async for ref in gen:
+                try:
+                    chunk: TokenChunk = await ref
+                except Exception as e:
+                    if is_actor_death(unwrap(e)):
+                        self.view.mark_dead(entry.worker_id)
+                    raise
+                delta = self._chunk_delta(chunk, progress, len(dreq.prompt_token_ids))
+                finished = chunk.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+            raise WorkerLost(f"decode worker {entry.worker_id} ended the stream early")
+        finally:
+            if not finished:
+                _fire(entry.handle.abort.remote(dreq.request_id))
+                with contextlib.suppress(Exception):
+                    import ray
+
+                    ray.cancel(gen)
+
+    def _chunk_delta(self, chunk: TokenChunk, progress: _Progress, prompt_len: int) -> StreamDelta:
+        if chunk.transfer_s:
+            progress.transfer_ms = chunk.transfer_s * 1000
+            progress.transferred_prompt_tokens = chunk.num_transferred_tokens
+            self.metrics.transfer.observe(chunk.transfer_s)
+        if progress.local_prefill and progress.first_token_at is None:
+            progress.prefill_ms = chunk.prefill_s * 1000
+            progress.cached_prompt_tokens = chunk.num_cached_prompt_tokens
+            self.metrics.ttft.observe(time.perf_counter() - progress.t0)
+        if chunk.token_ids:
+            progress.tokens_out(len(chunk.token_ids))
+            if not progress.local_prefill:
+                progress.decoded_tokens += len(chunk.token_ids)
+        if chunk.finish_reason is None:
+            return StreamDelta(chunk.token_ids, chunk.text, chunk.logprobs)
+        final = self._final(progress, chunk.finish_reason, prompt_len)
+        return StreamDelta(
+            chunk.token_ids, chunk.text, chunk.logprobs, final.finish_reason, final.usage,
+            final.timings,
+        )  # fmt: skip
+
+    def _final(self, progress: _Progress, reason: FinishReason, prompt_len: int) -> StreamDelta:
+        now = time.perf_counter()
+        first = progress.first_token_at or now
+        last = progress.last_token_at or now
+        n = progress.completion_tokens
+        timings = Timings(
+            queue_ms=progress.queue_ms,
+            prefill_ms=progress.prefill_ms,
+            transfer_ms=progress.transfer_ms,
+            ttft_ms=(first - progress.t0) * 1000,
+            tpot_ms=(last - first) * 1000 / (n - 1) if n > 1 else 0.0,
+            e2e_ms=(now - progress.t0) * 1000,
+            prefill_worker=progress.prefill_worker,
+            decode_worker=progress.decode_worker,
+            local_prefill=progress.local_prefill,
+        )
+        usage = Usage(
+            prompt_tokens=prompt_len,
+            completion_tokens=n,
+            cached_prompt_tokens=progress.cached_prompt_tokens,
+            transferred_prompt_tokens=progress.transferred_prompt_tokens,
+        )
+        return StreamDelta((), "", None, reason, usage, timings)
+
+    def _abort_prefill(self, result: PrefillResult) -> None:
+        entry = self.view.get(result.worker_id)
+        if entry is not None:
+            _fire(entry.handle.abort.remote(result.request_id))
+
+    def _observe(self, progress: _Progress, outcome: str) -> None:
+        now = time.perf_counter()
+        ttft = progress.first_token_at - progress.t0 if progress.first_token_at else None
+        tpot = None
+        n = progress.completion_tokens
+        if progress.first_token_at and progress.last_token_at and n > 1:
+            tpot = (progress.last_token_at - progress.first_token_at) / (n - 1)
+        first_worker = progress.decode_worker if progress.local_prefill else progress.prefill_worker
+        self.metrics.observe_request(
+            outcome, ttft, tpot, now - progress.t0, first_worker, progress.decode_worker
+        )
+        if outcome == "ok":
+            self.metrics.cached_tokens.labels("cached").inc(progress.cached_prompt_tokens)
+
+
+def _decode_request(
+    req: ValidRequest,
+    result: PrefillResult | None,
+    progress: _Progress | None,
+    deadline: float | None,
+) -> DecodeRequest:
+    return DecodeRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=req.sampling,
+        cache_salt=req.cache_salt,
+        handle=result.handle if result is not None else None,
+        first_token_id=progress.first_token_id if progress is not None else None,
+        first_logprob=progress.first_logprob if progress is not None else None,
+        arrival_time=time.time(),
+        deadline=deadline,
+    )
+
+
+def _fire(ref: Any) -> None:
+    """A best-effort call (an abort): Ray runs it whether or not anyone awaits the result,
+    and its failure (the worker is gone) changes nothing for the caller."""
+    del ref

@@ -1,0 +1,252 @@
+"""Assemble and run one router: gRPC server (Generation, Admin, health, reflection),
+cluster view, admission controller, prefix index client and Prometheus metrics.
+
+`RouterServer` runs in any asyncio loop (tests run it in-process); `RouterActor` hosts it in
+a Ray actor so routers live with the cluster and several replicas can serve at once (each on
+its own port, each with its own admission controller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+from kv_transfer.config import PrefixIndexConfig
+from kv_transfer.prefix_index import PrefixIndex
+from pdserve.v1 import serving_pb2 as pb
+from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from router.cluster_view import ClusterView, ControllerDirectory, WorkerDirectory
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, OrchestratorConfig
+from router.servicer import (
+    AdminServicer,
+    ClusterControl,
+    GenerationServicer,
+    generation_handler,
+)
+from router.validation import ValidationLimits
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router replica."""
+
+    model_dir: str
+    """Checkpoint folder (the router reads config.json and tokenizer.json only)."""
+    model_id: str = ""
+    """Binds prefix-cache hashes; must equal the workers' (defaults to the folder name)."""
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int | None = None
+    """Prometheus HTTP port; None disables, 0 picks a free one."""
+    redis_url: str | None = None
+    """Prefix-index Redis; None routes on load alone."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    tenants: tuple[str, ...] = ()
+    """Known tenants; empty accepts any tenant name."""
+    poll_interval_s: float = 0.05
+    """How often worker loads are polled."""
+    max_message_bytes: int = 64 << 20
+
+    @property
+    def resolved_model_id(self) -> str:
+        return self.model_id or Path(self.model_dir).name
+
+
+class RouterServer:
+    def __init__(
+        self,
+        config: RouterConfig,
+        directory: WorkerDirectory,
+        control: ClusterControl | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.view = ClusterView(directory, self.metrics, poll_interval_s=config.poll_interval_s)
+        self.admission = AdmissionController(config.admission)
+        self.index = (
+            PrefixIndex(config.redis_url, config.resolved_model_id, config.index)
+            if config.redis_url
+            else None
+        )
+        self.orchestrator = Orchestrator(
+            self.view,
+            self.admission,
+            self.index,
+            config.resolved_model_id,
+            config.orchestrator,
+            self.metrics,
+        )
+        model = ModelConfig.from_pretrained(config.model_dir)
+        self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
+        self.limits = ValidationLimits(
+            max_model_len=model.max_model_len,
+            vocab_size=model.vocab_size,
+            tenants=frozenset(config.tenants),
+        )
+        self.health = health.aio.HealthServicer()
+        self.control = control
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Start serving; returns the bound gRPC port."""
+        await self.view.start()
+        self._update_limits()
+        opts = [
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=opts)
+        generation = GenerationServicer(self.orchestrator, self.tokenizer, self.limits)
+        server.add_generic_rpc_handlers((generation_handler(generation),))
+        admin = AdminServicer(
+            self.view,
+            self.admission,
+            self.orchestrator,
+            self.metrics,
+            self.control,
+            self.config.resolved_model_id,
+        )
+        pb_grpc.add_AdminServicer_to_server(admin, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
+        )
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        self.server = server
+        if self.config.metrics_port is not None:
+            self.metrics_port = _serve_metrics(self.metrics, self.config.metrics_port)
+        await self._update_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+        return self.port
+
+    def _update_limits(self) -> None:
+        """Workers may serve a shorter context than the model (engine max_model_len)."""
+        lens = [e.info.max_model_len for e in self.view.entries.values()]
+        if lens:
+            self.limits = ValidationLimits(
+                max_model_len=min(self.limits.max_model_len, *lens),
+                vocab_size=self.limits.vocab_size,
+                tenants=self.limits.tenants,
+            )
+
+    async def _update_health(self) -> None:
+        serving = bool(self.view.decode_workers())
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, status)
+        await self.health.set(ADMIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self._update_health()
+            except Exception:
+                log.exception("health update failed")
+
+    async def wait_ready(self, min_decode: int = 1, timeout_s: float = 60.0) -> None:
+        """Return once `min_decode` decode-capable workers are serving."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while len(self.view.decode_workers()) < min_decode:
+            if loop.time() > end:
+                raise TimeoutError(f"fewer than {min_decode} decode workers after {timeout_s}s")
+            await self.view.refresh_registry()
+            await self.view.poll_loads()
+            await asyncio.sleep(0.05)
+        self._update_limits()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.view.stop()
+        if self.index is not None:
+            self.index.close()
+
+
+def _serve_metrics(metrics: RouterMetrics, port: int) -> int:
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    return int(server.server_port)
+
+
+class ControllerControl:
+    """ClusterControl over the controller actor."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+
+    async def drain(self, worker_id: str, stop: bool, timeout_s: float) -> tuple[bool, str]:
+        return tuple(await self.controller.drain.remote(worker_id, stop, timeout_s))
+
+    async def rebalance(
+        self, prefill: int, decode: int, timeout_s: float
+    ) -> tuple[list[str], list[str], str]:
+        return tuple(await self.controller.rebalance.remote(prefill, decode, timeout_s))
+
+
+class RouterActor:
+    """Ray actor hosting one RouterServer (wrap with `ray.remote`)."""
+
+    def __init__(self, config: RouterConfig, controller_name: str, namespace: str) -> None:
+        self.config = config
+        self.controller_name = controller_name
+        self.namespace = namespace
+        self.server: RouterServer | None = None
+
+    async def start(self, min_decode: int = 1, timeout_s: float = 600.0) -> tuple[int, int | None]:
+        """Serve; returns (gRPC port, metrics port) once `min_decode` workers are ready."""
+        import ray
+
+        controller = ray.get_actor(self.controller_name, namespace=self.namespace)
+        self.server = RouterServer(
+            self.config, ControllerDirectory(controller), ControllerControl(controller)
+        )
+        port = await self.server.start()
+        await self.server.wait_ready(min_decode, timeout_s)
+        return port, self.server.metrics_port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+
+    def ping(self) -> str:
+        return "ok"

@@ -1,0 +1,253 @@
+"""The gRPC face of the router: thin servicers that translate proto ⇄ frozen dataclasses.
+
+`GenerationServicer.Generate` validates (INVALID_ARGUMENT names the field), hands the
+request to the orchestrator and streams its deltas; every error leaves through
+`router.errors.to_grpc_failure`. `AdminServicer` serves status, thresholds, drain and
+rebalance for the CLI. A request whose bytes are not valid protobuf (e.g. a string field that
+is not UTF-8) is answered INVALID_ARGUMENT naming the field, not INTERNAL: the method is
+registered with a deserializer that keeps such requests instead of failing the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from admission.config import THRESHOLD_FIELDS, InvalidAdmissionConfig
+from admission.controller import AdmissionController
+from engine.request import FinishReason
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import serving_pb2 as pb
+from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from prefill_worker.api import WorkerState
+from router.cluster_view import ClusterView
+from router.errors import to_grpc_failure
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, StreamDelta
+from router.validation import ValidationLimits, find_invalid_utf8_field, validate
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_STOP,
+}
+_STATE = {
+    WorkerState.STARTING: pb.WORKER_STATE_STARTING,
+    WorkerState.READY: pb.WORKER_STATE_READY,
+    WorkerState.DRAINING: pb.WORKER_STATE_DRAINING,
+    WorkerState.STOPPED: pb.WORKER_STATE_DEAD,
+}
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Bytes that do not parse as a GenerateRequest, with the bad field when known."""
+
+    field: str | None
+    error: str
+
+
+def decode_generate_request(data: bytes) -> pb.GenerateRequest | UndecodableRequest:
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return UndecodableRequest(find_invalid_utf8_field(data), str(e))
+
+
+def to_proto(delta: StreamDelta, request_id: str) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
+    if delta.logprobs is not None:
+        msg.logprobs.extend(delta.logprobs)
+    if delta.finish_reason is not None:
+        msg.finish_reason = _FINISH[delta.finish_reason]
+    if delta.usage is not None:
+        u = delta.usage
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+                transferred_prompt_tokens=u.transferred_prompt_tokens,
+            )
+        )
+    if delta.timings is not None:
+        t = delta.timings
+        msg.timings.CopyFrom(
+            pb.Timings(
+                queue_ms=t.queue_ms,
+                prefill_ms=t.prefill_ms,
+                transfer_ms=t.transfer_ms,
+                ttft_ms=t.ttft_ms,
+                tpot_ms=t.tpot_ms,
+                e2e_ms=t.e2e_ms,
+                prefill_worker=t.prefill_worker,
+                decode_worker=t.decode_worker,
+                local_prefill=t.local_prefill,
+            )
+        )
+    return msg
+
+
+class GenerationServicer:
+    def __init__(
+        self, orchestrator: Orchestrator, tokenizer: Tokenizer, limits: ValidationLimits
+    ) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    async def Generate(
+        self,
+        request: pb.GenerateRequest | UndecodableRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, UndecodableRequest):
+            field = request.field or "request"
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{field}: not valid UTF-8 / protobuf"
+            )
+            return
+        try:
+            valid = validate(request, self.tokenizer, self.limits)
+            async for delta in self.orchestrator.generate(valid, context.time_remaining()):
+                yield to_proto(delta, valid.request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            failure = to_grpc_failure(e)
+            if failure.code is grpc.StatusCode.INTERNAL:
+                log.exception("request failed with an internal error")
+            if failure.trailing_metadata:
+                context.set_trailing_metadata(failure.trailing_metadata)
+            await context.abort(failure.code, failure.message)
+
+
+def generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    """The Generation service with the lenient request deserializer (see module docstring)."""
+    method = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate,
+        request_deserializer=decode_generate_request,
+        response_serializer=pb.GenerateResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler("pdserve.v1.Generation", {"Generate": method})
+
+
+class ClusterControl(Protocol):
+    """What the admin service asks of the control plane (the controller actor)."""
+
+    async def drain(self, worker_id: str, stop: bool, timeout_s: float) -> tuple[bool, str]: ...
+
+    async def rebalance(
+        self, prefill: int, decode: int, timeout_s: float
+    ) -> tuple[list[str], list[str], str]: ...
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(
+        self,
+        view: ClusterView,
+        admission: AdmissionController,
+        orchestrator: Orchestrator,
+        metrics: RouterMetrics,
+        control: ClusterControl | None,
+        model_id: str,
+    ) -> None:
+        self.view = view
+        self.admission = admission
+        self.orchestrator = orchestrator
+        self.metrics = metrics
+        self.control = control
+        self.model_id = model_id
+
+    def _thresholds(self) -> pb.AdmissionThresholds:
+        t = self.admission.thresholds
+        return pb.AdmissionThresholds(**{f: getattr(t, f) for f in THRESHOLD_FIELDS})
+
+    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.ClusterStatus:
+        workers = []
+        for entry in sorted(self.view.entries.values(), key=lambda e: e.worker_id):
+            info, load = entry.info, entry.load
+            lat = self.metrics.latency(info.worker_id)
+            w = pb.WorkerStatus(
+                worker_id=info.worker_id,
+                role=info.role.value,
+                node=info.node,
+                device=info.device,
+                state=_STATE[load.state] if entry.alive and load else pb.WORKER_STATE_DEAD,
+                ttft_p50_ms=lat.ttft_p50_ms,
+                ttft_p90_ms=lat.ttft_p90_ms,
+                tpot_p50_ms=lat.tpot_p50_ms,
+                tpot_p90_ms=lat.tpot_p90_ms,
+            )
+            if load is not None:
+                e = load.engine
+                w.kv_blocks_total = e.num_total_blocks
+                w.kv_blocks_used = e.num_total_blocks - e.num_free_blocks
+                w.queued_requests = e.num_waiting
+                w.queued_prefill_tokens = e.num_waiting_prefill_tokens
+                w.running_requests = e.num_running
+                w.inflight_transfers = (
+                    load.transfer.in_flight_transfers + load.transfer.queued_transfers
+                )
+                w.inflight_transfer_blocks = load.transfer.pending_blocks + load.leased_blocks
+                w.prefix_cache_hit_tokens = e.num_cache_hit_tokens
+                w.requests_done = load.requests_done
+            workers.append(w)
+        redis_ok = self.orchestrator.index is not None and bool(
+            await asyncio.to_thread(self.orchestrator.index.live_workers)
+        )
+        return pb.ClusterStatus(
+            model=self.model_id,
+            workers=workers,
+            thresholds=self._thresholds(),
+            router_inflight_requests=self.orchestrator.inflight,
+            redis_ok=redis_ok,
+        )
+
+    async def GetThresholds(self, request: Any, context: Any) -> pb.AdmissionThresholds:
+        return self._thresholds()
+
+    async def SetThresholds(
+        self, request: pb.AdmissionThresholds, context: Any
+    ) -> pb.AdmissionThresholds:
+        try:
+            merged = self.admission.thresholds.merge_nonzero(
+                **{f: getattr(request, f) for f in THRESHOLD_FIELDS}
+            )
+        except InvalidAdmissionConfig as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.admission.set_thresholds(merged)
+        return self._thresholds()
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
+        if self.control is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no controller in this cluster")
+        assert self.control is not None
+        if self.view.get(request.worker_id) is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"worker_id: unknown worker {request.worker_id!r}"
+            )
+        drained, message = await self.control.drain(
+            request.worker_id, request.stop, request.timeout_s or 120.0
+        )
+        return pb.DrainResponse(worker_id=request.worker_id, drained=drained, message=message)
+
+    async def Rebalance(self, request: pb.RebalanceRequest, context: Any) -> pb.RebalanceResponse:
+        if self.control is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no controller in this cluster")
+        assert self.control is not None
+        if request.decode < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode: must be >= 1")
+        started, stopped, message = await self.control.rebalance(
+            request.prefill, request.decode, request.timeout_s or 300.0
+        )
+        await self.view.refresh_registry()
+        return pb.RebalanceResponse(started=started, stopped=stopped, message=message)
