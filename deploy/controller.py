@@ -80,6 +80,7 @@ class Controller:
         self.workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
         self._health_task: asyncio.Task[None] | None = None
+        self._replacing: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self.events: list[str] = []
 
@@ -192,7 +193,9 @@ class Controller:
             with contextlib.suppress(Exception):
                 ray.kill(w.handle)
             if self.spec.replace_dead and w.state == "ready":
-                asyncio.create_task(self._replace(w.role))
+                task = asyncio.create_task(self._replace(w.role))
+                self._replacing.add(task)
+                task.add_done_callback(self._replacing.discard)
         return [w.worker_id for w in dead]
 
     async def _replace(self, role: WorkerRole) -> None:
