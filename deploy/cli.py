@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import yaml
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from deploy.cluster import ClusterOptions
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis.",
@@ -25,7 +31,9 @@ def _root() -> None:
 @app.command("make-model")
 def make_model_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
-    preset: Annotated[str, typer.Option(help="tiny (trained, CPU) or llama3-8b (random).")] = "tiny",
+    preset: Annotated[
+        str, typer.Option(help="tiny (trained, CPU) or llama3-8b (random).")
+    ] = "tiny",
     seed: Annotated[int, typer.Option(help="Seed: same seed, same bytes.")] = 0,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
     layers: Annotated[int | None, typer.Option(help="Number of decoder layers.")] = None,
@@ -60,6 +68,338 @@ def make_model_cmd(
         err_console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from e
     console.print(f"wrote {preset} checkpoint to [bold]{path}[/bold]")
+
+
+# ---- cluster ------------------------------------------------------------------------------
+
+
+def _load_config(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{path}: expected a mapping of option names")
+    return data
+
+
+def _pick(flag: Any, config: dict[str, Any], key: str, default: Any) -> Any:
+    if flag is not None:
+        return flag
+    return config.get(key, default)
+
+
+def build_options(
+    config: dict[str, Any],
+    model: str | None,
+    prefill: int | None,
+    decode: int | None,
+    colocated: bool | None,
+    grpc_port: int | None,
+    metrics_port: int | None,
+    redis_url: str | None,
+    address: str | None,
+    routers: int | None,
+    host: str | None,
+) -> ClusterOptions:
+    """Flags over the config file over the defaults."""
+    from dataclasses import fields
+
+    from admission.config import AdmissionConfig, AdmissionThresholds
+    from deploy.cluster import ClusterOptions
+    from engine.config import EngineConfig
+    from router.server import RouterConfig
+
+    model_dir = _pick(model, config, "model", None)
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    engine_cfg = dict(config.get("engine") or {})
+    unknown = set(engine_cfg) - engine_fields
+    if unknown:
+        raise typer.BadParameter(f"engine: unknown fields {sorted(unknown)}")
+    engine = EngineConfig(model_dir=model_dir or "", **engine_cfg)
+    router = None
+    if config.get("thresholds") or config.get("tenants"):
+        thresholds = AdmissionThresholds(**(config.get("thresholds") or {}))
+        router = RouterConfig(
+            model_dir=model_dir or "",
+            admission=AdmissionConfig(thresholds=thresholds),
+            tenants=tuple(config.get("tenants") or ()),
+        )
+    return ClusterOptions(
+        model_dir=model_dir,
+        num_prefill=int(_pick(prefill, config, "prefill", 1)),
+        num_decode=int(_pick(decode, config, "decode", 1)),
+        colocated=bool(_pick(colocated, config, "colocated", False)),
+        host=str(_pick(host, config, "host", "127.0.0.1")),
+        grpc_port=int(_pick(grpc_port, config, "grpc_port", 50051)),
+        metrics_port=_pick(metrics_port, config, "metrics_port", 9464),
+        num_routers=int(_pick(routers, config, "routers", 1)),
+        redis_url=_pick(redis_url, config, "redis_url", None),
+        address=_pick(address, config, "address", None),
+        engine=engine,
+        router=router,
+    )
+
+
+@app.command()
+def up(
+    model: Annotated[
+        str | None, typer.Option(help="Checkpoint folder (default: tiny model).")
+    ] = None,
+    prefill: Annotated[int | None, typer.Option(help="Prefill workers [1].")] = None,
+    decode: Annotated[int | None, typer.Option(help="Decode workers [1].")] = None,
+    colocated: Annotated[
+        bool | None, typer.Option("--colocated", help="Baseline: no disaggregation.")
+    ] = None,
+    grpc_port: Annotated[int | None, typer.Option(help="gRPC port [50051].")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port [9464].")] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="Redis URL (default: start an embedded redis-server).")
+    ] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray address of an existing cluster (default: local).")
+    ] = None,
+    routers: Annotated[int | None, typer.Option(help="Router replicas [1].")] = None,
+    host: Annotated[str | None, typer.Option(help="Address routers bind [127.0.0.1].")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML file of these options (+ engine:, thresholds:).")
+    ] = None,
+    detach: Annotated[bool, typer.Option(help="Return once the API answers.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for --detach.")] = 900.0,
+    log_file: Annotated[Path | None, typer.Option(hidden=True)] = None,
+) -> None:
+    """Start a cluster: Redis, Ray, prefill + decode workers, router; print the endpoint."""
+    from deploy import daemon
+
+    running = daemon.read_state()
+    if running is not None:
+        err_console.print(f"a cluster is already running (pid {running.pid}, {running.target})")
+        raise typer.Exit(1)
+    cfg = _load_config(config)
+    opts = build_options(
+        cfg, model, prefill, decode, colocated, grpc_port, metrics_port, redis_url, address,
+        routers, host,
+    )  # fmt: skip
+    if detach:
+        argv = [a for a in sys.argv[2:] if a not in ("--detach", "--no-detach")]
+        log_path = daemon.state_path().parent / "pdserve-up.log"
+        console.print(f"starting pdserve in the background (log: {log_path}) ...")
+        try:
+            state = daemon.spawn_detached(argv, log_path, timeout)
+        except (RuntimeError, TimeoutError) as e:
+            err_console.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(1) from e
+        _print_endpoint(state.targets, state.metrics, state.redis_url, state.model_dir)
+        return
+    _run_foreground(opts, log_file)
+
+
+def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
+    from deploy import daemon
+    from deploy.cluster import Cluster
+
+    cluster = Cluster(opts)
+    console.print("starting pdserve (Redis, Ray, workers, router) ...")
+    try:
+        endpoint = cluster.start()
+    except Exception as e:
+        err_console.print(f"[red]error:[/red] cluster failed to start: {e}")
+        raise typer.Exit(1) from e
+    state = daemon.ClusterState(
+        pid=os.getpid(),
+        targets=list(endpoint.grpc),
+        metrics=list(endpoint.metrics),
+        redis_url=endpoint.redis_url,
+        model_dir=endpoint.model_dir,
+        log=str(log_file or ""),
+    )
+    daemon.write_state(state)
+    _print_endpoint(state.targets, state.metrics, state.redis_url, state.model_dir)
+    console.print("serving; Ctrl-C or `pdserve down` stops it")
+    try:
+        daemon.wait_for_signal()
+    finally:
+        console.print("stopping ...")
+        cluster.stop()
+        daemon.clear_state(state.pid)
+        console.print("stopped")
+
+
+def _print_endpoint(targets: list[str], metrics: list[str], redis_url: str, model: str) -> None:
+    console.print(f"[bold green]pdserve is up[/bold green]: gRPC {', '.join(targets)}")
+    if metrics:
+        console.print(f"  metrics  {', '.join(metrics)}")
+    console.print(f"  redis    {redis_url}")
+    console.print(f"  model    {model}")
+
+
+@app.command()
+def down(
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean stop.")] = 120.0,
+) -> None:
+    """Stop the cluster that `pdserve up` started."""
+    from deploy import daemon
+
+    state = daemon.stop_cluster(timeout)
+    if state is None:
+        console.print("no pdserve cluster is running")
+        return
+    console.print(f"stopped pdserve (pid {state.pid})")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = all tokens.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Per-request seed.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate past end-of-sequence.")] = False,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Request deadline in seconds.")] = 120.0,
+) -> None:
+    """Send one request through the gRPC API and stream the answer, then TTFT/TPOT."""
+    import grpc
+
+    from deploy import client, daemon
+    from pdserve.v1 import serving_pb2 as pb
+
+    request = pb.GenerateRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=stop or [],
+        ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        request.seed = seed
+    console.print(f"[dim]{prompt}[/dim]", end="")
+    try:
+        result = client.generate(daemon.resolve_target(target), request, console, timeout)
+    except grpc.RpcError as e:
+        err_console.print(f"\n[red]{e.code().name}[/red]: {e.details()}")
+        raise typer.Exit(1) from e
+    console.print()
+    console.print(f"[cyan]{client.timings_line(result)}[/cyan]")
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+) -> None:
+    """Per worker: role, node, device, KV blocks, queue, transfers, TTFT/TPOT, health."""
+    import grpc
+
+    from deploy import client, daemon
+
+    try:
+        st = client.status(daemon.resolve_target(target))
+    except grpc.RpcError as e:
+        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+        raise typer.Exit(1) from e
+    if as_json:
+        print(client.status_json(st))
+    else:
+        console.print(client.status_table(st))
+
+
+@app.command()
+def rebalance(
+    prefill: Annotated[int, typer.Option(help="Prefill workers wanted.")],
+    decode: Annotated[int, typer.Option(help="Decode workers wanted.")],
+    timeout: Annotated[float, typer.Option(help="Seconds to drain each worker.")] = 300.0,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+) -> None:
+    """Move capacity between roles, draining workers before stopping them."""
+    import grpc
+
+    from deploy import client, daemon
+
+    try:
+        r = client.rebalance(daemon.resolve_target(target), prefill, decode, timeout)
+    except grpc.RpcError as e:
+        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+        raise typer.Exit(1) from e
+    console.print(f"{r.message}; started {list(r.started)}, stopped {list(r.stopped)}")
+
+
+@app.command()
+def drain(
+    worker_id: Annotated[str, typer.Argument(help="Worker to drain (see `pdserve status`).")],
+    stop: Annotated[bool, typer.Option(help="Stop the worker once drained.")] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for in-flight work.")] = 120.0,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+) -> None:
+    """Stop admitting on a worker, finish its in-flight requests, then (by default) stop it."""
+    import grpc
+
+    from deploy import client, daemon
+
+    try:
+        r = client.drain(daemon.resolve_target(target), worker_id, stop, timeout)
+    except grpc.RpcError as e:
+        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+        raise typer.Exit(1) from e
+    console.print(r.message)
+    if not r.drained:
+        raise typer.Exit(1)
+
+
+@app.command()
+def bench(
+    profile: Annotated[str, typer.Option(help="Workload profile name or YAML file.")] = "synthetic",
+    rate: Annotated[
+        list[float] | None, typer.Option(help="Requests/s (repeatable: a sweep).")
+    ] = None,
+    slo: Annotated[list[str] | None, typer.Option(help="SLOs, e.g. ttft:500 tpot:50.")] = None,
+    duration: Annotated[float, typer.Option(help="Seconds per rate.")] = 30.0,
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("bench-results"),
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    num_requests: Annotated[int | None, typer.Option(help="Cap on requests per rate.")] = None,
+    no_locust: Annotated[bool, typer.Option(help="Use the asyncio driver, not Locust.")] = False,
+    attainment: Annotated[float, typer.Option(help="Goodput attainment target.")] = 0.9,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+) -> None:
+    """Run a Locust load test headless and write CSV, HTML, plots and a goodput summary."""
+    from deploy import daemon
+    from loadtests.bench import BenchError, run_bench
+    from loadtests.goodput import SLOError
+    from loadtests.workload import ProfileError
+
+    try:
+        run_bench(
+            daemon.resolve_target(target),
+            profile,
+            rate or [1.0],
+            " ".join(slo or ["ttft:1000", "tpot:100"]),
+            duration,
+            out,
+            use_locust=not no_locust,
+            seed=seed,
+            num_requests=num_requests,
+            attainment_target=attainment,
+            console=console,
+        )
+    except (ValueError, SLOError, ProfileError) as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from e
+    except BenchError as e:
+        err_console.print(f"[red]bench failed:[/red] {e}")
+        raise typer.Exit(1) from e
 
 
 def main() -> None:

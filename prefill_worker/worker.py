@@ -132,7 +132,6 @@ class PrefillWorker:
             handle = self._endpoint.hand_off(
                 h.request_id, h.block_ids, h.block_hashes, h.num_tokens
             )
-            self.runtime.requests_done += 1
         return PrefillResult(
             request_id=out.request_id,
             first_token_id=out.new_token_ids[0],

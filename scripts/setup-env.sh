@@ -28,8 +28,12 @@ stamp="$VENV/.pdserve-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ -n "$(find proto -newer "$stamp" -name '*.proto' 2>/dev/null)" ]; then
   echo "[setup] installing $TORCH and pdserve[$EXTRAS] (takes ~2 min the first time)"
-  python -m pip install -q --upgrade pip
-  python -m pip install -q "$TORCH"
-  python -m pip install -q -e ".[$EXTRAS]"
+  log="$VENV/pdserve-install.log"
+  if ! { python -m pip install --upgrade pip && python -m pip install "$TORCH" \
+         && python -m pip install -e ".[$EXTRAS]"; } >"$log" 2>&1; then
+    tail -40 "$log" >&2
+    echo "[setup] install failed; full log in $log" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
