@@ -86,6 +86,8 @@ def finish_record(
         cached_prompt_tokens=usage.cached_prompt_tokens if usage is not None else 0,
         server_queue_ms=timings.queue_ms if timings is not None else None,
         server_ttft_ms=timings.ttft_ms if timings is not None else None,
+        server_prefill_ms=timings.prefill_ms if timings is not None else None,
+        server_transfer_ms=timings.transfer_ms if timings is not None else None,
         offered_rate=offered_rate,
         conversation=planned.conversation,
         turn=planned.turn,

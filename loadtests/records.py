@@ -44,6 +44,9 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     server_queue_ms: float | None = None
     server_ttft_ms: float | None = None
+    server_prefill_ms: float | None = None
+    server_transfer_ms: float | None = None
+    """KV hand-off time reported by the decode worker (0 for local prefill)."""
     offered_rate: float | None = None
     """Requests/s of the run that produced it (keys a sweep)."""
     conversation: int | None = None

@@ -1,0 +1,289 @@
+"""Disaggregated (1 prefill GPU + 1 decode GPU) vs colocated (2 GPUs, each prefill + decode,
+chunked prefill) goodput on the same engine, same GPUs, same router and load driver.
+
+For each mode the whole system runs (Ray, Redis, workers, NIXL, router, gRPC); for each
+workload a Poisson sweep of request rates goes through the project's headless load driver
+(loadtests/driver.py, the Locust profile's request generator without gevent). Goodput = the
+highest offered rate at which >= 90% of requests meet both the TTFT and the TPOT SLO (the
+sweep stops at the first rate that fails). Also measured in the same run: the raw GPU0→GPU1
+copy bandwidth, the effective KV transfer GB/s and per-request transfer time vs TTFT.
+
+    python benchmarks/bench_goodput.py --model /tmp/llama3-8b --make-model --out OUT
+
+Prints a short table last; writes OUT/results.json, per-run records, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from admission.config import AdmissionConfig, AdmissionThresholds  # noqa: E402
+from loadtests.driver import run_planned  # noqa: E402
+from loadtests.goodput import max_rate_meeting, parse_slo, summarize  # noqa: E402
+from loadtests.records import RequestRecord, write_records  # noqa: E402
+from loadtests.workload import generate, load_profile  # noqa: E402
+
+DEFAULT_RATES = {
+    "prefill_heavy": [1.0, 2.0, 3.0, 4.5],
+    "balanced": [2.0, 4.0, 6.0, 9.0],
+    "decode_heavy": [2.0, 4.0, 8.0, 12.0],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def peer_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return 0.0
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.empty_like(src, device="cuda:1")
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    gbps = nbytes * iters / (time.perf_counter() - t0) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from deploy.cluster import ClusterOptions
+    from engine.config import EngineConfig
+    from router.server import RouterConfig
+
+    engine = EngineConfig(
+        model_dir=model_dir,
+        dtype="bfloat16",
+        max_num_batched_tokens=args.token_budget,
+        max_num_seqs=256,
+        enable_chunked_prefill=True,
+        max_model_len=8192,
+    )
+    thresholds = AdmissionThresholds(
+        max_estimated_ttft_ms=600_000.0,
+        max_queue_wait_ms=600_000.0,
+        max_inflight_requests=4096,
+        max_decode_kv_utilization=1.0,
+        local_prefill_threshold_tokens=0,
+    )
+    router = RouterConfig(model_dir, admission=AdmissionConfig(thresholds=thresholds))
+    pd = mode == "pd"
+    return ClusterOptions(
+        model_dir=model_dir,
+        num_prefill=1 if pd else 0,
+        num_decode=1 if pd else 2,
+        colocated=not pd,
+        grpc_port=0,
+        metrics_port=None,
+        engine=engine,
+        router=router,
+        object_store_bytes=2 << 30,
+    )
+
+
+def run_load(target: str, workload: str, rate: float, duration_s: float, seed: int,
+             timeout_s: float) -> list[RequestRecord]:  # fmt: skip
+    planned = generate(load_profile(workload), rate=rate, duration_s=duration_s, seed=seed)
+    return asyncio.run(run_planned(target, planned, offered_rate=rate, timeout_s=timeout_s))
+
+
+def transfer_stats(cluster) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    import ray
+
+    totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0, "descriptors": 0.0}
+    for info, handle in ray.get(cluster.controller.list_workers.remote()):
+        if info.role.value != "decode":
+            continue
+        s = ray.get(handle.transfer_stats.remote())
+        totals["bytes"] += s.bytes_transferred
+        totals["seconds"] += s.transfer_seconds
+        totals["transfers"] += s.transfers_done
+        totals["descriptors"] += s.descriptors
+    totals["gbps"] = totals["bytes"] / totals["seconds"] / 1e9 if totals["seconds"] else 0.0
+    return totals
+
+
+def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> dict:  # type: ignore[type-arg]
+    from deploy.cluster import Cluster
+
+    result: dict = {"mode": mode, "runs": {}}  # type: ignore[type-arg]
+    t0 = time.time()
+    with Cluster(cluster_options(mode, model_dir, args)) as cluster:
+        assert cluster.endpoint is not None
+        target = cluster.endpoint.target
+        result["startup_s"] = time.time() - t0
+        log(f"{mode}: cluster up in {result['startup_s']:.0f}s at {target}; warming up")
+        for workload in args.workloads:
+            run_load(target, workload, 4.0, 1.0, seed=99, timeout_s=args.timeout)
+        for workload in args.workloads:
+            for rate in args.rates[workload]:
+                t1 = time.time()
+                records = run_load(target, workload, rate, args.duration, args.seed, args.timeout)
+                path = out / f"records-{mode}-{workload}-{rate:g}.jsonl"
+                write_records(path, records)
+                rep = summarize(records, args.slo, offered_rate=rate)
+                result["runs"].setdefault(workload, []).append(str(path))
+                log(
+                    f"{mode} {workload} rate {rate:g}: {rep.completed}/{rep.requests} ok, "
+                    f"attain {rep.attainment:.0%}, TTFT p90 {rep.ttft.p90:.0f} ms, "
+                    f"TPOT p90 {rep.tpot.p90:.1f} ms ({time.time() - t1:.0f}s)"
+                )
+                if rep.attainment < args.stop_below:
+                    log(f"{mode} {workload}: attainment under {args.stop_below:.0%}, next workload")
+                    break
+        if mode == "pd":
+            result["transfer"] = transfer_stats(cluster)
+    return result
+
+
+def load_runs(paths: list[str]) -> list[list[RequestRecord]]:
+    from loadtests.records import read_records
+
+    return [read_records(Path(p)) for p in paths]
+
+
+def analyse(results: list[dict], args: argparse.Namespace, out: Path, peer_gbps: float) -> dict:  # type: ignore[type-arg]
+    slos = {"chat": args.slo, "tight": args.tight_slo}
+    table: dict = {"peer_copy_gbps": peer_gbps, "slos": {k: asdict(v) for k, v in slos.items()}}  # type: ignore[type-arg]
+    for res in results:
+        mode = res["mode"]
+        for workload, paths in res["runs"].items():
+            runs = load_runs(paths)
+            entry = table.setdefault(workload, {}).setdefault(mode, {})
+            for name, slo in slos.items():
+                reports = [summarize(r, slo, offered_rate=r[0].offered_rate) for r in runs if r]
+                entry[f"goodput_{name}"] = max_rate_meeting(reports, 0.9)
+                entry[f"attainment_{name}"] = {
+                    f"{rep.offered_rate:g}": round(rep.attainment, 3) for rep in reports
+                }
+            first = summarize(runs[0], args.slo) if runs else None
+            if first is not None:
+                entry["ttft_ms_p50_p90_lowest_rate"] = (first.ttft.p50, first.ttft.p90)
+                entry["tpot_ms_p50_p90_lowest_rate"] = (first.tpot.p50, first.tpot.p90)
+            xfer = [
+                r.server_transfer_ms for run in runs for r in run if r.ok and r.server_transfer_ms
+            ]
+            ttft = [r.ttft_ms for run in runs for r in run if r.ok and r.ttft_ms]
+            if xfer and ttft:
+                entry["transfer_ms_p50"] = statistics.median(xfer)
+                entry["transfer_over_ttft_p50"] = statistics.median(xfer) / statistics.median(ttft)
+        if "transfer" in res:
+            table["kv_transfer"] = res["transfer"]
+    for workload in args.workloads:
+        w = table.get(workload, {})
+        for name in slos:
+            pd, co = (w.get(m, {}).get(f"goodput_{name}") for m in ("pd", "colocated"))
+            w[f"ratio_{name}"] = (pd / co) if pd and co else None
+    (out / "results.json").write_text(json.dumps(table, indent=2, default=str))
+    plot(results, args, out)
+    return table
+
+
+def plot(results: list[dict], args: argparse.Namespace, out: Path) -> None:  # type: ignore[type-arg]
+    from loadtests.plots import plot_goodput_sweep, plot_latency_cdfs
+
+    for workload in args.workloads:
+        cdf_runs = []
+        for res in results:
+            runs = load_runs(res["runs"].get(workload, []))
+            if not runs:
+                continue
+            reports = [
+                summarize(r, args.tight_slo, offered_rate=r[0].offered_rate) for r in runs if r
+            ]
+            plot_goodput_sweep(reports, out / f"goodput-{workload}-{res['mode']}.png")
+            cdf_runs.append((f"{res['mode']} @ {runs[0][0].offered_rate:g} req/s", runs[0]))
+        if cdf_runs:
+            plot_latency_cdfs(cdf_runs, args.tight_slo, out / f"cdf-{workload}.png")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="/tmp/llama3-8b")
+    ap.add_argument(
+        "--make-model", action="store_true", help="write the llama3-8b preset if missing"
+    )
+    ap.add_argument("--out", default="bench-results/goodput")
+    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--workloads", default="prefill_heavy,balanced,decode_heavy")
+    ap.add_argument("--rates", default="", help="workload=r1,r2;... (default: built-in sweep)")
+    ap.add_argument("--duration", type=float, default=12.0, help="arrival window per rate (s)")
+    ap.add_argument("--slo", default="ttft:1000 tpot:25")
+    ap.add_argument("--tight-slo", default="ttft:1000 tpot:15")
+    ap.add_argument(
+        "--stop-below", type=float, default=0.5, help="end a sweep under this attainment"
+    )
+    ap.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.workloads = args.workloads.split(",")
+    rates = dict(DEFAULT_RATES)
+    for part in filter(None, args.rates.split(";")):
+        name, _, values = part.partition("=")
+        rates[name.strip()] = [float(v) for v in values.split(",")]
+    args.rates = rates
+    args.slo, args.tight_slo = parse_slo(args.slo), parse_slo(args.tight_slo)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.make_model and not (Path(args.model) / "config.json").is_file():
+        from deploy.make_model import make_model
+
+        t0 = time.time()
+        make_model(args.model, preset="llama3-8b", device="cuda")
+        log(f"wrote llama3-8b preset to {args.model} in {time.time() - t0:.0f}s")
+    peer = peer_copy_gbps()
+    log(f"raw GPU0->GPU1 copy: {peer:.0f} GB/s")
+    results = []
+    for mode in args.modes.split(","):
+        try:
+            results.append(run_mode(mode, args.model, args, out))
+        except Exception:
+            log(f"mode {mode} failed:\n{traceback.format_exc()}")
+    table = analyse(results, args, out, peer)
+    print_table(table, args)
+    return 0
+
+
+def print_table(table: dict, args: argparse.Namespace) -> None:  # type: ignore[type-arg]
+    print("\n=== goodput (req/s at >=90% SLO attainment) ===")
+    print(f"{'workload':<15}{'SLO':<8}{'PD':>8}{'coloc':>8}{'PD/coloc':>10}")
+    for workload in args.workloads:
+        w = table.get(workload, {})
+        for name in ("chat", "tight"):
+            pd = w.get("pd", {}).get(f"goodput_{name}")
+            co = w.get("colocated", {}).get(f"goodput_{name}")
+            ratio = w.get(f"ratio_{name}")
+            fmt = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
+            print(f"{workload:<15}{name:<8}{fmt(pd):>8}{fmt(co):>8}"
+                  f"{'-' if ratio is None else f'{ratio:.2f}x':>10}")  # fmt: skip
+    kv = table.get("kv_transfer", {})
+    print(f"KV transfer effective {kv.get('gbps', 0):.0f} GB/s vs raw copy "
+          f"{table['peer_copy_gbps']:.0f} GB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
