@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import StepStager, build_layout, create_backend
+from engine.attention import StepStager, build_layout, check_bounds, create_backend
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -81,6 +81,10 @@ class ModelRunner:
         if not batch.chunks:
             return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
         layout = build_layout(batch, self.block_size)
+        cfg = self.model.cfg
+        check_bounds(
+            layout, self.kv_cache.spec.num_blocks, cfg.vocab_size, cfg.max_position_embeddings
+        )
         if self.graphs is not None and batch.is_decode_only:
             size = self.graphs.batch_size_for(layout)
             if size is not None:

@@ -2,7 +2,14 @@
 
 from engine.attention.base import AttentionBackend, BackendUnavailable
 from engine.attention.registry import backend_names, create_backend, resolve_backend_name
-from engine.attention.step import BatchLayout, StepInputs, StepStager, build_layout, stage_once
+from engine.attention.step import (
+    BatchLayout,
+    StepInputs,
+    StepStager,
+    build_layout,
+    check_bounds,
+    stage_once,
+)
 
 __all__ = [
     "AttentionBackend",
@@ -12,6 +19,7 @@ __all__ = [
     "StepStager",
     "backend_names",
     "build_layout",
+    "check_bounds",
     "create_backend",
     "resolve_backend_name",
     "stage_once",

@@ -139,6 +139,20 @@ def build_layout(batch: ScheduledBatch, block_size: int) -> BatchLayout:
     )
 
 
+def check_bounds(layout: BatchLayout, num_blocks: int, vocab_size: int, max_positions: int) -> None:
+    """Raise ValueError if a block id, token id or position would index out of range (on a
+    GPU that would be a device-side assert that ends the process, not an exception)."""
+    for name, arr, limit in (
+        ("block id", layout.page_indices, num_blocks),
+        ("token id", layout.input_ids, vocab_size),
+        ("position", layout.positions, max_positions),
+    ):
+        if arr.shape[0] and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+            raise ValueError(
+                f"{name} out of range: [{int(arr.min())}, {int(arr.max())}] vs limit {limit}"
+            )
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """Device (int32) views of one step's layout; valid until the next step is staged."""

@@ -188,6 +188,18 @@ def test_runner_checks_pool_against_config_and_model(
     assert runner.block_size == BLOCK_SIZE
 
 
+def test_out_of_range_block_token_or_position_is_a_value_error_not_a_crash(
+    model: LlamaModel, tiny_model_dir: Path
+) -> None:
+    runner = make_runner(model, tiny_model_dir, num_blocks=8)
+    with pytest.raises(ValueError, match=r"block id out of range: \[2, 8\] vs limit 8"):
+        runner.execute(batch(chunk("a", [1] * 20, 0, (8, 2))))
+    with pytest.raises(ValueError, match="token id out of range"):
+        runner.execute(batch(chunk("a", [1, 512], 0, (0,))))
+    with pytest.raises(ValueError, match="position out of range"):
+        runner.execute(batch(chunk("a", [1], 4096, tuple(range(8)) * 33)))
+
+
 def test_kv_pool_size_on_cpu_is_the_config_value_or_the_default(
     model: LlamaModel, tiny_model_dir: Path
 ) -> None:
