@@ -118,7 +118,8 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:
                 q[i].exponential_(generator=g)
-        return (probs / q).argmax(dim=-1)
+        # exponential_ may return an exact 0; 0/0 would be NaN, which argmax picks.
+        return (probs / q.clamp_(min=1e-20)).argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
