@@ -76,8 +76,8 @@ class KVTransferConfig:
     """A decode heartbeat asks for the lease to last until now + this."""
     lease_safety_margin_s: float = 0.5
     """Decode does not start, and aborts, a read with less than this left on its lease."""
-    busy_poll_s: float = 0.0005
-    """Decode loop sleep while reads are in flight."""
+    busy_poll_s: float = 0.0002
+    """Decode loop sleep while reads are in flight (adds up to this to each read's latency)."""
     notif_poll_s: float = 0.005
     """Prefill loop sleep while leases are held (completion notices arrive)."""
     idle_tick_s: float = 0.05

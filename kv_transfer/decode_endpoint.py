@@ -77,6 +77,7 @@ class DecodeEndpoint:
             max_inflight_bytes=self.config.budget.max_inflight_bytes,
         )
         self._stats = TransferStats()
+        self._published_version = -1
         self._loop = AgentLoop(f"kv-decode-{worker_id}", self._tick, self.config.idle_tick_s)
 
     def start(self) -> None:
@@ -203,11 +204,13 @@ class DecodeEndpoint:
         if self._manager is None:
             return self.config.idle_tick_s
         delay = self._manager.step()
-        self._publish()
+        if self._manager.version != self._published_version:
+            self._publish()
         return delay
 
     def _publish(self) -> None:
         assert self._manager is not None
+        self._published_version = self._manager.version
         load, stats = self._manager.load(), self._manager.stats()
         with self._lock:
             self._load, self._stats = load, stats

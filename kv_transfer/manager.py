@@ -127,12 +127,14 @@ class TransferManager:
         self._transferring: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
         self._next_heartbeat = clock() + config.heartbeat_interval_s
+        self.version = 0  # bumped on every change a load/stats snapshot would show
 
     # ---- commands -------------------------------------------------------------------------
 
     def add_peer(self, peer: str) -> None:
         """Mark a peer usable (the caller has loaded its metadata into the backend)."""
         self.peers.add(peer)
+        self.version += 1
 
     def submit(self, handle: KVHandle, plan: TransferPlan, deadline: float | None = None) -> None:
         """Queue the pull of `plan`; a handle that cannot be pulled here fails at once."""
@@ -164,6 +166,7 @@ class TransferManager:
             self._finish(t, TransferState.DONE, None)
             return
         self._queued[rid] = t
+        self.version += 1
 
     def cancel(self, request_id: str) -> bool:
         """Fail a queued or in-flight transfer with `TransferCancelled`; False if not active."""
@@ -176,6 +179,7 @@ class TransferManager:
     def peer_lost(self, peer: str, reason: str) -> None:
         """Fail everything pulled from `peer` and forget it (a new handshake may re-add it)."""
         self.peers.discard(peer)
+        self.version += 1
         for t in [*self._queued.values(), *self._transferring.values()]:
             if t.plan.peer == peer and t.abort_result is None:
                 self._end(t, TransferState.FAILED, PeerLost(f"peer {peer} lost: {reason}"))
@@ -259,6 +263,7 @@ class TransferManager:
                 self.metrics.oversized_requests += 1
             self.budget.acquire(c)
             t.state = TransferState.TRANSFERRING
+            self.version += 1
             t.started_at = self._clock()
             self._transferring[c.request_id] = t
             self.metrics.record_queue_wait(t.started_at - t.submitted_at)
@@ -289,6 +294,7 @@ class TransferManager:
                 for msg in encode_heartbeats([t.plan.request_id for t in transfers], deadline):
                     self.backend.send_notif(peer, msg)
                     self.metrics.heartbeats_sent += 1
+                    self.version += 1
             except BackendError as e:
                 if e.peer_lost:
                     self.peer_lost(peer, str(e))
@@ -324,6 +330,7 @@ class TransferManager:
         posted_descriptors: int | None = None,
     ) -> None:
         rid = t.plan.request_id
+        self.version += 1
         self._queued.pop(rid, None)
         if self._transferring.pop(rid, None) is not None:
             self.budget.release(t.candidate)
@@ -367,6 +374,7 @@ class TransferManager:
 
     def _reject(self, plan: TransferPlan, error: TransferError) -> None:
         """Fail a submission that never entered the tables (its blocks are untouched)."""
+        self.version += 1
         self.metrics.transfers_failed += 1
         outcome = TransferOutcome(plan.request_id, TransferState.FAILED, plan, error, 0.0, 0.0)
         try:

@@ -9,15 +9,17 @@ Keys (all under `pdserve:{model}:`, so models never share entries):
     seq:{id}         sequence number of the last KV event applied for a worker
 
 Written only by `KVEventPublisher` (kv_transfer/kv_publisher.py); read by `lookup` in one
-round trip (a Lua script walks the chain and stops at the first block no live candidate
-holds). Because block hashes chain, holding block i with a live liveness key means holding
-the prefix up to i, so "leading blocks present" is the cached prefix. The index is a hint: a
-stale entry costs a cache miss, never a wrong answer.
+round trip: a Lua script gets the chain as one hex string, keeps the live holders of the
+first block as candidates, and walks on with one SMISMEMBER per block until no candidate is
+left (a miss costs one SMEMBERS). A worker's count is the number of leading blocks it holds
+without a hole; because hashes chain, an equal hash at position i means an equal prompt up to
+block i. The index is a hint: a stale entry costs a cache miss, never a wrong answer.
 
 Redis unavailable: `lookup` answers `PrefixMatch(available=False)` after at most the socket
 timeout, and then at once for `retry_after_s` (a circuit breaker), so routing falls back to
 load alone and never waits on Redis. Scripts touch keys they compute from arguments
-(liveness, reverse index): this needs a single Redis instance, not Redis Cluster.
+(block keys, liveness, reverse index): this needs a single Redis >= 6.2 (SMISMEMBER), not
+Redis Cluster.
 """
 
 from __future__ import annotations
@@ -39,25 +41,21 @@ from kv_transfer.types import PrefixMatch, WorkerPrefix
 log = logging.getLogger(__name__)
 
 _LOOKUP = """
-local alive = {}
-local function is_alive(w)
-  local a = alive[w]
-  if a == nil then
-    a = redis.call('EXISTS', ARGV[1] .. w) == 1
-    alive[w] = a
-  end
-  return a
+local bp, wp, hexes = ARGV[1], ARGV[2], ARGV[3]
+local n = #hexes / 32
+local function key(i) return bp .. string.sub(hexes, 32 * (i - 1) + 1, 32 * i) end
+local names, depth = {}, {}
+for _, w in ipairs(redis.call('SMEMBERS', key(1))) do
+  if redis.call('EXISTS', wp .. w) == 1 then names[#names + 1] = w; depth[w] = 1 end
 end
-local cand, depth, n = {}, {}, 0
-for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if is_alive(w) then cand[w] = true; depth[w] = 1; n = n + 1 end
-end
-for i = 2, #KEYS do
-  if n == 0 then break end
-  for w in pairs(cand) do
-    if redis.call('SISMEMBER', KEYS[i], w) == 1 then depth[w] = i
-    else cand[w] = nil; n = n - 1 end
+for i = 2, n do
+  if #names == 0 then break end
+  local flags = redis.call('SMISMEMBER', key(i), unpack(names))
+  local still = {}
+  for j, w in ipairs(names) do
+    if flags[j] == 1 then depth[w] = i; still[#still + 1] = w end
   end
+  names = still
 end
 local out = {}
 for w, d in pairs(depth) do out[#out + 1] = w; out[#out + 1] = d end
@@ -168,9 +166,8 @@ class PrefixIndex:
         if n == 0:
             return PrefixMatch(chain_length=0)
         try:
-            raw = self._lookup(
-                keys=[self.keys.block(h) for h in block_hashes], args=[self.keys.worker_prefix]
-            )
+            chain_hex = b"".join(block_hashes).hex()  # 32 hex digits per block
+            raw = self._lookup(args=[self.keys.block_prefix, self.keys.worker_prefix, chain_hex])
         except redis.RedisError as e:
             self._mark_down(e)
             return PrefixMatch(chain_length=n, available=False)

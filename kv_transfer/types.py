@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash
-from engine.kv_cache import KVCacheSpec
+
+if TYPE_CHECKING:  # engine.kv_cache imports torch; the router imports this module without it
+    from engine.kv_cache import KVCacheSpec
 
 
 def compat_fields(spec: KVCacheSpec, model_id: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from kvt_factories import COMPAT, MODEL, SPEC, make_handle
@@ -134,3 +136,14 @@ def test_prefix_match_helpers() -> None:
     assert match.best() == WorkerPrefix("a", 5)
     assert (match.blocks_cached("b"), match.blocks_cached("zz")) == (2, 0)
     assert PrefixMatch(8, available=False).best() is None
+
+
+def test_router_facing_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "import kv_transfer\n"
+        "from kv_transfer import KVHandle, PrefixMatch, TransferLoad, PrefixIndex\n"
+        "from kv_transfer import KVEventPublisher, TransferError, HandshakeInfo, compat_hash\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
