@@ -117,8 +117,10 @@ def run_hf(
     for b in range(0, len(work), batch):
         group = work[b : b + batch]
         width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group], device=hf.device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=hf.device
+        )
         longest = max(m for _, m in group)
         out = hf.generate(
             ids,
@@ -142,6 +144,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides, float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each; the best time counts")
     args = ap.parse_args()
@@ -157,11 +160,11 @@ def main() -> None:
         EngineConfig(
             model_dir=str(model_dir),
             dtype="float32",
-            device="cpu",
+            device=args.device,
             num_kv_blocks=2048,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            cuda_graphs=False,
+            cuda_graphs=args.device != "cpu",
         )
     )
     corpus = (Path(__file__).resolve().parents[1] / "deploy" / "data" / "corpus.txt").read_text()
@@ -171,7 +174,8 @@ def main() -> None:
         tokens, bos, args.num_requests, args.min_prompt, args.max_prompt, args.max_tokens, args.seed
     )
     useful = sum(m for _, m in work)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.to(args.device).eval()
     pad = 2
 
     # Warm both up (allocator, first-call overheads) on a throwaway request.
@@ -190,7 +194,8 @@ def main() -> None:
         t_one = min(t_one, run_hf(hf, work, len(work), pad)[0])
     agree = sum(a == b for a, b in zip(st["tokens"], hf_tokens, strict=True))
 
-    print(f"model {model_dir.name}, torch threads {torch.get_num_threads()}, {len(work)} requests,")
+    print(f"model {model_dir.name} on {args.device}, torch threads {torch.get_num_threads()},")
+    print(f"{len(work)} requests,", end=" ")
     print(f"prompts {args.min_prompt}-{args.max_prompt} tokens, outputs <= {args.max_tokens}")
     print(f"({useful} requested tokens), max_num_seqs {args.max_num_seqs}\n")
     print(f"{'run':<52}{'seconds':>10}{'tokens/s':>12}")
