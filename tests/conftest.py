@@ -16,8 +16,6 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("UCX_TLS", "shm,tcp")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -30,8 +28,14 @@ def _has_cuda() -> bool:
         return False
 
 
+HAS_CUDA = _has_cuda()
+if not HAS_CUDA:  # on a GPU host UCX must pick cuda_ipc itself (see ../shared/GPU.md)
+    os.environ.setdefault("UCX_TLS", "shm,tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _has_cuda():
+    if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:
