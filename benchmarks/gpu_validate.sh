@@ -18,9 +18,9 @@ step() {
   echo "=== rc=$? $name"
   tail -n "${TAILN:-30}" "$OUT/$name.log"
 }
-step gpu_tests 240 python -m pytest tests/gpu -q -rA -p no:cacheprovider
-step bench_engine 200 python benchmarks/bench_engine.py
-step bench_kv 120 python benchmarks/bench_kv_transfer.py --gpu --skip-redis
+step gpu_tests 170 python -m pytest tests/gpu -q -rA -p no:cacheprovider
+step bench_engine 170 python benchmarks/bench_engine.py
+step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis
 python -m deploy.cli make-model /tmp/small --preset llama3-8b --layers 4 --device cuda > "$OUT/make_small.log" 2>&1
-step e2e 300 python benchmarks/bench_goodput.py --model /tmp/small --out "$OUT/e2e" \
+step e2e 190 python benchmarks/bench_goodput.py --model /tmp/small --out "$OUT/e2e" \
   --workloads balanced --rates "balanced=4" --duration 5

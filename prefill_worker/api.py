@@ -108,6 +108,10 @@ class WorkerOverloaded(Exception):
     """The worker cannot hold this request now (e.g. KV pool short): place it elsewhere."""
 
 
+class RequestAborted(Exception):
+    """`abort(request_id)` ended the request on the worker; everything it held was freed."""
+
+
 class RequestDeadlineExceeded(Exception):
     """The request's deadline passed on the worker; everything it held was freed."""
 

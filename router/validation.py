@@ -7,6 +7,7 @@ passes. Prompt text is tokenized here (the router owns the tokenizer for hashing
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -86,6 +87,10 @@ def validate(
         raise InvalidRequest("priority", f"must be in [-10, 10], got {req.priority}")
     if limits.tenants and req.tenant not in limits.tenants:
         raise InvalidRequest("tenant", f"unknown tenant {req.tenant!r}")
+    for name in _FLOAT_FIELDS:
+        value = getattr(req, name)
+        if not math.isfinite(value):  # inf passes the range checks below (inf >= 0)
+            raise InvalidRequest(name, f"must be a finite number, got {value}")
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -139,6 +144,10 @@ def _prompt_ids(
         )
     return tuple(tokenizer.encode(req.prompt))
 
+
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
 
 # Top-level string fields of GenerateRequest, by field number (for the UTF-8 check below).
 _STRING_FIELDS = {1: "request_id", 2: "prompt", 13: "stop", 17: "tenant", 19: "cache_salt"}

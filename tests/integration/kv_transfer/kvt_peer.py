@@ -63,8 +63,21 @@ class LostCompletionBackend(NixlBackend):
         return XferStatus.IN_PROGRESS
 
 
+class SlowStartBackend(NixlBackend):
+    """Every read starts 50 ms late, so a peer killed after the first read finds work left."""
+
+    def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
+        time.sleep(0.05)
+        return super().start_read(plan, notif)
+
+
 def backend_factory(kind: str) -> Callable[[str, KVCache, KVTransferConfig], NixlBackend]:
-    classes = {"nixl": NixlBackend, "drop": DroppedNoticeBackend, "lost": LostCompletionBackend}
+    classes = {
+        "nixl": NixlBackend,
+        "drop": DroppedNoticeBackend,
+        "lost": LostCompletionBackend,
+        "slow": SlowStartBackend,
+    }
     cls = classes[kind]
 
     def make(agent_name: str, cache: KVCache, config: KVTransferConfig) -> NixlBackend:
@@ -118,7 +131,7 @@ def prefill_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) 
 
 
 def decode_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) -> None:
-    """A decode endpoint: add_peer, then pull every handle it is sent; reports outcomes."""
+    """A decode endpoint (slow-starting reads): add_peer, pull every handle it is sent."""
     from kv_transfer.decode_endpoint import DecodeEndpoint
 
     cache = KVCache(spec)
@@ -128,7 +141,7 @@ def decode_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) -
         with send_lock:
             conn.send(("outcome", outcome.request_id, outcome.state.value))
 
-    endpoint = DecodeEndpoint(cache, MODEL, "d0", report, report, config)
+    endpoint = DecodeEndpoint(cache, MODEL, "d0", report, report, config, backend_factory("slow"))
     endpoint.start()
     conn.send(("ready",))
     info = conn.recv()
