@@ -250,7 +250,7 @@ def test_killed_decode_mid_pull_prefill_frees_every_lease_in_time(
         MODEL,
         "p-local",
         lambda r, b: released.put((r, b, time.time())),
-        KVTransferConfig(lease_s=5.0, reaper_interval_s=0.05),
+        KVTransferConfig(lease_s=3.0, reaper_interval_s=0.05),
     )
     info = prefill.start()
     peer = peers["doomed_decode"]
