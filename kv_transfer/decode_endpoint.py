@@ -123,8 +123,11 @@ class DecodeEndpoint:
     ) -> TransferPlan:
         """Pull `handle.block_ids[num_reused:]` into `local_block_ids` by `deadline`.
 
-        Raises (and changes nothing) for a bad plan, an incompatible handle or an unknown
-        peer; otherwise exactly one of `on_done` / `on_failed` follows.
+        `deadline` is wall-clock (`time.time()`), default now + `transfer_timeout_s`. With an
+        engine `TransferAllocation`, pass `alloc.blocks_to_transfer` and
+        `num_reused=alloc.num_cached_blocks`. Raises (and changes nothing) for a bad plan, an
+        incompatible handle, an unknown peer or a closed endpoint; otherwise exactly one of
+        `on_done` / `on_failed` follows.
         """
         plan = plan_transfer(handle, local_block_ids, self.cache.spec.block_nbytes, num_reused)
         if plan.local_block_ids and max(plan.local_block_ids) >= self.cache.spec.num_blocks:

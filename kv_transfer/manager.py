@@ -214,6 +214,8 @@ class TransferManager:
 
     def _poll_in_flight(self) -> None:
         for t in list(self._transferring.values()):
+            if t.state.is_terminal:  # ended meanwhile (its peer was lost by an earlier poll)
+                continue
             assert t.xfer is not None
             if t.abort_result is not None:
                 self._retry_abort(t, first=False)
@@ -243,7 +245,7 @@ class TransferManager:
         now = self._clock()
         margin = self.config.lease_safety_margin_s
         for t in [*self._queued.values(), *self._transferring.values()]:
-            if t.abort_result is not None:
+            if t.abort_result is not None or t.state.is_terminal:
                 continue
             rid = t.plan.request_id
             if now >= t.deadline:

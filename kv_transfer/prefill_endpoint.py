@@ -111,8 +111,8 @@ class PrefillEndpoint:
     ) -> KVHandle:
         """Pin `block_ids` under a new lease and describe them for a decode worker."""
         spec = self.cache.spec
-        if self._handshake is None:
-            raise TransferError("PrefillEndpoint.start() has not run")
+        if self._handshake is None or not self._loop.running:
+            raise TransferError("PrefillEndpoint is not running (start() not run, or closed)")
         if any(not 0 <= b < spec.num_blocks for b in block_ids):
             raise ValueError(f"request {request_id}: block id outside the pool")
         if len(block_ids) * spec.block_size < num_tokens:

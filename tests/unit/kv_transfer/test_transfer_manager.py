@@ -235,6 +235,19 @@ def test_lost_peer_fails_every_transfer_from_it_and_forgets_it() -> None:
     assert h.states()[-1] == ("c", S.FAILED, UnknownPeer)
 
 
+def test_lost_peer_with_several_reads_in_flight_fails_each_exactly_once() -> None:
+    h = Harness()
+    h.submit(h.handle("a", (1, 2)), [10, 11])
+    h.submit(h.handle("b", (3, 4)), [12, 13])
+    h.manager.step()
+    assert h.manager.load().in_flight_transfers == 2
+    h.fabric.kill("P")
+    h.manager.step()
+    h.manager.step()
+    assert sorted(h.states()) == [("a", S.FAILED, PeerLost), ("b", S.FAILED, PeerLost)]
+    assert h.manager.load().in_flight_blocks == 0
+
+
 def test_cancel_fails_queued_and_in_flight_transfers_once() -> None:
     h = Harness()
     h.submit(h.handle("a", (1, 2, 3, 4)), [10, 11, 12, 13])
