@@ -20,10 +20,17 @@ from engine.model import LlamaModel
 
 
 def resolve_device(name: str) -> torch.device:
-    """EngineConfig.device → torch device ("auto": cuda when available, else cpu)."""
+    """EngineConfig.device → torch device ("auto": cuda when available, else cpu).
+
+    A CUDA device always gets an explicit index (the current device for "cuda"), because
+    the KV pool's device is handed to code that needs one (NIXL registration, set_device).
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
