@@ -19,7 +19,9 @@ Lifecycle of a request in this worker (DESIGN.md steps 6-8):
 Failure paths free everything: a transfer that fails or expires frees its destination blocks
 (the endpoint's outcome says when they are safe to reuse — never before a read that might
 still write into them has ended); a cancelled or timed-out stream aborts the request in the
-engine, or cancels its transfer and lets the outcome free the blocks.
+engine, or cancels its transfer and lets the outcome free the blocks. `abort(request_id)`
+takes the same paths (at whatever stage the request is) and ends the stream with a last
+chunk whose finish reason is ABORT.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from collections.abc import AsyncIterator
 from decode_worker.api import DecodeRequest, TokenChunk
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import RequestOutput, TransferAllocation
+from engine.request import FinishReason
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
+from kv_transfer.errors import TransferCancelled
 from kv_transfer.manager import TransferOutcome, TransferState
 from kv_transfer.metrics import TransferStats
 from kv_transfer.types import KVHandle, TransferLoad
 from prefill_worker.api import (
+    RequestAborted,
     WorkerDraining,
     WorkerInfo,
     WorkerLoad,
@@ -64,6 +69,7 @@ class DecodeWorker:
         self.endpoint: DecodeEndpoint | None = None
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> WorkerInfo:
@@ -123,27 +129,32 @@ class DecodeWorker:
         give_up = time.monotonic() + ALLOCATE_MAX_WAIT_S
         if req.deadline is not None:
             give_up = min(give_up, time.monotonic() + max(req.deadline - time.time(), 0.0))
+        rid = req.request_id
         while True:
+            self._raise_if_aborted(rid)
             try:
                 return await self.runtime.call(
                     lambda e: e.allocate_for_transfer(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        handle.block_hashes,
-                        cache_salt=req.cache_salt,
+                        rid, req.prompt_token_ids, handle.block_hashes, cache_salt=req.cache_salt
                     )
                 )
             except NoFreeBlocksError as e:
                 if time.monotonic() >= give_up:
-                    raise WorkerOverloaded(
-                        f"request {req.request_id}: decode KV pool is full ({e})"
-                    ) from e
+                    raise WorkerOverloaded(f"request {rid}: decode KV pool is full ({e})") from e
                 await asyncio.sleep(ALLOCATE_RETRY_S)
+            except asyncio.CancelledError:
+                # The allocation may have run on the engine thread all the same; this runs
+                # after it there (commands run in order) and frees what it reserved.
+                self.runtime.post(lambda e: e.free_transfer_blocks(rid))
+                raise
 
     async def _pull(self, req: DecodeRequest, handle: KVHandle) -> tuple[int, float]:
         """Pull the prompt's KV into reserved blocks; (tokens transferred, seconds)."""
         await self._ensure_peer(handle)
         alloc = await self._allocate(req, handle)
+        if req.request_id in self._aborted:  # aborted while the allocation ran
+            self.runtime.post(lambda e: e.free_transfer_blocks(req.request_id))
+            self._raise_if_aborted(req.request_id)
         assert self._loop is not None
         fut: asyncio.Future[TransferOutcome] = self._loop.create_future()
         self._outcomes[req.request_id] = fut
@@ -162,17 +173,25 @@ class DecodeWorker:
         try:
             outcome = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The outcome will still come; `_deliver_outcome` frees the blocks then.
-            self._outcomes.pop(req.request_id, None)
-            self._endpoint.cancel(req.request_id)
+            if fut.done():
+                # The outcome arrived just before the cancellation: nobody else frees.
+                self.runtime.post(lambda e: e.free_transfer_blocks(req.request_id))
+            else:
+                # The outcome will still come; `_deliver_outcome` frees the blocks then.
+                self._outcomes.pop(req.request_id, None)
+                self._endpoint.cancel(req.request_id)
             raise
         if outcome.state is not TransferState.DONE:
             self.runtime.post(lambda e: e.free_transfer_blocks(req.request_id))
             assert outcome.error is not None
             raise outcome.error
-        block_size = self.runtime.config.engine.block_size
-        transferred = min(outcome.plan.num_blocks * block_size, handle.num_tokens)
-        return transferred, time.perf_counter() - t0
+        # Reused blocks are full blocks at the head; everything after them was pulled.
+        reused_tokens = outcome.plan.num_reused * self.runtime.config.engine.block_size
+        return max(handle.num_tokens - reused_tokens, 0), time.perf_counter() - t0
+
+    def _raise_if_aborted(self, request_id: str) -> None:
+        if request_id in self._aborted:
+            raise RequestAborted(f"request {request_id} was aborted")
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -204,7 +223,8 @@ class DecodeWorker:
                 if req.first_token_id is None:
                     raise ValueError("first_token_id: required with a KV handle")
                 transferred, transfer_s = await self._pull(req, req.handle)
-                in_engine = True
+                in_engine = True  # from here the engine holds the blocks (abort frees them)
+                self._raise_if_aborted(rid)
                 await rt.call(
                     lambda e: e.add_transferred_request(
                         rid,
@@ -226,19 +246,33 @@ class DecodeWorker:
                 first = False
                 finished = chunk.finish_reason is not None
                 yield chunk
+        except (RequestAborted, TransferCancelled):
+            if rid not in self._aborted:
+                raise
+            yield TokenChunk(token_ids=(), text="", finish_reason=FinishReason.ABORT)
         finally:
             rt.close_stream(rid)
+            self._aborted.discard(rid)
             rt.requests_done += 1
             if in_engine and not finished:
                 rt.post(lambda e: e.abort_request(rid))
 
     async def abort(self, request_id: str) -> bool:
-        """End a request here: cancel its transfer (blocks freed by the outcome) or abort it
-        in the engine."""
+        """End a request here and free what it holds: cancel its transfer (the outcome frees
+        the blocks) or abort it in the engine. Its stream, if open, ends with a last chunk
+        whose finish reason is ABORT. False if nothing was held under that id."""
+        streaming = self.runtime.has_stream(request_id)
+        if streaming:
+            # Seen by `generate` at each stage (peer, allocation, submit, engine), so a stream
+            # between two stages never goes on to reserve or pull anything.
+            self._aborted.add(request_id)
         if request_id in self._outcomes:
             self._endpoint.cancel(request_id)
             return True
-        return bool(await self.runtime.call(lambda e: e.abort_request(request_id)))
+        found = await self.runtime.call(lambda e: e.abort_request(request_id))
+        if streaming:
+            self.runtime.fail_stream(request_id, RequestAborted(f"request {request_id} aborted"))
+        return bool(found) or streaming
 
     # ---- status and drain -------------------------------------------------------------------
 

@@ -152,6 +152,16 @@ class WorkerRuntime:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def fail_stream(self, request_id: str, error: BaseException) -> None:
+        """Wake the request's reader with `error` (e.g. it was aborted; the engine sends no
+        output for an aborted request)."""
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(error)
+
     @property
     def num_inflight(self) -> int:
         return len(self._streams)

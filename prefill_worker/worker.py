@@ -31,6 +31,7 @@ from kv_transfer.protocol import HandshakeInfo
 from prefill_worker.api import (
     PrefillRequest,
     PrefillResult,
+    RequestAborted,
     WorkerDraining,
     WorkerInfo,
     WorkerLoad,
@@ -54,6 +55,7 @@ class PrefillWorker:
         self.transfer_config = transfer
         self.endpoint: PrefillEndpoint | None = None
         self._tokens_per_s = 0.0
+        self._aborted: set[str] = set()  # calls that `abort` ended (they raise RequestAborted)
 
     async def start(self) -> WorkerInfo:
         """Load the model, start the engine and the KV endpoint; returns the worker's info."""
@@ -105,12 +107,15 @@ class PrefillWorker:
                 )
             )
             out = await next_output(queue, req.deadline, rid)
+            if rid in self._aborted:  # aborted after the output was queued: no hand-off
+                raise RequestAborted(f"request {rid} aborted")
             return self._result(out)
         except BaseException:
             rt.post(lambda e: e.abort_request(rid))
             raise
         finally:
             rt.close_stream(rid)
+            self._aborted.discard(rid)
             rt.requests_done += 1
 
     def _result(self, out: RequestOutput) -> PrefillResult:
@@ -150,11 +155,18 @@ class PrefillWorker:
         """Free whatever the request holds here: queued or running work, or a lease.
 
         Call only once no decode worker can still read the blocks (the router aborts the
-        decode side first); otherwise let the lease expire.
+        decode side first); otherwise let the lease expire. A `prefill` call still waiting
+        for the request raises `RequestAborted`.
         """
-        found = await self.runtime.call(lambda e: e.abort_request(request_id))
+        rt = self.runtime
+        waiting = rt.has_stream(request_id)
+        if waiting:
+            self._aborted.add(request_id)
+        found = await rt.call(lambda e: e.abort_request(request_id))
         self._endpoint.cancel(request_id)
-        return bool(found)
+        if waiting:
+            rt.fail_stream(request_id, RequestAborted(f"request {request_id} aborted"))
+        return bool(found) or waiting
 
     # ---- status and drain -------------------------------------------------------------------
 

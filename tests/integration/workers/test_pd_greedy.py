@@ -95,8 +95,10 @@ def test_decode_worker_pulls_only_the_blocks_it_does_not_cache(
     ids = tokenizer.encode(text)
     assert len(ids) >= 50
     a = ids[:50]  # 3 full blocks + 2 tokens
-    b = ids[:48] + tokenizer.encode(" and the river ran past the mill")[:20]  # 3 shared blocks
-    assert len(b) > 48 and b[:48] == a[:48]
+    other = "A small lighthouse stands at the end of the harbour wall. Its keeper is a quiet woman"
+    tail = tokenizer.encode(other)[1:21]  # 20 tokens, without the leading bos
+    b = ids[:48] + tail  # shares a's 3 full blocks; 68 tokens = 5 blocks
+    assert len(b) == 68
 
     def stats():
         return ray.get(workers.d0.transfer_stats.remote(), timeout=30)

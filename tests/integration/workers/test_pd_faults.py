@@ -1,0 +1,67 @@
+"""A decode actor killed mid-stream ends its callers' streams with Ray's actor error at once
+(never a hang); the prefill worker that lent it KV returns to its idle baseline and keeps
+serving other decode workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+from conftest import Reference, Workers
+from pd_client import (
+    consume,
+    decode_request,
+    greedy,
+    next_chunk,
+    open_stream,
+    prefill,
+    serve,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+ENDLESS = greedy(3000, ignore_eos=True)
+ERROR_WITHIN_S = 30.0
+
+
+def test_killing_a_decode_actor_mid_stream_ends_its_streams_with_an_actor_error(
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+) -> None:
+    p, victim = workers.p0, workers.victim
+    prompts = corpus_prompts[24:30]
+
+    async def run() -> float:
+        results = await asyncio.gather(
+            *(prefill(p, f"kill-pd-{i}", x, ENDLESS) for i, x in enumerate(prompts[:4]))
+        )
+        gens = [
+            open_stream(victim, decode_request(r.request_id, x, ENDLESS, r))
+            for r, x in zip(results, prompts[:4], strict=True)
+        ]
+        gens += [
+            open_stream(victim, decode_request(f"kill-local-{i}", x, ENDLESS))
+            for i, x in enumerate(prompts[4:])
+        ]
+        for g in gens:
+            for _ in range(2):
+                chunk = await next_chunk(g)
+                assert chunk is not None and chunk.finish_reason is None
+        ray.kill(victim, no_restart=True)
+        t0 = time.monotonic()
+        for g in gens:
+            with pytest.raises(ray.exceptions.RayActorError):
+                await consume(g, ERROR_WITHIN_S)  # TimeoutError here would be the hang
+        with pytest.raises(ray.exceptions.RayActorError):
+            await asyncio.wait_for(victim.load.remote(), ERROR_WITHIN_S)
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(run())
+    assert elapsed < ERROR_WITHIN_S
+    # The hand-offs had completed before the kill, so no lease waits for expiry.
+    wait_idle(p)
+    survivor = asyncio.run(serve(p, workers.d0, "kill-after", prompts[0], greedy(24)))
+    assert survivor.token_ids == hf_greedy(prompts[0], 24)
+    wait_idle(p, workers.d0)
