@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.controller import AdmissionController
-from admission.decision import Admission
+from admission.decision import Admission, AdmissionRejected
 from admission.snapshot import AdmissionRequest, ClusterSnapshot
 from decode_worker.api import DecodeRequest, TokenChunk
 from engine.block_hash import BlockHash, hash_chain, hash_extra
@@ -137,6 +137,9 @@ class Orchestrator:
         self.config = config or OrchestratorConfig()
         self.metrics = metrics or RouterMetrics()
         self.inflight = 0
+        """Requests inside the router: queued for admission, admitted, or streaming."""
+        self.running = 0
+        """Admitted requests not yet finished (what the in-flight admission limit counts)."""
 
     # ---- the request ------------------------------------------------------------------------
 
@@ -168,6 +171,7 @@ class Orchestrator:
         outcome = "error"
         try:
             admitted = await self.admission.admit(areq, self._snapshot)
+            self.running += 1
             self.metrics.admission.labels("admit", "admitted").inc()
             progress.queue_ms = admitted.queued_ms
             self.metrics.queue.observe(admitted.queued_ms / 1000)
@@ -179,16 +183,21 @@ class Orchestrator:
             raise
         except BaseException as e:
             outcome = to_grpc_failure(e).outcome
+            if isinstance(e, AdmissionRejected):
+                self.metrics.admission.labels("reject", e.reason.value).inc()
             raise
         finally:
             self.inflight -= 1
             self.metrics.inflight.set(self.inflight)
             if admitted is not None:
+                self.running -= 1
                 self.admission.release(req.request_id, generated_tokens=progress.completion_tokens)
             self._observe(progress, outcome)
 
     def _snapshot(self) -> ClusterSnapshot:
-        return self.view.admission_snapshot(self.admission.throughput.tokens_per_s, self.inflight)
+        # Admitted requests only: counting the queued ones (or the one being evaluated) would
+        # make a queue block its own admission, and a limit of N admit N - 1.
+        return self.view.admission_snapshot(self.admission.throughput.tokens_per_s, self.running)
 
     async def _lookup(self, hashes: list[BlockHash]) -> PrefixMatch:
         if self.index is None or not hashes:
@@ -293,6 +302,9 @@ class Orchestrator:
             try:
                 result: PrefillResult = await ref
             except asyncio.CancelledError:
+                # Cancel the call itself too: an abort that reaches the worker while the prompt
+                # waits in its engine frees the blocks but does not end the call.
+                _cancel_remote(ref)
                 _fire(entry.handle.abort.remote(req.request_id))
                 raise
             except Exception as e:
@@ -344,10 +356,7 @@ class Orchestrator:
         finally:
             if not finished:
                 _fire(entry.handle.abort.remote(dreq.request_id))
-                with contextlib.suppress(Exception):
-                    import ray
-
-                    ray.cancel(gen)
+                _cancel_remote(gen)
 
     def _chunk_delta(self, chunk: TokenChunk, progress: _Progress, prompt_len: int) -> StreamDelta:
         if chunk.transfer_s:
@@ -431,6 +440,14 @@ def _decode_request(
         arrival_time=time.time(),
         deadline=deadline,
     )
+
+
+def _cancel_remote(ref: Any) -> None:
+    """Cancel a Ray call (an ObjectRef or a streaming generator), best effort."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.cancel(ref)
 
 
 def _fire(ref: Any) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -99,6 +100,7 @@ class RouterServer:
         )
         model = ModelConfig.from_pretrained(config.model_dir)
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
+        self.model_max_len = model.max_model_len
         self.limits = ValidationLimits(
             max_model_len=model.max_model_len,
             vocab_size=model.vocab_size,
@@ -107,6 +109,7 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         self.control = control
         self.server: grpc.aio.Server | None = None
+        self.generation: GenerationServicer | None = None
         self.port = 0
         self.metrics_port: int | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -121,8 +124,8 @@ class RouterServer:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(options=opts)
-        generation = GenerationServicer(self.orchestrator, self.tokenizer, self.limits)
-        server.add_generic_rpc_handlers((generation_handler(generation),))
+        self.generation = GenerationServicer(self.orchestrator, self.tokenizer, self.limits)
+        server.add_generic_rpc_handlers((generation_handler(self.generation),))
         admin = AdminServicer(
             self.view,
             self.admission,
@@ -136,6 +139,7 @@ class RouterServer:
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
             server,
+            pool=_ReflectionPool(descriptor_pool.Default()),
         )
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
         if self.port == 0:
@@ -149,14 +153,17 @@ class RouterServer:
         return self.port
 
     def _update_limits(self) -> None:
-        """Workers may serve a shorter context than the model (engine max_model_len)."""
+        """Workers may serve a shorter context than the model (engine max_model_len); the
+        limit follows the registry, so workers that join after start count too."""
         lens = [e.info.max_model_len for e in self.view.entries.values()]
         if lens:
             self.limits = ValidationLimits(
-                max_model_len=min(self.limits.max_model_len, *lens),
+                max_model_len=min(self.model_max_len, *lens),
                 vocab_size=self.limits.vocab_size,
                 tenants=self.limits.tenants,
             )
+            if self.generation is not None:
+                self.generation.limits = self.limits
 
     async def _update_health(self) -> None:
         serving = bool(self.view.decode_workers())
@@ -173,6 +180,7 @@ class RouterServer:
         while True:
             await asyncio.sleep(0.5)
             try:
+                self._update_limits()
                 await self._update_health()
             except Exception:
                 log.exception("health update failed")
@@ -199,6 +207,34 @@ class RouterServer:
         await self.view.stop()
         if self.index is not None:
             self.index.close()
+
+
+class _ReflectionPool:
+    """The descriptor pool for server reflection, plus method symbols.
+
+    `grpcurl describe pdserve.v1.Generation.Generate` asks for the file containing a method
+    symbol; protobuf's upb pool finds services and messages but not methods. This falls back
+    to the method's service. Everything else goes to the wrapped pool.
+    """
+
+    def __init__(self, pool: descriptor_pool.DescriptorPool) -> None:
+        self._pool = pool
+
+    def FindFileContainingSymbol(self, symbol: str) -> Any:
+        try:
+            return self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service, _, method = symbol.rpartition(".")
+            try:
+                found = self._pool.FindServiceByName(service)
+            except KeyError:
+                found = None
+            if found is None or method not in found.methods_by_name:
+                raise
+            return found.file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
 
 
 def _serve_metrics(metrics: RouterMetrics, port: int) -> int:

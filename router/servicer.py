@@ -109,20 +109,26 @@ class GenerationServicer:
         request: pb.GenerateRequest | UndecodableRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.GenerateResponse]:
+        requests = self.orchestrator.metrics.requests
         if isinstance(request, UndecodableRequest):
+            requests.labels("invalid").inc()
             field = request.field or "request"
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{field}: not valid UTF-8 / protobuf"
             )
             return
+        started = False
         try:
             valid = validate(request, self.tokenizer, self.limits)
+            started = True
             async for delta in self.orchestrator.generate(valid, context.time_remaining()):
                 yield to_proto(delta, valid.request_id)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             failure = to_grpc_failure(e)
+            if not started:  # the orchestrator counts the requests it started
+                requests.labels(failure.outcome).inc()
             if failure.code is grpc.StatusCode.INTERNAL:
                 log.exception("request failed with an internal error")
             if failure.trailing_metadata:

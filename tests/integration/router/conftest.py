@@ -1,0 +1,117 @@
+"""One real pdserve cluster shared by the router tests: Ray (the session's `ray_cluster`),
+an embedded redis-server, the controller with 2 prefill + 1 decode workers (tiny model, NIXL
+over UCX on loopback) and 2 router replicas, each with its own admission controller.
+
+Router 0 disaggregates every prompt (local_prefill_threshold_tokens=0); tests that want the
+decode worker to prefill locally raise the threshold on router 1 and put it back. Tests that
+change thresholds restore them (`restored_thresholds`) so test order does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from router_harness import (
+    KV_BLOCKS,
+    MAX_MESSAGE_BYTES,
+    MAX_MODEL_LEN,
+    TENANTS,
+    Reference,
+    RouterCluster,
+)
+
+from admission.config import AdmissionConfig, AdmissionThresholds
+from engine.config import EngineConfig
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCluster]:
+    import ray
+
+    from deploy.cluster import Cluster, ClusterOptions
+    from router.server import RouterConfig
+
+    engine = EngineConfig(
+        model_dir=str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        attention_backend="torch",
+        cuda_graphs=False,
+    )
+    router = RouterConfig(
+        model_dir=str(tiny_model_dir),
+        tenants=TENANTS,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+        admission=AdmissionConfig(thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)),
+    )
+    options = ClusterOptions(
+        num_prefill=2,
+        num_decode=1,
+        num_routers=2,
+        grpc_port=0,
+        metrics_port=0,
+        engine=engine,
+        router=router,
+    )
+    with Cluster(options) as cluster:
+        ep = cluster.endpoint
+        assert ep is not None
+        listed = ray.get(cluster.controller.list_workers.remote())
+        workers = {info.worker_id: (info, handle) for info, handle in listed}
+        channels = [grpc.insecure_channel(t) for t in ep.grpc]
+        try:
+            yield RouterCluster(
+                cluster=cluster,
+                targets=ep.grpc,
+                metrics_urls=ep.metrics,
+                redis_url=ep.redis_url,
+                model_dir=Path(ep.model_dir),
+                model_id=next(iter(workers.values()))[0].model_id,
+                workers=workers,
+                channels=channels,
+            )
+        finally:
+            for ch in channels:
+                ch.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def corpus_ids(tokenizer: Tokenizer) -> list[int]:
+    """The bundled training text as token ids (~2,000 tokens): long text-like prompts."""
+    from deploy.make_model import __file__ as make_model_file
+
+    text = (Path(make_model_file).parent / "data" / "corpus.txt").read_text()
+    return tokenizer.encode(text)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir: Path) -> Reference:
+    """transformers float32 greedy continuation (eos ignored, full recompute), memoized."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            memo[key] = ids[len(prompt) :]
+        return memo[key]
+
+    return greedy

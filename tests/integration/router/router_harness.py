@@ -1,0 +1,111 @@
+"""The shared cluster of the router tests (see conftest.py) and helpers over it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import serving_pb2 as pb
+from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from prefill_worker.api import WorkerInfo, WorkerLoad, WorkerRole
+
+MAX_MODEL_LEN = 1024
+KV_BLOCKS = 256
+TENANTS = ("", "acme")
+MAX_MESSAGE_BYTES = 4 << 20
+
+Reference = Callable[[list[int], int], list[int]]
+
+
+@dataclass
+class RouterCluster:
+    """The running cluster, its endpoints and direct handles to its workers."""
+
+    cluster: Any  # deploy.cluster.Cluster
+    targets: tuple[str, ...]
+    metrics_urls: tuple[str, ...]
+    redis_url: str
+    model_dir: Path
+    model_id: str
+    workers: dict[str, tuple[WorkerInfo, Any]]
+    channels: list[grpc.Channel]
+
+    def channel(self, router: int = 0) -> grpc.Channel:
+        return self.channels[router]
+
+    def generation(self, router: int = 0) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.channels[router])
+
+    def admin(self, router: int = 0) -> pb_grpc.AdminStub:
+        return pb_grpc.AdminStub(self.channels[router])
+
+    def worker_ids(self, role: WorkerRole) -> list[str]:
+        return sorted(w for w, (info, _) in self.workers.items() if info.role is role)
+
+    def handle(self, worker_id: str) -> Any:
+        return self.workers[worker_id][1]
+
+    def loads(self) -> dict[str, WorkerLoad]:
+        import ray
+
+        ids = sorted(self.workers)
+        got = ray.get([self.handle(w).load.remote() for w in ids], timeout=30)
+        return dict(zip(ids, got, strict=True))
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, WorkerLoad]:
+        """Wait until every worker is back at its idle baseline; returns the last loads.
+
+        Idle: no KV block in use (evictable prefix-cache blocks count as free), nothing
+        queued, running, in flight, leased or being transferred, and no request in flight
+        in either router.
+        """
+        end = time.monotonic() + timeout_s
+        while True:
+            loads = self.loads()
+            busy = {w: _busy(load) for w, load in loads.items() if _busy(load)}
+            for i in range(len(self.channels)):
+                n = self.admin(i).Status(pb.StatusRequest(), timeout=10).router_inflight_requests
+                if n:
+                    busy[f"router-{i}"] = f"{n} requests in flight"
+            if not busy:
+                return loads
+            if time.monotonic() > end:
+                raise AssertionError(f"not idle after {timeout_s}s: {busy}")
+            time.sleep(0.1)
+
+    @contextmanager
+    def restored_thresholds(self, router: int = 0) -> Iterator[pb.AdmissionThresholds]:
+        """Yield the router's thresholds; put every field back afterwards."""
+        admin = self.admin(router)
+        before = admin.GetThresholds(pb.GetThresholdsRequest(), timeout=10)
+        try:
+            yield before
+        finally:
+            restore = pb.AdmissionThresholds()
+            restore.CopyFrom(before)
+            # 0 means "keep" in SetThresholds; a threshold of 0 tokens behaves like 1 here
+            # (only a fully cached prompt has 0 uncached tokens).
+            if restore.local_prefill_threshold_tokens == 0:
+                restore.local_prefill_threshold_tokens = 1
+            admin.SetThresholds(restore, timeout=10)
+
+
+def _busy(load: WorkerLoad) -> str:
+    e = load.engine
+    parts = {
+        "kv_used": e.num_total_blocks - e.num_free_blocks,
+        "waiting": e.num_waiting,
+        "running": e.num_running,
+        "handoff_blocks": e.num_handoff_blocks,
+        "transfer_blocks": e.num_transfer_blocks,
+        "inflight_requests": load.inflight_requests,
+        "leased_blocks": load.leased_blocks,
+        "pulling_blocks": load.transfer.pending_blocks,
+    }
+    return ", ".join(f"{k}={v}" for k, v in parts.items() if v)

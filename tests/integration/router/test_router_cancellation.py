@@ -1,0 +1,53 @@
+"""A client that cancels its stream leaves nothing behind: at every point of the request
+(admission/prefill, hand-off, decode; disaggregated or prefilled locally) both workers'
+KV blocks, leases, transfers and in-flight requests return to their idle baseline."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from router_client import generate, greedy_request
+from router_harness import MAX_MODEL_LEN, RouterCluster
+
+from pdserve.v1 import serving_pb2 as pb
+
+
+@pytest.mark.parametrize(
+    ("router", "messages_before_cancel", "local"),
+    [
+        pytest.param(0, 0, False, id="during prefill"),
+        pytest.param(0, 1, False, id="right after the first token (hand-off)"),
+        pytest.param(0, 4, False, id="mid-decode"),
+        pytest.param(1, 4, True, id="mid-decode, prefilled locally"),
+    ],
+)
+def test_client_cancel_frees_blocks_on_both_workers(
+    router_cluster: RouterCluster,
+    corpus_ids: list[int],
+    router: int,
+    messages_before_cancel: int,
+    local: bool,
+) -> None:
+    router_cluster.wait_idle()
+    with router_cluster.restored_thresholds(router):
+        if local:
+            router_cluster.admin(router).SetThresholds(
+                pb.AdmissionThresholds(local_prefill_threshold_tokens=MAX_MODEL_LEN), timeout=10
+            )
+        prompt = corpus_ids[500 + 7 * messages_before_cancel : 1100]
+        req = pb.GenerateRequest(**greedy_request(prompt, 400))
+        call = router_cluster.generation(router).Generate(req, timeout=120)
+        if messages_before_cancel == 0:
+            time.sleep(0.02)
+        else:
+            for _, msg in zip(range(messages_before_cancel), call, strict=False):
+                assert msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        router_cluster.wait_idle()
+    # The cluster still serves afterwards.
+    assert generate(router_cluster.generation(router), prompt="The baker", max_tokens=2).final
