@@ -3,7 +3,7 @@ transformers float32 reference, and text-like prompts with shared prefixes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,17 @@ from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
 Reference = Callable[[list[int], int], list[int]]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The tiny model gains nothing from intra-op threads, and on a loaded 2-core machine a
+    descheduled second OpenMP thread stalls every small op at its barrier (measured: the
+    set took ~5 min with 2 threads vs ~30 s with 1 under a load average of 14)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
