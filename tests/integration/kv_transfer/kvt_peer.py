@@ -30,9 +30,9 @@ MODEL = "nixl-test-model"
 SMALL = KVCacheSpec(
     num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype="float32"
 )
-# 512 KiB blocks: big enough that a pull is still running when a peer is killed.
+# 128 KiB blocks, 16 per request (2 MiB): the kill tests pull 12 requests one at a time.
 LARGE = KVCacheSpec(
-    num_blocks=256, num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32"
+    num_blocks=256, num_layers=1, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32"
 )
 
 
@@ -40,9 +40,9 @@ def fill(cache: KVCache, seed: int) -> None:
     """Deterministic, different in every block: block b starts with seed * 1e6 + b * 1e3."""
     spec = cache.spec
     per_block = cache.tensor[0].numel()
-    index = torch.arange(per_block, dtype=torch.float32)
-    for b in range(spec.num_blocks):
-        cache.tensor[b].view(-1).copy_(seed * 1e6 + b * 1e3 + index % 997)
+    blocks = torch.arange(spec.num_blocks, dtype=torch.float32)[:, None]
+    index = torch.arange(per_block, dtype=torch.float32)[None, :]
+    cache.tensor.view(spec.num_blocks, per_block).copy_(seed * 1e6 + blocks * 1e3 + index % 997)
 
 
 # ---- fault injection (test-only) -----------------------------------------------------------
@@ -179,10 +179,12 @@ class Peer:
         self.process.join(10)
 
     def stop(self) -> None:
+        """Ask the peer to close its endpoint (waits for its "bye"), then end the process."""
         if self.process.is_alive():
             try:
                 self.conn.send(("exit",))
-                self.process.join(5)
-            except (BrokenPipeError, OSError):
+                if self.conn.poll(5):
+                    self.conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
                 pass
-        self.kill()
+        self.kill()  # no need to wait for the interpreter's own teardown
