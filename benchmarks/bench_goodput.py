@@ -201,8 +201,58 @@ def analyse(results: list[dict], args: argparse.Namespace, out: Path, peer_gbps:
     return table
 
 
+def results_from_dirs(dirs: list[str]) -> tuple[list[dict], float]:  # type: ignore[type-arg]
+    """Rebuild run results from earlier output folders (records-MODE-WORKLOAD-RATE.jsonl)."""
+    by_mode: dict[str, dict] = {}  # type: ignore[type-arg]
+    peer = 0.0
+    for d in map(Path, dirs):
+        saved = (
+            json.loads((d / "results.json").read_text()) if (d / "results.json").is_file() else {}
+        )
+        peer = max(peer, float(saved.get("peer_copy_gbps", 0.0)))
+        for path in d.glob("records-*.jsonl"):
+            mode, rest = path.stem.removeprefix("records-").split("-", 1)
+            workload, rate = rest.rsplit("-", 1)
+            res = by_mode.setdefault(mode, {"mode": mode, "runs": {}})
+            res["runs"].setdefault(workload, []).append((float(rate), str(path)))
+            if "kv_transfer" in saved and mode == "pd":
+                res["transfer"] = saved["kv_transfer"]
+    for res in by_mode.values():
+        res["runs"] = {w: [p for _, p in sorted(v)] for w, v in res["runs"].items()}
+    return list(by_mode.values()), peer
+
+
+def plot_modes(results: list[dict], args: argparse.Namespace, out: Path) -> None:  # type: ignore[type-arg]
+    """SLO attainment vs offered rate, PD and colocated on one figure per workload."""
+    from matplotlib.figure import Figure
+
+    for workload in args.workloads:
+        fig = Figure(figsize=(11, 4.2), layout="constrained")
+        axes = fig.subplots(1, 2)
+        for ax, (name, slo) in zip(
+            axes, (("chat", args.slo), ("tight", args.tight_slo)), strict=True
+        ):
+            for res in results:
+                runs = [r for r in load_runs(res["runs"].get(workload, [])) if r]
+                if not runs:
+                    continue
+                reps = [summarize(r, slo, offered_rate=r[0].offered_rate) for r in runs]
+                ax.plot([x.offered_rate for x in reps], [100 * x.attainment for x in reps],
+                        marker="o", label=res["mode"])  # fmt: skip
+            ax.axhline(90, color="black", linestyle="--", linewidth=1, label="90% target")
+            ax.set_title(f"{workload}: {name} SLO ({slo.describe()})")
+            ax.set_xlabel("offered rate (req/s)")
+            ax.set_ylabel("% of requests meeting TTFT and TPOT SLOs")
+            ax.set_ylim(0, 102)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.savefig(out / f"attainment-{workload}.png", dpi=110)
+
+
 def plot(results: list[dict], args: argparse.Namespace, out: Path) -> None:  # type: ignore[type-arg]
     from loadtests.plots import plot_goodput_sweep, plot_latency_cdfs
+
+    plot_modes(results, args, out)
 
     for workload in args.workloads:
         cdf_runs = []
@@ -238,6 +288,7 @@ def main() -> int:
     ap.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--analyse", nargs="+", metavar="DIR", help="only re-analyse earlier outputs")
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
     rates = dict(DEFAULT_RATES)
@@ -248,6 +299,10 @@ def main() -> int:
     args.slo, args.tight_slo = parse_slo(args.slo), parse_slo(args.tight_slo)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.analyse:
+        results, peer = results_from_dirs(args.analyse)
+        print_table(analyse(results, args, out, peer), args)
+        return 0
     if args.make_model and not (Path(args.model) / "config.json").is_file():
         from deploy.make_model import make_model
 
