@@ -48,7 +48,7 @@ def make_model_cmd(
     """Write a Llama-architecture checkpoint in Hugging Face format (no download)."""
     from deploy.make_model import make_model
 
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v
         for k, v in {
             "dtype": dtype,

@@ -145,7 +145,7 @@ class Cluster:
                     metrics_port=None if mport is None else (mport + i if mport else 0),
                     redis_url=redis_url,
                 )
-                router = (
+                router: Any = (
                     ray.remote(RouterActor)
                     .options(name=f"pdserve-router-{i}", namespace=NAMESPACE, num_cpus=0)
                     .remote(cfg, CONTROLLER_NAME, NAMESPACE)

@@ -20,11 +20,14 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from engine.model_config import ModelConfig
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -150,7 +153,6 @@ def random_tensors(
     cfg_dict: dict[str, object], shape: ModelShape, seed: int, device: str
 ) -> dict[str, torch.Tensor]:
     """Random weights under HF names: normal(0, init_std) matrices, unit norms."""
-    from engine.model_config import ModelConfig
     from engine.weights import expected_tensor_names
 
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -169,10 +171,7 @@ def random_tensors(
     return out
 
 
-def _hf_shapes(cfg: object):  # type: ignore[no-untyped-def]
-    from engine.model_config import ModelConfig
-
-    assert isinstance(cfg, ModelConfig)
+def _hf_shapes(cfg: ModelConfig) -> Callable[[str], tuple[int, ...]]:
     h, q, kv, inter, v = (
         cfg.hidden_size,
         cfg.q_size,
@@ -213,7 +212,6 @@ def train_tiny(
 ) -> dict[str, torch.Tensor]:
     """A few seconds of next-token training on the corpus; returns HF-named tensors."""
     from engine.model import LlamaModel, causal_attend
-    from engine.model_config import ModelConfig
     from engine.weights import hf_state_dict, load_weights
 
     cfg = ModelConfig.from_dict(cfg_dict)

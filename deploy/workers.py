@@ -51,8 +51,8 @@ def create_worker(
     """Create (not start) the actor; call `.start.remote()` on the handle and await it."""
     placement = placement or default_placement()
     name = actor_name_for(config.worker_id)
-    remote_cls = ray.remote(actor_class(config.role))
-    return remote_cls.options(  # type: ignore[attr-defined]
+    remote_cls: Any = ray.remote(actor_class(config.role))
+    return remote_cls.options(
         name=name,
         num_gpus=placement.num_gpus,
         num_cpus=placement.num_cpus,

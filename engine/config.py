@@ -28,7 +28,7 @@ class EngineConfig:
     model_dir: str
     """Hugging Face checkpoint folder on local disk (config.json, *.safetensors, tokenizer)."""
     model_id: str = ""
-    """Name that binds prefix-cache hashes and the transfer handshake; defaults to the folder name."""
+    """Name binding prefix-cache hashes and the transfer handshake (default: the folder name)."""
     mode: EngineMode = EngineMode.COLOCATED
     """Prefill-only, decode-only or colocated (see EngineMode)."""
     dtype: str = "auto"
