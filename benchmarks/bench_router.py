@@ -1,0 +1,226 @@
+"""Router overhead: TTFT through the gRPC API minus TTFT of the same work sent straight to the
+worker actors, at a few request rates, on this machine.
+
+A 1P1D cluster (tiny model, CPU) is started in-script with local_prefill_threshold_tokens=0,
+so every gRPC request takes the disaggregated path: router → prefill actor (first token) →
+decode actor (pull + stream). The direct path does the same from this process without the
+router: `prefill.remote(...)` (TTFT ends when its result, which carries the first token,
+arrives) and then the decode actor's stream, consumed to the end so both paths leave the
+same load behind. Requests of the two paths are interleaved in one open-loop arrival
+sequence (Poisson at the given rate), with prompts of the same length and a cache salt of
+their own each (no prefix-cache hits on either path).
+
+    router overhead (pXX) = pXX(TTFT via gRPC) - pXX(TTFT direct)
+
+TTFT via gRPC is measured by the client: from the call to the first streamed message (it
+includes the client's and the server's gRPC stacks, validation, hashing, the Redis prefix
+lookup, admission and placement). The router's own view (Timings.ttft_ms, from the request
+entering the orchestrator to the first token) is reported too, which splits the overhead
+into the gRPC part and the orchestrator part.
+
+    python benchmarks/bench_router.py                          # rates 2,5,10 req/s
+    python benchmarks/bench_router.py --rates 2,5,10,20 --requests 200 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+
+from admission.config import AdmissionConfig, AdmissionThresholds
+from decode_worker.api import DecodeRequest
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import serving_pb2 as pb
+from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from prefill_worker.api import PrefillRequest, PrefillResult, WorkerRole
+
+
+@dataclass(frozen=True)
+class Sample:
+    path: str  # "grpc" or "direct"
+    ttft_ms: float
+    router_ttft_ms: float = 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+class Bench:
+    def __init__(self, target: str, workers: list[tuple[Any, Any]], args: argparse.Namespace):
+        self.args = args
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.prefill = next(h for i, h in workers if i.role is WorkerRole.PREFILL)
+        self.decode = next(h for i, h in workers if i.role is not WorkerRole.PREFILL)
+        self.sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def prompt(self, rng: random.Random) -> list[int]:
+        return [rng.randrange(2, 500) for _ in range(self.args.prompt_tokens)]
+
+    async def via_grpc(self, prompt: list[int]) -> Sample:
+        req = pb.GenerateRequest(
+            token_ids=prompt, max_tokens=self.args.max_tokens, temperature=0.0,
+            ignore_eos=True, cache_salt=uuid.uuid4().hex,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        ttft = None
+        async for msg in self.stub.Generate(req, timeout=60):
+            if ttft is None:
+                ttft = (time.perf_counter() - t0) * 1000
+            last = msg
+        assert ttft is not None and last.finish_reason
+        assert not last.timings.local_prefill
+        return Sample("grpc", ttft, last.timings.ttft_ms)
+
+    async def direct(self, prompt: list[int]) -> Sample:
+        rid, salt = uuid.uuid4().hex, uuid.uuid4().hex
+        t0 = time.perf_counter()
+        pre = PrefillRequest(rid, tuple(prompt), self.sampling, salt, arrival_time=time.time())
+        result: PrefillResult = await self.prefill.prefill.remote(pre)
+        ttft = (time.perf_counter() - t0) * 1000
+        dreq = DecodeRequest(
+            rid, tuple(prompt), self.sampling, salt, result.handle, result.first_token_id,
+            result.first_logprob, arrival_time=time.time(),
+        )  # fmt: skip
+        async for ref in self.decode.generate.options(num_returns="streaming").remote(dreq):
+            chunk = await ref
+            if chunk.finish_reason is not None:
+                break
+        return Sample("direct", ttft)
+
+    async def run_rate(self, rate: float, n: int, seed: int) -> list[Sample]:
+        rng = random.Random(seed)
+        tasks = []
+        for i in range(n):
+            prompt = self.prompt(rng)
+            # Interleave: alternate which path goes first within each pair of arrivals.
+            path = self.via_grpc if (i % 2 == 0) ^ (i // 2 % 2 == 0) else self.direct
+            tasks.append(asyncio.create_task(path(prompt)))
+            await asyncio.sleep(rng.expovariate(rate))
+        return list(await asyncio.gather(*tasks))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def summarize(rate: float, samples: list[Sample]) -> dict[str, float]:
+    g = [s.ttft_ms for s in samples if s.path == "grpc"]
+    d = [s.ttft_ms for s in samples if s.path == "direct"]
+    r = [s.router_ttft_ms for s in samples if s.path == "grpc"]
+    return {
+        "rate": rate,
+        "n": len(g),
+        "grpc_p50": pct(g, 50), "grpc_p99": pct(g, 99),
+        "direct_p50": pct(d, 50), "direct_p99": pct(d, 99),
+        "router_view_p50": pct(r, 50),
+        "overhead_p50": pct(g, 50) - pct(d, 50),
+        "overhead_p99": pct(g, 99) - pct(d, 99),
+    }  # fmt: skip
+
+
+def print_table(rows: list[dict[str, float]], markdown: bool) -> None:
+    head = ("rate (req/s)", "requests/path", "TTFT gRPC p50/p99 (ms)", "TTFT direct p50/p99 (ms)",
+            "overhead p50 (ms)", "overhead p99 (ms)",
+            "of p50: gRPC / orchestrator (ms)")  # fmt: skip
+    lines = []
+    for row in rows:
+        grpc_part = row["grpc_p50"] - row["router_view_p50"]
+        orchestrator_part = row["router_view_p50"] - row["direct_p50"]
+        lines.append((
+            f"{row['rate']:g}", f"{row['n']:.0f}",
+            f"{row['grpc_p50']:.2f} / {row['grpc_p99']:.2f}",
+            f"{row['direct_p50']:.2f} / {row['direct_p99']:.2f}",
+            f"{row['overhead_p50']:.2f}", f"{row['overhead_p99']:.2f}",
+            f"{grpc_part:.2f} / {orchestrator_part:.2f}",
+        ))  # fmt: skip
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "|".join("---" for _ in head) + "|")
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+    else:
+        print("  ".join(head))
+        for line in lines:
+            print("  ".join(line))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rates", default="2,5,10", help="request rates (req/s), comma-separated")
+    ap.add_argument("--requests", type=int, default=120, help="requests per rate (both paths)")
+    ap.add_argument("--warmup", type=int, default=20, help="requests before measuring")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = ap.parse_args()
+
+    from deploy.cluster import Cluster, ClusterOptions, loopback_env
+    from deploy.make_model import cached_tiny_model
+    from router.server import RouterConfig
+
+    loopback_env()
+    model_dir = str(cached_tiny_model())
+    options = ClusterOptions(
+        grpc_port=0,
+        metrics_port=None,
+        num_cpus=4,
+        engine=EngineConfig(
+            model_dir,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=1024,
+            attention_backend="torch",
+            cuda_graphs=False,
+        ),
+        router=RouterConfig(
+            model_dir,
+            admission=AdmissionConfig(
+                thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
+            ),
+        ),
+    )
+    import ray
+
+    with Cluster(options) as cluster:
+        assert cluster.endpoint is not None
+        workers = ray.get(cluster.controller.list_workers.remote())
+
+        async def run() -> list[dict[str, float]]:
+            bench = Bench(cluster.endpoint.target, workers, args)  # type: ignore[union-attr]
+            try:
+                await bench.run_rate(2.0 * len(args.rates.split(",")), args.warmup, seed=999)
+                rows = []
+                for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+                    samples = await bench.run_rate(rate, args.requests, seed=args.seed + i)
+                    rows.append(summarize(rate, samples))
+                return rows
+            finally:
+                await bench.close()
+
+        rows = asyncio.run(run())
+    print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
+          f"prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
+          f"{args.requests} requests per rate (half per path)")  # fmt: skip
+    print_table(rows, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
