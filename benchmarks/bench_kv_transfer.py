@@ -32,8 +32,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,6 +44,7 @@ import torch
 from engine.block_hash import hash_chain, hash_extra
 from engine.kv_cache import KVCache, KVCacheSpec, torch_dtype
 from kv_transfer.protocol import HandshakeInfo
+from kv_transfer.types import TransferPlan
 
 MODEL = "llama-3-8b-shape"
 Row = tuple[str, int, str, float, float, float]  # name, bytes, descriptors, ms, GB/s, best GB/s
@@ -90,7 +93,10 @@ def prefill_process(conn: Connection, spec: KVCacheSpec, device: str) -> None:
             return
 
 
-def stage(name: str, fn: Callable[[], list[Row]]) -> list[Row]:
+T = TypeVar("T")
+
+
+def stage(name: str, fn: Callable[[], list[T]]) -> list[T]:
     """Run one stage; print its failure (with a hint) instead of aborting the benchmark."""
     try:
         return fn()
@@ -107,9 +113,55 @@ def summarize(name: str, nbytes: int, descs: str, times: list[float]) -> Row:
     return (name, nbytes, descs, med * 1e3, nbytes / med / 1e9, nbytes / min(times) / 1e9)
 
 
-def bench_backend_modes(
+@dataclass
+class Case:
+    """One way of moving the same bytes; `run()` moves them once and returns the seconds."""
+
+    name: str
+    nbytes: int
+    run: Callable[[], float]
+    check: Callable[[], None] = lambda: None
+    descs: Callable[[], str] = lambda: "-"
+    times: list[float] = field(default_factory=list)
+    failed: bool = False
+
+
+def raw_copy_cases(args: argparse.Namespace, spec: KVCacheSpec, gpu: bool) -> list[Case]:
+    nbytes = args.blocks * spec.block_nbytes
+    src_dev, dst_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
+    src = torch.full((nbytes,), 7, dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+
+    def timed(op: Callable[[], object]) -> Callable[[], float]:
+        def run() -> float:
+            if gpu:
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+            t0 = time.perf_counter()
+            op()
+            if gpu:
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+            return time.perf_counter() - t0
+
+        return run
+
+    cases = [
+        Case(
+            "raw copy_ " + ("cuda:0 -> cuda:1" if gpu else "(memcpy)"),
+            nbytes,
+            timed(lambda: dst.copy_(src)),
+        )
+    ]
+    if gpu:
+        cases.append(Case("raw tensor.to('cuda:1')", nbytes, timed(lambda: src.to(dst_dev))))
+    return cases
+
+
+def backend_cases(
     args: argparse.Namespace, spec: KVCacheSpec, info: HandshakeInfo, device: torch.device
-) -> list[Row]:
+) -> list[Case]:
+    """The project's NixlBackend in each descriptor mode, polled in a tight loop."""
     from kv_transfer.backend import DescriptorMode, XferStatus
     from kv_transfer.nixl_backend import NixlBackend
     from kv_transfer.plan import plan_transfer
@@ -119,21 +171,24 @@ def bench_backend_modes(
     backend = NixlBackend("bench-decode-direct", cache, capture_telemetry=True)
     backend.add_peer(info.agent_name, info.agent_metadata, info.region)
     n = args.blocks
-    perm = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0))
-    cases = [
-        ("NIXL prepped, contiguous (merged)", DescriptorMode.PREPPED, list(range(n))),
-        ("NIXL initialize_xfer, coalesced", DescriptorMode.COALESCED, list(range(n))),
-        ("NIXL initialize_xfer, per block", DescriptorMode.PER_BLOCK, list(range(n))),
-        ("NIXL prepped, scattered blocks", DescriptorMode.PREPPED, perm[:n].tolist()),
+    perm = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    contiguous = list(range(n))
+    layouts = [
+        ("NIXL prepped, contiguous (merged)", DescriptorMode.PREPPED, contiguous, contiguous),
+        ("NIXL initialize_xfer, coalesced", DescriptorMode.COALESCED, contiguous, contiguous),
+        ("NIXL initialize_xfer, per block", DescriptorMode.PER_BLOCK, contiguous, contiguous),
+        ("NIXL prepped, scattered blocks", DescriptorMode.PREPPED, perm[:n], perm[n : 2 * n]),
     ]
-    rows: list[Row] = []
-    for name, mode, remote in cases:
-        local = list(range(n)) if "scattered" not in name else perm[n : 2 * n].tolist()
+    cases = []
+    for name, mode, remote, local in layouts:
         handle = KVHandle("bench", "p", info.agent_name, tuple(remote), (), n, 0.0, "")
         plan = plan_transfer(handle, local, spec.block_nbytes)
-        backend.mode = mode
-        times, posted = [], None
-        for i in range(args.warmup + args.iters):
+        posted: list[int | None] = [None]
+
+        def run(
+            mode: DescriptorMode = mode, plan: TransferPlan = plan, posted: list = posted
+        ) -> float:
+            backend.mode = mode
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -141,32 +196,33 @@ def bench_backend_modes(
             while (status := backend.poll(xfer)) is XferStatus.IN_PROGRESS:
                 pass
             elapsed = time.perf_counter() - t0
-            if status is not XferStatus.DONE:
-                raise RuntimeError(f"{name}: read ended {status}")
-            posted = backend.descriptor_count(xfer)
+            posted[0] = backend.descriptor_count(xfer)
             backend.release(xfer)
-            if i >= args.warmup:
-                times.append(elapsed)
-        check = [0, n // 2, n - 1]
-        for j in check:
-            want = expected_block(spec, remote[j], device)
-            if not torch.equal(cache.tensor[local[j]], want):
-                raise RuntimeError(f"{name}: block {remote[j]} -> {local[j]} bytes differ")
-        descs = f"{posted} ({plan.num_descriptors})"
-        rows.append(summarize(name, plan.nbytes, descs, times))
-        print(f"  {name}: {rows[-1][4]:.1f} GB/s (bytes verified)", flush=True)
-    backend.close()
-    return rows
+            if status is not XferStatus.DONE:
+                raise RuntimeError(f"read ended {status}")
+            return elapsed
+
+        def check(plan: TransferPlan = plan) -> None:
+            for j in (0, n // 2, n - 1):
+                remote_id, local_id = plan.remote_block_ids[j], plan.local_block_ids[j]
+                if not torch.equal(cache.tensor[local_id], expected_block(spec, remote_id, device)):
+                    raise RuntimeError(f"block {remote_id} -> {local_id}: bytes differ")
+
+        def descs(plan: TransferPlan = plan, posted: list = posted) -> str:
+            return f"{posted[0]} ({plan.num_descriptors})"
+
+        cases.append(Case(name, plan.nbytes, run, check, descs))
+    return cases
 
 
-def bench_endpoint(
+def endpoint_case(
     args: argparse.Namespace,
     spec: KVCacheSpec,
     info: HandshakeInfo,
     conn: Connection,
     device: torch.device,
-) -> list[Row]:
-    from kv_transfer.config import KVTransferConfig
+) -> list[Case]:
+    """The full decode path: DecodeEndpoint.submit -> on_done (thread, budget, poll interval)."""
     from kv_transfer.decode_endpoint import DecodeEndpoint
     from kv_transfer.manager import TransferOutcome
 
@@ -177,16 +233,15 @@ def bench_endpoint(
         outcomes.append(o)
         done.set()
 
-    cache = KVCache(spec, device)
-    endpoint = DecodeEndpoint(
-        cache, MODEL, "bench-decode", on_outcome, on_outcome, KVTransferConfig()
-    )
+    endpoint = DecodeEndpoint(KVCache(spec, device), MODEL, "bench-decode", on_outcome, on_outcome)
     endpoint.start()
     endpoint.add_peer(info)
-    times = []
     blocks = list(range(args.blocks))
-    for i in range(args.warmup + args.iters):
-        conn.send(("hand_off", f"e2e-{i}", blocks))
+    count = [0]
+
+    def run() -> float:
+        count[0] += 1
+        conn.send(("hand_off", f"e2e-{count[0]}", blocks))
         handle = conn.recv()
         done.clear()
         t0 = time.perf_counter()
@@ -196,42 +251,36 @@ def bench_endpoint(
         elapsed = time.perf_counter() - t0
         if outcomes[-1].error is not None:
             raise outcomes[-1].error
-        if i >= args.warmup:
-            times.append(elapsed)
-    endpoint.close()
-    nbytes = args.blocks * spec.block_nbytes
-    return [summarize("DecodeEndpoint submit -> on_done", nbytes, "1", times)]
+        return elapsed
+
+    return [Case("DecodeEndpoint submit -> on_done", args.blocks * spec.block_nbytes, run)]
 
 
-def bench_raw_copy(args: argparse.Namespace, spec: KVCacheSpec, gpu: bool) -> list[Row]:
-    nbytes = args.blocks * spec.block_nbytes
-    src_dev, dst_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
-    src = torch.full((nbytes,), 7, dtype=torch.uint8, device=src_dev)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
-    rows: list[Row] = []
-    for name, op in [
-        ("raw copy_ " + ("cuda:0 -> cuda:1" if gpu else "(memcpy)"), lambda: dst.copy_(src)),
-        *([("raw tensor.to('cuda:1')", lambda: src.to(dst_dev))] if gpu else []),
-    ]:
-        times = []
-        for i in range(args.warmup + args.iters):
-            if gpu:
-                torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
-            t0 = time.perf_counter()
-            op()
-            if gpu:
-                torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        rows.append(summarize(name, nbytes, "-", times))
-    return rows
+def run_interleaved(cases: list[Case], warmup: int, iters: int) -> list[Row]:
+    """Round-robin over the cases, so background load hits every case alike."""
+    for i in range(warmup + iters):
+        for case in cases:
+            if case.failed:
+                continue
+            try:
+                elapsed = case.run()
+                if i >= warmup:
+                    case.times.append(elapsed)
+                if i == 0:
+                    case.check()
+            except Exception as e:
+                case.failed = True
+                print(f"\n!! FAILED: {case.name}: {type(e).__name__}: {e}")
+                traceback.print_exc()
+    return [
+        summarize(c.name, c.nbytes, c.descs(), c.times) for c in cases if not c.failed and c.times
+    ]
 
 
 def bench_redis(args: argparse.Namespace) -> list[Row]:
     from deploy.redis_server import EmbeddedRedis
     from engine.kv_events import KVEvent, KVEventKind
+    from kv_transfer.config import PrefixIndexConfig
     from kv_transfer.kv_publisher import KVEventPublisher
     from kv_transfer.prefix_index import PrefixIndex
 
@@ -246,9 +295,10 @@ def bench_redis(args: argparse.Namespace) -> list[Row]:
         deadline = time.monotonic() + 10
         while any(p.applied_seq < 0 for p in publishers) and time.monotonic() < deadline:
             time.sleep(0.01)
-        index = PrefixIndex(server.url, MODEL)
+        # A generous timeout here: a lookup that timed out would measure the circuit breaker.
+        index = PrefixIndex(server.url, MODEL, PrefixIndexConfig(socket_timeout_s=2.0))
         miss = hash_chain([7] * 4096, 16, hash_extra(MODEL))
-        for name, hashes in [("hit (4 workers, best 256 blocks)", chain), ("miss", miss)]:
+        for name, hashes in [("hit, 4 workers (256/200/64/16 blocks)", chain), ("miss", miss)]:
             lat = []
             for _ in range(args.lookups):
                 t0 = time.perf_counter()
@@ -256,10 +306,11 @@ def bench_redis(args: argparse.Namespace) -> list[Row]:
                 lat.append(time.perf_counter() - t0)
             lat.sort()
             p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
-            best = match.best()
+            answer = [(w.worker_id, w.num_blocks) for w in match.workers]
             print(
                 f"  Redis lookup, 4k-token chain (256 blocks), {name}: p50 {p50 * 1e3:.3f} ms, "
-                f"p99 {p99 * 1e3:.3f} ms, best={best}"
+                f"p99 {p99 * 1e3:.3f} ms; answer {answer}; "
+                f"unavailable so far {index.num_unavailable} of {index.num_lookups}"
             )
         for pub in publishers:
             pub.close()
@@ -320,7 +371,6 @@ def main() -> None:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=prefill_process, args=(child_conn, spec, src_dev), daemon=True)
     child.start()
-    rows: list[Row] = []
     try:
         if not conn.poll(180):
             raise RuntimeError("the prefill process did not start within 180 s")
@@ -330,10 +380,14 @@ def main() -> None:
         device = torch.device(dst_dev)
         if args.gpu:
             torch.cuda.set_device(device)
-        raw = stage("raw copy", lambda: bench_raw_copy(args, spec, args.gpu))
-        rows += raw
-        rows += stage("NIXL backend", lambda: bench_backend_modes(args, spec, info, device))
-        rows += stage("DecodeEndpoint", lambda: bench_endpoint(args, spec, info, conn, device))
+        cases = stage("raw copy setup", lambda: raw_copy_cases(args, spec, args.gpu))
+        cases += stage("NIXL backend setup", lambda: backend_cases(args, spec, info, device))
+        cases += stage(
+            "DecodeEndpoint setup", lambda: endpoint_case(args, spec, info, conn, device)
+        )
+        print(f"running {len(cases)} cases interleaved, {args.warmup} + {args.iters} rounds ...")
+        rows = run_interleaved(cases, args.warmup, args.iters)
+        raw = [r for r in rows if r[0].startswith("raw copy_")]
         print_table(rows, raw[0][4] if raw else None)
     except Exception as e:
         print(f"!! FAILED: setup: {e}")
