@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from admission.controller import AdmissionController
@@ -140,14 +142,23 @@ class Orchestrator:
         """Requests inside the router: queued for admission, admitted, or streaming."""
         self.running = 0
         """Admitted requests not yet finished (what the in-flight admission limit counts)."""
+        self._id_prefix = uuid.uuid4().hex[:8] + "."
+        self._seq = itertools.count()
 
     # ---- the request ------------------------------------------------------------------------
 
     async def generate(
         self, req: ValidRequest, timeout_s: float | None = None
     ) -> AsyncIterator[StreamDelta]:
-        """Serve one validated request; raises typed errors (mapped in router/errors.py)."""
+        """Serve one validated request; raises typed errors (mapped in router/errors.py).
+
+        Admission and the workers see the request under an id of this router's own (the
+        client's id plus a per-router, per-request suffix): clients may reuse ids, and two
+        router replicas may serve the same id at once, without their requests colliding
+        in a worker's streams or aborting each other.
+        """
         progress = _Progress(t0=time.perf_counter())
+        req = replace(req, request_id=f"{req.request_id}@{self._id_prefix}{next(self._seq)}")
         deadline = time.time() + timeout_s if timeout_s is not None else None
         block_size = self.view.block_size()
         hashes = hash_chain(

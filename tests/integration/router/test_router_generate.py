@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 from router_client import (
+    Streamed,
     generate,
     greedy_request,
     raw_generate,
@@ -228,3 +229,17 @@ def test_both_router_replicas_serve_the_same_cluster(
     for i in (0, 1):
         status = router_cluster.admin(i).Status(pb.StatusRequest(), timeout=10)
         assert {w.worker_id for w in status.workers} == set(router_cluster.workers)
+
+
+def test_reused_request_id_is_served_on_one_router_and_across_replicas(
+    router_cluster: RouterCluster, corpus_ids: list[int], hf_greedy: Reference
+) -> None:
+    """Clients reuse ids; the same id in flight twice on one router and on both replicas at
+    once must not collide on the workers (nor abort each other)."""
+    prompt = corpus_ids[1300:1400]
+    req = pb.GenerateRequest(**greedy_request(prompt, 12, request_id="same-id"))
+    calls = [router_cluster.generation(i).Generate(req, timeout=60) for i in (0, 0, 1)]
+    for call in calls:
+        out = Streamed(tuple(call))
+        assert out.token_ids == hf_greedy(prompt, 12)
+        assert {m.request_id for m in out.messages} == {"same-id"}
