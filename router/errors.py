@@ -6,6 +6,7 @@
                                               REQUEST_TOO_LARGE -> INVALID_ARGUMENT,
                                               DEADLINE_UNREACHABLE -> DEADLINE_EXCEEDED
     RequestDeadlineExceeded / TimeoutError    DEADLINE_EXCEEDED
+    RequestAborted (a worker's abort)         CANCELLED
     NoWorkerError, WorkerLost                 UNAVAILABLE
     TransferError (after the retry)           UNAVAILABLE
     WorkerOverloaded / WorkerDraining         RESOURCE_EXHAUSTED + `retry-after-ms`
@@ -23,7 +24,12 @@ import grpc
 from admission.decision import AdmissionRejected, Reason
 from engine.sampling_params import SamplingParamsError
 from kv_transfer.errors import TransferError
-from prefill_worker.api import RequestDeadlineExceeded, WorkerDraining, WorkerOverloaded
+from prefill_worker.api import (
+    RequestAborted,
+    RequestDeadlineExceeded,
+    WorkerDraining,
+    WorkerOverloaded,
+)
 from router.placement import NoWorkerError
 from router.validation import InvalidRequest
 
@@ -80,6 +86,8 @@ def to_grpc_failure(exc: BaseException) -> GrpcFailure:
         )
     if isinstance(exc, (RequestDeadlineExceeded, TimeoutError)):
         return GrpcFailure(code.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded", (), "deadline")
+    if isinstance(exc, RequestAborted):
+        return GrpcFailure(code.CANCELLED, str(exc), outcome="cancelled")
     if isinstance(exc, (WorkerOverloaded, WorkerDraining)):
         return GrpcFailure(code.RESOURCE_EXHAUSTED, str(exc), _retry(None), "rejected")
     if isinstance(exc, (NoWorkerError, WorkerLost, TransferError)):

@@ -9,7 +9,7 @@ from google.protobuf import descriptor_pool
 
 from admission.decision import AdmissionRejected, Reason
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import RequestDeadlineExceeded, WorkerOverloaded
+from prefill_worker.api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
 from router.errors import WorkerLost, to_grpc_failure
 from router.placement import NoWorkerError
 from router.server import _ReflectionPool
@@ -103,6 +103,7 @@ def test_valid_utf8_and_garbage_find_no_field() -> None:
         (AdmissionRejected(None, Reason.DEADLINE_UNREACHABLE, "late"),
          grpc.StatusCode.DEADLINE_EXCEEDED, False),
         (RequestDeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED, False),
+        (RequestAborted("aborted"), grpc.StatusCode.CANCELLED, False),
         (WorkerOverloaded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, True),
         (NoWorkerError("decode"), grpc.StatusCode.UNAVAILABLE, False),
         (WorkerLost("gone"), grpc.StatusCode.UNAVAILABLE, False),
