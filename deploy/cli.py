@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -13,6 +13,8 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from deploy.cluster import ClusterOptions
+    from deploy.planner_loop import PlannerSettings
+    from deploy.workers import ActorPlacement
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis.",
@@ -88,6 +90,47 @@ def _pick(flag: Any, config: dict[str, Any], key: str, default: Any) -> Any:
     return config.get(key, default)
 
 
+CONFIG_KEYS = frozenset(
+    {
+        "model", "prefill", "decode", "colocated", "grpc_port", "metrics_port", "redis_url",
+        "address", "routers", "host", "engine", "thresholds", "tenants", "planner", "placement",
+    }
+)  # fmt: skip
+
+
+def _placement(data: Any, where: str) -> ActorPlacement | None:
+    from deploy.workers import ActorPlacement
+
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{where}: expected a mapping")
+    unknown = set(data) - {"num_gpus", "num_cpus", "resources", "max_restarts"}
+    if unknown:
+        raise typer.BadParameter(f"{where}: unknown fields {sorted(unknown)}")
+    resources = tuple(sorted((str(k), float(v)) for k, v in (data.get("resources") or {}).items()))
+    return ActorPlacement(
+        num_gpus=float(data.get("num_gpus", 0.0)),
+        num_cpus=float(data.get("num_cpus", 0.5)),
+        resources=resources,
+        max_restarts=int(data.get("max_restarts", 0)),
+    )
+
+
+def _planner_settings(data: Any, enabled: bool | None) -> PlannerSettings:
+    from deploy.planner_loop import PlannerSettings, settings_from_dict
+
+    if data is not None and not isinstance(data, dict):
+        raise typer.BadParameter("planner: expected a mapping")
+    try:
+        settings = settings_from_dict(dict(data or {})) if data else PlannerSettings()
+    except (ValueError, TypeError) as e:
+        raise typer.BadParameter(f"planner: {e}") from e
+    if enabled is not None:
+        settings = replace(settings, enabled=enabled)
+    return settings
+
+
 def build_options(
     config: dict[str, Any],
     model: str | None,
@@ -100,6 +143,7 @@ def build_options(
     address: str | None,
     routers: int | None,
     host: str | None,
+    planner: bool | None = None,
 ) -> ClusterOptions:
     """Flags over the config file over the defaults."""
     from dataclasses import fields
@@ -108,6 +152,16 @@ def build_options(
     from deploy.cluster import ClusterOptions
     from engine.config import EngineConfig
     from router.server import RouterConfig
+
+    unknown_keys = set(config) - CONFIG_KEYS
+    if unknown_keys:
+        raise typer.BadParameter(f"config: unknown keys {sorted(unknown_keys)}")
+    placement = config.get("placement") or {}
+    if not isinstance(placement, dict):
+        raise typer.BadParameter("placement: expected a mapping")
+    unknown_roles = set(placement) - {"default", "prefill", "decode"}
+    if unknown_roles:
+        raise typer.BadParameter(f"placement: unknown roles {sorted(unknown_roles)}")
 
     model_dir = _pick(model, config, "model", None)
     engine_fields = {f.name for f in fields(EngineConfig)}
@@ -137,6 +191,10 @@ def build_options(
         address=_pick(address, config, "address", None),
         engine=engine,
         router=router,
+        placement=_placement(placement.get("default"), "placement.default"),
+        prefill_placement=_placement(placement.get("prefill"), "placement.prefill"),
+        decode_placement=_placement(placement.get("decode"), "placement.decode"),
+        planner=_planner_settings(config.get("planner"), planner),
     )
 
 
@@ -150,8 +208,10 @@ def up(
     colocated: Annotated[
         bool | None, typer.Option("--colocated", help="Baseline: no disaggregation.")
     ] = None,
-    grpc_port: Annotated[int | None, typer.Option(help="gRPC port [50051].")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port [9464].")] = None,
+    grpc_port: Annotated[int | None, typer.Option(help="gRPC port [50051]; 0: a free one.")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Prometheus port [9464]; 0: a free one.")
+    ] = None,
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL (default: start an embedded redis-server).")
     ] = None,
@@ -160,8 +220,19 @@ def up(
     ] = None,
     routers: Annotated[int | None, typer.Option(help="Router replicas [1].")] = None,
     host: Annotated[str | None, typer.Option(help="Address routers bind [127.0.0.1].")] = None,
+    planner: Annotated[
+        bool | None,
+        typer.Option(
+            "--planner/--no-planner",
+            help="Run the planner (scales roles, asks Ray's autoscaler for nodes) [off].",
+        ),
+    ] = None,
     config: Annotated[
-        Path | None, typer.Option(help="YAML file of these options (+ engine:, thresholds:).")
+        Path | None,
+        typer.Option(
+            help="YAML file of these options (+ engine:, thresholds:, placement:, planner:); "
+            "flags win over it. See docs/operations.md."
+        ),
     ] = None,
     detach: Annotated[bool, typer.Option(help="Return once the API answers.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for --detach.")] = 900.0,
@@ -175,12 +246,24 @@ def up(
         err_console.print(f"a cluster is already running (pid {running.pid}, {running.target})")
         raise typer.Exit(1)
     cfg = _load_config(config)
+    if _pick(address, cfg, "address", None) is None:
+        from deploy.local_ray import loopback_env
+
+        loopback_env()  # before the first `import ray` (Ray reads it on import)
     opts = build_options(
         cfg, model, prefill, decode, colocated, grpc_port, metrics_port, redis_url, address,
-        routers, host,
+        routers, host, planner,
     )  # fmt: skip
     if detach:
-        argv = [a for a in sys.argv[2:] if a not in ("--detach", "--no-detach")]
+        argv = _up_argv(
+            model=model, prefill=prefill, decode=decode, grpc_port=grpc_port,
+            metrics_port=metrics_port, redis_url=redis_url, address=address, routers=routers,
+            host=host, config=config.resolve() if config else None,
+        )  # fmt: skip
+        if colocated:
+            argv.append("--colocated")
+        if planner is not None:
+            argv.append("--planner" if planner else "--no-planner")
         log_path = daemon.state_path().parent / "pdserve-up.log"
         console.print(f"starting pdserve in the background (log: {log_path}) ...")
         try:
@@ -188,9 +271,18 @@ def up(
         except (RuntimeError, TimeoutError) as e:
             err_console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from e
-        _print_endpoint(state.targets, state.metrics, state.redis_url, state.model_dir)
+        _print_endpoint(state)
         return
     _run_foreground(opts, log_file)
+
+
+def _up_argv(**options: Any) -> list[str]:
+    """The flags to hand the detached `pdserve up` (what was given, nothing else)."""
+    argv = []
+    for name, value in options.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
 
 
 def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
@@ -204,6 +296,8 @@ def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
     except Exception as e:
         err_console.print(f"[red]error:[/red] cluster failed to start: {e}")
         raise typer.Exit(1) from e
+    control_log = daemon.state_path().parent / "pdserve-control.log"
+    control_log.unlink(missing_ok=True)
     state = daemon.ClusterState(
         pid=os.getpid(),
         targets=list(endpoint.grpc),
@@ -211,30 +305,46 @@ def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
         redis_url=endpoint.redis_url,
         model_dir=endpoint.model_dir,
         log=str(log_file or ""),
+        ray_address=endpoint.ray_address,
+        ray_external=opts.address is not None,
+        control_log=str(control_log),
     )
     daemon.write_state(state)
-    _print_endpoint(state.targets, state.metrics, state.redis_url, state.model_dir)
+    _print_endpoint(state)
     console.print("serving; Ctrl-C or `pdserve down` stops it")
+    follower = daemon.ControlLogFollower(cluster, control_log)
     try:
-        daemon.wait_for_signal()
+        daemon.wait_for_signal(on_idle=follower.poll)
     finally:
         console.print("stopping ...")
+        follower.poll()
         cluster.stop()
         daemon.clear_state(state.pid)
         console.print("stopped")
 
 
-def _print_endpoint(targets: list[str], metrics: list[str], redis_url: str, model: str) -> None:
-    console.print(f"[bold green]pdserve is up[/bold green]: gRPC {', '.join(targets)}")
-    if metrics:
-        console.print(f"  metrics  {', '.join(metrics)}")
-    console.print(f"  redis    {redis_url}")
-    console.print(f"  model    {model}")
+def _print_endpoint(state: Any) -> None:
+    console.print(f"[bold green]pdserve is up[/bold green]: gRPC {', '.join(state.targets)}")
+    if state.metrics:
+        console.print(f"  metrics  {', '.join(state.metrics)}")
+    console.print(f"  redis    {state.redis_url}")
+    console.print(f"  model    {state.model_dir}")
+    if state.ray_address:
+        console.print(f"  ray      {state.ray_address}")
+    if state.control_log:
+        console.print(f"  events   {state.control_log}")
 
 
 @app.command()
 def down(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean stop.")] = 120.0,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="Also remove pdserve actors left on this Ray cluster by an `up` that died "
+            "(the detached controller, its workers, routers)."
+        ),
+    ] = None,
 ) -> None:
     """Stop the cluster that `pdserve up` started."""
     from deploy import daemon
@@ -242,8 +352,13 @@ def down(
     state = daemon.stop_cluster(timeout)
     if state is None:
         console.print("no pdserve cluster is running")
-        return
-    console.print(f"stopped pdserve (pid {state.pid})")
+    else:
+        console.print(f"stopped pdserve (pid {state.pid})")
+    if address:
+        from deploy.cluster import remove_leftovers
+
+        killed = remove_leftovers(address)
+        console.print(f"removed from {address}: {', '.join(killed) or 'nothing left'}")
 
 
 @app.command()
@@ -291,11 +406,15 @@ def generate(
 @app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    events: Annotated[
+        int, typer.Option(help="Recent controller events / planner decisions to show.")
+    ] = 5,
     target: Annotated[
         str | None, typer.Option(help="HOST:PORT (default: running cluster).")
     ] = None,
 ) -> None:
-    """Per worker: role, node, device, KV blocks, queue, transfers, TTFT/TPOT, health."""
+    """Per worker: role, node, device, KV blocks, queue, transfers, TTFT/TPOT, health; then
+    the controller's recent events and the planner's last decision (from the control log)."""
     import grpc
 
     from deploy import client, daemon
@@ -305,10 +424,27 @@ def status(
     except grpc.RpcError as e:
         err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
         raise typer.Exit(1) from e
+    log = client.control_log_summary(_control_log_path(target), events)
     if as_json:
-        print(client.status_json(st))
-    else:
-        console.print(client.status_table(st))
+        print(client.status_json(st, log))
+        return
+    # A pipe gets the whole table, not one squeezed into 80 columns.
+    out = console if console.is_terminal else Console(width=160)
+    out.print(client.status_table(st))
+    for line in log.events:
+        out.print(f"  {line}", markup=False, highlight=False)
+    if log.planner:
+        out.print(f"  {log.planner}", markup=False, highlight=False, style="cyan")
+
+
+def _control_log_path(target: str | None) -> str:
+    """The running cluster's control log, when `target` is that cluster (or not given)."""
+    from deploy import daemon
+
+    state = daemon.read_state()
+    if state is None or (target and target not in state.targets):
+        return ""
+    return state.control_log
 
 
 @app.command()

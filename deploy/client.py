@@ -95,13 +95,33 @@ def status(target: str, timeout_s: float = 10.0) -> pb.ClusterStatus:
         return stub.Status(pb.StatusRequest(), timeout=timeout_s)
 
 
-def status_json(st: pb.ClusterStatus) -> str:
-    return json.dumps(
-        MessageToDict(
-            st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        ),
-        indent=2,
+@dataclass(frozen=True)
+class ControlLogSummary:
+    """The tail of the control log: recent controller events and the last planner decision."""
+
+    events: tuple[str, ...] = ()
+    planner: str = ""
+
+
+def control_log_summary(path: str, n_events: int) -> ControlLogSummary:
+    from deploy.daemon import tail
+
+    if not path or n_events <= 0:
+        return ControlLogSummary()
+    lines = tail(path, 2000)
+    events = [line for line in lines if " planner tick " not in line]
+    planner = [line for line in lines if " planner tick " in line]
+    return ControlLogSummary(tuple(events[-n_events:]), planner[-1] if planner else "")
+
+
+def status_json(st: pb.ClusterStatus, log: ControlLogSummary | None = None) -> str:
+    data = MessageToDict(
+        st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    if log is not None:
+        data["events"] = list(log.events)
+        data["planner"] = log.planner
+    return json.dumps(data, indent=2)
 
 
 def status_table(st: pb.ClusterStatus) -> Table:
@@ -110,15 +130,17 @@ def status_table(st: pb.ClusterStatus) -> Table:
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
-    for col in ("worker", "role", "state", "device", "KV used", "queue", "run", "xfer",
+    for col in ("worker", "role", "health", "node", "device", "KV used", "queue", "run", "xfer",
                 "TTFT p50/90 ms", "TPOT p50/90 ms", "done"):  # fmt: skip
-        left = col in ("worker", "role", "state", "device")
+        left = col in ("worker", "role", "health", "node", "device")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for w in st.workers:
+        state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
         table.add_row(
             w.worker_id,
             w.role,
-            pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
+            f"[red]{state}[/red]" if w.state == pb.WORKER_STATE_DEAD else state,
+            w.node[:8],
             w.device,
             f"{w.kv_blocks_used}/{w.kv_blocks_total}",
             f"{w.queued_requests} ({w.queued_prefill_tokens} tok)",

@@ -2,19 +2,22 @@
 address is given), the controller with its workers, and the router replica(s).
 
 `Cluster.start()` returns once every router answers; `Cluster.stop()` undoes everything it
-started, in reverse order. `pdserve up` runs this in the foreground (or in a detached daemon
-process with `--detach`); tests use it directly.
+started, in reverse order, including the detached controller (and with it the workers it
+owns) on a Ray cluster that outlives this driver. `pdserve up` runs this in the foreground (or
+in a detached daemon process with `--detach`); tests use it directly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from deploy.controller import CONTROLLER_NAME, ClusterSpec, Controller, controller_options
+from deploy.local_ray import loopback_env
+from deploy.planner_loop import PlannerSettings
 from deploy.redis_server import EmbeddedRedis
 from deploy.workers import ActorPlacement
 from engine.config import EngineConfig
@@ -49,11 +52,22 @@ class ClusterOptions:
     router: RouterConfig | None = None
     """Router settings (ports, model and Redis are filled in); None uses the defaults."""
     placement: ActorPlacement | None = None
+    """Ray resources per worker (None: one GPU each where there are GPUs, else half a CPU)."""
+    prefill_placement: ActorPlacement | None = None
+    """Overrides `placement` for prefill workers (e.g. a custom resource of a node group)."""
+    decode_placement: ActorPlacement | None = None
+    """Overrides `placement` for decode workers."""
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
+    """The controller's planner loop (off unless `planner.enabled`)."""
     num_cpus: int | None = None
     """CPUs a local Ray advertises (None: what Ray detects)."""
     object_store_bytes: int = 256 << 20
     extra_spec: dict[str, Any] = field(default_factory=dict)
     """Further ClusterSpec fields (e.g. transfer=KVTransferConfig(...))."""
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot start as asked (the message says why and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -62,27 +76,12 @@ class Endpoint:
     metrics: tuple[str, ...]
     redis_url: str
     model_dir: str
+    ray_address: str = ""
+    """GCS address of the Ray cluster the workers run on."""
 
     @property
     def target(self) -> str:
         return self.grpc[0]
-
-
-def loopback_env() -> None:
-    """Ray and UCX on loopback for one-machine clusters without a GPU (set before ray.init)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local Ray
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    if not has_gpu:
-        os.environ.setdefault("UCX_TLS", "shm,tcp")
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 class Cluster:
@@ -106,7 +105,8 @@ class Cluster:
             if redis_url is None:
                 self.redis = EmbeddedRedis()
                 redis_url = self.redis.start()
-            loopback_env()
+            if opts.address is None:
+                loopback_env()
             if not ray.is_initialized():
                 ray.init(
                     address=opts.address,
@@ -118,6 +118,7 @@ class Cluster:
                     _node_ip_address="127.0.0.1" if opts.address is None else None,
                 )
                 self._ray_started = True
+            _refuse_running_controller()
             engine = replace(opts.engine or EngineConfig(model_dir), model_dir=model_dir)
             spec = ClusterSpec(
                 engine=engine,
@@ -126,6 +127,9 @@ class Cluster:
                 colocated=opts.colocated,
                 redis_url=redis_url,
                 placement=opts.placement,
+                prefill_placement=opts.prefill_placement,
+                decode_placement=opts.decode_placement,
+                planner=opts.planner,
                 **opts.extra_spec,
             )
             self.controller = (
@@ -152,10 +156,17 @@ class Cluster:
                 )
                 self.routers.append(router)
                 port, mport = ray.get(router.start.remote())
+                ray.get(self.controller.register_router.remote(router))
                 grpc_addrs.append(f"{opts.host}:{port}")
                 if mport is not None:
                     metrics_addrs.append(f"http://{opts.host}:{mport}/metrics")
-            self.endpoint = Endpoint(tuple(grpc_addrs), tuple(metrics_addrs), redis_url, model_dir)
+            self.endpoint = Endpoint(
+                tuple(grpc_addrs),
+                tuple(metrics_addrs),
+                redis_url,
+                model_dir,
+                ray.get_runtime_context().gcs_address,
+            )
             return self.endpoint
         except BaseException:
             self.stop()
@@ -185,9 +196,77 @@ class Cluster:
             self.redis.stop()
             self.redis = None
 
+    def control_log(self, since: int) -> tuple[int, list[str]]:
+        """The controller's events (worker lifecycle, planner actions) numbered `since` and
+        later, and the number to pass next time."""
+        import ray
+
+        if self.controller is None:
+            return since, []
+        seq, lines = ray.get(self.controller.events_since.remote(since), timeout=10)
+        return int(seq), list(lines)
+
+    def planner_decisions(self, since_tick: int = 0) -> list[tuple[int, str]]:
+        """The planner's decisions with their reasons from tick `since_tick` on, as
+        (tick, line); empty when it is off."""
+        import ray
+
+        if self.controller is None:
+            return []
+        got = ray.get(self.controller.planner_decisions.remote(since_tick), timeout=10)
+        return [(int(t), str(line)) for t, line in got]
+
     def __enter__(self) -> Cluster:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _refuse_running_controller() -> None:
+    """A detached controller outlives a driver that died without `pdserve down`: refuse to
+    start a second cluster next to it (names would clash), and say how to remove it."""
+    import ray
+
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    raise ClusterError(
+        f"a pdserve controller ({CONTROLLER_NAME!r}) already runs on this Ray cluster; "
+        "stop it with `pdserve down --address ADDRESS` (or use another Ray cluster)"
+    )
+
+
+def remove_leftovers(address: str) -> list[str]:
+    """Kill the pdserve actors (controller, its workers, routers) left on a Ray cluster by a
+    driver that died without stopping them; returns the names killed."""
+    import ray
+
+    from prefill_worker.api import ACTOR_NAME_PREFIX
+
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    killed = []
+    try:
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == NAMESPACE
+        ]
+        # The controller first: its workers share its fate; routers are killed by name.
+        ordered = sorted(names, key=lambda n: (n != CONTROLLER_NAME, n))
+        for name in ordered:
+            if name == CONTROLLER_NAME or name.startswith(("pdserve-router-", ACTOR_NAME_PREFIX)):
+                try:
+                    actor = ray.get_actor(name, namespace=NAMESPACE)
+                    if name == CONTROLLER_NAME:
+                        with contextlib.suppress(Exception):
+                            ray.get(actor.shutdown.remote(), timeout=60)
+                    ray.kill(actor)
+                    killed.append(name)
+                except ValueError:
+                    pass  # already gone with the controller
+    finally:
+        ray.shutdown()
+    return killed

@@ -4,7 +4,10 @@ A named, detached Ray actor (`pdserve-controller`). It creates the workers, tell
 exists (`list_workers`), pings every worker on a timer and removes a dead one from the
 registry within seconds (replacing it when `replace_dead`), and moves capacity between roles
 by draining: a worker leaving a role first stops admitting, finishes its in-flight requests
-and leases, and only then stops, so a rebalance loses no request.
+and leases, and only then stops, so a rebalance loses no request. With `spec.planner.enabled`
+it also runs the planner loop (deploy/planner_loop.py), which scales each role and asks Ray's
+autoscaler for nodes. Being detached, it outlives the driver that made it: `Cluster.stop`
+(and so `pdserve down`) kills it, which also ends the workers it owns.
 
 Worker states as the controller sees them:
 
@@ -21,16 +24,26 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 
+from deploy.planner_loop import (
+    PlannerLoop,
+    PlannerSettings,
+    ResourceRequester,
+    WorkerSnapshot,
+    planner_role,
+)
 from deploy.workers import ActorPlacement, create_worker, default_placement
 from engine.config import EngineConfig, EngineMode
 from kv_transfer.config import KVTransferConfig, PrefixIndexConfig
 from prefill_worker.api import WorkerInfo, WorkerRole
 from prefill_worker.runtime import WorkerConfig
+from router.server import RouterSignals
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,8 @@ class ClusterSpec:
     health_interval_s: float = 1.0
     failure_threshold: int = 3
     start_timeout_s: float = 900.0
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
+    """The planner loop (off by default)."""
 
 
 @dataclass
@@ -67,9 +82,12 @@ class _Worker:
     role: WorkerRole
     worker_id: str
     handle: Any
+    placement: ActorPlacement
     state: str = "starting"
     failures: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    """Wall-clock time start() returned."""
 
 
 class Controller:
@@ -80,9 +98,14 @@ class Controller:
         self.workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
         self._health_task: asyncio.Task[None] | None = None
-        self._replacing: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = asyncio.Lock()
-        self.events: list[str] = []
+        self._event_seq = itertools.count()
+        self.events: deque[tuple[int, str]] = deque(maxlen=1000)
+        self.routers: list[Any] = []
+        self.planner: PlannerLoop | None = None
+        self._planner_task: asyncio.Task[None] | None = None
+        _log_to_stderr()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -93,12 +116,37 @@ class Controller:
         roles += [decode_role] * self.spec.num_decode
         infos = await asyncio.gather(*(self._start_worker(r) for r in roles))
         self._health_task = asyncio.create_task(self._health_loop())
+        if self.spec.planner.enabled:
+            settings = self.spec.planner
+            resources = ResourceRequester() if settings.request_resources else None
+            self.planner = PlannerLoop(settings, self, self.spec.colocated, resources)
+            self._planner_task = asyncio.create_task(self.planner.run())
+            c = self.planner.settings.config
+            self._log(
+                f"planner on: every {settings.interval_s:g}s; SLO p{c.slo_percentile:g} TTFT "
+                f"{c.ttft_slo_ms:g} ms, TPOT {c.tpot_slo_ms:g} ms; prefill "
+                f"{c.prefill.min_workers}..{c.prefill.max_workers}, decode "
+                f"{c.decode.min_workers}..{c.decode.max_workers}"
+            )
         return list(infos)
 
     async def shutdown(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        """Stop the loops and every worker; release the autoscaler request."""
+        for task in (self._health_task, self._planner_task, *self._tasks):
+            if task is not None:
+                task.cancel()
+        if self.planner is not None:
+            self.planner.close()
         await asyncio.gather(*(self._stop(w) for w in list(self.workers.values())))
+
+    def register_router(self, router: Any) -> None:
+        """A router replica the planner reads latency samples and queue depth from."""
+        self.routers.append(router)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- registry ---------------------------------------------------------------------------
 
@@ -112,11 +160,30 @@ class Controller:
         ]
 
     def recent_events(self) -> list[str]:
-        return list(self.events[-100:])
+        return [text for _, text in list(self.events)[-100:]]
+
+    def events_since(self, seq: int) -> tuple[int, list[str]]:
+        """Events numbered `seq` and later, and the number to ask from next time."""
+        new = [(n, text) for n, text in self.events if n >= seq]
+        return (new[-1][0] + 1 if new else seq), [text for _, text in new]
+
+    def planner_decisions(self, since_tick: int = 0) -> list[tuple[int, str]]:
+        """The planner's decisions from tick `since_tick` on (every tick, holds included, the
+        last 1000 kept), oldest first, as (tick, "HH:MM:SS tick N: ... (reasons)")."""
+        if self.planner is None:
+            return []
+        return [
+            (r.tick, f"{time.strftime('%H:%M:%S', time.localtime(r.at_s))} {r.text}")
+            for r in self.planner.records
+            if r.tick >= since_tick
+        ]
+
+    def record_event(self, message: str) -> None:
+        self._log(message)
 
     def _log(self, message: str) -> None:
         log.info(message)
-        self.events.append(f"{time.strftime('%H:%M:%S')} {message}")
+        self.events.append((next(self._event_seq), f"{time.strftime('%H:%M:%S')} {message}"))
 
     def _worker_config(self, role: WorkerRole, worker_id: str) -> WorkerConfig:
         mode = EngineMode.PREFILL_ONLY if role is WorkerRole.PREFILL else EngineMode.COLOCATED
@@ -137,13 +204,20 @@ class Controller:
         )
         return specific or self.spec.placement or default_placement()
 
-    async def _start_worker(self, role: WorkerRole) -> WorkerInfo:
+    def _create_worker(self, role: WorkerRole) -> _Worker:
+        """Create the actor and register it as starting (its start() is not awaited yet)."""
         worker_id = f"{role.value}-{next(self._ids)}"
-        handle = create_worker(
-            self._worker_config(role, worker_id), self.spec.transfer, self._placement(role)
-        )
-        w = _Worker(None, role, worker_id, handle)
+        placement = self._placement(role)
+        handle = create_worker(self._worker_config(role, worker_id), self.spec.transfer, placement)
+        w = _Worker(None, role, worker_id, handle, placement)
         self.workers[worker_id] = w
+        return w
+
+    async def _start_worker(self, role: WorkerRole) -> WorkerInfo:
+        return await self._await_ready(self._create_worker(role))
+
+    async def _await_ready(self, w: _Worker) -> WorkerInfo:
+        worker_id, handle, role = w.worker_id, w.handle, w.role
         try:
             info: WorkerInfo = await asyncio.wait_for(
                 handle.start.remote(), self.spec.start_timeout_s
@@ -154,8 +228,8 @@ class Controller:
                 ray.kill(handle)
             self._log(f"worker {worker_id} failed to start: {e}")
             raise
-        w.info, w.state = info, "ready"
-        self._log(f"worker {worker_id} ({role.value}) ready on {info.device}")
+        w.info, w.state, w.ready_at = info, "ready", time.time()
+        self._log(f"worker {worker_id} ({role.value}) ready on {info.device}, node {info.node}")
         return info
 
     async def add_worker(self, role: str) -> WorkerInfo:
@@ -193,9 +267,7 @@ class Controller:
             with contextlib.suppress(Exception):
                 ray.kill(w.handle)
             if self.spec.replace_dead and w.state == "ready":
-                task = asyncio.create_task(self._replace(w.role))
-                self._replacing.add(task)
-                task.add_done_callback(self._replacing.discard)
+                self._spawn(self._replace(w.role))
         return [w.worker_id for w in dead]
 
     async def _replace(self, role: WorkerRole) -> None:
@@ -204,6 +276,83 @@ class Controller:
             self._log(f"replaced a dead {role.value} worker with {info.worker_id}")
         except Exception as e:
             self._log(f"could not replace a dead {role.value} worker: {e}")
+
+    # ---- drain and rebalance ----------------------------------------------------------------
+
+    # ---- the planner's host interface (deploy/planner_loop.PlannerHost) ----------------------
+
+    @property
+    def rebalancing(self) -> bool:
+        return self._lock.locked()
+
+    async def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every registered worker with its load (starting ones, and failed calls, without)."""
+        workers = list(self.workers.values())
+        polled = [w for w in workers if w.state in ("ready", "draining")]
+        loads = await asyncio.gather(
+            *(asyncio.wait_for(w.handle.load.remote(), 2.0) for w in polled),
+            return_exceptions=True,
+        )
+        by_id = {
+            w.worker_id: load
+            for w, load in zip(polled, loads, strict=True)
+            if not isinstance(load, BaseException)
+        }
+        return [
+            WorkerSnapshot(
+                worker_id=w.worker_id,
+                role=planner_role(w.role),
+                ready_at_s=w.ready_at,
+                draining=w.state == "draining",
+                load=by_id.get(w.worker_id),
+            )
+            for w in workers
+        ]
+
+    async def router_signals(self, since_s: float) -> list[RouterSignals]:
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r.signals.remote(since_s), 2.0) for r in self.routers),
+            return_exceptions=True,
+        )
+        return [r for r in results if isinstance(r, RouterSignals)]
+
+    def spawn_worker(self, role: WorkerRole) -> str:
+        """Create a worker and start it in the background; returns its id at once."""
+        w = self._create_worker(role)
+
+        async def start() -> None:
+            with contextlib.suppress(Exception):  # _await_ready logs the failure
+                await self._await_ready(w)
+
+        self._spawn(start())
+        return w.worker_id
+
+    def begin_drain(self, worker_id: str) -> None:
+        """Stop admitting on a worker (it finishes its in-flight work); returns at once."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state != "ready":
+            return
+        w.state = "draining"
+        w.handle.drain.remote(0.0)  # sets DRAINING and returns; the planner watches its load
+        self._log(f"draining {worker_id}")
+
+    def stop_when_drained(self, worker_id: str) -> None:
+        """Stop a draining worker once it confirms it has no in-flight work."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state != "draining":
+            return
+
+        async def stop() -> None:
+            if await w.handle.drain.remote(5.0):
+                await self._stop(w)
+            else:
+                self._log(f"{worker_id} still has in-flight work; not stopped")
+
+        self._spawn(stop())
+
+    def wanted_placements(self) -> list[ActorPlacement]:
+        """Placements of the workers that should have room: starting and ready ones."""
+        return [w.placement for w in self.workers.values() if w.state in ("starting", "ready")]
 
     # ---- drain and rebalance ----------------------------------------------------------------
 
@@ -258,15 +407,35 @@ class Controller:
                         w.state = "ready"
                         return started, stopped, f"rebalance stopped: {msg}"
                     stopped.append(w.worker_id)
+            new: list[_Worker] = []
             for role, n in targets.items():
-                have = sum(1 for w in self.workers.values() if w.role is role)
-                infos = await asyncio.gather(
-                    *(self._start_worker(role) for _ in range(max(n - have, 0)))
+                have = sum(
+                    1
+                    for w in self.workers.values()
+                    if w.role is role and w.state in ("starting", "ready")
                 )
-                started += [i.worker_id for i in infos]
+                new += [self._create_worker(role) for _ in range(max(n - have, 0))]
+            if self.planner is not None:  # room for the new workers on an autoscaling cluster
+                self.planner.actuator.sync_resources()
+            infos = await asyncio.gather(*(self._await_ready(w) for w in new))
+            started += [i.worker_id for i in infos]
             msg = f"now {prefill} prefill + {decode} {decode_role.value}"
             self._log(f"rebalance: {msg} (started {started}, stopped {stopped})")
             return started, stopped, msg
+
+
+def _log_to_stderr() -> None:
+    """Show the controller's INFO lines (worker lifecycle, planner actions) in its Ray log,
+    which a local driver prints (log_to_driver): Ray leaves actors' loggers at WARNING."""
+    logger = logging.getLogger("deploy")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        # Every tick's decision goes to the planner loop's records (and the control log);
+        # the log shows the ones that act (deploy.planner_loop), not every hold.
+        logging.getLogger("deploy.planner").setLevel(logging.WARNING)
 
 
 def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:

@@ -1,9 +1,12 @@
 """Run `pdserve up` in the foreground or as a detached daemon, and find it again.
 
 The process that runs the cluster (foreground, or the daemon `--detach` starts) writes a state
-file (`~/.cache/pdserve/run/cluster.json`: pid, gRPC targets, metrics, Redis, log) once the
-API answers, and removes it when it stops. `pdserve down` sends that pid SIGTERM, which stops
-routers, workers, Ray and the embedded Redis in order. Other commands read the target from it.
+file (`~/.cache/pdserve/run/cluster.json`, or `$PDSERVE_STATE_FILE`: pid, gRPC targets,
+metrics, Redis, Ray address, log) once the API answers, and removes it when it stops. While it
+runs it appends the controller's events (worker lifecycle, planner actions) to the control log
+next to the state file, which `pdserve status` shows. `pdserve down` sends that pid SIGTERM,
+which stops routers, the controller with its workers, Ray and the embedded Redis in order.
+Other commands read the target from it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from deploy.make_model import cache_dir
 
@@ -31,6 +36,11 @@ class ClusterState:
     redis_url: str
     model_dir: str
     log: str
+    ray_address: str = ""
+    ray_external: bool = False
+    """The Ray cluster was there before `up` (`--address`) and outlives it."""
+    control_log: str = ""
+    """File the controller's events are appended to (`pdserve status` shows its tail)."""
 
     @property
     def target(self) -> str:
@@ -88,8 +98,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
+def wait_for_signal(on_idle: Callable[[], None] | None = None, every_s: float = 1.0) -> None:
+    """Block until SIGINT or SIGTERM, calling `on_idle` about every `every_s` seconds."""
     stop = threading.Event()
 
     def handler(signum: int, frame: object) -> None:
@@ -98,7 +108,49 @@ def wait_for_signal() -> None:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     while not stop.is_set():
-        stop.wait(0.5)
+        stop.wait(every_s)
+        if on_idle is not None and not stop.is_set():
+            on_idle()
+
+
+class ControlLogFollower:
+    """Appends the controller's new events, and every planner decision, to the control log
+    (called by the process running `up`). Planner lines start with "planner tick"."""
+
+    def __init__(self, cluster: Any, path: Path) -> None:
+        self.cluster = cluster
+        self.path = path
+        self.seq = 0
+        self.tick = 0
+
+    def poll(self) -> None:
+        lines: list[str] = []
+        try:
+            self.seq, events = self.cluster.control_log(self.seq)
+            lines += events
+            decisions = self.cluster.planner_decisions(self.tick)
+        except Exception:  # the controller is busy or gone: try again next time
+            decisions = []
+        if decisions:
+            self.tick = decisions[-1][0] + 1
+            lines += [_planner_line(line) for _, line in decisions]
+        if lines:
+            with self.path.open("a") as f:
+                f.writelines(line + "\n" for line in lines)
+
+
+def _planner_line(line: str) -> str:
+    clock, _, rest = line.partition(" ")
+    return f"{clock} planner {rest}"
+
+
+def tail(path: str, n: int) -> list[str]:
+    """The last `n` lines of a file (none when it does not exist)."""
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in f.readlines()[-n:]]
+    except OSError:
+        return []
 
 
 def spawn_detached(argv: list[str], log_path: Path, timeout_s: float) -> ClusterState:
@@ -137,5 +189,10 @@ def stop_cluster(timeout_s: float = 120.0) -> ClusterState | None:
         time.sleep(0.2)
     if _alive(state.pid):
         os.killpg(os.getpgid(state.pid), signal.SIGKILL)
+        if state.ray_external and state.ray_address:
+            # The detached controller (and its workers) outlive the killed driver there.
+            from deploy.cluster import remove_leftovers
+
+            remove_leftovers(state.ray_address)
     clear_state(state.pid)
     return state

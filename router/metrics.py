@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 WINDOW = 512
+RECENT = 4096
+"""Timestamped samples kept for the controller's planner (`RouterMetrics.recent_samples`)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,25 @@ class LatencySummary:
     ttft_p90_ms: float = 0.0
     tpot_p50_ms: float = 0.0
     tpot_p90_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class TimedSample:
+    """One finished request's TTFT (attributed to the worker that produced the first token) or
+    TPOT (the decode worker), stamped with the wall-clock time it was recorded."""
+
+    worker_id: str
+    at_s: float
+    """`time.time()` when the request finished."""
+    value_ms: float
+
+
+@dataclass(frozen=True)
+class RecentSamples:
+    """What one router measured since a given time (the planner's latency input)."""
+
+    ttft: tuple[TimedSample, ...]
+    tpot: tuple[TimedSample, ...]
 
 
 def _pct(values: deque[float], q: float) -> float:
@@ -82,6 +104,8 @@ class RouterMetrics:
         )
         self._ttft: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
         self._tpot: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
+        self._recent_ttft: deque[TimedSample] = deque(maxlen=RECENT)
+        self._recent_tpot: deque[TimedSample] = deque(maxlen=RECENT)
 
     def observe_request(
         self,
@@ -94,12 +118,23 @@ class RouterMetrics:
     ) -> None:
         self.requests.labels(outcome).inc()
         self.e2e.observe(e2e_s)
+        now = time.time()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             self._ttft[first_worker].append(ttft_s * 1000)
+            self._recent_ttft.append(TimedSample(first_worker, now, ttft_s * 1000))
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
             self._tpot[decode_worker].append(tpot_s * 1000)
+            self._recent_tpot.append(TimedSample(decode_worker, now, tpot_s * 1000))
+
+    def recent_samples(self, since_s: float) -> RecentSamples:
+        """TTFT and TPOT samples recorded at or after wall-clock time `since_s` (at most the
+        last RECENT of each)."""
+        return RecentSamples(
+            ttft=tuple(s for s in self._recent_ttft if s.at_s >= since_s),
+            tpot=tuple(s for s in self._recent_tpot if s.at_s >= since_s),
+        )
 
     def latency(self, worker_id: str) -> LatencySummary:
         ttft, tpot = self._ttft.get(worker_id, deque()), self._tpot.get(worker_id, deque())

@@ -29,7 +29,7 @@ from kv_transfer.prefix_index import PrefixIndex
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.cluster_view import ClusterView, ControllerDirectory, WorkerDirectory
-from router.metrics import RouterMetrics
+from router.metrics import RecentSamples, RouterMetrics
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.servicer import (
     AdminServicer,
@@ -43,6 +43,18 @@ log = logging.getLogger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+@dataclass(frozen=True)
+class RouterSignals:
+    """What the controller's planner reads from one router each tick."""
+
+    samples: RecentSamples
+    """TTFT/TPOT samples since the time asked for."""
+    queued_requests: int
+    """Requests waiting in this router's admission queue."""
+    inflight_requests: int
+    """Requests inside this router (queued, admitted or streaming)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +209,14 @@ class RouterServer:
             await asyncio.sleep(0.05)
         self._update_limits()
 
+    def signals(self, since_s: float) -> RouterSignals:
+        """Latency samples since wall-clock `since_s` and queue depth, for the planner."""
+        return RouterSignals(
+            samples=self.metrics.recent_samples(since_s),
+            queued_requests=self.admission.stats().waiting_now,
+            inflight_requests=self.orchestrator.inflight,
+        )
+
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
@@ -283,6 +303,10 @@ class RouterActor:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+
+    def signals(self, since_s: float) -> RouterSignals | None:
+        """The planner's input from this router (None before it serves)."""
+        return self.server.signals(since_s) if self.server is not None else None
 
     def ping(self) -> str:
         return "ok"
