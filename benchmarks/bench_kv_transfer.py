@@ -345,6 +345,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--only-redis", action="store_true", help="just the Redis lookup (CPU)")
     args = parser.parse_args()
     args.iters = args.iters or (20 if args.gpu else 5)
     if args.gpu:
@@ -356,6 +357,9 @@ def main() -> None:
     else:
         os.environ.setdefault("UCX_TLS", "shm,tcp")
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if args.only_redis:
+        stage("Redis lookup", lambda: bench_redis(args))
+        return
     spec = make_spec(args)
     src_dev, dst_dev = ("cuda:0", "cuda:1") if args.gpu else ("cpu", "cpu")
     print(
