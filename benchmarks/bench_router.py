@@ -56,6 +56,12 @@ class Sample:
     router_ttft_ms: float = 0.0
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
@@ -138,7 +144,7 @@ def summarize(rate: float, samples: list[Sample]) -> dict[str, float]:
 def print_table(rows: list[dict[str, float]], markdown: bool) -> None:
     head = ("rate (req/s)", "requests/path", "TTFT gRPC p50/p99 (ms)", "TTFT direct p50/p99 (ms)",
             "overhead p50 (ms)", "overhead p99 (ms)",
-            "of p50: gRPC / orchestrator (ms)")  # fmt: skip
+            "of p50: gRPC / orchestrator (ms)", "router CPU per request (ms)")  # fmt: skip
     lines = []
     for row in rows:
         grpc_part = row["grpc_p50"] - row["router_view_p50"]
@@ -149,6 +155,7 @@ def print_table(rows: list[dict[str, float]], markdown: bool) -> None:
             f"{row['direct_p50']:.2f} / {row['direct_p99']:.2f}",
             f"{row['overhead_p50']:.2f}", f"{row['overhead_p99']:.2f}",
             f"{grpc_part:.2f} / {orchestrator_part:.2f}",
+            f"{row['router_cpu_ms']:.2f}",
         ))  # fmt: skip
     if markdown:
         print("| " + " | ".join(head) + " |")
@@ -170,6 +177,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--router-pid-file", help="write the router process id here (profilers)")
     args = ap.parse_args()
 
     from deploy.cluster import Cluster, ClusterOptions, loopback_env
@@ -202,15 +210,29 @@ def main() -> None:
     with Cluster(options) as cluster:
         assert cluster.endpoint is not None
         workers = ray.get(cluster.controller.list_workers.remote())
+        router_pid = ray.get(cluster.routers[0].__ray_call__.remote(lambda _: os.getpid()))
+        if args.router_pid_file:  # e.g. for `py-spy record -p $(cat FILE)`
+            Path(args.router_pid_file).write_text(str(router_pid))
+
+        def router_cpu_s() -> float:
+            return process_cpu_s(router_pid)
 
         async def run() -> list[dict[str, float]]:
             bench = Bench(cluster.endpoint.target, workers, args)  # type: ignore[union-attr]
             try:
                 await bench.run_rate(2.0 * len(args.rates.split(",")), args.warmup, seed=999)
+                cpu0, t0 = router_cpu_s(), time.perf_counter()
+                await asyncio.sleep(5.0)
+                idle_cpu_per_s = (router_cpu_s() - cpu0) / (time.perf_counter() - t0)
                 rows = []
                 for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+                    cpu0, t0 = router_cpu_s(), time.perf_counter()
                     samples = await bench.run_rate(rate, args.requests, seed=args.seed + i)
-                    rows.append(summarize(rate, samples))
+                    busy = router_cpu_s() - cpu0 - idle_cpu_per_s * (time.perf_counter() - t0)
+                    row = summarize(rate, samples)
+                    row["router_cpu_ms"] = busy * 1000 / row["n"]
+                    rows.append(row)
+                rows[0]["router_idle_cpu"] = idle_cpu_per_s
                 return rows
             finally:
                 await bench.close()
@@ -219,6 +241,8 @@ def main() -> None:
     print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
           f"prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
           f"{args.requests} requests per rate (half per path)")  # fmt: skip
+    print(f"router process CPU when idle: {rows[0]['router_idle_cpu'] * 100:.1f}% of a core "
+          "(load polling, health); subtracted from the per-request figure")  # fmt: skip
     print_table(rows, args.markdown)
 
 
