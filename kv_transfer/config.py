@@ -88,6 +88,9 @@ class KVTransferConfig:
     """How read descriptors are built (see kv_transfer/nixl_backend.py for the measurement)."""
     capture_telemetry: bool = False
     """Ask NIXL for per-transfer telemetry (posted descriptor counts) in outcomes."""
+    nixl_progress_thread: bool = False
+    """Run NIXL's own progress thread. Off: it busy-polls a core even when idle, and the
+    endpoint's transfer thread already drives progress while transfers are in flight."""
 
     def __post_init__(self) -> None:
         if self.lease_safety_margin_s >= self.lease_s:

@@ -99,6 +99,7 @@ class NixlBackend:
         cache: KVCache,
         mode: DescriptorMode = DescriptorMode.PREPPED,
         capture_telemetry: bool = False,
+        progress_thread: bool = False,
     ) -> None:
         if cache.device.type == "cuda":  # UCX needs the device's context current on this thread
             torch.cuda.set_device(cache.device)
@@ -107,7 +108,14 @@ class NixlBackend:
         self.mode = mode
         self._telemetry = capture_telemetry
         try:
-            config = nixl_agent_config(backends=["UCX"], capture_telemetry=capture_telemetry)
+            # NIXL's own progress thread busy-polls a whole core even when idle; the endpoint's
+            # transfer thread drives UCX progress itself (check_xfer_state / get_new_notifs)
+            # while work is in flight, so it stays off unless asked for.
+            config = nixl_agent_config(
+                enable_prog_thread=progress_thread,
+                backends=["UCX"],
+                capture_telemetry=capture_telemetry,
+            )
             self._agent = nixl_agent(agent_name, config)
         except Exception as e:
             raise _backend_error("creating the NIXL agent", e) from e
@@ -289,4 +297,10 @@ class NixlBackend:
 
 def nixl_backend_factory(agent_name: str, cache: KVCache, config: KVTransferConfig) -> NixlBackend:
     """The production `BackendFactory`."""
-    return NixlBackend(agent_name, cache, config.descriptor_mode, config.capture_telemetry)
+    return NixlBackend(
+        agent_name,
+        cache,
+        config.descriptor_mode,
+        config.capture_telemetry,
+        config.nixl_progress_thread,
+    )

@@ -25,14 +25,6 @@ def is_spinning(cpu_s: float, voluntary_switches: int) -> bool:
     return cpu_s > 0.05 * WINDOW_S and voluntary_switches < WINDOW_S
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kv_transfer/nixl_backend.py creates the NIXL agent with its progress thread on "
-    "(nixl_agent_config default enable_prog_thread=True; the Python API fixes its delay at "
-    "0), which busy-polls one core per worker even when idle; reported to the kv_transfer "
-    "owner",
-)
 def test_no_thread_of_an_idle_worker_actor_spins(workers: Workers) -> None:
     actors = {"p0": workers.p0, "d0": workers.d0}
     wait_idle(*actors.values())
