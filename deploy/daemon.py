@@ -89,13 +89,24 @@ def resolve_target(target: str | None) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie counts as gone: it is reaped here when it is our child
+    (the daemon `up --detach` spawned from a process that lives on, e.g. a test)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def wait_for_signal(on_idle: Callable[[], None] | None = None, every_s: float = 1.0) -> None:
