@@ -6,7 +6,10 @@ made directly on the GPU (nothing on disk), a KV pool with random contents, and:
   without CUDA graphs, vs the HBM floor (weights + KV read) / (HBM copy bandwidth measured
   in this run, read+write counted); goal: within 1.3x of the floor at batch 64;
 - prefill of one 4096-token prompt vs the bf16 matmul rate measured in this run (8192^3);
-  prefill FLOPs = 2 * matmul params * tokens + causal attention FLOPs; goal: >= 50%.
+  prefill FLOPs = 2 * matmul params * tokens + causal attention FLOPs; goal: >= 50%;
+- each of the above with flashinfer's fused layer ops ("fused") and with the torch ops
+  ("torch-ops") side by side (`--layer-ops`), and the GPU kernels one eager decode step
+  launches with each (torch profiler).
 Every step prints what it does and catches its own failure, so one failure loses nothing else.
 
 CPU mode (`--cpu`): tokens/s of the runner in a greedy loop on the tiny model vs
@@ -188,11 +191,15 @@ def gpu_main(args: argparse.Namespace) -> None:
     if kv is None:
         return
 
-    def make_runner(graphs: bool) -> ModelRunner:
+    ops_kinds = [k for k in args.layer_ops.split(",") if k]
+    label_of = {"flashinfer": "fused", "torch": "torch-ops", "auto": "auto-ops"}
+
+    def make_runner(graphs: bool, layer_ops: str) -> ModelRunner:
         config = EngineConfig(
             model_dir="random:llama3-8b",
             block_size=bs,
             attention_backend="flashinfer",
+            layer_ops=layer_ops,
             cuda_graphs=graphs,
             cuda_graph_max_batch=max(batches),
             max_num_seqs=max(batches),
@@ -200,25 +207,38 @@ def gpu_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         runner = ModelRunner(model, kv, config)
         print(
-            f"   backend {runner.attention_backend}, graphs "
+            f"   backend {runner.attention_backend}, layer ops {runner.layer_ops.name}, graphs "
             f"{runner.graphs.sizes if runner.graphs else None}, {time.perf_counter() - t0:.1f} s"
         )
         return runner
 
-    eager = step(
-        "eager runner (first flashinfer use: JIT ~25 s on a fresh machine)",
-        lambda: make_runner(False),
-    )
-    if eager is not None:
+    def warm_up(runner: ModelRunner) -> None:
+        runner.execute(decode_batch(2, 64, bs, pages_decode))
+        runner.warmup(256)
 
-        def warm_up(runner: ModelRunner) -> None:
-            runner.execute(decode_batch(2, 64, bs, pages_decode))
-            runner.warmup(256)
+    eager: dict[str, ModelRunner] = {}
+    graphed: dict[str, ModelRunner] = {}
+    for ops in ops_kinds:
+        runner = step(
+            f"eager runner, {label_of[ops]} (first use JITs flashinfer on a fresh machine: "
+            "attention ~25 s, fused layer ops more)",
+            functools.partial(make_runner, False, ops),
+        )
+        if runner is not None:
+            eager[ops] = runner
+            step(
+                f"warm up eager prefill + decode, {label_of[ops]}",
+                functools.partial(warm_up, runner),
+            )
+    for ops in ops_kinds:
+        runner = step(
+            f"CUDA-graph runner, {label_of[ops]} (captures 1..max batch)",
+            functools.partial(make_runner, True, ops),
+        )
+        if runner is not None:
+            graphed[ops] = runner
 
-        step("warm up eager prefill + decode (flashinfer JIT)", functools.partial(warm_up, eager))
-    graphed = step("CUDA-graph runner (captures 1..max batch)", lambda: make_runner(True))
-
-    def bench_decode(runner: ModelRunner, label: str, b: int) -> None:
+    def bench_decode(runner: ModelRunner, label: str, b: int) -> float:
         batch = decode_batch(b, context, bs)
         sec = time_steps(lambda: runner.execute(batch), iters=args.iters)
         floor = decode_read_bytes(model, b, context) / hbm if hbm else float("nan")
@@ -234,18 +254,29 @@ def gpu_main(args: argparse.Namespace) -> None:
                 f"{sec / floor:.2f}x",
             )
         )
+        return sec
 
     for b in batches:
-        if graphed is not None:
-            step(
-                f"decode B={b}, CUDA graphs", functools.partial(bench_decode, graphed, "graphs", b)
+        graph_secs: dict[str, float | None] = {}
+        for ops, runner in graphed.items():
+            label = f"graphs {label_of[ops]}"
+            graph_secs[ops] = step(
+                f"decode B={b}, CUDA graphs, {label_of[ops]}",
+                functools.partial(bench_decode, runner, label, b),
             )
-        if eager is not None:
-            step(f"decode B={b}, eager", functools.partial(bench_decode, eager, "eager", b))
+        for ops, runner in eager.items():
+            label = f"eager {label_of[ops]}"
+            step(
+                f"decode B={b}, eager, {label_of[ops]}",
+                functools.partial(bench_decode, runner, label, b),
+            )
+        fused, plain = graph_secs.get("flashinfer"), graph_secs.get("torch")
+        if fused and plain:
+            ROWS.append(
+                (f"decode B={b} graphs: torch-ops / fused", f"{plain / fused:.2f}x", "", "")
+            )
 
-    def bench_prefill() -> None:
-        runner = eager if eager is not None else graphed
-        assert runner is not None
+    def bench_prefill(runner: ModelRunner, label: str) -> None:
         first = pages_decode
         blocks = tuple(range(first, first + -(-prompt // bs)))
         ids = tuple(int(t) for t in torch.randint(1, 128000, (prompt,)))
@@ -255,14 +286,46 @@ def gpu_main(args: argparse.Namespace) -> None:
         rate = flops / sec
         share = f"{rate / mm:.0%} of matmul" if mm else "matmul rate unknown"
         print(
-            f"   prefill {prompt} tokens: {sec * 1e3:.1f} ms, {flops / 1e12:.1f} TFLOP, "
+            f"   prefill {prompt} tokens, {label}: {sec * 1e3:.1f} ms, {flops / 1e12:.1f} TFLOP, "
             f"{rate / 1e12:.0f} TFLOP/s, {share}"
         )
         ROWS.append(
-            (f"prefill {prompt} tokens", f"{sec * 1e3:.1f} ms", f"{rate / 1e12:.0f} TFLOP/s", share)
+            (
+                f"prefill {prompt} tokens {label}",
+                f"{sec * 1e3:.1f} ms",
+                f"{rate / 1e12:.0f} TFLOP/s",
+                share,
+            )
         )
 
-    step(f"prefill one {prompt}-token prompt", bench_prefill)
+    for ops, runner in (eager or graphed).items():
+        step(
+            f"prefill one {prompt}-token prompt, {label_of[ops]}",
+            functools.partial(bench_prefill, runner, label_of[ops]),
+        )
+
+    def count_kernels(runner: ModelRunner, label: str, b: int) -> None:
+        """GPU kernels one eager decode step launches (torch profiler; copies not counted)."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        batch = decode_batch(b, context, bs)
+        runner.execute(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(batch)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        n = sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))
+        per_layer = n / model.cfg.num_layers
+        print(f"   {label}: {n} kernels per decode step (~{per_layer:.1f} per layer)")
+        ROWS.append((f"kernels per eager decode step B={b} {label}", str(n), "", ""))
+
+    for ops, runner in eager.items():
+        step(
+            f"count kernels of one eager decode step, {label_of[ops]}",
+            functools.partial(count_kernels, runner, label_of[ops], 16),
+        )
 
     def bench_decode_kernels() -> None:
         """flashinfer decode alone on one layer (B=max batch, ctx tokens each), per kernel and
@@ -413,6 +476,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30, help="timed decode steps")
     parser.add_argument(
         "--fa3", action="store_true", help="also time fa3 decode attention (JIT ~100 s)"
+    )
+    parser.add_argument(
+        "--layer-ops",
+        default="flashinfer,torch",
+        help="layer ops to time side by side (EngineConfig.layer_ops values, comma-separated)",
     )
     parser.add_argument("--cpu-prompt", type=int, default=32)
     parser.add_argument("--cpu-new", type=int, default=64)

@@ -53,6 +53,10 @@ class EngineConfig:
     """Longest prompt + output; 0 = the model's context length."""
     attention_backend: str = "auto"
     """auto (flashinfer on GPU when installed, else torch), torch, flashinfer."""
+    layer_ops: str = "auto"
+    """Norm / residual / RoPE / SiLU ops of each layer: auto (flashinfer's fused kernels for a
+    CUDA fp16/bf16 model when flashinfer imports and they pass a start-up self-check against
+    torch, else torch), torch (reference math), flashinfer (fused; an error if unavailable)."""
     cuda_graphs: bool = True
     """Capture decode steps in CUDA graphs (GPU only)."""
     cuda_graph_max_batch: int = 256

@@ -25,6 +25,7 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.attention.step import BatchLayout, StepInputs, build_layout
 from engine.batch import ScheduledBatch, SeqChunk
+from engine.layer_ops import TORCH_OPS, LayerOps
 from engine.model import LlamaModel
 
 _NUM_ROW_FIELDS = 6  # ids, positions, slot blocks, slot offsets, write rows, sample rows
@@ -67,7 +68,8 @@ def pad_decode_layout(layout: BatchLayout, batch_size: int) -> tuple[BatchLayout
 
 
 class DecodeGraphs:
-    """Captured decode steps of a model + attention backend (see the module docstring)."""
+    """Captured decode steps of a model + attention backend + layer ops (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -75,9 +77,11 @@ class DecodeGraphs:
         backend: AttentionBackend,
         max_batch: int,
         max_pages_per_seq: int,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         self.model = model
         self.backend = backend
+        self.ops = ops
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_pages = self.max_batch * max_pages_per_seq
@@ -136,8 +140,8 @@ class DecodeGraphs:
         )
 
     def _body(self, step: StepInputs) -> torch.Tensor:
-        hidden = self.model(step.input_ids, step.positions, self.backend.forward)
-        return self.model.compute_logits(hidden)
+        hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.ops)
+        return self.model.compute_logits(hidden, self.ops)
 
     @torch.inference_mode()
     def capture(self) -> None:

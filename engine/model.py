@@ -9,6 +9,21 @@ Hugging Face tensor names.
 
 Numerics follow transformers (RMSNorm in float32, rotate-half RoPE with cos/sin in float32
 cast to the activation dtype), so float32 greedy decoding is token-identical to it.
+
+The norms, residual adds, RoPE and SiLU-and-mul go through a `LayerOps` (engine/layer_ops.py)
+passed to `forward`: `TorchOps` (the reference above, the default) or flashinfer's fused
+kernels on the GPU. The residual stream r is carried between layers next to the hidden state h
+(as vLLM does), so every residual add is fused into the norm that follows it:
+
+    h, r = embed(ids), None
+    each layer:  h, r = add_rms_norm(h, r)        (layer 0: r = h; h = rms_norm(h))
+                 h = o_proj(attend(rope(qkv_proj(h))))
+                 h, r = add_rms_norm(h, r)
+                 h = down_proj(silu_and_mul(gate_up_proj(h)))
+    forward returns r + h; compute_logits applies the final norm.
+
+With TorchOps this is the same arithmetic in the same order as a plain residual stream
+(x + f(norm(x)) per sublayer), so results are bit-for-bit those of the unfused form.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
 from engine.model_config import ModelConfig, RopeConfig
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,10 +53,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -65,10 +78,12 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE with a cos/sin table for every position up to the context length."""
+    """Rotate-half RoPE tables (float32) for every position up to the context length, in the
+    layouts `engine.layer_ops.RopeTables` describes (torch's cos/sin, flashinfer's cache)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    cos_sin_cache: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -76,20 +91,12 @@ class Rotary(nn.Module):
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        half = cfg.head_dim // 2
+        cos_sin = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).contiguous()
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin.to(device), persistent=False)
 
 
 class DecoderLayer(nn.Module):
@@ -115,24 +122,35 @@ class DecoderLayer(nn.Module):
         self,
         layer: int,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: Rotary,
         attend: Attend,
-    ) -> torch.Tensor:
+        ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it) for the previous layer's pair (x, residual);
+        layer 0 gets (embeddings, None). x and residual may be overwritten (see LayerOps)."""
         cfg = self.cfg
-        t = x.shape[0]
-        qkv = F.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        eps = cfg.rms_norm_eps
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.input_layernorm.weight, eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        t = qkv.shape[0]
+        # views into qkv (no copies); RoPE may rotate q and k in place there
+        q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q = ops.rms_norm(q, self.q_norm.weight, eps)
+            k = ops.rms_norm(k, self.k_norm.weight, eps)
+        q, k = ops.rope(positions, q, k, rotary)
         attn = attend(layer, q, k, v).reshape(t, cfg.q_size)
-        x = x + F.linear(attn, self.o_proj, self.o_bias)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        h = F.linear(attn, self.o_proj, self.o_bias)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
+        h = ops.silu_and_mul(F.linear(h, self.gate_up_proj))
+        return F.linear(h, self.down_proj), residual
 
 
 class LlamaModel(nn.Module):
@@ -157,18 +175,24 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        ops: LayerOps = TORCH_OPS,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for flat `input_ids` [T]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        h = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, positions, self.rotary, attend)
-        return x
+            h, residual = layer(i, h, residual, positions, self.rotary, attend, ops)
+        return h if residual is None else residual + h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden states [N, hidden] (final norm applied here)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), head).float()
+        normed = ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return F.linear(normed, head).float()
 
 
 def causal_attend(batch: int, seq_len: int, num_heads: int, num_kv_heads: int) -> Attend:

@@ -5,9 +5,15 @@ where their KV lives (block tables), the runner stages that on the device (one h
 copy per step), runs the model with the chosen attention backend (which writes the step's
 KV into the pool and attends over the cached context) and computes logits only for chunks
 with sample=True. Decode-only steps replay CUDA graphs on GPU when enabled.
+
+The layer ops (torch math or flashinfer's fused kernels, engine/layer_ops.py) are chosen once,
+at construction, by `create_layer_ops` (which self-checks the fused ones); if capturing the
+CUDA graphs with fused ops fails, the runner falls back to torch ops and captures again.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -16,7 +22,11 @@ from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, torch_dtype
+from engine.layer_ops import TORCH_OPS, LayerOps
+from engine.layer_ops_select import create_layer_ops
 from engine.model import LlamaModel
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,14 +79,29 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = kv_cache.device
         self.backend = create_backend(config.attention_backend, model.cfg, kv_cache)
+        self.layer_ops: LayerOps = create_layer_ops(config.layer_ops, model)
         self._stager = StepStager(self.device)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
             max_len = config.max_model_len or model.cfg.max_model_len
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
-            pages = -(-max_len // self.block_size)
-            self.graphs = DecodeGraphs(model, self.backend, max_batch, pages)
-            self.graphs.capture()
+            self.graphs = self._capture_graphs(max_batch, -(-max_len // self.block_size))
+
+    def _capture_graphs(self, max_batch: int, pages_per_seq: int) -> DecodeGraphs:
+        graphs = DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, self.layer_ops)
+        try:
+            graphs.capture()
+        except Exception:
+            if self.layer_ops is TORCH_OPS or self.config.layer_ops != "auto":
+                raise
+            log.warning(
+                "CUDA-graph capture with fused layer ops failed; capturing with torch ops",
+                exc_info=True,
+            )
+            self.layer_ops = TORCH_OPS
+            graphs = DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, TORCH_OPS)
+            graphs.capture()
+        return graphs
 
     @property
     def attention_backend(self) -> str:
@@ -98,10 +123,10 @@ class ModelRunner:
                 return self.graphs.run(layout, size)
         step = self._stager.stage(layout)
         self.backend.prepare(step)
-        hidden = self.model(step.input_ids, step.positions, self.backend.forward)
+        hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.layer_ops)
         if not layout.samples_every_row:
             hidden = hidden.index_select(0, step.sample_rows)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self.layer_ops)
 
     def warmup(self, num_tokens: int = 256) -> None:
         """Run one prompt chunk over blocks 0.. (compiles kernels); call before serving."""
