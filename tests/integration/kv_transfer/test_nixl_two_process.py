@@ -58,7 +58,7 @@ class Decoder:
 
     def wait(self, n: int, timeout_s: float) -> list[TransferOutcome]:
         deadline = time.monotonic() + timeout_s
-        got = []
+        got: list[TransferOutcome] = []
         while len(got) < n:
             got.append(self.outcomes.get(timeout=max(0.0, deadline - time.monotonic())))
         return got
