@@ -10,16 +10,16 @@ Keys (all under `pdserve:{model}:`, so models never share entries):
 
 Written only by `KVEventPublisher` (kv_transfer/kv_publisher.py); read by `lookup` in one
 round trip: a Lua script gets the chain as one hex string, keeps the live holders of the
-first block as candidates, and walks on with one SMISMEMBER per block until no candidate is
-left (a miss costs one SMEMBERS). A worker's count is the number of leading blocks it holds
-without a hole; because hashes chain, an equal hash at position i means an equal prompt up to
+first block as candidates, and walks on with one SISMEMBER per candidate and block until no
+candidate is left (a miss costs one SMEMBERS). A worker's count is the number of leading
+blocks it holds without a hole; because hashes chain, an equal hash at position i means an equal prompt up to
 block i. The index is a hint: a stale entry costs a cache miss, never a wrong answer.
 
 Redis unavailable: `lookup` answers `PrefixMatch(available=False)` after at most the socket
 timeout, and then at once for `retry_after_s` (a circuit breaker), so routing falls back to
 load alone and never waits on Redis. Scripts touch keys they compute from arguments
-(block keys, liveness, reverse index): this needs a single Redis >= 6.2 (SMISMEMBER), not
-Redis Cluster.
+(block keys, liveness, reverse index): this needs a single Redis (any version with Lua; 6.0
+as bundled for the GPU machine works), not Redis Cluster.
 """
 
 from __future__ import annotations
@@ -50,10 +50,9 @@ for _, w in ipairs(redis.call('SMEMBERS', key(1))) do
 end
 for i = 2, n do
   if #names == 0 then break end
-  local flags = redis.call('SMISMEMBER', key(i), unpack(names))
-  local still = {}
-  for j, w in ipairs(names) do
-    if flags[j] == 1 then depth[w] = i; still[#still + 1] = w end
+  local k, still = key(i), {}
+  for _, w in ipairs(names) do
+    if redis.call('SISMEMBER', k, w) == 1 then depth[w] = i; still[#still + 1] = w end
   end
   names = still
 end
