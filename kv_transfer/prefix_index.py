@@ -12,8 +12,9 @@ Written only by `KVEventPublisher` (kv_transfer/kv_publisher.py); read by `looku
 round trip: a Lua script gets the chain as one hex string, keeps the live holders of the
 first block as candidates, and walks on with one SISMEMBER per candidate and block until no
 candidate is left (a miss costs one SMEMBERS). A worker's count is the number of leading
-blocks it holds without a hole; because hashes chain, an equal hash at position i means an equal prompt up to
-block i. The index is a hint: a stale entry costs a cache miss, never a wrong answer.
+blocks it holds without a hole; because hashes chain, an equal hash at position i means an
+equal prompt up to block i. The index is a hint: a stale entry costs a cache miss, never a
+wrong answer.
 
 Redis unavailable: `lookup` answers `PrefixMatch(available=False)` after at most the socket
 timeout, and then at once for `retry_after_s` (a circuit breaker), so routing falls back to
