@@ -94,6 +94,7 @@ CONFIG_KEYS = frozenset(
     {
         "model", "prefill", "decode", "colocated", "grpc_port", "metrics_port", "redis_url",
         "address", "routers", "host", "engine", "thresholds", "tenants", "planner", "placement",
+        "router_resources",
     }
 )  # fmt: skip
 
@@ -194,6 +195,9 @@ def build_options(
         placement=_placement(placement.get("default"), "placement.default"),
         prefill_placement=_placement(placement.get("prefill"), "placement.prefill"),
         decode_placement=_placement(placement.get("decode"), "placement.decode"),
+        router_resources=tuple(
+            sorted((str(k), float(v)) for k, v in (config.get("router_resources") or {}).items())
+        ),
         planner=_planner_settings(config.get("planner"), planner),
     )
 

@@ -57,6 +57,9 @@ class ClusterOptions:
     """Overrides `placement` for prefill workers (e.g. a custom resource of a node group)."""
     decode_placement: ActorPlacement | None = None
     """Overrides `placement` for decode workers."""
+    router_resources: tuple[tuple[str, float], ...] = ()
+    """Custom resources each router asks for, to pin routers to nodes that have them (e.g.
+    the head pod behind a Kubernetes Service); empty: anywhere."""
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     """The controller's planner loop (off unless `planner.enabled`)."""
     num_cpus: int | None = None
@@ -151,7 +154,12 @@ class Cluster:
                 )
                 router: Any = (
                     ray.remote(RouterActor)
-                    .options(name=f"pdserve-router-{i}", namespace=NAMESPACE, num_cpus=0)
+                    .options(
+                        name=f"pdserve-router-{i}",
+                        namespace=NAMESPACE,
+                        num_cpus=0,
+                        resources=dict(opts.router_resources),
+                    )
                     .remote(cfg, CONTROLLER_NAME, NAMESPACE)
                 )
                 self.routers.append(router)
