@@ -397,7 +397,9 @@ class Controller:
                 current = [
                     w for w in self.workers.values() if w.role is role and w.state == "ready"
                 ]
-                for w in sorted(current, key=lambda w: w.worker_id, reverse=True)[
+                # The youngest first (least prefix cache to lose); ids sort as strings
+                # ("prefill-10" < "prefill-9"), so order by creation time.
+                for w in sorted(current, key=lambda w: w.started_at, reverse=True)[
                     : max(len(current) - n, 0)
                 ]:
                     ok, msg = await self.drain(w.worker_id, stop=True, timeout_s=timeout_s)
