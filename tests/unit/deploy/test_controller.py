@@ -1,0 +1,133 @@
+"""Controller logic without Ray: registry states, the planner's host interface, and which
+workers a rebalance drains, over fake worker handles (`handle.method.remote(...)` returns an
+awaitable, as a Ray actor handle does inside an async actor)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from deploy.controller import ClusterSpec, Controller, _Worker
+from deploy.planner import Role
+from deploy.workers import ActorPlacement
+from engine.config import EngineConfig
+from engine.outputs import EngineLoad
+from prefill_worker.api import WorkerLoad, WorkerRole, WorkerState
+
+PREFILL = ActorPlacement(num_cpus=0, resources=(("prefill", 1.0),))
+DECODE = ActorPlacement(num_cpus=0, resources=(("decode", 1.0),))
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        async def call() -> Any:
+            return self.fn(*args)
+
+        return asyncio.ensure_future(call())
+
+
+class FakeHandle:
+    def __init__(self, worker_id: str, role: WorkerRole, inflight: int = 0) -> None:
+        self.worker_id, self.role, self.inflight = worker_id, role, inflight
+        self.calls: list[str] = []
+        self.state = WorkerState.READY
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self, f"_{name}"))
+
+    def _drain(self, timeout_s: float) -> bool:
+        self.calls.append("drain")
+        self.state = WorkerState.DRAINING
+        return self.inflight == 0
+
+    def _undrain(self) -> None:
+        self.calls.append("undrain")
+        self.state = WorkerState.READY
+
+    def _shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def _load(self) -> WorkerLoad:
+        engine = EngineLoad(0, 0, 0, 10, 10, 0, 0, 0, 0, 0)
+        return WorkerLoad(self.worker_id, self.role, self.state, engine, self.inflight, 0)
+
+
+def controller(*workers: tuple[str, WorkerRole, int]) -> Controller:
+    c = Controller(ClusterSpec(engine=EngineConfig(model_dir="unused")))
+    for i, (worker_id, role, inflight) in enumerate(workers):
+        placement = PREFILL if role is WorkerRole.PREFILL else DECODE
+        w = _Worker(None, role, worker_id, FakeHandle(worker_id, role, inflight), placement)
+        w.state, w.started_at, w.ready_at = "ready", float(i), 1000.0 + i
+        c.workers[worker_id] = w
+    return c
+
+
+def test_rebalance_drains_the_youngest_worker_not_the_largest_id_string() -> None:
+    c = controller(
+        ("prefill-9", WorkerRole.PREFILL, 0),
+        ("prefill-10", WorkerRole.PREFILL, 0),  # created later: "prefill-10" < "prefill-9"
+        ("decode-11", WorkerRole.DECODE, 0),
+    )
+    started, stopped, message = asyncio.run(c.rebalance(1, 1, 5.0))
+    assert (started, stopped) == ([], ["prefill-10"])
+    assert list(c.workers) == ["prefill-9", "decode-11"]
+    assert message == "now 1 prefill + 1 decode"
+
+
+def test_rebalance_with_a_busy_worker_undrains_it_and_stops() -> None:
+    c = controller(
+        ("prefill-0", WorkerRole.PREFILL, 0),
+        ("prefill-1", WorkerRole.PREFILL, 2),
+        ("decode-2", WorkerRole.DECODE, 0),
+    )
+    started, stopped, message = asyncio.run(c.rebalance(1, 1, 0.0))
+    assert (started, stopped) == ([], [])
+    assert message == "rebalance stopped: prefill-1 still had work after 0s"
+    w = c.workers["prefill-1"]
+    assert w.state == "ready" and w.handle.calls == ["drain", "undrain"]
+
+
+def test_planner_drain_then_stop_only_once_idle() -> None:
+    c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("prefill-1", WorkerRole.PREFILL, 1))
+
+    async def scenario() -> list[str]:
+        c.begin_drain("prefill-1")
+        assert c.workers["prefill-1"].state == "draining"
+        assert c.wanted_placements() == [PREFILL]  # the draining one needs no room
+        c.stop_when_drained("prefill-1")  # still busy: stays
+        await asyncio.sleep(0.01)
+        assert "prefill-1" in c.workers
+        c.workers["prefill-1"].handle.inflight = 0
+        c.stop_when_drained("prefill-1")
+        await asyncio.sleep(0.01)
+        return list(c.workers)
+
+    assert asyncio.run(scenario()) == ["prefill-0"]
+    assert any("prefill-1 still has in-flight work; not stopped" in e for _, e in c.events)
+    assert any("worker prefill-1 stopped" in e for _, e in c.events)
+
+
+def test_worker_snapshots_carry_role_age_state_and_load() -> None:
+    c = controller(("prefill-0", WorkerRole.PREFILL, 3), ("decode-1", WorkerRole.DECODE, 0))
+    c.workers["decode-1"].state = "draining"
+    snaps = asyncio.run(c.worker_snapshots())
+    assert [(s.worker_id, s.role, s.ready_at_s, s.draining) for s in snaps] == [
+        ("prefill-0", Role.PREFILL, 1000.0, False),
+        ("decode-1", Role.DECODE, 1001.0, True),
+    ]
+    assert snaps[0].load is not None and snaps[0].load.inflight_requests == 3
+
+
+def test_events_are_numbered_and_read_incrementally() -> None:
+    c = controller()
+    c.record_event("one")
+    c.record_event("two")
+    seq, lines = c.events_since(0)
+    assert seq == 2 and [line.split(" ", 1)[1] for line in lines] == ["one", "two"]
+    c.record_event("three")
+    seq, lines = c.events_since(seq)
+    assert seq == 3 and lines[0].endswith("three")
+    assert c.events_since(seq) == (3, [])
