@@ -115,11 +115,30 @@ def test_fused_ops_logits_match_torch_ops_on_mixed_steps(
     assert rel_err(fused.kv_cache.tensor, ref.kv_cache.tensor) < 1e-2  # RoPE'd keys agree
 
 
-def test_llama3_shaped_fused_ops_logits_match_torch_ops_in_prefill_and_decode(
-    llama3_2l: LlamaModel,
-) -> None:
+def test_llama3_shaped_fused_ops_are_as_accurate_as_torch_ops(llama3_2l: LlamaModel) -> None:
+    """At Llama-3-8B sizes with random weights, two bf16 paths differ by ~2 % on logits (bf16
+    rounding amplified by a chaotic random model), so neither is the reference: both are
+    compared with the same weights in float32 (torch ops, torch attention), and the fused
+    path must be no less accurate than the torch-ops path."""
     fused = make_runner(llama3_2l, "flashinfer", num_blocks=64)
-    ref = make_runner(llama3_2l, "torch", num_blocks=64)
+    bf16_ref = make_runner(llama3_2l, "torch", num_blocks=64)
+    fp32_model = LlamaModel(llama3_2l.cfg, dtype=torch.float32, device="cuda").eval()
+    with torch.no_grad():
+        for (_, dst), (_, src) in zip(
+            fp32_model.named_parameters(), llama3_2l.named_parameters(), strict=True
+        ):
+            dst.copy_(src.float())
+    fp32_kv = KVCache(kv_cache_spec(fp32_model.cfg, BS, torch.float32, 64), "cuda")
+    fp32_config = EngineConfig(
+        model_dir="gpu-layer-ops-fp32",
+        block_size=BS,
+        attention_backend="torch",
+        layer_ops="torch",
+        cuda_graphs=False,
+        max_num_seqs=8,
+        max_model_len=1024,
+    )
+    exact = ModelRunner(fp32_model, fp32_kv, fp32_config)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 128000, (2, 301), generator=gen).tolist()
     blocks = [tuple(range(1, 21)), tuple(range(30, 50))]
@@ -130,10 +149,12 @@ def test_llama3_shaped_fused_ops_logits_match_torch_ops_in_prefill_and_decode(
         tuple(SeqChunk(f"s{i}", (ids[i][300],), 300, blocks[i], True) for i in range(2))
     )
     for batch in (prompt, decode):
-        got, want = fused.execute(batch), ref.execute(batch)
-        err = rel_err(got, want)
-        print(f"llama3-shaped logits relative error: {err:.2e}")
-        assert err < 1e-2
+        truth = exact.execute(batch)
+        got, torch_ops = fused.execute(batch), bf16_ref.execute(batch)
+        err_fused, err_torch = rel_err(got, truth), rel_err(torch_ops, truth)
+        print(f"vs float32: fused {err_fused:.2e}, torch ops {err_torch:.2e}")
+        assert err_fused <= 1.5 * err_torch + 2e-3
+        assert rel_err(got, torch_ops) < 5e-2
 
 
 def test_greedy_tokens_over_32_steps_with_fused_ops_equal_torch_ops(
