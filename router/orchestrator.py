@@ -158,6 +158,7 @@ class Orchestrator:
         in a worker's streams or aborting each other.
         """
         progress = _Progress(t0=time.perf_counter())
+        self.view.request_arrived()
         req = replace(req, request_id=f"{req.request_id}@{self._id_prefix}{next(self._seq)}")
         deadline = time.time() + timeout_s if timeout_s is not None else None
         block_size = self.view.block_size()

@@ -78,7 +78,9 @@ class RouterConfig:
     tenants: tuple[str, ...] = ()
     """Known tenants; empty accepts any tenant name."""
     poll_interval_s: float = 0.05
-    """How often worker loads are polled."""
+    """How often worker loads are polled while requests arrive."""
+    idle_poll_interval_s: float = 0.5
+    """How often worker loads are polled once no request arrived for a second."""
     max_message_bytes: int = 64 << 20
 
     @property
@@ -95,7 +97,12 @@ class RouterServer:
     ) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.view = ClusterView(directory, self.metrics, poll_interval_s=config.poll_interval_s)
+        self.view = ClusterView(
+            directory,
+            self.metrics,
+            poll_interval_s=config.poll_interval_s,
+            idle_poll_interval_s=config.idle_poll_interval_s,
+        )
         self.admission = AdmissionController(config.admission)
         self.index = (
             PrefixIndex(config.redis_url, config.resolved_model_id, config.index)
