@@ -104,7 +104,10 @@ def test_status_json_has_role_node_device_health_kv_queue_transfers(
         for key in ("kv_blocks_used", "queued_requests", "inflight_transfers", "ttft_p50_ms",
                     "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "running_requests"):  # fmt: skip
             assert key in w
-    assert any("ready on cpu" in line for line in status["events"])
+    # The control log follows the controller about once a second.
+    cli_cluster.wait_for(
+        lambda st: any("ready on cpu" in line for line in st["events"]), 10, "worker events"
+    )
 
 
 def test_generate_streams_then_status_table_shows_latency(cli_cluster: CliCluster) -> None:
@@ -133,7 +136,10 @@ def test_rebalance_under_steady_load_loses_no_request(cli_cluster: CliCluster) -
         time.sleep(2)
         result = cli_cluster.cli("rebalance", "--prefill", "2", "--decode", "1")
         assert result.exit_code == 0, result.output
-        assert roles(cli_cluster.status()) == {"prefill": 2, "decode": 1}
+        # A new worker is READY in status once the router polled its load (~50 ms).
+        cli_cluster.wait_for(
+            lambda st: roles(st) == {"prefill": 2, "decode": 1}, 10, "2P1D in status"
+        )
         (new_prefill,) = set(ids(cli_cluster, "prefill")) - {old_prefill}
         t_2p1d = time.monotonic()
         deadline = time.monotonic() + 30
@@ -144,7 +150,9 @@ def test_rebalance_under_steady_load_loses_no_request(cli_cluster: CliCluster) -
         result = cli_cluster.cli("rebalance", "--prefill", "1", "--decode", "2")
         assert result.exit_code == 0, result.output
         assert f"stopped ['{new_prefill}']" in result.output  # drained, then stopped
-        assert roles(cli_cluster.status()) == {"prefill": 1, "decode": 2}
+        cli_cluster.wait_for(
+            lambda st: roles(st) == {"prefill": 1, "decode": 2}, 10, "1P2D in status"
+        )
         (new_decode,) = set(ids(cli_cluster, "decode")) - {old_decode}
         t_1p2d = time.monotonic()
         deadline = time.monotonic() + 30

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from deploy.controller import ClusterSpec, Controller, _Worker
 from deploy.planner import Role
 from deploy.workers import ActorPlacement
@@ -53,6 +55,12 @@ class FakeHandle:
     def _load(self) -> WorkerLoad:
         engine = EngineLoad(0, 0, 0, 10, 10, 0, 0, 0, 0, 0)
         return WorkerLoad(self.worker_id, self.role, self.state, engine, self.inflight, 0)
+
+
+@pytest.fixture(autouse=True)
+def no_ray_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ray.kill` would start a local Ray in this process (it auto-initializes)."""
+    monkeypatch.setattr("deploy.controller.ray.kill", lambda handle: None)
 
 
 def controller(*workers: tuple[str, WorkerRole, int]) -> Controller:
