@@ -1,8 +1,9 @@
 """Fixtures for the worker-actor tests: real local Ray, real redis-server, NIXL over UCX on
 loopback, the tiny checkpoint, and the transformers float32 reference.
 
-The session's workers (two prefill, two decode, one fault-injecting decode) are created at
-once, so their model loads overlap; each holds a 256-block pool and a quarter of a CPU.
+The session's workers (two prefill, two decode, a fault-injecting decode and two decode
+workers kept for one test each) are created at once, so their model loads overlap; each
+holds a 256-block pool and a quarter of a CPU.
 Tests that count blocks use their own `cache_salt`, so earlier tests' prefix-cache entries
 never change their numbers.
 """
@@ -67,6 +68,8 @@ class Workers:
     """A decode worker whose reads complete only while its gate is open (gated_decode.py)."""
     victim: Any
     """A decode worker for the test that kills it."""
+    fresh: Any
+    """A decode worker no other test uses (its first contact with a prefill worker)."""
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +88,7 @@ def workers(ray_cluster: None, tiny_model_dir: Path, redis_url: str) -> Iterator
         ("d0", WorkerRole.DECODE),
         ("d1", WorkerRole.DECODE),
         ("victim", WorkerRole.DECODE),
+        ("fresh", WorkerRole.DECODE),
     ):
         handles[wid] = create_worker(
             worker_config(tiny_model_dir, wid, role, redis_url), transfer, PLACEMENT

@@ -17,7 +17,8 @@ from prefill_worker.api import PrefillRequest, PrefillResult, WorkerLoad
 
 NUM_KV_BLOCKS = 256
 CALL_TIMEOUT_S = 60.0
-IDLE_TIMEOUT_S = 30.0
+IDLE_TIMEOUT_S = 20.0
+"""Below the fixture's lease_s (30 s): a lease that only ends by expiring fails the wait."""
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
