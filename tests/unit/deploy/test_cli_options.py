@@ -11,7 +11,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from deploy.cli import _load_config, _up_argv, app, build_options
+from deploy.cli import _up_argv, app
+from deploy.options import build_options, load_config
 from deploy.planner import RoleBounds
 from deploy.workers import ActorPlacement
 
@@ -89,7 +90,7 @@ def test_config_file_then_flags_win(tmp_path: Path) -> None:
             }
         )
     )
-    opts = options(_load_config(path), prefill=1, grpc_port=7000, planner=True)
+    opts = options(load_config(path), prefill=1, grpc_port=7000, planner=True)
     assert opts.num_prefill == 1 and opts.grpc_port == 7000  # flags
     assert opts.num_decode == 2 and opts.address == "10.0.0.1:6379"  # file
     assert opts.redis_url == "redis://10.0.0.2:6379/0"
@@ -128,7 +129,7 @@ def test_config_file_must_be_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("- 1\n- 2\n")
     with pytest.raises(typer.BadParameter, match="expected a mapping"):
-        _load_config(path)
+        load_config(path)
 
 
 def test_up_refuses_a_bad_config_before_starting_anything(tmp_path: Path) -> None:

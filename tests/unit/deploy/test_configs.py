@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.cli import build_options
+from deploy.options import build_options
 
 CONFIGS = Path(__file__).parents[3] / "deploy" / "configs"
 
