@@ -332,6 +332,10 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
     requests = [line for line in log.splitlines() if "planner: request_resources" in line]
     assert requests[-1].endswith("[{'prefill': 1.0}, {'decode': 1.0}]"), requests
     planner_lines = [line for line in log.splitlines() if " planner tick " in line]
+    status = json.loads(s.pdserve("status", "--json", "--events", "20").stdout)
+    assert " planner tick " in status["planner"], status["planner"]
+    assert any(f"worker {second.worker_id} stopped" in e for e in status["events"]), status
+    assert {w["node"] for w in status["workers"]} == {head_node}  # back to the head only
 
     # 5. down kills the detached controller (and the workers it owns).
     s.pdserve("down", "--timeout", "120")
