@@ -398,3 +398,25 @@ def test_settings_from_a_config_mapping() -> None:
 def test_unknown_planner_field_is_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown fields.*ttft_slo"):
         settings_from_dict({"ttft_slo": 800})
+
+
+# ---- the router side of the signals -------------------------------------------------------
+
+
+def test_router_metrics_keep_timestamped_samples_for_the_planner() -> None:
+    import time
+
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    before = time.time()
+    metrics.observe_request("ok", 0.25, 0.02, 1.0, "prefill-0", "decode-1")
+    metrics.observe_request("ok", 0.5, None, 1.0, "decode-1", "decode-1")  # local prefill
+    recent = metrics.recent_samples(before)
+    assert [(s.worker_id, s.value_ms) for s in recent.ttft] == [
+        ("prefill-0", 250.0),
+        ("decode-1", 500.0),
+    ]
+    assert [(s.worker_id, round(s.value_ms, 6)) for s in recent.tpot] == [("decode-1", 20.0)]
+    assert all(before <= s.at_s <= time.time() for s in recent.ttft)
+    assert metrics.recent_samples(time.time() + 1) == RecentSamples((), ())
