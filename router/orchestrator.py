@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -149,7 +149,7 @@ class Orchestrator:
 
     async def generate(
         self, req: ValidRequest, timeout_s: float | None = None
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Serve one validated request; raises typed errors (mapped in router/errors.py).
 
         Admission and the workers see the request under an id of this router's own (the
@@ -253,22 +253,25 @@ class Orchestrator:
                     yield delta
                 return
             result = await self._prefill(req, placement, match, progress, deadline)
-            if progress.first_token_id is None:
-                progress.first_token_id = result.first_token_id
-                progress.first_logprob = result.first_logprob
-                progress.cached_prompt_tokens = result.num_cached_prompt_tokens
-                progress.tokens_out(1)
-                self.metrics.ttft.observe(time.perf_counter() - progress.t0)
-                yield StreamDelta(
-                    (result.first_token_id,),
-                    result.first_text,
-                    (result.first_logprob,) if result.first_logprob is not None else None,
-                )
-                if result.finish_reason is not None:
-                    yield self._final(progress, result.finish_reason, len(req.prompt_token_ids))
-                    return
-            dreq = _decode_request(req, result, progress, deadline)
+            # From here the prefill worker holds the prompt's blocks under a lease: every exit,
+            # including a client that goes away while the first token is being written,
+            # must end it (else the blocks stay pinned until the lease expires).
             try:
+                if progress.first_token_id is None:
+                    progress.first_token_id = result.first_token_id
+                    progress.first_logprob = result.first_logprob
+                    progress.cached_prompt_tokens = result.num_cached_prompt_tokens
+                    progress.tokens_out(1)
+                    yield StreamDelta(
+                        (result.first_token_id,),
+                        result.first_text,
+                        (result.first_logprob,) if result.first_logprob is not None else None,
+                    )
+                    if result.finish_reason is not None:
+                        prompt_len = len(req.prompt_token_ids)
+                        yield self._final(progress, result.finish_reason, prompt_len)
+                        return
+                dreq = _decode_request(req, result, progress, deadline)
                 async for delta in self._decode(placement, dreq, progress):
                     yield delta
                 return
@@ -382,7 +385,6 @@ class Orchestrator:
         if progress.local_prefill and progress.first_token_at is None:
             progress.prefill_ms = chunk.prefill_s * 1000
             progress.cached_prompt_tokens = chunk.num_cached_prompt_tokens
-            self.metrics.ttft.observe(time.perf_counter() - progress.t0)
         if chunk.token_ids:
             progress.tokens_out(len(chunk.token_ids))
             if not progress.local_prefill:

@@ -11,6 +11,7 @@ registered with a deserializer that keeps such requests instead of failing the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -121,8 +122,13 @@ class GenerationServicer:
         try:
             valid = validate(request, self.tokenizer, self.limits)
             started = True
-            async for delta in self.orchestrator.generate(valid, context.time_remaining()):
-                yield to_proto(delta, valid.request_id)
+            # aclosing: a client that goes away while a message is being written closes this
+            # generator at its yield; close the orchestrator's at once too (its cleanup frees
+            # worker blocks and the admission reservation), not whenever it is collected.
+            stream = self.orchestrator.generate(valid, context.time_remaining())
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    yield to_proto(delta, valid.request_id)
         except asyncio.CancelledError:
             raise
         except Exception as e:

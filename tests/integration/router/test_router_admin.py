@@ -200,6 +200,8 @@ def test_prometheus_endpoint_serves_the_pdserve_series(router_cluster: RouterClu
     )
     assert after[ok] == before.get(ok, 0) + 1
     assert after[invalid] == before.get(invalid, 0) + 1
+    count = "pdserve_ttft_seconds_count"
+    assert after[count] == before.get(count, 0) + 1  # one TTFT per request, not per path
     names = {key.split("{")[0] for key in after}
     for expected in (
         "pdserve_ttft_seconds_bucket", "pdserve_tpot_seconds_count", "pdserve_e2e_seconds_sum",
