@@ -325,10 +325,11 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
         f"planner: draining prefill worker(s) ['{second.worker_id}']",
         f"worker {second.worker_id} stopped",
         "planner: request_resources [{'prefill': 1.0}, {'decode': 1.0}, {'prefill': 1.0}]",
-        "> SLO 150 ms",
         "slack: TTFT p90",
     ):
         assert needle in log, f"{needle!r} not in the control log:\n{log}"
+    # The surge is seen as TTFT over the SLO or as the prefill queue over its bound.
+    assert "> SLO 150 ms" in log or "per worker" in log, log
     requests = [line for line in log.splitlines() if "planner: request_resources" in line]
     assert requests[-1].endswith("[{'prefill': 1.0}, {'decode': 1.0}]"), requests
     planner_lines = [line for line in log.splitlines() if " planner tick " in line]
@@ -368,11 +369,14 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
     assert CONTROLLER_NAME in removed.stdout, removed.stdout
     wait(lambda: not pdserve_actors(), 30, "the leftover controller removed")
     s.mark("leftover controller: up refused, down --address removed it")
-    assert surge.failures == [], surge.failures[:5]
+    # Overload may be shed by admission (RESOURCE_EXHAUSTED, by design); nothing else fails.
+    assert all(f.startswith("RESOURCE_EXHAUSTED") for f in surge.failures), surge.failures[:5]
     return {
         "times": s.times,
         "scaled_up_worker": second.worker_id,
         "requests_served_by_new_worker": served_by_second,
+        "surge_requests": len(surge.prefill_workers),
+        "surge_shed": len(surge.failures),
         "planner_ticks_logged": len(planner_lines),
     }
 
