@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,7 @@ class Cluster:
                 except Exception as e:
                     log.warning("controller shutdown failed: %s", e)
                 ray.kill(self.controller)
+                _wait_name_released(CONTROLLER_NAME, timeout_s=10.0)
             if self._ray_started:
                 ray.shutdown()
         self.routers = []
@@ -245,6 +247,21 @@ def _refuse_running_controller() -> None:
         f"a pdserve controller ({CONTROLLER_NAME!r}) already runs on this Ray cluster; "
         "stop it with `pdserve down --address ADDRESS` (or use another Ray cluster)"
     )
+
+
+def _wait_name_released(name: str, timeout_s: float) -> None:
+    """`ray.kill` returns before the GCS frees the actor's name; a cluster started next in the
+    same Ray (tests, benchmarks) would find it taken."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    log.warning("actor name %s still registered %.0fs after ray.kill", name, timeout_s)
 
 
 def remove_leftovers(address: str) -> list[str]:
