@@ -48,6 +48,16 @@ _STATE = {
 }
 
 
+def _worker_state(alive: bool, reported: WorkerState | None) -> int:
+    """DEAD once polls fail; STARTING while registered but not yet polled (a new worker after
+    a rebalance or replacement); else what the worker reported."""
+    if not alive:
+        return pb.WORKER_STATE_DEAD
+    if reported is None:
+        return pb.WORKER_STATE_STARTING
+    return _STATE[reported]
+
+
 @dataclass(frozen=True)
 class UndecodableRequest:
     """Bytes that do not parse as a GenerateRequest, with the bad field when known."""
@@ -193,7 +203,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 role=info.role.value,
                 node=info.node,
                 device=info.device,
-                state=_STATE[load.state] if entry.alive and load else pb.WORKER_STATE_DEAD,
+                state=_worker_state(entry.alive, load.state if load else None),
                 ttft_p50_ms=lat.ttft_p50_ms,
                 ttft_p90_ms=lat.ttft_p90_ms,
                 tpot_p50_ms=lat.tpot_p50_ms,

@@ -1,16 +1,12 @@
 """What `pdserve status` shows for a worker the router has registered but not polled yet.
 
-Known bug (router/servicer.py `AdminServicer.Status`): an entry without a load report is shown
-as WORKER_STATE_DEAD, so for ~one poll interval after a rebalance or replacement a healthy new
-worker reads "dead" (the CLI tests wait for the first poll instead). Marked xfail(strict)
-until the router reports STARTING for it.
+It was shown as WORKER_STATE_DEAD (router/servicer.py `AdminServicer.Status`), so for ~one poll
+interval after a rebalance or replacement a healthy new worker read "dead"; it is STARTING.
 """
 
 from __future__ import annotations
 
 import asyncio
-
-import pytest
 
 from admission.controller import AdmissionController
 from pdserve.v1 import serving_pb2 as pb
@@ -40,6 +36,5 @@ def status_of_registered_unpolled_worker() -> int:
     return asyncio.run(run())
 
 
-@pytest.mark.xfail(strict=True, reason="router/servicer.py: a not-yet-polled worker shows DEAD")
 def test_registered_worker_without_a_load_report_is_starting_not_dead() -> None:
     assert status_of_registered_unpolled_worker() == pb.WORKER_STATE_STARTING
