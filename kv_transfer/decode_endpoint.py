@@ -207,6 +207,12 @@ class DecodeEndpoint:
         if self._manager is None:
             return self.config.idle_tick_s
         delay = self._manager.step()
+        if self._backend is not None:
+            # Drive UCX progress on every tick: without NIXL's progress thread, a notice posted
+            # while nothing else is in flight (`done` for a fully reused prompt, the first
+            # contact with a peer) only leaves once the worker is progressed. Decode receives
+            # no notices, so the answer is empty.
+            self._backend.get_notifs()
         if self._manager.version != self._published_version:
             self._publish()
         return delay

@@ -252,14 +252,6 @@ def test_abort_while_waiting_for_decode_kv_blocks_frees_every_block(workers: Wor
         end_leases(workers.p1, "alloc-1", "alloc-2")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kv_transfer: since the NIXL agent runs without its progress thread (ef12854), a "
-    "notice to a peer this agent has never exchanged data with is not delivered while the "
-    "decode endpoint has no read in flight (nothing progresses UCX; reproduced with two bare "
-    "NIXL agents), so the prefill lease lasts until it expires; reported",
-)
 def test_a_fully_reused_prompt_ends_its_prefill_lease_promptly(
     workers: Workers, tokenizer, hf_greedy: Reference
 ) -> None:
