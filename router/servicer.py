@@ -48,7 +48,7 @@ _STATE = {
 }
 
 
-def _worker_state(alive: bool, reported: WorkerState | None) -> int:
+def _worker_state(alive: bool, reported: WorkerState | None) -> pb.WorkerState:
     """DEAD once polls fail; STARTING while registered but not yet polled (a new worker after
     a rebalance or replacement); else what the worker reported."""
     if not alive:
