@@ -4,7 +4,7 @@ how loaded each is (polled), in the shapes admission and placement take.
 Loads are polled on a timer with a timeout: every `poll_interval_s` while requests arrive,
 every `idle_poll_interval_s` once none has arrived for `idle_after_s` (each poll is one Ray
 call per worker, ~1 ms of the router's CPU on a busy 2-core machine: polling an idle cluster at
-the busy rate cost ~8 % of a core per router). The first request after a quiet spell wakes
+the busy rate cost ~9 % of a core per router). The first request after a quiet spell wakes
 the poller at once (it is admitted on the last poll, at most `idle_poll_interval_s` old; the
 admission ledger covers what this router itself admitted meanwhile). A worker that fails
 `failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
