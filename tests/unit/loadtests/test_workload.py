@@ -28,7 +28,15 @@ from loadtests.workload import (
     profile_names,
 )
 
-SHIPPED = ["bursty", "multi_turn", "shared_prefix", "synthetic"]
+SHIPPED = [
+    "balanced",
+    "bursty",
+    "decode_heavy",
+    "multi_turn",
+    "prefill_heavy",
+    "shared_prefix",
+    "synthetic",
+]
 
 
 def small_profile(**changes: Any) -> dict[str, Any]:
