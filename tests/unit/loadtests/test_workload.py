@@ -250,7 +250,7 @@ def test_profile_by_path_and_unknown_names(tmp_path: Path) -> None:
     path.write_text("name: mine\nprompt_tokens: {median: 5}\noutput_tokens: {median: 2}\n")
     assert load_profile(path).name == "mine"
     assert load_profile(str(path)).prompt_tokens == LengthDist(median=5)
-    with pytest.raises(ProfileError, match="shipped: bursty, multi_turn"):
+    with pytest.raises(ProfileError, match="shipped: balanced, bursty, decode_heavy"):
         load_profile("nonesuch")
     with pytest.raises(ProfileError, match="no such file"):
         load_profile(tmp_path / "missing.yaml")
