@@ -9,7 +9,7 @@ prior) is static and lives in `AdmissionConfig`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 
 class InvalidAdmissionConfig(ValueError):
@@ -64,29 +64,16 @@ class AdmissionThresholds:
             self.local_prefill_threshold_tokens,
         )
 
-    def merge_nonzero(
-        self,
-        *,
-        max_estimated_ttft_ms: float = 0.0,
-        max_queue_wait_ms: float = 0.0,
-        max_inflight_requests: int = 0,
-        max_decode_kv_utilization: float = 0.0,
-        local_prefill_threshold_tokens: int = 0,
-    ) -> AdmissionThresholds:
-        """A copy with every non-zero argument applied; zeros keep the current value.
+    def with_changes(self, **changes: float) -> AdmissionThresholds:
+        """A copy with the given fields replaced (validated; 0 is a value like any other).
 
-        These are the semantics of `Admin.SetThresholds` ("fields left at 0 keep their current
-        value"), so the admin service passes the message's fields straight through.
+        These are the semantics of `Admin.SetThresholds`: the fields present in the request
+        replace the current ones, absent fields keep theirs.
         """
-        return AdmissionThresholds(
-            max_estimated_ttft_ms=max_estimated_ttft_ms or self.max_estimated_ttft_ms,
-            max_queue_wait_ms=max_queue_wait_ms or self.max_queue_wait_ms,
-            max_inflight_requests=max_inflight_requests or self.max_inflight_requests,
-            max_decode_kv_utilization=max_decode_kv_utilization or self.max_decode_kv_utilization,
-            local_prefill_threshold_tokens=(
-                local_prefill_threshold_tokens or self.local_prefill_threshold_tokens
-            ),
-        )
+        unknown = set(changes) - set(THRESHOLD_FIELDS)
+        if unknown:
+            raise InvalidAdmissionConfig(f"unknown threshold fields: {sorted(unknown)}")
+        return replace(self, **changes)  # type: ignore[arg-type]
 
 
 THRESHOLD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AdmissionThresholds))

@@ -369,6 +369,52 @@ def drain(
 
 
 @app.command()
+def thresholds(
+    max_estimated_ttft_ms: Annotated[
+        float | None, typer.Option(help="Reject when the estimated TTFT passes this (ms).")
+    ] = None,
+    max_queue_wait_ms: Annotated[
+        float | None, typer.Option(help="Longest admission-queue wait (ms); 0 disables it.")
+    ] = None,
+    max_inflight_requests: Annotated[
+        int | None, typer.Option(help="Requests admitted and not finished, per router.")
+    ] = None,
+    max_decode_kv_utilization: Annotated[
+        float | None, typer.Option(help="Fraction of decode KV admission may reserve.")
+    ] = None,
+    local_prefill_threshold_tokens: Annotated[
+        int | None, typer.Option(help="Uncached prompt tokens prefilled on the decode worker.")
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+) -> None:
+    """Show the router's admission thresholds, or change the ones given (at run time)."""
+    import grpc
+
+    from deploy import client, daemon
+
+    changes = {
+        k: v
+        for k, v in {
+            "max_estimated_ttft_ms": max_estimated_ttft_ms,
+            "max_queue_wait_ms": max_queue_wait_ms,
+            "max_inflight_requests": max_inflight_requests,
+            "max_decode_kv_utilization": max_decode_kv_utilization,
+            "local_prefill_threshold_tokens": local_prefill_threshold_tokens,
+        }.items()
+        if v is not None
+    }
+    try:
+        current = client.thresholds(daemon.resolve_target(target), changes)
+    except grpc.RpcError as e:
+        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+        raise typer.Exit(1) from e
+    for field, value in current.items():
+        console.print(f"{field:32} {value:g}")
+
+
+@app.command()
 def bench(
     profile: Annotated[str, typer.Option(help="Workload profile name or YAML file.")] = "synthetic",
     rate: Annotated[

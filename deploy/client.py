@@ -176,3 +176,20 @@ def rebalance(target: str, prefill: int, decode: int, timeout_s: float) -> pb.Re
             pb.RebalanceRequest(prefill=prefill, decode=decode, timeout_s=timeout_s),
             timeout=timeout_s + 900,
         )
+
+
+def thresholds(target: str, changes: dict[str, float], timeout_s: float = 10.0) -> dict[str, float]:
+    """Apply `changes` (may be empty) to a router's admission thresholds; returns them all.
+
+    With several router replicas, each has its own thresholds: this talks to `target` only.
+    """
+    channel, stub = admin(target)
+    with channel:
+        if changes:
+            request = pb.AdmissionThresholds()
+            for name, value in changes.items():
+                setattr(request, name, value)
+            reply = stub.SetThresholds(request, timeout=timeout_s)
+        else:
+            reply = stub.GetThresholds(pb.GetThresholdsRequest(), timeout=timeout_s)
+    return {f.name: float(getattr(reply, f.name)) for f in reply.DESCRIPTOR.fields}

@@ -240,10 +240,9 @@ class AdminServicer(pb_grpc.AdminServicer):
     async def SetThresholds(
         self, request: pb.AdmissionThresholds, context: Any
     ) -> pb.AdmissionThresholds:
+        changes = {f: getattr(request, f) for f in THRESHOLD_FIELDS if request.HasField(f)}
         try:
-            merged = self.admission.thresholds.merge_nonzero(
-                **{f: getattr(request, f) for f in THRESHOLD_FIELDS}
-            )
+            merged = self.admission.thresholds.with_changes(**changes)
         except InvalidAdmissionConfig as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.admission.set_thresholds(merged)

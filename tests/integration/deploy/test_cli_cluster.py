@@ -129,6 +129,31 @@ def test_generate_streams_then_status_table_shows_latency(cli_cluster: CliCluste
     assert prefill["ttft_p50_ms"] > 0
 
 
+def test_thresholds_shows_and_sets_zero_at_run_time(cli_cluster: CliCluster) -> None:
+    shown = cli_cluster.cli("thresholds")
+    assert shown.exit_code == 0, shown.output
+    before = dict(line.split() for line in shown.output.strip().splitlines())
+    assert set(before) == {
+        "max_estimated_ttft_ms",
+        "max_queue_wait_ms",
+        "max_inflight_requests",
+        "max_decode_kv_utilization",
+        "local_prefill_threshold_tokens",
+    }
+    changed = cli_cluster.cli("thresholds", "--max-queue-wait-ms", "0")
+    assert changed.exit_code == 0, changed.output
+    after = dict(line.split() for line in changed.output.strip().splitlines())
+    assert after["max_queue_wait_ms"] == "0"
+    assert {k: v for k, v in after.items() if k != "max_queue_wait_ms"} == {
+        k: v for k, v in before.items() if k != "max_queue_wait_ms"
+    }
+    bad = cli_cluster.cli("thresholds", "--max-decode-kv-utilization", "2")
+    assert bad.exit_code == 1 and "INVALID_ARGUMENT" in bad.output
+    assert "max_decode_kv_utilization" in bad.output
+    restored = cli_cluster.cli("thresholds", "--max-queue-wait-ms", before["max_queue_wait_ms"])
+    assert restored.exit_code == 0, restored.output
+
+
 def test_rebalance_under_steady_load_loses_no_request(cli_cluster: CliCluster) -> None:
     (old_prefill,) = ids(cli_cluster, "prefill")
     (old_decode,) = ids(cli_cluster, "decode")

@@ -219,12 +219,6 @@ def test_prometheus_endpoint_serves_the_pdserve_series(router_cluster: RouterClu
     assert _scrape(router_cluster.metrics_urls[1])  # each replica serves its own
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proto: SetThresholds treats 0 as 'keep', so max_queue_wait_ms=0 (documented as "
-    "'disables queueing') and local_prefill_threshold_tokens=0 cannot be set at run time; "
-    "needs field presence (proto3 `optional`)",
-)
 def test_set_thresholds_can_disable_queueing(router_cluster: RouterCluster) -> None:
     admin = router_cluster.admin(0)
     with router_cluster.restored_thresholds(0):

@@ -255,7 +255,7 @@ def test_raising_thresholds_at_run_time_admits_queued_requests() -> None:
         await ctl.admit(make_request("a"), cluster)
         waiting = asyncio.create_task(ctl.admit(make_request("b"), cluster))
         await settle()
-        updated = ctl.set_thresholds(ctl.thresholds.merge_nonzero(max_inflight_requests=2))
+        updated = ctl.set_thresholds(ctl.thresholds.with_changes(max_inflight_requests=2))
         assert updated.max_inflight_requests == 2 and ctl.thresholds == updated
         await settle()
         assert waiting.done() and waiting.result().request_id == "b"

@@ -59,11 +59,22 @@ def test_out_of_range_threshold_is_refused_naming_the_field(field: str, value: f
         replace(AdmissionThresholds(), **{field: value})  # type: ignore[arg-type]
 
 
-def test_merge_nonzero_keeps_fields_left_at_zero_like_set_thresholds() -> None:
+def test_with_changes_replaces_only_the_given_fields_zero_included() -> None:
     current = AdmissionThresholds(1000.0, 500.0, 100, 0.9, 32)
-    merged = current.merge_nonzero(max_queue_wait_ms=50.0, max_inflight_requests=7)
-    assert merged == AdmissionThresholds(1000.0, 50.0, 7, 0.9, 32)
-    assert current.merge_nonzero() == current
+    changed = current.with_changes(max_queue_wait_ms=0.0, max_inflight_requests=7)
+    assert changed == AdmissionThresholds(1000.0, 0.0, 7, 0.9, 32)
+    assert current.with_changes() == current
+    assert (
+        current.with_changes(local_prefill_threshold_tokens=0).local_prefill_threshold_tokens == 0
+    )
+
+
+def test_with_changes_refuses_unknown_and_out_of_range_fields() -> None:
+    current = AdmissionThresholds()
+    with pytest.raises(InvalidAdmissionConfig, match="unknown threshold fields"):
+        current.with_changes(max_tokens=3)
+    with pytest.raises(InvalidAdmissionConfig, match=r"^max_decode_kv_utilization: must be"):
+        current.with_changes(max_decode_kv_utilization=1.5)
 
 
 def test_tenant_limits_must_be_unique() -> None:
