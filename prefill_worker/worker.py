@@ -154,9 +154,12 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> bool:
         """Free whatever the request holds here: queued or running work, or a lease.
 
-        Call only once no decode worker can still read the blocks (the router aborts the
-        decode side first); otherwise let the lease expire. A `prefill` call still waiting
-        for the request raises `RequestAborted`.
+        Safe while a decode worker may still be reading the blocks, as long as that decode is
+        being cancelled too (the router aborts both at once): freed blocks can be reused and
+        overwritten under the read, but the decode side frees its destination blocks
+        without ever entering them in its prefix cache (a pulled prompt's blocks are cached
+        only once the read is DONE, in `add_transferred`), so no garbage is ever served. A
+        `prefill` call still waiting for the request raises `RequestAborted`.
         """
         rt = self.runtime
         waiting = rt.has_stream(request_id)
