@@ -1,4 +1,5 @@
-"""The decode call's request and its streamed chunks (frozen, tensor-free, torch-free)."""
+"""What crosses the Ray boundary to and from a decode worker: the request, its token chunks,
+and the items of a token channel (frozen, tensor-free, torch-free)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,29 @@ class TokenChunk:
     """Local prefill: time from arrival to first scheduled on this worker."""
     prefill_s: float = 0.0
     """Local prefill: time from first scheduled to the first token."""
+
+
+@dataclass(frozen=True)
+class ChunkError:
+    """A request on a token channel ended with this error (its last item on the channel).
+
+    `error` is the worker's typed exception as raised there (a `TransferError` subclass,
+    `RequestDeadlineExceeded`, `WorkerOverloaded`, ...), so callers map it like a raised one.
+    """
+
+    request_id: str
+    error: BaseException
+
+
+ChannelItem = tuple[str, TokenChunk] | ChunkError
+"""One entry of a channel batch: a request's new tokens, or its terminal error."""
+
+
+@dataclass(frozen=True)
+class ChannelInfo:
+    """A token channel as the decode worker holds it (`DecodeWorker.channels()`)."""
+
+    channel_id: str
+    subscribed: bool
+    open_requests: int
+    """Requests submitted on it whose last item has not been taken by a subscriber yet."""

@@ -2,38 +2,44 @@
 
 Lifecycle of a request in this worker (DESIGN.md steps 6-8):
 
-1. `generate(req)` arrives with a `KVHandle` (disaggregated) or without one (local prefill:
-   conditional disaggregation or colocated serving).
+1. `submit(req, channel_id)` arrives with a `KVHandle` (disaggregated) or without one (local
+   prefill: conditional disaggregation or colocated serving). It is accepted or refused at
+   once (draining, full, bad input); the rest runs as the request's pipeline task.
 2. Pulled requests: the worker makes sure it has a handshake with the prefill peer,
    allocates destination blocks (reusing blocks it already caches for the same prefix; those
    are not transferred), and submits the pull to its `DecodeEndpoint` (in-flight budget,
    deadline). Completion notifies the prefill worker, which ends its lease.
 3. Once the KV has landed the request joins the running batch (in-flight batching) with the
    first token the prefill worker sampled; local-prefill requests join the waiting queue.
-4. Tokens stream back as `TokenChunk`s (a Ray streaming generator; outputs that pile up
-   between two reads are merged into one chunk) until a stop condition, the deadline, or
-   cancellation.
+4. Tokens go to the caller's token channel (decode_worker/channel.py): one batch per engine
+   step for all of that caller's requests, read by its one `subscribe` stream, until a stop
+   condition, the deadline, or an abort ends the request with a last item. `generate(req)`
+   is the same pipeline on a channel of its own (one streaming call per request).
 5. Finished blocks stay in the pool as evictable prefix-cache entries (KV events go to
    Redis).
 
 Failure paths free everything: a transfer that fails or expires frees its destination blocks
 (the endpoint's outcome says when they are safe to reuse — never before a read that might
-still write into them has ended); a cancelled or timed-out stream aborts the request in the
-engine, or cancels its transfer and lets the outcome free the blocks. `abort(request_id)`
-takes the same paths (at whatever stage the request is) and ends the stream with a last
-chunk whose finish reason is ABORT.
+still write into them has ended); a cancelled `generate`, a deadline or an error aborts the
+request in the engine, or cancels its transfer and lets the outcome free the blocks.
+`abort(request_id)` takes the same paths (at whatever stage the request is) and ends the
+request with a last chunk whose finish reason is ABORT. A channel whose subscriber is gone
+for `CHANNEL_ORPHAN_S` aborts its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
-from decode_worker.api import DecodeRequest, TokenChunk
+from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, DecodeRequest, TokenChunk
+from decode_worker.channel import ChannelState, OutputChannel, RequestSink
 from engine.block_pool import NoFreeBlocksError
-from engine.outputs import RequestOutput, TransferAllocation
+from engine.outputs import TransferAllocation
 from engine.request import FinishReason
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
@@ -43,6 +49,7 @@ from kv_transfer.metrics import TransferStats
 from kv_transfer.types import KVHandle, TransferLoad
 from prefill_worker.api import (
     RequestAborted,
+    RequestDeadlineExceeded,
     WorkerDraining,
     WorkerInfo,
     WorkerLoad,
@@ -50,12 +57,14 @@ from prefill_worker.api import (
     WorkerState,
     actor_name_for,
 )
-from prefill_worker.runtime import WorkerConfig, WorkerRuntime, next_output
+from prefill_worker.runtime import WorkerConfig, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 ALLOCATE_RETRY_S = 0.01
 ALLOCATE_MAX_WAIT_S = 5.0
+CHANNEL_ORPHAN_S = 10.0
+"""A token channel without a subscriber this long is closed and its requests aborted."""
 
 
 class DecodeWorker:
@@ -70,6 +79,8 @@ class DecodeWorker:
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
+        self._channels: dict[str, OutputChannel] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()  # request pipelines and reaper aborts
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> WorkerInfo:
@@ -195,19 +206,122 @@ class DecodeWorker:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    async def submit(self, req: DecodeRequest, channel_id: str) -> None:
+        """Accept a request whose tokens go to channel `channel_id` (see `subscribe`).
+
+        Returns once the request is held here: a draining or full worker, a request id
+        already in flight, or a bad request raise now. Everything after (peer handshake,
+        allocation, KV pull, joining the batch, decoding) runs on its own; the request's
+        tokens, and its end (a chunk with a finish reason, or a `ChunkError`), arrive on the
+        channel. The channel opens here if its subscription has not arrived yet.
+        """
+        self._start(req, self._channel(channel_id))
+
+    async def subscribe(self, channel_id: str) -> AsyncIterator[list[ChannelItem]]:
+        """Stream the channel's batches (call with `num_returns="streaming"`): one list per
+        engine step (per wake-up when steps outrun the reader) of `(request_id, TokenChunk)`
+        and `ChunkError`. A second subscription to the same id replaces this one (this one
+        ends). A channel left without a subscriber for `CHANNEL_ORPHAN_S` is closed and its
+        requests aborted."""
+        channel = self._channel(channel_id)
+        epoch = channel.attach()
+        try:
+            while (batch := await channel.next_batch(epoch)) is not None:
+                yield batch
+        finally:
+            if channel.detach(epoch):
+                self._orphaned(channel)
+
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenChunk]:
-        """Stream the request's tokens (call with `num_returns="streaming"`)."""
+        """Stream one request's tokens (call with `num_returns="streaming"`): `submit` on a
+        channel of its own. Cancelling the call cancels the request."""
+        channel = OutputChannel(f"generate/{req.request_id}")  # private: never reaped
+        epoch = channel.attach()
+        task = self._start(req, channel)
+        finished = False
+        try:
+            while not finished:
+                batch = await channel.next_batch(epoch)
+                assert batch is not None, "a private channel is never replaced nor closed"
+                for item in batch:
+                    if isinstance(item, ChunkError):
+                        finished = True
+                        raise item.error
+                    chunk = item[1]
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+        finally:
+            if not finished:
+                task.cancel()
+
+    def channels(self) -> list[ChannelInfo]:
+        """The token channels this worker holds (diagnostics and tests)."""
+        return [c.info() for c in self._channels.values()]
+
+    def _channel(self, channel_id: str) -> OutputChannel:
+        channel = self._channels.get(channel_id)
+        if channel is None or channel.state is ChannelState.CLOSED:
+            channel = OutputChannel(channel_id)
+            self._channels[channel_id] = channel
+            self._orphaned(channel)  # in case no subscription ever comes
+        return channel
+
+    def _orphaned(self, channel: OutputChannel) -> None:
+        """The channel has no subscriber: forget it now if it holds no request, else give a
+        subscriber `CHANNEL_ORPHAN_S` to come back before its requests are aborted."""
+        if not channel.open_requests and channel.epoch > 0:
+            self._forget(channel)
+            return
+        assert self._loop is not None
+        self._loop.call_later(CHANNEL_ORPHAN_S, self._reap, channel, channel.epoch)
+
+    def _reap(self, channel: OutputChannel, epoch: int) -> None:
+        if channel.epoch != epoch or channel.state is not ChannelState.DETACHED:
+            return  # a subscription came (back), or it was closed already
+        orphans = channel.open_requests
+        if orphans:
+            log.warning(
+                "token channel %s: no subscriber for %.0f s; aborting its %d requests",
+                channel.channel_id, CHANNEL_ORPHAN_S, len(orphans),
+            )  # fmt: skip
+        self._forget(channel)
+        for rid in orphans:
+            self._spawn(self.abort(rid))
+
+    def _forget(self, channel: OutputChannel) -> None:
+        channel.close()
+        if self._channels.get(channel.channel_id) is channel:
+            del self._channels[channel.channel_id]
+
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> asyncio.Task[Any]:
+        assert self._loop is not None
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _start(self, req: DecodeRequest, channel: OutputChannel) -> asyncio.Task[Any]:
+        """Admit the request (raises at once if it cannot be held) and start its pipeline."""
         rt = self.runtime
         if rt.state is not WorkerState.READY:
             raise WorkerDraining(f"worker {rt.config.worker_id} is {rt.state.value}")
         if rt.num_inflight >= rt.config.max_inflight_requests:
             raise WorkerOverloaded(f"worker {rt.config.worker_id} holds too many requests")
+        if req.handle is not None and req.first_token_id is None:
+            raise ValueError("first_token_id: required with a KV handle")
+        sink = RequestSink(channel, req.request_id)
+        rt.open_sink(req.request_id, sink)  # raises if the id is in flight here
+        channel.adopt(sink)
+        return self._spawn(self._serve(req, sink))
+
+    async def _serve(self, req: DecodeRequest, sink: RequestSink) -> None:
+        """The request's pipeline: pull (or prefill here), join the batch, wait for its end
+        (tokens go to the channel on their own); every exit frees what it holds."""
+        rt = self.runtime
         rid = req.request_id
-        queue = rt.open_stream(rid)
         finished = False
         in_engine = False
         try:
-            transferred, transfer_s = 0, 0.0
             if req.handle is None:
                 in_engine = True
                 await rt.call(
@@ -220,9 +334,7 @@ class DecodeWorker:
                     )
                 )
             else:
-                if req.first_token_id is None:
-                    raise ValueError("first_token_id: required with a KV handle")
-                transferred, transfer_s = await self._pull(req, req.handle)
+                sink.num_transferred_tokens, sink.transfer_s = await self._pull(req, req.handle)
                 in_engine = True  # from here the engine holds the blocks (abort frees them)
                 self._raise_if_aborted(rid)
                 await rt.call(
@@ -234,22 +346,19 @@ class DecodeWorker:
                         arrival_time=req.arrival_time or None,
                     )
                 )
-            first = True
-            while not finished:
-                outs = [await next_output(queue, req.deadline, rid)]
-                while not queue.empty():
-                    item = queue.get_nowait()
-                    if isinstance(item, BaseException):
-                        raise item
-                    outs.append(item)
-                chunk = _merge(outs, first, transferred, transfer_s)
-                first = False
-                finished = chunk.finish_reason is not None
-                yield chunk
-        except (RequestAborted, TransferCancelled):
-            if rid not in self._aborted:
-                raise
-            yield TokenChunk(token_ids=(), text="", finish_reason=FinishReason.ABORT)
+            await _finished(sink, req.deadline)
+            finished = True
+        except (RequestAborted, TransferCancelled) as e:
+            if rid in self._aborted:
+                sink.end(TokenChunk(token_ids=(), text="", finish_reason=FinishReason.ABORT))
+            else:
+                sink.end(ChunkError(rid, _portable(e)))
+        except asyncio.CancelledError:
+            # The `generate` caller went away (or the worker stops): nobody reads this.
+            sink.end(ChunkError(rid, RequestAborted(f"request {rid} cancelled on the worker")))
+            raise
+        except Exception as e:
+            sink.end(ChunkError(rid, _portable(e)))
         finally:
             rt.close_stream(rid)
             self._aborted.discard(rid)
@@ -263,8 +372,8 @@ class DecodeWorker:
         whose finish reason is ABORT. False if nothing was held under that id."""
         streaming = self.runtime.has_stream(request_id)
         if streaming:
-            # Seen by `generate` at each stage (peer, allocation, submit, engine), so a stream
-            # between two stages never goes on to reserve or pull anything.
+            # Seen by the pipeline at each stage (peer, allocation, submit, engine), so a
+            # request between two stages never goes on to reserve or pull anything.
             self._aborted.add(request_id)
         if request_id in self._outcomes:
             self._endpoint.cancel(request_id)
@@ -319,27 +428,31 @@ class DecodeWorker:
         if self.endpoint is not None:
             await asyncio.to_thread(self._endpoint.close)
         self.runtime.stop()
+        for channel in list(self._channels.values()):
+            self._forget(channel)  # subscribers take what is left, then their streams end
 
 
-def _merge(
-    outs: list[RequestOutput], first: bool, transferred: int, transfer_s: float
-) -> TokenChunk:
-    last = outs[-1]
-    logprobs: tuple[float, ...] | None = None
-    if any(o.logprobs is not None for o in outs):
-        logprobs = tuple(lp for o in outs for lp in (o.logprobs or ()))
-    t = last.timings
-    scheduled = t.first_scheduled or t.arrival
-    return TokenChunk(
-        token_ids=tuple(tok for o in outs for tok in o.new_token_ids),
-        text="".join(o.text_delta for o in outs),
-        logprobs=logprobs,
-        finish_reason=last.finish_reason,
-        num_prompt_tokens=last.num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens,
-        num_cached_prompt_tokens=last.num_cached_prompt_tokens,
-        num_transferred_tokens=transferred if first else 0,
-        transfer_s=transfer_s if first else 0.0,
-        queue_s=max(scheduled - t.arrival, 0.0) if first else 0.0,
-        prefill_s=max((t.first_token or scheduled) - scheduled, 0.0) if first else 0.0,
-    )
+async def _finished(sink: RequestSink, deadline: float | None) -> None:
+    """Wait until the request's finishing output reached its channel; raise the error the
+    runtime delivered instead, or RequestDeadlineExceeded."""
+    rid = sink.request_id
+    timeout = None if deadline is None else deadline - time.time()
+    if timeout is not None and timeout <= 0:
+        raise RequestDeadlineExceeded(f"request {rid}: deadline passed before it was served")
+    try:
+        error = await asyncio.wait_for(sink.done, timeout)
+    except TimeoutError:
+        raise RequestDeadlineExceeded(f"request {rid}: deadline passed on the worker") from None
+    if error is not None:
+        raise error
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error itself if it survives the trip to the caller, else a RuntimeError that says
+    what it was (one error that cannot be rebuilt must not fail the channel's whole batch).
+    Errors are rare: the round trip costs nothing on the token path."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error

@@ -4,8 +4,9 @@ queues on the actor's event loop, KV-event publishing to the Redis index, and lo
 Threads in a worker process: the actor's asyncio loop (Ray calls), the engine thread
 (`EngineDriver`), the KV-transfer thread (kv_transfer endpoints) and the publisher thread.
 Only the engine thread touches the engine; everything else reaches it through `call`/`post`.
-Outputs come back through `open_stream(request_id)` queues (one per request, filled with
-`loop.call_soon_threadsafe` once per step).
+Outputs come back once per step (`loop.call_soon_threadsafe`) and are handed to each
+request's sink on the event loop: an `open_stream(request_id)` queue, or any `OutputSink`
+given to `open_sink` (the decode worker's token channels batch many requests' outputs).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from engine.block_hash import BlockHash
 from engine.config import EngineConfig
@@ -48,6 +49,13 @@ class WorkerConfig:
     """Requests the worker holds at once (queued, running or streaming); more are refused."""
 
 
+class OutputSink(Protocol):
+    """Where one request's outputs and its error go, on the actor's event loop (called from
+    the loop only, once per item, in order; an `asyncio.Queue` is one)."""
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None: ...
+
+
 class StepFailed(Exception):
     """The engine step that carried this request raised; the request was aborted."""
 
@@ -62,7 +70,7 @@ class WorkerRuntime:
         self.engine: LLMEngine | None = None
         self.info: WorkerInfo | None = None
         self.requests_done = 0
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: EngineDriver | None = None
         self._publisher: KVEventPublisher | None = None
@@ -143,11 +151,15 @@ class WorkerRuntime:
     # ---- output streams ---------------------------------------------------------------------
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.open_sink(request_id, q)
+        return q
+
+    def open_sink(self, request_id: str, sink: OutputSink) -> None:
+        """Send the request's outputs to `sink` until `close_stream` (counts as in flight)."""
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight on this worker")
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = q
-        return q
+        self._streams[request_id] = sink
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -10,6 +10,11 @@ admission ledger covers what this router itself admitted meanwhile). A worker th
 `failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
 at once. Between polls the router adds what it dispatched itself (prompt tokens sent to a
 prefill worker, not yet reported back), so a burst does not pile onto one worker.
+
+Each decode worker's entry also holds this router's token channel to it
+(router/decode_channel.py), opened on first use, closed when the worker leaves the registry
+(or is replaced under the same id) and when the view stops; a channel that breaks because
+the actor died marks the worker dead at once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +31,7 @@ from typing import Any, Protocol
 from admission.snapshot import ClusterSnapshot, DecodeWorkerLoad, PrefillWorkerLoad
 from kv_transfer.types import PrefixMatch
 from prefill_worker.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from router.decode_channel import DecodeChannel
 from router.metrics import RouterMetrics
 from router.placement import DecodeCandidate, PrefillCandidate
 
@@ -66,6 +73,8 @@ class WorkerEntry:
     failures: int = 0
     dispatched_prefill_tokens: int = 0
     """Prompt tokens this router sent to the worker that its last report may not show."""
+    channel: DecodeChannel | None = None
+    """This router's token channel to the worker (decode roles; opened on first use)."""
 
     @property
     def worker_id(self) -> str:
@@ -80,6 +89,10 @@ class WorkerEntry:
     def queued_prefill_tokens(self) -> int:
         reported = self.load.engine.num_waiting_prefill_tokens if self.load else 0
         return reported + self.dispatched_prefill_tokens
+
+    def close_channel(self, reason: str) -> None:
+        if self.channel is not None:
+            self.channel.close(reason)
 
 
 class ClusterView:
@@ -105,6 +118,8 @@ class ClusterView:
         self.call_timeout_s = call_timeout_s
         self.failure_threshold = failure_threshold
         self.entries: dict[str, WorkerEntry] = {}
+        self.router_id = uuid.uuid4().hex[:12]
+        """Unique per view (per router): names this router's token channels on the workers."""
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()
 
@@ -125,6 +140,11 @@ class ClusterView:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+        for entry in self.entries.values():
+            entry.close_channel("router stopping")
+        for entry in self.entries.values():
+            if entry.channel is not None:
+                await entry.channel.wait_closed()
 
     async def _every(self, interval_s: float, fn: Callable[[], Any]) -> None:
         while True:
@@ -167,9 +187,12 @@ class ClusterView:
             seen.add(info.worker_id)
             entry = self.entries.get(info.worker_id)
             if entry is None or entry.handle != handle:
+                if entry is not None:
+                    entry.close_channel(f"decode worker {info.worker_id} was replaced")
                 self.entries[info.worker_id] = WorkerEntry(info, handle)
         for wid in set(self.entries) - seen:
             gone = self.entries.pop(wid)
+            gone.close_channel(f"decode worker {wid} left the cluster")
             if self.metrics is not None:
                 self.metrics.forget_worker(wid, gone.info.role.value)
 
@@ -200,6 +223,16 @@ class ClusterView:
         entry = self.entries.get(worker_id)
         if entry is not None:
             entry.alive = False
+
+    def decode_channel(self, entry: WorkerEntry) -> DecodeChannel:
+        """This router's token channel to a decode worker (opened on first use)."""
+        if entry.channel is None:
+
+            def lost() -> None:  # the actor died: this entry (not a replacement) is dead
+                entry.alive = False
+
+            entry.channel = DecodeChannel(entry.worker_id, entry.handle, self.router_id, lost)
+        return entry.channel
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Wait until the next load poll (or `timeout_s`)."""

@@ -353,29 +353,30 @@ class Orchestrator:
     async def _decode(
         self, placement: Placement, dreq: DecodeRequest, progress: _Progress
     ) -> AsyncIterator[StreamDelta]:
+        """Submit the request on this router's token channel to the decode worker and read its
+        chunks off the channel (one Ray item per engine step for all of this router's
+        requests there, demultiplexed by the channel's reader)."""
         entry = self.view.get(placement.decode_worker_id)
         if entry is None:
             raise WorkerLost(f"decode worker {placement.decode_worker_id} left the cluster")
-        gen = entry.handle.generate.options(num_returns="streaming").remote(dreq)
+        stream = self.view.decode_channel(entry).open_request(dreq.request_id)
         finished = False
         try:
-            async for ref in gen:
-                try:
-                    chunk: TokenChunk = await ref
-                except Exception as e:
-                    if is_actor_death(unwrap(e)):
-                        self.view.mark_dead(entry.worker_id)
-                    raise
+            try:
+                await stream.submit(dreq)
+            except Exception as e:
+                if is_actor_death(unwrap(e)):
+                    self.view.mark_dead(entry.worker_id)
+                raise
+            while not finished:
+                chunk = await stream.next()
                 delta = self._chunk_delta(chunk, progress, len(dreq.prompt_token_ids))
                 finished = chunk.finish_reason is not None
                 yield delta
-                if finished:
-                    return
-            raise WorkerLost(f"decode worker {entry.worker_id} ended the stream early")
         finally:
+            stream.close()
             if not finished:
                 _fire(entry.handle.abort.remote(dreq.request_id))
-                _cancel_remote(gen)
 
     def _chunk_delta(self, chunk: TokenChunk, progress: _Progress, prompt_len: int) -> StreamDelta:
         if chunk.transfer_s:

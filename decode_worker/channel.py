@@ -1,0 +1,206 @@
+"""Token channels: how a decode worker sends many requests' tokens to one caller at once.
+
+A caller (a router) keeps one channel per decode worker: one `subscribe(channel_id)` (a Ray
+streaming call) and a `submit(request, channel_id)` per request. The engine thread hands its
+outputs over once per step; each request's `RequestSink` keeps them on its channel, and the
+subscription takes everything that piled up as one batch: a list of `(request_id,
+TokenChunk)` (the request's outputs since its previous chunk, merged) and `ChunkError`s. So
+the worker makes one Ray item per caller per engine step (or per wake-up of the subscriber,
+when steps are faster than the caller reads), not one per request per step.
+
+Channel states (`ChannelState`):
+
+    DETACHED --attach--> ATTACHED --detach--> DETACHED    (a later subscription may attach)
+    ATTACHED --attach--> ATTACHED                         (the newer subscription replaces
+                                                           the older, which ends)
+    DETACHED/ATTACHED --close--> CLOSED                   (worker shutdown, or an orphan
+                                                           reaped by the worker)
+
+A request's sink: open (outputs accumulate between batches) → terminal (its finishing
+output arrived, or `end` gave it a last item: the ABORT chunk or a `ChunkError`) → gone
+(a batch took its last item). Every request on a channel ends with exactly one terminal
+item, and nothing follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, TokenChunk
+from engine.outputs import RequestOutput
+
+
+class ChannelState(enum.Enum):
+    DETACHED = "detached"
+    ATTACHED = "attached"
+    CLOSED = "closed"
+
+
+class RequestSink:
+    """One request's outputs on its channel: the runtime's `OutputSink` for the request.
+
+    `done` resolves once: to None when the finishing output arrives, or to the error the
+    runtime delivers (abort, failed step, worker stop). Unless it finished, the request's
+    pipeline then gives it its last item with `end`.
+    """
+
+    def __init__(self, channel: OutputChannel, request_id: str) -> None:
+        self.channel = channel
+        self.request_id = request_id
+        self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self.num_transferred_tokens = 0
+        """Reported on the first chunk (set by the pipeline before the request joins the
+        batch)."""
+        self.transfer_s = 0.0
+        self.terminal = False
+        self.queued = False
+        """Waiting in the channel's ready list."""
+        self._outputs: list[RequestOutput] = []
+        self._last: ChannelItem | None = None
+        self._first = True
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        if self.terminal:
+            return
+        if isinstance(item, BaseException):
+            self._resolve(item)
+            return
+        self._outputs.append(item)
+        if item.finish_reason is not None:
+            self.terminal = True
+            self._resolve(None)
+        self.channel.ready(self)
+
+    def end(self, last: TokenChunk | ChunkError) -> None:
+        """Give the request its last item (after any tokens not yet taken)."""
+        if self.terminal:
+            return
+        self.terminal = True
+        self._last = last if isinstance(last, ChunkError) else (self.request_id, last)
+        self._resolve(None)
+        self.channel.ready(self)
+
+    def take(self) -> list[ChannelItem]:
+        items: list[ChannelItem] = []
+        if self._outputs:
+            chunk = merge_outputs(
+                self._outputs, self._first, self.num_transferred_tokens, self.transfer_s
+            )
+            items.append((self.request_id, chunk))
+            self._outputs = []
+            self._first = False
+        if self._last is not None:
+            items.append(self._last)
+            self._last = None
+        return items
+
+    def _resolve(self, error: BaseException | None) -> None:
+        if not self.done.done():
+            self.done.set_result(error)
+
+
+class OutputChannel:
+    """The requests of one caller on this worker, and what they produced since the last batch
+    (see the module docstring for the states). Lives on the actor's event loop."""
+
+    def __init__(self, channel_id: str) -> None:
+        self.channel_id = channel_id
+        self.state = ChannelState.DETACHED
+        self.epoch = 0
+        """Bumped by every `attach`: a subscription reads while the epoch is its own."""
+        self.detached_at = time.monotonic()
+        self._open: set[RequestSink] = set()
+        self._ready: list[RequestSink] = []
+        self._wake = asyncio.Event()
+
+    def adopt(self, sink: RequestSink) -> None:
+        """The sink's request is now on this channel (until a batch takes its last item)."""
+        self._open.add(sink)
+
+    @property
+    def open_requests(self) -> list[str]:
+        return [s.request_id for s in self._open]
+
+    def ready(self, sink: RequestSink) -> None:
+        if not sink.queued:
+            sink.queued = True
+            self._ready.append(sink)
+            self._wake.set()
+
+    def take(self) -> list[ChannelItem]:
+        """Everything that piled up since the last batch (requests whose last item it holds
+        leave the channel)."""
+        items: list[ChannelItem] = []
+        ready, self._ready = self._ready, []
+        for sink in ready:
+            sink.queued = False
+            items.extend(sink.take())
+            if sink.terminal:
+                self._open.discard(sink)
+        return items
+
+    async def next_batch(self, epoch: int) -> list[ChannelItem] | None:
+        """The next non-empty batch, or None once this subscription is replaced, or the
+        channel is closed and nothing is left to take."""
+        while True:
+            if self.epoch != epoch:
+                return None
+            if self._ready:
+                items = self.take()
+                if items:
+                    return items
+            if self.state is ChannelState.CLOSED:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+
+    def attach(self) -> int:
+        """A subscription starts reading; returns its epoch (an older reader ends)."""
+        self.epoch += 1
+        self.state = ChannelState.ATTACHED
+        self._wake.set()
+        return self.epoch
+
+    def detach(self, epoch: int) -> bool:
+        """The subscription of `epoch` ended; False if a newer one reads (or closed)."""
+        if self.epoch != epoch or self.state is not ChannelState.ATTACHED:
+            return False
+        self.state = ChannelState.DETACHED
+        self.detached_at = time.monotonic()
+        return True
+
+    def close(self) -> None:
+        """No more subscriptions; a reader takes what is left and ends."""
+        self.state = ChannelState.CLOSED
+        self._wake.set()
+
+    def info(self) -> ChannelInfo:
+        return ChannelInfo(self.channel_id, self.state is ChannelState.ATTACHED, len(self._open))
+
+
+def merge_outputs(
+    outs: list[RequestOutput], first: bool, transferred: int, transfer_s: float
+) -> TokenChunk:
+    """One chunk for the outputs a request produced since its previous chunk; the first chunk
+    reports the transfer and (local prefill) the queue and prefill times."""
+    last = outs[-1]
+    logprobs: tuple[float, ...] | None = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = tuple(lp for o in outs for lp in (o.logprobs or ()))
+    t = last.timings
+    scheduled = t.first_scheduled or t.arrival
+    return TokenChunk(
+        token_ids=tuple(tok for o in outs for tok in o.new_token_ids),
+        text="".join(o.text_delta for o in outs),
+        logprobs=logprobs,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_prompt_tokens=last.num_cached_prompt_tokens,
+        num_transferred_tokens=transferred if first else 0,
+        transfer_s=transfer_s if first else 0.0,
+        queue_s=max(scheduled - t.arrival, 0.0) if first else 0.0,
+        prefill_s=max((t.first_token or scheduled) - scheduled, 0.0) if first else 0.0,
+    )
