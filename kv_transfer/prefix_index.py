@@ -10,11 +10,11 @@ Keys (all under `pdserve:{model}:`, so models never share entries):
 
 Written only by `KVEventPublisher` (kv_transfer/kv_publisher.py); read by `lookup` in one
 round trip: a Lua script gets the chain as one hex string, keeps the live holders of the
-first block as candidates, and walks on with one SISMEMBER per candidate and block until no
-candidate is left (a miss costs one SMEMBERS). A worker's count is the number of leading
-blocks it holds without a hole; because hashes chain, an equal hash at position i means an
-equal prompt up to block i. The index is a hint: a stale entry costs a cache miss, never a
-wrong answer.
+first block as candidates, and walks on with one SMISMEMBER per block (SISMEMBER per
+candidate on Redis < 6.2) until no candidate is left (a miss costs one SMEMBERS). A worker's
+count is the number of leading blocks it holds without a hole; because hashes chain, an
+equal hash at position i means an equal prompt up to block i. The index is a hint: a stale
+entry costs a cache miss, never a wrong answer.
 
 Redis unavailable: `lookup` answers `PrefixMatch(available=False)` after at most the socket
 timeout, and then at once for `retry_after_s` (a circuit breaker), so routing falls back to
@@ -49,11 +49,18 @@ local names, depth = {}, {}
 for _, w in ipairs(redis.call('SMEMBERS', key(1))) do
   if redis.call('EXISTS', wp .. w) == 1 then names[#names + 1] = w; depth[w] = 1 end
 end
+local multi = true  -- SMISMEMBER (Redis >= 6.2); older servers fall back to SISMEMBER
 for i = 2, n do
   if #names == 0 then break end
-  local k, still = key(i), {}
-  for _, w in ipairs(names) do
-    if redis.call('SISMEMBER', k, w) == 1 then depth[w] = i; still[#still + 1] = w end
+  local k, still, flags = key(i), {}, nil
+  if multi then
+    flags = redis.pcall('SMISMEMBER', k, unpack(names))
+    if type(flags) == 'table' and flags.err then multi = false; flags = nil end
+  end
+  for j, w in ipairs(names) do
+    local hit
+    if flags then hit = flags[j] == 1 else hit = redis.call('SISMEMBER', k, w) == 1 end
+    if hit then depth[w] = i; still[#still + 1] = w end
   end
   names = still
 end
