@@ -1,0 +1,166 @@
+"""The router's token channel against a fake decode actor (no Ray): items reach their own
+request, typed worker errors come out as raised, a broken subscription fails every open
+request and the next request subscribes again, and nothing is left registered after."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+from ray.exceptions import RayActorError
+
+from decode_worker.api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from kv_transfer.errors import LeaseExpired
+from router.decode_channel import ChannelState, DecodeChannel
+from router.errors import WorkerLost
+
+T = TypeVar("T")
+
+
+def run(body: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(body())  # type: ignore[arg-type]
+
+
+async def _value(v: Any) -> Any:
+    return v
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def options(self, **_: Any) -> _Method:
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class FakeDecodeActor:
+    """Stands in for a decode actor handle: `subscribe` streams what the test `send`s (an
+    exception ends the stream with it), `submit` records the request and its channel."""
+
+    def __init__(self) -> None:
+        self.subscriptions: list[str] = []
+        self.submitted: list[tuple[str, str]] = []
+        self._feeds: list[asyncio.Queue[list[ChannelItem] | BaseException | None]] = []
+        self.subscribe = _Method(self._subscribe)
+        self.submit = _Method(lambda req, cid: _value(self.submitted.append((req.request_id,
+                                                                             cid))))  # fmt: skip
+
+    def _subscribe(self, channel_id: str) -> AsyncIterator[Awaitable[list[ChannelItem]]]:
+        self.subscriptions.append(channel_id)
+        feed: asyncio.Queue[list[ChannelItem] | BaseException | None] = asyncio.Queue()
+        self._feeds.append(feed)
+
+        async def stream() -> AsyncIterator[Awaitable[list[ChannelItem]]]:
+            while (item := await feed.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield _value(item)
+
+        return stream()
+
+    def send(self, item: list[ChannelItem] | BaseException | None) -> None:
+        self._feeds[-1].put_nowait(item)
+
+
+def request(rid: str) -> DecodeRequest:
+    return DecodeRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4))
+
+
+def chunk(*tokens: int, finish: FinishReason | None = None) -> TokenChunk:
+    return TokenChunk(tokens, "", finish_reason=finish)
+
+
+def test_items_reach_their_own_request_and_ids_not_open_are_dropped() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "router-a")
+        a, b = ch.open_request("a"), ch.open_request("b")
+        await a.submit(request("a"))
+        await b.submit(request("b"))
+        assert actor.subscriptions == ["router-a/d0/0"]
+        assert actor.submitted == [("a", "router-a/d0/0"), ("b", "router-a/d0/0")]
+        actor.send([("b", chunk(5)), ("gone", chunk(9)), ("a", chunk(1, 2)), ("b", chunk(6))])
+        actor.send([("a", chunk(3, finish=FinishReason.LENGTH))])
+        assert (await a.next()).token_ids == (1, 2)
+        assert (await a.next()).finish_reason is FinishReason.LENGTH
+        assert [(await b.next()).token_ids for _ in range(2)] == [(5,), (6,)]
+        a.close()
+        b.close()
+        a.close()  # idempotent
+        assert ch.num_open == 0 and ch.num_batches == 2
+        ch.close()
+
+    run(body)
+
+
+def test_a_chunk_error_raises_the_workers_typed_error_for_that_request_only() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r")
+        a, b = ch.open_request("a"), ch.open_request("b")
+        actor.send([ChunkError("a", LeaseExpired("lease over")), ("b", chunk(4))])
+        with pytest.raises(LeaseExpired, match="lease over"):
+            await a.next()
+        assert (await b.next()).token_ids == (4,)
+        ch.close()
+
+    run(body)
+
+
+def test_actor_death_fails_every_open_request_marks_the_worker_and_the_next_resubscribes() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        deaths: list[str] = []
+        ch = DecodeChannel("d0", actor, "r", on_worker_death=lambda: deaths.append("d0"))
+        streams = [ch.open_request(f"q{i}") for i in range(3)]
+        actor.send([("q0", chunk(1))])
+        assert (await streams[0].next()).token_ids == (1,)
+        actor.send(RayActorError())
+        for s in streams:
+            with pytest.raises(WorkerLost, match="decode worker d0 lost: RayActorError"):
+                await asyncio.wait_for(s.next(), 1)
+        assert deaths == ["d0"]
+        assert ch.state is ChannelState.BROKEN and ch.num_open == 0
+        again = ch.open_request("q9")
+        assert actor.subscriptions == ["r/d0/0", "r/d0/1"]  # a fresh channel id
+        actor.send([("q9", chunk(2))])
+        assert (await again.next()).token_ids == (2,)
+        ch.close()
+
+    run(body)
+
+
+def test_a_subscription_that_ends_fails_its_open_requests_with_worker_lost() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r")
+        s = ch.open_request("a")
+        actor.send(None)  # the worker ended the stream (shutdown)
+        with pytest.raises(WorkerLost, match="ended token channel r/d0/0"):
+            await asyncio.wait_for(s.next(), 1)
+        assert ch.state is ChannelState.BROKEN
+
+    run(body)
+
+
+def test_close_fails_open_requests_and_refuses_new_ones() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r")
+        s = ch.open_request("a")
+        ch.close("decode worker d0 left the cluster")
+        await ch.wait_closed()
+        with pytest.raises(WorkerLost, match="left the cluster"):
+            await s.next()
+        with pytest.raises(WorkerLost):
+            ch.open_request("b")
+        assert ch.num_open == 0
+
+    run(body)
