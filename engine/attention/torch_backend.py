@@ -3,7 +3,9 @@
 Per sequence it gathers the pages of its context from the paged pool (after this step's k/v
 are written), then runs scaled-dot-product attention of the chunk's queries over them with a
 causal mask offset by start_pos (query i sees keys [0, start_pos + i]); grouped-query heads
-share their KV head. One small attention call per sequence: clear rather than fast, and the
+share their KV head. Prompt chunks get one attention call each; the single-token decodes of a
+step are batched into one call over their contexts padded to the longest (padding masked out),
+since per-sequence calls dominate a decode step on CPU. Clear rather than fast, and the
 yardstick the flashinfer backend is tested against.
 """
 
@@ -16,6 +18,15 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.attention.step import StepInputs
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    """The step's single-token decodes, padded to one batch: rows [first_row, T)."""
+
+    first_row: int
+    pages: torch.Tensor  # [S, max_pages] page ids (padding repeats a real page, masked out)
+    mask: torch.Tensor  # [S, 1, 1, max_pages * block_size] True where a key is in context
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,9 @@ class TorchAttentionBackend(AttentionBackend):
         lay = step.layout
         qo, kv = lay.qo_indptr.tolist(), lay.kv_indptr.tolist()
         self._step = step
+        first = lay.num_prefill_seqs
+        self._decodes = self._batch_decodes(step, first) if lay.num_seqs - first >= 2 else None
+        last = first if self._decodes is not None else lay.num_seqs
         self._seqs = [
             _Seq(
                 rows=slice(qo[i], qo[i + 1]),
@@ -42,8 +56,27 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_len=int(lay.kv_lens[i]),
                 start_pos=int(lay.start_pos[i]),
             )
-            for i in range(lay.num_seqs)
+            for i in range(last)
         ]
+
+    def _batch_decodes(self, step: StepInputs, first: int) -> _Decodes:
+        lay = step.layout
+        kv, lens = lay.kv_indptr, lay.kv_lens
+        n_pages = [int(kv[i + 1] - kv[i]) for i in range(first, lay.num_seqs)]
+        width = max(n_pages)
+        table = torch.zeros((len(n_pages), width), dtype=torch.long)
+        for row, i in enumerate(range(first, lay.num_seqs)):
+            pages = torch.as_tensor(lay.page_indices[kv[i] : kv[i + 1]], dtype=torch.long)
+            table[row, : n_pages[row]] = pages
+            table[row, n_pages[row] :] = pages[0]
+        device = step.page_indices.device
+        keys = torch.arange(width * lay.block_size)[None, :]
+        mask = keys < torch.as_tensor(lens[first:], dtype=torch.long)[:, None]
+        return _Decodes(
+            first_row=int(lay.qo_indptr[first]),
+            pages=table.to(device),
+            mask=mask[:, None, None, :].to(device),
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -56,6 +89,22 @@ class TorchAttentionBackend(AttentionBackend):
             keys = ctx[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[: s.kv_len]
             values = ctx[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[: s.kv_len]
             out[s.rows] = self._attend(q[s.rows], keys.to(q.dtype), values.to(q.dtype), s)
+        if self._decodes is not None:
+            d = self._decodes
+            ctx = pool[d.pages]  # [S, pages, 2, block_size, Hkv, D]
+            n, width = ctx.shape[0], ctx.shape[1] * ctx.shape[3]
+            keys = ctx[:, :, 0].reshape(n, width, self.num_kv_heads, self.head_dim)
+            values = ctx[:, :, 1].reshape(n, width, self.num_kv_heads, self.head_dim)
+            qd = q[d.first_row :].unsqueeze(2)  # [S, Hq, 1, D]
+            o = F.scaled_dot_product_attention(
+                qd,
+                keys.transpose(1, 2).to(q.dtype),
+                values.transpose(1, 2).to(q.dtype),
+                attn_mask=d.mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[d.first_row :] = o.squeeze(2)
         return out
 
     def _attend(
