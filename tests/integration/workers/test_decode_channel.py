@@ -1,0 +1,250 @@
+"""A decode worker's token channel (one subscription per caller, requests submitted on it):
+many concurrent requests each get exactly their own tokens, several per Ray item; a worker
+killed mid-stream fails the whole channel at once; an aborted request frees its blocks while
+the others on the same channel go on; a channel left without subscriber goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from channel_client import ChannelReader, engine_blocks, request_of
+from conftest import PLACEMENT, START_TIMEOUT_S, Reference, Workers, worker_config
+from pd_client import decode_request, greedy, load, prefill, wait_idle, wait_idle_async
+
+from decode_worker.api import TokenChunk
+from deploy.workers import create_worker
+from engine.request import FinishReason
+from kv_transfer.config import KVTransferConfig
+from prefill_worker.api import WorkerDraining, WorkerRole
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_TOKENS = 24
+ENDLESS = greedy(3000, ignore_eos=True)
+ERROR_WITHIN_S = 30.0
+
+
+def channel_id(tag: str) -> str:
+    return f"test-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def test_32_concurrent_requests_on_one_channel_each_get_exactly_their_own_tokens(
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+) -> None:
+    """Half the requests are pulled from two prefill workers, half prefilled on the decode
+    worker; all share one channel, so most batches carry several requests' tokens."""
+    d, prefills = workers.d0, (workers.p0, workers.p1)
+
+    async def one(reader: ChannelReader, i: int, prompt: list[int]) -> str:
+        rid = f"chan-{i}"
+        result = None
+        if i % 2 == 0:
+            result = await prefill(prefills[i // 2 % 2], rid, prompt, greedy(MAX_TOKENS))
+            if result.handle is None:  # ended on its first token: nothing to decode
+                return ""
+        await reader.submit(decode_request(rid, prompt, greedy(MAX_TOKENS), result))
+        return rid
+
+    async def run() -> None:
+        reader = ChannelReader(d, channel_id("exact"))
+        try:
+            submitted = await asyncio.gather(
+                *(one(reader, i, p) for i, p in enumerate(corpus_prompts))
+            )
+            rids = [r for r in submitted if r]
+            await reader.wait_ended(rids)
+            for i, (prompt, rid) in enumerate(zip(corpus_prompts, submitted, strict=True)):
+                if not rid:
+                    continue
+                items = reader.items[rid]
+                assert all(isinstance(c, TokenChunk) for c in items), items
+                chunks: list[TokenChunk] = items  # type: ignore[assignment]
+                expected = hf_greedy(prompt, MAX_TOKENS)
+                first_token = [] if i % 2 else [expected[0]]  # pulled: sent by the prefill
+                assert first_token + reader.tokens(rid) == expected, f"request {i}"
+                assert all(c.finish_reason is None for c in chunks[:-1])
+                last = chunks[-1]
+                assert last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                assert last.num_prompt_tokens == len(prompt)
+                assert last.num_output_tokens == len(expected)
+                pulled = chunks[0].num_transferred_tokens
+                assert (pulled > 0 and chunks[0].transfer_s > 0) if i % 2 == 0 else pulled == 0
+                assert sum(c.num_transferred_tokens for c in chunks[1:]) == 0
+            # Batching: fewer Ray items than chunks, and batches with several requests.
+            num_chunks = sum(len(reader.items[r]) for r in rids)
+            widest = max(len({request_of(item) for item in b}) for b in reader.batches)
+            assert len(reader.batches) < num_chunks and widest > 1
+            (info,) = [c for c in await d.channels.remote() if c.channel_id == reader.channel_id]
+            assert info.subscribed and info.open_requests == 0
+        finally:
+            await reader.close()
+        # The subscription ended with no request open: the worker forgets the channel.
+        await asyncio.sleep(0.5)
+        assert reader.channel_id not in {c.channel_id for c in await d.channels.remote()}
+
+    asyncio.run(run())
+    wait_idle(*prefills, d)
+
+
+def test_an_aborted_request_frees_its_blocks_while_the_others_on_its_channel_go_on(
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+) -> None:
+    """The router cancels a request with `abort`: it ends with an ABORT chunk on the
+    channel, every block it held is free again (all blocks in use belong to the other
+    requests) while those are still decoding, and they finish with exactly their tokens."""
+    d, p = workers.d0, workers.p1
+    n = 48
+    long_runs = [x for x in corpus_prompts if len(x) > 8 and len(hf_greedy(x, n)) == n][:3]
+    assert len(long_runs) == 3, "need 3 prompts that do not end on eos within 48 tokens"
+    victim_prompt = [t for x in corpus_prompts[:12] for t in x][:300]  # 19 blocks
+    salt = uuid.uuid4().hex  # no block shared with anything: per-request counts add up
+    wait_idle(d)
+
+    async def run() -> None:
+        reader = ChannelReader(d, channel_id("abort"))
+        try:
+            pulled = await asyncio.gather(
+                *(prefill(p, f"keep-{i}", x, greedy(n), f"{salt}-{i}") for i, x in
+                  enumerate(long_runs[:2]))
+            )  # fmt: skip
+            assert all(r.handle is not None for r in pulled)
+            await reader.submit(decode_request("victim", victim_prompt, ENDLESS, None, salt))
+            keep = ["keep-0", "keep-1", "keep-2"]
+            for i, r in enumerate(pulled):
+                await reader.submit(decode_request(keep[i], long_runs[i], greedy(n), r,
+                                                   f"{salt}-{i}"))  # fmt: skip
+            await reader.submit(decode_request("keep-2", long_runs[2], greedy(n), None,
+                                               f"{salt}-2"))  # fmt: skip
+            await reader.wait(lambda: all(reader.items[r] for r in ["victim", *keep]),
+                              "every request decoding")  # fmt: skip
+            used, held = await asyncio.to_thread(engine_blocks, d)
+            assert held["victim"] >= 19 and used == sum(held.values())
+
+            assert await d.abort.remote("victim") is True
+            await reader.wait(lambda: reader.ended("victim"), "the ABORT chunk")
+            last = reader.items["victim"][-1]
+            assert isinstance(last, TokenChunk) and last.finish_reason is FinishReason.ABORT
+            used, held = await asyncio.to_thread(engine_blocks, d)
+            assert "victim" not in held and used == sum(held.values())
+            assert held, "the other requests already finished: nothing shows they go on"
+
+            await reader.wait_ended(keep)
+            at_abort = next(i for i, (rid, c) in enumerate(reader.seq) if rid == "victim"
+                            and isinstance(c, TokenChunk) and c.finish_reason)  # fmt: skip
+            assert any(rid in keep for rid, _ in reader.seq[at_abort + 1 :])
+            for i, rid in enumerate(keep):
+                first = [pulled[i].first_token_id] if i < 2 else []
+                assert first + reader.tokens(rid) == hf_greedy(long_runs[i], n), rid
+            (info,) = [c for c in await d.channels.remote() if c.channel_id == reader.channel_id]
+            assert info.open_requests == 0
+        finally:
+            await reader.close()
+        await wait_idle_async(p, d)
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def channel_victim(workers: Workers, tiny_model_dir: Path, redis_url: str) -> Iterator[Any]:
+    """A decode worker of this module's own: the test kills it."""
+    config = worker_config(tiny_model_dir, "chvictim", WorkerRole.DECODE, redis_url)
+    handle = create_worker(config, KVTransferConfig(lease_s=30.0), PLACEMENT)
+    ray.get(handle.start.remote(), timeout=START_TIMEOUT_S)
+    yield handle
+    ray.kill(handle)
+
+
+def test_killing_a_decode_worker_mid_stream_fails_its_channel_at_once(
+    workers: Workers, channel_victim: Any, corpus_prompts: list[list[int]]
+) -> None:
+    p, victim = workers.p0, channel_victim
+    prompts = corpus_prompts[24:30]
+
+    async def run() -> float:
+        reader = ChannelReader(victim, channel_id("kill"))
+        try:
+            results = await asyncio.gather(
+                *(prefill(p, f"chkill-pd-{i}", x, ENDLESS) for i, x in enumerate(prompts[:4]))
+            )
+            rids = [r.request_id for r in results] + ["chkill-local-0", "chkill-local-1"]
+            for r, x in zip(results, prompts[:4], strict=True):
+                await reader.submit(decode_request(r.request_id, x, ENDLESS, r))
+            for i, x in enumerate(prompts[4:]):
+                await reader.submit(decode_request(f"chkill-local-{i}", x, ENDLESS))
+            await reader.wait(lambda: all(len(reader.items[r]) >= 2 for r in rids),
+                              "two chunks of every request")  # fmt: skip
+            ray.kill(victim, no_restart=True)
+            t0 = time.monotonic()
+            with pytest.raises(ray.exceptions.RayActorError):
+                await reader.wait(lambda: False, "the subscription's error", ERROR_WITHIN_S)
+            elapsed = time.monotonic() - t0
+            assert not any(reader.ended(r) for r in rids)  # no request ended any other way
+            with pytest.raises(ray.exceptions.RayActorError):
+                await asyncio.wait_for(
+                    victim.submit.remote(decode_request("late", prompts[0], ENDLESS), "x"),
+                    ERROR_WITHIN_S,
+                )
+            return elapsed
+        finally:
+            await reader.close()
+
+    elapsed = asyncio.run(run())
+    assert elapsed < ERROR_WITHIN_S
+    wait_idle(p)  # the hand-offs had completed before the kill: no lease waits for expiry
+
+
+def test_a_channel_left_without_subscriber_aborts_its_requests(
+    workers: Workers, corpus_prompts: list[list[int]]
+) -> None:
+    """The caller subscribed, submitted, and went away without aborting: the worker gives a
+    subscriber `CHANNEL_ORPHAN_S` to come back, then aborts the requests (blocks freed)."""
+    d = workers.d1
+    cid = channel_id("orphan")
+
+    async def run() -> None:
+        reader = ChannelReader(d, cid)
+        await reader.submit(decode_request("orphan-0", corpus_prompts[3], ENDLESS))
+        await reader.wait(lambda: bool(reader.items["orphan-0"]), "first chunk")
+        await reader.close()
+        assert load(d).inflight_requests == 1
+        await wait_idle_async(d, timeout_s=20.0)  # CHANNEL_ORPHAN_S is 10 s
+        assert cid not in {c.channel_id for c in await d.channels.remote()}
+
+    asyncio.run(run())
+
+
+def test_submit_refuses_at_once_what_the_worker_cannot_hold(
+    workers: Workers, corpus_prompts: list[list[int]]
+) -> None:
+    """Refusals are raised by `submit` itself (the router re-places on them), never sent
+    down the channel: an id already in flight, a draining worker."""
+    d = workers.d1
+
+    async def run() -> None:
+        reader = ChannelReader(d, channel_id("refuse"))
+        try:
+            req = decode_request("refuse-0", corpus_prompts[0], greedy(8))
+            await reader.submit(req)
+            with pytest.raises(ValueError, match="already in flight"):
+                await reader.submit(req)
+            await reader.wait_ended(["refuse-0"])
+            assert all(isinstance(c, TokenChunk) for c in reader.items["refuse-0"])
+            assert await d.drain.remote(5.0) is True
+            try:
+                with pytest.raises(WorkerDraining):
+                    await reader.submit(decode_request("refuse-1", corpus_prompts[1], greedy(8)))
+            finally:
+                await d.undrain.remote()
+            assert "refuse-1" not in reader.items
+        finally:
+            await reader.close()
+
+    asyncio.run(run())
+    wait_idle(d)
