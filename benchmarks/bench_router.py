@@ -5,10 +5,12 @@ A 1P1D cluster (tiny model, CPU) is started in-script with local_prefill_thresho
 so every gRPC request takes the disaggregated path: router → prefill actor (first token) →
 decode actor (pull + stream). The direct path does the same from this process without the
 router: `prefill.remote(...)` (TTFT ends when its result, which carries the first token,
-arrives) and then the decode actor's stream, consumed to the end so both paths leave the
-same load behind. Requests of the two paths are interleaved in one open-loop arrival
-sequence (Poisson at the given rate), with prompts of the same length and a cache salt of
-their own each (no prefix-cache hits on either path).
+arrives) and then the decode: on a token channel of this process (`--direct-path channel`,
+the router's own way: one subscription, router/decode_channel.py) or on a `generate` stream
+per request (`--direct-path stream`, the router's way before the channels), consumed to the
+end so both paths leave the same load behind. Requests of the two paths are interleaved in
+one open-loop arrival sequence (Poisson at the given rate), with prompts of the same length
+and a cache salt of their own each (no prefix-cache hits on either path).
 
     router overhead (pXX) = pXX(TTFT via gRPC) - pXX(TTFT direct)
 
@@ -16,10 +18,12 @@ TTFT via gRPC is measured by the client: from the call to the first streamed mes
 includes the client's and the server's gRPC stacks, validation, hashing, the Redis prefix
 lookup, admission and placement). The router's own view (Timings.ttft_ms, from the request
 entering the orchestrator to the first token) is reported too, which splits the overhead
-into the gRPC part and the orchestrator part.
+into the gRPC part and the orchestrator part. The router process's CPU is reported per second
+and per gRPC request (everything it did during the rate's window, polling included).
 
     python benchmarks/bench_router.py                          # rates 2,5,10 req/s
     python benchmarks/bench_router.py --rates 2,5,10,20 --requests 200 --markdown
+    python benchmarks/bench_router.py --rates 2 --max-tokens 64  # longer decode streams
 """
 
 from __future__ import annotations
@@ -54,6 +58,12 @@ class Sample:
     path: str  # "grpc" or "direct"
     ttft_ms: float
     router_ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    """First token to last, per token after the first, as this process saw them."""
+
+
+def tpot_ms(first_at: float, last_at: float, tokens: int) -> float:
+    return (last_at - first_at) * 1000 / (tokens - 1) if tokens > 1 else 0.0
 
 
 def process_cpu_s(pid: int) -> float:
@@ -76,6 +86,11 @@ class Bench:
         self.prefill = next(h for i, h in workers if i.role is WorkerRole.PREFILL)
         self.decode = next(h for i, h in workers if i.role is not WorkerRole.PREFILL)
         self.sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        self.decode_channel: Any = None
+        if args.direct_path == "channel":
+            from router.decode_channel import DecodeChannel
+
+            self.decode_channel = DecodeChannel("decode", self.decode, uuid.uuid4().hex[:12])
 
     def prompt(self, rng: random.Random) -> list[int]:
         return [rng.randrange(2, 500) for _ in range(self.args.prompt_tokens)]
@@ -87,29 +102,47 @@ class Bench:
         )  # fmt: skip
         t0 = time.perf_counter()
         ttft = None
+        tokens = 0
         async for msg in self.stub.Generate(req, timeout=60):
+            now = time.perf_counter()
             if ttft is None:
-                ttft = (time.perf_counter() - t0) * 1000
-            last = msg
+                ttft, first_at = (now - t0) * 1000, now
+            tokens += len(msg.token_ids)
+            last, last_at = msg, now
         assert ttft is not None and last.finish_reason
         assert not last.timings.local_prefill
-        return Sample("grpc", ttft, last.timings.ttft_ms)
+        return Sample("grpc", ttft, last.timings.ttft_ms, tpot_ms(first_at, last_at, tokens))
 
     async def direct(self, prompt: list[int]) -> Sample:
         rid, salt = uuid.uuid4().hex, uuid.uuid4().hex
         t0 = time.perf_counter()
         pre = PrefillRequest(rid, tuple(prompt), self.sampling, salt, arrival_time=time.time())
         result: PrefillResult = await self.prefill.prefill.remote(pre)
-        ttft = (time.perf_counter() - t0) * 1000
+        first_at = time.perf_counter()
+        ttft = (first_at - t0) * 1000
+        tokens = 1
         dreq = DecodeRequest(
             rid, tuple(prompt), self.sampling, salt, result.handle, result.first_token_id,
             result.first_logprob, arrival_time=time.time(),
         )  # fmt: skip
-        async for ref in self.decode.generate.options(num_returns="streaming").remote(dreq):
-            chunk = await ref
-            if chunk.finish_reason is not None:
-                break
-        return Sample("direct", ttft)
+        if self.decode_channel is None:
+            async for ref in self.decode.generate.options(num_returns="streaming").remote(dreq):
+                chunk = await ref
+                tokens += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    break
+        else:
+            stream = self.decode_channel.open_request(rid)
+            try:
+                await stream.submit(dreq)
+                while True:
+                    chunk = await stream.next()
+                    tokens += len(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        break
+            finally:
+                stream.close()
+        return Sample("direct", ttft, tpot_ms=tpot_ms(first_at, time.perf_counter(), tokens))
 
     async def run_rate(self, rate: float, n: int, seed: int) -> list[Sample]:
         rng = random.Random(seed)
@@ -123,6 +156,8 @@ class Bench:
         return list(await asyncio.gather(*tasks))
 
     async def close(self) -> None:
+        if self.decode_channel is not None:
+            self.decode_channel.close("benchmark done")
         await self.channel.close()
 
 
@@ -199,7 +234,10 @@ def summarize(rate: float, samples: list[Sample]) -> dict[str, float]:
     g = [s.ttft_ms for s in samples if s.path == "grpc"]
     d = [s.ttft_ms for s in samples if s.path == "direct"]
     r = [s.router_ttft_ms for s in samples if s.path == "grpc"]
+    gt = [s.tpot_ms for s in samples if s.path == "grpc"]
+    dt = [s.tpot_ms for s in samples if s.path == "direct"]
     return {
+        "tpot_grpc_p50": pct(gt, 50), "tpot_direct_p50": pct(dt, 50),
         "rate": rate,
         "n": len(g),
         "grpc_p50": pct(g, 50), "grpc_p99": pct(g, 99),
@@ -213,7 +251,8 @@ def summarize(rate: float, samples: list[Sample]) -> dict[str, float]:
 def print_table(rows: list[dict[str, float]], markdown: bool) -> None:
     head = ("rate (req/s)", "requests/path", "TTFT gRPC p50/p99 (ms)", "TTFT direct p50/p99 (ms)",
             "overhead p50 (ms)", "overhead p99 (ms)",
-            "of p50: gRPC / orchestrator (ms)", "router process CPU (% of a core)")  # fmt: skip
+            "of p50: gRPC / orchestrator (ms)", "router process CPU (% of a core)",
+            "router CPU per gRPC request (ms)", "TPOT p50 gRPC / direct (ms)")  # fmt: skip
     lines = []
     for row in rows:
         grpc_part = row["grpc_p50"] - row["router_view_p50"]
@@ -225,6 +264,8 @@ def print_table(rows: list[dict[str, float]], markdown: bool) -> None:
             f"{row['overhead_p50']:.2f}", f"{row['overhead_p99']:.2f}",
             f"{grpc_part:.2f} / {orchestrator_part:.2f}",
             f"{row['router_cpu'] * 100:.1f}",
+            f"{row['router_cpu_per_request'] * 1000:.1f}",
+            f"{row['tpot_grpc_p50']:.2f} / {row['tpot_direct_p50']:.2f}",
         ))  # fmt: skip
     if markdown:
         print("| " + " | ".join(head) + " |")
@@ -246,6 +287,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument(
+        "--direct-path",
+        choices=("channel", "stream"),
+        default="channel",
+        help="how the direct path reads the decode: a token channel (as the router) or a "
+        "generate stream per request",
+    )
     ap.add_argument("--router-pid-file", help="write the router process id here (profilers)")
     args = ap.parse_args()
 
@@ -280,6 +328,11 @@ def main() -> None:
         assert cluster.endpoint is not None
         workers = ray.get(cluster.controller.list_workers.remote())
         router_pid = ray.get(cluster.routers[0].__ray_call__.remote(lambda _: os.getpid()))
+        router_code = ray.get(
+            cluster.routers[0].__ray_call__.remote(
+                lambda _: sys.modules["router.orchestrator"].__file__
+            )
+        )
         if args.router_pid_file:  # e.g. for `py-spy record -p $(cat FILE)`
             Path(args.router_pid_file).write_text(str(router_pid))
 
@@ -297,9 +350,10 @@ def main() -> None:
                 for i, rate in enumerate(float(r) for r in args.rates.split(",")):
                     cpu0, t0 = router_cpu_s(), time.perf_counter()
                     samples = await bench.run_rate(rate, args.requests, seed=args.seed + i)
-                    cpu = (router_cpu_s() - cpu0) / (time.perf_counter() - t0)
+                    cpu_s = router_cpu_s() - cpu0
                     row = summarize(rate, samples)
-                    row["router_cpu"] = cpu
+                    row["router_cpu"] = cpu_s / (time.perf_counter() - t0)
+                    row["router_cpu_per_request"] = cpu_s / row["n"]
                     rows.append(row)
                 floor = await floors(cluster.endpoint.redis_url, bench)  # type: ignore[union-attr]
                 rows[0]["router_idle_cpu"] = idle_cpu_per_s
@@ -311,6 +365,7 @@ def main() -> None:
     print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
           f"prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
           f"{args.requests} requests per rate (half per path)")  # fmt: skip
+    print(f"router code: {router_code}; direct path: {args.direct_path}")
     print(f"router process CPU when idle: {rows[0]['router_idle_cpu'] * 100:.1f}% of a core")
     print_table(rows, args.markdown)
     print("\nHops on this machine at the same time (p50 / p99 ms, 100 sequential calls each):")

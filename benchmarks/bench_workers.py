@@ -1,20 +1,28 @@
 """Worker-actor benchmark on CPU: what the Ray actor path adds to the engine.
 
 (i) Streaming overhead of the actor → caller path, in µs per token. The same prompts (corpus
-    slices, greedy, eos ignored, fixed output length) run to completion twice per repetition,
-    interleaved: on an `LLMEngine` in this process (stepped in a tight loop), and on a decode
-    actor that prefills locally and streams `TokenChunk`s through a Ray streaming generator
-    to asyncio consumers here. Both engines have the same config and one torch thread.
-    Overhead = (actor wall time - in-process wall time) / generated tokens, median over the
-    repetitions; run at several concurrencies (1 = one chunk per token).
+    slices, greedy, eos ignored, fixed output length) run to completion three times per
+    repetition, interleaved: on an `LLMEngine` in this process (stepped in a tight loop), and
+    on a decode actor that prefills locally, through each of its two output paths:
+    - stream: `generate(req)`, one Ray streaming call per request, one Ray item per request
+      per engine step (the router's path before the token channels);
+    - channel: `submit(req, channel_id)` + one `subscribe(channel_id)` stream for all of
+      them, one Ray item per engine step, read here by the router's own `DecodeChannel`
+      (router/decode_channel.py) and demultiplexed to per-request queues.
+    Each request has its own asyncio consumer here in both paths. Both engines have the
+    same config and one torch thread. Overhead = (actor wall time - in-process wall time) /
+    generated tokens, median over the repetitions; run at several concurrencies. The CPU
+    time this process (the caller, standing in for a router) and the actor process spent on
+    each path is reported per token too (medians); the actor's includes its engine's
+    compute, which is the same on both paths.
 
 (ii) Hand-off latency: prefill done (the `prefill` result is back at the caller) → first
     decode step (the first chunk of the decode stream is back), one request at a time, over
     `--handoff-requests` requests after a warm-up (so the NIXL handshake is not counted).
     Split into `TokenChunk.transfer_s` (submit → transfer outcome on the decode worker,
     handshake excluded) and the rest (Ray calls, block allocation, joining the batch, one
-    decode step, streaming back). For scale, one single-sequence decode step of the
-    in-process engine is timed too.
+    decode step, streaming back). Requests alternate between the two output paths of (i).
+    For scale, one single-sequence decode step of the in-process engine is timed too.
 
     python benchmarks/bench_workers.py
     python benchmarks/bench_workers.py --concurrency 1,8,32 --handoff-requests 100
@@ -29,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +67,7 @@ from engine.tokenizer import Tokenizer  # noqa: E402
 from kv_transfer.config import KVTransferConfig  # noqa: E402
 from prefill_worker.api import PrefillRequest, WorkerRole  # noqa: E402
 from prefill_worker.runtime import WorkerConfig  # noqa: E402
+from router.decode_channel import DecodeChannel  # noqa: E402
 
 
 def engine_config(model_dir: Path, mode: EngineMode, num_kv_blocks: int) -> EngineConfig:
@@ -99,7 +109,24 @@ def run_local(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, t
     return elapsed
 
 
-async def run_actor(d: Any, prompts: list[list[int]], sp: SamplingParams, tag: str):
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class ActorRun:
+    wall_s: float
+    items: int
+    """Ray items that carried the tokens (chunks on the stream path, batches on the channel)."""
+    caller_cpu_s: float
+    actor_cpu_s: float
+
+
+async def run_stream(d: Any, prompts: list[list[int]], sp: SamplingParams, tag: str) -> int:
+    """Every request on its own `generate` stream; returns the Ray items received."""
+
     async def one(i: int, p: list[int]) -> tuple[int, int]:
         req = DecodeRequest(f"{tag}-{i}", tuple(p), sp)
         tokens = chunks = 0
@@ -109,12 +136,42 @@ async def run_actor(d: Any, prompts: list[list[int]], sp: SamplingParams, tag: s
             chunks += 1
         return tokens, chunks
 
-    t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    elapsed = time.perf_counter() - t0
-    tokens = sum(t for t, _ in counts)
-    assert tokens == len(prompts) * sp.max_tokens, tokens
-    return elapsed, sum(c for _, c in counts)
+    assert sum(t for t, _ in counts) == len(prompts) * sp.max_tokens
+    return sum(c for _, c in counts)
+
+
+async def run_channel(
+    channel: DecodeChannel, prompts: list[list[int]], sp: SamplingParams, tag: str
+) -> int:
+    """Every request submitted on the caller's channel, read from its own queue (as the
+    orchestrator does); returns the Ray items (batches) received meanwhile."""
+
+    async def one(i: int, p: list[int]) -> int:
+        rid = f"{tag}-{i}"
+        stream = channel.open_request(rid)
+        try:
+            await stream.submit(DecodeRequest(rid, tuple(p), sp))
+            tokens = 0
+            while True:
+                chunk = await stream.next()
+                tokens += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    return tokens
+        finally:
+            stream.close()
+
+    before = channel.num_batches
+    tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    assert sum(tokens) == len(prompts) * sp.max_tokens
+    return channel.num_batches - before
+
+
+async def timed(path: Any, actor_pid: int) -> ActorRun:
+    cpu0, actor0, t0 = time.process_time(), process_cpu_s(actor_pid), time.perf_counter()
+    items = await path
+    wall = time.perf_counter() - t0
+    return ActorRun(wall, items, time.process_time() - cpu0, process_cpu_s(actor_pid) - actor0)
 
 
 @dataclass
@@ -122,34 +179,53 @@ class OverheadRow:
     concurrency: int
     tokens: int
     local_s: float
-    actor_s: float
-    tokens_per_chunk: float
+    stream: ActorRun
+    channel: ActorRun
 
-    @property
-    def us_per_token(self) -> float:
-        return (self.actor_s - self.local_s) / self.tokens * 1e6
+    def us_per_token(self, run: ActorRun) -> float:
+        return (run.wall_s - self.local_s) / self.tokens * 1e6
 
 
-def measure_overhead(
-    d: Any, engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
-    repeat: int,
+def median_run(runs: list[ActorRun]) -> ActorRun:
+    return ActorRun(
+        statistics.median(r.wall_s for r in runs),
+        round(statistics.median(r.items for r in runs)),
+        statistics.median(r.caller_cpu_s for r in runs),
+        statistics.median(r.actor_cpu_s for r in runs),
+    )
+
+
+async def measure_overhead(
+    d: Any, actor_pid: int, engine: LLMEngine, prompts: list[list[int]], concurrency: int,
+    max_tokens: int, repeat: int,
 ) -> OverheadRow:  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     batch = prompts[:concurrency]
+    # One channel per concurrency level, kept open across its repetitions (as a router keeps
+    # one per decode worker).
+    channel = DecodeChannel("bench-d0", d, f"bench-{uuid.uuid4().hex[:8]}")
     run_local(engine, batch, sp, f"warm-l{concurrency}")
-    asyncio.run(run_actor(d, batch, sp, f"warm-a{concurrency}"))
-    local, actor, per_chunk = [], [], []
+    await run_stream(d, batch, sp, f"warm-s{concurrency}")
+    await run_channel(channel, batch, sp, f"warm-c{concurrency}")
+    local: list[float] = []
+    stream: list[ActorRun] = []
+    chan: list[ActorRun] = []
     for r in range(repeat):
         local.append(run_local(engine, batch, sp, f"l{concurrency}-{r}"))
-        elapsed, chunks = asyncio.run(run_actor(d, batch, sp, f"a{concurrency}-{r}"))
-        actor.append(elapsed)
-        per_chunk.append(concurrency * max_tokens / chunks)
+        runs = [
+            (stream, run_stream(d, batch, sp, f"s{concurrency}-{r}")),
+            (chan, run_channel(channel, batch, sp, f"c{concurrency}-{r}")),
+        ]
+        for out, path in runs if r % 2 == 0 else runs[::-1]:  # alternate which goes first
+            out.append(await timed(path, actor_pid))
+    channel.close("benchmark done")
+    await channel.wait_closed()
     return OverheadRow(
         concurrency,
         concurrency * max_tokens,
         statistics.median(local),
-        statistics.median(actor),
-        statistics.median(per_chunk),
+        median_run(stream),
+        median_run(chan),
     )
 
 
@@ -158,12 +234,18 @@ def measure_overhead(
 
 @dataclass
 class Handoff:
+    path: str  # "stream" or "channel"
     total_s: float
     transfer_s: float
     num_tokens: int
 
 
-async def one_handoff(p: Any, d: Any, rid: str, prompt: list[int], sp: SamplingParams) -> Handoff:
+async def one_handoff(
+    p: Any, d: Any, channel: DecodeChannel | None, rid: str, prompt: list[int],
+    sp: SamplingParams,
+) -> Handoff:  # fmt: skip
+    """Prefill on `p`, then decode on `d`: on `channel` if given, else on a `generate`
+    stream; times prefill done → first decode chunk back here."""
     salt = rid  # no prefix reuse on either side: the whole prompt is pulled
     result = await p.prefill.remote(PrefillRequest(rid, tuple(prompt), sp, cache_salt=salt))
     done = time.perf_counter()  # prefill done: the result is back here
@@ -176,15 +258,26 @@ async def one_handoff(p: Any, d: Any, rid: str, prompt: list[int], sp: SamplingP
         handle=result.handle,
         first_token_id=result.first_token_id,
     )
-    gen = d.generate.options(num_returns="streaming").remote(req)
-    first: TokenChunk | None = None
-    async for ref in gen:
-        chunk: TokenChunk = await ref
-        if first is None:
-            first = chunk
-            total = time.perf_counter() - done
-    assert first is not None and first.token_ids
-    return Handoff(total, first.transfer_s, first.num_transferred_tokens)
+    chunks: list[TokenChunk] = []
+    if channel is None:
+        async for ref in d.generate.options(num_returns="streaming").remote(req):
+            chunks.append(await ref)
+            if len(chunks) == 1:
+                total = time.perf_counter() - done
+    else:
+        stream = channel.open_request(rid)
+        try:
+            await stream.submit(req)
+            while not chunks or chunks[-1].finish_reason is None:
+                chunks.append(await stream.next())
+                if len(chunks) == 1:
+                    total = time.perf_counter() - done
+        finally:
+            stream.close()
+    first = chunks[0]
+    assert first.token_ids
+    path = "stream" if channel is None else "channel"
+    return Handoff(path, total, first.transfer_s, first.num_transferred_tokens)
 
 
 def decode_step_s(engine: LLMEngine, prompt: list[int], repeat: int = 20) -> float:
@@ -263,16 +356,27 @@ def main() -> None:
             placement,
         )
 
-        rows = [
-            measure_overhead(d, local, prompts, c, args.max_tokens, args.repeat) for c in levels
-        ]
+        actor_pid = ray.get(d.__ray_call__.remote(lambda _: os.getpid()))
 
-        sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        asyncio.run(one_handoff(p, d, "handoff-warmup", prompts[-1], sp))  # the handshake
-        handoffs = [
-            asyncio.run(one_handoff(p, d, f"handoff-{i}", prompts[i], sp))
-            for i in range(args.handoff_requests)
-        ]
+        async def bench() -> tuple[list[OverheadRow], list[Handoff]]:
+            rows = [
+                await measure_overhead(
+                    d, actor_pid, local, prompts, c, args.max_tokens, args.repeat
+                )
+                for c in levels
+            ]
+            sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            channel = DecodeChannel("bench-d0", d, f"bench-{uuid.uuid4().hex[:8]}")
+            for warm in (None, channel):  # the handshake, and the channel's subscription
+                await one_handoff(p, d, warm, f"handoff-warm-{warm is None}", prompts[-1], sp)
+            handoffs = [
+                await one_handoff(p, d, channel if i % 2 else None, f"handoff-{i}", prompts[i], sp)
+                for i in range(args.handoff_requests)
+            ]
+            channel.close("benchmark done")
+            return rows, handoffs
+
+        rows, handoffs = asyncio.run(bench())
         step_s = decode_step_s(local, prompts[0])
     finally:
         ray.shutdown()
@@ -284,30 +388,34 @@ def main() -> None:
     )
     print("(i) streaming overhead, actor -> caller (medians of interleaved repetitions)")
     print(
-        f"{'requests':>9}{'tokens':>8}{'in-process s':>14}{'actor s':>10}"
-        f"{'tokens/chunk':>14}{'overhead µs/token':>19}"
+        f"{'requests':>9}{'tokens':>8}{'in-process s':>14}{'path':>9}{'actor s':>10}"
+        f"{'tokens/item':>13}{'overhead µs/tok':>17}{'caller CPU µs/tok':>19}"
+        f"{'actor CPU µs/tok':>18}"
     )
     for r in rows:
-        print(
-            f"{r.concurrency:>9}{r.tokens:>8}{r.local_s:>14.3f}{r.actor_s:>10.3f}"
-            f"{r.tokens_per_chunk:>14.2f}{r.us_per_token:>19.0f}"
-        )
-    totals = [h.total_s * 1e3 for h in handoffs]
-    transfers = [h.transfer_s * 1e3 for h in handoffs]
-    rest = [t - x for t, x in zip(totals, transfers, strict=True)]
+        for name, run in (("stream", r.stream), ("channel", r.channel)):
+            print(
+                f"{r.concurrency:>9}{r.tokens:>8}{r.local_s:>14.3f}{name:>9}{run.wall_s:>10.3f}"
+                f"{r.tokens / run.items:>13.2f}{r.us_per_token(run):>17.0f}"
+                f"{run.caller_cpu_s / r.tokens * 1e6:>19.0f}"
+                f"{run.actor_cpu_s / r.tokens * 1e6:>18.0f}"
+            )
+    print("\n(ii) hand-off latency, prefill done -> first decode chunk, requests one at a time")
+    print(f"{'ms':<28}{'path':>9}{'n':>5}{'p50':>8}{'p99':>8}")
+    for path in ("stream", "channel"):
+        hs = [h for h in handoffs if h.path == path]
+        totals = [h.total_s * 1e3 for h in hs]
+        transfers = [h.transfer_s * 1e3 for h in hs]
+        rest = [t - x for t, x in zip(totals, transfers, strict=True)]
+        for name, xs in (
+            ("total", totals),
+            ("transfer (transfer_s)", transfers),
+            ("rest", rest),
+        ):
+            print(f"{name:<28}{path:>9}{len(xs):>5}{pct(xs, 50):>8.2f}{pct(xs, 99):>8.2f}")
     toks = [h.num_tokens for h in handoffs]
-    print(
-        f"\n(ii) hand-off latency, prefill done -> first decode chunk, {len(handoffs)} requests "
-        f"one at a time, {min(toks)}-{max(toks)} prompt tokens pulled each"
-    )
-    print(f"{'ms':<28}{'p50':>8}{'p99':>8}")
-    for name, xs in (
-        ("total", totals),
-        ("transfer (transfer_s)", transfers),
-        ("rest", rest),
-    ):
-        print(f"{name:<28}{pct(xs, 50):>8.2f}{pct(xs, 99):>8.2f}")
-    print(f"{'one decode step, in-process':<28}{step_s * 1e3:>8.2f}")
+    print(f"prompt tokens pulled per request: {min(toks)}-{max(toks)}")
+    print(f"{'one decode step, in-process':<28}{step_s * 1e3:>22.2f}")
 
 
 if __name__ == "__main__":
