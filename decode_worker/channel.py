@@ -14,7 +14,8 @@ Channel states (`ChannelState`):
     ATTACHED --attach--> ATTACHED                         (the newer subscription replaces
                                                            the older, which ends)
     DETACHED/ATTACHED --close--> CLOSED                   (worker shutdown, or an orphan
-                                                           reaped by the worker)
+                                                           reaped by the worker: no
+                                                           subscriber, or a lease not renewed)
 
 A request's sink: open (outputs accumulate between batches) → terminal (its finishing
 output arrived, or `end` gave it a last item: the ABORT chunk or a `ChunkError`) → gone
@@ -111,6 +112,8 @@ class OutputChannel:
         self.epoch = 0
         """Bumped by every `attach`: a subscription reads while the epoch is its own."""
         self.detached_at = time.monotonic()
+        self.renewed_at = time.monotonic()
+        """Last `renew` (subscriptions with a lease)."""
         self._open: set[RequestSink] = set()
         self._ready: list[RequestSink] = []
         self._wake = asyncio.Event()
@@ -162,6 +165,11 @@ class OutputChannel:
         self.state = ChannelState.ATTACHED
         self._wake.set()
         return self.epoch
+
+    def renew(self) -> None:
+        """The subscriber says it is alive (Ray does not end an actor's streaming call when
+        its caller dies: a lease is how the worker learns of it)."""
+        self.renewed_at = time.monotonic()
 
     def detach(self, epoch: int) -> bool:
         """The subscription of `epoch` ended; False if a newer one reads (or closed)."""

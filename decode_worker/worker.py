@@ -217,14 +217,24 @@ class DecodeWorker:
         """
         self._start(req, self._channel(channel_id))
 
-    async def subscribe(self, channel_id: str) -> AsyncIterator[list[ChannelItem]]:
+    async def subscribe(
+        self, channel_id: str, lease_s: float | None = None
+    ) -> AsyncIterator[list[ChannelItem]]:
         """Stream the channel's batches (call with `num_returns="streaming"`): one list per
         engine step (per wake-up when steps outrun the reader) of `(request_id, TokenChunk)`
         and `ChunkError`. A second subscription to the same id replaces this one (this one
         ends). A channel left without a subscriber for `CHANNEL_ORPHAN_S` is closed and its
-        requests aborted."""
+        requests aborted.
+
+        With `lease_s`, the subscriber must call `renew(channel_id)` at least that often, or
+        the channel is closed (this stream ends) and its requests aborted: Ray keeps an
+        actor's streaming call running when its caller dies, so without a lease the requests
+        of a dead router would decode on until they finish."""
         channel = self._channel(channel_id)
         epoch = channel.attach()
+        if lease_s is not None:
+            channel.renew()
+            self._watch_lease(channel, epoch, lease_s)
         try:
             while (batch := await channel.next_batch(epoch)) is not None:
                 yield batch
@@ -254,6 +264,14 @@ class DecodeWorker:
             if not finished:
                 task.cancel()
 
+    def renew(self, channel_id: str) -> bool:
+        """Extend the lease of a subscription (see `subscribe`); False if no such channel."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            return False
+        channel.renew()
+        return True
+
     def channels(self) -> list[ChannelInfo]:
         """The token channels this worker holds (diagnostics and tests)."""
         return [c.info() for c in self._channels.values()]
@@ -278,12 +296,31 @@ class DecodeWorker:
     def _reap(self, channel: OutputChannel, epoch: int) -> None:
         if channel.epoch != epoch or channel.state is not ChannelState.DETACHED:
             return  # a subscription came (back), or it was closed already
+        self._close_orphan(channel, f"no subscriber for {CHANNEL_ORPHAN_S:.0f} s")
+
+    def _watch_lease(self, channel: OutputChannel, epoch: int, lease_s: float) -> None:
+        assert self._loop is not None
+        loop = self._loop
+
+        def check() -> None:
+            if channel.epoch != epoch or channel.state is not ChannelState.ATTACHED:
+                return  # replaced, detached (the orphan timer runs) or closed
+            quiet = time.monotonic() - channel.renewed_at
+            if quiet < lease_s:
+                loop.call_later(lease_s - quiet, check)
+                return
+            self._close_orphan(channel, f"lease not renewed for {quiet:.1f} s")
+
+        loop.call_later(lease_s, check)
+
+    def _close_orphan(self, channel: OutputChannel, why: str) -> None:
+        """Nobody reads the channel any more: close it (a subscriber still attached takes
+        what is left and ends) and abort its requests."""
         orphans = channel.open_requests
-        if orphans:
-            log.warning(
-                "token channel %s: no subscriber for %.0f s; aborting its %d requests",
-                channel.channel_id, CHANNEL_ORPHAN_S, len(orphans),
-            )  # fmt: skip
+        log.warning(
+            "token channel %s: %s; closing it and aborting its %d requests",
+            channel.channel_id, why, len(orphans),
+        )  # fmt: skip
         self._forget(channel)
         for rid in orphans:
             self._spawn(self.abort(rid))

@@ -4,7 +4,10 @@ of this router's requests there, one Ray item per engine step (decode_worker/cha
 `open_request` registers a request's queue (before the worker could send anything for it)
 and `RequestStream.submit` hands the request to the worker; the reader task takes each batch
 off the subscription and puts every item on its request's queue. Items of requests no longer
-registered (closed, aborted) are dropped.
+registered (closed, aborted) are dropped. The subscription holds a lease of `lease_s` on the
+worker, renewed every quarter of it while the channel is open: if this router dies, the
+worker closes the channel and aborts its requests once the lease runs out (Ray itself keeps
+an actor's streaming call running after its caller is gone).
 
 States (`ChannelState`):
 
@@ -30,6 +33,9 @@ from decode_worker.api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
 from router.errors import WorkerLost, is_actor_death, unwrap
 
 log = logging.getLogger(__name__)
+
+CHANNEL_LEASE_S = 10.0
+"""How long a decode worker keeps this router's channel without hearing from it."""
 
 
 class ChannelState(enum.Enum):
@@ -78,6 +84,7 @@ class DecodeChannel:
         handle: Any,
         id_prefix: str,
         on_worker_death: Callable[[], None] | None = None,
+        lease_s: float = CHANNEL_LEASE_S,
     ) -> None:
         self.worker_id = worker_id
         self.handle = handle
@@ -87,7 +94,9 @@ class DecodeChannel:
         self._seq = itertools.count()
         self._on_worker_death = on_worker_death
         self._streams: dict[str, RequestStream] = {}
+        self.lease_s = lease_s
         self._reader: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
         self._subscription: Any = None
         self.num_batches = 0
         """Batches received so far (over every subscription)."""
@@ -121,24 +130,35 @@ class DecodeChannel:
         self._fail_all(reason or f"decode worker {self.worker_id}: token channel closed")
 
     async def wait_closed(self) -> None:
-        """After `close`: wait until the reader task has ended."""
-        if self._reader is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        """After `close`: wait until the reader and renewal tasks have ended."""
+        for task in (self._reader, self._renewer):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     # ---- the subscription -------------------------------------------------------------------
 
     def _subscribe(self) -> None:
         self._stop_reader()
         self.channel_id = f"{self._id_prefix}{next(self._seq)}"
-        gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
-        self._subscription = gen
-        self._reader = asyncio.get_running_loop().create_task(
-            self._read(gen), name=f"token-channel-{self.channel_id}"
+        gen = self.handle.subscribe.options(num_returns="streaming").remote(
+            self.channel_id, self.lease_s
         )
+        self._subscription = gen
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read(gen), name=f"token-channel-{self.channel_id}")
+        self._renewer = loop.create_task(self._renew(self.channel_id))
         self.state = ChannelState.OPEN
 
+    async def _renew(self, channel_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            # Fire and forget: a worker that is gone fails the subscription, not this.
+            self.handle.renew.remote(channel_id)
+
     def _stop_reader(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         if self._subscription is not None:
@@ -162,6 +182,8 @@ class DecodeChannel:
         if self._subscription is subscription:  # still ours: nobody closed or replaced it
             log.warning("%s; failing its %d open requests", reason, len(self._streams))
             self._subscription = None
+            if self._renewer is not None:
+                self._renewer.cancel()
             self.state = ChannelState.BROKEN
             self._fail_all(reason)
 

@@ -1,7 +1,8 @@
 """A decode worker's token channel (one subscription per caller, requests submitted on it):
 many concurrent requests each get exactly their own tokens, several per Ray item; a worker
 killed mid-stream fails the whole channel at once; an aborted request frees its blocks while
-the others on the same channel go on; a channel left without subscriber goes away."""
+the others on the same channel go on; a channel left without subscriber, or whose caller
+died (lease not renewed), is closed and its requests aborted."""
 
 from __future__ import annotations
 
@@ -248,3 +249,61 @@ def test_submit_refuses_at_once_what_the_worker_cannot_hold(
 
     asyncio.run(run())
     wait_idle(d)
+
+
+ROUTER_THAT_DIES = """
+import asyncio, os, sys
+import ray
+from decode_worker.api import DecodeRequest
+from engine.sampling_params import SamplingParams
+from router.decode_channel import DecodeChannel
+
+ray.init(address=sys.argv[1], namespace=sys.argv[2], log_to_driver=False)
+handle = ray.get_actor(sys.argv[3])
+lease_s = float(sys.argv[4])
+
+async def main():
+    channel = DecodeChannel("d", handle, "dying-router", lease_s=lease_s)
+    sp = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    streams = []
+    for i in range(3):
+        s = channel.open_request(f"dying-{i}")
+        await s.submit(DecodeRequest(f"dying-{i}", (1, 40 + i, 7, 9, 11), sp))
+        streams.append(s)
+    await asyncio.sleep(2 * lease_s)  # renewed meanwhile: the worker keeps serving them
+    for s in streams:
+        chunk = await asyncio.wait_for(s.next(), 30)
+        assert chunk.finish_reason is None, chunk
+    print("alive after", 2 * lease_s, "s; dying", flush=True)
+    os._exit(0)  # no abort, no close: as a router process that is killed
+
+asyncio.run(main())
+"""
+
+
+def test_requests_of_a_router_process_that_dies_are_aborted_once_its_lease_runs_out(
+    workers: Workers,
+) -> None:
+    """Ray keeps an actor's streaming call running when its caller dies, so the worker holds
+    the router's channel on a lease: renewed, the requests live past it; once the router
+    is gone, the channel closes and its requests are aborted within the lease."""
+    import os
+    import subprocess
+    import sys
+
+    d, lease_s = workers.d1, 2.0
+    wait_idle(d)
+    ctx = ray.get_runtime_context()
+    repo = Path(__file__).resolve().parents[3]
+    child = subprocess.run(
+        [sys.executable, "-c", ROUTER_THAT_DIES, ctx.gcs_address, ctx.namespace,
+         "pdserve-worker-d1", str(lease_s)],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 0 and "dying" in child.stdout, child.stderr[-2000:]
+    t0 = time.monotonic()
+    wait_idle(d, timeout_s=lease_s + 15)
+    assert time.monotonic() - t0 < lease_s + 15
+    assert not [c for c in ray.get(d.channels.remote(), timeout=30)
+                if c.channel_id.startswith("dying-router/")]  # fmt: skip

@@ -42,18 +42,24 @@ class _Method:
 
 class FakeDecodeActor:
     """Stands in for a decode actor handle: `subscribe` streams what the test `send`s (an
-    exception ends the stream with it), `submit` records the request and its channel."""
+    exception ends the stream with it), `submit` and `renew` record their arguments."""
 
     def __init__(self) -> None:
         self.subscriptions: list[str] = []
+        self.leases: list[float] = []
+        self.renewals: list[str] = []
         self.submitted: list[tuple[str, str]] = []
         self._feeds: list[asyncio.Queue[list[ChannelItem] | BaseException | None]] = []
         self.subscribe = _Method(self._subscribe)
         self.submit = _Method(lambda req, cid: _value(self.submitted.append((req.request_id,
                                                                              cid))))  # fmt: skip
+        self.renew = _Method(self.renewals.append)
 
-    def _subscribe(self, channel_id: str) -> AsyncIterator[Awaitable[list[ChannelItem]]]:
+    def _subscribe(
+        self, channel_id: str, lease_s: float
+    ) -> AsyncIterator[Awaitable[list[ChannelItem]]]:
         self.subscriptions.append(channel_id)
+        self.leases.append(lease_s)
         feed: asyncio.Queue[list[ChannelItem] | BaseException | None] = asyncio.Queue()
         self._feeds.append(feed)
 
@@ -162,5 +168,22 @@ def test_close_fails_open_requests_and_refuses_new_ones() -> None:
         with pytest.raises(WorkerLost):
             ch.open_request("b")
         assert ch.num_open == 0
+
+    run(body)
+
+
+def test_the_subscription_lease_is_renewed_while_the_channel_is_open() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r", lease_s=0.08)
+        ch.open_request("a")
+        await asyncio.sleep(0.1)
+        assert actor.leases == [0.08]
+        assert len(actor.renewals) >= 2 and set(actor.renewals) == {"r/d0/0"}
+        ch.close()
+        await ch.wait_closed()
+        renewed = len(actor.renewals)
+        await asyncio.sleep(0.05)
+        assert len(actor.renewals) == renewed  # none after the close
 
     run(body)
