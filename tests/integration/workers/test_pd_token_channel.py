@@ -43,14 +43,17 @@ def test_32_concurrent_requests_on_one_channel_each_get_exactly_their_own_tokens
     worker; all share one channel, so most batches carry several requests' tokens."""
     d, prefills = workers.d0, (workers.p0, workers.p1)
 
+    base = uuid.uuid4().hex  # a salt per request: nothing cached, every pull moves blocks
+
     async def one(reader: ChannelReader, i: int, prompt: list[int]) -> str:
-        rid = f"chan-{i}"
+        rid, salt = f"chan-{i}", f"{base}-{i}"
         result = None
+        sp = greedy(MAX_TOKENS)
         if i % 2 == 0:
-            result = await prefill(prefills[i // 2 % 2], rid, prompt, greedy(MAX_TOKENS))
+            result = await prefill(prefills[i // 2 % 2], rid, prompt, sp, salt)
             if result.handle is None:  # ended on its first token: nothing to decode
                 return ""
-        await reader.submit(decode_request(rid, prompt, greedy(MAX_TOKENS), result))
+        await reader.submit(decode_request(rid, prompt, sp, result, salt))
         return rid
 
     async def run() -> None:
