@@ -21,16 +21,23 @@ A request's sink: open (outputs accumulate between batches) → terminal (its fi
 output arrived, or `end` gave it a last item: the ABORT chunk or a `ChunkError`) → gone
 (a batch took its last item). Every request on a channel ends with exactly one terminal
 item, and nothing follows it.
+
+`ChannelRegistry` holds a worker's channels by id and closes the ones nobody reads (no
+subscriber for a while, or a subscription lease not renewed), aborting their requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
+from collections.abc import Callable
 
 from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, TokenChunk
 from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 class ChannelState(enum.Enum):
@@ -186,6 +193,104 @@ class OutputChannel:
 
     def info(self) -> ChannelInfo:
         return ChannelInfo(self.channel_id, self.state is ChannelState.ATTACHED, len(self._open))
+
+
+class ChannelRegistry:
+    """A worker's token channels by id, and the timers that close the ones nobody reads.
+
+    A channel opens on its first `submit` or `subscribe`. It is forgotten when its
+    subscription ends with no request open; closed, with its requests handed to `abort`,
+    when it has had no subscriber for `orphan_s`, or when a subscription with a lease was
+    not renewed within it (Ray keeps an actor's streaming call running after its caller
+    died: the lease is how the worker learns that a router is gone). Loop thread only.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, abort: Callable[[str], object], orphan_s: float
+    ) -> None:
+        self._loop = loop
+        self._abort = abort
+        self.orphan_s = orphan_s
+        self._channels: dict[str, OutputChannel] = {}
+
+    def get(self, channel_id: str) -> OutputChannel:
+        """The channel of that id (a new one if there is none, or it was closed)."""
+        channel = self._channels.get(channel_id)
+        if channel is None or channel.state is ChannelState.CLOSED:
+            channel = OutputChannel(channel_id)
+            self._channels[channel_id] = channel
+            self._orphaned(channel)  # in case no subscription ever comes
+        return channel
+
+    def attach(self, channel: OutputChannel, lease_s: float | None) -> int:
+        """A subscription starts reading `channel`; returns its epoch."""
+        epoch = channel.attach()
+        if lease_s is not None:
+            channel.renew()
+            self._watch_lease(channel, epoch, lease_s)
+        return epoch
+
+    def detach(self, channel: OutputChannel, epoch: int) -> None:
+        """The subscription of `epoch` ended."""
+        if channel.detach(epoch):
+            self._orphaned(channel)
+
+    def renew(self, channel_id: str) -> bool:
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            return False
+        channel.renew()
+        return True
+
+    def infos(self) -> list[ChannelInfo]:
+        return [c.info() for c in self._channels.values()]
+
+    def close_all(self) -> None:
+        for channel in list(self._channels.values()):
+            self._forget(channel)
+
+    def _orphaned(self, channel: OutputChannel) -> None:
+        """No subscriber: forget the channel now if it holds no request, else give a
+        subscriber `orphan_s` to come (back) before its requests are aborted."""
+        if not channel.open_requests and channel.epoch > 0:
+            self._forget(channel)
+            return
+        self._loop.call_later(self.orphan_s, self._reap, channel, channel.epoch)
+
+    def _reap(self, channel: OutputChannel, epoch: int) -> None:
+        if channel.epoch != epoch or channel.state is not ChannelState.DETACHED:
+            return  # a subscription came (back), or it was closed already
+        self._close_orphan(channel, f"no subscriber for {self.orphan_s:.0f} s")
+
+    def _watch_lease(self, channel: OutputChannel, epoch: int, lease_s: float) -> None:
+        def check() -> None:
+            if channel.epoch != epoch or channel.state is not ChannelState.ATTACHED:
+                return  # replaced, detached (the orphan timer runs) or closed
+            quiet = time.monotonic() - channel.renewed_at
+            if quiet < lease_s:
+                self._loop.call_later(lease_s - quiet, check)
+                return
+            self._close_orphan(channel, f"lease not renewed for {quiet:.1f} s")
+
+        self._loop.call_later(lease_s, check)
+
+    def _close_orphan(self, channel: OutputChannel, why: str) -> None:
+        """Nobody reads the channel: close it (a subscriber still attached takes what is
+        left and ends) and abort its requests."""
+        orphans = channel.open_requests
+        if orphans:
+            log.warning(
+                "token channel %s: %s; closing it and aborting its %d requests",
+                channel.channel_id, why, len(orphans),
+            )  # fmt: skip
+        self._forget(channel)
+        for rid in orphans:
+            self._abort(rid)
+
+    def _forget(self, channel: OutputChannel) -> None:
+        channel.close()
+        if self._channels.get(channel.channel_id) is channel:
+            del self._channels[channel.channel_id]
 
 
 def merge_outputs(

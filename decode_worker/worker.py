@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, DecodeRequest, TokenChunk
-from decode_worker.channel import ChannelState, OutputChannel, RequestSink
+from decode_worker.channel import ChannelRegistry, OutputChannel, RequestSink
 from engine.block_pool import NoFreeBlocksError
 from engine.outputs import TransferAllocation
 from engine.request import FinishReason
@@ -79,13 +79,16 @@ class DecodeWorker:
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
-        self._channels: dict[str, OutputChannel] = {}
+        self._channels: ChannelRegistry | None = None  # set by `start` (needs the loop)
         self._tasks: set[asyncio.Task[Any]] = set()  # request pipelines and reaper aborts
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> WorkerInfo:
         info = await self.runtime.start()
         self._loop = asyncio.get_running_loop()
+        self._channels = ChannelRegistry(
+            self._loop, lambda rid: self._spawn(self.abort(rid)), CHANNEL_ORPHAN_S
+        )
         engine = self.runtime.engine
         assert engine is not None
         endpoint = DecodeEndpoint(
@@ -99,6 +102,12 @@ class DecodeWorker:
         await asyncio.to_thread(endpoint.start)
         self.endpoint = endpoint
         return info
+
+    @property
+    def _registry(self) -> ChannelRegistry:
+        if self._channels is None:
+            raise RuntimeError("decode worker not started")
+        return self._channels
 
     @property
     def _endpoint(self) -> DecodeEndpoint:
@@ -215,7 +224,7 @@ class DecodeWorker:
         tokens, and its end (a chunk with a finish reason, or a `ChunkError`), arrive on the
         channel. The channel opens here if its subscription has not arrived yet.
         """
-        self._start(req, self._channel(channel_id))
+        self._start(req, self._registry.get(channel_id))
 
     async def subscribe(
         self, channel_id: str, lease_s: float | None = None
@@ -230,17 +239,14 @@ class DecodeWorker:
         the channel is closed (this stream ends) and its requests aborted: Ray keeps an
         actor's streaming call running when its caller dies, so without a lease the requests
         of a dead router would decode on until they finish."""
-        channel = self._channel(channel_id)
-        epoch = channel.attach()
-        if lease_s is not None:
-            channel.renew()
-            self._watch_lease(channel, epoch, lease_s)
+        registry = self._registry
+        channel = registry.get(channel_id)
+        epoch = registry.attach(channel, lease_s)
         try:
             while (batch := await channel.next_batch(epoch)) is not None:
                 yield batch
         finally:
-            if channel.detach(epoch):
-                self._orphaned(channel)
+            registry.detach(channel, epoch)
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Stream one request's tokens (call with `num_returns="streaming"`): `submit` on a
@@ -266,69 +272,11 @@ class DecodeWorker:
 
     def renew(self, channel_id: str) -> bool:
         """Extend the lease of a subscription (see `subscribe`); False if no such channel."""
-        channel = self._channels.get(channel_id)
-        if channel is None:
-            return False
-        channel.renew()
-        return True
+        return self._registry.renew(channel_id)
 
     def channels(self) -> list[ChannelInfo]:
         """The token channels this worker holds (diagnostics and tests)."""
-        return [c.info() for c in self._channels.values()]
-
-    def _channel(self, channel_id: str) -> OutputChannel:
-        channel = self._channels.get(channel_id)
-        if channel is None or channel.state is ChannelState.CLOSED:
-            channel = OutputChannel(channel_id)
-            self._channels[channel_id] = channel
-            self._orphaned(channel)  # in case no subscription ever comes
-        return channel
-
-    def _orphaned(self, channel: OutputChannel) -> None:
-        """The channel has no subscriber: forget it now if it holds no request, else give a
-        subscriber `CHANNEL_ORPHAN_S` to come back before its requests are aborted."""
-        if not channel.open_requests and channel.epoch > 0:
-            self._forget(channel)
-            return
-        assert self._loop is not None
-        self._loop.call_later(CHANNEL_ORPHAN_S, self._reap, channel, channel.epoch)
-
-    def _reap(self, channel: OutputChannel, epoch: int) -> None:
-        if channel.epoch != epoch or channel.state is not ChannelState.DETACHED:
-            return  # a subscription came (back), or it was closed already
-        self._close_orphan(channel, f"no subscriber for {CHANNEL_ORPHAN_S:.0f} s")
-
-    def _watch_lease(self, channel: OutputChannel, epoch: int, lease_s: float) -> None:
-        assert self._loop is not None
-        loop = self._loop
-
-        def check() -> None:
-            if channel.epoch != epoch or channel.state is not ChannelState.ATTACHED:
-                return  # replaced, detached (the orphan timer runs) or closed
-            quiet = time.monotonic() - channel.renewed_at
-            if quiet < lease_s:
-                loop.call_later(lease_s - quiet, check)
-                return
-            self._close_orphan(channel, f"lease not renewed for {quiet:.1f} s")
-
-        loop.call_later(lease_s, check)
-
-    def _close_orphan(self, channel: OutputChannel, why: str) -> None:
-        """Nobody reads the channel any more: close it (a subscriber still attached takes
-        what is left and ends) and abort its requests."""
-        orphans = channel.open_requests
-        log.warning(
-            "token channel %s: %s; closing it and aborting its %d requests",
-            channel.channel_id, why, len(orphans),
-        )  # fmt: skip
-        self._forget(channel)
-        for rid in orphans:
-            self._spawn(self.abort(rid))
-
-    def _forget(self, channel: OutputChannel) -> None:
-        channel.close()
-        if self._channels.get(channel.channel_id) is channel:
-            del self._channels[channel.channel_id]
+        return self._registry.infos()
 
     def _spawn(self, coro: Coroutine[Any, Any, object]) -> asyncio.Task[Any]:
         assert self._loop is not None
@@ -465,8 +413,8 @@ class DecodeWorker:
         if self.endpoint is not None:
             await asyncio.to_thread(self._endpoint.close)
         self.runtime.stop()
-        for channel in list(self._channels.values()):
-            self._forget(channel)  # subscribers take what is left, then their streams end
+        if self._channels is not None:
+            self._channels.close_all()  # subscribers take what is left, then their streams end
 
 
 async def _finished(sink: RequestSink, deadline: float | None) -> None:

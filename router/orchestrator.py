@@ -8,7 +8,9 @@ One `generate` call per request (DESIGN.md lifecycle steps 2-8, after validation
 3. Place: least-cost prefill worker (cache-aware) and least-loaded decode worker, or the
    decode worker alone when the uncached remainder is short (conditional disaggregation).
 4. Prefill: the first token goes to the client at once (TTFT ends here) with the KV handle.
-5. Decode: the decode worker pulls the KV and streams the rest.
+5. Decode: the decode worker pulls the KV and streams the rest, on this router's token
+   channel to it (router/decode_channel.py: one Ray item per engine step for all of this
+   router's requests on that worker).
 
 Retries: a prefill worker that is draining, overloaded or dead is replaced by another; a
 hand-off that fails before the first decoded token (transfer error, lease expired, decode

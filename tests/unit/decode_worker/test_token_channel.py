@@ -1,6 +1,7 @@
 """The decode worker's token channel on its own (no Ray, no engine): what one batch holds,
-how a request's outputs merge, that every request ends with exactly one last item, and how
-subscriptions attach, replace each other and end."""
+how a request's outputs merge, that every request ends with exactly one last item, how
+subscriptions attach, replace each other and end, and when the registry closes channels
+nobody reads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from decode_worker.api import ChunkError, TokenChunk
-from decode_worker.channel import ChannelState, OutputChannel, RequestSink
+from decode_worker.channel import ChannelRegistry, ChannelState, OutputChannel, RequestSink
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, RequestTimings
 from kv_transfer.errors import TransferTimeout
@@ -182,5 +183,76 @@ def test_outputs_wait_on_a_channel_without_subscriber_until_one_attaches() -> No
         epoch = ch.attach()
         batch = await ch.next_batch(epoch) or []
         assert [c.token_ids for _, c in batch] == [(1,), (2,)]  # type: ignore[misc]
+
+    run(body)
+
+
+def registry(aborted: list[str], orphan_s: float = 0.05) -> ChannelRegistry:
+    return ChannelRegistry(asyncio.get_running_loop(), aborted.append, orphan_s)
+
+
+def test_a_subscription_that_ends_with_no_request_open_forgets_its_channel() -> None:
+    async def body() -> None:
+        aborted: list[str] = []
+        reg = registry(aborted)
+        ch = reg.get("c")
+        epoch = reg.attach(ch, None)
+        assert [i.channel_id for i in reg.infos()] == ["c"]
+        reg.detach(ch, epoch)
+        assert reg.infos() == [] and ch.state is ChannelState.CLOSED
+        assert reg.get("c") is not ch  # a later subscription opens a fresh one
+        await asyncio.sleep(0.1)
+        assert aborted == []
+
+    run(body)
+
+
+def test_a_channel_left_without_subscriber_is_closed_and_its_requests_aborted() -> None:
+    async def body() -> None:
+        aborted: list[str] = []
+        reg = registry(aborted)
+        ch = reg.get("c")
+        epoch = reg.attach(ch, None)
+        sink(ch, "r1")
+        sink(ch, "r2")
+        reg.detach(ch, epoch)
+        await asyncio.sleep(0.02)
+        assert aborted == [] and ch.state is ChannelState.DETACHED
+        await asyncio.sleep(0.08)
+        assert sorted(aborted) == ["r1", "r2"]
+        assert ch.state is ChannelState.CLOSED and reg.infos() == []
+
+    run(body)
+
+
+def test_a_subscriber_that_comes_back_in_time_keeps_the_channel() -> None:
+    async def body() -> None:
+        aborted: list[str] = []
+        reg = registry(aborted)
+        ch = reg.get("c")  # a submit came first: no subscriber yet
+        sink(ch, "r1")
+        reg.attach(reg.get("c"), None)
+        await asyncio.sleep(0.1)
+        assert aborted == [] and ch.state is ChannelState.ATTACHED
+
+    run(body)
+
+
+def test_a_lease_not_renewed_closes_the_channel_its_reader_and_aborts_its_requests() -> None:
+    async def body() -> None:
+        aborted: list[str] = []
+        reg = registry(aborted, orphan_s=10.0)
+        ch = reg.get("c")
+        epoch = reg.attach(ch, 0.06)
+        sink(ch, "r1")
+        for _ in range(4):  # renewed: the lease holds past its length
+            await asyncio.sleep(0.03)
+            assert reg.renew("c")
+        assert aborted == [] and ch.state is ChannelState.ATTACHED
+        reader = asyncio.ensure_future(ch.next_batch(epoch))
+        await asyncio.sleep(0.1)  # no renewal now
+        assert aborted == ["r1"] and ch.state is ChannelState.CLOSED
+        assert await asyncio.wait_for(reader, 1) is None  # the subscription ends
+        assert not reg.renew("c")
 
     run(body)
