@@ -13,7 +13,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -38,6 +38,9 @@ from router.servicer import (
     generation_handler,
 )
 from router.validation import ValidationLimits
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,7 @@ class RouterServer:
         self.generation: GenerationServicer | None = None
         self.port = 0
         self.metrics_port: int | None = None
+        self._metrics_http: WSGIServer | None = None
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
@@ -166,7 +170,10 @@ class RouterServer:
         await server.start()
         self.server = server
         if self.config.metrics_port is not None:
-            self.metrics_port = _serve_metrics(self.metrics, self.config.metrics_port)
+            self._metrics_http = _serve_metrics(
+                self.metrics, self.config.host, self.config.metrics_port
+            )
+            self.metrics_port = int(self._metrics_http.server_port)
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop())
         return self.port
@@ -231,6 +238,10 @@ class RouterServer:
                 await self._health_task
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
         await self.view.stop()
         if self.index is not None:
             self.index.close()
@@ -264,11 +275,12 @@ class _ReflectionPool:
         return getattr(self._pool, name)
 
 
-def _serve_metrics(metrics: RouterMetrics, port: int) -> int:
+def _serve_metrics(metrics: RouterMetrics, host: str, port: int) -> WSGIServer:
+    """Prometheus HTTP endpoint on the router's own host (0.0.0.0 behind a Service)."""
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
-    return int(server.server_port)
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return server
 
 
 class ControllerControl:

@@ -1,8 +1,5 @@
 """On a multi-node cluster routers listen on `host` (e.g. 0.0.0.0 behind a Kubernetes Service):
 the gRPC API and the Prometheus metrics must both answer on a non-loopback address.
-
-Known bug (router/server.py `_serve_metrics` binds 127.0.0.1 whatever `RouterConfig.host`
-says): the metrics half is marked xfail(strict) until it is fixed there.
 """
 
 from __future__ import annotations
@@ -72,10 +69,6 @@ def test_router_grpc_listens_on_its_configured_host(tiny_model_dir: Path) -> Non
     assert grpc_ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/server.py _serve_metrics binds 127.0.0.1 regardless of RouterConfig.host",
-)
 def test_router_metrics_listen_on_its_configured_host(tiny_model_dir: Path) -> None:
     _, metrics_ok = serve_and_probe(tiny_model_dir)
     assert metrics_ok
