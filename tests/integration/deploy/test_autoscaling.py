@@ -39,7 +39,10 @@ def test_surge_scales_prefill_up_onto_a_new_node_then_idle_scales_down(
 ) -> None:
     inner = (
         "set -e; ip link set lo up; "
-        "mount -t tmpfs -o size=1g tmpfs /tmp; mount -t tmpfs -o size=1g tmpfs /dev/shm; "
+        # private Ray session files and shared memory; /tmp itself stays (the checkout, its
+        # venv or the model may live there)
+        "mkdir -p /tmp/ray; mount -t tmpfs -o size=1g tmpfs /tmp/ray; "
+        "mount -t tmpfs -o size=1g tmpfs /dev/shm; "
         f'"{sys.executable}" "{SCENARIO}" "{tiny_model_dir}"'
     )
     done = subprocess.run(

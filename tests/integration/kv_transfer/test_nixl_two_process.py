@@ -196,7 +196,8 @@ def test_lost_read_completion_times_out_and_both_sides_free_their_blocks(
     # decode's abort notice ends the prefill lease long before its 10 s deadline
     wait_for(lambda: "lost" in released_ids(peer), timeout_s=2)
     assert released_ids(peer)["lost"].at < handle.lease_deadline - 8
-    assert d.endpoint.load().in_flight_blocks == 0
+    # the load snapshot is published at the end of the endpoint tick that delivered the outcome
+    wait_for(lambda: d.endpoint.load().in_flight_blocks == 0, timeout_s=1)
 
 
 def test_killed_prefill_mid_pull_decode_frees_every_block_within_its_deadline(
