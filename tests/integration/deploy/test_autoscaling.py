@@ -38,20 +38,22 @@ def test_surge_scales_prefill_up_onto_a_new_node_then_idle_scales_down(
     tiny_model_dir: Path,
 ) -> None:
     inner = (
+        # private Ray session files, temp files and shared memory; /tmp itself stays (the
+        # checkout, its venv or the model may live there)
         "set -e; ip link set lo up; "
-        # private Ray session files and shared memory; /tmp itself stays (the checkout, its
-        # venv or the model may live there)
-        "mkdir -p /tmp/ray; mount -t tmpfs -o size=1g tmpfs /tmp/ray; "
+        "mkdir -p /tmp/ray; mount -t tmpfs -o size=1g tmpfs /tmp/ray; export TMPDIR=/tmp/ray PYTHONUNBUFFERED=1; "
         "mount -t tmpfs -o size=1g tmpfs /dev/shm; "
         f'"{sys.executable}" "{SCENARIO}" "{tiny_model_dir}"'
     )
-    done = subprocess.run(
-        ["unshare", "-p", "-f", "--mount-proc", "-n", "bash", "-c", inner],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # --kill-child: when the test gives up, the namespace's init and with it every process
+    # of the scenario die too (else its Ray cluster outlives the test)
+    command = ["unshare", "-p", "-f", "--kill-child", "--mount-proc", "-n", "bash", "-c", inner]
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"scenario still running after 600 s:\n{out[-4000:]}\n{err[-4000:]}")
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + "\n" + done.stderr[-6000:]
     assert "SCENARIO OK" in done.stdout
