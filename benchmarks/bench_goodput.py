@@ -70,6 +70,7 @@ def peer_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
 
 def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from deploy.cluster import ClusterOptions
+    from deploy.workers import ActorPlacement
     from engine.config import EngineConfig
     from router.server import RouterConfig
 
@@ -80,6 +81,7 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # typ
         max_num_seqs=256,
         enable_chunked_prefill=True,
         max_model_len=8192,
+        num_kv_blocks=args.num_kv_blocks,
     )
     thresholds = AdmissionThresholds(
         max_estimated_ttft_ms=600_000.0,
@@ -93,8 +95,13 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # typ
     return ClusterOptions(
         model_dir=model_dir,
         num_prefill=1 if pd else 0,
-        num_decode=1 if pd else 2,
+        num_decode=1 if pd else args.colocated_workers,
         colocated=not pd,
+        placement=(
+            ActorPlacement(num_gpus=args.gpu_fraction, num_cpus=1.0)
+            if args.gpu_fraction is not None
+            else None  # one GPU per worker where there are GPUs, else CPU
+        ),
         grpc_port=0,
         metrics_port=None,
         engine=engine,
@@ -125,6 +132,30 @@ def transfer_stats(cluster) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return totals
 
 
+def engine_steps(cluster) -> dict[str, tuple[int, float]]:  # type: ignore[no-untyped-def]
+    """Per worker: engine steps so far and the seconds spent in them (EngineDriver)."""
+    import ray
+
+    def read(actor) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+        driver = actor.runtime.driver
+        return driver.num_steps, driver.busy_s
+
+    return {
+        info.worker_id: tuple(ray.get(handle.__ray_call__.remote(read)))
+        for info, handle in ray.get(cluster.controller.list_workers.remote())
+    }
+
+
+def step_ms(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> str:
+    """Mean engine step time per worker between two `engine_steps` readings."""
+    parts = []
+    for wid, (n1, s1) in sorted(after.items()):
+        n0, s0 = before.get(wid, (0, 0.0))
+        if n1 > n0:
+            parts.append(f"{wid} {1000 * (s1 - s0) / (n1 - n0):.2f} ms x {n1 - n0}")
+    return ", ".join(parts)
+
+
 def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> dict:  # type: ignore[type-arg]
     from deploy.cluster import Cluster
 
@@ -139,8 +170,10 @@ def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> 
             run_load(target, workload, 4.0, 1.0, seed=99, timeout_s=args.timeout)
         for workload in args.workloads:
             for rate in args.rates[workload]:
-                t1 = time.time()
+                t1, steps0 = time.time(), engine_steps(cluster)
                 records = run_load(target, workload, rate, args.duration, args.seed, args.timeout)
+                steps = step_ms(steps0, engine_steps(cluster))
+                result.setdefault("engine_steps", {})[f"{workload}@{rate:g}"] = steps
                 path = out / f"records-{mode}-{workload}-{rate:g}.jsonl"
                 write_records(path, records)
                 rep = summarize(records, args.slo, offered_rate=rate)
@@ -148,7 +181,8 @@ def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> 
                 log(
                     f"{mode} {workload} rate {rate:g}: {rep.completed}/{rep.requests} ok, "
                     f"attain {rep.attainment:.0%}, TTFT p90 {rep.ttft.p90:.0f} ms, "
-                    f"TPOT p90 {rep.tpot.p90:.1f} ms ({time.time() - t1:.0f}s)"
+                    f"TPOT p50/p90 {rep.tpot.p50:.1f}/{rep.tpot.p90:.1f} ms "
+                    f"({time.time() - t1:.0f}s); engine step: {steps}"
                 )
                 if rep.attainment < args.stop_below:
                     log(f"{mode} {workload}: attainment under {args.stop_below:.0%}, next workload")
@@ -191,6 +225,7 @@ def analyse(results: list[dict], args: argparse.Namespace, out: Path, peer_gbps:
                 entry["transfer_over_ttft_p50"] = statistics.median(xfer) / statistics.median(ttft)
         if "transfer" in res:
             table["kv_transfer"] = res["transfer"]
+        table.setdefault("engine_steps", {})[mode] = res.get("engine_steps", {})
     for workload in args.workloads:
         w = table.get(workload, {})
         for name in slos:
@@ -286,6 +321,18 @@ def main() -> int:
         "--stop-below", type=float, default=0.5, help="end a sweep under this attainment"
     )
     ap.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument(
+        "--colocated-workers", type=int, default=2, help="colocated workers (one per GPU)"
+    )
+    ap.add_argument(
+        "--gpu-fraction", type=float, default=None,
+        help="GPUs per worker actor (0.5: a prefill and a decode worker share one GPU; "
+        "default: one GPU each where there are GPUs, else CPU)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--num-kv-blocks", type=int, default=0,
+        help="KV blocks per worker (0: sized from free memory; set it when workers share a GPU)",
+    )  # fmt: skip
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--analyse", nargs="+", metavar="DIR", help="only re-analyse earlier outputs")

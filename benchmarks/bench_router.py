@@ -299,6 +299,7 @@ def main() -> None:
 
     from deploy.cluster import Cluster, ClusterOptions, loopback_env
     from deploy.make_model import cached_tiny_model
+    from deploy.workers import ActorPlacement
     from router.server import RouterConfig
 
     loopback_env()
@@ -307,6 +308,7 @@ def main() -> None:
         grpc_port=0,
         metrics_port=None,
         num_cpus=4,
+        placement=ActorPlacement(num_cpus=0.5),  # CPU workers, also on a GPU host
         engine=EngineConfig(
             model_dir,
             device="cpu",

@@ -20,7 +20,7 @@ from deploy.controller import CONTROLLER_NAME, ClusterSpec, Controller, controll
 from deploy.local_ray import loopback_env
 from deploy.planner_loop import PlannerSettings
 from deploy.redis_server import EmbeddedRedis
-from deploy.workers import ActorPlacement
+from deploy.workers import ActorPlacement, capacity_shortfall, default_placement
 from engine.config import EngineConfig
 from router.server import RouterActor, RouterConfig
 
@@ -123,6 +123,8 @@ class Cluster:
                 )
                 self._ray_started = True
             _refuse_running_controller()
+            if opts.address is None:
+                _refuse_unplaceable(opts)
             engine = replace(opts.engine or EngineConfig(model_dir), model_dir=model_dir)
             spec = ClusterSpec(
                 engine=engine,
@@ -247,6 +249,22 @@ def _refuse_running_controller() -> None:
         f"a pdserve controller ({CONTROLLER_NAME!r}) already runs on this Ray cluster; "
         "stop it with `pdserve down --address ADDRESS` (or use another Ray cluster)"
     )
+
+
+def _refuse_unplaceable(opts: ClusterOptions) -> None:
+    """A local Ray has the resources it started with (no autoscaler adds nodes): refuse at
+    once, saying what is short, workers that could never be placed (else `up` would wait for
+    them until its start timeout)."""
+    import ray
+
+    default = opts.placement or default_placement()
+    prefill = opts.prefill_placement or default
+    decode = opts.decode_placement or default
+    wanted = [("prefill", prefill)] * (0 if opts.colocated else opts.num_prefill)
+    wanted += [("colocated" if opts.colocated else "decode", decode)] * opts.num_decode
+    why = capacity_shortfall(wanted, ray.cluster_resources())
+    if why is not None:
+        raise ClusterError(why)
 
 
 def _wait_name_released(name: str, timeout_s: float) -> None:

@@ -39,6 +39,32 @@ def default_placement() -> ActorPlacement:
     return ActorPlacement()
 
 
+def capacity_shortfall(
+    wanted: list[tuple[str, ActorPlacement]], available: dict[str, float]
+) -> str | None:
+    """Why `wanted` workers (role, placement) cannot all be placed on `available` Ray
+    resources, or None when they fit. For a Ray whose resources are fixed (a local one, no
+    autoscaler): there, a worker that does not fit would wait for a node that never comes."""
+    need: dict[str, float] = {}
+    per_role: dict[str, dict[str, float]] = {}
+    for role, p in wanted:
+        asks = {"GPU": p.num_gpus, "CPU": p.num_cpus, **dict(p.resources)}
+        for name, amount in asks.items():
+            if amount > 0:
+                need[name] = need.get(name, 0.0) + amount
+                per_role.setdefault(name, {}).setdefault(role, 0.0)
+                per_role[name][role] += amount
+    for name, total in sorted(need.items()):
+        have = available.get(name, 0.0)
+        if total > have + 1e-9:
+            asked = ", ".join(f"{role} {n:g}" for role, n in sorted(per_role[name].items()))
+            return (
+                f"the workers need {total:g} {name} ({asked}) but this Ray has {have:g}: "
+                f"start fewer workers, or give each a smaller share (placement)"
+            )
+    return None
+
+
 def actor_class(role: WorkerRole) -> type:
     return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
 

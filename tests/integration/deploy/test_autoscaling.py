@@ -41,7 +41,8 @@ def test_surge_scales_prefill_up_onto_a_new_node_then_idle_scales_down(
         # private Ray session files, temp files and shared memory; /tmp itself stays (the
         # checkout, its venv or the model may live there)
         "set -e; ip link set lo up; "
-        "mkdir -p /tmp/ray; mount -t tmpfs -o size=1g tmpfs /tmp/ray; export TMPDIR=/tmp/ray PYTHONUNBUFFERED=1; "
+        "mkdir -p /tmp/ray; mount -t tmpfs -o size=1g tmpfs /tmp/ray; "
+        "export TMPDIR=/tmp/ray PYTHONUNBUFFERED=1; "
         "mount -t tmpfs -o size=1g tmpfs /dev/shm; "
         f'"{sys.executable}" "{SCENARIO}" "{tiny_model_dir}"'
     )
