@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# One batched call on the 2xH200 machine (see ../shared/GPU.md): unpack the carried bundles, run
-# the GPU tests, the engine and KV-transfer benchmarks and a short end-to-end PD-vs-colocated
-# run on a 4-layer Llama-3-shaped model. Logs go under $OUT. Carry: .whl and pdserve/v1.
+# One batched call on the GPU machine (see ../shared/GPU.md): unpack the carried bundles, then run
+# the steps named on the command line (default: all of them, in this order). Logs go under $OUT,
+# at most 8 files (the device tool's limit): one log per step, bulky outputs as one .tgz.
+# Carry: .whl and pdserve/v1.
+#
+#   jit      build flashinfer's fused layer-ops kernels once into /tmp/fiws (~1-2 min fresh)
+#   tests    the GPU tests (tests/gpu)
+#   engine   benchmarks/bench_engine.py (decode/prefill vs the HBM and matmul floors)
+#   kv       benchmarks/bench_kv_transfer.py --gpu (needs 2 GPUs for the VRAM->VRAM figure)
+#   router   benchmarks/bench_router.py on this host's CPUs (tiny model, CPU workers)
+#   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
+#            worker) and PD (prefill + decode sharing the GPU), engine step time vs client TPOT
+#   e2e2     the same model, PD (GPU0 + GPU1) vs colocated (two workers), needs 2 GPUs
 set -u
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT" /tmp/site
@@ -9,23 +19,41 @@ for f in .whl/*.tar.xz; do tar xJf "$f" -C /tmp/site || exit 1; done
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
   PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \
   PDSERVE_REDIS_SERVER=/tmp/site/redis_server/bin/redis-server PDSERVE_CACHE_DIR=/tmp/pdcache
+# the generated API modules are git-ignored: carry them (pdserve/v1), the GPU machine has no
+# grpcio-tools to make them
+ls pdserve/v1/serving_pb2.py >/dev/null 2>&1 || { echo "no generated stubs: carry pdserve/v1"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 python -c "import torch, ray, grpc, redis, flashinfer, nixl; print('torch', torch.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
 step() {
   local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
+  echo "=== $name (limit ${limit}s) $(date +%T)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== rc=$? $name"
+  echo "=== rc=$? $name $(date +%T)"
   tail -n "${TAILN:-30}" "$OUT/$name.log"
 }
-# build flashinfer's fused layer-ops kernels (norm, RoPE, SiLU) once, in parallel, into /tmp/fiws:
-# ~1-2 min on a fresh machine; every later process (tests, benchmarks, workers) loads them
-step jit_warm 240 python -c "import logging, time; logging.basicConfig(level=logging.INFO); \
+small_model() {
+  [ -f /tmp/small/config.json ] || python -m deploy.cli make-model /tmp/small --preset llama3-8b \
+    --layers 4 --device cuda > "$OUT/make_small.log" 2>&1
+}
+STEPS=${*:-jit tests engine kv router e2e1 e2e2}
+for s in $STEPS; do
+  case $s in
+  jit) step jit 240 python -c "import logging, time; logging.basicConfig(level=logging.INFO); \
 t = time.time(); from engine.layer_ops import FlashInferOps; FlashInferOps().build_kernels(); \
-print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')"
-step gpu_tests 170 python -m pytest tests/gpu -q -rA -p no:cacheprovider
-step bench_engine 170 python benchmarks/bench_engine.py
-step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis
-python -m deploy.cli make-model /tmp/small --preset llama3-8b --layers 4 --device cuda > "$OUT/make_small.log" 2>&1
-step e2e 190 python benchmarks/bench_goodput.py --model /tmp/small --out "$OUT/e2e" \
-  --workloads balanced --rates "balanced=4" --duration 5
+print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
+  tests) step gpu_tests 200 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
+  engine) step bench_engine 170 python benchmarks/bench_engine.py ;;
+  kv) step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis ;;
+  router) step bench_router 170 python benchmarks/bench_router.py --rates 2,5,10 --requests 120 \
+    --markdown ;;
+  e2e1) small_model; step e2e1 300 python benchmarks/bench_goodput.py --model /tmp/small \
+    --out /tmp/e2e1 --modes colocated,pd --colocated-workers 1 --gpu-fraction 0.5 \
+    --num-kv-blocks 8192 --workloads decode_heavy,balanced \
+    --rates "decode_heavy=2,8;balanced=2,8" --duration 8 --stop-below 0
+    tar czf "$OUT/e2e1.tgz" -C /tmp e2e1 ;;
+  e2e2) small_model; step e2e2 190 python benchmarks/bench_goodput.py --model /tmp/small \
+    --out /tmp/e2e2 --workloads balanced --rates "balanced=4" --duration 5
+    tar czf "$OUT/e2e2.tgz" -C /tmp e2e2 ;;
+  *) echo "unknown step $s"; exit 2 ;;
+  esac
+done

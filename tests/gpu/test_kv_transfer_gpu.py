@@ -1,8 +1,9 @@
-"""NIXL VRAM → VRAM between two GPUs of one host, two processes (GPU machine only).
+"""NIXL VRAM → VRAM between two processes (GPU machine only): two GPUs of one host where there
+are two, else two processes on one GPU (the same cuda_ipc path, one device).
 
-The prefill process owns a pool on cuda:0, this process pulls into a pool on cuda:1 through
-the real endpoints. UCX_TLS / UCX_NET_DEVICES (set for CPU runs by tests/conftest.py) are
-removed first, so UCX can pick cuda_ipc.
+The prefill process owns a pool on cuda:0, this process pulls into a pool on cuda:1 (or
+cuda:0) through the real endpoints. UCX_TLS / UCX_NET_DEVICES (set for CPU runs by
+tests/conftest.py) are removed first, so UCX can pick cuda_ipc.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def prefill_on_gpu0(conn: Connection) -> None:
     endpoint.close()
 
 
-def test_two_gpus_pull_blocks_over_nixl_and_bytes_match(monkeypatch: pytest.MonkeyPatch) -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+def test_vram_pull_between_processes_over_nixl_and_bytes_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decode_gpu = 1 if torch.cuda.device_count() >= 2 else 0
     monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     ctx = mp.get_context("spawn")
@@ -66,9 +68,9 @@ def test_two_gpus_pull_blocks_over_nixl_and_bytes_match(monkeypatch: pytest.Monk
         info = conn.recv()
         assert info.region.mem_type == "VRAM" and info.region.device_id == 0
         handle = conn.recv()
-        torch.cuda.set_device(1)
+        torch.cuda.set_device(decode_gpu)
         outcomes: queue.Queue[TransferOutcome] = queue.Queue()
-        cache = KVCache(SPEC, "cuda:1")
+        cache = KVCache(SPEC, f"cuda:{decode_gpu}")
         endpoint = DecodeEndpoint(cache, MODEL, "gpu-d0", outcomes.put, outcomes.put)
         endpoint.start()
         endpoint.add_peer(info)
