@@ -144,6 +144,10 @@ class EngineDriver:
     def _recover(self, error: BaseException) -> None:
         self.num_step_errors += 1
         log.exception("engine step failed; aborting its requests")
+        try:
+            self.engine.runner.clear_device_error()
+        except Exception:
+            log.exception("clearing the device error after a failed step failed")
         request_ids = list(self.engine.scheduler.requests)
         for rid in request_ids:
             try:

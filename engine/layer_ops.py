@@ -203,7 +203,12 @@ class FlashInferOps(LayerOps):
                 except Exception as e:
                     log.warning("building a flashinfer layer-ops module failed: %s", e)
 
+    # The kernels fail on zero rows (cudaErrorInvalidValue, left pending for the next launch):
+    # an empty input returns at once.
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
         out: torch.Tensor = self._norm.rmsnorm(x, weight, eps)
         return out
 
@@ -211,7 +216,8 @@ class FlashInferOps(LayerOps):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # residual += x; x = rmsnorm(residual) * weight, in one kernel
-        self._norm.fused_add_rmsnorm(x, residual, weight, eps)
+        if x.shape[0] > 0:
+            self._norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
     def rope(
@@ -220,11 +226,15 @@ class FlashInferOps(LayerOps):
         # flashinfer takes [T, heads * D] (any row stride, contiguous heads) and int32/int64
         # positions; it rotates q and k in the buffers they view (here: the qkv projection).
         t, d = q.shape[0], q.shape[-1]
+        if t == 0:
+            return q, k
         self._rope.apply_rope_with_cos_sin_cache_inplace(
             positions, q.view(t, -1), k.view(t, -1), d, tables.cos_sin_cache, is_neox=True
         )
         return q, k
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty((0, x.shape[-1] // 2))
         out: torch.Tensor = self._act.silu_and_mul(x.contiguous())
         return out

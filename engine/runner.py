@@ -124,9 +124,29 @@ class ModelRunner:
         step = self._stager.stage(layout)
         self.backend.prepare(step)
         hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.layer_ops)
+        if batch.num_sampled == 0:
+            # Only mid-prompt chunks (a prompt longer than the step's token budget): the KV is
+            # written, nothing is sampled. No head matmul, and no empty tensor for a kernel
+            # (flashinfer's RMSNorm fails on zero rows with cudaErrorInvalidValue).
+            return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
         if not layout.samples_every_row:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden, self.layer_ops)
+
+    def clear_device_error(self) -> None:
+        """After a failed step: a launch error (e.g. an invalid argument) stays pending in the
+        CUDA runtime until the next launch check reads it, which would fail the next,
+        healthy step's first kernel too. Read it here. A sticky error (illegal address) is not
+        cleared by this: every later step fails and the worker must be replaced."""
+        if self.device.type != "cuda":
+            return
+        for _ in range(2):
+            try:
+                torch.cuda.synchronize(self.device)
+                torch.zeros(1, device=self.device).add_(1)
+                return
+            except RuntimeError:  # the pending error, now consumed
+                continue
 
     def warmup(self, num_tokens: int = 256) -> None:
         """Run one prompt chunk over blocks 0.. (compiles kernels); call before serving."""

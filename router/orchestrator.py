@@ -14,8 +14,8 @@ One `generate` call per request (DESIGN.md lifecycle steps 2-8, after validation
 
 Retries: a prefill worker that is draining, overloaded or dead is replaced by another; a
 hand-off that fails before the first decoded token (transfer error, lease expired, decode
-worker lost) is retried once with a fresh prefill on (if possible) other workers, and the
-decode continues from the first token already sent. Every exit path releases the admission
+worker lost) is retried once with a fresh prefill on (if possible) other workers, under a
+fresh worker-facing request id, and the decode continues from the first token already sent. Every exit path releases the admission
 reservation and aborts whatever the workers still hold for the request.
 """
 
@@ -289,6 +289,10 @@ class Orchestrator:
                 ):
                     raise
                 handoff_failures += 1
+                # A fresh id towards the workers: the failed attempt's state there (a decode
+                # reservation, a prefill lease) ends at its own pace, by the aborts sent above,
+                # and must not collide with the retry's.
+                req = replace(req, request_id=f"{req.request_id}~{handoff_failures}")
                 progress.tried_decode.add(placement.decode_worker_id)
                 if not self.view.decode_candidates(match, frozenset(progress.tried_decode)):
                     progress.tried_decode.clear()  # the only decode worker: try it again

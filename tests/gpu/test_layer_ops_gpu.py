@@ -223,3 +223,35 @@ def test_fused_ops_cut_kernels_per_decode_step(model: LlamaModel, corpus: list[i
     if fused == 0 or ref == 0:
         pytest.skip("the profiler recorded no CUDA kernels here")
     assert ref - fused >= 20 * layers  # ~41 -> ~12 per layer (see engine/layer_ops.py)
+
+
+def test_prompt_chunks_without_a_sample_run_on_fused_ops(
+    model: LlamaModel, corpus: list[int]
+) -> None:
+    """A prompt longer than the step's token budget: its first chunks sample nothing. The head
+    (and its RMSNorm) must not run on zero rows: flashinfer's kernel fails there with
+    cudaErrorInvalidValue, left pending to fail the next step (seen on the H200, 3000-token
+    prompts at a 2048-token budget)."""
+    fused, ref = make_runner(model, "flashinfer"), make_runner(model, "torch")
+    tokens = tuple(corpus[:70])
+    blocks = tuple(range(1, 1 + -(-70 // BS)))
+    chunks = [
+        ScheduledBatch((SeqChunk("p", tokens[:30], 0, blocks, False),)),
+        ScheduledBatch((SeqChunk("p", tokens[30:60], 30, blocks, False),)),
+        ScheduledBatch((SeqChunk("p", tokens[60:], 60, blocks, True),)),
+    ]
+    for batch in chunks:
+        got, want = fused.execute(batch), ref.execute(batch)
+        assert got.shape == want.shape == (batch.num_sampled, model.cfg.vocab_size)
+        if batch.num_sampled:
+            assert rel_err(got, want) < 1e-2
+    torch.cuda.synchronize()
+    ops = FlashInferOps()
+    empty = torch.empty((0, model.cfg.hidden_size), dtype=torch.bfloat16, device="cuda")
+    assert ops.rms_norm(empty, model.norm.weight, 1e-5).shape == (0, model.cfg.hidden_size)
+    assert ops.silu_and_mul(torch.empty((0, 8), dtype=torch.bfloat16, device="cuda")).shape == (
+        0,
+        4,
+    )
+    torch.zeros(1, device="cuda").add_(1)  # no launch error left pending
+    torch.cuda.synchronize()

@@ -1,0 +1,182 @@
+"""The orchestrator's hand-off retry, over fake worker handles (no Ray): a hand-off that fails
+before the first decoded token is prefilled again under a fresh worker-facing request id, the
+failed attempt is aborted on both workers, and the client's stream goes on from the first
+token it already has; a second failure ends the request with the typed error."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from admission.config import AdmissionConfig, AdmissionThresholds
+from admission.controller import AdmissionController
+from decode_worker.api import ChunkError, DecodeRequest, TokenChunk
+from engine.outputs import EngineLoad
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from kv_transfer.errors import TransferTimeout
+from prefill_worker.api import (
+    PrefillRequest,
+    PrefillResult,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRole,
+    WorkerState,
+)
+from router.cluster_view import ClusterView, StaticDirectory
+from router.orchestrator import Orchestrator, StreamDelta
+from router.validation import ValidRequest
+
+FIRST_TOKEN = 7
+DECODED = (8, 9, 10)
+
+
+class Method:
+    """`handle.name.remote(...)` of a fake actor: runs `fn` as a task, records the call."""
+
+    def __init__(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> None:
+        self.fn, self.calls = fn, calls
+
+    def options(self, **_: Any) -> Method:
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        self.calls.append(args)
+        result = self.fn(*args)
+        if asyncio.iscoroutine(result):
+            return asyncio.ensure_future(result)
+        return result
+
+
+def load(worker_id: str, role: WorkerRole) -> WorkerLoad:
+    engine = EngineLoad(
+        num_waiting=0, num_running=0, num_waiting_prefill_tokens=0, num_free_blocks=100,
+        num_total_blocks=100, num_handoff_blocks=0, num_transfer_blocks=0,
+        num_cache_query_tokens=0, num_cache_hit_tokens=0, num_preemptions=0,
+    )  # fmt: skip
+    return WorkerLoad(worker_id, role, WorkerState.READY, engine, 0, 0)
+
+
+def info(worker_id: str, role: WorkerRole) -> WorkerInfo:
+    return WorkerInfo(worker_id, role, worker_id, "node", "cpu", "m", 16, 512, 100, 100)
+
+
+class FakePrefill:
+    def __init__(self) -> None:
+        self.prefills: list[tuple[Any, ...]] = []
+        self.aborts: list[tuple[Any, ...]] = []
+        self.load = Method(self._load, [])
+        self.prefill = Method(self._prefill, self.prefills)
+        self.abort = Method(self._abort, self.aborts)
+
+    async def _load(self) -> WorkerLoad:
+        return load("prefill-0", WorkerRole.PREFILL)
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
+        return PrefillResult(
+            req.request_id, FIRST_TOKEN, "a", None, None, object(),  # type: ignore[arg-type]
+            len(req.prompt_token_ids), 0, 0.0, 0.001, "prefill-0",
+        )  # fmt: skip
+
+    async def _abort(self, request_id: str) -> bool:
+        return True
+
+
+class FakeDecode:
+    """Fails the pull of the first `failures` requests submitted (a ChunkError on the channel,
+    as a real worker reports a transfer timeout), then streams DECODED for the next."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.submits: list[tuple[Any, ...]] = []
+        self.aborts: list[tuple[Any, ...]] = []
+        self._items: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.load = Method(self._load, [])
+        self.submit = Method(self._submit, self.submits)
+        self.subscribe = Method(self._subscribe, [])
+        self.renew = Method(lambda channel_id: None, [])
+        self.abort = Method(self._abort, self.aborts)
+
+    async def _load(self) -> WorkerLoad:
+        return load("decode-1", WorkerRole.DECODE)
+
+    async def _submit(self, req: DecodeRequest, channel_id: str) -> None:
+        assert req.first_token_id == FIRST_TOKEN  # the retry decodes after the token sent
+        rid = req.request_id
+        if len(self.submits) <= self.failures:
+            self._items.put_nowait([ChunkError(rid, TransferTimeout(f"request {rid}: deadline"))])
+            return
+        for i, token in enumerate(DECODED):
+            last = i == len(DECODED) - 1
+            chunk = TokenChunk((token,), "b", finish_reason=FinishReason.LENGTH if last else None)
+            self._items.put_nowait([(rid, chunk)])
+
+    async def _subscribe(self, channel_id: str, lease_s: float) -> AsyncIterator[Any]:
+        while True:
+            batch = await self._items.get()
+            done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            done.set_result(batch)
+            yield done
+
+    async def _abort(self, request_id: str) -> bool:
+        return True
+
+
+def run_request(failures: int) -> tuple[list[StreamDelta] | BaseException, Any, Any, Any]:
+    async def scenario() -> tuple[list[StreamDelta] | BaseException, Any, Any, Any]:
+        prefill, decode = FakePrefill(), FakeDecode(failures)
+        view = ClusterView(
+            StaticDirectory(
+                [
+                    (info("prefill-0", WorkerRole.PREFILL), prefill),
+                    (info("decode-1", WorkerRole.DECODE), decode),
+                ]
+            )
+        )
+        await view.start()
+        thresholds = AdmissionThresholds(local_prefill_threshold_tokens=0)
+        admission = AdmissionController(AdmissionConfig(thresholds=thresholds))
+        orchestrator = Orchestrator(view, admission, None, "m")
+        req = ValidRequest("client-1", tuple(range(2, 40)), SamplingParams(max_tokens=4), "", 0, "")
+        got: list[StreamDelta] | BaseException
+        try:
+            got = [d async for d in orchestrator.generate(req, timeout_s=10)]
+        except Exception as e:
+            got = e
+        await asyncio.sleep(0.05)  # fire-and-forget aborts land
+        await view.stop()
+        for entry in view.entries.values():
+            entry.close_channel("test done")
+        assert orchestrator.inflight == 0 and orchestrator.running == 0
+        return got, prefill, decode, admission
+
+    return asyncio.run(scenario())
+
+
+def test_a_failed_hand_off_is_prefilled_again_under_a_fresh_id_and_the_stream_goes_on() -> None:
+    got, prefill, decode, _ = run_request(failures=1)
+    assert isinstance(got, list), got
+    assert [t for d in got for t in d.token_ids] == [FIRST_TOKEN, *DECODED]
+    assert got[-1].finish_reason is FinishReason.LENGTH
+    assert got[-1].usage is not None and got[-1].usage.completion_tokens == 4
+    first_id, retry_id = (call[0].request_id for call in prefill.prefills)
+    assert first_id.startswith("client-1@") and retry_id == f"{first_id}~1"
+    assert [call[0].request_id for call in decode.submits] == [first_id, retry_id]
+    # the failed attempt is ended on both workers; the retry finished, so nothing else is
+    assert [call[0] for call in prefill.aborts] == [first_id]
+    assert [call[0] for call in decode.aborts] == [first_id]
+
+
+def test_a_second_failed_hand_off_ends_the_request_with_the_typed_error() -> None:
+    got, prefill, decode, _ = run_request(failures=2)
+    assert isinstance(got, TransferTimeout), got
+    assert len(prefill.prefills) == 2  # max_handoff_retries = 1
+    first_id = prefill.prefills[0][0].request_id
+    assert sorted(call[0] for call in prefill.aborts) == [first_id, f"{first_id}~1"]
+    assert sorted(call[0] for call in decode.aborts) == [first_id, f"{first_id}~1"]
+
+
+def test_a_hand_off_that_works_is_not_retried() -> None:
+    got, prefill, decode, _ = run_request(failures=0)
+    assert isinstance(got, list) and len(prefill.prefills) == 1 and decode.aborts == []
