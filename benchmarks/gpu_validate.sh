@@ -11,6 +11,7 @@
 #   router   benchmarks/bench_router.py on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
 #            worker) and PD (prefill + decode sharing the GPU), engine step time vs client TPOT
+#   e2e8b    as e2e1 with the full Llama-3-8B shape (random bf16 weights written here)
 #   e2e2     the same model, PD (GPU0 + GPU1) vs colocated (two workers), needs 2 GPUs
 set -u
 OUT=${OUT:-/tmp/pdserve-out}
@@ -35,7 +36,7 @@ small_model() {
   [ -f /tmp/small/config.json ] || python -m deploy.cli make-model /tmp/small --preset llama3-8b \
     --layers 4 --device cuda > "$OUT/make_small.log" 2>&1
 }
-STEPS=${*:-jit tests engine kv router e2e1 e2e2}
+STEPS=${*:-jit tests engine kv router e2e1 e2e8b e2e2}
 for s in $STEPS; do
   case $s in
   jit) step jit 240 python -c "import logging, time; logging.basicConfig(level=logging.INFO); \
@@ -51,6 +52,13 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --num-kv-blocks 8192 --workloads decode_heavy,balanced \
     --rates "decode_heavy=2,8;balanced=2,8" --duration 8 --stop-below 0
     tar czf "$OUT/e2e1.tgz" -C /tmp e2e1 ;;
+  e2e8b) [ -f /tmp/llama3-8b/config.json ] || python -m deploy.cli make-model /tmp/llama3-8b \
+    --preset llama3-8b --device cuda > "$OUT/make_8b.log" 2>&1
+    step e2e8b 420 python benchmarks/bench_goodput.py --model /tmp/llama3-8b \
+    --out /tmp/e2e8b --modes colocated,pd --colocated-workers 1 --gpu-fraction 0.5 \
+    --num-kv-blocks 12000 --workloads balanced,prefill_heavy \
+    --rates "balanced=2,4;prefill_heavy=2" --duration 8 --stop-below 0
+    tar czf "$OUT/e2e8b.tgz" -C /tmp e2e8b ;;
   e2e2) small_model; step e2e2 190 python benchmarks/bench_goodput.py --model /tmp/small \
     --out /tmp/e2e2 --workloads balanced --rates "balanced=4" --duration 5
     tar czf "$OUT/e2e2.tgz" -C /tmp e2e2 ;;

@@ -15,8 +15,9 @@ One `generate` call per request (DESIGN.md lifecycle steps 2-8, after validation
 Retries: a prefill worker that is draining, overloaded or dead is replaced by another; a
 hand-off that fails before the first decoded token (transfer error, lease expired, decode
 worker lost) is retried once with a fresh prefill on (if possible) other workers, under a
-fresh worker-facing request id, and the decode continues from the first token already sent. Every exit path releases the admission
-reservation and aborts whatever the workers still hold for the request.
+fresh worker-facing request id, and the decode continues from the first token already sent.
+Every exit path releases the admission reservation and aborts whatever the workers still hold
+for the request.
 """
 
 from __future__ import annotations
