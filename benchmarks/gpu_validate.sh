@@ -36,7 +36,11 @@ small_model() {
   [ -f /tmp/small/config.json ] || python -m deploy.cli make-model /tmp/small --preset llama3-8b \
     --layers 4 --device cuda > "$OUT/make_small.log" 2>&1
 }
-STEPS=${*:-jit tests engine kv router e2e1 e2e8b e2e2}
+# `gpu_validate.sh STEP... -- CMD ARGS`: run CMD last, in the same environment (log: cmd.log)
+STEPS=""
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do STEPS="$STEPS $1"; shift; done
+[ "${1:-}" = "--" ] && shift
+if [ -z "$STEPS" ] && [ $# -eq 0 ]; then STEPS="jit tests engine kv router e2e1 e2e8b e2e2"; fi
 for s in $STEPS; do
   case $s in
   jit) step jit 240 python -c "import logging, time; logging.basicConfig(level=logging.INFO); \
@@ -65,3 +69,4 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
 done
+if [ $# -gt 0 ]; then TAILN=${TAILN:-80} step cmd 300 "$@"; fi
