@@ -58,10 +58,12 @@ def capacity_shortfall(
         have = available.get(name, 0.0)
         if total > have + 1e-9:
             asked = ", ".join(f"{role} {n:g}" for role, n in sorted(per_role[name].items()))
-            return (
-                f"the workers need {total:g} {name} ({asked}) but this Ray has {have:g}: "
-                f"start fewer workers, or give each a smaller share (placement)"
-            )
+            hint = "start fewer workers, or give each a smaller share (placement)"
+            if name == "GPU" and have >= 1:
+                # sharing a GPU between a prefill and a decode process is slow (UCX moves the
+                # KV between two processes on one device over TCP): one colocated worker per GPU
+                hint = f"on {have:g} GPU(s) run colocated workers (--colocated --decode {have:g})"
+            return f"the workers need {total:g} {name} ({asked}) but this Ray has {have:g}: {hint}"
     return None
 
 

@@ -22,11 +22,12 @@ def test_workers_that_fit_are_accepted() -> None:
 def test_missing_gpus_are_named_with_what_each_role_asks() -> None:
     why = capacity_shortfall([("prefill", GPU), ("decode", GPU)], {"GPU": 1, "CPU": 16})
     assert why == (
-        "the workers need 2 GPU (decode 1, prefill 1) but this Ray has 1: start fewer "
-        "workers, or give each a smaller share (placement)"
+        "the workers need 2 GPU (decode 1, prefill 1) but this Ray has 1: on 1 GPU(s) run "
+        "colocated workers (--colocated --decode 1)"
     )
-    assert "need 1 GPU (decode 1) but this Ray has 0" in str(
-        capacity_shortfall([("decode", GPU)], {"CPU": 8})
+    assert str(capacity_shortfall([("decode", GPU)], {"CPU": 8})).endswith(
+        "need 1 GPU (decode 1) but this Ray has 0: start fewer workers, or give each a "
+        "smaller share (placement)"
     )
 
 
