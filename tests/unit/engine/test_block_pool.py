@@ -32,11 +32,23 @@ def test_allocate_beyond_free_raises_and_changes_nothing() -> None:
     assert pool.num_free == 1
 
 
-def test_freed_uncached_blocks_are_reused_in_free_order() -> None:
+def test_freed_uncached_blocks_are_reused_in_ascending_id_order() -> None:
     pool = BlockPool(3)
     assert pool.allocate(3) == [0, 1, 2]
     pool.free([0, 1])  # released in reverse: 1, then 0
-    assert pool.allocate(2) == [1, 0]
+    assert pool.allocate(2) == [0, 1]  # one run again (one NIXL descriptor)
+
+
+def test_a_freed_sequence_comes_back_as_one_run_from_the_free_and_the_lru_lists() -> None:
+    pool = BlockPool(8)
+    a, b = pool.allocate(4), pool.allocate(4)
+    assert (a, b) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    pool.free(b)  # uncached: free list, tail first (7, 6, 5, 4)
+    assert pool.allocate(4) == [4, 5, 6, 7]
+    pool.cache_blocks(a, [BlockHash(bytes([i]) * 8) for i in range(4)])
+    pool.free(a)  # cached: LRU list, tail first
+    assert pool.allocate(3) == [1, 2, 3]  # evicts the tail (least likely shared) first
+    assert pool.block_hash(0) is not None  # the head block stays cached
 
 
 def test_free_below_zero_is_an_error() -> None:
@@ -112,7 +124,7 @@ def test_sequence_blocks_are_evicted_tail_first() -> None:
     pool.cache_blocks(blocks, chain)
     pool.free(blocks)
     pool.take_events()
-    assert pool.allocate(2) == [2, 1]
+    assert pool.allocate(2) == [1, 2]  # handed out ascending; evicted tail first:
     assert pool.take_events() == [KVEvent(1, KVEventKind.REMOVED, (chain[2], chain[1]))]
     assert pool.match_prefix(chain) == [0]
 
@@ -157,7 +169,7 @@ def test_reset_prefix_cache_emits_cleared_and_frees_evictable_blocks() -> None:
     assert pool.cached_hashes() == ()
     assert pool.match_prefix(chain) == []
     assert (pool.ref_count(x), pool.num_free) == (1, 2)
-    assert pool.allocate(2) == [2, y]
+    assert pool.allocate(2) == sorted([2, y])
     assert pool.take_events() == []  # nothing was evicted
 
 

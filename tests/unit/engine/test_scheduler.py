@@ -110,7 +110,7 @@ def test_decode_without_a_free_block_preempts_the_newest_request() -> None:
     assert chunk_view(run_step(s)) == [("r1", 9, 1, (0, 1, 3), True)]
     s.finish(r1, RequestStatus.FINISHED_STOPPED)
     # Re-admitted: block 2 reused from the cache, tokens 4..8 (prompt + 1 output) recomputed.
-    assert chunk_view(run_step(s)) == [("r2", 4, 5, (2, 3, 1), True)]
+    assert chunk_view(run_step(s)) == [("r2", 4, 5, (2, 1, 3), True)]
     assert r2.output_token_ids == [7, 7]
     assert r2.num_cached_prompt_tokens == 0  # counted at first admission only
     assert s.num_preemptions == 1
