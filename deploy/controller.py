@@ -41,7 +41,7 @@ from deploy.planner_loop import (
 from deploy.workers import ActorPlacement, create_worker, default_placement
 from engine.config import EngineConfig, EngineMode
 from kv_transfer.config import KVTransferConfig, PrefixIndexConfig
-from prefill_worker.api import WorkerInfo, WorkerRole
+from prefill_worker.api import WorkerInfo, WorkerRole, WorkerUnhealthy
 from prefill_worker.runtime import WorkerConfig
 from router.server import RouterSignals
 
@@ -252,23 +252,26 @@ class Controller:
             *(asyncio.wait_for(w.handle.ping.remote(), 2.0) for w in ready),
             return_exceptions=True,
         )
-        dead = []
+        dead: list[tuple[_Worker, str]] = []
         for w, r in zip(ready, results, strict=True):
             if not isinstance(r, BaseException):
                 w.failures = 0
                 continue
             w.failures += 1
-            died = isinstance(r, ray.exceptions.RayActorError)
-            if died or w.failures >= self.spec.failure_threshold:
-                dead.append(w)
-        for w in dead:
+            if isinstance(r, WorkerUnhealthy):  # alive, but its engine fails every step
+                dead.append((w, f"unhealthy ({r})"))
+            elif isinstance(r, ray.exceptions.RayActorError):
+                dead.append((w, "dead"))
+            elif w.failures >= self.spec.failure_threshold:
+                dead.append((w, f"dead ({w.failures} health checks failed)"))
+        for w, why in dead:
             self.workers.pop(w.worker_id, None)
-            self._log(f"worker {w.worker_id} is dead; removed from placement")
+            self._log(f"worker {w.worker_id} is {why}; removed from placement")
             with contextlib.suppress(Exception):
                 ray.kill(w.handle)
             if self.spec.replace_dead and w.state == "ready":
                 self._spawn(self._replace(w.role))
-        return [w.worker_id for w in dead]
+        return [w.worker_id for w, _ in dead]
 
     async def _replace(self, role: WorkerRole) -> None:
         try:

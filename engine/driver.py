@@ -58,6 +58,10 @@ class EngineDriver:
         self._load = engine.load()
         self.num_steps = 0
         self.num_step_errors = 0
+        self.consecutive_step_errors = 0
+        """Failed steps since the last one that worked (a sticky device error keeps growing
+        it: the worker's health check reports the worker unhealthy)."""
+        self.last_step_error = ""
         self.busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -106,6 +110,7 @@ class EngineDriver:
                 finally:
                     self.busy_s += time.perf_counter() - t0
                 self.num_steps += 1
+                self.consecutive_step_errors = 0
                 self._load = engine.load()
                 if outputs:
                     self._on_outputs(outputs)
@@ -143,6 +148,8 @@ class EngineDriver:
 
     def _recover(self, error: BaseException) -> None:
         self.num_step_errors += 1
+        self.consecutive_step_errors += 1
+        self.last_step_error = f"{type(error).__name__}: {error}"
         log.exception("engine step failed; aborting its requests")
         try:
             self.engine.runner.clear_device_error()

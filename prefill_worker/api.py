@@ -104,6 +104,10 @@ class WorkerDraining(Exception):
     """The worker is draining and admits no new request: place it elsewhere."""
 
 
+class WorkerUnhealthy(Exception):
+    """The worker's engine fails every step (e.g. a sticky device error): replace it."""
+
+
 class WorkerOverloaded(Exception):
     """The worker cannot hold this request now (e.g. KV pool short): place it elsewhere."""
 

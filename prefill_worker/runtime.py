@@ -26,7 +26,13 @@ from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from kv_transfer.config import PrefixIndexConfig
 from kv_transfer.kv_publisher import KVEventPublisher
-from prefill_worker.api import RequestDeadlineExceeded, WorkerInfo, WorkerRole, WorkerState
+from prefill_worker.api import (
+    RequestDeadlineExceeded,
+    WorkerInfo,
+    WorkerRole,
+    WorkerState,
+    WorkerUnhealthy,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +53,10 @@ class WorkerConfig:
     """CPU: intra-op threads for this worker's torch (several workers share the cores)."""
     max_inflight_requests: int = 1024
     """Requests the worker holds at once (queued, running or streaming); more are refused."""
+    max_consecutive_step_errors: int = 3
+    """Engine steps failing in a row after which the worker reports itself unhealthy (its
+    health check raises `WorkerUnhealthy`) and the controller replaces it: a sticky device
+    error fails every later step."""
 
 
 class OutputSink(Protocol):
@@ -131,6 +141,18 @@ class WorkerRuntime:
             self._publisher.close()
         if self._driver is not None:
             self._driver.stop()
+
+    def check_health(self) -> WorkerState:
+        """The worker's state; raises `WorkerUnhealthy` once the engine has failed
+        `max_consecutive_step_errors` steps in a row."""
+        driver = self._driver
+        limit = self.config.max_consecutive_step_errors
+        if driver is not None and limit > 0 and driver.consecutive_step_errors >= limit:
+            raise WorkerUnhealthy(
+                f"worker {self.config.worker_id}: {driver.consecutive_step_errors} engine steps "
+                f"failed in a row (last: {driver.last_step_error})"
+            )
+        return self.state
 
     # ---- engine access ----------------------------------------------------------------------
 

@@ -195,7 +195,9 @@ class PrefillWorker:
         return self.runtime.info
 
     def ping(self) -> str:
-        return self.runtime.state.value
+        """The worker's state (the controller's health check); raises `WorkerUnhealthy`
+        when its engine keeps failing."""
+        return self.runtime.check_health().value
 
     async def drain(self, timeout_s: float = 60.0) -> bool:
         """Stop admitting; wait until no request is in flight and no lease is held."""

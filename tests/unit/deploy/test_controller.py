@@ -5,6 +5,7 @@ awaitable, as a Ray actor handle does inside an async actor)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -139,3 +140,24 @@ def test_events_are_numbered_and_read_incrementally() -> None:
     seq, lines = c.events_since(seq)
     assert seq == 3 and lines[0].endswith("three")
     assert c.events_since(seq) == (3, [])
+
+
+def test_health_check_removes_an_unhealthy_worker_at_once_and_a_silent_one_after_retries() -> None:
+    from prefill_worker.api import WorkerUnhealthy
+
+    c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
+    c.spec = dataclasses.replace(c.spec, replace_dead=False, failure_threshold=2)
+
+    def unhealthy() -> str:
+        raise WorkerUnhealthy("worker prefill-0: 3 engine steps failed in a row (last: X)")
+
+    def silent() -> str:
+        raise TimeoutError("no answer")
+
+    c.workers["prefill-0"].handle._ping = unhealthy
+    c.workers["decode-1"].handle._ping = silent
+    assert asyncio.run(c.check_health()) == ["prefill-0"]
+    assert any("worker prefill-0 is unhealthy (worker prefill-0: 3 engine steps" in e
+               for e in c.recent_events())  # fmt: skip
+    assert asyncio.run(c.check_health()) == ["decode-1"]  # the second failed check
+    assert c.workers == {}

@@ -1,4 +1,5 @@
-"""EngineDriver: a step that raises fails the requests it held and the loop keeps serving."""
+"""EngineDriver: a step that raises fails the requests it held and the loop keeps serving;
+failures in a row are counted (the worker's health check reads them)."""
 
 from __future__ import annotations
 
@@ -62,10 +63,13 @@ def test_a_failed_step_aborts_its_requests_clears_the_device_and_serving_goes_on
             time.sleep(0.01)
         assert failed == [("CUDA error: invalid argument", ["doomed"])]
         assert cleared == [1] and driver.num_step_errors == 1
+        assert driver.consecutive_step_errors == 1
+        assert driver.last_step_error == "RuntimeError: CUDA error: invalid argument"
         assert engine.block_pool.num_free == engine.block_pool.num_blocks
         driver.call(lambda e: e.add_request("after", prompt, GREEDY)).result(timeout=10)
         assert done.wait(10)
         assert finished["after"].num_output_tokens == 4
+        assert driver.consecutive_step_errors == 0  # a step that works resets the count
         assert "doomed" not in finished  # its end went through on_step_error
     finally:
         driver.stop()
