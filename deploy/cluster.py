@@ -123,7 +123,7 @@ class Cluster:
                 )
                 self._ray_started = True
             _refuse_running_controller()
-            if opts.address is None:
+            if self._ray_started and opts.address is None:  # a Ray of our own: fixed size
                 _refuse_unplaceable(opts)
             engine = replace(opts.engine or EngineConfig(model_dir), model_dir=model_dir)
             spec = ClusterSpec(
