@@ -20,7 +20,7 @@ from deploy.controller import CONTROLLER_NAME, ClusterSpec, Controller, controll
 from deploy.local_ray import loopback_env
 from deploy.planner_loop import PlannerSettings
 from deploy.redis_server import EmbeddedRedis
-from deploy.workers import ActorPlacement, capacity_shortfall, default_placement
+from deploy.workers import ActorPlacement, capacity_shortfall
 from engine.config import EngineConfig
 from router.server import RouterActor, RouterConfig
 
@@ -123,8 +123,6 @@ class Cluster:
                 )
                 self._ray_started = True
             _refuse_running_controller()
-            if self._ray_started and opts.address is None:  # a Ray of our own: fixed size
-                _refuse_unplaceable(opts)
             engine = replace(opts.engine or EngineConfig(model_dir), model_dir=model_dir)
             spec = ClusterSpec(
                 engine=engine,
@@ -138,6 +136,8 @@ class Cluster:
                 planner=opts.planner,
                 **opts.extra_spec,
             )
+            if self._ray_started and opts.address is None:  # a Ray of our own: fixed size
+                _refuse_unplaceable(spec)
             self.controller = (
                 ray.remote(Controller).options(**controller_options(NAMESPACE)).remote(spec)
             )
@@ -251,17 +251,13 @@ def _refuse_running_controller() -> None:
     )
 
 
-def _refuse_unplaceable(opts: ClusterOptions) -> None:
+def _refuse_unplaceable(spec: ClusterSpec) -> None:
     """A local Ray has the resources it started with (no autoscaler adds nodes): refuse at
     once, saying what is short, workers that could never be placed (else `up` would wait for
     them until its start timeout)."""
     import ray
 
-    default = opts.placement or default_placement()
-    prefill = opts.prefill_placement or default
-    decode = opts.decode_placement or default
-    wanted = [("prefill", prefill)] * (0 if opts.colocated else opts.num_prefill)
-    wanted += [("colocated" if opts.colocated else "decode", decode)] * opts.num_decode
+    wanted = [(role.value, spec.placement_for(role)) for role in spec.initial_roles()]
     why = capacity_shortfall(wanted, ray.cluster_resources())
     if why is not None:
         raise ClusterError(why)

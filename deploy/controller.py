@@ -75,6 +75,18 @@ class ClusterSpec:
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     """The planner loop (off by default)."""
 
+    def initial_roles(self) -> list[WorkerRole]:
+        """The role of each worker `Controller.start` starts."""
+        roles = [WorkerRole.PREFILL] * (0 if self.colocated else self.num_prefill)
+        decode_role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+        return roles + [decode_role] * self.num_decode
+
+    def placement_for(self, role: WorkerRole) -> ActorPlacement:
+        """Ray resources of a worker of `role` (call with Ray initialized: the default looks
+        at the cluster's GPUs)."""
+        specific = self.prefill_placement if role is WorkerRole.PREFILL else self.decode_placement
+        return specific or self.placement or default_placement()
+
 
 @dataclass
 class _Worker:
@@ -111,10 +123,7 @@ class Controller:
 
     async def start(self) -> list[WorkerInfo]:
         """Start the configured workers (all at once); returns their infos."""
-        roles = [WorkerRole.PREFILL] * (0 if self.spec.colocated else self.spec.num_prefill)
-        decode_role = WorkerRole.COLOCATED if self.spec.colocated else WorkerRole.DECODE
-        roles += [decode_role] * self.spec.num_decode
-        infos = await asyncio.gather(*(self._start_worker(r) for r in roles))
+        infos = await asyncio.gather(*(self._start_worker(r) for r in self.spec.initial_roles()))
         self._health_task = asyncio.create_task(self._health_loop())
         if self.spec.planner.enabled:
             settings = self.spec.planner
@@ -196,18 +205,10 @@ class Controller:
             torch_threads=self.spec.torch_threads,
         )
 
-    def _placement(self, role: WorkerRole) -> ActorPlacement:
-        specific = (
-            self.spec.prefill_placement
-            if role is WorkerRole.PREFILL
-            else self.spec.decode_placement
-        )
-        return specific or self.spec.placement or default_placement()
-
     def _create_worker(self, role: WorkerRole) -> _Worker:
         """Create the actor and register it as starting (its start() is not awaited yet)."""
         worker_id = f"{role.value}-{next(self._ids)}"
-        placement = self._placement(role)
+        placement = self.spec.placement_for(role)
         handle = create_worker(self._worker_config(role, worker_id), self.spec.transfer, placement)
         w = _Worker(None, role, worker_id, handle, placement)
         self.workers[worker_id] = w

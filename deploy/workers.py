@@ -45,19 +45,17 @@ def capacity_shortfall(
     """Why `wanted` workers (role, placement) cannot all be placed on `available` Ray
     resources, or None when they fit. For a Ray whose resources are fixed (a local one, no
     autoscaler): there, a worker that does not fit would wait for a node that never comes."""
-    need: dict[str, float] = {}
-    per_role: dict[str, dict[str, float]] = {}
+    per_role: dict[str, dict[str, float]] = {}  # resource -> role -> amount asked
     for role, p in wanted:
         asks = {"GPU": p.num_gpus, "CPU": p.num_cpus, **dict(p.resources)}
         for name, amount in asks.items():
             if amount > 0:
-                need[name] = need.get(name, 0.0) + amount
-                per_role.setdefault(name, {}).setdefault(role, 0.0)
-                per_role[name][role] += amount
-    for name, total in sorted(need.items()):
-        have = available.get(name, 0.0)
+                by_role = per_role.setdefault(name, {})
+                by_role[role] = by_role.get(role, 0.0) + amount
+    for name, by_role in sorted(per_role.items()):
+        total, have = sum(by_role.values()), available.get(name, 0.0)
         if total > have + 1e-9:
-            asked = ", ".join(f"{role} {n:g}" for role, n in sorted(per_role[name].items()))
+            asked = ", ".join(f"{role} {n:g}" for role, n in sorted(by_role.items()))
             hint = "start fewer workers, or give each a smaller share (placement)"
             if name == "GPU" and have >= 1:
                 # sharing a GPU between a prefill and a decode process is slow (UCX moves the

@@ -233,6 +233,7 @@ class Orchestrator:
     ) -> AsyncIterator[StreamDelta]:
         block_size = self.view.block_size()
         handoff_failures = 0
+        attempt_base_id = req.request_id
         while True:
             placement = place(
                 len(req.prompt_token_ids),
@@ -293,7 +294,7 @@ class Orchestrator:
                 # A fresh id towards the workers: the failed attempt's state there (a decode
                 # reservation, a prefill lease) ends at its own pace, by the aborts sent above,
                 # and must not collide with the retry's.
-                req = replace(req, request_id=f"{req.request_id}~{handoff_failures}")
+                req = replace(req, request_id=f"{attempt_base_id}~{handoff_failures}")
                 progress.tried_decode.add(placement.decode_worker_id)
                 if not self.view.decode_candidates(match, frozenset(progress.tried_decode)):
                     progress.tried_decode.clear()  # the only decode worker: try it again
