@@ -172,7 +172,7 @@ def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
         err_console.print(f"[red]error:[/red] cluster failed to start: {e}")
         raise typer.Exit(1) from e
     control_log = daemon.state_path().parent / "pdserve-control.log"
-    control_log.unlink(missing_ok=True)
+    control_log.write_text("")  # exists (empty) once the state file names it
     state = daemon.ClusterState(
         pid=os.getpid(),
         targets=list(endpoint.grpc),

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -383,8 +384,17 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
 
 def main() -> int:
     model_dir = sys.argv[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(Path(tmp), model_dir)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run(Path(tmp), model_dir)
+    except BaseException:
+        # Exit at once: a normal exit waits for the Ray driver's shutdown while the fake
+        # cluster and the detached `up` still run, which hung the scenario until the test's
+        # timeout. The namespace's end takes every process with it.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     print("SCENARIO OK " + json.dumps(result), flush=True)
     return 0
 
