@@ -146,6 +146,9 @@ class AdmissionConfig:
     """Per-tenant token-rate limits; tenants not listed get `default_tenant_limit`."""
     default_tenant_limit: TenantLimit | None = None
     """Limit applied to every unlisted tenant (its `tenant` name is ignored); None: unlimited."""
+    max_tracked_tenants: int = 10000
+    """Most tenant buckets kept at once (only buckets that are not full take memory); past
+    it the fullest one is forgotten, so a flood of tenant names cannot grow the tables."""
     recheck_interval_ms: float = 20.0
     """How often queued requests re-evaluate the snapshot when no release or threshold change
     woke them (the snapshot also changes as prefill queues drain)."""

@@ -99,7 +99,10 @@ class AdmissionController:
         self._thresholds = self._config.thresholds
         self._clock = clock
         self.limiter = TenantRateLimiter(
-            self._config.tenant_limits, self._config.default_tenant_limit, clock
+            self._config.tenant_limits,
+            self._config.default_tenant_limit,
+            clock,
+            max_tracked=self._config.max_tracked_tenants,
         )
         self.throughput = throughput or PrefillThroughputEstimator(
             self._config.prior_prefill_tokens_per_s, self._config.throughput_ewma_alpha

@@ -48,11 +48,13 @@ class TenantRateLimiter:
         limits: Iterable[TenantLimit] = (),
         default: TenantLimit | None = None,
         clock: Clock = time.monotonic,
+        max_tracked: int = 10000,
     ) -> None:
         self._limits = {limit.tenant: limit for limit in limits}
         self._default = default
         self._clock = clock
         self._buckets: dict[str, BucketState] = {}
+        self.max_tracked = max(1, max_tracked)
 
     def limit_for(self, tenant: str) -> TenantLimit | None:
         return self._limits.get(tenant, self._default)
@@ -96,6 +98,10 @@ class TenantRateLimiter:
         if state.level >= limit.burst_tokens:
             self._buckets.pop(tenant, None)  # a full bucket is the same as a fresh one
         else:
+            if tenant not in self._buckets and len(self._buckets) >= self.max_tracked:
+                # Forget the fullest bucket: the one closest to the fresh state it returns to.
+                fullest = max(self._buckets, key=lambda t: self._buckets[t].level)
+                del self._buckets[fullest]
             self._buckets[tenant] = state
 
     @property

@@ -11,10 +11,18 @@ autoscaler for nodes. Being detached, it outlives the driver that made it: `Clus
 
 Worker states as the controller sees them:
 
-    STARTING ──start() ok──► READY ──drain()──► DRAINING ──drained──► STOPPED (removed)
-       │                       │
-       └── start failed        └── ping fails `failure_threshold` times ──► DEAD (removed,
-           (removed)                                                       replaced if set)
+    STARTING ──start() ok──► READY ──drain()──► DRAINING ──idle, stop──► STOPPED (removed)
+       │                     ▲  │                 │  │
+       └── start failed      │  │                 │  └─ idle, no stop ──► DRAINED
+           (removed)         │  │                 └─ timeout, stop: cut ──► STOPPED
+                             └──┴──── undrain() ◄── DRAINING / DRAINED
+    READY / DRAINING / DRAINED ── ping fails `failure_threshold` times, or the worker
+                                  reports itself unhealthy ──► DEAD (removed, replaced if set)
+
+Routers see READY, DRAINING and DRAINED workers (`list_workers`): a draining worker's streams
+go on over the router's token channel until they finish; placement sends it nothing new.
+A removed worker's entries are purged from the Redis prefix index at once (and, at start,
+those of every worker the registry does not hold), so routing never counts on them.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Coroutine
@@ -41,8 +50,10 @@ from deploy.planner_loop import (
 from deploy.workers import ActorPlacement, create_worker, default_placement
 from engine.config import EngineConfig, EngineMode
 from kv_transfer.config import KVTransferConfig, PrefixIndexConfig
+from kv_transfer.prefix_index import PrefixIndex
 from prefill_worker.api import WorkerInfo, WorkerRole, WorkerUnhealthy
 from prefill_worker.runtime import WorkerConfig
+from router.control import DrainRefused, DrainReport
 from router.server import RouterSignals
 
 log = logging.getLogger(__name__)
@@ -117,6 +128,7 @@ class Controller:
         self.routers: list[Any] = []
         self.planner: PlannerLoop | None = None
         self._planner_task: asyncio.Task[None] | None = None
+        self._prefix_index: PrefixIndex | None = None
         _log_to_stderr()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -124,6 +136,7 @@ class Controller:
     async def start(self) -> list[WorkerInfo]:
         """Start the configured workers (all at once); returns their infos."""
         infos = await asyncio.gather(*(self._start_worker(r) for r in self.spec.initial_roles()))
+        await self._purge_index()  # entries of workers an earlier cluster left behind
         self._health_task = asyncio.create_task(self._health_loop())
         if self.spec.planner.enabled:
             settings = self.spec.planner
@@ -147,6 +160,8 @@ class Controller:
         if self.planner is not None:
             self.planner.close()
         await asyncio.gather(*(self._stop(w) for w in list(self.workers.values())))
+        if self._prefix_index is not None:
+            self._prefix_index.close()
 
     def register_router(self, router: Any) -> None:
         """A router replica the planner reads latency samples and queue depth from."""
@@ -160,7 +175,13 @@ class Controller:
     # ---- registry ---------------------------------------------------------------------------
 
     def list_workers(self) -> list[tuple[WorkerInfo, Any]]:
-        return [(w.info, w.handle) for w in self.workers.values() if w.info and w.state == "ready"]
+        """Workers routers keep in view: ready ones, and draining or drained ones (their
+        running streams must go on; placement skips them by their reported state)."""
+        return [
+            (w.info, w.handle)
+            for w in self.workers.values()
+            if w.info and w.state in _LISTED_STATES
+        ]
 
     def describe(self) -> list[dict[str, Any]]:
         return [
@@ -248,7 +269,7 @@ class Controller:
 
     async def check_health(self) -> list[str]:
         """Ping every ready worker; returns the ids found dead (and removed) this round."""
-        ready = [w for w in self.workers.values() if w.state in ("ready", "draining")]
+        ready = [w for w in self.workers.values() if w.state in _LISTED_STATES]
         results = await asyncio.gather(
             *(asyncio.wait_for(w.handle.ping.remote(), 2.0) for w in ready),
             return_exceptions=True,
@@ -270,9 +291,37 @@ class Controller:
             self._log(f"worker {w.worker_id} is {why}; removed from placement")
             with contextlib.suppress(Exception):
                 ray.kill(w.handle)
+            self._spawn(self._purge_index(w.worker_id))
             if self.spec.replace_dead and w.state == "ready":
                 self._spawn(self._replace(w.role))
         return [w.worker_id for w, _ in dead]
+
+    # ---- the prefix index -------------------------------------------------------------------
+
+    def _index(self) -> PrefixIndex | None:
+        if not self.spec.redis_url:
+            return None
+        if self._prefix_index is None:
+            model_id = next((w.info.model_id for w in self.workers.values() if w.info), None)
+            if model_id is None:
+                return None
+            self._prefix_index = PrefixIndex(self.spec.redis_url, model_id, self.spec.index)
+        return self._prefix_index
+
+    async def _purge_index(self, worker_id: str | None = None) -> None:
+        """Drop a removed worker's prefix-index entries (None: those of every worker the
+        registry does not hold). Best effort: Redis down leaves them to expire with the
+        worker's liveness key."""
+        index = self._index()
+        if index is None:
+            return
+        try:
+            if worker_id is not None:
+                await asyncio.to_thread(index.purge_worker, worker_id)
+            else:
+                await asyncio.to_thread(index.purge_workers_except, set(self.workers))
+        except Exception as e:
+            log.warning("purging the prefix index (%s) failed: %s", worker_id or "stale", e)
 
     async def _replace(self, role: WorkerRole) -> None:
         try:
@@ -292,7 +341,7 @@ class Controller:
     async def worker_snapshots(self) -> list[WorkerSnapshot]:
         """Every registered worker with its load (starting ones, and failed calls, without)."""
         workers = list(self.workers.values())
-        polled = [w for w in workers if w.state in ("ready", "draining")]
+        polled = [w for w in workers if w.state in _LISTED_STATES]
         loads = await asyncio.gather(
             *(asyncio.wait_for(w.handle.load.remote(), 2.0) for w in polled),
             return_exceptions=True,
@@ -307,7 +356,7 @@ class Controller:
                 worker_id=w.worker_id,
                 role=planner_role(w.role),
                 ready_at_s=w.ready_at,
-                draining=w.state == "draining",
+                draining=w.state in ("draining", "drained"),
                 load=by_id.get(w.worker_id),
             )
             for w in workers
@@ -360,20 +409,78 @@ class Controller:
 
     # ---- drain and rebalance ----------------------------------------------------------------
 
-    async def drain(self, worker_id: str, stop: bool, timeout_s: float) -> tuple[bool, str]:
-        """Stop admitting on a worker and wait for its in-flight work; optionally stop it."""
+    async def drain(
+        self, worker_id: str, stop: bool, timeout_s: float, force: bool = False
+    ) -> DrainReport:
+        """Stop admitting on a worker and let its running requests finish (up to
+        `timeout_s`); with `stop`, stop it then (past the timeout that cuts what still runs:
+        those streams end with UNAVAILABLE). Refuses, unless `force`, a drain that would
+        leave the worker's role with no ready worker."""
         w = self.workers.get(worker_id)
         if w is None:
-            return False, f"unknown worker {worker_id}"
+            raise DrainRefused(f"unknown worker {worker_id!r}")
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise DrainRefused(f"timeout_s: must be a finite number >= 0, got {timeout_s}")
+        if w.state not in _LISTED_STATES:
+            raise DrainRefused(f"{worker_id} is {w.state}: only a ready worker can be drained")
+        if w.state == "ready" and not force:
+            others = [
+                o for o in self.workers.values()
+                if o is not w and o.state == "ready" and _same_role(o.role, w.role)
+            ]  # fmt: skip
+            if not others:
+                raise DrainRefused(
+                    f"draining {worker_id} would leave no ready {w.role.value} worker "
+                    "(requests would fail); add one first, or pass force to drain anyway"
+                )
+        at_start = await self._inflight(w)
         w.state = "draining"
-        self._log(f"draining {worker_id}")
+        self._log(f"draining {worker_id} ({at_start} requests in flight, {timeout_s:g}s)")
         drained = bool(await w.handle.drain.remote(timeout_s))
-        if not drained:
-            return False, f"{worker_id} still had work after {timeout_s:.0f}s"
-        if stop:
+        left = 0 if drained else await self._inflight(w)
+        if drained and not stop:
+            w.state = "drained"
+            msg = (
+                f"{worker_id} drained ({at_start} requests finished); idle and not admitting "
+                f"(`pdserve undrain {worker_id}` puts it back)"
+            )
+        elif drained:
             await self._stop(w)
-            return True, f"{worker_id} drained and stopped"
-        return True, f"{worker_id} drained (idle, not admitting)"
+            msg = f"{worker_id} drained ({at_start} requests finished) and stopped"
+        elif stop:
+            await self._stop(w)
+            msg = (
+                f"{worker_id}: {left} of {at_start} requests were still running after "
+                f"{timeout_s:g}s and were ended (UNAVAILABLE); stopped"
+            )
+        else:
+            msg = (
+                f"{worker_id} still has {left} requests in flight after {timeout_s:g}s; "
+                "it stays draining (not admitting)"
+            )
+        self._log(msg)
+        return DrainReport(
+            drained, msg, at_start, left if stop else 0, stop and w.state == "stopped"
+        )
+
+    async def undrain(self, worker_id: str) -> str:
+        """Put a draining or drained (not stopped) worker back into service."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise DrainRefused(f"unknown worker {worker_id!r}")
+        if w.state not in ("draining", "drained"):
+            raise DrainRefused(f"{worker_id} is {w.state}, not draining or drained")
+        await w.handle.undrain.remote()
+        w.state = "ready"
+        self._log(f"{worker_id} undrained: admitting again")
+        return f"{worker_id} is ready again"
+
+    async def _inflight(self, w: _Worker) -> int:
+        try:
+            load = await asyncio.wait_for(w.handle.load.remote(), 2.0)
+        except Exception:
+            return 0
+        return int(load.inflight_requests + load.leases_held)
 
     async def _stop(self, w: _Worker) -> None:
         self.workers.pop(w.worker_id, None)
@@ -383,6 +490,7 @@ class Controller:
             ray.kill(w.handle)
         w.state = "stopped"
         self._log(f"worker {w.worker_id} stopped")
+        await self._purge_index(w.worker_id)
 
     async def rebalance(
         self, prefill: int, decode: int, timeout_s: float
@@ -406,12 +514,16 @@ class Controller:
                 for w in sorted(current, key=lambda w: w.started_at, reverse=True)[
                     : max(len(current) - n, 0)
                 ]:
-                    ok, msg = await self.drain(w.worker_id, stop=True, timeout_s=timeout_s)
-                    if not ok:
+                    # Not cut: a worker whose requests outlast the timeout goes back to work
+                    # and the rebalance stops there ("no request is lost").
+                    report = await self.drain(w.worker_id, stop=False, timeout_s=timeout_s,
+                                              force=True)  # fmt: skip
+                    if not report.drained:
                         with contextlib.suppress(Exception):
                             await w.handle.undrain.remote()
                         w.state = "ready"
-                        return started, stopped, f"rebalance stopped: {msg}"
+                        return started, stopped, f"rebalance stopped: {report.message}"
+                    await self._stop(w)
                     stopped.append(w.worker_id)
             new: list[_Worker] = []
             for role, n in targets.items():
@@ -428,6 +540,14 @@ class Controller:
             msg = f"now {prefill} prefill + {decode} {decode_role.value}"
             self._log(f"rebalance: {msg} (started {started}, stopped {stopped})")
             return started, stopped, msg
+
+
+_LISTED_STATES = ("ready", "draining", "drained")
+
+
+def _same_role(a: WorkerRole, b: WorkerRole) -> bool:
+    decode_capable = (WorkerRole.DECODE, WorkerRole.COLOCATED)
+    return a is b or (a in decode_capable and b in decode_capable)
 
 
 def _log_to_stderr() -> None:

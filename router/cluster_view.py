@@ -9,7 +9,9 @@ the poller at once (it is admitted on the last poll, at most `idle_poll_interval
 admission ledger covers what this router itself admitted meanwhile). A worker that fails
 `failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
 at once. Between polls the router adds what it dispatched itself (prompt tokens sent to a
-prefill worker, not yet reported back), so a burst does not pile onto one worker.
+prefill worker, not yet reported back; KV blocks of requests placed on a decode worker until
+their first chunk), so a burst does not pile onto one worker. Draining workers stay in the
+view (their streams go on; placement skips them) until the controller stops them.
 
 Each decode worker's entry also holds this router's token channel to it
 (router/decode_channel.py), opened on first use, closed when the worker leaves the registry
@@ -75,6 +77,11 @@ class WorkerEntry:
     """Prompt tokens this router sent to the worker that its last report may not show."""
     channel: DecodeChannel | None = None
     """This router's token channel to the worker (decode roles; opened on first use)."""
+    reserved_decode_blocks: int = 0
+    """KV blocks of requests this router placed on the worker (decode roles) that its load
+    reports do not show yet (reserved at placement, released at the request's first chunk)."""
+    avoid_until: float = 0.0
+    """Monotonic time before which placement skips the worker (it missed a stage deadline)."""
 
     @property
     def worker_id(self) -> str:
@@ -82,8 +89,13 @@ class WorkerEntry:
 
     @property
     def serving(self) -> bool:
-        """Alive, started, and admitting new requests."""
-        return self.alive and self.load is not None and self.load.state is WorkerState.READY
+        """Alive, started, admitting new requests, and not being avoided."""
+        return (
+            self.alive
+            and self.load is not None
+            and self.load.state is WorkerState.READY
+            and time.monotonic() >= self.avoid_until
+        )
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -93,6 +105,24 @@ class WorkerEntry:
     def close_channel(self, reason: str) -> None:
         if self.channel is not None:
             self.channel.close(reason)
+
+
+class DecodeReservation:
+    """Blocks counted on a decode worker between placement and the request's first chunk
+    (`release` is idempotent)."""
+
+    def __init__(self, entry: WorkerEntry | None, blocks: int) -> None:
+        self._entry = entry
+        self._blocks = blocks
+        if entry is not None:
+            entry.reserved_decode_blocks += blocks
+
+    def release(self) -> None:
+        if self._entry is not None:
+            self._entry.reserved_decode_blocks = max(
+                self._entry.reserved_decode_blocks - self._blocks, 0
+            )
+            self._entry = None
 
 
 class ClusterView:
@@ -224,6 +254,16 @@ class ClusterView:
         if entry is not None:
             entry.alive = False
 
+    def avoid(self, worker_id: str, for_s: float) -> None:
+        """Keep new requests off a worker for `for_s` (it missed a stage deadline)."""
+        entry = self.entries.get(worker_id)
+        if entry is not None:
+            entry.avoid_until = max(entry.avoid_until, time.monotonic() + for_s)
+
+    def reserve_decode(self, worker_id: str, blocks: int) -> DecodeReservation:
+        """Count a request placed on a decode worker until its load reports show it."""
+        return DecodeReservation(self.entries.get(worker_id), blocks)
+
     def decode_channel(self, entry: WorkerEntry) -> DecodeChannel:
         """This router's token channel to a decode worker (opened on first use)."""
         if entry.channel is None:
@@ -280,7 +320,9 @@ class ClusterView:
                 DecodeCandidate(
                     e.worker_id,
                     cached_blocks=match.blocks_cached(e.worker_id),
-                    active_kv_blocks=eng.num_total_blocks - eng.num_free_blocks,
+                    active_kv_blocks=eng.num_total_blocks
+                    - eng.num_free_blocks
+                    + e.reserved_decode_blocks,
                     inflight_transfer_blocks=e.load.transfer.pending_blocks,
                     free_kv_blocks=eng.num_free_blocks,
                 )

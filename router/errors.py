@@ -7,17 +7,20 @@
                                               DEADLINE_UNREACHABLE -> DEADLINE_EXCEEDED
     RequestDeadlineExceeded / TimeoutError    DEADLINE_EXCEEDED
     RequestAborted (a worker's abort)         CANCELLED
-    NoWorkerError, WorkerLost                 UNAVAILABLE
+    NoWorkerError, WorkerLost, StageTimeout   UNAVAILABLE
     TransferError (after the retry)           UNAVAILABLE
     WorkerOverloaded / WorkerDraining         RESOURCE_EXHAUSTED + `retry-after-ms`
     anything else                             INTERNAL (a server fault, never bad input)
+
+A failure after tokens went out arrives as `StreamCut(error, n)`: the error's status, its
+message followed by "(n tokens delivered)".
 
 Worker exceptions arrive wrapped by Ray (`RayTaskError`); `unwrap` digs out the cause.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -39,6 +42,21 @@ DEFAULT_RETRY_AFTER_MS = 500
 
 class WorkerLost(Exception):
     """A worker died (or stopped answering) while serving the request."""
+
+
+class StreamCut(Exception):
+    """A stream that failed after tokens went out to the client: the failure, and how many
+    tokens the client got (its status is the failure's, with the count in the message)."""
+
+    def __init__(self, error: BaseException, tokens_delivered: int) -> None:
+        super().__init__(f"{error} ({tokens_delivered} tokens delivered)")
+        self.error = error
+        self.tokens_delivered = tokens_delivered
+
+
+class StageTimeout(WorkerLost):
+    """A worker missed a stage deadline of the request (prefill answer, hand-off, gap between
+    tokens): it is stuck or far behind. UNAVAILABLE, like a lost worker."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +89,9 @@ def _retry(ms: float | None) -> tuple[tuple[str, str], ...]:
 
 def to_grpc_failure(exc: BaseException) -> GrpcFailure:
     exc = unwrap(exc)
+    if isinstance(exc, StreamCut):
+        inner = to_grpc_failure(exc.error)
+        return replace(inner, message=f"{inner.message} ({exc.tokens_delivered} tokens delivered)")
     code = grpc.StatusCode
     if isinstance(exc, (InvalidRequest, SamplingParamsError)):
         return GrpcFailure(code.INVALID_ARGUMENT, str(exc), outcome="invalid")

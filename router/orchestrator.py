@@ -38,17 +38,36 @@ from admission.snapshot import AdmissionRequest, ClusterSnapshot
 from decode_worker.api import DecodeRequest, TokenChunk
 from engine.block_hash import BlockHash, hash_chain, hash_extra
 from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferError
 from kv_transfer.prefix_index import PrefixIndex
 from kv_transfer.types import PrefixMatch
-from prefill_worker.api import PrefillRequest, PrefillResult, WorkerDraining, WorkerOverloaded
-from router.cluster_view import ClusterView
-from router.errors import WorkerLost, is_actor_death, to_grpc_failure, unwrap
+from prefill_worker.api import (
+    PrefillRequest,
+    PrefillResult,
+    RequestDeadlineExceeded,
+    WorkerDraining,
+    WorkerOverloaded,
+)
+from router.cluster_view import ClusterView, DecodeReservation
+from router.errors import (
+    StageTimeout,
+    StreamCut,
+    WorkerLost,
+    is_actor_death,
+    to_grpc_failure,
+    unwrap,
+)
 from router.metrics import RouterMetrics
 from router.placement import Placement, PlacementConfig, place
 from router.validation import ValidRequest
 
 log = logging.getLogger(__name__)
+
+DEADLINE_GRACE_S = 1.0
+"""How long past a request's deadline the router waits for the worker's own deadline error."""
+_PREFILL_RETRYABLE: tuple[type[BaseException], ...] = (WorkerDraining, WorkerOverloaded)
+"""Errors of a prefill call that another prefill worker may not have."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +77,20 @@ class OrchestratorConfig:
     max_handoff_retries: int = 1
     """Fresh prefills after a failed hand-off (before the first decoded token)."""
     max_prefill_attempts: int = 3
-    """Prefill workers tried when one is draining, overloaded or dead."""
+    """Prefill workers tried when one is draining, overloaded, stopped, failing or dead."""
+    default_request_timeout_s: float = 1800.0
+    """Deadline of a request whose client sets none (so no request waits forever)."""
+    prefill_timeout_s: float = 120.0
+    """Stage deadline: the prefill worker's answer (queue + prompt). Past it the request
+    ends with UNAVAILABLE and the worker is avoided for `avoid_after_timeout_s`."""
+    handoff_timeout_s: float = 90.0
+    """Stage deadline: from the decode submit to its first chunk (KV pull, joining the batch;
+    for a local prefill, plus `prefill_timeout_s`)."""
+    token_gap_timeout_s: float = 30.0
+    """Stage deadline: the longest gap between two chunks of a stream."""
+    avoid_after_timeout_s: float = 30.0
+    """How long placement avoids a worker that missed a stage deadline (the controller's
+    progress check replaces it if it is stuck)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +195,9 @@ class Orchestrator:
         progress = _Progress(t0=time.perf_counter())
         self.view.request_arrived()
         req = replace(req, request_id=f"{req.request_id}@{self._id_prefix}{next(self._seq)}")
-        deadline = time.time() + timeout_s if timeout_s is not None else None
+        if timeout_s is None:
+            timeout_s = self.config.default_request_timeout_s
+        deadline = time.time() + timeout_s
         block_size = self.view.block_size()
         hashes = hash_chain(
             req.prompt_token_ids, block_size, hash_extra(self.model_id, req.cache_salt)
@@ -178,7 +212,7 @@ class Orchestrator:
             max_tokens=req.sampling.max_tokens,
             tenant=req.tenant,
             priority=req.priority,
-            deadline_ms=timeout_s * 1000 if timeout_s is not None else None,
+            deadline_ms=timeout_s * 1000,
         )
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
@@ -200,6 +234,8 @@ class Orchestrator:
             outcome = to_grpc_failure(e).outcome
             if isinstance(e, AdmissionRejected):
                 self.metrics.admission.labels("reject", e.reason.value).inc()
+            if progress.completion_tokens and isinstance(e, Exception):
+                raise StreamCut(unwrap(e), progress.completion_tokens) from e
             raise
         finally:
             self.inflight -= 1
@@ -232,31 +268,52 @@ class Orchestrator:
         deadline: float | None,
     ) -> AsyncIterator[StreamDelta]:
         block_size = self.view.block_size()
+        prompt_len = len(req.prompt_token_ids)
         handoff_failures = 0
         attempt_base_id = req.request_id
         while True:
+            first_out = progress.first_token_id is not None
             placement = place(
-                len(req.prompt_token_ids),
+                prompt_len,
                 block_size,
                 self.view.prefill_candidates(match, frozenset(progress.tried_prefill)),
                 self.view.decode_candidates(match, frozenset(progress.tried_decode)),
                 PlacementConfig(
                     self.config.uncached_block_weight,
-                    # once the first token is out, only a prefill worker can redo the KV
+                    # once the first token is out, a local prefill must resume after it
                     self.admission.thresholds.local_prefill_threshold_tokens
-                    if progress.first_token_id is None
+                    if not first_out
                     else -1,
                 ),
                 needed_decode_blocks=areq.kv_blocks(block_size),
             )
             progress.decode_worker = placement.decode_worker_id
-            if placement.local_prefill and progress.first_token_id is None:
-                progress.local_prefill = True
-                dreq = _decode_request(req, None, None, deadline)
-                async for delta in self._decode(placement, dreq, progress):
-                    yield delta
-                return
-            result = await self._prefill(req, placement, match, progress, deadline)
+            # Counted on the decode worker until its load reports show the request (its
+            # first chunk), so a burst placed between two polls spreads over the workers.
+            reservation = self.view.reserve_decode(
+                placement.decode_worker_id, areq.kv_blocks(block_size)
+            )
+            try:
+                if placement.local_prefill:
+                    if first_out:  # no prefill worker left: the decode worker resumes
+                        dreq = _resume_request(req, progress, deadline)
+                    else:
+                        progress.local_prefill = True
+                        dreq = _decode_request(req, None, None, deadline)
+                    first_timeout = self.config.prefill_timeout_s + self.config.handoff_timeout_s
+                    async for delta in self._decode(
+                        placement, dreq, progress, prompt_len, reservation, first_timeout
+                    ):
+                        yield delta
+                    return
+                # A retry's prefill only rebuilds the KV: its first token is dropped (the
+                # client has one), so it must hand off whatever it samples.
+                preq_sampling = _handoff_sampling(req.sampling) if first_out else req.sampling
+                result = await self._prefill(req, preq_sampling, placement, match, progress,
+                                             deadline)  # fmt: skip
+            except BaseException:
+                reservation.release()
+                raise
             # From here the prefill worker holds the prompt's blocks under a lease: every exit,
             # including a client that goes away while the first token is being written,
             # must end it (else the blocks stay pinned until the lease expires).
@@ -272,20 +329,23 @@ class Orchestrator:
                         (result.first_logprob,) if result.first_logprob is not None else None,
                     )
                     if result.finish_reason is not None:
-                        prompt_len = len(req.prompt_token_ids)
                         yield self._final(progress, result.finish_reason, prompt_len)
                         return
+                if result.handle is None:  # never with a hand-off sampling; guard the stream
+                    raise WorkerLost(f"prefill worker {result.worker_id} returned no KV handle")
                 dreq = _decode_request(req, result, progress, deadline)
-                async for delta in self._decode(placement, dreq, progress):
+                async for delta in self._decode(
+                    placement, dreq, progress, prompt_len, reservation,
+                    self.config.handoff_timeout_s,
+                ):  # fmt: skip
                     yield delta
                 return
             except BaseException as e:
+                reservation.release()
                 err = unwrap(e)
-                retryable = isinstance(err, (TransferError, WorkerLost, WorkerDraining,
-                                             WorkerOverloaded)) or is_actor_death(err)  # fmt: skip
                 self._abort_prefill(result)
                 if (
-                    not retryable
+                    not _retryable(err)
                     or progress.decoded_tokens > 0
                     or handoff_failures >= self.config.max_handoff_retries
                 ):
@@ -303,12 +363,14 @@ class Orchestrator:
     async def _prefill(
         self,
         req: ValidRequest,
+        sampling: SamplingParams,
         placement: Placement,
         match: PrefixMatch,
         progress: _Progress,
         deadline: float | None,
     ) -> PrefillResult:
-        """Prefill on the placed worker, moving to another if it is draining, full or dead."""
+        """Prefill on the placed worker, moving to another if it is draining, full, stopped,
+        failing or dead."""
         worker_id = placement.prefill_worker_id
         for attempt in range(self.config.max_prefill_attempts):
             if worker_id is None:
@@ -320,26 +382,31 @@ class Orchestrator:
             preq = PrefillRequest(
                 request_id=req.request_id,
                 prompt_token_ids=req.prompt_token_ids,
-                sampling=req.sampling,
+                sampling=sampling,
                 cache_salt=req.cache_salt,
                 arrival_time=time.time(),
                 deadline=deadline,
             )
             ref = entry.handle.prefill.remote(preq)
             try:
-                result: PrefillResult = await ref
-            except asyncio.CancelledError:
-                # Cancel the call itself too: an abort that reaches the worker while the prompt
-                # waits in its engine frees the blocks but does not end the call.
-                _cancel_remote(ref)
-                _fire(entry.handle.abort.remote(req.request_id))
-                raise
-            except Exception as e:
-                err = unwrap(e)
+                result: PrefillResult = await self._within(
+                    ref, self.config.prefill_timeout_s, deadline, "prefill", worker_id, progress
+                )
+            except BaseException as e:
+                # Cancel the call itself too (a client cancel, a stage deadline): an abort
+                # that reaches the worker while the prompt waits in its engine frees the
+                # blocks but does not end the call.
+                err = unwrap(e) if isinstance(e, Exception) else e
+                if isinstance(e, asyncio.CancelledError) or isinstance(
+                    err, (StageTimeout, RequestDeadlineExceeded)
+                ):
+                    _cancel_remote(ref)
+                    _fire(entry.handle.abort.remote(req.request_id))
+                    raise
                 dead = is_actor_death(err)
                 if dead:
                     self.view.mark_dead(worker_id)
-                if not (dead or isinstance(err, (WorkerDraining, WorkerOverloaded))):
+                if not (dead or isinstance(err, _PREFILL_RETRYABLE)):
                     raise err from None
                 progress.tried_prefill.add(worker_id)
                 candidates = self.view.prefill_candidates(match, frozenset(progress.tried_prefill))
@@ -359,32 +426,77 @@ class Orchestrator:
         raise WorkerLost("no prefill worker could take the request")
 
     async def _decode(
-        self, placement: Placement, dreq: DecodeRequest, progress: _Progress
+        self,
+        placement: Placement,
+        dreq: DecodeRequest,
+        progress: _Progress,
+        prompt_len: int,
+        reservation: DecodeReservation,
+        first_timeout_s: float,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request on this router's token channel to the decode worker and read its
         chunks off the channel (one Ray item per engine step for all of this router's
-        requests there, demultiplexed by the channel's reader)."""
+        requests there, demultiplexed by the channel's reader). The first chunk must come
+        within `first_timeout_s`, each later one within `token_gap_timeout_s`."""
         entry = self.view.get(placement.decode_worker_id)
         if entry is None:
             raise WorkerLost(f"decode worker {placement.decode_worker_id} left the cluster")
+        worker_id = entry.worker_id
+        deadline = dreq.deadline
         stream = self.view.decode_channel(entry).open_request(dreq.request_id)
         finished = False
         try:
             try:
-                await stream.submit(dreq)
+                await self._within(
+                    stream.submit(dreq), self.config.token_gap_timeout_s, deadline,
+                    "decode submit", worker_id, progress,
+                )  # fmt: skip
             except Exception as e:
                 if is_actor_death(unwrap(e)):
-                    self.view.mark_dead(entry.worker_id)
+                    self.view.mark_dead(worker_id)
                 raise
+            timeout, stage = first_timeout_s, "hand-off"
             while not finished:
-                chunk = await stream.next()
-                delta = self._chunk_delta(chunk, progress, len(dreq.prompt_token_ids))
+                chunk = await self._within(
+                    stream.next(), timeout, deadline, stage, worker_id, progress
+                )
+                reservation.release()  # the worker's own load reports count it from here
+                timeout, stage = self.config.token_gap_timeout_s, "token stream"
+                delta = self._chunk_delta(chunk, progress, prompt_len)
                 finished = chunk.finish_reason is not None
                 yield delta
         finally:
             stream.close()
             if not finished:
                 _fire(entry.handle.abort.remote(dreq.request_id))
+
+    async def _within(
+        self,
+        awaitable: Any,
+        stage_s: float,
+        deadline: float | None,
+        stage: str,
+        worker_id: str,
+        progress: _Progress,
+    ) -> Any:
+        """Await a worker within a stage deadline (and the request's own deadline, which the
+        worker enforces itself: the router allows it `DEADLINE_GRACE_S` to say so)."""
+        limit = stage_s
+        request_bound = False
+        if deadline is not None:
+            remaining = deadline - time.time() + DEADLINE_GRACE_S
+            if remaining < limit:
+                limit, request_bound = max(remaining, 0.0), True
+        try:
+            return await asyncio.wait_for(awaitable, limit)
+        except TimeoutError:
+            if request_bound:
+                raise RequestDeadlineExceeded(f"request deadline passed in {stage}") from None
+            self.view.avoid(worker_id, self.config.avoid_after_timeout_s)
+            raise StageTimeout(
+                f"{stage}: worker {worker_id} did not answer within {stage_s:g}s "
+                f"({progress.completion_tokens} tokens delivered)"
+            ) from None
 
     def _chunk_delta(self, chunk: TokenChunk, progress: _Progress, prompt_len: int) -> StreamDelta:
         if chunk.transfer_s:
@@ -467,6 +579,43 @@ def _decode_request(
         arrival_time=time.time(),
         deadline=deadline,
     )
+
+
+def _resume_request(
+    req: ValidRequest, progress: _Progress, deadline: float | None
+) -> DecodeRequest:
+    """The rest of a request whose first token is out, computed on the decode worker alone
+    (no prefill worker left): prompt + that token is prefilled there and it samples the
+    second token on, so the client sees each token once."""
+    assert progress.first_token_id is not None
+    return DecodeRequest(
+        request_id=req.request_id,
+        prompt_token_ids=(*req.prompt_token_ids, progress.first_token_id),
+        sampling=replace(req.sampling, max_tokens=req.sampling.max_tokens - 1),
+        cache_salt=req.cache_salt,
+        handle=None,
+        first_token_id=None,
+        first_logprob=None,
+        arrival_time=time.time(),
+        deadline=deadline,
+    )
+
+
+def _handoff_sampling(sampling: SamplingParams) -> SamplingParams:
+    """Sampling for a retry's prefill: nothing ends the request on its first token (that
+    token is dropped; the KV must be handed off)."""
+    return replace(
+        sampling,
+        ignore_eos=True,
+        stop=(),
+        stop_token_ids=(),
+        max_tokens=max(sampling.max_tokens, 2),
+    )
+
+
+def _retryable(err: BaseException) -> bool:
+    """A hand-off failure that a fresh prefill on other workers may fix."""
+    return isinstance(err, (TransferError, WorkerLost, *_PREFILL_RETRYABLE)) or is_actor_death(err)
 
 
 def _cancel_remote(ref: Any) -> None:

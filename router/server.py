@@ -28,15 +28,13 @@ from kv_transfer.config import PrefixIndexConfig
 from kv_transfer.prefix_index import PrefixIndex
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from prefill_worker.api import WorkerRole
+from router import validation
 from router.cluster_view import ClusterView, ControllerDirectory, WorkerDirectory
+from router.control import ClusterControl, DrainReport
 from router.metrics import RecentSamples, RouterMetrics
 from router.orchestrator import Orchestrator, OrchestratorConfig
-from router.servicer import (
-    AdminServicer,
-    ClusterControl,
-    GenerationServicer,
-    generation_handler,
-)
+from router.servicer import AdminServicer, GenerationServicer, generation_handler
 from router.validation import ValidationLimits
 
 if TYPE_CHECKING:
@@ -84,7 +82,14 @@ class RouterConfig:
     """How often worker loads are polled while requests arrive."""
     idle_poll_interval_s: float = 0.5
     """How often worker loads are polled once no request arrived for a second."""
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = 8 << 20
+    """Largest gRPC message accepted (a prompt of 128k tokens of text fits); larger ones are
+    refused by gRPC with RESOURCE_EXHAUSTED before they are parsed."""
+    max_concurrent_requests: int = 4096
+    """Requests this router holds at once (queued, admitted or streaming); one more gets
+    RESOURCE_EXHAUSTED with retry-after before it is validated."""
+    max_concurrent_streams: int = 1024
+    """HTTP/2 streams per client connection (gRPC's `max_concurrent_streams`)."""
 
     @property
     def resolved_model_id(self) -> str:
@@ -144,10 +149,13 @@ class RouterServer:
         opts = [
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
+            ("grpc.max_concurrent_streams", self.config.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(options=opts)
-        self.generation = GenerationServicer(self.orchestrator, self.tokenizer, self.limits)
+        self.generation = GenerationServicer(
+            self.orchestrator, self.tokenizer, self.limits, self.config.max_concurrent_requests
+        )
         server.add_generic_rpc_handlers((generation_handler(self.generation),))
         admin = AdminServicer(
             self.view,
@@ -156,6 +164,7 @@ class RouterServer:
             self.metrics,
             self.control,
             self.config.resolved_model_id,
+            self.request_limits,
         )
         pb_grpc.add_AdminServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -181,15 +190,43 @@ class RouterServer:
     def _update_limits(self) -> None:
         """Workers may serve a shorter context than the model (engine max_model_len); the
         limit follows the registry, so workers that join after start count too."""
-        lens = [e.info.max_model_len for e in self.view.entries.values()]
-        if lens:
+        infos = [e.info for e in self.view.entries.values()]
+        if infos:
+            decode_pools = [
+                i.num_kv_blocks * i.block_size for i in infos if i.role is not WorkerRole.PREFILL
+            ]
             self.limits = ValidationLimits(
-                max_model_len=min(self.model_max_len, *lens),
+                max_model_len=min(self.model_max_len, *(i.max_model_len for i in infos)),
                 vocab_size=self.limits.vocab_size,
                 tenants=self.limits.tenants,
+                # every role may compute a prompt (decode workers prefill short ones)
+                max_prompt_tokens=min(i.num_kv_blocks * i.block_size for i in infos),
+                max_sequence_tokens=min(decode_pools) if decode_pools else None,
             )
             if self.generation is not None:
                 self.generation.limits = self.limits
+
+    def request_limits(self) -> pb.RequestLimits:
+        """Every limit a request is checked against, as `pdserve status` shows them."""
+        o, lim = self.config.orchestrator, self.limits
+        return pb.RequestLimits(
+            max_request_id_chars=validation.MAX_REQUEST_ID_CHARS,
+            max_tenant_chars=validation.MAX_TENANT_CHARS,
+            max_cache_salt_chars=validation.MAX_CACHE_SALT_CHARS,
+            max_stop_strings=validation.MAX_STOP_STRINGS,
+            max_stop_string_chars=validation.MAX_STOP_STRING_CHARS,
+            max_stop_token_ids=validation.MAX_STOP_TOKEN_IDS,
+            max_message_bytes=self.config.max_message_bytes,
+            max_concurrent_requests=self.config.max_concurrent_requests,
+            max_concurrent_streams=self.config.max_concurrent_streams,
+            max_model_len=lim.max_model_len,
+            max_prompt_tokens=lim.max_prompt_tokens or 0,
+            default_request_timeout_s=o.default_request_timeout_s,
+            prefill_timeout_s=o.prefill_timeout_s,
+            handoff_timeout_s=o.handoff_timeout_s,
+            token_gap_timeout_s=o.token_gap_timeout_s,
+            max_tenants=self.config.admission.max_tracked_tenants,
+        )
 
     async def _update_health(self) -> None:
         serving = bool(self.view.decode_workers())
@@ -289,8 +326,12 @@ class ControllerControl:
     def __init__(self, controller: Any) -> None:
         self.controller = controller
 
-    async def drain(self, worker_id: str, stop: bool, timeout_s: float) -> tuple[bool, str]:
-        return tuple(await self.controller.drain.remote(worker_id, stop, timeout_s))
+    async def drain(self, worker_id: str, stop: bool, timeout_s: float, force: bool) -> DrainReport:
+        report: DrainReport = await self.controller.drain.remote(worker_id, stop, timeout_s, force)
+        return report
+
+    async def undrain(self, worker_id: str) -> str:
+        return str(await self.controller.undrain.remote(worker_id))
 
     async def rebalance(
         self, prefill: int, decode: int, timeout_s: float

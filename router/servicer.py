@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,14 +27,17 @@ from engine.request import FinishReason
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import WorkerState
+from prefill_worker.api import WorkerLoad, WorkerState
 from router.cluster_view import ClusterView
-from router.errors import to_grpc_failure
+from router.control import ClusterControl
+from router.errors import DEFAULT_RETRY_AFTER_MS, RETRY_AFTER_KEY, to_grpc_failure, unwrap
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamDelta
 from router.validation import ValidationLimits, find_invalid_utf8_field, validate
 
 log = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_S = 120.0
 
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -48,14 +52,17 @@ _STATE = {
 }
 
 
-def _worker_state(alive: bool, reported: WorkerState | None) -> pb.WorkerState:
+def _worker_state(alive: bool, load: WorkerLoad | None) -> pb.WorkerState:
     """DEAD once polls fail; STARTING while registered but not yet polled (a new worker after
-    a rebalance or replacement); else what the worker reported."""
+    a rebalance or replacement); DRAINED for a draining worker that holds nothing; else what
+    the worker reported."""
     if not alive:
         return pb.WORKER_STATE_DEAD
-    if reported is None:
+    if load is None:
         return pb.WORKER_STATE_STARTING
-    return _STATE[reported]
+    if load.state is WorkerState.DRAINING and not (load.inflight_requests or load.leases_held):
+        return pb.WORKER_STATE_DRAINED
+    return _STATE[load.state]
 
 
 @dataclass(frozen=True)
@@ -109,11 +116,16 @@ def to_proto(delta: StreamDelta, request_id: str) -> pb.GenerateResponse:
 
 class GenerationServicer:
     def __init__(
-        self, orchestrator: Orchestrator, tokenizer: Tokenizer, limits: ValidationLimits
+        self,
+        orchestrator: Orchestrator,
+        tokenizer: Tokenizer,
+        limits: ValidationLimits,
+        max_concurrent_requests: int = 4096,
     ) -> None:
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.limits = limits
+        self.max_concurrent_requests = max_concurrent_requests
 
     async def Generate(
         self,
@@ -126,6 +138,15 @@ class GenerationServicer:
             field = request.field or "request"
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{field}: not valid UTF-8 / protobuf"
+            )
+            return
+        if self.orchestrator.inflight >= self.max_concurrent_requests:
+            requests.labels("rejected").inc()
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(DEFAULT_RETRY_AFTER_MS)),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the router holds {self.orchestrator.inflight} requests, its limit "
+                f"(max_concurrent_requests {self.max_concurrent_requests}); retry later",
             )
             return
         started = False
@@ -162,16 +183,6 @@ def generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("pdserve.v1.Generation", {"Generate": method})
 
 
-class ClusterControl(Protocol):
-    """What the admin service asks of the control plane (the controller actor)."""
-
-    async def drain(self, worker_id: str, stop: bool, timeout_s: float) -> tuple[bool, str]: ...
-
-    async def rebalance(
-        self, prefill: int, decode: int, timeout_s: float
-    ) -> tuple[list[str], list[str], str]: ...
-
-
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(
         self,
@@ -181,6 +192,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         metrics: RouterMetrics,
         control: ClusterControl | None,
         model_id: str,
+        limits: Callable[[], pb.RequestLimits] | None = None,
     ) -> None:
         self.view = view
         self.admission = admission
@@ -188,6 +200,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.metrics = metrics
         self.control = control
         self.model_id = model_id
+        self.limits = limits
 
     def _thresholds(self) -> pb.AdmissionThresholds:
         t = self.admission.thresholds
@@ -203,7 +216,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 role=info.role.value,
                 node=info.node,
                 device=info.device,
-                state=_worker_state(entry.alive, load.state if load else None),
+                state=_worker_state(entry.alive, load),
                 ttft_p50_ms=lat.ttft_p50_ms,
                 ttft_p90_ms=lat.ttft_p90_ms,
                 tpot_p50_ms=lat.tpot_p50_ms,
@@ -222,6 +235,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 w.inflight_transfer_blocks = load.transfer.pending_blocks + load.leased_blocks
                 w.prefix_cache_hit_tokens = e.num_cache_hit_tokens
                 w.requests_done = load.requests_done
+                w.inflight_requests = load.inflight_requests
             workers.append(w)
         redis_ok = self.orchestrator.index is not None and bool(
             await asyncio.to_thread(self.orchestrator.index.live_workers)
@@ -232,6 +246,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             thresholds=self._thresholds(),
             router_inflight_requests=self.orchestrator.inflight,
             redis_ok=redis_ok,
+            limits=self.limits() if self.limits is not None else None,
         )
 
     async def GetThresholds(self, request: Any, context: Any) -> pb.AdmissionThresholds:
@@ -249,26 +264,66 @@ class AdminServicer(pb_grpc.AdminServicer):
         return self._thresholds()
 
     async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
+        control = await self._control(context)
+        timeout_s = request.timeout_s if request.HasField("timeout_s") else DEFAULT_DRAIN_S
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s: must be a finite number >= 0, got {timeout_s}",
+            )
+        await self._known_worker(request.worker_id, context)
+        try:
+            report = await control.drain(request.worker_id, request.stop, timeout_s, request.force)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(unwrap(e)))
+        await self.view.refresh_registry()
+        return pb.DrainResponse(
+            worker_id=request.worker_id,
+            drained=report.drained,
+            message=report.message,
+            requests_at_start=report.requests_at_start,
+            requests_cut=report.requests_cut,
+            stopped=report.stopped,
+        )
+
+    async def Undrain(self, request: pb.UndrainRequest, context: Any) -> pb.UndrainResponse:
+        control = await self._control(context)
+        await self._known_worker(request.worker_id, context)
+        try:
+            message = await control.undrain(request.worker_id)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(unwrap(e)))
+        await self.view.refresh_registry()
+        await self.view.poll_loads()
+        return pb.UndrainResponse(worker_id=request.worker_id, message=message)
+
+    async def _control(self, context: Any) -> ClusterControl:
         if self.control is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no controller in this cluster")
         assert self.control is not None
-        if self.view.get(request.worker_id) is None:
+        return self.control
+
+    async def _known_worker(self, worker_id: str, context: Any) -> None:
+        if self.view.get(worker_id) is None:
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"worker_id: unknown worker {request.worker_id!r}"
+                grpc.StatusCode.NOT_FOUND, f"worker_id: unknown worker {worker_id!r}"
             )
-        drained, message = await self.control.drain(
-            request.worker_id, request.stop, request.timeout_s or 120.0
-        )
-        return pb.DrainResponse(worker_id=request.worker_id, drained=drained, message=message)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: Any) -> pb.RebalanceResponse:
-        if self.control is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no controller in this cluster")
-        assert self.control is not None
+        control = await self._control(context)
         if request.decode < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode: must be >= 1")
-        started, stopped, message = await self.control.rebalance(
-            request.prefill, request.decode, request.timeout_s or 300.0
-        )
+        timeout_s = request.timeout_s or 300.0
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s: must be a finite number >= 0, got {timeout_s}",
+            )
+        try:
+            started, stopped, message = await control.rebalance(
+                request.prefill, request.decode, timeout_s
+            )
+        except Exception as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(unwrap(e)))
         await self.view.refresh_registry()
         return pb.RebalanceResponse(started=started, stopped=stopped, message=message)

@@ -8,6 +8,7 @@ passes. Prompt text is tokenized here (the router owns the tokenizer for hashing
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -15,10 +16,22 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
 
+MAX_REQUEST_ID_CHARS = 128
+MAX_TENANT_CHARS = 64
+MAX_CACHE_SALT_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_BYTES_PER_TOKEN = 64  # text far beyond this is refused before tokenizing it
 PRIORITY_RANGE = (-10, 10)
+
+ID_CHARS = "A-Z a-z 0-9 and . _ - : / + = @ ~"
+"""What a request id and a tenant name may contain (documented in docs/operations.md):
+they travel in worker-facing ids, NIXL notices (joined with \\x1f), Redis keys and logs."""
+_ID_RE = re.compile(r"[A-Za-z0-9._\-:/+=@~]+")
+# Text that travels on (cache salt, stop strings): no C0/C1 control characters but tab and
+# newlines (a stop string of "\n" is common), no NUL.
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 class InvalidRequest(ValueError):
@@ -47,6 +60,10 @@ class ValidationLimits:
     vocab_size: int
     tenants: frozenset[str] = frozenset()
     """Known tenants; empty means any tenant name is accepted."""
+    max_prompt_tokens: int | None = None
+    """The most prompt tokens the smallest prefill-capable KV pool can hold (None: unknown)."""
+    max_sequence_tokens: int | None = None
+    """The most prompt + generated tokens the smallest decode KV pool can hold."""
 
 
 def validate(
@@ -54,14 +71,34 @@ def validate(
 ) -> ValidRequest:
     """Check every field of `req`; raise InvalidRequest naming the first bad one."""
     request_id = req.request_id or uuid.uuid4().hex
-    if len(request_id) > 128:
-        raise InvalidRequest("request_id", f"must be at most 128 characters, got {len(request_id)}")
+    _check_name("request_id", request_id, MAX_REQUEST_ID_CHARS)
+    if req.tenant:
+        _check_name("tenant", req.tenant, MAX_TENANT_CHARS)
+    if limits.tenants and req.tenant not in limits.tenants:
+        raise InvalidRequest("tenant", f"unknown tenant {req.tenant!r}")
+    _check_text("cache_salt", req.cache_salt, MAX_CACHE_SALT_CHARS)
+    stops = tuple(req.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for stop in stops:
+        _check_text("stop", stop, MAX_STOP_STRING_CHARS)
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(req.stop_token_ids)}",
+        )
     prompt_ids = _prompt_ids(req, tokenizer, limits)
     if len(prompt_ids) >= limits.max_model_len:
         raise InvalidRequest(
             "prompt",
             f"{len(prompt_ids)} tokens leave no room to generate within the context length "
             f"of {limits.max_model_len} tokens",
+        )
+    if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            "prompt",
+            f"{len(prompt_ids)} tokens are more than a worker's KV cache can ever hold "
+            f"({limits.max_prompt_tokens} tokens)",
         )
     max_tokens = int(req.max_tokens)
     if max_tokens < 1:
@@ -72,11 +109,15 @@ def validate(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
             f"context length of {limits.max_model_len} tokens",
         )
-    stops = tuple(req.stop)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-        raise InvalidRequest("stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} chars")
+    if (
+        limits.max_sequence_tokens is not None
+        and len(prompt_ids) + max_tokens > limits.max_sequence_tokens
+    ):
+        raise InvalidRequest(
+            "max_tokens",
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) is more than a "
+            f"decode worker's KV cache can ever hold ({limits.max_sequence_tokens} tokens)",
+        )
     bad_stop_ids = [t for t in req.stop_token_ids if t >= limits.vocab_size]
     if bad_stop_ids:
         raise InvalidRequest(
@@ -85,8 +126,6 @@ def validate(
         )
     if not PRIORITY_RANGE[0] <= req.priority <= PRIORITY_RANGE[1]:
         raise InvalidRequest("priority", f"must be in [-10, 10], got {req.priority}")
-    if limits.tenants and req.tenant not in limits.tenants:
-        raise InvalidRequest("tenant", f"unknown tenant {req.tenant!r}")
     for name in _FLOAT_FIELDS:
         value = getattr(req, name)
         if not math.isfinite(value):  # inf passes the range checks below (inf >= 0)
@@ -119,6 +158,27 @@ def validate(
         priority=int(req.priority),
         cache_salt=req.cache_salt,
     )
+
+
+def _check_name(field: str, value: str, max_chars: int) -> None:
+    """An id-like string: 1..max_chars characters of `ID_CHARS`."""
+    if len(value) > max_chars:
+        raise InvalidRequest(field, f"must be at most {max_chars} characters, got {len(value)}")
+    if not _ID_RE.fullmatch(value):
+        bad = next((c for c in value if not _ID_RE.fullmatch(c)), "")
+        raise InvalidRequest(
+            field, f"character {bad!r} is not allowed (use {ID_CHARS}; at most {max_chars})"
+        )
+
+
+def _check_text(field: str, value: str, max_chars: int) -> None:
+    """Free text that travels past the router: bounded, no control characters but tab and
+    newlines."""
+    if len(value) > max_chars:
+        raise InvalidRequest(field, f"must be at most {max_chars} characters, got {len(value)}")
+    bad = _CONTROL_RE.search(value)
+    if bad is not None:
+        raise InvalidRequest(field, f"control character {bad.group()!r} is not allowed")
 
 
 def _prompt_ids(

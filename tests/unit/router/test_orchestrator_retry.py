@@ -25,6 +25,7 @@ from prefill_worker.api import (
     WorkerState,
 )
 from router.cluster_view import ClusterView, StaticDirectory
+from router.errors import StreamCut
 from router.orchestrator import Orchestrator, StreamDelta
 from router.validation import ValidRequest
 
@@ -170,7 +171,9 @@ def test_a_failed_hand_off_is_prefilled_again_under_a_fresh_id_and_the_stream_go
 
 def test_a_second_failed_hand_off_ends_the_request_with_the_typed_error() -> None:
     got, prefill, decode, _ = run_request(failures=2)
-    assert isinstance(got, TransferTimeout), got
+    # the first token went out: the typed error arrives with the count the client got
+    assert isinstance(got, StreamCut) and got.tokens_delivered == 1, got
+    assert isinstance(got.error, TransferTimeout), got.error
     assert len(prefill.prefills) == 2  # max_handoff_retries = 1
     first_id = prefill.prefills[0][0].request_id
     assert sorted(call[0] for call in prefill.aborts) == [first_id, f"{first_id}~1"]
