@@ -8,6 +8,7 @@
     RequestDeadlineExceeded / TimeoutError    DEADLINE_EXCEEDED
     RequestAborted (a worker's abort)         CANCELLED
     NoWorkerError, WorkerLost, StageTimeout   UNAVAILABLE
+    WorkerStopped, StepFailed (after retries) UNAVAILABLE
     TransferError (after the retry)           UNAVAILABLE
     WorkerOverloaded / WorkerDraining         RESOURCE_EXHAUSTED + `retry-after-ms`
     anything else                             INTERNAL (a server fault, never bad input)
@@ -30,8 +31,10 @@ from kv_transfer.errors import TransferError
 from prefill_worker.api import (
     RequestAborted,
     RequestDeadlineExceeded,
+    StepFailed,
     WorkerDraining,
     WorkerOverloaded,
+    WorkerStopped,
 )
 from router.placement import NoWorkerError
 from router.validation import InvalidRequest
@@ -111,7 +114,7 @@ def to_grpc_failure(exc: BaseException) -> GrpcFailure:
         return GrpcFailure(code.CANCELLED, str(exc), outcome="cancelled")
     if isinstance(exc, (WorkerOverloaded, WorkerDraining)):
         return GrpcFailure(code.RESOURCE_EXHAUSTED, str(exc), _retry(None), "rejected")
-    if isinstance(exc, (NoWorkerError, WorkerLost, TransferError)):
+    if isinstance(exc, (NoWorkerError, WorkerLost, TransferError, WorkerStopped, StepFailed)):
         return GrpcFailure(code.UNAVAILABLE, str(exc), outcome="unavailable")
     if is_actor_death(exc):
         return GrpcFailure(code.UNAVAILABLE, f"worker lost: {exc}", outcome="unavailable")

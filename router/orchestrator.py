@@ -46,8 +46,10 @@ from prefill_worker.api import (
     PrefillRequest,
     PrefillResult,
     RequestDeadlineExceeded,
+    StepFailed,
     WorkerDraining,
     WorkerOverloaded,
+    WorkerStopped,
 )
 from router.cluster_view import ClusterView, DecodeReservation
 from router.errors import (
@@ -66,8 +68,13 @@ log = logging.getLogger(__name__)
 
 DEADLINE_GRACE_S = 1.0
 """How long past a request's deadline the router waits for the worker's own deadline error."""
-_PREFILL_RETRYABLE: tuple[type[BaseException], ...] = (WorkerDraining, WorkerOverloaded)
-"""Errors of a prefill call that another prefill worker may not have."""
+_PREFILL_RETRYABLE: tuple[type[BaseException], ...] = (
+    WorkerDraining,
+    WorkerOverloaded,
+    WorkerStopped,
+    StepFailed,
+)
+"""Errors of a worker call that another worker may not have."""
 
 
 @dataclass(frozen=True)
