@@ -101,6 +101,7 @@ class DecodeWorker:
         )
         await asyncio.to_thread(endpoint.start)
         self.endpoint = endpoint
+        self.runtime.watch("kv-transfer thread", endpoint.progress)
         return info
 
     @property
@@ -294,6 +295,9 @@ class DecodeWorker:
             raise WorkerOverloaded(f"worker {rt.config.worker_id} holds too many requests")
         if req.handle is not None and req.first_token_id is None:
             raise ValueError("first_token_id: required with a KV handle")
+        if req.handle is None and req.first_token_id is not None:
+            # A local prefill samples its own first token: the client would get two.
+            raise ValueError("first_token_id: only with a KV handle (a local prefill samples it)")
         sink = RequestSink(channel, req.request_id)
         rt.open_sink(req.request_id, sink)  # raises if the id is in flight here
         channel.adopt(sink)
@@ -401,11 +405,11 @@ class DecodeWorker:
         if rt.state is WorkerState.READY:
             rt.state = WorkerState.DRAINING
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if rt.num_inflight == 0:
-                return True
+        while rt.num_inflight:
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(0.05)
-        return False
+        return True
 
     def undrain(self) -> None:
         if self.runtime.state is WorkerState.DRAINING:

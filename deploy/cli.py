@@ -1,15 +1,31 @@
-"""The `pdserve` command line: make-model, up, down, status, generate, rebalance, drain, bench."""
+"""The `pdserve` command line: make-model, up, down, status, generate, rebalance, drain,
+undrain, thresholds, bench.
+
+Exit codes: 0 done; 1 the cluster said no, or there is none to ask (one line on stderr: no
+cluster running, no router answering, or the server's status code and message); 2 a bad
+option, refused before anything starts or any RPC is sent (one line naming the option).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from deploy.options import build_options, load_config, pick
+from deploy.options import (
+    build_options,
+    check_count,
+    check_model_dir,
+    check_seconds,
+    load_config,
+    pick,
+)
 
 if TYPE_CHECKING:
     from deploy.cluster import ClusterOptions
@@ -26,6 +42,38 @@ err_console = Console(stderr=True)
 @app.callback()
 def _root() -> None:
     """pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis."""
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """One line on stderr (never wrapped), then exit `code`."""
+    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _checked_options() -> Iterator[None]:
+    """A refused option (typer.BadParameter from deploy.options) is one line and exit 2."""
+    try:
+        yield
+    except typer.BadParameter as e:
+        _fail(e.message, 2)
+
+
+@contextmanager
+def _router(target: str | None) -> Iterator[str]:
+    """The router a command talks to (--target, else the running cluster's first). No
+    cluster, nothing answering there, and an RPC the server refused are each one line on
+    stderr and exit 1; every command that talks to a router goes through here."""
+    import grpc
+
+    from deploy import client, daemon
+
+    try:
+        yield daemon.resolve_target(target)
+    except (daemon.NoCluster, client.NoRouter) as e:
+        _fail(str(e), 1)
+    except grpc.RpcError as e:
+        _fail(client.rpc_error_line(e), 1)
 
 
 @app.command("make-model")
@@ -118,17 +166,19 @@ def up(
 
     running = daemon.read_state()
     if running is not None:
-        err_console.print(f"a cluster is already running (pid {running.pid}, {running.target})")
-        raise typer.Exit(1)
-    cfg = load_config(config)
-    if pick(address, cfg, "address", None) is None:
-        from deploy.local_ray import loopback_env
+        _fail(f"a cluster is already running (pid {running.pid}, {running.target})", 1)
+    with _checked_options():  # every value, flags and file alike, before anything starts
+        check_seconds(timeout, "--timeout", allow_zero=False)
+        cfg = load_config(config)
+        if pick(address, cfg, "address", None) is None:
+            from deploy.local_ray import loopback_env
 
-        loopback_env()  # before the first `import ray` (Ray reads it on import)
-    opts = build_options(
-        cfg, model, prefill, decode, colocated, grpc_port, metrics_port, redis_url, address,
-        routers, host, planner,
-    )  # fmt: skip
+            loopback_env()  # before the first `import ray` (Ray reads it on import)
+        opts = build_options(
+            cfg, model, prefill, decode, colocated, grpc_port, metrics_port, redis_url, address,
+            routers, host, planner,
+        )  # fmt: skip
+        check_model_dir(opts.model_dir, "--model" if model is not None else "config model")
     if detach:
         argv = _up_argv(
             model=model, prefill=prefill, decode=decode, grpc_port=grpc_port,
@@ -144,8 +194,7 @@ def up(
         try:
             state = daemon.spawn_detached(argv, log_path, timeout)
         except (RuntimeError, TimeoutError) as e:
-            err_console.print(f"[red]error:[/red] {e}")
-            raise typer.Exit(1) from e
+            _fail(str(e), 1)
         _print_endpoint(state)
         return
     _run_foreground(opts, log_file)
@@ -169,8 +218,7 @@ def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
     try:
         endpoint = cluster.start()
     except Exception as e:
-        err_console.print(f"[red]error:[/red] cluster failed to start: {e}")
-        raise typer.Exit(1) from e
+        _fail(f"cluster failed to start: {e}", 1)
     control_log = daemon.state_path().parent / "pdserve-control.log"
     control_log.write_text("")  # exists (empty) once the state file names it
     state = daemon.ClusterState(
@@ -224,6 +272,8 @@ def down(
     """Stop the cluster that `pdserve up` started."""
     from deploy import daemon
 
+    with _checked_options():
+        check_seconds(timeout, "--timeout", allow_zero=True)
     state = daemon.stop_cluster(timeout)
     if state is None:
         console.print("no pdserve cluster is running")
@@ -252,11 +302,15 @@ def generate(
     timeout: Annotated[float, typer.Option(help="Request deadline in seconds.")] = 120.0,
 ) -> None:
     """Send one request through the gRPC API and stream the answer, then TTFT/TPOT."""
-    import grpc
-
-    from deploy import client, daemon
+    from deploy import client
     from pdserve.v1 import serving_pb2 as pb
 
+    with _checked_options():  # the server checks meaning; these would not fit the message
+        check_count(max_tokens, "--max-tokens")
+        check_count(top_k, "--top-k")
+        if seed is not None:
+            check_count(seed, "--seed")
+        check_seconds(timeout, "--timeout", allow_zero=False)
     request = pb.GenerateRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -268,13 +322,12 @@ def generate(
     )
     if seed is not None:
         request.seed = seed
-    console.print(f"[dim]{prompt}[/dim]", end="")
-    try:
-        result = client.generate(daemon.resolve_target(target), request, console, timeout)
-    except grpc.RpcError as e:
-        err_console.print(f"\n[red]{e.code().name}[/red]: {e.details()}")
-        raise typer.Exit(1) from e
-    console.print()
+    with _router(target) as addr:
+        console.print(f"[dim]{escape(prompt)}[/dim]", end="")
+        try:
+            result = client.generate(addr, request, console, timeout)
+        finally:
+            console.print()  # ends the prompt + answer line, also when the stream failed
     console.print(f"[cyan]{client.timings_line(result)}[/cyan]")
 
 
@@ -288,17 +341,13 @@ def status(
         str | None, typer.Option(help="HOST:PORT (default: running cluster).")
     ] = None,
 ) -> None:
-    """Per worker: role, node, device, KV blocks, queue, transfers, TTFT/TPOT, health; then
-    the controller's recent events and the planner's last decision (from the control log)."""
-    import grpc
+    """Per worker: role, state, node, device, KV blocks, requests in flight, queue, transfers,
+    TTFT/TPOT; then the request limits, the controller's recent events and the planner's last
+    decision (from the control log)."""
+    from deploy import client
 
-    from deploy import client, daemon
-
-    try:
-        st = client.status(daemon.resolve_target(target))
-    except grpc.RpcError as e:
-        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
-        raise typer.Exit(1) from e
+    with _router(target) as addr:
+        st = client.status(addr)
     log = client.control_log_summary(_control_log_path(target), events)
     if as_json:
         print(client.status_json(st, log))
@@ -306,6 +355,8 @@ def status(
     # A pipe gets the whole table, not one squeezed into 80 columns.
     out = console if console.is_terminal else Console(width=160)
     out.print(client.status_table(st))
+    for line in client.limits_lines(st):
+        out.print(f"  {line}", markup=False, highlight=False)
     for line in log.events:
         out.print(f"  {line}", markup=False, highlight=False)
     if log.planner:
@@ -332,40 +383,62 @@ def rebalance(
     ] = None,
 ) -> None:
     """Move capacity between roles, draining workers before stopping them."""
-    import grpc
+    from deploy import client
 
-    from deploy import client, daemon
-
-    try:
-        r = client.rebalance(daemon.resolve_target(target), prefill, decode, timeout)
-    except grpc.RpcError as e:
-        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
-        raise typer.Exit(1) from e
+    with _checked_options():
+        check_count(prefill, "--prefill", 0)
+        check_count(decode, "--decode", 1)
+        check_seconds(timeout, "--timeout", allow_zero=True)
+    with _router(target) as addr:
+        r = client.rebalance(addr, prefill, decode, timeout)
     console.print(f"{r.message}; started {list(r.started)}, stopped {list(r.stopped)}")
 
 
 @app.command()
 def drain(
     worker_id: Annotated[str, typer.Argument(help="Worker to drain (see `pdserve status`).")],
-    stop: Annotated[bool, typer.Option(help="Stop the worker once drained.")] = True,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for in-flight work.")] = 120.0,
+    stop: Annotated[
+        bool, typer.Option(help="Stop the worker once drained (else it stays, idle).")
+    ] = True,
+    timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds its requests may take to finish (>= 0) [server: 120]."),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Drain even the last ready worker of its role."),
+    ] = False,
     target: Annotated[
         str | None, typer.Option(help="HOST:PORT (default: running cluster).")
     ] = None,
 ) -> None:
-    """Stop admitting on a worker, finish its in-flight requests, then (by default) stop it."""
-    import grpc
+    """Stop admitting on a worker, finish its in-flight requests, then (by default) stop it.
+    Exits 1 unless every request it held finished in time."""
+    from deploy import client
 
-    from deploy import client, daemon
-
-    try:
-        r = client.drain(daemon.resolve_target(target), worker_id, stop, timeout)
-    except grpc.RpcError as e:
-        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
-        raise typer.Exit(1) from e
-    console.print(r.message)
+    if timeout is not None:
+        with _checked_options():
+            check_seconds(timeout, "--timeout", allow_zero=True)
+    with _router(target) as addr:
+        r = client.drain(addr, worker_id, stop, timeout, force)
+    console.print(r.message, markup=False, highlight=False)
     if not r.drained:
         raise typer.Exit(1)
+
+
+@app.command()
+def undrain(
+    worker_id: Annotated[str, typer.Argument(help="A draining or drained worker.")],
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
+    ] = None,
+) -> None:
+    """Put a draining or drained (not stopped) worker back into service."""
+    from deploy import client
+
+    with _router(target) as addr:
+        r = client.undrain(addr, worker_id)
+    console.print(r.message or f"{worker_id} is admitting again", markup=False, highlight=False)
 
 
 @app.command()
@@ -390,10 +463,13 @@ def thresholds(
     ] = None,
 ) -> None:
     """Show the router's admission thresholds, or change the ones given (at run time)."""
-    import grpc
+    from deploy import client
 
-    from deploy import client, daemon
-
+    with _checked_options():  # the server checks ranges; a negative count does not fit the message
+        if max_inflight_requests is not None:
+            check_count(max_inflight_requests, "--max-inflight-requests")
+        if local_prefill_threshold_tokens is not None:
+            check_count(local_prefill_threshold_tokens, "--local-prefill-threshold-tokens")
     changes = {
         k: v
         for k, v in {
@@ -405,11 +481,8 @@ def thresholds(
         }.items()
         if v is not None
     }
-    try:
-        current = client.thresholds(daemon.resolve_target(target), changes)
-    except grpc.RpcError as e:
-        err_console.print(f"[red]{e.code().name}[/red]: {e.details()}")
-        raise typer.Exit(1) from e
+    with _router(target) as addr:
+        current = client.thresholds(addr, changes)
     for field, value in current.items():
         console.print(f"{field:32} {value:g}")
 
@@ -432,14 +505,16 @@ def bench(
     ] = None,
 ) -> None:
     """Run a Locust load test headless and write CSV, HTML, plots and a goodput summary."""
-    from deploy import daemon
+    from deploy import client
     from loadtests.bench import BenchError, run_bench
     from loadtests.goodput import SLOError
     from loadtests.workload import ProfileError
 
+    with _router(target) as addr:
+        client.require_router(addr)
     try:
         run_bench(
-            daemon.resolve_target(target),
+            addr,
             profile,
             rate or [1.0],
             " ".join(slo or ["ttft:1000", "tpot:100"]),

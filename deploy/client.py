@@ -1,10 +1,15 @@
-"""The CLI's gRPC client: stream a generation, show cluster status, drain and rebalance."""
+"""The CLI's gRPC client: stream a generation, show cluster status, drain and rebalance.
+
+Every call opens its channel through `_channel`, which tells "nothing answers at the target"
+(`NoRouter`) from a router's own UNAVAILABLE (e.g. no decode worker).
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +23,64 @@ from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+DRAIN_TIMEOUT_S = 120.0
+"""The server's drain timeout when the request sets none (DrainRequest.timeout_s)."""
+CONNECT_TIMEOUT_S = 1.0
+"""How long a target that failed an RPC with UNAVAILABLE gets to accept a connection."""
+
+
+class NoRouter(ConnectionError):
+    """Nothing accepts a connection at the target: no cluster runs there, or it is the wrong
+    address."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(
+            f"no pdserve router answers at {target} (is the cluster up? `pdserve up` starts one)"
+        )
+        self.target = target
+
+
+def _connects(channel: grpc.Channel, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    future = grpc.channel_ready_future(channel)
+    try:
+        future.result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        future.cancel()
+        return False
+    return True
+
+
+@contextmanager
+def _channel(target: str) -> Iterator[grpc.Channel]:
+    """A channel to `target`, closed on exit. An RPC on it that fails with UNAVAILABLE
+    becomes `NoRouter` when the target does not accept a connection either; an UNAVAILABLE
+    the router itself sent (it answered) stays what it is."""
+    channel = grpc.insecure_channel(target)
+    try:
+        yield channel
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        if code == grpc.StatusCode.UNAVAILABLE and not _connects(channel):
+            raise NoRouter(target) from e
+        raise
+    finally:
+        channel.close()
+
+
+def require_router(target: str, timeout_s: float = 3.0) -> None:
+    """Return once `target` accepts a connection; `NoRouter` when it does not in time."""
+    with grpc.insecure_channel(target) as channel:
+        if not _connects(channel, timeout_s):
+            raise NoRouter(target)
+
+
+def rpc_error_line(error: grpc.RpcError) -> str:
+    """A failed RPC as one line: its status code, then its details."""
+    if not isinstance(error, grpc.Call):
+        return " ".join(str(error).split())
+    details = " ".join((error.details() or "").split())
+    return f"{error.code().name}: {details}" if details else error.code().name
 
 
 @dataclass(frozen=True)
@@ -33,7 +96,7 @@ class GenerationResult:
 def stream_generate(
     target: str, request: pb.GenerateRequest, timeout_s: float = 120.0
 ) -> Iterator[pb.GenerateResponse]:
-    with grpc.insecure_channel(target) as channel:
+    with _channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         yield from stub.Generate(request, timeout=timeout_s)
 
@@ -84,14 +147,15 @@ def timings_line(result: GenerationResult) -> str:
     )
 
 
-def admin(target: str) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(target)
-    return channel, pb_grpc.AdminStub(channel)
+@contextmanager
+def admin(target: str) -> Iterator[Any]:
+    """The Admin stub of the router at `target` (see `_channel` for what failures become)."""
+    with _channel(target) as channel:
+        yield pb_grpc.AdminStub(channel)
 
 
 def status(target: str, timeout_s: float = 10.0) -> pb.ClusterStatus:
-    channel, stub = admin(target)
-    with channel:
+    with admin(target) as stub:
         return stub.Status(pb.StatusRequest(), timeout=timeout_s)
 
 
@@ -124,25 +188,43 @@ def status_json(st: pb.ClusterStatus, log: ControlLogSummary | None = None) -> s
     return json.dumps(data, indent=2)
 
 
+_STATE_STYLE = {
+    pb.WORKER_STATE_DEAD: "red",
+    pb.WORKER_STATE_DRAINING: "yellow",
+    pb.WORKER_STATE_DRAINED: "yellow",
+    pb.WORKER_STATE_STARTING: "dim",
+}
+
+
+def worker_state(state: int) -> str:
+    """ "ready", "draining", "drained", ... for a WorkerState value ("state-7" if unknown)."""
+    try:
+        return pb.WorkerState.Name(state).removeprefix("WORKER_STATE_").lower()
+    except ValueError:
+        return f"state-{state}"
+
+
 def status_table(st: pb.ClusterStatus) -> Table:
     table = Table(
         title=f"pdserve · {st.model} · redis {'ok' if st.redis_ok else 'DOWN'}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
-    for col in ("worker", "role", "health", "node", "device", "KV used", "queue", "run", "xfer",
-                "TTFT p50/90 ms", "TPOT p50/90 ms", "done"):  # fmt: skip
+    for col in ("worker", "role", "health", "node", "device", "KV used", "in-flight", "queue",
+                "run", "xfer", "TTFT p50/90 ms", "TPOT p50/90 ms", "done"):  # fmt: skip
         left = col in ("worker", "role", "health", "node", "device")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for w in st.workers:
-        state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
+        state = worker_state(w.state)
+        style = _STATE_STYLE.get(w.state)
         table.add_row(
             w.worker_id,
             w.role,
-            f"[red]{state}[/red]" if w.state == pb.WORKER_STATE_DEAD else state,
+            f"[{style}]{state}[/{style}]" if style else state,
             w.node[:8],
             w.device,
             f"{w.kv_blocks_used}/{w.kv_blocks_total}",
+            str(w.inflight_requests),
             f"{w.queued_requests} ({w.queued_prefill_tokens} tok)",
             str(w.running_requests),
             f"{w.inflight_transfers} ({w.inflight_transfer_blocks} blk)",
@@ -160,18 +242,80 @@ def status_table(st: pb.ClusterStatus) -> Table:
     return table
 
 
-def drain(target: str, worker_id: str, stop: bool, timeout_s: float) -> pb.DrainResponse:
-    channel, stub = admin(target)
-    with channel:
-        return stub.Drain(
-            pb.DrainRequest(worker_id=worker_id, stop=stop, timeout_s=timeout_s),
-            timeout=timeout_s + 30,
-        )
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+# The lines of `limits_lines`: a label, then (RequestLimits field, how to show its value).
+_LIMIT_LINES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("limits", (
+        ("max_model_len", "context <= {} tok"),
+        ("max_prompt_tokens", "prompt <= {} tok"),
+        ("max_concurrent_requests", "{} requests per router"),
+        ("max_concurrent_streams", "{} streams per connection"),
+        ("max_message_bytes", "messages <= {size}"),
+        ("max_tenants", "{} tenants"),
+    )),
+    ("request", (
+        ("max_stop_strings", "stop <= {} strings"),
+        ("max_stop_string_chars", "stop string <= {} chars"),
+        ("max_stop_token_ids", "stop token ids <= {}"),
+        ("max_request_id_chars", "request id <= {} chars"),
+        ("max_tenant_chars", "tenant <= {} chars"),
+        ("max_cache_salt_chars", "cache salt <= {} chars"),
+    )),
+    ("timeouts", (
+        ("default_request_timeout_s", "request {:g} s (when the client sets none)"),
+        ("prefill_timeout_s", "prefill {:g} s"),
+        ("handoff_timeout_s", "hand-off {:g} s"),
+        ("token_gap_timeout_s", "between tokens {:g} s"),
+    )),
+)  # fmt: skip
+
+
+def limits_lines(st: pb.ClusterStatus) -> list[str]:
+    """The limits every request is checked against, a few lines for under the status table;
+    none when the router sent none (fields it left at 0 are not shown)."""
+    if not st.HasField("limits"):
+        return []
+    lines = []
+    for label, items in _LIMIT_LINES:
+        shown = []
+        for name, fmt in items:
+            value = getattr(st.limits, name)
+            if value:
+                shown.append(fmt.format(value, size=_size(int(value))))
+        if shown:
+            lines.append(f"{label + ':':10}{' · '.join(shown)}")
+    return lines
+
+
+def drain(
+    target: str,
+    worker_id: str,
+    stop: bool,
+    timeout_s: float | None = None,
+    force: bool = False,
+) -> pb.DrainResponse:
+    """Drain a worker; `timeout_s` None leaves the server's default (DRAIN_TIMEOUT_S)."""
+    request = pb.DrainRequest(worker_id=worker_id, stop=stop, force=force)
+    if timeout_s is not None:
+        request.timeout_s = timeout_s
+    wait_s = DRAIN_TIMEOUT_S if timeout_s is None else timeout_s
+    with admin(target) as stub:
+        return stub.Drain(request, timeout=wait_s + 30)
+
+
+def undrain(target: str, worker_id: str, timeout_s: float = 30.0) -> pb.UndrainResponse:
+    with admin(target) as stub:
+        return stub.Undrain(pb.UndrainRequest(worker_id=worker_id), timeout=timeout_s)
 
 
 def rebalance(target: str, prefill: int, decode: int, timeout_s: float) -> pb.RebalanceResponse:
-    channel, stub = admin(target)
-    with channel:
+    with admin(target) as stub:
         return stub.Rebalance(
             pb.RebalanceRequest(prefill=prefill, decode=decode, timeout_s=timeout_s),
             timeout=timeout_s + 900,
@@ -183,8 +327,7 @@ def thresholds(target: str, changes: dict[str, float], timeout_s: float = 10.0) 
 
     With several router replicas, each has its own thresholds: this talks to `target` only.
     """
-    channel, stub = admin(target)
-    with channel:
+    with admin(target) as stub:
         if changes:
             request = pb.AdmissionThresholds()
             for name, value in changes.items():

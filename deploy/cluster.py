@@ -134,6 +134,7 @@ class Cluster:
                 prefill_placement=opts.prefill_placement,
                 decode_placement=opts.decode_placement,
                 planner=opts.planner,
+                fixed_capacity=self._ray_started and opts.address is None,
                 **opts.extra_spec,
             )
             if self._ray_started and opts.address is None:  # a Ray of our own: fixed size

@@ -47,7 +47,12 @@ from deploy.planner_loop import (
     WorkerSnapshot,
     planner_role,
 )
-from deploy.workers import ActorPlacement, create_worker, default_placement
+from deploy.workers import (
+    ActorPlacement,
+    create_worker,
+    default_placement,
+    rebalance_shortfall,
+)
 from engine.config import EngineConfig, EngineMode
 from kv_transfer.config import KVTransferConfig, PrefixIndexConfig
 from kv_transfer.prefix_index import PrefixIndex
@@ -79,6 +84,12 @@ class ClusterSpec:
     prefill_placement: ActorPlacement | None = None
     decode_placement: ActorPlacement | None = None
     torch_threads: int = 1
+    stall_timeout_s: float = 60.0
+    """A worker whose engine or transfer loop has work and makes no progress this long is
+    unhealthy: removed from placement and replaced (WorkerConfig.stall_timeout_s)."""
+    fixed_capacity: bool = False
+    """The Ray has the resources it started with (a local Ray that pdserve started): a
+    rebalance that could never place its new workers is refused before anything drains."""
     replace_dead: bool = True
     health_interval_s: float = 1.0
     failure_threshold: int = 3
@@ -224,6 +235,7 @@ class Controller:
             redis_url=self.spec.redis_url,
             index=self.spec.index,
             torch_threads=self.spec.torch_threads,
+            stall_timeout_s=self.spec.stall_timeout_s,
         )
 
     def _create_worker(self, role: WorkerRole) -> _Worker:
@@ -482,6 +494,29 @@ class Controller:
             return 0
         return int(load.inflight_requests + load.leases_held)
 
+    def _youngest_ready(self, role: WorkerRole, keep: int) -> list[_Worker]:
+        """The ready workers of `role` beyond the first `keep`, youngest first (least prefix
+        cache to lose; ids sort as strings, "prefill-10" < "prefill-9", so by creation)."""
+        current = [w for w in self.workers.values() if w.role is role and w.state == "ready"]
+        ordered = sorted(current, key=lambda w: w.started_at, reverse=True)
+        return ordered[: max(len(current) - keep, 0)]
+
+    def _refuse_unplaceable(
+        self, targets: dict[WorkerRole, int], to_stop: dict[WorkerRole, list[_Worker]]
+    ) -> None:
+        """Raise DrainRefused when the new workers could never be placed on this Ray."""
+        leaving = {w.worker_id for ws in to_stop.values() for w in ws}
+        staying = [w for w in self.workers.values() if w.worker_id not in leaving]
+        starting = []
+        for role, n in targets.items():
+            have = sum(1 for w in staying if w.role is role and w.state in ("starting", "ready"))
+            starting += [(role.value, self.spec.placement_for(role))] * max(n - have, 0)
+        why = rebalance_shortfall(
+            [(w.role.value, w.placement) for w in staying], starting, ray.cluster_resources()
+        )
+        if why is not None:
+            raise DrainRefused(why)
+
     async def _stop(self, w: _Worker) -> None:
         self.workers.pop(w.worker_id, None)
         with contextlib.suppress(Exception):
@@ -503,17 +538,13 @@ class Controller:
         async with self._lock:
             decode_role = WorkerRole.COLOCATED if self.spec.colocated else WorkerRole.DECODE
             targets = {WorkerRole.PREFILL: prefill, decode_role: decode}
+            to_stop = {role: self._youngest_ready(role, n) for role, n in targets.items()}
+            if self.spec.fixed_capacity:
+                self._refuse_unplaceable(targets, to_stop)
             stopped: list[str] = []
             started: list[str] = []
-            for role, n in targets.items():
-                current = [
-                    w for w in self.workers.values() if w.role is role and w.state == "ready"
-                ]
-                # The youngest first (least prefix cache to lose); ids sort as strings
-                # ("prefill-10" < "prefill-9"), so order by creation time.
-                for w in sorted(current, key=lambda w: w.started_at, reverse=True)[
-                    : max(len(current) - n, 0)
-                ]:
+            for role in targets:
+                for w in to_stop[role]:
                     # Not cut: a worker whose requests outlast the timeout goes back to work
                     # and the rebalance stops there ("no request is lost").
                     report = await self.drain(w.worker_id, stop=False, timeout_s=timeout_s,
@@ -522,7 +553,12 @@ class Controller:
                         with contextlib.suppress(Exception):
                             await w.handle.undrain.remote()
                         w.state = "ready"
-                        return started, stopped, f"rebalance stopped: {report.message}"
+                        left = await self._inflight(w)
+                        msg = (
+                            f"rebalance stopped: {w.worker_id} still had {left} requests in "
+                            f"flight after {timeout_s:g}s; it is back in service"
+                        )
+                        return started, stopped, msg
                     await self._stop(w)
                     stopped.append(w.worker_id)
             new: list[_Worker] = []

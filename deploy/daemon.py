@@ -25,7 +25,12 @@ from typing import Any
 
 from deploy.make_model import cache_dir
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+
+class NoCluster(LookupError):
+    """A command that talks to a router got no --target and no cluster's state file."""
+
+    def __init__(self) -> None:
+        super().__init__("no cluster is running (`pdserve up` starts one)")
 
 
 @dataclass(frozen=True)
@@ -81,11 +86,13 @@ def clear_state(pid: int) -> None:
 
 
 def resolve_target(target: str | None) -> str:
-    """--target, else the running cluster's, else 127.0.0.1:50051."""
+    """--target, else the running cluster's first router; NoCluster when neither."""
     if target:
         return target
     state = read_state()
-    return state.target if state else DEFAULT_TARGET
+    if state is None:
+        raise NoCluster()
+    return state.target
 
 
 def _alive(pid: int) -> bool:

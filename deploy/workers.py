@@ -39,30 +39,79 @@ def default_placement() -> ActorPlacement:
     return ActorPlacement()
 
 
+def _asked(workers: list[tuple[str, ActorPlacement]]) -> dict[str, dict[str, float]]:
+    """Resource -> role -> amount the workers (role, placement) ask for in all."""
+    per_role: dict[str, dict[str, float]] = {}
+    for role, p in workers:
+        asks = {"GPU": p.num_gpus, "CPU": p.num_cpus, **dict(p.resources)}
+        for name, amount in asks.items():
+            if amount > 0:
+                by_role = per_role.setdefault(name, {})
+                by_role[role] = by_role.get(role, 0.0) + amount
+    return per_role
+
+
+def _first_short(
+    workers: list[tuple[str, ActorPlacement]], available: dict[str, float]
+) -> tuple[str, float, float, str] | None:
+    """(resource, total asked, what there is, "role n, ...") of the first resource (by name)
+    the workers ask more of than `available` has; None when they all fit."""
+    for name, by_role in sorted(_asked(workers).items()):
+        total, have = sum(by_role.values()), available.get(name, 0.0)
+        if total > have + 1e-9:
+            asked = ", ".join(f"{role} {n:g}" for role, n in sorted(by_role.items()))
+            return name, total, have, asked
+    return None
+
+
 def capacity_shortfall(
     wanted: list[tuple[str, ActorPlacement]], available: dict[str, float]
 ) -> str | None:
     """Why `wanted` workers (role, placement) cannot all be placed on `available` Ray
     resources, or None when they fit. For a Ray whose resources are fixed (a local one, no
     autoscaler): there, a worker that does not fit would wait for a node that never comes."""
-    per_role: dict[str, dict[str, float]] = {}  # resource -> role -> amount asked
-    for role, p in wanted:
-        asks = {"GPU": p.num_gpus, "CPU": p.num_cpus, **dict(p.resources)}
-        for name, amount in asks.items():
-            if amount > 0:
-                by_role = per_role.setdefault(name, {})
-                by_role[role] = by_role.get(role, 0.0) + amount
-    for name, by_role in sorted(per_role.items()):
-        total, have = sum(by_role.values()), available.get(name, 0.0)
-        if total > have + 1e-9:
-            asked = ", ".join(f"{role} {n:g}" for role, n in sorted(by_role.items()))
-            hint = "start fewer workers, or give each a smaller share (placement)"
-            if name == "GPU" and have >= 1:
-                # sharing a GPU between a prefill and a decode process is slow (UCX moves the
-                # KV between two processes on one device over TCP): one colocated worker per GPU
-                hint = f"on {have:g} GPU(s) run colocated workers (--colocated --decode {have:g})"
-            return f"the workers need {total:g} {name} ({asked}) but this Ray has {have:g}: {hint}"
-    return None
+    short = _first_short(wanted, available)
+    if short is None:
+        return None
+    name, total, have, asked = short
+    hint = "start fewer workers, or give each a smaller share (placement)"
+    if name == "GPU" and have >= 1:
+        # sharing a GPU between a prefill and a decode process is slow (UCX moves the KV
+        # between two processes on one device over TCP): one colocated worker per GPU
+        hint = f"on {have:g} GPU(s) run colocated workers (--colocated --decode {have:g})"
+    return f"the workers need {total:g} {name} ({asked}) but this Ray has {have:g}: {hint}"
+
+
+def rebalance_shortfall(
+    staying: list[tuple[str, ActorPlacement]],
+    starting: list[tuple[str, ActorPlacement]],
+    cluster_resources: dict[str, float],
+) -> str | None:
+    """Why a rebalance could never place the workers it would start, or None when they fit
+    (or it starts none). For a Ray whose resources are fixed, checked before anything drains.
+
+    `staying`: (role, placement) of every worker that holds Ray resources now and that the
+    rebalance does not stop: ready and starting ones it keeps, and draining or drained ones
+    (a drained worker that was not stopped keeps its GPU). `starting`: the workers it would
+    create. `cluster_resources`: the Ray's total (`ray.cluster_resources()`), not what is free
+    now: the workers it stops free theirs before the new ones start, so at the peak only the
+    staying and the starting workers hold resources (controller and routers ask for no CPU)."""
+    if not starting:
+        return None
+    short = _first_short(staying + starting, cluster_resources)
+    if short is None:
+        return None
+    name, total, have, asked = short
+    new: dict[str, int] = {}
+    for role, _ in starting:
+        new[role] = new.get(role, 0) + 1
+    new_text = ", ".join(f"{n} {role}" for role, n in sorted(new.items()))
+    return (
+        f"the rebalance would start {new_text} worker(s); with the {len(staying)} staying they "
+        f"need {total:g} {name} ({asked}) but this Ray has {have:g} (a local Ray keeps the "
+        "resources it started with): ask for fewer workers (a drained worker that was not "
+        "stopped keeps its share)"
+    )
 
 
 def actor_class(role: WorkerRole) -> type:

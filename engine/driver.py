@@ -12,25 +12,68 @@ command and runs between two steps. The thread loops:
 asyncio queues with `loop.call_soon_threadsafe`). A step that raises fails every request the
 engine holds (each gets an aborted output through `on_step_error`), the engine is reset to
 idle and the loop keeps serving: one bad batch never wedges the worker.
+
+Progress: the thread stamps the (monotonic) time each iteration completes (a step and its
+hand-off, or an idle wait), and `progress()` reports it with whether work is pending, so a
+health check on another thread can tell a slow worker from a wedged one (a device call that
+never returns, a command that blocks) without touching the engine. `LoopProgress` and
+`LoopState` are shared with the KV-transfer loops (kv_transfer/agent_loop.py).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
-from engine.engine import LLMEngine
 from engine.outputs import EngineLoad, RequestOutput
+
+if TYPE_CHECKING:  # the transfer loops import `LoopProgress` from here without the model code
+    from engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Command = Callable[[LLMEngine], object]
+Command = Callable[["LLMEngine"], object]
+
+
+class LoopState(enum.Enum):
+    """Where a worker thread's loop is: NEW → RUNNING → STOPPED (asked to stop), or
+    RUNNING → DIED (the loop raised out of its thread; nothing serves its work any more)."""
+
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    DIED = "died"
+
+
+@dataclass(frozen=True)
+class LoopProgress:
+    """How a worker thread's loop is getting on, taken from any thread (it reads plain
+    attributes the loop writes and never touches what the loop owns).
+
+    A healthy loop completes an iteration at least once per idle wait, so `stalled_s` stays
+    small unless one iteration (a step, a command, a tick) is taking long; with `has_work` it
+    is the time that work has been waiting at most. Values may lag the loop by an iteration.
+    """
+
+    state: LoopState
+    has_work: bool
+    """Something is queued or under way: commands, unfinished requests, owner-reported work."""
+    stalled_s: float
+    """Seconds since the loop last completed an iteration (since it started, before that)."""
+    error: str = ""
+    """Why the thread ended, when `state` is DIED."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine driver is stopping or stopped and runs no new command."""
 
 
 class EngineDriver:
@@ -54,7 +97,13 @@ class EngineDriver:
             tuple[Command, concurrent.futures.Future[object] | None]
         ] = collections.deque()
         self._wake = threading.Event()
+        self._lock = threading.Lock()  # `call` vs `stop`: no command slips in after the last run
         self._stopping = False
+        # Progress, written by the engine thread only (read by `progress()` from any thread).
+        self._progress_at = time.monotonic()
+        self._in_commands = False
+        self._engine_has_work = False
+        self._died_of = ""
         self._load = engine.load()
         self.num_steps = 0
         self.num_step_errors = 0
@@ -69,12 +118,14 @@ class EngineDriver:
         self._thread.start()
 
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
-        """Run `fn(engine)` on the engine thread; the future holds its result or error."""
+        """Run `fn(engine)` on the engine thread; the future holds its result or error
+        (`EngineStopped` once `stop` was called or the thread died)."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stopping:
-            fut.set_exception(RuntimeError("engine driver is stopped"))
-            return fut
-        self._commands.append((fn, fut))  # type: ignore[arg-type]
+        with self._lock:
+            if self._stopping or self._died_of:
+                fut.set_exception(EngineStopped(self._refusal()))
+                return fut
+            self._commands.append((fn, fut))  # type: ignore[arg-type]
         self._wake.set()
         return fut
 
@@ -88,8 +139,29 @@ class EngineDriver:
         """The load snapshot taken after the latest step (never touches the engine)."""
         return self._load
 
+    def progress(self) -> LoopProgress:
+        """The engine thread's progress (see `LoopProgress`; never touches the engine).
+
+        Work is pending while commands are queued or running, or the engine held unfinished
+        requests at the latest check: a command blocked on the thread counts as work."""
+        if self._thread.ident is None:
+            state = LoopState.NEW
+        elif self._stopping:
+            state = LoopState.STOPPED
+        elif self._thread.is_alive():
+            state = LoopState.RUNNING
+        else:
+            state = LoopState.DIED
+        return LoopProgress(
+            state=state,
+            has_work=bool(self._commands) or self._in_commands or self._engine_has_work,
+            stalled_s=max(time.monotonic() - self._progress_at, 0.0),
+            error=self._died_of if state is LoopState.DIED else "",
+        )
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -97,15 +169,36 @@ class EngineDriver:
     # ---- the thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._progress_at = time.monotonic()
+        try:
+            self._loop()
+        except BaseException as e:  # only a bug gets here: log it, `progress()` says DIED
+            log.exception("engine thread died")
+            with self._lock:
+                self._died_of = f"{type(e).__name__}: {e}"
+            # Nothing will run these: their callers get an answer instead of waiting forever.
+            while self._commands:
+                _, fut = self._commands.popleft()
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineStopped(self._refusal()))
+
+    def _refusal(self) -> str:
+        if self._died_of:
+            return f"engine thread died ({self._died_of})"
+        return "engine driver is stopped"
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stopping:
             self._run_commands()
-            if engine.has_unfinished():
+            self._engine_has_work = engine.has_unfinished()
+            if self._engine_has_work:
                 t0 = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as e:  # a bug or a device error: fail the batch, keep serving
                     self._recover(e)
+                    self._progress_at = time.monotonic()
                     continue
                 finally:
                     self.busy_s += time.perf_counter() - t0
@@ -115,28 +208,34 @@ class EngineDriver:
                 if outputs:
                     self._on_outputs(outputs)
                 self._tick()
+                self._progress_at = time.monotonic()
                 continue
             self._load = engine.load()
             self._tick()
             self._wake.wait(self._idle_wait_s)
             self._wake.clear()
+            self._progress_at = time.monotonic()
         self._run_commands()
 
     def _run_commands(self) -> None:
-        while self._commands:
-            fn, fut = self._commands.popleft()
-            if fut is not None and not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(self.engine)
-            except BaseException as e:
-                if fut is not None:
-                    fut.set_exception(e)
+        self._in_commands = True  # before the first pop: a running command is work too
+        try:
+            while self._commands:
+                fn, fut = self._commands.popleft()
+                if fut is not None and not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(self.engine)
+                except BaseException as e:
+                    if fut is not None:
+                        fut.set_exception(e)
+                    else:
+                        log.exception("engine command failed")
                 else:
-                    log.exception("engine command failed")
-            else:
-                if fut is not None:
-                    fut.set_result(result)
+                    if fut is not None:
+                        fut.set_result(result)
+        finally:
+            self._in_commands = False
 
     def _tick(self) -> None:
         if self._on_tick is None:

@@ -14,8 +14,8 @@ A decode worker's view of one request:
    `transfer_timeout_s`), so an outcome always comes.
 
 Callbacks run on the transfer thread: they must be quick and must not wait on the endpoint
-(route them into the engine thread). `load()`, `stats()` and `has_peer()` read snapshots and
-never block. Every NIXL call happens on the endpoint's own thread (`AgentLoop`).
+(route them into the engine thread). `load()`, `stats()`, `has_peer()` and `progress()` read
+snapshots and never block. Every NIXL call happens on the endpoint's own thread (`AgentLoop`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from engine.driver import LoopProgress
 from engine.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, TransferBackend
@@ -78,7 +79,9 @@ class DecodeEndpoint:
         )
         self._stats = TransferStats()
         self._published_version = -1
-        self._loop = AgentLoop(f"kv-decode-{worker_id}", self._tick, self.config.idle_tick_s)
+        self._loop = AgentLoop(
+            f"kv-decode-{worker_id}", self._tick, self.config.idle_tick_s, self._has_transfers
+        )
 
     def start(self) -> None:
         """Create the agent and register the KV pool (on the transfer thread)."""
@@ -200,6 +203,15 @@ class DecodeEndpoint:
 
     def stats(self) -> TransferStats:
         return self._stats
+
+    def progress(self) -> LoopProgress:
+        """The transfer thread's progress (for the worker's health check): work is pending
+        while transfers are submitted, queued or in flight."""
+        return self._loop.progress()
+
+    def _has_transfers(self) -> bool:  # any thread: reads the published load
+        load = self.load()
+        return load.queued_transfers > 0 or load.in_flight_transfers > 0
 
     # ---- loop -----------------------------------------------------------------------------
 

@@ -16,6 +16,12 @@ number. Queued events up to that number are dropped, later ones applied after it
 publisher resyncs when it starts, on a gap, when the heartbeat finds `seq:{id}` missing or
 behind (Redis restarted), and after too many events piled up while Redis was down. While
 Redis is down it retries with capped exponential backoff; the worker never waits on it.
+
+The thread outlives every failure, not only Redis errors: an exception from `snapshot()`, a
+malformed event or a bug here fails that round, is counted (`stats()`: `num_errors`,
+`last_error`), is logged with its traceback the first time its kind (exception type) shows up
+and in one line after that, and is retried after the same backoff with a resync first (what
+reached Redis is unknown; the snapshot also drops a malformed event it covers).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import redis
 
@@ -91,6 +98,24 @@ return 0
 _KIND = {KVEventKind.STORED: "s", KVEventKind.REMOVED: "r", KVEventKind.CLEARED: "c"}
 
 
+@dataclass(frozen=True)
+class PublisherStats:
+    """A snapshot of one worker's publisher (any thread may take it; the worker exports it)."""
+
+    running: bool
+    """The publisher thread is alive."""
+    connected: bool
+    """The last round reached Redis and succeeded."""
+    applied_seq: int
+    """Sequence number Redis has applied up to (as last confirmed)."""
+    pending_events: int
+    num_resyncs: int
+    num_errors: int
+    """Failed rounds since start: Redis errors and any other exception."""
+    last_error: str
+    """`Type: message` of the latest failure, "" if none."""
+
+
 class KVEventPublisher:
     """Background publisher of one worker's KV events (see module docstring)."""
 
@@ -121,7 +146,9 @@ class KVEventPublisher:
         self._thread: threading.Thread | None = None
         self.num_resyncs = 0
         self.num_errors = 0
+        self.last_error = ""
         self.connected = False
+        self._failure_kinds: set[str] = set()  # exception types already logged with a traceback
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -153,31 +180,74 @@ class KVEventPublisher:
         """Sequence number Redis has applied up to (as last confirmed)."""
         return self._applied_seq
 
+    def stats(self) -> PublisherStats:
+        with self._cond:
+            pending = len(self._pending)
+        return PublisherStats(
+            running=self._thread is not None and self._thread.is_alive(),
+            connected=self.connected,
+            applied_seq=self._applied_seq,
+            pending_events=pending,
+            num_resyncs=self.num_resyncs,
+            num_errors=self.num_errors,
+            last_error=self.last_error,
+        )
+
     def _run(self) -> None:
         backoff = 0.0
-        next_heartbeat = 0.0
+        retry_at = next_heartbeat = 0.0
         while True:
             with self._cond:
-                if self._stopping:
-                    return
-                if backoff:
-                    self._cond.wait(backoff)
-                elif not (self._pending or self._needs_resync):
-                    self._cond.wait(max(0.0, next_heartbeat - time.monotonic()))
+                while not self._stopping:  # until work is due (a retry waits out its backoff)
+                    now = time.monotonic()
+                    if now < retry_at:
+                        self._cond.wait(retry_at - now)
+                    elif self._pending or self._needs_resync or now >= next_heartbeat:
+                        break
+                    else:
+                        self._cond.wait(next_heartbeat - now)
                 if self._stopping:
                     return
             heartbeat_due = time.monotonic() >= next_heartbeat
             try:
                 self._flush(heartbeat_due)
-                if heartbeat_due:
-                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
-                backoff = 0.0
-                self.connected = True
-            except redis.RedisError as e:
-                self.num_errors += 1
-                self.connected = False
+            except Exception as e:  # any failure: the index must not go stale for good
                 backoff = min(max(0.1, backoff * 2), self.config.max_backoff_s)
-                log.warning("KV event publish failed (retry in %.1fs): %s", backoff, e)
+                retry_at = time.monotonic() + backoff
+                self._round_failed(e, backoff)
+                continue
+            if heartbeat_due:
+                next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+            if backoff:
+                log.info("KV event publisher of %s recovered", self.worker_id)
+            backoff = 0.0
+            self.connected = True
+
+    def _round_failed(self, e: Exception, retry_in_s: float) -> None:
+        """Count a failed round; a non-Redis failure also asks for a resync."""
+        self.num_errors += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.connected = False
+        if isinstance(e, redis.RedisError):  # Redis down or restarting: expected, retried
+            log.warning("KV event publish failed (retry in %.1fs): %s", retry_in_s, e)
+            return
+        self.request_resync()
+        kind = type(e).__qualname__
+        if kind in self._failure_kinds:
+            log.warning(
+                "KV event publish of %s failed again (resync in %.1fs): %s",
+                self.worker_id,
+                retry_in_s,
+                self.last_error,
+            )
+        else:
+            self._failure_kinds.add(kind)
+            log.error(
+                "KV event publish of %s failed (resync in %.1fs)",
+                self.worker_id,
+                retry_in_s,
+                exc_info=e,
+            )
 
     def flush_now(self, heartbeat: bool = True) -> None:
         """Write what is pending now, on the caller's thread (raises `redis.RedisError`)."""

@@ -2,20 +2,34 @@
 
 Lifecycle of a transfer (`TransferState`):
 
-    QUEUED ──(budget admits)──► TRANSFERRING ──(backend DONE)──► DONE
+    submit ──(bad compat hash, unknown peer, duplicate, id not sendable in a notice)──► rejected
+    QUEUED ──(budget admits, read started)──► TRANSFERRING ──(backend DONE)──► DONE
     QUEUED ──(deadline passed)──► EXPIRED (TransferTimeout)
     QUEUED ──(lease has less than the safety margin left)──► EXPIRED (LeaseExpired)
-    QUEUED ──(cancel, peer lost)──► FAILED
+    QUEUED ──(cancel, peer lost, start_read failed or raised)──► FAILED
+    QUEUED ──(its id cannot be encoded into a heartbeat)──► FAILED
     TRANSFERRING ──(deadline, lease margin; read aborted)──► EXPIRED
-    TRANSFERRING ──(start or poll error, peer lost, cancel)──► FAILED
+    TRANSFERRING ──(poll error or FAILED, peer lost, cancel)──► FAILED
+    TRANSFERRING ──(poll, release or the manager raised anything else; read aborted)──► FAILED
+
+A rejected submission never enters the tables; it gets its FAILED outcome at once. A transfer
+is TRANSFERRING only together with the backend's id of its started read (`xfer`).
 
 Each transfer reaches exactly one terminal state and produces exactly one `TransferOutcome`:
 `on_done` for DONE, `on_failed` for FAILED/EXPIRED. `on_failed` hands the destination blocks
 back to the worker: it is called only once the backend promised not to write into them (an
 in-flight read is aborted first; if the backend cannot abort yet, the outcome waits until it
-can). Anything that happens to a finished transfer later (a late completion, a second cancel)
-is ignored. After DONE the read's own notification tells the prefill side to release its
-lease; after FAILED/EXPIRED an `abort` notice does (best effort: the lease expires anyway).
+can; a backend whose `abort` raises is taken to have dropped the read, since the alternative
+is holding the blocks forever). Anything that happens to a finished transfer later (a late
+completion, a second cancel) is ignored. After DONE the read's own notification tells the
+prefill side to release its lease; after FAILED/EXPIRED an `abort` notice does (best effort:
+the lease expires anyway).
+
+Failures are isolated per transfer: an exception that no path expects (a backend raising
+something other than `BackendError`, a bug here) while starting, polling, releasing, aborting
+or finishing one transfer fails that transfer alone with a `TransferError` naming the request
+and what raised (the original exception is its `__cause__`, and is logged with its traceback);
+`step()` goes on with the others and never raises.
 
 While queued, transfers are kept alive on the prefill side by heartbeats (one notice per peer
 every `heartbeat_interval_s`). Not thread-safe: one thread (the endpoint's loop) calls
@@ -24,10 +38,11 @@ everything, with `step()` driving time. The clock is injectable for tests.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kv_transfer.backend import TransferBackend, XferId, XferStatus
@@ -97,9 +112,18 @@ class _Transfer:
     submitted_at: float
     state: TransferState = TransferState.QUEUED
     started_at: float = 0.0
-    xfer: XferId | None = None
+    xfer: XferId | None = None  # set exactly when the state is TRANSFERRING
     deferred: bool = False
     abort_result: tuple[TransferState, TransferError] | None = None  # abort not confirmed yet
+
+
+def _notice_id_problem(request_id: str) -> str | None:
+    """Why `request_id` cannot travel in a transfer notice, or None when it can."""
+    try:
+        encode_done(request_id)
+    except ValueError as e:  # empty, contains the separator, or not encodable (surrogates)
+        return str(e)
+    return None
 
 
 class TransferManager:
@@ -148,6 +172,10 @@ class TransferManager:
         if handle.agent_name not in self.peers:
             self._reject(plan, UnknownPeer(f"request {rid}: no handshake with {handle.agent_name}"))
             return
+        problem = _notice_id_problem(rid)
+        if problem is not None:
+            self._reject(plan, TransferError(f"request {rid!r} cannot be pulled: {problem}"))
+            return
         if rid in self._queued or rid in self._transferring:
             self._reject(plan, TransferError(f"request {rid} is already being transferred"))
             return
@@ -162,7 +190,7 @@ class TransferManager:
         )
         self._finished.pop(rid, None)
         if plan.num_blocks == 0:  # everything reused: nothing to read, release the lease
-            self._notify(plan.peer, encode_done(rid))
+            self._notify(plan.peer, rid, encode_done)
             self._finish(t, TransferState.DONE, None)
             return
         self._queued[rid] = t
@@ -181,17 +209,17 @@ class TransferManager:
         self.peers.discard(peer)
         self.version += 1
         for t in [*self._queued.values(), *self._transferring.values()]:
-            if t.plan.peer == peer and t.abort_result is None:
+            if t.plan.peer == peer and t.abort_result is None and not t.state.is_terminal:
                 self._end(t, TransferState.FAILED, PeerLost(f"peer {peer} lost: {reason}"))
         try:
             self.backend.remove_peer(peer)
-        except BackendError as e:
-            log.warning("removing lost peer %s: %s", peer, e)
+        except Exception as e:  # the peer is forgotten here either way
+            log.warning("removing lost peer %s: %s: %s", peer, type(e).__name__, e)
 
     def close(self) -> None:
         """Cancel everything (the endpoint is shutting down)."""
         for t in [*self._queued.values(), *self._transferring.values()]:
-            if t.abort_result is None:
+            if t.abort_result is None and not t.state.is_terminal:
                 self._end(t, TransferState.FAILED, TransferCancelled("transfer endpoint closed"))
 
     # ---- time -----------------------------------------------------------------------------
@@ -216,30 +244,45 @@ class TransferManager:
         for t in list(self._transferring.values()):
             if t.state.is_terminal:  # ended meanwhile (its peer was lost by an earlier poll)
                 continue
-            assert t.xfer is not None
             if t.abort_result is not None:
                 self._retry_abort(t, first=False)
                 continue
-            try:
-                status = self.backend.poll(t.xfer)
-            except BackendError as e:
-                self._read_failed(t, e)
-                continue
-            if status is XferStatus.DONE:
-                posted = self.backend.descriptor_count(t.xfer)
+            with self._isolated(t, "polling its read"):
+                self._poll(t)
+
+    def _poll(self, t: _Transfer) -> None:
+        assert t.xfer is not None
+        rid = t.plan.request_id
+        try:
+            status = self.backend.poll(t.xfer)
+        except BackendError as e:
+            self._read_failed(t, e)
+            return
+        if status is XferStatus.DONE:
+            posted = self._descriptor_count(t.xfer, rid)
+            with self._isolated(t, "releasing its finished read"):
                 self.backend.release(t.xfer)
                 self._finish(t, TransferState.DONE, None, posted)
-            elif status is XferStatus.FAILED:
-                self._read_failed(t, BackendError(f"read for {t.plan.request_id} failed"))
+        elif status is XferStatus.FAILED:
+            self._read_failed(t, BackendError(f"read for {rid} failed"))
+
+    def _descriptor_count(self, xfer: XferId, rid: str) -> int | None:
+        """Telemetry only: a backend that cannot tell does not fail the transfer."""
+        try:
+            return self.backend.descriptor_count(xfer)
+        except Exception as e:
+            self._unexpected(e, "request %s: backend.descriptor_count raised (ignored)", rid)
+            return None
 
     def _read_failed(self, t: _Transfer, e: BackendError) -> None:
         assert t.xfer is not None
-        self.backend.release(t.xfer)
-        if e.peer_lost:
-            self._finish(t, TransferState.FAILED, PeerLost(f"peer {t.plan.peer} lost: {e}"))
-            self.peer_lost(t.plan.peer, str(e))
-        else:
-            self._finish(t, TransferState.FAILED, TransferError(str(e)))
+        with self._isolated(t, "releasing its failed read"):
+            self.backend.release(t.xfer)
+            if e.peer_lost:
+                self._finish(t, TransferState.FAILED, PeerLost(f"peer {t.plan.peer} lost: {e}"))
+                self.peer_lost(t.plan.peer, str(e))
+            else:
+                self._finish(t, TransferState.FAILED, TransferError(str(e)))
 
     def _expire(self) -> None:
         now = self._clock()
@@ -258,23 +301,11 @@ class TransferManager:
         if not self._queued:
             return
         for c in self.budget.select([t.candidate for t in self._queued.values()]):
-            t = self._queued.pop(c.request_id, None)
+            t = self._queued.get(c.request_id)
             if t is None:  # failed meanwhile (its peer was lost by an earlier start)
                 continue
-            if self.budget.is_oversized(c):
-                self.metrics.oversized_requests += 1
-            self.budget.acquire(c)
-            t.state = TransferState.TRANSFERRING
-            self.version += 1
-            t.started_at = self._clock()
-            self._transferring[c.request_id] = t
-            self.metrics.record_queue_wait(t.started_at - t.submitted_at)
-            try:
-                t.xfer = self.backend.start_read(t.plan, encode_done(c.request_id))
-            except BackendError as e:
-                self._finish(t, TransferState.FAILED, PeerLost(str(e)) if e.peer_lost else e)
-                if e.peer_lost:
-                    self.peer_lost(c.peer, str(e))
+            with self._isolated(t, "starting its read"):
+                self._start(t)
         if self._queued:
             self.metrics.budget_limited_passes += 1
             for t in self._queued.values():
@@ -282,13 +313,36 @@ class TransferManager:
                     t.deferred = True
                     self.metrics.deferred_requests += 1
 
+    def _start(self, t: _Transfer) -> None:
+        """Start the read of a queued transfer; it stays QUEUED until the backend took it."""
+        rid = t.plan.request_id
+        try:
+            xfer = self.backend.start_read(t.plan, encode_done(rid))
+        except BackendError as e:
+            self._finish(t, TransferState.FAILED, PeerLost(str(e)) if e.peer_lost else e)
+            if e.peer_lost:
+                self.peer_lost(t.plan.peer, str(e))
+            return
+        del self._queued[rid]
+        t.state, t.xfer, t.started_at = TransferState.TRANSFERRING, xfer, self._clock()
+        self.budget.acquire(t.candidate)
+        self._transferring[rid] = t
+        self.version += 1
+        if self.budget.is_oversized(t.candidate):
+            self.metrics.oversized_requests += 1
+        self.metrics.record_queue_wait(t.started_at - t.submitted_at)
+
     def _heartbeat(self) -> None:
         now = self._clock()
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.config.heartbeat_interval_s
         by_peer: dict[str, list[_Transfer]] = {}
-        for t in self._queued.values():
+        for t in list(self._queued.values()):
+            problem = _notice_id_problem(t.plan.request_id)
+            if problem is not None:  # submit refuses such ids; never let one stop the others
+                self._fault(t, "encoding its heartbeat", ValueError(problem))
+                continue
             by_peer.setdefault(t.plan.peer, []).append(t)
         deadline = now + self.config.lease_extension_s
         for peer, transfers in by_peer.items():
@@ -303,10 +357,36 @@ class TransferManager:
                 else:
                     log.warning("heartbeat to %s failed: %s", peer, e)
                 continue
+            except Exception as e:  # leases not extended: they expire unless a later beat gets out
+                self._unexpected(e, "heartbeat to %s raised", peer)
+                continue
             for t in transfers:
                 t.lease_deadline = max(t.lease_deadline, deadline)
 
     # ---- endings --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _isolated(self, t: _Transfer, doing: str) -> Iterator[None]:
+        """Confine any exception raised while `doing` something for `t` to `t` (`_fault`)."""
+        try:
+            yield
+        except Exception as e:
+            self._fault(t, doing, e)
+
+    def _fault(self, t: _Transfer, doing: str, e: Exception) -> None:
+        """Fail `t` for an exception no path expects; its read is aborted first if in flight."""
+        rid = t.plan.request_id
+        self._unexpected(e, "request %s: %s raised %s", rid, doing, type(e).__name__)
+        if t.state.is_terminal or t.abort_result is not None:
+            return  # it has its outcome already, or is ending and its abort is retried
+        error = TransferError(f"request {rid}: {doing} raised {type(e).__name__}: {e}")
+        error.__cause__ = e
+        self._end(t, TransferState.FAILED, error)
+
+    def _unexpected(self, e: Exception, msg: str, *args: object) -> None:
+        """Log an exception no path expects, with its traceback, and count it."""
+        self.metrics.unexpected_errors += 1
+        log.error(msg, *args, exc_info=e)
 
     def _end(self, t: _Transfer, state: TransferState, error: TransferError) -> None:
         """End a transfer that has not finished: abort its read first if it is in flight."""
@@ -318,11 +398,17 @@ class TransferManager:
 
     def _retry_abort(self, t: _Transfer, first: bool) -> None:
         assert t.xfer is not None and t.abort_result is not None
-        if self.backend.abort(t.xfer):
+        rid = t.plan.request_id
+        try:
+            aborted = self.backend.abort(t.xfer)
+        except Exception as e:
+            self._unexpected(e, "request %s: backend.abort raised; its read is given up", rid)
+            aborted = True
+        if aborted:
             state, error = t.abort_result
             self._finish(t, state, error)
         elif first:
-            log.warning("read %s could not be aborted yet; its blocks stay held", t.plan.request_id)
+            log.warning("read %s could not be aborted yet; its blocks stay held", rid)
 
     def _finish(
         self,
@@ -332,6 +418,9 @@ class TransferManager:
         posted_descriptors: int | None = None,
     ) -> None:
         rid = t.plan.request_id
+        if t.state.is_terminal:
+            log.error("request %s ended twice (%s, then %s): ignored", rid, t.state, state)
+            return
         self.version += 1
         self._queued.pop(rid, None)
         if self._transferring.pop(rid, None) is not None:
@@ -366,13 +455,13 @@ class TransferManager:
             else:
                 self.metrics.transfers_expired += 1
             notify = t.plan.peer in self.peers and not isinstance(error, PeerLost)
-            if notify and self._notify(t.plan.peer, encode_abort(rid)):
+            if notify and self._notify(t.plan.peer, rid, encode_abort):
                 self.metrics.abort_notices_sent += 1
             callback = self._on_failed
         try:
             callback(outcome)
-        except Exception:
-            log.exception("transfer outcome callback failed for %s", rid)
+        except Exception as e:
+            self._unexpected(e, "transfer outcome callback failed for %s", rid)
 
     def _reject(self, plan: TransferPlan, error: TransferError) -> None:
         """Fail a submission that never entered the tables (its blocks are untouched)."""
@@ -381,16 +470,24 @@ class TransferManager:
         outcome = TransferOutcome(plan.request_id, TransferState.FAILED, plan, error, 0.0, 0.0)
         try:
             self._on_failed(outcome)
-        except Exception:
-            log.exception("transfer outcome callback failed for %s", plan.request_id)
+        except Exception as e:
+            self._unexpected(e, "transfer outcome callback failed for %s", plan.request_id)
 
-    def _notify(self, peer: str, message: bytes) -> bool:
+    def _notify(self, peer: str, rid: str, encode: Callable[[str], bytes]) -> bool:
+        """Send `encode(rid)` to `peer`, best effort (a failed notice is logged, not raised)."""
+        try:
+            message = encode(rid)
+        except ValueError as e:  # only reachable for an id that bypassed `submit`'s check
+            log.warning("no notice for %s to %s: %s", rid, peer, e)
+            return False
         try:
             self.backend.send_notif(peer, message)
             return True
         except BackendError as e:
-            log.warning("notice to %s failed: %s", peer, e)
-            return False
+            log.warning("notice for %s to %s failed: %s", rid, peer, e)
+        except Exception as e:
+            self._unexpected(e, "notice for %s to %s raised", rid, peer)
+        return False
 
     # ---- views ----------------------------------------------------------------------------
 

@@ -32,6 +32,9 @@ class TransferStats:
     """Requests larger than a budget limit on their own (started alone at the head)."""
     heartbeats_sent: int = 0
     abort_notices_sent: int = 0
+    unexpected_errors: int = 0
+    """Exceptions no transfer path expects (a backend or manager bug, a raising outcome
+    callback), each confined to one transfer or notice and logged with its traceback."""
 
     @property
     def mean_gbps(self) -> float:
@@ -61,6 +64,7 @@ class TransferMetrics:
     oversized_requests: int = 0
     heartbeats_sent: int = 0
     abort_notices_sent: int = 0
+    unexpected_errors: int = 0
 
     def record_done(
         self, nbytes: int, blocks: int, reused: int, descriptors: int, seconds: float

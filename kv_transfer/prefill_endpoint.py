@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.block_hash import BlockHash
+from engine.driver import LoopProgress
 from engine.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, TransferBackend
@@ -75,7 +76,12 @@ class PrefillEndpoint:
         self._backend: TransferBackend | None = None
         self._handshake: HandshakeInfo | None = None
         self._next_reap = 0.0
-        self._loop = AgentLoop(f"kv-prefill-{worker_id}", self._tick, self.config.idle_tick_s)
+        self._loop = AgentLoop(
+            f"kv-prefill-{worker_id}",
+            self._tick,
+            self.config.idle_tick_s,
+            has_work=lambda: len(self.leases) > 0,  # the table is thread-safe
+        )
 
     def start(self) -> HandshakeInfo:
         """Create the agent, register the KV pool, and return the handshake to publish."""
@@ -154,6 +160,11 @@ class PrefillEndpoint:
 
     def stats(self) -> LeaseStats:
         return self.leases.stats()
+
+    def progress(self) -> LoopProgress:
+        """The transfer thread's progress (for the worker's health check): work is pending
+        while leases are held (their notices and the reaper need the thread)."""
+        return self._loop.progress()
 
     # ---- loop -----------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -69,16 +69,26 @@ for w, d in pairs(depth) do out[#out + 1] = w; out[#out + 1] = d end
 return out
 """
 
+# ARGV: worker, reverse-index, seq and block key prefixes, then a mode and worker ids:
+# 'dead' purges the registered workers without a liveness key, 'named' the ids given (live or
+# not), 'except' every registered worker not among the ids given. Returns the ids purged.
 _PURGE = """
-local purged = {}
+local wp, wbp, sp, bp, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local function purge(w)
+  local held = redis.call('SREM', KEYS[1], w)
+  for _, h in ipairs(redis.call('SMEMBERS', wbp .. w)) do redis.call('SREM', bp .. h, w) end
+  return held + redis.call('DEL', wp .. w, wbp .. w, sp .. w) > 0
+end
+local purged, given = {}, {}
+for i = 6, #ARGV do given[ARGV[i]] = true end
+if mode == 'named' then
+  for i = 6, #ARGV do if purge(ARGV[i]) then purged[#purged + 1] = ARGV[i] end end
+  return purged
+end
 for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', ARGV[1] .. w) == 0 then
-    for _, h in ipairs(redis.call('SMEMBERS', ARGV[2] .. w)) do
-      redis.call('SREM', ARGV[4] .. h, w)
-    end
-    redis.call('DEL', ARGV[2] .. w, ARGV[3] .. w)
-    redis.call('SREM', KEYS[1], w)
-    purged[#purged + 1] = w
+  local dead = mode == 'dead' and redis.call('EXISTS', wp .. w) == 0
+  if dead or (mode == 'except' and not given[w]) then
+    purge(w); purged[#purged + 1] = w
   end
 end
 return purged
@@ -202,12 +212,32 @@ class PrefixIndex:
         Lookups already ignore dead workers; purging reclaims memory. Call it on a timer
         (the controller does, e.g. every few seconds).
         """
+        return self._run_purge("dead", ())
+
+    def purge_worker(self, worker_id: str) -> bool:
+        """Delete every entry of `worker_id` now, live or not (a worker the controller removed).
+
+        True when the index held anything of it. A worker still publishing re-registers with
+        its next heartbeat (its publisher finds its state gone and resyncs).
+        """
+        return self._run_purge("named", (worker_id,)) == (worker_id,)
+
+    def purge_workers_except(self, live_worker_ids: Iterable[str]) -> tuple[str, ...]:
+        """Delete every entry of each registered worker not in `live_worker_ids`, even while
+        its liveness key lasts (workers an earlier cluster left behind); returns their ids.
+
+        Only for the owner of every worker publishing under this model: a worker missing from
+        `live_worker_ids` (just started, another cluster's) loses its entries until its next
+        heartbeat resyncs them.
+        """
+        return self._run_purge("except", tuple(live_worker_ids))
+
+    def _run_purge(self, mode: str, worker_ids: Sequence[str]) -> tuple[str, ...]:
+        """The `_PURGE` script in `mode`; () when Redis is unavailable (nothing was purged)."""
         k = self.keys
+        prefixes = [k.worker_prefix, k.worker_blocks_prefix, k.seq_prefix, k.block_prefix]
         try:
-            purged = self._purge(
-                keys=[k.workers],
-                args=[k.worker_prefix, k.worker_blocks_prefix, k.seq_prefix, k.block_prefix],
-            )
+            purged = self._purge(keys=[k.workers], args=[*prefixes, mode, *worker_ids])
         except redis.RedisError as e:
             self._mark_down(e)
             return ()

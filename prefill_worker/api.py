@@ -108,6 +108,15 @@ class WorkerUnhealthy(Exception):
     """The worker's engine fails every step (e.g. a sticky device error): replace it."""
 
 
+class StepFailed(Exception):
+    """The engine step that carried this request raised; the request was aborted (another
+    worker may serve it)."""
+
+
+class WorkerStopped(Exception):
+    """The worker is stopping or stopped: place the request elsewhere."""
+
+
 class WorkerOverloaded(Exception):
     """The worker cannot hold this request now (e.g. KV pool short): place it elsewhere."""
 

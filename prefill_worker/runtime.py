@@ -7,6 +7,11 @@ Only the engine thread touches the engine; everything else reaches it through `c
 Outputs come back once per step (`loop.call_soon_threadsafe`) and are handed to each
 request's sink on the event loop: an `open_stream(request_id)` queue, or any `OutputSink`
 given to `open_sink` (the decode worker's token channels batch many requests' outputs).
+
+Health means progress: `check_health` (the actor's `ping`) reads each watched thread's
+`LoopProgress` (the engine thread always; the worker adds its KV-transfer thread with
+`watch`) and raises `WorkerUnhealthy` when one has died, or has had work pending without
+completing an iteration for `stall_timeout_s`; the asyncio loop answering is not enough.
 """
 
 from __future__ import annotations
@@ -21,21 +26,26 @@ from typing import Protocol, TypeVar
 
 from engine.block_hash import BlockHash
 from engine.config import EngineConfig
-from engine.driver import EngineDriver
+from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from kv_transfer.config import PrefixIndexConfig
 from kv_transfer.kv_publisher import KVEventPublisher
 from prefill_worker.api import (
     RequestDeadlineExceeded,
+    StepFailed,
     WorkerInfo,
     WorkerRole,
     WorkerState,
+    WorkerStopped,
     WorkerUnhealthy,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+ENGINE_LOOP = "engine thread"
+"""The name `check_health` gives the engine driver's loop (always watched)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,17 @@ class WorkerConfig:
     """Engine steps failing in a row after which the worker reports itself unhealthy (its
     health check raises `WorkerUnhealthy`) and the controller replaces it: a sticky device
     error fails every later step."""
+    stall_timeout_s: float = 60.0
+    """Seconds a watched thread (the engine's, the KV transfer's) may have work pending without
+    completing a loop iteration before the health check reports the worker unhealthy (a device
+    call that never returns, a deadlock, a blocked command). One engine iteration is one step,
+    so this must exceed the longest legitimate step: a cold flashinfer JIT of the prefill and
+    decode kernels in the same step (about 45 s on a fresh machine), a long CPU prefill chunk.
+    0 disables the stall check (a thread that died is reported all the same)."""
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s < 0:
+            raise ValueError("WorkerConfig.stall_timeout_s must be >= 0 (0 disables)")
 
 
 class OutputSink(Protocol):
@@ -66,8 +87,24 @@ class OutputSink(Protocol):
     def put_nowait(self, item: RequestOutput | BaseException) -> None: ...
 
 
-class StepFailed(Exception):
-    """The engine step that carried this request raised; the request was aborted."""
+ProgressProbe = Callable[[], LoopProgress]
+"""Reads one thread's progress; called on the actor's event loop: quick and thread-safe."""
+
+
+def stall_reason(name: str, progress: LoopProgress, stall_timeout_s: float) -> str | None:
+    """Why the loop `name` makes its worker unhealthy, or None while it is fine: it died, or
+    it has work pending and completed no iteration for `stall_timeout_s` (0: never stalls).
+    A loop not started yet, or asked to stop, is fine (the worker's state says the rest)."""
+    if progress.state is LoopState.DIED:
+        return f"{name} died ({progress.error or 'no error recorded'})"
+    if progress.state is not LoopState.RUNNING or stall_timeout_s <= 0:
+        return None
+    if progress.has_work and progress.stalled_s >= stall_timeout_s:
+        return (
+            f"{name} made no progress for {progress.stalled_s:.1f}s with work pending "
+            f"(stall_timeout_s={stall_timeout_s:g})"
+        )
+    return None
 
 
 class WorkerRuntime:
@@ -84,6 +121,7 @@ class WorkerRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: EngineDriver | None = None
         self._publisher: KVEventPublisher | None = None
+        self._probes: dict[str, ProgressProbe] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -134,31 +172,56 @@ class WorkerRuntime:
         return LLMEngine(self.config.engine)
 
     def stop(self) -> None:
+        """Fail every open stream with `WorkerStopped`, stop the publisher and the engine."""
         self.state = WorkerState.STOPPED
         for q in self._streams.values():
-            q.put_nowait(RuntimeError("worker stopped"))
+            q.put_nowait(WorkerStopped(f"worker {self.config.worker_id} stopped"))
         if self._publisher is not None:
             self._publisher.close()
         if self._driver is not None:
             self._driver.stop()
 
+    def watch(self, name: str, probe: ProgressProbe) -> None:
+        """Include another thread's loop in `check_health` (e.g. the KV-transfer endpoint's
+        `progress`); the engine thread is always included, as `ENGINE_LOOP`."""
+        if name == ENGINE_LOOP or name in self._probes:
+            raise ValueError(f"a loop named {name!r} is already watched")
+        self._probes[name] = probe
+
     def check_health(self) -> WorkerState:
         """The worker's state; raises `WorkerUnhealthy` once the engine has failed
-        `max_consecutive_step_errors` steps in a row."""
+        `max_consecutive_step_errors` steps in a row, or a watched thread has died or stalled
+        with work pending for `stall_timeout_s` (see `stall_reason`)."""
         driver = self._driver
+        wid = self.config.worker_id
         limit = self.config.max_consecutive_step_errors
         if driver is not None and limit > 0 and driver.consecutive_step_errors >= limit:
             raise WorkerUnhealthy(
-                f"worker {self.config.worker_id}: {driver.consecutive_step_errors} engine steps "
+                f"worker {wid}: {driver.consecutive_step_errors} engine steps "
                 f"failed in a row (last: {driver.last_step_error})"
             )
+        probes = dict(self._probes)
+        if driver is not None:
+            probes = {ENGINE_LOOP: driver.progress, **probes}
+        timeout_s = self.config.stall_timeout_s
+        reasons = [
+            reason
+            for name, probe in probes.items()
+            if (reason := stall_reason(name, probe(), timeout_s)) is not None
+        ]
+        if reasons:
+            raise WorkerUnhealthy(f"worker {wid}: " + "; ".join(reasons))
         return self.state
 
     # ---- engine access ----------------------------------------------------------------------
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread and await its result."""
-        return await asyncio.wrap_future(self.driver.call(fn))
+        """Run `fn(engine)` on the engine thread and await its result; raises `WorkerStopped`
+        once the worker stops."""
+        try:
+            return await asyncio.wrap_future(self.driver.call(fn))
+        except EngineStopped as e:
+            raise WorkerStopped(f"worker {self.config.worker_id} is stopped") from e
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the engine thread, fire and forget (any thread may call)."""
@@ -239,9 +302,11 @@ def _node_id() -> str:
     try:
         import ray
 
-        return str(ray.get_runtime_context().get_node_id())
+        if ray.is_initialized():  # asking an uninitialized Ray would start a local one
+            return str(ray.get_runtime_context().get_node_id())
     except Exception:
-        return os.uname().nodename
+        pass
+    return os.uname().nodename
 
 
 async def next_output(

@@ -71,6 +71,7 @@ class PrefillWorker:
         )
         await asyncio.to_thread(endpoint.start)
         self.endpoint = endpoint
+        self.runtime.watch("kv-transfer thread", endpoint.progress)
         return info
 
     def handshake_info(self) -> HandshakeInfo:
@@ -205,12 +206,11 @@ class PrefillWorker:
         if rt.state is WorkerState.READY:
             rt.state = WorkerState.DRAINING
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            leases = self._endpoint.stats()
-            if rt.num_inflight == 0 and leases.held == 0:
-                return True
+        while rt.num_inflight or self._endpoint.stats().held:
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(0.05)
-        return False
+        return True
 
     def undrain(self) -> None:
         if self.runtime.state is WorkerState.DRAINING:

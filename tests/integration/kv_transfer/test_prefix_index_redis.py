@@ -221,3 +221,113 @@ def test_lookup_with_redis_unreachable_returns_unavailable_fast() -> None:
     p.publish([cache.store(A[:3])])
     assert time.monotonic() - t2 < 0.01
     p.close(deregister=True)
+
+
+def traces_of(redis_url: str, model_id: str, worker_id: str) -> list[str]:
+    """Every key or set membership the index still holds for `worker_id`."""
+    r = redis.Redis.from_url(redis_url)
+    root, w = f"pdserve:{model_id}:", worker_id.encode()
+    keys = (f"worker:{worker_id}", f"wblk:{worker_id}", f"seq:{worker_id}")
+    found = [k for k in keys if r.exists(root + k)]
+    if r.sismember(root + "workers", w):
+        found.append("workers")
+    found += [k.decode() for k in r.scan_iter(root + "blk:*") if r.sismember(k, w)]
+    return found
+
+
+def test_publisher_thread_survives_a_raising_snapshot_and_counts_it(
+    redis_url: str, model_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = FakeWorkerCache()
+    failures = [RuntimeError("snapshot broke"), RuntimeError("snapshot broke")]
+
+    def flaky_snapshot() -> tuple[int, list[BlockHash]]:
+        if failures:
+            raise failures.pop()
+        return w.snapshot()
+
+    p = KVEventPublisher(redis_url, model_id, "w", flaky_snapshot, FAST)
+    p.start()
+    try:
+        p.publish([w.store(A[:3])])
+        index = PrefixIndex(redis_url, model_id, FAST)
+        wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("w", 3),))
+        p.publish([w.store(A[3:6])])  # later events keep landing
+        wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("w", 6),))
+        stats = p.stats()
+        assert stats.running and stats.connected and stats.applied_seq == 1
+        assert (stats.num_errors, stats.last_error) == (2, "RuntimeError: snapshot broke")
+        failed = [
+            r
+            for r in caplog.records
+            if r.name == "kv_transfer.kv_publisher" and "fail" in r.getMessage()
+        ]
+        assert [r.exc_info is not None for r in failed] == [True, False]  # one traceback per kind
+    finally:
+        p.close()
+
+
+class Unhexable(bytes):
+    """A value in place of a block hash that the publisher cannot encode (a malformed event)."""
+
+    def hex(self, *args: object) -> str:  # type: ignore[override]
+        raise TypeError("not a block hash")
+
+
+def test_publisher_resyncs_past_a_malformed_event_and_serves_later_ones(
+    redis_url: str, model_id: str, publishers: Callable[..., KVEventPublisher]
+) -> None:
+    w = FakeWorkerCache()
+    p = publishers("w", w)
+    p.publish([w.store(A[:2])])
+    wait_until(lambda: p.applied_seq == 0)
+    resyncs = p.num_resyncs
+    good = w.store(A[2:4])  # the cache holds these; the event on the wire is broken
+    p.publish([KVEvent(good.seq, good.kind, (BlockHash(Unhexable(b"x" * 16)),))])
+    p.publish([w.store(A[4:6])])
+    index = PrefixIndex(redis_url, model_id, FAST)
+    wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("w", 6),))
+    stats = p.stats()
+    assert stats.running and stats.num_resyncs == resyncs + 1 and stats.applied_seq == 2
+    assert (stats.num_errors, stats.last_error) == (1, "TypeError: not a block hash")
+
+
+def test_purge_worker_removes_one_named_worker_even_while_its_liveness_lasts(
+    redis_url: str, model_id: str, publishers: Callable[..., KVEventPublisher]
+) -> None:
+    gone, kept = FakeWorkerCache(), FakeWorkerCache()
+    p_gone, p_kept = publishers("gone", gone), publishers("kept", kept)
+    p_gone.publish([gone.store(A[:5])])
+    p_kept.publish([kept.store(A[:2])])
+    wait_until(lambda: p_gone.applied_seq == 0 and p_kept.applied_seq == 0)
+    p_gone.close(deregister=False)  # removed by the controller; its liveness key still lasts
+    index = PrefixIndex(redis_url, model_id, FAST)
+    assert index.purge_dead_workers() == ()
+
+    assert index.purge_worker("gone") is True
+    assert index.lookup(A).workers == (WorkerPrefix("kept", 2),)
+    assert traces_of(redis_url, model_id, "gone") == []
+    assert len(traces_of(redis_url, model_id, "kept")) == 6  # 3 keys, the set, 2 blocks
+    assert index.purge_worker("gone") is False and index.purge_worker("nobody") is False
+
+    assert index.purge_worker("kept") is True  # still publishing: back after a resync
+    wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("kept", 2),))
+
+
+def test_purge_workers_except_keeps_only_the_given_workers(
+    redis_url: str, model_id: str, publishers: Callable[..., KVEventPublisher]
+) -> None:
+    caches = {w: FakeWorkerCache() for w in ("a", "b", "c")}
+    pubs = {w: publishers(w, c) for w, c in caches.items()}
+    for n, (w, c) in enumerate(caches.items(), start=2):
+        pubs[w].publish([c.store(A[:n])])
+    wait_until(lambda: all(p.applied_seq == 0 for p in pubs.values()))
+    pubs["b"].close(deregister=False)  # an earlier cluster's workers, liveness keys still alive
+    pubs["c"].close(deregister=False)
+    index = PrefixIndex(redis_url, model_id, FAST)
+
+    assert index.purge_workers_except({"a"}) == ("b", "c")
+    assert index.lookup(A).workers == (WorkerPrefix("a", 2),)
+    assert traces_of(redis_url, model_id, "b") == traces_of(redis_url, model_id, "c") == []
+    assert index.live_workers() == ("a",)
+    assert index.purge_workers_except(["a"]) == ()

@@ -18,7 +18,9 @@ from router_harness import (
     KV_BLOCKS,
     MAX_MESSAGE_BYTES,
     MAX_MODEL_LEN,
+    STALL_TIMEOUT_S,
     TENANTS,
+    TOKEN_GAP_S,
     Reference,
     RouterCluster,
 )
@@ -33,6 +35,7 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
     import ray
 
     from deploy.cluster import Cluster, ClusterOptions
+    from router.orchestrator import OrchestratorConfig
     from router.server import RouterConfig
 
     engine = EngineConfig(
@@ -49,6 +52,8 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
         tenants=TENANTS,
         max_message_bytes=MAX_MESSAGE_BYTES,
         admission=AdmissionConfig(thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)),
+        # test_router_faults stops workers: short stage deadlines and stall checks
+        orchestrator=OrchestratorConfig(token_gap_timeout_s=TOKEN_GAP_S),
     )
     options = ClusterOptions(
         num_prefill=2,
@@ -58,6 +63,7 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
         metrics_port=0,
         engine=engine,
         router=router,
+        extra_spec={"stall_timeout_s": STALL_TIMEOUT_S},
     )
     with Cluster(options) as cluster:
         ep = cluster.endpoint

@@ -19,6 +19,8 @@ MAX_MODEL_LEN = 1024
 KV_BLOCKS = 256
 TENANTS = ("", "acme")
 MAX_MESSAGE_BYTES = 4 << 20
+TOKEN_GAP_S = 10.0
+STALL_TIMEOUT_S = 5.0
 
 Reference = Callable[[list[int], int], list[int]]
 

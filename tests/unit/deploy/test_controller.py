@@ -16,6 +16,7 @@ from deploy.workers import ActorPlacement
 from engine.config import EngineConfig
 from engine.outputs import EngineLoad
 from prefill_worker.api import WorkerLoad, WorkerRole, WorkerState
+from router.control import DrainRefused
 
 PREFILL = ActorPlacement(num_cpus=0, resources=(("prefill", 1.0),))
 DECODE = ActorPlacement(num_cpus=0, resources=(("decode", 1.0),))
@@ -54,6 +55,7 @@ class FakeHandle:
         self.calls.append("shutdown")
 
     def _load(self) -> WorkerLoad:
+        self.calls.append("load")
         engine = EngineLoad(0, 0, 0, 10, 10, 0, 0, 0, 0, 0)
         return WorkerLoad(self.worker_id, self.role, self.state, engine, self.inflight, 0)
 
@@ -94,9 +96,13 @@ def test_rebalance_with_a_busy_worker_undrains_it_and_stops() -> None:
     )
     started, stopped, message = asyncio.run(c.rebalance(1, 1, 0.0))
     assert (started, stopped) == ([], [])
-    assert message == "rebalance stopped: prefill-1 still had work after 0s"
+    assert message == (
+        "rebalance stopped: prefill-1 still had 2 requests in flight after 0s; "
+        "it is back in service"
+    )
     w = c.workers["prefill-1"]
-    assert w.state == "ready" and w.handle.calls == ["drain", "undrain"]
+    assert w.state == "ready"
+    assert [c for c in w.handle.calls if c != "load"] == ["drain", "undrain"]
 
 
 def test_planner_drain_then_stop_only_once_idle() -> None:
@@ -161,3 +167,73 @@ def test_health_check_removes_an_unhealthy_worker_at_once_and_a_silent_one_after
                for e in c.recent_events())  # fmt: skip
     assert asyncio.run(c.check_health()) == ["decode-1"]  # the second failed check
     assert c.workers == {}
+
+
+# ---- drain and undrain (issue 14: draining cut live streams, drained workers vanished) --------
+
+
+def test_draining_and_drained_workers_stay_listed_for_routers() -> None:
+    c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
+    for w in c.workers.values():
+        w.info = object()  # type: ignore[assignment]
+    c.workers["decode-0"].state = "draining"
+    c.workers["decode-1"].state = "drained"
+    assert len(c.list_workers()) == 2
+
+
+def test_drain_without_stop_leaves_a_drained_worker_that_undrain_puts_back() -> None:
+    c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
+    report = asyncio.run(c.drain("decode-1", stop=False, timeout_s=0.0))
+    assert report.drained and not report.stopped and report.requests_at_start == 0
+    assert c.workers["decode-1"].state == "drained"
+    assert "undrain decode-1" in report.message
+    assert asyncio.run(c.undrain("decode-1")) == "decode-1 is ready again"
+    assert c.workers["decode-1"].state == "ready"
+    assert c.workers["decode-1"].handle.calls[-1] == "undrain"
+
+
+def test_drain_past_its_timeout_with_stop_reports_the_requests_it_cut() -> None:
+    c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 3))
+    report = asyncio.run(c.drain("decode-1", stop=True, timeout_s=0.0))
+    assert not report.drained and report.stopped
+    assert (report.requests_at_start, report.requests_cut) == (3, 3)
+    assert "3 of 3 requests were still running" in report.message
+    assert "decode-1" not in c.workers
+
+
+@pytest.mark.parametrize("timeout_s", [-5.0, float("nan"), float("inf")])
+def test_drain_refuses_a_bad_timeout_and_changes_nothing(timeout_s: float) -> None:
+    c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
+    with pytest.raises(DrainRefused, match="timeout_s: must be a finite number >= 0"):
+        asyncio.run(c.drain("decode-1", stop=True, timeout_s=timeout_s))
+    assert c.workers["decode-1"].state == "ready" and c.workers["decode-1"].handle.calls == []
+
+
+def test_drain_refuses_the_last_ready_worker_of_a_role_unless_forced() -> None:
+    c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
+    with pytest.raises(DrainRefused, match="would leave no ready decode worker"):
+        asyncio.run(c.drain("decode-1", stop=False, timeout_s=1.0))
+    assert c.workers["decode-1"].state == "ready"
+    report = asyncio.run(c.drain("decode-1", stop=False, timeout_s=1.0, force=True))
+    assert report.drained and c.workers["decode-1"].state == "drained"
+
+
+def test_undrain_refuses_a_ready_or_unknown_worker() -> None:
+    c = controller(("decode-0", WorkerRole.DECODE, 0))
+    with pytest.raises(DrainRefused, match="not draining or drained"):
+        asyncio.run(c.undrain("decode-0"))
+    with pytest.raises(DrainRefused, match="unknown worker"):
+        asyncio.run(c.undrain("decode-9"))
+
+
+def test_rebalance_beyond_a_fixed_ray_is_refused_before_anything_drains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("deploy.controller.ray.cluster_resources", lambda: {"decode": 2.0})
+    c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
+    c.spec = dataclasses.replace(c.spec, fixed_capacity=True, decode_placement=DECODE,
+                                 prefill_placement=PREFILL)  # fmt: skip
+    with pytest.raises(DrainRefused, match="rebalance would start 2 decode"):
+        asyncio.run(c.rebalance(0, 3, 5.0))
+    assert set(c.workers) == {"prefill-0", "decode-1"}
+    assert all(w.handle.calls == [] for w in c.workers.values())

@@ -3,8 +3,9 @@
 `LoopbackBackend` implements `kv_transfer.backend.TransferBackend` inside one process: a
 `LoopbackFabric` connects named agents; a read copies blocks between their `KVCache`
 tensors, at once (`auto_complete`) or when the test calls `fabric.complete(request_id)`.
-Faults are switches on the fabric (fail, drop notices, refuse aborts, kill an agent). It is
-not part of the kv_transfer package and never used in production.
+Faults are switches on the fabric (fail, drop notices, refuse aborts, kill an agent, make one
+backend call raise an unexpected exception). It is not part of the kv_transfer package and
+never used in production.
 """
 
 from __future__ import annotations
@@ -53,9 +54,21 @@ class LoopbackFabric:
     abort_fails: bool = False  # abort() reports the read still running
     agents: dict[str, LoopbackBackend] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
+    raises: dict[tuple[str, str], Exception] = field(default_factory=dict)
+    """(backend method, request id) → what that call raises, once (see `raise_once`)."""
 
     def kill(self, agent_name: str) -> None:
         self.dead.add(agent_name)
+
+    def raise_once(self, method: str, request_id: str, error: Exception) -> None:
+        """The next `method` call (start_read, poll, descriptor_count, release, abort) for
+        `request_id` raises `error` before doing anything: a backend bug, not a BackendError."""
+        self.raises[(method, request_id)] = error
+
+    def trip(self, method: str, request_id: str) -> None:
+        error = self.raises.pop((method, request_id), None)
+        if error is not None:
+            raise error
 
     def _reads(self) -> list[tuple[LoopbackBackend, XferId, _Read]]:
         return [(a, x, r) for a in self.agents.values() for x, r in a.reads.items()]
@@ -110,6 +123,7 @@ class LoopbackBackend:
             raise BackendError(f"{agent_name} disconnected", peer_lost=True)
 
     def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
+        self.fabric.trip("start_read", plan.request_id)
         self._check_alive(plan.peer)
         if plan.peer not in self.peers:
             raise BackendError(f"no handshake with {plan.peer}")
@@ -131,17 +145,22 @@ class LoopbackBackend:
 
     def poll(self, xfer: XferId) -> XferStatus:
         read = self.reads[xfer]
+        self.fabric.trip("poll", read.plan.request_id)
         if read.status is XferStatus.IN_PROGRESS:
             self._check_alive(read.plan.peer)
         return read.status
 
     def descriptor_count(self, xfer: XferId) -> int | None:
+        self.fabric.trip("descriptor_count", self.reads[xfer].plan.request_id)
         return len(self.reads[xfer].plan.runs)
 
     def release(self, xfer: XferId) -> None:
+        self.fabric.trip("release", self.reads[xfer].plan.request_id)
         del self.reads[xfer]
 
     def abort(self, xfer: XferId) -> bool:
+        if xfer in self.reads:
+            self.fabric.trip("abort", self.reads[xfer].plan.request_id)
         if self.fabric.abort_fails:
             return False
         self.reads.pop(xfer, None)

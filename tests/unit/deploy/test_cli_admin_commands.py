@@ -1,0 +1,294 @@
+"""drain, undrain, rebalance and status through the CLI against a scripted Admin server on
+loopback (no cluster): what each sends, what it prints and its exit code; bad values refused
+before any RPC; the server's refusals printed as one line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from typer.testing import CliRunner
+
+from deploy.cli import app
+from pdserve.v1 import serving_pb2 as pb
+from pdserve.v1 import serving_pb2_grpc as pb_grpc
+
+Reply = Callable[[Any, grpc.ServicerContext], Any]
+
+
+class ScriptedAdmin(pb_grpc.AdminServicer):
+    """Records every request; answers with the reply set for its method (an exception-free
+    default otherwise). A reply may abort the call with a status code."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, Any]] = []
+        self.replies: dict[str, Reply] = {}
+
+    def _answer(
+        self, method: str, request: Any, context: grpc.ServicerContext, default: Any
+    ) -> Any:
+        self.requests.append((method, request))
+        reply = self.replies.get(method)
+        return reply(request, context) if reply else default
+
+    def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._answer("Status", request, context, pb.ClusterStatus(model="tiny"))
+
+    def Drain(self, request: Any, context: grpc.ServicerContext) -> Any:
+        default = pb.DrainResponse(
+            worker_id=request.worker_id, drained=True, message=f"{request.worker_id} drained"
+        )
+        return self._answer("Drain", request, context, default)
+
+    def Undrain(self, request: Any, context: grpc.ServicerContext) -> Any:
+        default = pb.UndrainResponse(
+            worker_id=request.worker_id, message=f"{request.worker_id} is admitting again"
+        )
+        return self._answer("Undrain", request, context, default)
+
+    def Rebalance(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._answer("Rebalance", request, context, pb.RebalanceResponse(message="ok"))
+
+
+def abort(code: grpc.StatusCode, details: str) -> Reply:
+    def reply(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, details)
+
+    return reply
+
+
+@pytest.fixture
+def admin() -> Iterator[tuple[ScriptedAdmin, str]]:
+    servicer = ScriptedAdmin()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_AdminServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def cli(target: str, *args: str) -> Any:
+    return CliRunner().invoke(app, [*args, "--target", target], env={"COLUMNS": "200"})
+
+
+# ---- drain / undrain ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [("-5", "-5.0"), ("nan", "nan"), ("inf", "inf"), ("-inf", "-inf")]
+)
+def test_drain_refuses_a_timeout_that_is_negative_or_not_finite_before_any_rpc(
+    admin: tuple[ScriptedAdmin, str], value: str, shown: str
+) -> None:
+    servicer, target = admin
+    result = cli(target, "drain", "decode-0", "--timeout", value)
+    assert result.exit_code == 2
+    assert result.output == f"error: --timeout: must be a finite number >= 0, got {shown}\n"
+    assert servicer.requests == []
+
+
+def test_drain_without_a_timeout_leaves_the_servers_default(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    result = cli(target, "drain", "decode-0")
+    assert (result.exit_code, result.output) == (0, "decode-0 drained\n")
+    ((method, request),) = servicer.requests
+    assert method == "Drain" and request.worker_id == "decode-0"
+    assert not request.HasField("timeout_s")
+    assert (request.stop, request.force) == (True, False)
+
+
+def test_drain_sends_timeout_zero_force_and_no_stop(admin: tuple[ScriptedAdmin, str]) -> None:
+    servicer, target = admin
+    result = cli(target, "drain", "prefill-1", "--timeout", "0", "--force", "--no-stop")
+    assert result.exit_code == 0, result.output
+    ((_, request),) = servicer.requests
+    assert request.HasField("timeout_s") and request.timeout_s == 0.0
+    assert (request.stop, request.force) == (False, True)
+
+
+def test_drain_that_did_not_finish_prints_the_servers_message_and_exits_1(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    message = "decode-0 not drained after 5s: 2 of 3 requests cut; stopped"
+    servicer.replies["Drain"] = lambda request, context: pb.DrainResponse(
+        worker_id="decode-0", drained=False, message=message, requests_at_start=3,
+        requests_cut=2, stopped=True,
+    )  # fmt: skip
+    result = cli(target, "drain", "decode-0", "--timeout", "5")
+    assert (result.exit_code, result.output) == (1, message + "\n")
+
+
+@pytest.mark.parametrize(
+    ("command", "method"), [(["drain", "decode-9"], "Drain"), (["undrain", "decode-9"], "Undrain")]
+)
+@pytest.mark.parametrize("code", [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION])
+def test_the_servers_refusal_is_one_line_and_exit_1(
+    admin: tuple[ScriptedAdmin, str], command: list[str], method: str, code: grpc.StatusCode
+) -> None:
+    servicer, target = admin
+    servicer.replies[method] = abort(code, "decode-9: no such worker\n(see `pdserve status`)")
+    result = cli(target, *command)
+    assert result.exit_code == 1
+    assert result.output == (
+        f"error: {code.name}: decode-9: no such worker (see `pdserve status`)\n"
+    )
+
+
+def test_undrain_sends_the_worker_and_prints_the_answer(admin: tuple[ScriptedAdmin, str]) -> None:
+    servicer, target = admin
+    result = cli(target, "undrain", "decode-2")
+    assert (result.exit_code, result.output) == (0, "decode-2 is admitting again\n")
+    ((method, request),) = servicer.requests
+    assert (method, request.worker_id) == ("Undrain", "decode-2")
+
+
+def test_undrain_and_drain_force_are_in_the_help() -> None:
+    undrain = CliRunner().invoke(app, ["undrain", "--help"], env={"COLUMNS": "200"})
+    assert undrain.exit_code == 0 and "back into service" in undrain.output
+    drain = CliRunner().invoke(app, ["drain", "--help"], env={"COLUMNS": "200"})
+    assert "--force" in drain.output and "--timeout" in drain.output
+    assert "undrain" in CliRunner().invoke(app, ["--help"]).output
+
+
+# ---- rebalance ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--prefill", "-1", "--decode", "1"], "--prefill: must be >= 0, got -1"),
+        (["--prefill", "1", "--decode", "0"], "--decode: must be >= 1, got 0"),
+        (["--prefill", "1", "--decode", "1", "--timeout", "-1"],
+         "--timeout: must be a finite number >= 0, got -1.0"),
+        (["--prefill", "1", "--decode", "1", "--timeout", "nan"],
+         "--timeout: must be a finite number >= 0, got nan"),
+    ],
+)  # fmt: skip
+def test_rebalance_refuses_bad_counts_and_timeouts_before_any_rpc(
+    admin: tuple[ScriptedAdmin, str], args: list[str], line: str
+) -> None:
+    servicer, target = admin
+    result = cli(target, "rebalance", *args)
+    assert (result.exit_code, result.output) == (2, f"error: {line}\n")
+    assert servicer.requests == []
+
+
+def test_rebalance_to_no_prefill_workers_is_sent(admin: tuple[ScriptedAdmin, str]) -> None:
+    servicer, target = admin
+    result = cli(target, "rebalance", "--prefill", "0", "--decode", "2", "--timeout", "0")
+    assert result.exit_code == 0, result.output
+    ((_, request),) = servicer.requests
+    assert (request.prefill, request.decode, request.timeout_s) == (0, 2, 0.0)
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+
+def worker(worker_id: str, state: int, inflight: int) -> pb.WorkerStatus:
+    role = worker_id.split("-")[0]
+    return pb.WorkerStatus(worker_id=worker_id, role=role, node="0123456789abcdef",
+                           device="cpu", state=state, kv_blocks_total=96, kv_blocks_used=8,
+                           inflight_requests=inflight)  # fmt: skip
+
+
+LIMITS = pb.RequestLimits(
+    max_request_id_chars=128, max_tenant_chars=64, max_cache_salt_chars=64, max_stop_strings=16,
+    max_stop_string_chars=256, max_stop_token_ids=64, max_message_bytes=4 << 20,
+    max_concurrent_requests=256, max_concurrent_streams=100, max_model_len=512,
+    max_prompt_tokens=1536, default_request_timeout_s=120, prefill_timeout_s=60,
+    handoff_timeout_s=30, token_gap_timeout_s=30.5, max_tenants=1024,
+)  # fmt: skip
+
+
+def cluster_status(limits: pb.RequestLimits | None) -> pb.ClusterStatus:
+    st = pb.ClusterStatus(
+        model="tiny",
+        redis_ok=True,
+        workers=[
+            worker("prefill-0", pb.WORKER_STATE_READY, 3),
+            worker("decode-1", pb.WORKER_STATE_DRAINING, 2),
+            worker("decode-2", pb.WORKER_STATE_DRAINED, 0),
+        ],
+    )
+    if limits is not None:
+        st.limits.CopyFrom(limits)
+    return st
+
+
+def test_status_table_shows_draining_drained_in_flight_and_the_limits(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    servicer.replies["Status"] = lambda request, context: cluster_status(LIMITS)
+    result = cli(target, "status")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line for line in lines if "worker" in line and "health" in line)
+    assert "in-flight" in header
+    column = header.index("in-flight") + len("in-flight")  # right-aligned
+    rows = {
+        line.split()[0]: line for line in lines if line.strip().startswith(("prefill-", "decode-"))
+    }
+    assert {worker_id: row.split()[2] for worker_id, row in rows.items()} == {
+        "prefill-0": "ready", "decode-1": "draining", "decode-2": "drained",
+    }  # fmt: skip
+    assert {worker_id: row[column - 1] for worker_id, row in rows.items()} == {
+        "prefill-0": "3", "decode-1": "2", "decode-2": "0",
+    }  # fmt: skip
+    tail = lines[lines.index(next(line for line in lines if "limits:" in line)) :]
+    assert tail[:3] == [
+        "  limits:   context <= 512 tok · prompt <= 1536 tok · 256 requests per router · "
+        "100 streams per connection · messages <= 4 MiB · 1024 tenants",
+        "  request:  stop <= 16 strings · stop string <= 256 chars · stop token ids <= 64 · "
+        "request id <= 128 chars · tenant <= 64 chars · cache salt <= 64 chars",
+        "  timeouts: request 120 s (when the client sets none) · prefill 60 s · hand-off 30 s "
+        "· between tokens 30.5 s",
+    ]
+
+
+def test_status_shows_no_limits_when_the_router_sends_none(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    servicer.replies["Status"] = lambda request, context: cluster_status(None)
+    table = cli(target, "status")
+    assert table.exit_code == 0 and "limits" not in table.output
+    as_json = json.loads(cli(target, "status", "--json").output)
+    assert "limits" not in as_json
+
+
+def test_status_json_has_states_in_flight_and_limits(admin: tuple[ScriptedAdmin, str]) -> None:
+    servicer, target = admin
+    servicer.replies["Status"] = lambda request, context: cluster_status(LIMITS)
+    result = cli(target, "status", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert [(w["worker_id"], w["state"], w["inflight_requests"]) for w in data["workers"]] == [
+        ("prefill-0", "WORKER_STATE_READY", 3),
+        ("decode-1", "WORKER_STATE_DRAINING", 2),
+        ("decode-2", "WORKER_STATE_DRAINED", 0),
+    ]
+    assert data["limits"]["max_prompt_tokens"] == 1536
+    assert data["limits"]["token_gap_timeout_s"] == 30.5
+
+
+def test_an_unavailable_the_router_sends_is_its_own_not_no_router(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    servicer.replies["Status"] = abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is ready")
+    result = cli(target, "status")
+    assert (result.exit_code, result.output) == (
+        1,
+        "error: UNAVAILABLE: no decode worker is ready\n",
+    )
