@@ -383,6 +383,7 @@ class DecodeWorker:
             engine=rt.driver.load,
             inflight_requests=rt.num_inflight,
             requests_done=rt.requests_done,
+            index_publish_errors=rt.index_publish_errors,
             transfer=self._endpoint.load() if self.endpoint is not None else TransferLoad(),
             timestamp=time.time(),
         )

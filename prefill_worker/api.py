@@ -65,6 +65,9 @@ class WorkerLoad:
     leases_expired: int = 0
     prefill_tokens_per_s: float = 0.0
     """Observed prefill throughput (prompt tokens computed per busy second), 0 until known."""
+    index_publish_errors: int = 0
+    """Failed rounds of the KV-event publisher so far (Redis down, a bad event): a prefix
+    index that goes stale shows here."""
     timestamp: float = 0.0
 
 

@@ -181,6 +181,11 @@ class WorkerRuntime:
         if self._driver is not None:
             self._driver.stop()
 
+    @property
+    def index_publish_errors(self) -> int:
+        """Failed rounds of the KV-event publisher (0 without one)."""
+        return self._publisher.num_errors if self._publisher is not None else 0
+
     def watch(self, name: str, probe: ProgressProbe) -> None:
         """Include another thread's loop in `check_health` (e.g. the KV-transfer endpoint's
         `progress`); the engine thread is always included, as `ENGINE_LOOP`."""

@@ -184,6 +184,7 @@ class PrefillWorker:
             engine=rt.driver.load,
             inflight_requests=rt.num_inflight,
             requests_done=rt.requests_done,
+            index_publish_errors=rt.index_publish_errors,
             leased_blocks=leases.pinned_blocks if leases else 0,
             leases_held=leases.held if leases else 0,
             leases_expired=leases.expired if leases else 0,

@@ -102,6 +102,13 @@ class RouterMetrics:
         self.w_leased = Gauge(
             "pdserve_worker_leased_blocks", "Prefill blocks under lease", labels, registry=r
         )
+        self.w_index_errors = Gauge(
+            "pdserve_worker_index_publish_errors",
+            "Failed rounds of the worker's KV-event publisher to the Redis prefix index "
+            "(since the worker started)",
+            labels,
+            registry=r,
+        )
         self._ttft: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
         self._tpot: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
         self._recent_ttft: deque[TimedSample] = deque(maxlen=RECENT)
@@ -149,10 +156,11 @@ class RouterMetrics:
         self.w_running.labels(*labels).set(e.num_running)
         self.w_transfer.labels(*labels).set(load.transfer.pending_blocks)
         self.w_leased.labels(*labels).set(load.leased_blocks)
+        self.w_index_errors.labels(*labels).set(load.index_publish_errors)
 
     def forget_worker(self, worker_id: str, role: str) -> None:
         for g in (self.w_kv_used, self.w_kv_total, self.w_queued, self.w_running,
-                  self.w_transfer, self.w_leased):  # fmt: skip
+                  self.w_transfer, self.w_leased, self.w_index_errors):  # fmt: skip
             with contextlib.suppress(KeyError):
                 g.remove(worker_id, role)
         self._ttft.pop(worker_id, None)

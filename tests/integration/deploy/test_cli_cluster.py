@@ -196,7 +196,7 @@ def test_drain_stops_a_worker_and_it_leaves_status(cli_cluster: CliCluster) -> N
     victim = decodes[-1]
     result = cli_cluster.cli("drain", victim, "--timeout", "60")
     assert result.exit_code == 0, result.output
-    assert f"{victim} drained and stopped" in result.output
+    assert f"{victim} drained (0 requests finished) and stopped" in result.output
     cli_cluster.wait_for(
         lambda st: victim not in {w["worker_id"] for w in st["workers"]}, 10, f"{victim} gone"
     )
