@@ -292,9 +292,9 @@ def run_interleaved(cases: list[Case], warmup: int, iters: int) -> list[Row]:
 def bench_redis(args: argparse.Namespace) -> list[Row]:
     from deploy.redis_server import EmbeddedRedis
     from engine.kv_events import KVEvent, KVEventKind
-    from kv_transfer.config import PrefixIndexConfig
-    from kv_transfer.kv_publisher import KVEventPublisher
-    from kv_transfer.prefix_index import PrefixIndex
+    from prefix_index.config import PrefixIndexConfig
+    from prefix_index.index import PrefixIndex
+    from prefix_index.publisher import KVEventPublisher
 
     chain = hash_chain(list(range(4096)), 16, hash_extra(MODEL))
     with EmbeddedRedis() as server:

@@ -50,7 +50,8 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import PrefillRequest, PrefillResult, WorkerRole
+from prefill_worker.api import PrefillRequest, PrefillResult
+from worker_runtime.api import WorkerRole
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ async def floors(redis_url: str, bench: Bench) -> dict[str, tuple[float, float]]
     import subprocess
 
     from engine.block_hash import hash_chain, hash_extra
-    from kv_transfer.prefix_index import PrefixIndex
+    from prefix_index.index import PrefixIndex
 
     proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE)
     try:

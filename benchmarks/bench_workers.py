@@ -65,9 +65,10 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from kv_transfer.config import KVTransferConfig  # noqa: E402
-from prefill_worker.api import PrefillRequest, WorkerRole  # noqa: E402
-from prefill_worker.runtime import WorkerConfig  # noqa: E402
+from prefill_worker.api import PrefillRequest  # noqa: E402
 from router.decode_channel import DecodeChannel  # noqa: E402
+from worker_runtime.api import WorkerRole  # noqa: E402
+from worker_runtime.runtime import WorkerConfig  # noqa: E402
 
 
 def engine_config(model_dir: Path, mode: EngineMode, num_kv_blocks: int) -> EngineConfig:

@@ -47,7 +47,7 @@ from kv_transfer.errors import TransferCancelled
 from kv_transfer.manager import TransferOutcome, TransferState
 from kv_transfer.metrics import TransferStats
 from kv_transfer.types import KVHandle, TransferLoad
-from prefill_worker.api import (
+from worker_runtime.api import (
     RequestAborted,
     RequestDeadlineExceeded,
     WorkerDraining,
@@ -57,7 +57,7 @@ from prefill_worker.api import (
     WorkerState,
     actor_name_for,
 )
-from prefill_worker.runtime import WorkerConfig, WorkerRuntime
+from worker_runtime.runtime import WorkerConfig, WorkerRuntime
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from deploy.controller import CONTROLLER_NAME, ClusterSpec, Controller, controller_options
 from deploy.local_ray import loopback_env
-from deploy.planner_loop import PlannerSettings
 from deploy.redis_server import EmbeddedRedis
 from deploy.workers import ActorPlacement, capacity_shortfall
 from engine.config import EngineConfig
+from planner.loop import PlannerSettings
 from router.server import RouterActor, RouterConfig
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ def remove_leftovers(address: str) -> list[str]:
     driver that died without stopping them; returns the names killed."""
     import ray
 
-    from prefill_worker.api import ACTOR_NAME_PREFIX
+    from worker_runtime.api import ACTOR_NAME_PREFIX
 
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     killed = []

@@ -5,7 +5,7 @@ exists (`list_workers`), pings every worker on a timer and removes a dead one fr
 registry within seconds (replacing it when `replace_dead`), and moves capacity between roles
 by draining: a worker leaving a role first stops admitting, finishes its in-flight requests
 and leases, and only then stops, so a rebalance loses no request. With `spec.planner.enabled`
-it also runs the planner loop (deploy/planner_loop.py), which scales each role and asks Ray's
+it also runs the planner loop (planner/loop.py), which scales each role and asks Ray's
 autoscaler for nodes. Being detached, it outlives the driver that made it: `Cluster.stop`
 (and so `pdserve down`) kills it, which also ends the workers it owns.
 
@@ -40,13 +40,6 @@ from typing import Any
 
 import ray
 
-from deploy.planner_loop import (
-    PlannerLoop,
-    PlannerSettings,
-    ResourceRequester,
-    WorkerSnapshot,
-    planner_role,
-)
 from deploy.workers import (
     ActorPlacement,
     create_worker,
@@ -54,12 +47,20 @@ from deploy.workers import (
     rebalance_shortfall,
 )
 from engine.config import EngineConfig, EngineMode
-from kv_transfer.config import KVTransferConfig, PrefixIndexConfig
-from kv_transfer.prefix_index import PrefixIndex
-from prefill_worker.api import WorkerInfo, WorkerRole, WorkerUnhealthy
-from prefill_worker.runtime import WorkerConfig
+from kv_transfer.config import KVTransferConfig
+from planner.loop import (
+    PlannerLoop,
+    PlannerSettings,
+    ResourceRequester,
+    WorkerSnapshot,
+    planner_role,
+)
+from prefix_index.config import PrefixIndexConfig
+from prefix_index.index import PrefixIndex
 from router.control import DrainRefused, DrainReport
 from router.server import RouterSignals
+from worker_runtime.api import WorkerInfo, WorkerRole, WorkerUnhealthy
+from worker_runtime.runtime import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +345,7 @@ class Controller:
 
     # ---- drain and rebalance ----------------------------------------------------------------
 
-    # ---- the planner's host interface (deploy/planner_loop.PlannerHost) ----------------------
+    # ---- the planner's host interface (planner/loop.py PlannerHost) ----------------------
 
     @property
     def rebalancing(self) -> bool:
@@ -589,15 +590,17 @@ def _same_role(a: WorkerRole, b: WorkerRole) -> bool:
 def _log_to_stderr() -> None:
     """Show the controller's INFO lines (worker lifecycle, planner actions) in its Ray log,
     which a local driver prints (log_to_driver): Ray leaves actors' loggers at WARNING."""
-    logger = logging.getLogger("deploy")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        # Every tick's decision goes to the planner loop's records (and the control log);
-        # the log shows the ones that act (deploy.planner_loop), not every hold.
-        logging.getLogger("deploy.planner").setLevel(logging.WARNING)
+    for name in ("deploy", "planner"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            fmt = logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S")
+            handler.setFormatter(fmt)
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+    # Every tick's decision goes to the planner loop's records (and the control log); the log
+    # shows the ones that act (planner.loop), not every hold.
+    logging.getLogger("planner.core").setLevel(logging.WARNING)
 
 
 def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:

@@ -25,8 +25,8 @@ import yaml
 
 if TYPE_CHECKING:
     from deploy.cluster import ClusterOptions
-    from deploy.planner_loop import PlannerSettings
     from deploy.workers import ActorPlacement
+    from planner.loop import PlannerSettings
 
 
 MAX_PORT = 65535
@@ -164,7 +164,7 @@ def _placement(data: Any, where: str) -> ActorPlacement | None:
 
 
 def _planner_settings(data: Any, enabled: bool | None) -> PlannerSettings:
-    from deploy.planner_loop import PlannerSettings, settings_from_dict
+    from planner.loop import PlannerSettings, settings_from_dict
 
     if data is not None and not isinstance(data, dict):
         raise typer.BadParameter("planner: expected a mapping")

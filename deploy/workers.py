@@ -14,9 +14,9 @@ import ray
 
 from decode_worker.worker import DecodeWorker
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.api import WorkerInfo, WorkerRole, actor_name_for
-from prefill_worker.runtime import WorkerConfig
 from prefill_worker.worker import PrefillWorker
+from worker_runtime.api import WorkerInfo, WorkerRole, actor_name_for
+from worker_runtime.runtime import WorkerConfig
 
 
 @dataclass(frozen=True)

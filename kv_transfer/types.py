@@ -118,36 +118,6 @@ class TransferPlan:
 
 
 @dataclass(frozen=True)
-class WorkerPrefix:
-    """One worker's cached prefix of a prompt: its first `num_blocks` blocks."""
-
-    worker_id: str
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Per live worker, the number of leading blocks of a hash chain it has cached.
-
-    `workers` holds only workers with at least one block, longest prefix first (ties by id).
-    `available` is False when the index could not be asked (Redis down): route on load alone.
-    """
-
-    chain_length: int
-    workers: tuple[WorkerPrefix, ...] = ()
-    available: bool = True
-
-    def blocks_cached(self, worker_id: str) -> int:
-        for w in self.workers:
-            if w.worker_id == worker_id:
-                return w.num_blocks
-        return 0
-
-    def best(self) -> WorkerPrefix | None:
-        return self.workers[0] if self.workers else None
-
-
-@dataclass(frozen=True)
 class PeerLoad:
     """Transfer load towards one prefill peer (agent name)."""
 

@@ -28,9 +28,8 @@ from engine.outputs import RequestOutput
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.prefill_endpoint import PrefillEndpoint
 from kv_transfer.protocol import HandshakeInfo
-from prefill_worker.api import (
-    PrefillRequest,
-    PrefillResult,
+from prefill_worker.api import PrefillRequest, PrefillResult
+from worker_runtime.api import (
     RequestAborted,
     WorkerDraining,
     WorkerInfo,
@@ -38,7 +37,7 @@ from prefill_worker.api import (
     WorkerOverloaded,
     WorkerState,
 )
-from prefill_worker.runtime import WorkerConfig, WorkerRuntime, next_output
+from worker_runtime.runtime import WorkerConfig, WorkerRuntime, next_output
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from admission.snapshot import ClusterSnapshot, DecodeWorkerLoad, PrefillWorkerLoad
-from kv_transfer.types import PrefixMatch
-from prefill_worker.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from prefix_index.types import PrefixMatch
 from router.decode_channel import DecodeChannel
 from router.metrics import RouterMetrics
 from router.placement import DecodeCandidate, PrefillCandidate
+from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,9 @@ import grpc
 from admission.decision import AdmissionRejected, Reason
 from engine.sampling_params import SamplingParamsError
 from kv_transfer.errors import TransferError
-from prefill_worker.api import (
+from router.placement import NoWorkerError
+from router.validation import InvalidRequest
+from worker_runtime.api import (
     RequestAborted,
     RequestDeadlineExceeded,
     StepFailed,
@@ -36,8 +38,6 @@ from prefill_worker.api import (
     WorkerOverloaded,
     WorkerStopped,
 )
-from router.placement import NoWorkerError
-from router.validation import InvalidRequest
 
 RETRY_AFTER_KEY = "retry-after-ms"
 DEFAULT_RETRY_AFTER_MS = 500

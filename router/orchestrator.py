@@ -40,17 +40,9 @@ from engine.block_hash import BlockHash, hash_chain, hash_extra
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferError
-from kv_transfer.prefix_index import PrefixIndex
-from kv_transfer.types import PrefixMatch
-from prefill_worker.api import (
-    PrefillRequest,
-    PrefillResult,
-    RequestDeadlineExceeded,
-    StepFailed,
-    WorkerDraining,
-    WorkerOverloaded,
-    WorkerStopped,
-)
+from prefill_worker.api import PrefillRequest, PrefillResult
+from prefix_index.index import PrefixIndex
+from prefix_index.types import PrefixMatch
 from router.cluster_view import ClusterView, DecodeReservation
 from router.errors import (
     StageTimeout,
@@ -63,6 +55,13 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.placement import Placement, PlacementConfig, place
 from router.validation import ValidRequest
+from worker_runtime.api import (
+    RequestDeadlineExceeded,
+    StepFailed,
+    WorkerDraining,
+    WorkerOverloaded,
+    WorkerStopped,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
-from kv_transfer.config import PrefixIndexConfig
-from kv_transfer.prefix_index import PrefixIndex
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import WorkerRole
+from prefix_index.config import PrefixIndexConfig
+from prefix_index.index import PrefixIndex
 from router import validation
 from router.cluster_view import ClusterView, ControllerDirectory, WorkerDirectory
 from router.control import ClusterControl, DrainReport
@@ -36,6 +35,7 @@ from router.metrics import RecentSamples, RouterMetrics
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.servicer import AdminServicer, GenerationServicer, generation_handler
 from router.validation import ValidationLimits
+from worker_runtime.api import WorkerRole
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

@@ -27,13 +27,13 @@ from engine.request import FinishReason
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import WorkerLoad, WorkerState
 from router.cluster_view import ClusterView
 from router.control import ClusterControl
 from router.errors import DEFAULT_RETRY_AFTER_MS, RETRY_AFTER_KEY, to_grpc_failure, unwrap
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamDelta
 from router.validation import ValidationLimits, find_invalid_utf8_field, validate
+from worker_runtime.api import WorkerLoad, WorkerState
 
 log = logging.getLogger(__name__)
 

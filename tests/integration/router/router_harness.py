@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import WorkerInfo, WorkerLoad, WorkerRole
+from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole
 
 MAX_MODEL_LEN = 1024
 KV_BLOCKS = 256

@@ -19,7 +19,7 @@ from router_client import GENERATE_METHOD, generate, rpc_error
 from router_harness import KV_BLOCKS, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import WorkerRole
+from worker_runtime.api import WorkerRole
 
 
 def test_status_reports_every_worker_and_the_router(router_cluster: RouterCluster) -> None:

@@ -23,11 +23,11 @@ from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import WorkerRole
-from prefill_worker.runtime import WorkerConfig
 from router.cluster_view import StaticDirectory
 from router.decode_channel import ChannelState
 from router.server import RouterConfig, RouterServer
+from worker_runtime.api import WorkerRole
+from worker_runtime.runtime import WorkerConfig
 
 pytestmark = pytest.mark.timeout(240)
 

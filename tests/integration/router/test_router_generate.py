@@ -20,7 +20,7 @@ from router_harness import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, Reference, RouterCl
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import WorkerRole
+from worker_runtime.api import WorkerRole
 
 MAX_TOKENS = 16
 

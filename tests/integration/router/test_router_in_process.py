@@ -16,9 +16,9 @@ from router_harness import MAX_MODEL_LEN, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from prefill_worker.api import WorkerRole
 from router.cluster_view import StaticDirectory
 from router.server import RouterConfig, RouterServer
+from worker_runtime.api import WorkerRole
 
 T = TypeVar("T")
 

@@ -13,8 +13,9 @@ from router_harness import Reference, RouterCluster
 
 from engine.block_hash import BlockHash, hash_chain, hash_extra
 from engine.sampling_params import SamplingParams
-from kv_transfer.prefix_index import PrefixIndex
-from prefill_worker.api import PrefillRequest, WorkerRole
+from prefill_worker.api import PrefillRequest
+from prefix_index.index import PrefixIndex
+from worker_runtime.api import WorkerRole
 
 BLOCK = 16
 

@@ -8,7 +8,8 @@ import ray
 from router_harness import RouterCluster
 
 from engine.sampling_params import SamplingParams
-from prefill_worker.api import PrefillRequest, WorkerRole
+from prefill_worker.api import PrefillRequest
+from worker_runtime.api import WorkerRole
 
 
 def test_abort_of_a_waiting_prefill_ends_the_prefill_call(

@@ -24,8 +24,8 @@ from deploy.workers import ActorPlacement, create_worker
 from engine.config import EngineConfig, EngineMode
 from engine.tokenizer import Tokenizer
 from kv_transfer.config import BudgetConfig, KVTransferConfig
-from prefill_worker.api import WorkerRole
-from prefill_worker.runtime import WorkerConfig
+from worker_runtime.api import WorkerRole
+from worker_runtime.runtime import WorkerConfig
 
 PLACEMENT = ActorPlacement(num_cpus=0.25)
 START_TIMEOUT_S = 240.0

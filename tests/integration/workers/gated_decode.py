@@ -14,7 +14,7 @@ from types import ModuleType
 
 from decode_worker.worker import DecodeWorker
 from kv_transfer.backend import XferId, XferStatus
-from prefill_worker.api import WorkerInfo
+from worker_runtime.api import WorkerInfo
 
 
 class GatedDecodeWorker(DecodeWorker):

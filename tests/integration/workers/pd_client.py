@@ -13,7 +13,8 @@ import ray
 
 from decode_worker.api import DecodeRequest, TokenChunk
 from engine.sampling_params import SamplingParams
-from prefill_worker.api import PrefillRequest, PrefillResult, WorkerLoad
+from prefill_worker.api import PrefillRequest, PrefillResult
+from worker_runtime.api import WorkerLoad
 
 NUM_KV_BLOCKS = 256
 CALL_TIMEOUT_S = 60.0

@@ -29,7 +29,7 @@ from pd_client import (
 
 from decode_worker.api import TokenChunk
 from engine.request import FinishReason
-from prefill_worker.api import RequestAborted, WorkerDraining, WorkerLoad, WorkerState
+from worker_runtime.api import RequestAborted, WorkerDraining, WorkerLoad, WorkerState
 
 pytestmark = pytest.mark.timeout(180)
 

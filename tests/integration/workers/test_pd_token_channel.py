@@ -23,7 +23,7 @@ from decode_worker.api import TokenChunk
 from deploy.workers import create_worker
 from engine.request import FinishReason
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.api import WorkerDraining, WorkerRole
+from worker_runtime.api import WorkerDraining, WorkerRole
 
 pytestmark = pytest.mark.timeout(240)
 

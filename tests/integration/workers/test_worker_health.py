@@ -14,8 +14,9 @@ from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
 from deploy.workers import create_worker
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.api import PrefillRequest, WorkerRole, WorkerUnhealthy
-from prefill_worker.runtime import StepFailed
+from prefill_worker.api import PrefillRequest
+from worker_runtime.api import WorkerRole, WorkerUnhealthy
+from worker_runtime.runtime import StepFailed
 
 
 def test_a_worker_whose_steps_keep_failing_fails_its_health_check(

@@ -15,7 +15,7 @@ from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
 
 from deploy.workers import create_worker
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.api import WorkerRole, WorkerUnhealthy
+from worker_runtime.api import WorkerRole, WorkerUnhealthy
 
 STALL_S = 2.0
 SLACK_S = 8.0

@@ -14,7 +14,7 @@ from decode_worker.channel import ChannelRegistry, ChannelState, OutputChannel, 
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, RequestTimings
 from kv_transfer.errors import TransferTimeout
-from prefill_worker.api import RequestAborted
+from worker_runtime.api import RequestAborted
 
 T = TypeVar("T")
 

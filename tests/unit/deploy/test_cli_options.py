@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from deploy.cli import _up_argv, app
 from deploy.options import build_options, load_config
-from deploy.planner import RoleBounds
 from deploy.workers import ActorPlacement
+from planner.core import RoleBounds
 
 COMMANDS = ("make-model", "up", "down", "status", "generate", "rebalance", "drain", "bench")
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from deploy.controller import ClusterSpec, Controller, _Worker
-from deploy.planner import Role
 from deploy.workers import ActorPlacement
 from engine.config import EngineConfig
 from engine.outputs import EngineLoad
-from prefill_worker.api import WorkerLoad, WorkerRole, WorkerState
+from planner.core import Role
 from router.control import DrainRefused
+from worker_runtime.api import WorkerLoad, WorkerRole, WorkerState
 
 PREFILL = ActorPlacement(num_cpus=0, resources=(("prefill", 1.0),))
 DECODE = ActorPlacement(num_cpus=0, resources=(("decode", 1.0),))
@@ -149,7 +149,7 @@ def test_events_are_numbered_and_read_incrementally() -> None:
 
 
 def test_health_check_removes_an_unhealthy_worker_at_once_and_a_silent_one_after_retries() -> None:
-    from prefill_worker.api import WorkerUnhealthy
+    from worker_runtime.api import WorkerUnhealthy
 
     c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
     c.spec = dataclasses.replace(c.spec, replace_dead=False, failure_threshold=2)

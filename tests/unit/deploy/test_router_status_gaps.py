@@ -10,11 +10,11 @@ import asyncio
 
 from admission.controller import AdmissionController
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import WorkerInfo, WorkerRole
 from router.cluster_view import ClusterView, StaticDirectory
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.servicer import AdminServicer
+from worker_runtime.api import WorkerInfo, WorkerRole
 
 
 def status_of_registered_unpolled_worker() -> int:

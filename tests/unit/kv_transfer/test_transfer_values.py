@@ -24,7 +24,8 @@ from kv_transfer.protocol import (
     encode_done,
     encode_heartbeats,
 )
-from kv_transfer.types import DescriptorRun, PrefixMatch, WorkerPrefix, compat_fields, compat_hash
+from kv_transfer.types import DescriptorRun, compat_fields, compat_hash
+from prefix_index.types import PrefixMatch, WorkerPrefix
 
 
 def test_coalesce_runs_merges_blocks_adjacent_on_both_sides() -> None:
@@ -141,9 +142,13 @@ def test_prefix_match_helpers() -> None:
 def test_router_facing_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import kv_transfer\n"
-        "from kv_transfer import KVHandle, PrefixMatch, TransferLoad, PrefixIndex\n"
-        "from kv_transfer import KVEventPublisher, TransferError, HandshakeInfo, compat_hash\n"
+        "from kv_transfer.types import KVHandle, TransferLoad, compat_hash\n"
+        "from kv_transfer.errors import TransferError\n"
+        "from kv_transfer.protocol import HandshakeInfo\n"
+        "from prefix_index.index import PrefixIndex\n"
+        "from prefix_index.publisher import KVEventPublisher\n"
+        "from prefix_index.types import PrefixMatch\n"
+        "import router.orchestrator, router.servicer, worker_runtime.api\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

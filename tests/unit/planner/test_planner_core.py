@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from deploy.planner import (
+from planner.core import (
     LatencySample,
     Planner,
     PlannerConfig,
@@ -374,7 +374,7 @@ def test_invalid_config_is_refused(kwargs: dict) -> None:
 def test_planner_threads_memory_and_logs_every_decision(caplog: pytest.LogCaptureFixture) -> None:
     planner = Planner(CONFIG)
     hot = [steady(tick=t, ttft=samples("p0", [900.0] * 5)) for t in (1, 2, 3)]
-    with caplog.at_level("INFO", logger="deploy.planner"):
+    with caplog.at_level("INFO", logger="planner.core"):
         adds = [planner.tick(t).prefill.add for t in hot]
     assert adds == [2, 0, 2]
     assert len(caplog.records) == 3

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.planner import PlannerConfig, Role, RoleBounds, TickInput
-from deploy.planner_replay import (
+from planner.core import PlannerConfig, Role, RoleBounds, TickInput
+from planner.replay import (
     TraceError,
     TraceWriter,
     config_from_json,
@@ -130,7 +130,7 @@ def test_tick_json_defaults_optional_fields() -> None:
 
 def test_replay_runs_as_a_module() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "deploy.planner_replay", str(TRACE)],
+        [sys.executable, "-m", "planner.replay", str(TRACE)],
         check=True,
         capture_output=True,
         text=True,

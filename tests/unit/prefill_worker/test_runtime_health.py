@@ -19,14 +19,8 @@ from engine.config import EngineConfig
 from engine.driver import LoopProgress, LoopState
 from engine.sampling_params import SamplingParams
 from kv_transfer.agent_loop import AgentLoop
-from prefill_worker.api import (
-    StepFailed,
-    WorkerRole,
-    WorkerState,
-    WorkerStopped,
-    WorkerUnhealthy,
-)
-from prefill_worker.runtime import ENGINE_LOOP, WorkerConfig, WorkerRuntime, stall_reason
+from worker_runtime.api import StepFailed, WorkerRole, WorkerState, WorkerStopped, WorkerUnhealthy
+from worker_runtime.runtime import ENGINE_LOOP, WorkerConfig, WorkerRuntime, stall_reason
 
 pytestmark = pytest.mark.timeout(60)
 

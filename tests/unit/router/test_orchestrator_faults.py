@@ -24,9 +24,12 @@ from engine.outputs import EngineLoad
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferTimeout
-from prefill_worker.api import (
-    PrefillRequest,
-    PrefillResult,
+from prefill_worker.api import PrefillRequest, PrefillResult
+from router.cluster_view import ClusterView, StaticDirectory
+from router.errors import StageTimeout, StreamCut, WorkerLost, to_grpc_failure
+from router.orchestrator import Orchestrator, OrchestratorConfig, StreamDelta
+from router.validation import ValidRequest
+from worker_runtime.api import (
     StepFailed,
     WorkerDraining,
     WorkerInfo,
@@ -35,10 +38,6 @@ from prefill_worker.api import (
     WorkerRole,
     WorkerState,
 )
-from router.cluster_view import ClusterView, StaticDirectory
-from router.errors import StageTimeout, StreamCut, WorkerLost, to_grpc_failure
-from router.orchestrator import Orchestrator, OrchestratorConfig, StreamDelta
-from router.validation import ValidRequest
 
 PROMPT = tuple(range(2, 40))
 MAX_TOKENS = 6

@@ -16,18 +16,12 @@ from engine.outputs import EngineLoad
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferTimeout
-from prefill_worker.api import (
-    PrefillRequest,
-    PrefillResult,
-    WorkerInfo,
-    WorkerLoad,
-    WorkerRole,
-    WorkerState,
-)
+from prefill_worker.api import PrefillRequest, PrefillResult
 from router.cluster_view import ClusterView, StaticDirectory
 from router.errors import StreamCut
 from router.orchestrator import Orchestrator, StreamDelta
 from router.validation import ValidRequest
+from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
 
 FIRST_TOKEN = 7
 DECODED = (8, 9, 10)

@@ -9,7 +9,6 @@ from google.protobuf import descriptor_pool
 
 from admission.decision import AdmissionRejected, Reason
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
 from router.errors import WorkerLost, to_grpc_failure
 from router.placement import NoWorkerError
 from router.server import _ReflectionPool
@@ -20,6 +19,7 @@ from router.validation import (
     find_invalid_utf8_field,
     validate,
 )
+from worker_runtime.api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
 
 LIMITS = ValidationLimits(max_model_len=64, vocab_size=100, tenants=frozenset({"", "acme"}))
 

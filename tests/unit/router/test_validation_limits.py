@@ -11,7 +11,6 @@ from admission.config import TenantLimit
 from admission.rate_limit import TenantRateLimiter
 from kv_transfer.protocol import encode_done
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import StepFailed, WorkerStopped
 from router.errors import StreamCut, WorkerLost, to_grpc_failure
 from router.validation import (
     MAX_STOP_TOKEN_IDS,
@@ -20,6 +19,7 @@ from router.validation import (
     ValidRequest,
     validate,
 )
+from worker_runtime.api import StepFailed, WorkerStopped
 
 LIMITS = ValidationLimits(
     max_model_len=512, vocab_size=100, max_prompt_tokens=64, max_sequence_tokens=80

@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from deploy.planner import PlannerConfig, Role, RoleBounds
-from deploy.planner_loop import (
+from deploy.workers import ActorPlacement
+from engine.outputs import EngineLoad
+from kv_transfer.types import TransferLoad
+from planner.core import PlannerConfig, Role, RoleBounds
+from planner.loop import (
     PlannerLoop,
     PlannerSettings,
     ResourceRequester,
@@ -21,13 +24,10 @@ from deploy.planner_loop import (
     resource_bundles,
     settings_from_dict,
 )
-from deploy.planner_replay import read_trace
-from deploy.workers import ActorPlacement
-from engine.outputs import EngineLoad
-from kv_transfer.types import TransferLoad
-from prefill_worker.api import WorkerLoad, WorkerRole, WorkerState
+from planner.replay import read_trace
 from router.metrics import RecentSamples, TimedSample
 from router.server import RouterSignals
+from worker_runtime.api import WorkerLoad, WorkerRole, WorkerState
 
 NOW = 10_000.0
 

@@ -11,10 +11,10 @@ import redis
 
 from engine.block_hash import BlockHash, hash_chain, hash_extra
 from engine.kv_events import KVEvent, KVEventKind
-from kv_transfer.config import PrefixIndexConfig
-from kv_transfer.kv_publisher import KVEventPublisher
-from kv_transfer.prefix_index import PrefixIndex
-from kv_transfer.types import WorkerPrefix
+from prefix_index.config import PrefixIndexConfig
+from prefix_index.index import PrefixIndex
+from prefix_index.publisher import KVEventPublisher
+from prefix_index.types import WorkerPrefix
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,7 +260,7 @@ def test_publisher_thread_survives_a_raising_snapshot_and_counts_it(
         failed = [
             r
             for r in caplog.records
-            if r.name == "kv_transfer.kv_publisher" and "fail" in r.getMessage()
+            if r.name == "prefix_index.publisher" and "fail" in r.getMessage()
         ]
         assert [r.exc_info is not None for r in failed] == [True, False]  # one traceback per kind
     finally:

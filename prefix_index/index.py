@@ -8,7 +8,7 @@ Keys (all under `pdserve:{model}:`, so models never share entries):
     wblk:{id}        reverse index: hashes a worker cached (for resync and purge)
     seq:{id}         sequence number of the last KV event applied for a worker
 
-Written only by `KVEventPublisher` (kv_transfer/kv_publisher.py); read by `lookup` in one
+Written only by `KVEventPublisher` (prefix_index/publisher.py); read by `lookup` in one
 round trip: a Lua script gets the chain as one hex string, keeps the live holders of the
 first block as candidates, and walks on with one SMISMEMBER per block (SISMEMBER per
 candidate on Redis < 6.2) until no candidate is left (a miss costs one SMEMBERS). A worker's
@@ -36,8 +36,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.block_hash import BlockHash
-from kv_transfer.config import PrefixIndexConfig
-from kv_transfer.types import PrefixMatch, WorkerPrefix
+from prefix_index.config import PrefixIndexConfig
+from prefix_index.types import PrefixMatch, WorkerPrefix
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from engine.config import EngineConfig
 from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
-from kv_transfer.config import PrefixIndexConfig
-from kv_transfer.kv_publisher import KVEventPublisher
-from prefill_worker.api import (
+from prefix_index.config import PrefixIndexConfig
+from prefix_index.publisher import KVEventPublisher
+from worker_runtime.api import (
     RequestDeadlineExceeded,
     StepFailed,
     WorkerInfo,

@@ -5,7 +5,7 @@ role bounds as `{"prefill": {"min_workers": 1, "max_workers": 4}}`), then one Ti
 as written by `tick_to_json`. The controller actor records live ticks with `TraceWriter`; this
 module reads them back and prints one decision per tick:
 
-    python -m deploy.planner_replay TRACE.jsonl [--config OVERRIDES.json]
+    python -m planner.replay TRACE.jsonl [--config OVERRIDES.json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
-from deploy.planner import (
+from planner.core import (
     LatencySample,
     PlannerConfig,
     PlannerMemory,

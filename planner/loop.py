@@ -5,7 +5,7 @@ Each tick (`PlannerSettings.interval_s`):
 1. measure: every worker's load (polled by the controller), and from every router the TTFT/TPOT
    samples of the last `sample_window_s` plus its admission queue;
 2. decide: `build_tick` turns those into a `TickInput`, `Planner.tick` into a `ScalingDecision`
-   (pure; see deploy/planner.py), recorded with its reasons (and to a replayable trace);
+   (pure; see planner/core.py), recorded with its reasons (and to a replayable trace);
 3. actuate through `ControllerActuator` (the `ScalingActuator`): start workers of a role with
    the role's placement, drain workers (they stop admitting and finish in-flight work), stop a
    drained worker once the planner sees it idle, and keep Ray's autoscaler asked, through
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from deploy.planner import (
+from planner.core import (
     LatencySample,
     Planner,
     PlannerConfig,
@@ -38,8 +38,8 @@ from deploy.planner import (
     TickInput,
     WorkerView,
 )
-from deploy.planner_replay import TraceWriter
-from prefill_worker.api import WorkerLoad, WorkerRole
+from planner.replay import TraceWriter
+from worker_runtime.api import WorkerLoad, WorkerRole
 
 if TYPE_CHECKING:
     from deploy.workers import ActorPlacement
@@ -61,7 +61,7 @@ class PlannerSettings:
     """Ask Ray's autoscaler for room for every wanted worker (no effect without one)."""
     trace_path: str | None = None
     """Append every TickInput to this JSONL file (on the controller's node), for
-    `python -m deploy.planner_replay`."""
+    `python -m planner.replay`."""
     config: PlannerConfig = field(default_factory=PlannerConfig)
     """SLOs, bounds per role and thresholds of the pure core."""
 
@@ -341,7 +341,7 @@ class PlannerLoop:
 def settings_from_dict(data: dict[str, Any]) -> PlannerSettings:
     """PlannerSettings from a config-file mapping: the loop's fields plus PlannerConfig's
     (role bounds as `prefill: {min_workers: 1, max_workers: 4}`)."""
-    from deploy.planner_replay import config_with_overrides
+    from planner.replay import config_with_overrides
 
     loop_fields = {"enabled", "interval_s", "sample_window_s", "request_resources", "trace_path"}
     loop = {k: v for k, v in data.items() if k in loop_fields}

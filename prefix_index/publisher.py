@@ -37,8 +37,8 @@ import redis
 
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEvent, KVEventKind
-from kv_transfer.config import PrefixIndexConfig
-from kv_transfer.prefix_index import IndexKeys, connect
+from prefix_index.config import PrefixIndexConfig
+from prefix_index.index import IndexKeys, connect
 
 log = logging.getLogger(__name__)
 

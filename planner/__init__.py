@@ -1,0 +1,2 @@
+"""planner: the scaling planner (a pure decision core, the loop that feeds and actuates it,
+trace replay)."""

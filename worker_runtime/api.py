@@ -1,0 +1,104 @@
+"""What every worker says across the Ray boundary, whatever its role (frozen, tensor-free,
+torch-free): `WorkerRole`, `WorkerState`, `WorkerInfo`, `WorkerLoad`, and the typed errors a
+worker raises to its caller. The router and the controller import this, never a role's actor.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.outputs import EngineLoad
+from kv_transfer.types import TransferLoad
+
+
+class WorkerRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class WorkerState(enum.Enum):
+    """STARTING → READY → DRAINING → STOPPED (DRAINING → READY on `undrain`)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Identity and placement of a worker (fixed for its life)."""
+
+    worker_id: str
+    role: WorkerRole
+    actor_name: str
+    node: str
+    device: str
+    model_id: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load, taken without touching its engine thread (cheap to poll)."""
+
+    worker_id: str
+    role: WorkerRole
+    state: WorkerState
+    engine: EngineLoad
+    inflight_requests: int
+    requests_done: int
+    transfer: TransferLoad = field(default_factory=TransferLoad)
+    """Decode side: blocks being pulled (queued + in flight)."""
+    leased_blocks: int = 0
+    """Prefill side: blocks held under leases until a decode worker pulls them."""
+    leases_held: int = 0
+    leases_expired: int = 0
+    prefill_tokens_per_s: float = 0.0
+    """Observed prefill throughput (prompt tokens computed per busy second), 0 until known."""
+    index_publish_errors: int = 0
+    """Failed rounds of the KV-event publisher so far (Redis down, a bad event): a prefix
+    index that goes stale shows here."""
+    timestamp: float = 0.0
+
+
+class WorkerDraining(Exception):
+    """The worker is draining and admits no new request: place it elsewhere."""
+
+
+class WorkerUnhealthy(Exception):
+    """The worker's engine fails every step (e.g. a sticky device error): replace it."""
+
+
+class StepFailed(Exception):
+    """The engine step that carried this request raised; the request was aborted (another
+    worker may serve it)."""
+
+
+class WorkerStopped(Exception):
+    """The worker is stopping or stopped: place the request elsewhere."""
+
+
+class WorkerOverloaded(Exception):
+    """The worker cannot hold this request now (e.g. KV pool short): place it elsewhere."""
+
+
+class RequestAborted(Exception):
+    """`abort(request_id)` ended the request on the worker; everything it held was freed."""
+
+
+class RequestDeadlineExceeded(Exception):
+    """The request's deadline passed on the worker; everything it held was freed."""
+
+
+ACTOR_NAME_PREFIX = "pdserve-worker-"
+
+
+def actor_name_for(worker_id: str) -> str:
+    """The Ray actor name of a worker (namespace: the cluster's), e.g. for handshakes."""
+    return f"{ACTOR_NAME_PREFIX}{worker_id}"
