@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deploy.controller import CONTROLLER_NAME, ClusterSpec, Controller, controller_options
+from deploy.controller import CONTROLLER_NAME, Controller, controller_options
 from deploy.local_ray import loopback_env
 from deploy.redis_server import EmbeddedRedis
+from deploy.spec import ClusterSpec
 from deploy.workers import ActorPlacement, capacity_shortfall
 from engine.config import EngineConfig
 from planner.loop import PlannerSettings
