@@ -39,6 +39,7 @@ from typing import Any
 from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, DecodeRequest, TokenChunk
 from decode_worker.channel import ChannelRegistry, OutputChannel, RequestSink
 from engine.block_pool import NoFreeBlocksError
+from engine.engine import LLMEngine
 from engine.outputs import TransferAllocation
 from engine.request import FinishReason
 from kv_transfer.config import KVTransferConfig
@@ -49,15 +50,13 @@ from kv_transfer.metrics import TransferStats
 from kv_transfer.types import KVHandle, TransferLoad
 from worker_runtime.api import (
     RequestAborted,
-    RequestDeadlineExceeded,
-    WorkerDraining,
     WorkerInfo,
     WorkerLoad,
     WorkerOverloaded,
-    WorkerState,
     actor_name_for,
 )
-from worker_runtime.runtime import WorkerConfig, WorkerRuntime
+from worker_runtime.lifecycle import WorkerLifecycle
+from worker_runtime.runtime import WorkerConfig, within_deadline
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +66,13 @@ CHANNEL_ORPHAN_S = 10.0
 """A token channel without a subscriber this long is closed and its requests aborted."""
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
     """Ray actor class (wrap with `ray.remote(...)`); also serves the colocated role."""
 
     def __init__(
         self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
     ) -> None:
-        self.runtime = WorkerRuntime(config, actor_name or config.worker_id)
-        self.transfer_config = transfer
-        self.endpoint: DecodeEndpoint | None = None
+        super().__init__(config, transfer, actor_name)
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
@@ -84,14 +81,14 @@ class DecodeWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> WorkerInfo:
-        info = await self.runtime.start()
         self._loop = asyncio.get_running_loop()
         self._channels = ChannelRegistry(
             self._loop, lambda rid: self._spawn(self.abort(rid)), CHANNEL_ORPHAN_S
         )
-        engine = self.runtime.engine
-        assert engine is not None
-        endpoint = DecodeEndpoint(
+        return await super().start()
+
+    def _make_endpoint(self, engine: LLMEngine) -> DecodeEndpoint:
+        return DecodeEndpoint(
             engine.kv_cache,
             engine.model_id,
             self.runtime.config.worker_id,
@@ -99,22 +96,16 @@ class DecodeWorker:
             on_failed=self._on_outcome,
             config=self.transfer_config,
         )
-        await asyncio.to_thread(endpoint.start)
-        self.endpoint = endpoint
-        self.runtime.watch("kv-transfer thread", endpoint.progress)
-        return info
+
+    def _closing(self) -> None:
+        if self._channels is not None:
+            self._channels.close_all()  # subscribers take what is left, then their streams end
 
     @property
     def _registry(self) -> ChannelRegistry:
         if self._channels is None:
             raise RuntimeError("decode worker not started")
         return self._channels
-
-    @property
-    def _endpoint(self) -> DecodeEndpoint:
-        if self.endpoint is None:
-            raise RuntimeError("decode worker not started")
-        return self.endpoint
 
     # ---- transfers --------------------------------------------------------------------------
 
@@ -288,11 +279,8 @@ class DecodeWorker:
 
     def _start(self, req: DecodeRequest, channel: OutputChannel) -> asyncio.Task[Any]:
         """Admit the request (raises at once if it cannot be held) and start its pipeline."""
+        self.admit()
         rt = self.runtime
-        if rt.state is not WorkerState.READY:
-            raise WorkerDraining(f"worker {rt.config.worker_id} is {rt.state.value}")
-        if rt.num_inflight >= rt.config.max_inflight_requests:
-            raise WorkerOverloaded(f"worker {rt.config.worker_id} holds too many requests")
         if req.handle is not None and req.first_token_id is None:
             raise ValueError("first_token_id: required with a KV handle")
         if req.handle is None and req.first_token_id is not None:
@@ -391,50 +379,11 @@ class DecodeWorker:
     def transfer_stats(self) -> TransferStats:
         return self._endpoint.stats()
 
-    def info(self) -> WorkerInfo:
-        assert self.runtime.info is not None
-        return self.runtime.info
-
-    def ping(self) -> str:
-        """The worker's state (the controller's health check); raises `WorkerUnhealthy`
-        when its engine keeps failing."""
-        return self.runtime.check_health().value
-
-    async def drain(self, timeout_s: float = 60.0) -> bool:
-        """Stop admitting; wait until every in-flight request has finished streaming."""
-        rt = self.runtime
-        if rt.state is WorkerState.READY:
-            rt.state = WorkerState.DRAINING
-        deadline = time.monotonic() + timeout_s
-        while rt.num_inflight:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
-
-    def undrain(self) -> None:
-        if self.runtime.state is WorkerState.DRAINING:
-            self.runtime.state = WorkerState.READY
-
-    async def shutdown(self) -> None:
-        if self.endpoint is not None:
-            await asyncio.to_thread(self._endpoint.close)
-        self.runtime.stop()
-        if self._channels is not None:
-            self._channels.close_all()  # subscribers take what is left, then their streams end
-
 
 async def _finished(sink: RequestSink, deadline: float | None) -> None:
     """Wait until the request's finishing output reached its channel; raise the error the
     runtime delivered instead, or RequestDeadlineExceeded."""
-    rid = sink.request_id
-    timeout = None if deadline is None else deadline - time.time()
-    if timeout is not None and timeout <= 0:
-        raise RequestDeadlineExceeded(f"request {rid}: deadline passed before it was served")
-    try:
-        error = await asyncio.wait_for(sink.done, timeout)
-    except TimeoutError:
-        raise RequestDeadlineExceeded(f"request {rid}: deadline passed on the worker") from None
+    error = await within_deadline(sink.done, deadline, sink.request_id)
     if error is not None:
         raise error
 

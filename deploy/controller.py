@@ -56,7 +56,7 @@ from planner.loop import (
 from prefix_index.index import PrefixIndex
 from router.control import DrainRefused, DrainReport
 from router.server import RouterSignals
-from worker_runtime.api import WorkerInfo, WorkerRole, WorkerUnhealthy
+from worker_runtime.api import WorkerInfo, WorkerRole, WorkerState, WorkerUnhealthy
 from worker_runtime.runtime import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class _Worker:
     worker_id: str
     handle: Any
     placement: ActorPlacement
-    state: str = "starting"
+    state: WorkerState = WorkerState.STARTING
     failures: int = 0
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
@@ -216,7 +216,7 @@ class Controller:
                 ray.kill(handle)
             self._log(f"worker {worker_id} failed to start: {e}")
             raise
-        w.info, w.state, w.ready_at = info, "ready", time.time()
+        w.info, w.state, w.ready_at = info, WorkerState.READY, time.time()
         self._log(f"worker {worker_id} ({role.value}) ready on {info.device}, node {info.node}")
         return info
 
@@ -258,7 +258,7 @@ class Controller:
             with contextlib.suppress(Exception):
                 ray.kill(w.handle)
             self._spawn(self._purge_index(w.worker_id))
-            if self.spec.replace_dead and w.state == "ready":
+            if self.spec.replace_dead and w.state is WorkerState.READY:
                 self._spawn(self._replace(w.role))
         return [w.worker_id for w, _ in dead]
 
@@ -322,7 +322,7 @@ class Controller:
                 worker_id=w.worker_id,
                 role=planner_role(w.role),
                 ready_at_s=w.ready_at,
-                draining=w.state in ("draining", "drained"),
+                draining=w.state in (WorkerState.DRAINING, WorkerState.DRAINED),
                 load=by_id.get(w.worker_id),
             )
             for w in workers
@@ -349,16 +349,16 @@ class Controller:
     def begin_drain(self, worker_id: str) -> None:
         """Stop admitting on a worker (it finishes its in-flight work); returns at once."""
         w = self.workers.get(worker_id)
-        if w is None or w.state != "ready":
+        if w is None or w.state is not WorkerState.READY:
             return
-        w.state = "draining"
+        w.state = WorkerState.DRAINING
         w.handle.drain.remote(0.0)  # sets DRAINING and returns; the planner watches its load
         self._log(f"draining {worker_id}")
 
     def stop_when_drained(self, worker_id: str) -> None:
         """Stop a draining worker once it confirms it has no in-flight work."""
         w = self.workers.get(worker_id)
-        if w is None or w.state != "draining":
+        if w is None or w.state is not WorkerState.DRAINING:
             return
 
         async def stop() -> None:
@@ -371,7 +371,7 @@ class Controller:
 
     def wanted_placements(self) -> list[ActorPlacement]:
         """Placements of the workers that should have room: starting and ready ones."""
-        return [w.placement for w in self.workers.values() if w.state in ("starting", "ready")]
+        return [w.placement for w in self.workers.values() if w.state in _WANTED_STATES]
 
     # ---- drain and rebalance ----------------------------------------------------------------
 
@@ -388,11 +388,13 @@ class Controller:
         if not math.isfinite(timeout_s) or timeout_s < 0:
             raise DrainRefused(f"timeout_s: must be a finite number >= 0, got {timeout_s}")
         if w.state not in _LISTED_STATES:
-            raise DrainRefused(f"{worker_id} is {w.state}: only a ready worker can be drained")
-        if w.state == "ready" and not force:
+            raise DrainRefused(
+                f"{worker_id} is {w.state.value}: only a ready worker can be drained"
+            )
+        if w.state is WorkerState.READY and not force:
             others = [
                 o for o in self.workers.values()
-                if o is not w and o.state == "ready" and _same_role(o.role, w.role)
+                if o is not w and o.state is WorkerState.READY and _same_role(o.role, w.role)
             ]  # fmt: skip
             if not others:
                 raise DrainRefused(
@@ -400,12 +402,12 @@ class Controller:
                     "(requests would fail); add one first, or pass force to drain anyway"
                 )
         at_start = await self._inflight(w)
-        w.state = "draining"
+        w.state = WorkerState.DRAINING
         self._log(f"draining {worker_id} ({at_start} requests in flight, {timeout_s:g}s)")
         drained = bool(await w.handle.drain.remote(timeout_s))
         left = 0 if drained else await self._inflight(w)
         if drained and not stop:
-            w.state = "drained"
+            w.state = WorkerState.DRAINED
             msg = (
                 f"{worker_id} drained ({at_start} requests finished); idle and not admitting "
                 f"(`pdserve undrain {worker_id}` puts it back)"
@@ -426,7 +428,7 @@ class Controller:
             )
         self._log(msg)
         return DrainReport(
-            drained, msg, at_start, left if stop else 0, stop and w.state == "stopped"
+            drained, msg, at_start, left if stop else 0, stop and w.state is WorkerState.STOPPED
         )
 
     async def undrain(self, worker_id: str) -> str:
@@ -434,10 +436,10 @@ class Controller:
         w = self.workers.get(worker_id)
         if w is None:
             raise DrainRefused(f"unknown worker {worker_id!r}")
-        if w.state not in ("draining", "drained"):
-            raise DrainRefused(f"{worker_id} is {w.state}, not draining or drained")
+        if w.state not in (WorkerState.DRAINING, WorkerState.DRAINED):
+            raise DrainRefused(f"{worker_id} is {w.state.value}, not draining or drained")
         await w.handle.undrain.remote()
-        w.state = "ready"
+        w.state = WorkerState.READY
         self._log(f"{worker_id} undrained: admitting again")
         return f"{worker_id} is ready again"
 
@@ -451,7 +453,9 @@ class Controller:
     def _youngest_ready(self, role: WorkerRole, keep: int) -> list[_Worker]:
         """The ready workers of `role` beyond the first `keep`, youngest first (least prefix
         cache to lose; ids sort as strings, "prefill-10" < "prefill-9", so by creation)."""
-        current = [w for w in self.workers.values() if w.role is role and w.state == "ready"]
+        current = [
+            w for w in self.workers.values() if w.role is role and w.state is WorkerState.READY
+        ]
         ordered = sorted(current, key=lambda w: w.started_at, reverse=True)
         return ordered[: max(len(current) - keep, 0)]
 
@@ -463,7 +467,7 @@ class Controller:
         staying = [w for w in self.workers.values() if w.worker_id not in leaving]
         starting = []
         for role, n in targets.items():
-            have = sum(1 for w in staying if w.role is role and w.state in ("starting", "ready"))
+            have = sum(1 for w in staying if w.role is role and w.state in _WANTED_STATES)
             starting += [(role.value, self.spec.placement_for(role))] * max(n - have, 0)
         why = rebalance_shortfall(
             [(w.role.value, w.placement) for w in staying], starting, ray.cluster_resources()
@@ -477,7 +481,7 @@ class Controller:
             await asyncio.wait_for(w.handle.shutdown.remote(), 30)
         with contextlib.suppress(Exception):
             ray.kill(w.handle)
-        w.state = "stopped"
+        w.state = WorkerState.STOPPED
         self._log(f"worker {w.worker_id} stopped")
         await self._purge_index(w.worker_id)
 
@@ -506,7 +510,7 @@ class Controller:
                     if not report.drained:
                         with contextlib.suppress(Exception):
                             await w.handle.undrain.remote()
-                        w.state = "ready"
+                        w.state = WorkerState.READY
                         left = await self._inflight(w)
                         msg = (
                             f"rebalance stopped: {w.worker_id} still had {left} requests in "
@@ -518,9 +522,7 @@ class Controller:
             new: list[_Worker] = []
             for role, n in targets.items():
                 have = sum(
-                    1
-                    for w in self.workers.values()
-                    if w.role is role and w.state in ("starting", "ready")
+                    1 for w in self.workers.values() if w.role is role and w.state in _WANTED_STATES
                 )
                 new += [self._create_worker(role) for _ in range(max(n - have, 0))]
             if self.planner is not None:  # room for the new workers on an autoscaling cluster
@@ -532,7 +534,10 @@ class Controller:
             return started, stopped, msg
 
 
-_LISTED_STATES = ("ready", "draining", "drained")
+_LISTED_STATES = (WorkerState.READY, WorkerState.DRAINING, WorkerState.DRAINED)
+"""Workers routers keep in view (and the health check pings)."""
+_WANTED_STATES = (WorkerState.STARTING, WorkerState.READY)
+"""Workers that count towards a role's size."""
 
 
 def _same_role(a: WorkerRole, b: WorkerRole) -> bool:

@@ -20,10 +20,10 @@ Aborts: before step 3 the engine aborts the request (blocks freed at once); afte
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
+from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.prefill_endpoint import PrefillEndpoint
@@ -31,56 +31,40 @@ from kv_transfer.protocol import HandshakeInfo
 from prefill_worker.api import PrefillRequest, PrefillResult
 from worker_runtime.api import (
     RequestAborted,
-    WorkerDraining,
-    WorkerInfo,
     WorkerLoad,
-    WorkerOverloaded,
-    WorkerState,
 )
-from worker_runtime.runtime import WorkerConfig, WorkerRuntime, next_output
+from worker_runtime.lifecycle import WorkerLifecycle
+from worker_runtime.runtime import WorkerConfig, next_output
 
 log = logging.getLogger(__name__)
 
 _EWMA = 0.2
 
 
-class PrefillWorker:
-    """Ray actor class (wrap with `ray.remote(...)`; see deploy/launch for options)."""
+class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
+    """Ray actor class (wrap with `ray.remote(...)`; deploy/workers.py creates it)."""
 
     def __init__(
         self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
     ) -> None:
-        self.runtime = WorkerRuntime(config, actor_name or config.worker_id)
-        self.transfer_config = transfer
-        self.endpoint: PrefillEndpoint | None = None
+        super().__init__(config, transfer, actor_name)
         self._tokens_per_s = 0.0
         self._aborted: set[str] = set()  # calls that `abort` ended (they raise RequestAborted)
 
-    async def start(self) -> WorkerInfo:
-        """Load the model, start the engine and the KV endpoint; returns the worker's info."""
-        info = await self.runtime.start()
-        engine = self.runtime.engine
-        assert engine is not None
-        endpoint = PrefillEndpoint(
+    def _make_endpoint(self, engine: LLMEngine) -> PrefillEndpoint:
+        return PrefillEndpoint(
             engine.kv_cache,
             engine.model_id,
             self.runtime.config.worker_id,
             release_blocks=self._release_blocks,
             config=self.transfer_config,
         )
-        await asyncio.to_thread(endpoint.start)
-        self.endpoint = endpoint
-        self.runtime.watch("kv-transfer thread", endpoint.progress)
-        return info
+
+    def _holds_work(self) -> bool:
+        return self.runtime.num_inflight > 0 or self._endpoint.stats().held > 0
 
     def handshake_info(self) -> HandshakeInfo:
         return self._endpoint.handshake_info()
-
-    @property
-    def _endpoint(self) -> PrefillEndpoint:
-        if self.endpoint is None:
-            raise RuntimeError("prefill worker not started")
-        return self.endpoint
 
     def _release_blocks(self, request_id: str, block_ids: tuple[int, ...]) -> None:
         # KV-transfer thread: the lease ended (pulled, aborted or expired).
@@ -89,11 +73,8 @@ class PrefillWorker:
     # ---- requests ---------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        self.admit()
         rt = self.runtime
-        if rt.state is not WorkerState.READY:
-            raise WorkerDraining(f"worker {rt.config.worker_id} is {rt.state.value}")
-        if rt.num_inflight >= rt.config.max_inflight_requests:
-            raise WorkerOverloaded(f"worker {rt.config.worker_id} holds too many requests")
         rid = req.request_id
         queue = rt.open_stream(rid)
         try:
@@ -190,33 +171,3 @@ class PrefillWorker:
             prefill_tokens_per_s=self._tokens_per_s,
             timestamp=time.time(),
         )
-
-    def info(self) -> WorkerInfo:
-        assert self.runtime.info is not None
-        return self.runtime.info
-
-    def ping(self) -> str:
-        """The worker's state (the controller's health check); raises `WorkerUnhealthy`
-        when its engine keeps failing."""
-        return self.runtime.check_health().value
-
-    async def drain(self, timeout_s: float = 60.0) -> bool:
-        """Stop admitting; wait until no request is in flight and no lease is held."""
-        rt = self.runtime
-        if rt.state is WorkerState.READY:
-            rt.state = WorkerState.DRAINING
-        deadline = time.monotonic() + timeout_s
-        while rt.num_inflight or self._endpoint.stats().held:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
-
-    def undrain(self) -> None:
-        if self.runtime.state is WorkerState.DRAINING:
-            self.runtime.state = WorkerState.READY
-
-    async def shutdown(self) -> None:
-        if self.endpoint is not None:
-            await asyncio.to_thread(self._endpoint.close)
-        self.runtime.stop()

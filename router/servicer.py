@@ -48,6 +48,7 @@ _STATE = {
     WorkerState.STARTING: pb.WORKER_STATE_STARTING,
     WorkerState.READY: pb.WORKER_STATE_READY,
     WorkerState.DRAINING: pb.WORKER_STATE_DRAINING,
+    WorkerState.DRAINED: pb.WORKER_STATE_DRAINED,
     WorkerState.STOPPED: pb.WORKER_STATE_DEAD,
 }
 

@@ -19,11 +19,14 @@ class WorkerRole(enum.Enum):
 
 
 class WorkerState(enum.Enum):
-    """STARTING → READY → DRAINING → STOPPED (DRAINING → READY on `undrain`)."""
+    """A worker reports STARTING → READY → DRAINING → STOPPED (DRAINING → READY on
+    `undrain`). DRAINED is the controller's name for a draining worker that finished its work
+    and was kept (not stopped); the worker itself still reports DRAINING."""
 
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
+    DRAINED = "drained"
     STOPPED = "stopped"
 
 

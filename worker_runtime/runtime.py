@@ -20,7 +20,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -314,17 +314,25 @@ def _node_id() -> str:
     return os.uname().nodename
 
 
+async def within_deadline(aw: Awaitable[T], deadline: float | None, request_id: str) -> T:
+    """Await `aw` until the request's wall-clock `deadline` (None: no limit); raises
+    RequestDeadlineExceeded past it (and cancels `aw`)."""
+    timeout = None if deadline is None else deadline - time.time()
+    if timeout is not None and timeout <= 0:
+        raise RequestDeadlineExceeded(f"request {request_id}: deadline passed before it was served")
+    try:
+        return await asyncio.wait_for(aw, timeout)
+    except TimeoutError:
+        raise RequestDeadlineExceeded(
+            f"request {request_id}: deadline passed on the worker"
+        ) from None
+
+
 async def next_output(
     queue: asyncio.Queue[RequestOutput | BaseException], deadline: float | None, rid: str
 ) -> RequestOutput:
     """The next output of a request, or raise its error / RequestDeadlineExceeded."""
-    timeout = None if deadline is None else deadline - time.time()
-    if timeout is not None and timeout <= 0:
-        raise RequestDeadlineExceeded(f"request {rid}: deadline passed before it was served")
-    try:
-        item = await asyncio.wait_for(queue.get(), timeout)
-    except TimeoutError:
-        raise RequestDeadlineExceeded(f"request {rid}: deadline passed on the worker") from None
+    item = await within_deadline(queue.get(), deadline, rid)
     if isinstance(item, BaseException):
         raise item
     return item

@@ -72,7 +72,7 @@ def controller(*workers: tuple[str, WorkerRole, int]) -> Controller:
     for i, (worker_id, role, inflight) in enumerate(workers):
         placement = PREFILL if role is WorkerRole.PREFILL else DECODE
         w = _Worker(None, role, worker_id, FakeHandle(worker_id, role, inflight), placement)
-        w.state, w.started_at, w.ready_at = "ready", float(i), 1000.0 + i
+        w.state, w.started_at, w.ready_at = WorkerState.READY, float(i), 1000.0 + i
         c.workers[worker_id] = w
     return c
 
@@ -102,7 +102,7 @@ def test_rebalance_with_a_busy_worker_undrains_it_and_stops() -> None:
         "it is back in service"
     )
     w = c.workers["prefill-1"]
-    assert w.state == "ready"
+    assert w.state == WorkerState.READY
     assert [c for c in w.handle.calls if c != "load"] == ["drain", "undrain"]
 
 
@@ -111,7 +111,7 @@ def test_planner_drain_then_stop_only_once_idle() -> None:
 
     async def scenario() -> list[str]:
         c.begin_drain("prefill-1")
-        assert c.workers["prefill-1"].state == "draining"
+        assert c.workers["prefill-1"].state == WorkerState.DRAINING
         assert c.wanted_placements() == [PREFILL]  # the draining one needs no room
         c.stop_when_drained("prefill-1")  # still busy: stays
         await asyncio.sleep(0.01)
@@ -128,7 +128,7 @@ def test_planner_drain_then_stop_only_once_idle() -> None:
 
 def test_worker_snapshots_carry_role_age_state_and_load() -> None:
     c = controller(("prefill-0", WorkerRole.PREFILL, 3), ("decode-1", WorkerRole.DECODE, 0))
-    c.workers["decode-1"].state = "draining"
+    c.workers["decode-1"].state = WorkerState.DRAINING
     snaps = asyncio.run(c.worker_snapshots())
     assert [(s.worker_id, s.role, s.ready_at_s, s.draining) for s in snaps] == [
         ("prefill-0", Role.PREFILL, 1000.0, False),
@@ -177,8 +177,8 @@ def test_draining_and_drained_workers_stay_listed_for_routers() -> None:
     c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
     for w in c.workers.values():
         w.info = object()  # type: ignore[assignment]
-    c.workers["decode-0"].state = "draining"
-    c.workers["decode-1"].state = "drained"
+    c.workers["decode-0"].state = WorkerState.DRAINING
+    c.workers["decode-1"].state = WorkerState.DRAINED
     assert len(c.list_workers()) == 2
 
 
@@ -186,10 +186,10 @@ def test_drain_without_stop_leaves_a_drained_worker_that_undrain_puts_back() -> 
     c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
     report = asyncio.run(c.drain("decode-1", stop=False, timeout_s=0.0))
     assert report.drained and not report.stopped and report.requests_at_start == 0
-    assert c.workers["decode-1"].state == "drained"
+    assert c.workers["decode-1"].state == WorkerState.DRAINED
     assert "undrain decode-1" in report.message
     assert asyncio.run(c.undrain("decode-1")) == "decode-1 is ready again"
-    assert c.workers["decode-1"].state == "ready"
+    assert c.workers["decode-1"].state == WorkerState.READY
     assert c.workers["decode-1"].handle.calls[-1] == "undrain"
 
 
@@ -207,16 +207,19 @@ def test_drain_refuses_a_bad_timeout_and_changes_nothing(timeout_s: float) -> No
     c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
     with pytest.raises(DrainRefused, match="timeout_s: must be a finite number >= 0"):
         asyncio.run(c.drain("decode-1", stop=True, timeout_s=timeout_s))
-    assert c.workers["decode-1"].state == "ready" and c.workers["decode-1"].handle.calls == []
+    assert (
+        c.workers["decode-1"].state == WorkerState.READY
+        and c.workers["decode-1"].handle.calls == []
+    )
 
 
 def test_drain_refuses_the_last_ready_worker_of_a_role_unless_forced() -> None:
     c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
     with pytest.raises(DrainRefused, match="would leave no ready decode worker"):
         asyncio.run(c.drain("decode-1", stop=False, timeout_s=1.0))
-    assert c.workers["decode-1"].state == "ready"
+    assert c.workers["decode-1"].state == WorkerState.READY
     report = asyncio.run(c.drain("decode-1", stop=False, timeout_s=1.0, force=True))
-    assert report.drained and c.workers["decode-1"].state == "drained"
+    assert report.drained and c.workers["decode-1"].state == WorkerState.DRAINED
 
 
 def test_undrain_refuses_a_ready_or_unknown_worker() -> None:

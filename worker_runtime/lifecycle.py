@@ -1,0 +1,129 @@
+"""The lifecycle both worker roles share: the base class of their Ray actor classes.
+
+States (`WorkerState`, as the worker reports it in `load()`):
+
+    STARTING ──start()──► READY ──drain()──► DRAINING ──undrain()──► READY
+    any ──shutdown()──► STOPPED
+
+`start` loads the model and starts the engine thread (`WorkerRuntime`), then the role's KV
+endpoint (`_make_endpoint`), whose thread the health check watches too. `admit` is the check
+every new request passes (READY, and room for one more). `drain` stops admitting and waits
+until the role holds nothing (`_holds_work`: a decode worker's streams, a prefill worker's
+requests and leases); `ping` is the controller's health check (health means progress:
+`WorkerRuntime.check_health`); `shutdown` closes the endpoint and stops the runtime, failing
+what is left with `WorkerStopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Generic, Protocol, TypeVar
+
+from engine.driver import LoopProgress
+from engine.engine import LLMEngine
+from kv_transfer.config import KVTransferConfig
+from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
+from worker_runtime.runtime import WorkerConfig, WorkerRuntime
+
+DRAIN_POLL_S = 0.05
+TRANSFER_LOOP = "kv-transfer thread"
+"""The name the health check gives the KV endpoint's thread."""
+
+
+class Endpoint(Protocol):
+    """What the lifecycle needs of a role's KV endpoint (PrefillEndpoint, DecodeEndpoint)."""
+
+    def start(self) -> object: ...
+
+    def close(self) -> None: ...
+
+    def progress(self) -> LoopProgress: ...
+
+
+E = TypeVar("E", bound=Endpoint)
+
+
+class WorkerLifecycle(Generic[E]):
+    """Start, admit, drain, undrain, ping and shut down a worker (see the module docstring);
+    a role subclasses it with its endpoint type and its requests."""
+
+    def __init__(
+        self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
+    ) -> None:
+        self.runtime = WorkerRuntime(config, actor_name or config.worker_id)
+        self.transfer_config = transfer
+        self.endpoint: E | None = None
+
+    # ---- the role's part --------------------------------------------------------------------
+
+    def _make_endpoint(self, engine: LLMEngine) -> E:
+        """The role's KV endpoint over the engine's pool (not started yet)."""
+        raise NotImplementedError
+
+    def _holds_work(self) -> bool:
+        """True while the worker holds anything a drain must wait for."""
+        return self.runtime.num_inflight > 0
+
+    def _closing(self) -> None:
+        """After the endpoint closed and the runtime stopped (e.g. end token channels)."""
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> WorkerInfo:
+        """Load the model, start the engine and the KV endpoint; returns the worker's info."""
+        info = await self.runtime.start()
+        engine = self.runtime.engine
+        assert engine is not None
+        endpoint = self._make_endpoint(engine)
+        await asyncio.to_thread(endpoint.start)
+        self.endpoint = endpoint
+        self.runtime.watch(TRANSFER_LOOP, endpoint.progress)
+        return info
+
+    @property
+    def _endpoint(self) -> E:
+        if self.endpoint is None:
+            raise RuntimeError(f"worker {self.runtime.config.worker_id} not started")
+        return self.endpoint
+
+    def admit(self) -> None:
+        """Raise `WorkerDraining` unless READY, `WorkerOverloaded` when it holds its most."""
+        rt = self.runtime
+        if rt.state is not WorkerState.READY:
+            raise WorkerDraining(f"worker {rt.config.worker_id} is {rt.state.value}")
+        if rt.num_inflight >= rt.config.max_inflight_requests:
+            raise WorkerOverloaded(f"worker {rt.config.worker_id} holds too many requests")
+
+    def info(self) -> WorkerInfo:
+        assert self.runtime.info is not None
+        return self.runtime.info
+
+    def ping(self) -> str:
+        """The worker's state (the controller's health check); raises `WorkerUnhealthy` when
+        its engine keeps failing, or a thread with work stopped making progress."""
+        return self.runtime.check_health().value
+
+    async def drain(self, timeout_s: float = 60.0) -> bool:
+        """Stop admitting; wait (up to `timeout_s`) until the worker holds nothing. True when
+        it is idle (at once for an idle worker, whatever the timeout)."""
+        rt = self.runtime
+        if rt.state is WorkerState.READY:
+            rt.state = WorkerState.DRAINING
+        deadline = time.monotonic() + timeout_s
+        while self._holds_work():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    def undrain(self) -> None:
+        """Admit again (a draining worker only)."""
+        if self.runtime.state is WorkerState.DRAINING:
+            self.runtime.state = WorkerState.READY
+
+    async def shutdown(self) -> None:
+        if self.endpoint is not None:
+            await asyncio.to_thread(self.endpoint.close)
+        self.runtime.stop()
+        self._closing()
