@@ -7,6 +7,7 @@
 #   jit      build flashinfer's fused layer-ops kernels once into /tmp/fiws (~1-2 min fresh)
 #   tests    the GPU tests (tests/gpu)
 #   engine   benchmarks/bench_engine.py (decode/prefill vs the HBM and matmul floors)
+#   fp8      the FP8 GPU tests, then benchmarks/bench_fp8.py (bf16 vs FP8 weights, one run)
 #   kv       benchmarks/bench_kv_transfer.py --gpu (needs 2 GPUs for the VRAM->VRAM figure)
 #   router   benchmarks/bench_router.py on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
@@ -48,6 +49,8 @@ t = time.time(); from engine.layer_ops import FlashInferOps; FlashInferOps().bui
 print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   tests) step gpu_tests 200 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
   engine) step bench_engine 170 python benchmarks/bench_engine.py ;;
+  fp8) step fp8_tests 150 python -m pytest tests/gpu/test_fp8_gpu.py -q -rA -p no:cacheprovider
+    step bench_fp8 330 python benchmarks/bench_fp8.py ;;
   kv) step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis ;;
   router) step bench_router 170 python benchmarks/bench_router.py --rates 2,5,10 --requests 120 \
     --markdown ;;

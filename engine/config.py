@@ -33,6 +33,10 @@ class EngineConfig:
     """Prefill-only, decode-only or colocated (see EngineMode)."""
     dtype: str = "auto"
     """Weights/KV dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."""
+    quantization: str = "none"
+    """Weights of the decoder projections: none (the dtype above) or fp8 (e4m3, one scale per
+    tensor, quantized at load; activations quantized at run time; embeddings, norms and the
+    head stay in the dtype above). GPU: cuBLASLt FP8 GEMMs (Hopper); CPU: dequantized."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     block_size: int = 16

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.block_hash import BlockHash, hash_extra
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig, EngineMode
 from engine.kv_cache import KVCache
 from engine.kv_events import KVEvent
@@ -41,7 +41,7 @@ from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, cdiv
+from engine.scheduler import Scheduler
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
@@ -64,6 +64,12 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         self.model = model if model is not None else load_model(config.model_dir, dtype, device)
+        if config.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization: none or fp8, got {config.quantization!r}")
+        if config.quantization == "fp8" and self.model.quantization != "fp8":
+            self.model.quantize_fp8()  # before sizing the KV pool: it gets the memory freed
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         self.tokenizer = tokenizer or Tokenizer.from_model_dir(config.model_dir)
         self.eos_token_ids = tuple(
             dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
@@ -210,11 +216,6 @@ class LLMEngine:
         return True
 
     # ---- hand-off: decode side ------------------------------------------------------------
-
-    def can_allocate_for_transfer(
-        self, prompt_token_ids: Sequence[int], block_hashes: Sequence[BlockHash]
-    ) -> bool:
-        return self.scheduler.can_reserve_transfer(len(prompt_token_ids), block_hashes)
 
     def allocate_for_transfer(
         self,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,32 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = _param((2 * cfg.intermediate_size, h), dtype, device)
         self.down_proj = _param((h, cfg.intermediate_size), dtype, device)
+        self.fp8: nn.ModuleDict | None = None
+        """The four projections in FP8 (`quantize_fp8`); then the dense ones are dropped."""
+
+    def quantize_fp8(self) -> None:
+        """Replace qkv, o, gate/up and down by FP8 copies (engine/fp8.py), freeing the dense
+        weights; norms stay in the model dtype."""
+        from engine.fp8 import Fp8Linear
+
+        self.fp8 = nn.ModuleDict(
+            {
+                "qkv_proj": Fp8Linear.from_weight(self.qkv_proj, self.qkv_bias),
+                "o_proj": Fp8Linear.from_weight(self.o_proj, self.o_bias),
+                "gate_up_proj": Fp8Linear.from_weight(self.gate_up_proj),
+                "down_proj": Fp8Linear.from_weight(self.down_proj),
+            }
+        )
+        empty = torch.empty(0, dtype=self.qkv_proj.dtype, device=self.qkv_proj.device)
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            setattr(self, name, nn.Parameter(empty, requires_grad=False))
+
+    def _linear(
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8[name](x)  # type: ignore[no-any-return]
+        return F.linear(x, weight, bias)
 
     def forward(
         self,
@@ -136,7 +163,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, ops.rms_norm(x, self.input_layernorm.weight, eps)
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = self._linear("qkv_proj", h, self.qkv_proj, self.qkv_bias)
         t = qkv.shape[0]
         # views into qkv (no copies); RoPE may rotate q and k in place there
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
@@ -147,10 +174,10 @@ class DecoderLayer(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, eps)
         q, k = ops.rope(positions, q, k, rotary)
         attn = attend(layer, q, k, v).reshape(t, cfg.q_size)
-        h = F.linear(attn, self.o_proj, self.o_bias)
+        h = self._linear("o_proj", attn, self.o_proj, self.o_bias)
         h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
-        h = ops.silu_and_mul(F.linear(h, self.gate_up_proj))
-        return F.linear(h, self.down_proj), residual
+        h = ops.silu_and_mul(self._linear("gate_up_proj", h, self.gate_up_proj, None))
+        return self._linear("down_proj", h, self.down_proj, None), residual
 
 
 class LlamaModel(nn.Module):
@@ -173,6 +200,8 @@ class LlamaModel(nn.Module):
             else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         )
         self.rotary = Rotary(cfg, device)
+        self.quantization = "none"
+        """How the projections are stored: none (the model dtype) or fp8."""
 
     def forward(
         self,
@@ -187,6 +216,18 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h, residual = layer(i, h, residual, positions, self.rotary, attend, ops)
         return h if residual is None else residual + h
+
+    def quantize_fp8(self) -> None:
+        """FP8 weights for every decoder layer's projections; embeddings, norms and the head
+        stay in the model dtype."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).quantize_fp8()
+        self.quantization = "fp8"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds (FP8 buffers included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers()))
 
     def compute_logits(self, hidden: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden states [N, hidden] (final norm applied here)."""

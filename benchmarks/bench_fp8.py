@@ -1,0 +1,226 @@
+"""FP8 weights vs bf16 on one GPU: decode step, prefill and logit error, side by side in one run.
+
+A Llama-3-8B-shaped model with random bf16 weights made on the GPU (benchmarks/bench_engine.py
+builds it), the engine's ModelRunner with CUDA graphs and flashinfer attention, then the same
+model quantized to FP8 in place (engine/fp8.py: e4m3 weights with one scale per tensor,
+activations quantized per tensor at run time, cuBLASLt `_scaled_mm`):
+- decode step at batch 1, 16, 64 with 2048 tokens of context per sequence, each against its
+  own HBM floor (its weight bytes + the KV read, over the copy bandwidth measured here);
+- prefill of one 4096-token prompt in TFLOP/s against the bf16 and FP8 matmul rates measured
+  here (8192^3);
+- relative logit error (||logits - ref|| / ||ref||) of bf16 and FP8 against a float32 copy of
+  the same weights, over one 256-token random prompt.
+
+    python benchmarks/bench_fp8.py [--batches 1,16,64] [--layer-ops flashinfer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import (
+    ROWS,
+    decode_batch,
+    measure_hbm,
+    measure_matmul,
+    print_table,
+    random_llama3_8b,
+    step,
+    time_steps,
+)
+
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.block_pool import cdiv
+from engine.config import EngineConfig
+from engine.fp8 import quantize_per_tensor
+from engine.kv_cache import KVCache
+from engine.kv_sizing import kv_cache_spec
+from engine.model import LlamaModel, causal_attend
+from engine.runner import ModelRunner
+
+
+def measure_fp8_matmul() -> float:
+    """FP8 8192^3 `_scaled_mm` rate with per-tensor scales, FLOP/s."""
+    n = 8192
+    a, sa = quantize_per_tensor(torch.randn(n, n, device="cuda"))
+    b, sb = quantize_per_tensor(torch.randn(n, n, device="cuda"))
+    bt = b.t()  # column-major, as cuBLASLt wants the second operand
+
+    def mm() -> torch.Tensor:
+        return torch._scaled_mm(a, bt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    sec = time_steps(mm, iters=20)
+    rate = 2 * n**3 / sec
+    print(f"   FP8 matmul 8192^3 (per-tensor scales): {rate / 1e12:.0f} TFLOP/s")
+    ROWS.append(("FP8 matmul 8192^3 per-tensor", f"{rate / 1e12:.0f} TFLOP/s", "", ""))
+    return rate
+
+
+def weight_read_bytes(model: LlamaModel) -> int:
+    """Weight bytes a decode step reads: parameters and FP8 buffers, not the embedding table
+    (gathered) nor the RoPE tables."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        params -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    fp8 = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".fp8." in f".{n}")
+    return params + fp8
+
+
+def matmul_flops(model: LlamaModel, tokens: int) -> float:
+    cfg = model.cfg
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 2 * inter * h + inter * h
+    attention = 2 * tokens * tokens * cfg.head_dim * cfg.num_heads * cfg.num_layers  # causal
+    return float(2 * per_layer * cfg.num_layers * tokens + 2 * cfg.vocab_size * h + attention)
+
+
+@torch.inference_mode()
+def logits_of(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    cfg = model.cfg
+    attend = causal_attend(1, ids.numel(), cfg.num_heads, cfg.num_kv_heads)
+    hidden = model(ids, torch.arange(ids.numel(), device=ids.device), attend)
+    return model.compute_logits(hidden).float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--layer-ops", default="flashinfer")
+    args = parser.parse_args()
+    t_start = time.perf_counter()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    hbm = step("measure HBM bandwidth", measure_hbm) or float("nan")
+    bf16_rate = step("measure bf16 matmul rate", measure_matmul) or float("nan")
+    fp8_rate = step("measure FP8 matmul rate", measure_fp8_matmul) or float("nan")
+    model = step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
+    if model is None:
+        print_table()
+        return
+    bs, context, prompt = 16, args.context, args.prefill_tokens
+    batches = [int(b) for b in args.batches.split(",")]
+    pages_decode = max(batches) * cdiv(context, bs)
+    num_blocks = pages_decode + cdiv(prompt, bs) + 8
+    kv = KVCache(kv_cache_spec(model.cfg, bs, torch.bfloat16, num_blocks), "cuda")
+    kv.tensor.normal_()
+    cfg = model.cfg
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+    ids = torch.randint(1, cfg.vocab_size, (256,), device="cuda")
+    errors: dict[str, float] = {}
+
+    def reference_logits() -> torch.Tensor:
+        ref_model = LlamaModel(cfg, dtype=torch.float32, device="cuda").eval()
+        ref_model.load_state_dict(
+            {k: v.float() for k, v in model.state_dict().items()}, strict=False
+        )
+        out = logits_of(ref_model, ids)
+        del ref_model
+        torch.cuda.empty_cache()
+        return out
+
+    ref = step("float32 reference logits (a float32 copy of the weights)", reference_logits)
+
+    def logit_error(label: str) -> None:
+        assert ref is not None
+        got = logits_of(model, ids)
+        err = float((got - ref).norm() / ref.norm())
+        same = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        errors[label] = err
+        print(f"   {label}: relative logit error {err:.2e}, argmax agreement {same:.1%}")
+        ROWS.append((f"logit error vs float32, {label}", f"{err:.2e}", f"argmax {same:.1%}", ""))
+
+    def make_runner() -> ModelRunner:
+        config = EngineConfig(
+            model_dir="random:llama3-8b",
+            block_size=bs,
+            attention_backend="flashinfer",
+            layer_ops=args.layer_ops,
+            cuda_graphs=True,
+            cuda_graph_max_batch=max(batches),
+            max_num_seqs=max(batches),
+        )
+        runner = ModelRunner(model, kv, config)
+        runner.execute(decode_batch(2, 64, bs, pages_decode))
+        runner.warmup(256)
+        return runner
+
+    def bench(label: str) -> dict[int, float]:
+        runner = step(f"{label}: CUDA-graph runner (capture + warm-up)", make_runner)
+        if runner is None:
+            return {}
+        weights = weight_read_bytes(model)
+        secs: dict[int, float] = {}
+        for b in batches:
+            batch = decode_batch(b, context, bs)
+            run = functools.partial(runner.execute, batch)
+            sec = step(
+                f"{label}: decode B={b}", functools.partial(time_steps, run, iters=args.iters)
+            )
+            if sec is None:
+                continue
+            secs[b] = sec
+            floor = (weights + b * context * kv_per_token) / hbm
+            print(f"   {label} B={b}: {sec * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms")
+            ROWS.append(
+                (
+                    f"decode B={b} ctx {context} {label}",
+                    f"{sec * 1e3:.2f} ms",
+                    f"floor {floor * 1e3:.2f} ms",
+                    f"{sec / floor:.2f}x",
+                )
+            )
+        blocks = tuple(range(pages_decode, pages_decode + cdiv(prompt, bs)))
+        toks = tuple(int(t) for t in torch.randint(1, cfg.vocab_size, (prompt,)))
+        pre = ScheduledBatch((SeqChunk("prefill", toks, 0, blocks, sample=True),))
+        sec = step(
+            f"{label}: prefill {prompt} tokens",
+            functools.partial(time_steps, functools.partial(runner.execute, pre), iters=5),
+        )
+        if sec is not None:
+            rate = matmul_flops(model, prompt) / sec
+            secs[-1] = sec
+            print(f"   {label} prefill: {sec * 1e3:.1f} ms, {rate / 1e12:.0f} TFLOP/s")
+            ROWS.append(
+                (
+                    f"prefill {prompt} tokens {label}",
+                    f"{sec * 1e3:.1f} ms",
+                    f"{rate / 1e12:.0f} TFLOP/s",
+                    f"{rate / bf16_rate:.0%} of bf16 mm, {rate / fp8_rate:.0%} of FP8 mm",
+                )
+            )
+        print(f"   weights read per decode step: {weights / 2**30:.2f} GiB")
+        runner.graphs = None  # free the captured graphs before the next runner captures
+        torch.cuda.empty_cache()
+        return secs
+
+    if ref is not None:
+        step("bf16 logit error", functools.partial(logit_error, "bf16"))
+    bf16 = bench("bf16")
+    step("quantize the projections to FP8 in place", model.quantize_fp8)
+    torch.cuda.empty_cache()
+    if ref is not None:
+        step("FP8 logit error", functools.partial(logit_error, "fp8"))
+    fp8 = bench("fp8")
+    for b in [*batches, -1]:
+        if b in bf16 and b in fp8:
+            what = "prefill" if b < 0 else f"decode B={b}"
+            ratio = fp8[b] / bf16[b]
+            ROWS.append((f"{what}: fp8 / bf16 time", f"{ratio:.2f}x", "", ""))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    print_table()
+
+
+if __name__ == "__main__":
+    main()

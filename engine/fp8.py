@@ -1,0 +1,82 @@
+"""FP8 (e4m3) linear layers: weights stored in FP8 with one scale per tensor, activations
+quantized per tensor at run time, the GEMM on cuBLASLt (`torch._scaled_mm`).
+
+`Fp8Linear.from_weight` quantizes a bf16/fp32 weight `[out, in]` to e4m3 with the scale
+`amax / 448` (448 is e4m3's largest finite value), so `weight ≈ q * scale`. A call:
+
+    CUDA  x → x_scale = amax(|x|) / 448 (dynamic, on the device: no host sync, graph-safe)
+            → x_q = (x / x_scale) in e4m3 → _scaled_mm(x_q, q.T, x_scale, w_scale) in x's dtype
+    CPU   the same quantization of x, then a float matmul with the dequantized weight: the
+          numbers the GPU path computes up to its accumulation order (used by correctness
+          tests on the tiny model; CPU has no FP8 GEMM)
+
+Per-tensor scales are what cuBLASLt runs fastest (row-wise scaling was slower than bf16 on the
+H200, see docs/benchmarks.md), so a fused projection (q/k/v, gate/up) shares one scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_MIN_SCALE = 1e-12  # an all-zero tensor still gets a usable scale
+
+
+def quantize_per_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 tensor, float32 scale of shape []) with t ≈ q.float() * scale."""
+    scale = (t.detach().abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+class Fp8Linear(torch.nn.Module):
+    """`y = x @ W.T + b` with W in e4m3 and a per-tensor scale (see the module docstring)."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def __init__(
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+            raise ValueError(f"Fp8Linear: want a 2-D {FP8_DTYPE} weight, got {weight.dtype}")
+        out_features, in_features = weight.shape
+        if weight.is_cuda and (in_features % 16 or out_features % 16):
+            shape = tuple(weight.shape)
+            raise ValueError(f"Fp8Linear: cuBLASLt FP8 needs dims divisible by 16, got {shape}")
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale.float().reshape(()))
+        self.bias = bias
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
+        q, scale = quantize_per_tensor(weight)
+        return cls(q, scale, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # one reduction for the scale; x / scale stays in x's dtype (a 0-dim float32 tensor
+        # does not promote it), e4m3 saturates in the clamp
+        amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
+        x_scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+        x_q = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        if x.is_cuda:
+            return torch._scaled_mm(
+                x_q,
+                self.weight.t(),
+                scale_a=x_scale,
+                scale_b=self.weight_scale,
+                bias=self.bias,
+                out_dtype=x.dtype,
+            )
+        x_dq = (x_q.float() * x_scale).to(x.dtype)
+        return F.linear(x_dq, self.dequantized(x.dtype), self.bias)
