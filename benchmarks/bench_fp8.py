@@ -21,6 +21,7 @@ import functools
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -44,7 +45,8 @@ from engine.config import EngineConfig
 from engine.fp8 import quantize_per_tensor
 from engine.kv_cache import KVCache
 from engine.kv_sizing import kv_cache_spec
-from engine.model import LlamaModel, causal_attend
+from engine.layer_ops import TORCH_OPS
+from engine.model import DecoderLayer, LlamaModel, causal_attend
 from engine.runner import ModelRunner
 
 
@@ -120,17 +122,39 @@ def main() -> None:
     ids = torch.randint(1, cfg.vocab_size, (256,), device="cuda")
     errors: dict[str, float] = {}
 
+    ref_layer: DecoderLayer | None = None
+    ref_rotary = None
+    gen32 = torch.Generator(device="cuda").manual_seed(1)
+
     def reference_logits() -> torch.Tensor:
+        nonlocal ref_layer, ref_rotary
         ref_model = LlamaModel(cfg, dtype=torch.float32, device="cuda").eval()
         ref_model.load_state_dict(
             {k: v.float() for k, v in model.state_dict().items()}, strict=False
         )
         out = logits_of(ref_model, ids)
+        ref_layer = cast(DecoderLayer, ref_model.layers[0])
+        ref_rotary = ref_model.rotary
         del ref_model
         torch.cuda.empty_cache()
         return out
 
     ref = step("float32 reference logits (a float32 copy of the weights)", reference_logits)
+
+    def layer_error(label: str) -> None:
+        """One decoder layer's output against float32 (random weights amplify any error
+        layer by layer, so the logits of a 32-layer random model show chaos more than
+        quantization; one layer shows the quantization alone)."""
+        assert ref_layer is not None
+        x = torch.randn(256, cfg.hidden_size, device="cuda", generator=gen32).bfloat16()
+        attend = causal_attend(1, 256, cfg.num_heads, cfg.num_kv_heads)
+        pos = torch.arange(256, device="cuda")
+        with torch.inference_mode():
+            got = model.layers[0](0, x.clone(), None, pos, model.rotary, attend, TORCH_OPS)[0]
+            want = ref_layer(0, x.float(), None, pos, ref_rotary, attend, TORCH_OPS)[0]
+        err = float((got.float() - want).norm() / want.norm())
+        print(f"   {label}: one layer's relative error {err:.2e}")
+        ROWS.append((f"layer 0 error vs float32, {label}", f"{err:.2e}", "", ""))
 
     def logit_error(label: str) -> None:
         assert ref is not None
@@ -207,11 +231,13 @@ def main() -> None:
 
     if ref is not None:
         step("bf16 logit error", functools.partial(logit_error, "bf16"))
+        step("bf16 one-layer error", functools.partial(layer_error, "bf16"))
     bf16 = bench("bf16")
     step("quantize the projections to FP8 in place", model.quantize_fp8)
     torch.cuda.empty_cache()
     if ref is not None:
         step("FP8 logit error", functools.partial(logit_error, "fp8"))
+        step("FP8 one-layer error", functools.partial(layer_error, "fp8"))
     fp8 = bench("fp8")
     for b in [*batches, -1]:
         if b in bf16 and b in fp8:

@@ -84,4 +84,5 @@ def test_tiny_model_fp8_greedy_equals_bf16_but_at_near_ties(tiny_model_dir: Path
         want, got_logits = _logits(dense.model, seq).float(), _logits(fp8.model, seq).float()
         err = float((want - got_logits).abs().max())
         top2 = want.topk(2).values
-        assert float(top2[0] - top2[1]) < 2 * err, (i, t, err)
+        # <=: bf16 logits are coarse, a flip at exactly twice the error has been seen
+        assert float(top2[0] - top2[1]) <= 2 * err, (i, t, err)
