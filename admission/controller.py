@@ -11,10 +11,10 @@ Lifecycle of one request in the controller:
        └──REJECT─────────────────────────────────────► REJECTED (AdmissionRejected)
 
 Queued requests are re-evaluated in priority, then FCFS order (strictly: the head blocks the
-rest) whenever a release, a threshold change or `notify_capacity_changed` may have freed
-capacity, and every `recheck_interval_ms` while they wait, because prefill queues also drain
-without telling us. Admitting reserves the request's worst-case decode KV blocks and charges its
-tenant; `release` gives both back. Nothing here ever waits longer than the bounded wait.
+rest) whenever a release or a threshold change may have freed capacity, and every
+`recheck_interval_ms` while they wait, because prefill queues also drain without telling us.
+Admitting reserves the request's worst-case decode KV blocks and charges its tenant; `release`
+gives both back. Nothing here ever waits longer than the bounded wait.
 """
 
 from __future__ import annotations
@@ -189,10 +189,6 @@ class AdmissionController:
         if request_id in self._waiting_ids:
             return RequestState.QUEUED
         return None
-
-    def notify_capacity_changed(self) -> None:
-        """Re-evaluate queued requests now (e.g. a load report showed a prefill queue drained)."""
-        self._dispatch()
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(

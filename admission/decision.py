@@ -1,10 +1,7 @@
 """What admission answers: a `Decision` from the pure policy, an `Admission` ticket or an
 `AdmissionRejected` error from the controller.
 
-Mapping to gRPC status codes happens in the router, in one place:
-`Reason.NO_LIVE_WORKER` -> UNAVAILABLE, `Reason.REQUEST_TOO_LARGE` -> INVALID_ARGUMENT,
-`Reason.DEADLINE_UNREACHABLE` -> DEADLINE_EXCEEDED, every other rejection ->
-RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms` = `retry_after_ms` (when not None).
+The router maps a rejection's `Reason` to its gRPC status, in one place (router/errors.py).
 """
 
 from __future__ import annotations
@@ -34,21 +31,6 @@ class Reason(enum.Enum):
     WAITING_AHEAD = "waiting_ahead"  # earlier or more important requests are queued
     QUEUE_FULL = "queue_full"  # overloaded and the admission queue is at its bound
     QUEUE_TIMEOUT = "queue_timeout"  # queued, and the bounded wait ran out (controller only)
-
-    @property
-    def is_overload(self) -> bool:
-        """True for reasons that map to RESOURCE_EXHAUSTED (transient load)."""
-        return self not in _NOT_OVERLOAD
-
-
-_NOT_OVERLOAD = frozenset(
-    {
-        Reason.ADMITTED,
-        Reason.NO_LIVE_WORKER,
-        Reason.REQUEST_TOO_LARGE,
-        Reason.DEADLINE_UNREACHABLE,
-    }
-)
 
 
 @dataclass(frozen=True)

@@ -59,10 +59,6 @@ class TenantRateLimiter:
     def limit_for(self, tenant: str) -> TenantLimit | None:
         return self._limits.get(tenant, self._default)
 
-    def set_limit(self, limit: TenantLimit) -> None:
-        """Install or change one tenant's limit; its current level is kept (capped)."""
-        self._limits[limit.tenant] = limit
-
     def allowance(self, tenant: str) -> TenantAllowance | None:
         """The tenant's bucket now, or None when the tenant is unlimited."""
         limit = self.limit_for(tenant)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.block_pool import cdiv
+
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
@@ -60,11 +62,11 @@ class AdmissionRequest:
 
     def kv_blocks(self, block_size: int) -> int:
         """Decode KV blocks this request may hold at its longest (prompt + max_tokens)."""
-        return math.ceil((self.prompt_tokens + self.max_tokens) / block_size)
+        return cdiv(self.prompt_tokens + self.max_tokens, block_size)
 
     def transfer_blocks(self, block_size: int) -> int:
         """KV blocks decode must pull from prefill (the uncached part of the prompt)."""
-        return math.ceil(self.uncached_prompt_tokens / block_size)
+        return cdiv(self.uncached_prompt_tokens, block_size)
 
 
 @dataclass(frozen=True)

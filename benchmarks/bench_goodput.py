@@ -69,7 +69,8 @@ def peer_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
 
 
 def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from deploy.cluster import ClusterOptions
+    from deploy.config import LaunchConfig, PdserveConfig
+    from deploy.spec import ClusterSpec, WorkerPlacement
     from deploy.workers import ActorPlacement
     from engine.config import EngineConfig
     from router.server import RouterConfig
@@ -90,23 +91,26 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # typ
         max_decode_kv_utilization=1.0,
         local_prefill_threshold_tokens=0,
     )
-    router = RouterConfig(model_dir, admission=AdmissionConfig(thresholds=thresholds))
+    router = RouterConfig(
+        grpc_port=0, metrics_port=None, admission=AdmissionConfig(thresholds=thresholds)
+    )
     pd = mode == "pd"
-    return ClusterOptions(
-        model_dir=model_dir,
-        num_prefill=1 if pd else 0,
-        num_decode=1 if pd else args.colocated_workers,
-        colocated=not pd,
-        placement=(
-            ActorPlacement(num_gpus=args.gpu_fraction, num_cpus=1.0)
-            if args.gpu_fraction is not None
-            else None  # one GPU per worker where there are GPUs, else CPU
-        ),
-        grpc_port=0,
-        metrics_port=None,
-        engine=engine,
+    placement = (
+        ActorPlacement(num_gpus=args.gpu_fraction, num_cpus=1.0)
+        if args.gpu_fraction is not None
+        else None  # one GPU per worker where there are GPUs, else CPU
+    )
+    return PdserveConfig(
+        model=model_dir,
+        cluster=LaunchConfig(object_store_bytes=2 << 30),
         router=router,
-        object_store_bytes=2 << 30,
+        workers=ClusterSpec(
+            engine=engine,
+            num_prefill=1 if pd else 0,
+            num_decode=1 if pd else args.colocated_workers,
+            colocated=not pd,
+            placement=WorkerPlacement(default=placement),
+        ),
     )
 
 

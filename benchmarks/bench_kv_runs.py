@@ -7,9 +7,10 @@ blocks left in the prefix cache, so later allocations evict them LRU). Each new 
 allocates its blocks on both sides and is planned as a transfer; the second half of the run
 is measured. Side by side in one run: the pool as it is (ids handed out ascending) and the
 hand-out order it used before (free list / LRU pop order, a freed sequence's tail first),
-reproduced here as the baseline. The transfer time model is GPU.md's
-(t = descriptors x 7 us + bytes / 390 GB/s) for 2 MiB blocks (one 16-token block of a
-Llama-3-8B shape, block-major).
+reproduced here as the baseline. The transfer time is modelled as
+t = descriptors x 7 us + bytes / 390 GB/s for 2 MiB blocks (one 16-token block of a Llama-3-8B
+shape, block-major): the fixed cost per descriptor and the peer copy rate of NIXL VRAM reads
+between two H200s (docs/benchmarks.md, "GPU: KV transfer").
 
     python benchmarks/bench_kv_runs.py
     python benchmarks/bench_kv_runs.py --blocks 60000 --in-flight 64 --max-prompt-blocks 256

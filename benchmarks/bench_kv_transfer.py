@@ -11,25 +11,19 @@ CPU (default): host pools, UCX over shm/tcp on loopback; raw = torch `copy_` (me
 Redis lookup p50/p99 for a 4k-token chain (256 blocks) against a loopback redis-server.
 GPU (`--gpu`, 2 GPUs): pools in VRAM on cuda:0 (prefill process) and cuda:1 (this process);
 UCX picks cuda_ipc (UCX_TLS is not touched); raw = `copy_` from cuda:0 to cuda:1.
-Goal: NIXL coalesced >= 85% of the raw copy. Every stage catches and prints its own failure.
+Goal: NIXL coalesced >= 85% of the raw copy. Before the transfers, the run prints what
+`add_peer` cost (prepping the peer's descriptors, once per peer) and how long building one
+read's transfer handle takes in each descriptor mode (why `DescriptorMode.PREPPED` is the
+default). Transfer cases run interleaved, so background load hits them alike. Every stage
+catches and prints its own failure.
 
     python benchmarks/bench_kv_transfer.py               # CPU + Redis
+    python benchmarks/bench_kv_transfer.py --blocks 64 --layers 4   # 256 KiB blocks
     python benchmarks/bench_kv_transfer.py --gpu         # 2-GPU NIXL VRAM->VRAM
-
-Measured on the 2-core CPU machine, 2026-11-30 (shared with other jobs, load average 5-16,
-so absolute figures swung 5x between runs; cases run interleaved so ratios stay comparable):
-
-    python benchmarks/bench_kv_transfer.py           512 MiB, 256 x 2 MiB blocks, host memory
-      load ~5:    memcpy 5.9 GB/s | NIXL prepped, 1 merged descriptor 2.6 GB/s (44%) |
-                  initialize_xfer coalesced 2.5 | per block (256 descs) 2.3 |
-                  scattered blocks (256 descs) 2.9 | DecodeEndpoint submit -> on_done 2.4
-      load 7-15:  NIXL 47-58% of memcpy in every mode, DecodeEndpoint 42-44%
-    Redis lookup, 4k-token chain (load ~16): hit on 4 workers p50 0.73 ms, p99 1.3 ms;
-                  miss p50 0.20 ms, p99 0.34 ms
 
 On CPU, UCX moves host memory between processes with cma (process_vm_readv, a kernel copy),
 below a user-space memcpy; the CPU path is for correctness, the GPU pair is the performance
-target (not measured here: no GPU on this machine).
+target. The figures, with the machine and load of each run: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -47,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +51,7 @@ from engine.block_hash import hash_chain, hash_extra
 from engine.kv_cache import KVCache, KVCacheSpec, torch_dtype
 from kv_transfer.protocol import HandshakeInfo
 from kv_transfer.types import TransferPlan
+from planner.core import percentile
 
 MODEL = "llama-3-8b-shape"
 Row = tuple[str, int, str, float, float, float]  # name, bytes, descriptors, ms, GB/s, best GB/s
@@ -181,7 +176,12 @@ def backend_cases(
 
     cache = KVCache(spec, device)
     backend = NixlBackend("bench-decode-direct", cache, capture_telemetry=True)
+    t0 = time.perf_counter()
     backend.add_peer(info.agent_name, info.agent_metadata, info.region)
+    print(
+        f"add_peer (load the peer's metadata, prep its {info.region.num_blocks} block "
+        f"descriptors once): {(time.perf_counter() - t0) * 1e3:.1f} ms"
+    )
     n = args.blocks
     perm = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     contiguous = list(range(n))
@@ -192,9 +192,11 @@ def backend_cases(
         ("NIXL prepped, scattered blocks", DescriptorMode.PREPPED, perm[:n], perm[n : 2 * n]),
     ]
     cases = []
+    plans = []
     for name, mode, remote, local in layouts:
         handle = KVHandle("bench", "p", info.agent_name, tuple(remote), (), n, 0.0, "")
         plan = plan_transfer(handle, local, spec.block_nbytes)
+        plans.append((name, mode, plan))
         posted: list[int | None] = [None]
 
         def run(
@@ -224,7 +226,28 @@ def backend_cases(
             return f"{posted[0]} ({plan.num_descriptors})"
 
         cases.append(Case(name, plan.nbytes, run, check, descs))
+    time_handles(backend, plans)
     return cases
+
+
+def time_handles(
+    backend: Any, plans: list[tuple[str, Any, TransferPlan]], rounds: int = 20
+) -> None:
+    """Print the µs to build a read's transfer handle in each descriptor mode, without posting
+    it: what `DescriptorMode` changes (`NixlBackend.start_read` is this plus the post, and on
+    host memory UCX copies inside the post). Median of `rounds`; reaches into the backend for
+    the handle alone."""
+    print(f"transfer handle creation, not posted (median of {rounds}):")
+    for name, mode, plan in plans:
+        backend.mode = mode
+        peer = backend._peers[plan.peer]
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            handle = backend._make_read(plan, peer, b"")
+            times.append(time.perf_counter() - t0)
+            handle.release()
+        print(f"  {name:40s} {plan.num_blocks:4d} blocks  {statistics.median(times) * 1e6:7.0f} µs")
 
 
 def endpoint_case(
@@ -289,7 +312,7 @@ def run_interleaved(cases: list[Case], warmup: int, iters: int) -> list[Row]:
     ]
 
 
-def bench_redis(args: argparse.Namespace) -> list[Row]:
+def bench_redis(args: argparse.Namespace) -> list[None]:
     from deploy.redis_server import EmbeddedRedis
     from engine.kv_events import KVEvent, KVEventKind
     from prefix_index.config import PrefixIndexConfig
@@ -316,8 +339,7 @@ def bench_redis(args: argparse.Namespace) -> list[Row]:
                 t0 = time.perf_counter()
                 match = index.lookup(hashes)
                 lat.append(time.perf_counter() - t0)
-            lat.sort()
-            p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
+            p50, p99 = percentile(lat, 50), percentile(lat, 99)
             answer = [(w.worker_id, w.num_blocks) for w in match.workers]
             print(
                 f"  Redis lookup, 4k-token chain (256 blocks), {name}: p50 {p50 * 1e3:.3f} ms, "

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
 import time
 import uuid
@@ -50,6 +49,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from planner.core import percentile
 from prefill_worker.api import PrefillRequest, PrefillResult
 from worker_runtime.api import WorkerRole
 
@@ -71,12 +71,6 @@ def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far (/proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 class Bench:
@@ -186,7 +180,7 @@ async def _timed(fn: Any, n: int = 100) -> tuple[float, float]:
         await fn()
         times.append((time.perf_counter() - t0) * 1000)
         await asyncio.sleep(0.01)
-    return pct(times, 50), pct(times, 99)
+    return percentile(times, 50), percentile(times, 99)
 
 
 async def floors(redis_url: str, bench: Bench) -> dict[str, tuple[float, float]]:
@@ -238,14 +232,14 @@ def summarize(rate: float, samples: list[Sample]) -> dict[str, float]:
     gt = [s.tpot_ms for s in samples if s.path == "grpc"]
     dt = [s.tpot_ms for s in samples if s.path == "direct"]
     return {
-        "tpot_grpc_p50": pct(gt, 50), "tpot_direct_p50": pct(dt, 50),
+        "tpot_grpc_p50": percentile(gt, 50), "tpot_direct_p50": percentile(dt, 50),
         "rate": rate,
         "n": len(g),
-        "grpc_p50": pct(g, 50), "grpc_p99": pct(g, 99),
-        "direct_p50": pct(d, 50), "direct_p99": pct(d, 99),
-        "router_view_p50": pct(r, 50),
-        "overhead_p50": pct(g, 50) - pct(d, 50),
-        "overhead_p99": pct(g, 99) - pct(d, 99),
+        "grpc_p50": percentile(g, 50), "grpc_p99": percentile(g, 99),
+        "direct_p50": percentile(d, 50), "direct_p99": percentile(d, 99),
+        "router_view_p50": percentile(r, 50),
+        "overhead_p50": percentile(g, 50) - percentile(d, 50),
+        "overhead_p99": percentile(g, 99) - percentile(d, 99),
     }  # fmt: skip
 
 
@@ -298,31 +292,36 @@ def main() -> None:
     ap.add_argument("--router-pid-file", help="write the router process id here (profilers)")
     args = ap.parse_args()
 
-    from deploy.cluster import Cluster, ClusterOptions, loopback_env
+    from deploy.cluster import Cluster, loopback_env
+    from deploy.config import LaunchConfig, PdserveConfig
     from deploy.make_model import cached_tiny_model
+    from deploy.spec import ClusterSpec, WorkerPlacement
     from deploy.workers import ActorPlacement
     from router.server import RouterConfig
 
     loopback_env()
     model_dir = str(cached_tiny_model())
-    options = ClusterOptions(
-        grpc_port=0,
-        metrics_port=None,
-        num_cpus=4,
-        placement=ActorPlacement(num_cpus=0.5),  # CPU workers, also on a GPU host
-        engine=EngineConfig(
-            model_dir,
-            device="cpu",
-            dtype="float32",
-            num_kv_blocks=1024,
-            attention_backend="torch",
-            cuda_graphs=False,
-        ),
+    options = PdserveConfig(
+        model=model_dir,
+        cluster=LaunchConfig(num_cpus=4),
         router=RouterConfig(
-            model_dir,
+            grpc_port=0,
+            metrics_port=None,
             admission=AdmissionConfig(
                 thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
             ),
+        ),
+        workers=ClusterSpec(
+            engine=EngineConfig(
+                model_dir,
+                device="cpu",
+                dtype="float32",
+                num_kv_blocks=1024,
+                attention_backend="torch",
+                cuda_graphs=False,
+            ),
+            # CPU workers, also on a GPU host
+            placement=WorkerPlacement(default=ActorPlacement(num_cpus=0.5)),
         ),
     )
     import ray

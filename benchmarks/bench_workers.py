@@ -65,6 +65,7 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from kv_transfer.config import KVTransferConfig  # noqa: E402
+from planner.core import percentile  # noqa: E402
 from prefill_worker.api import PrefillRequest  # noqa: E402
 from router.decode_channel import DecodeChannel  # noqa: E402
 from worker_runtime.api import WorkerRole  # noqa: E402
@@ -294,11 +295,6 @@ def decode_step_s(engine: LLMEngine, prompt: list[int], repeat: int = 20) -> flo
     return statistics.median(times)
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,8", help="comma-separated request counts")
@@ -413,7 +409,8 @@ def main() -> None:
             ("transfer (transfer_s)", transfers),
             ("rest", rest),
         ):
-            print(f"{name:<28}{path:>9}{len(xs):>5}{pct(xs, 50):>8.2f}{pct(xs, 99):>8.2f}")
+            p50, p99 = percentile(xs, 50), percentile(xs, 99)
+            print(f"{name:<28}{path:>9}{len(xs):>5}{p50:>8.2f}{p99:>8.2f}")
     toks = [h.num_tokens for h in handoffs]
     print(f"prompt tokens pulled per request: {min(toks)}-{max(toks)}")
     print(f"{'one decode step, in-process':<28}{step_s * 1e3:>22.2f}")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One batched call on the GPU machine (see ../shared/GPU.md): unpack the carried bundles, then run
-# the steps named on the command line (default: all of them, in this order). Logs go under $OUT,
-# at most 8 files (the device tool's limit): one log per step, bulky outputs as one .tgz.
-# Carry: .whl and pdserve/v1.
+# One batched call on the GPU machine: unpack the carried bundles, then run the steps named on
+# the command line (default: all of them, in this order). Logs go under $OUT, at most 8 files
+# (the device tool's limit): one log per step, bulky outputs as one .tgz.
+# Carry: .whl and pdserve/v1. The GPU machine has no internet and no ray, nixl, flashinfer,
+# recent grpcio or redis-server, and a run may carry 64 MiB: .whl/ (git-ignored) holds them as
+# slim .tar.xz bundles, unpacked into /tmp/site below.
 #
 #   jit      build flashinfer's fused layer-ops kernels once into /tmp/fiws (~1-2 min fresh)
 #   tests    the GPU tests (tests/gpu)

@@ -1,6 +1,7 @@
 """The decode worker: a Ray actor that pulls a prompt's KV and streams the generated tokens.
 
-Lifecycle of a request in this worker (DESIGN.md steps 6-8):
+Lifecycle of a request in this worker (the router's Hand-off and Decode stream steps,
+router/orchestrator.py):
 
 1. `submit(req, channel_id)` arrives with a `KVHandle` (disaggregated) or without one (local
    prefill: conditional disaggregation or colocated serving). It is accepted or refused at

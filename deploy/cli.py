@@ -1,5 +1,5 @@
-"""The `pdserve` command line: make-model, up, down, status, generate, rebalance, drain,
-undrain, thresholds, bench.
+"""The `pdserve` command line: make-model, up, config show, down, status, generate,
+rebalance, drain, undrain, thresholds, bench.
 
 Exit codes: 0 done; 1 the cluster said no, or there is none to ask (one line on stderr: no
 cluster running, no router answering, or the server's status code and message); 2 a bad
@@ -19,16 +19,17 @@ from rich.console import Console
 from rich.markup import escape
 
 from deploy.options import (
-    build_options,
+    ConfigArgs,
     check_count,
     check_model_dir,
     check_seconds,
-    load_config,
-    pick,
+    config_options,
+    effective_config,
+    read_config,
 )
 
 if TYPE_CHECKING:
-    from deploy.cluster import ClusterOptions
+    from deploy.config import PdserveConfig
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis.",
@@ -113,8 +114,7 @@ def make_model_cmd(
     try:
         path = make_model(out_dir, preset=preset, seed=seed, device=device, **overrides)
     except ValueError as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
+        _fail(str(e), 2)
     console.print(f"wrote {preset} checkpoint to [bold]{path}[/bold]")
 
 
@@ -122,41 +122,9 @@ def make_model_cmd(
 
 
 @app.command()
+@config_options
 def up(
-    model: Annotated[
-        str | None, typer.Option(help="Checkpoint folder (default: tiny model).")
-    ] = None,
-    prefill: Annotated[int | None, typer.Option(help="Prefill workers [1].")] = None,
-    decode: Annotated[int | None, typer.Option(help="Decode workers [1].")] = None,
-    colocated: Annotated[
-        bool | None, typer.Option("--colocated", help="Baseline: no disaggregation.")
-    ] = None,
-    grpc_port: Annotated[int | None, typer.Option(help="gRPC port [50051]; 0: a free one.")] = None,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="Prometheus port [9464]; 0: a free one.")
-    ] = None,
-    redis_url: Annotated[
-        str | None, typer.Option(help="Redis URL (default: start an embedded redis-server).")
-    ] = None,
-    address: Annotated[
-        str | None, typer.Option(help="Ray address of an existing cluster (default: local).")
-    ] = None,
-    routers: Annotated[int | None, typer.Option(help="Router replicas [1].")] = None,
-    host: Annotated[str | None, typer.Option(help="Address routers bind [127.0.0.1].")] = None,
-    planner: Annotated[
-        bool | None,
-        typer.Option(
-            "--planner/--no-planner",
-            help="Run the planner (scales roles, asks Ray's autoscaler for nodes) [off].",
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            help="YAML file of these options (+ engine:, thresholds:, placement:, planner:); "
-            "flags win over it. See docs/operations.md."
-        ),
-    ] = None,
+    config: ConfigArgs,
     detach: Annotated[bool, typer.Option(help="Return once the API answers.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for --detach.")] = 900.0,
     log_file: Annotated[Path | None, typer.Option(hidden=True)] = None,
@@ -169,51 +137,46 @@ def up(
         _fail(f"a cluster is already running (pid {running.pid}, {running.target})", 1)
     with _checked_options():  # every value, flags and file alike, before anything starts
         check_seconds(timeout, "--timeout", allow_zero=False)
-        cfg = load_config(config)
-        if pick(address, cfg, "address", None) is None:
+        given = read_config(config)
+        if given.get("cluster.address") is None:
             from deploy.local_ray import loopback_env
 
             loopback_env()  # before the first `import ray` (Ray reads it on import)
-        opts = build_options(
-            cfg, model, prefill, decode, colocated, grpc_port, metrics_port, redis_url, address,
-            routers, host, planner,
-        )  # fmt: skip
-        check_model_dir(opts.model_dir, "--model" if model is not None else "config model")
+        tree = effective_config(given)
+        check_model_dir(tree.model, given.where("model"))
     if detach:
-        argv = _up_argv(
-            model=model, prefill=prefill, decode=decode, grpc_port=grpc_port,
-            metrics_port=metrics_port, redis_url=redis_url, address=address, routers=routers,
-            host=host, config=config.resolve() if config else None,
-        )  # fmt: skip
-        if colocated:
-            argv.append("--colocated")
-        if planner is not None:
-            argv.append("--planner" if planner else "--no-planner")
         log_path = daemon.state_path().parent / "pdserve-up.log"
         console.print(f"starting pdserve in the background (log: {log_path}) ...")
         try:
-            state = daemon.spawn_detached(argv, log_path, timeout)
+            state = daemon.spawn_detached(config.argv(), log_path, timeout)
         except (RuntimeError, TimeoutError) as e:
             _fail(str(e), 1)
         _print_endpoint(state)
         return
-    _run_foreground(opts, log_file)
+    _run_foreground(tree, log_file)
 
 
-def _up_argv(**options: Any) -> list[str]:
-    """The flags to hand the detached `pdserve up` (what was given, nothing else)."""
-    argv = []
-    for name, value in options.items():
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
+config_app = typer.Typer(help="The config tree that `up` runs with.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
 
 
-def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
+@config_app.command("show")
+@config_options
+def config_show(config: ConfigArgs) -> None:
+    """Print the effective config tree (defaults, then --config, then flags) as the YAML that
+    `--config` reads."""
+    from deploy.config import config_yaml
+
+    with _checked_options():
+        tree = effective_config(read_config(config))
+    print(config_yaml(tree), end="")
+
+
+def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
     from deploy import daemon
     from deploy.cluster import Cluster
 
-    cluster = Cluster(opts)
+    cluster = Cluster(config)
     console.print("starting pdserve (Redis, Ray, workers, router) ...")
     try:
         endpoint = cluster.start()
@@ -229,7 +192,7 @@ def _run_foreground(opts: ClusterOptions, log_file: Path | None) -> None:
         model_dir=endpoint.model_dir,
         log=str(log_file or ""),
         ray_address=endpoint.ray_address,
-        ray_external=opts.address is not None,
+        ray_external=config.cluster.address is not None,
         control_log=str(control_log),
     )
     daemon.write_state(state)
@@ -527,11 +490,9 @@ def bench(
             console=console,
         )
     except (ValueError, SLOError, ProfileError) as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
+        _fail(str(e), 2)
     except BenchError as e:
-        err_console.print(f"[red]bench failed:[/red] {e}")
-        raise typer.Exit(1) from e
+        _fail(f"bench failed: {e}", 1)
 
 
 def main() -> None:

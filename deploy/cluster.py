@@ -12,63 +12,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from deploy.config import PdserveConfig
 from deploy.controller import CONTROLLER_NAME, Controller, controller_options
 from deploy.local_ray import loopback_env
 from deploy.redis_server import EmbeddedRedis
 from deploy.spec import ClusterSpec
-from deploy.workers import ActorPlacement, capacity_shortfall
-from engine.config import EngineConfig
-from planner.loop import PlannerSettings
-from router.server import RouterActor, RouterConfig
+from deploy.workers import capacity_shortfall
+from router.server import RouterActor
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    """Everything `pdserve up` accepts (CLI flags and the config file map onto these)."""
-
-    model_dir: str | None = None
-    """Checkpoint folder; None writes/uses the tiny model in the cache folder."""
-    num_prefill: int = 1
-    num_decode: int = 1
-    colocated: bool = False
-    """Baseline: decode workers prefill everything themselves, no prefill workers."""
-    host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    metrics_port: int | None = 9464
-    num_routers: int = 1
-    """Router replicas; replica i listens on grpc_port + i (metrics_port + i)."""
-    redis_url: str | None = None
-    """None starts an embedded redis-server on a free loopback port."""
-    address: str | None = None
-    """Ray address of an existing cluster; None starts a local Ray."""
-    engine: EngineConfig | None = None
-    """Engine settings (model_dir is filled in); None uses the defaults."""
-    router: RouterConfig | None = None
-    """Router settings (ports, model and Redis are filled in); None uses the defaults."""
-    placement: ActorPlacement | None = None
-    """Ray resources per worker (None: one GPU each where there are GPUs, else half a CPU)."""
-    prefill_placement: ActorPlacement | None = None
-    """Overrides `placement` for prefill workers (e.g. a custom resource of a node group)."""
-    decode_placement: ActorPlacement | None = None
-    """Overrides `placement` for decode workers."""
-    router_resources: tuple[tuple[str, float], ...] = ()
-    """Custom resources each router asks for, to pin routers to nodes that have them (e.g.
-    the head pod behind a Kubernetes Service); empty: anywhere."""
-    planner: PlannerSettings = field(default_factory=PlannerSettings)
-    """The controller's planner loop (off unless `planner.enabled`)."""
-    num_cpus: int | None = None
-    """CPUs a local Ray advertises (None: what Ray detects)."""
-    object_store_bytes: int = 256 << 20
-    extra_spec: dict[str, Any] = field(default_factory=dict)
-    """Further ClusterSpec fields (e.g. transfer=KVTransferConfig(...))."""
 
 
 class ClusterError(RuntimeError):
@@ -90,8 +47,10 @@ class Endpoint:
 
 
 class Cluster:
-    def __init__(self, options: ClusterOptions) -> None:
-        self.options = options
+    """A running pdserve cluster, started from its config tree (`PdserveConfig`)."""
+
+    def __init__(self, config: PdserveConfig) -> None:
+        self.config = config
         self.redis: EmbeddedRedis | None = None
         self.controller: Any = None
         self.routers: list[Any] = []
@@ -103,76 +62,55 @@ class Cluster:
 
         from deploy.make_model import cached_tiny_model
 
-        opts = self.options
+        cfg, launch = self.config, self.config.cluster
         try:
-            model_dir = opts.model_dir or str(cached_tiny_model())
-            redis_url = opts.redis_url
+            model_dir = cfg.model or str(cached_tiny_model())
+            redis_url = launch.redis_url
             if redis_url is None:
                 self.redis = EmbeddedRedis()
                 redis_url = self.redis.start()
-            if opts.address is None:
+            local = launch.address is None
+            if local:
                 loopback_env()
             if not ray.is_initialized():
                 ray.init(
-                    address=opts.address,
+                    address=launch.address,
                     namespace=NAMESPACE,
                     include_dashboard=False,
-                    num_cpus=opts.num_cpus if opts.address is None else None,
-                    object_store_memory=opts.object_store_bytes if opts.address is None else None,
+                    num_cpus=launch.num_cpus if local else None,
+                    object_store_memory=launch.object_store_bytes if local else None,
                     log_to_driver=True,
-                    _node_ip_address="127.0.0.1" if opts.address is None else None,
+                    _node_ip_address="127.0.0.1" if local else None,
                 )
                 self._ray_started = True
             _refuse_running_controller()
-            engine = replace(opts.engine or EngineConfig(model_dir), model_dir=model_dir)
-            spec = ClusterSpec(
-                engine=engine,
-                num_prefill=opts.num_prefill,
-                num_decode=opts.num_decode,
-                colocated=opts.colocated,
-                redis_url=redis_url,
-                placement=opts.placement,
-                prefill_placement=opts.prefill_placement,
-                decode_placement=opts.decode_placement,
-                planner=opts.planner,
-                fixed_capacity=self._ray_started and opts.address is None,
-                **opts.extra_spec,
-            )
-            if self._ray_started and opts.address is None:  # a Ray of our own: fixed size
+            fixed = self._ray_started and local  # a Ray of our own: it has what it started with
+            spec = cfg.controller_spec(model_dir, redis_url, fixed_capacity=fixed)
+            if fixed:
                 _refuse_unplaceable(spec)
             self.controller = (
                 ray.remote(Controller).options(**controller_options(NAMESPACE)).remote(spec)
             )
             ray.get(self.controller.start.remote())
+            host = cfg.router.host
             grpc_addrs, metrics_addrs = [], []
-            for i in range(opts.num_routers):
-                base = opts.router or RouterConfig(model_dir)
-                mport = opts.metrics_port
-                cfg = replace(
-                    base,
-                    model_dir=model_dir,
-                    model_id=engine.model_id or Path(model_dir).name,
-                    host=opts.host,
-                    grpc_port=opts.grpc_port + i if opts.grpc_port else 0,
-                    metrics_port=None if mport is None else (mport + i if mport else 0),
-                    redis_url=redis_url,
-                )
+            for i in range(launch.routers):
                 router: Any = (
                     ray.remote(RouterActor)
                     .options(
                         name=f"pdserve-router-{i}",
                         namespace=NAMESPACE,
                         num_cpus=0,
-                        resources=dict(opts.router_resources),
+                        resources=dict(launch.router_resources),
                     )
-                    .remote(cfg, CONTROLLER_NAME, NAMESPACE)
+                    .remote(cfg.replica_config(i, model_dir, redis_url), CONTROLLER_NAME, NAMESPACE)
                 )
                 self.routers.append(router)
                 port, mport = ray.get(router.start.remote())
                 ray.get(self.controller.register_router.remote(router))
-                grpc_addrs.append(f"{opts.host}:{port}")
+                grpc_addrs.append(f"{host}:{port}")
                 if mport is not None:
-                    metrics_addrs.append(f"http://{opts.host}:{mport}/metrics")
+                    metrics_addrs.append(f"http://{host}:{mport}/metrics")
             self.endpoint = Endpoint(
                 tuple(grpc_addrs),
                 tuple(metrics_addrs),

@@ -1,32 +1,37 @@
-"""`pdserve up`'s options: flags over a YAML config file over the defaults.
+"""The config tree from the command line: the `--config` YAML file, then the flags over it,
+over the defaults (`PdserveConfig`, deploy/config.py).
 
-The file is a mapping of the `up` flags (`prefill: 2`, `grpc_port: 0`, ...) plus sections:
-`engine:` (EngineConfig fields), `thresholds:` and `tenants:` (admission), `placement:`
-(`default` / `prefill` / `decode` Ray resources per worker), `router_resources:` and
-`planner:` (PlannerSettings and PlannerConfig fields). Unknown keys and fields are refused with
-their name, so a typo never falls back to a default silently. See docs/operations.md.
+A flag is one line of `FLAGS`: its name, the tree field it sets and its help; `up` and
+`config show` both take every flag (`config_options`). The file is the tree itself (what
+`pdserve config show` prints); the flat keys of the format before the tree (`prefill: 2`,
+`engine:`, `thresholds:`, `placement:`, a flat `planner:` ...) are read too (`FLAT_KEYS`).
+Unknown keys are refused with their path, so a typo never falls back to a default silently.
+See docs/operations.md.
 
-Every value is checked before anything starts (no Ray, no Redis): counts and ports are whole
-numbers in range, and `--model` is a checkpoint folder the engine can load. A refusal is a
+Every value is checked before anything starts (no Ray, no Redis): the tree's types and each
+dataclass's own validation as the file is read, then counts and ports in range, and (`up`)
+that the model is a checkpoint folder the engine can load. A refusal is a
 `typer.BadParameter` whose message starts with where the value came from (`--prefill`, or
-`config prefill` for the file), so the CLI prints it as one line.
+`config prefill` / `config workers.num_prefill` for the file, as the file spells it), so the
+CLI prints it as one line.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
 
 if TYPE_CHECKING:
-    from deploy.cluster import ClusterOptions
-    from deploy.workers import ActorPlacement
-    from planner.loop import PlannerSettings
+    from deploy.config import PdserveConfig
 
 
 MAX_PORT = 65535
@@ -47,11 +52,6 @@ def load_config(path: Path | None) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{path}: expected a mapping of option names")
     return data
-
-
-def source(flag: Any, key: str) -> str:
-    """How a refusal names a value: the flag when it was given, else the config file's key."""
-    return f"--{key.replace('_', '-')}" if flag is not None else f"config {key}"
 
 
 def check_count(value: Any, where: str, minimum: int = 0) -> int:
@@ -129,138 +129,236 @@ def check_model_dir(model_dir: str | None, where: str = "--model") -> None:
         raise typer.BadParameter(f"{where}: {model_dir} has no tokenizer.json")
 
 
-def pick(flag: Any, config: dict[str, Any], key: str, default: Any) -> Any:
-    if flag is not None:
-        return flag
-    return config.get(key, default)
+# ---- flags ----------------------------------------------------------------------------------
 
 
-CONFIG_KEYS = frozenset(
-    {
-        "model", "prefill", "decode", "colocated", "grpc_port", "metrics_port", "redis_url",
-        "address", "routers", "host", "engine", "thresholds", "tenants", "planner", "placement",
-        "router_resources",
-    }
+@dataclass(frozen=True)
+class Flag:
+    """One flag of `up` and `config show`: the tree field it sets (a dotted path)."""
+
+    name: str
+    """Parameter name; the flag is --name with dashes (`grpc_port`: --grpc-port)."""
+    path: str
+    """The field of PdserveConfig it sets (`workers.num_prefill`)."""
+    type: type
+    """int, str or bool (the field's type; tests check it)."""
+    help: str
+    """`--help` text; a [default] in it is the tree's default (tests check it)."""
+    switch: str = ""
+    """A bool flag's declaration: "--on" (given or not) or "--on/--off"."""
+
+    @property
+    def option(self) -> str:
+        return f"--{self.name.replace('_', '-')}"
+
+    def argv(self, value: Any) -> list[str]:
+        """The flag with `value` as command-line arguments again."""
+        if self.type is bool:
+            on, _, off = (self.switch or self.option).partition("/")
+            return [on if value else off]
+        return [self.option, str(value)]
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model", "model", str, "Checkpoint folder (default: tiny model)."),
+    Flag("prefill", "workers.num_prefill", int, "Prefill workers [1]."),
+    Flag("decode", "workers.num_decode", int, "Decode workers [1]."),
+    Flag("colocated", "workers.colocated", bool, "Baseline: no disaggregation.", "--colocated"),
+    Flag("grpc_port", "router.grpc_port", int, "gRPC port [50051]; 0: a free one."),
+    Flag("metrics_port", "router.metrics_port", int, "Prometheus port [9464]; 0: a free one."),
+    Flag("redis_url", "cluster.redis_url", str, "Redis URL (default: start an embedded one)."),
+    Flag("address", "cluster.address", str, "Ray address of a cluster (default: a local Ray)."),
+    Flag("routers", "cluster.routers", int, "Router replicas [1]."),
+    Flag("host", "router.host", str, "Address routers bind [127.0.0.1]."),
+    Flag("planner", "workers.planner.enabled", bool, "Run the planner (scales roles, asks Ray's "
+         "autoscaler for nodes); off unless given.", "--planner/--no-planner"),
 )  # fmt: skip
+"""Every flag that sets a field of the tree; the rest of the tree is set in the file."""
+
+FLAT_KEYS: dict[str, str] = {
+    "prefill": "workers.num_prefill",
+    "decode": "workers.num_decode",
+    "colocated": "workers.colocated",
+    "engine": "workers.engine",
+    "placement": "workers.placement",
+    "planner": "workers.planner",  # with PlannerConfig's fields beside the loop's
+    "grpc_port": "router.grpc_port",
+    "metrics_port": "router.metrics_port",
+    "host": "router.host",
+    "tenants": "router.tenants",
+    "thresholds": "router.admission.thresholds",
+    "redis_url": "cluster.redis_url",
+    "address": "cluster.address",
+    "routers": "cluster.routers",
+    "router_resources": "cluster.router_resources",
+}
+"""Top-level keys of the flat format (before the tree) and the paths they stand for."""
+
+CONFIG_HELP = (
+    "YAML file of the config tree (`pdserve config show` prints one; flat keys such as "
+    "`prefill: 2` are read too); flags win over it. See docs/operations.md."
+)
 
 
-def _placement(data: Any, where: str) -> ActorPlacement | None:
-    from deploy.workers import ActorPlacement
+@dataclass(frozen=True)
+class ConfigArgs:
+    """What a command line says about the config tree: the --config file and the flags given."""
 
-    if data is None:
-        return None
-    if not isinstance(data, dict):
-        raise typer.BadParameter(f"{where}: expected a mapping")
-    unknown = set(data) - {"num_gpus", "num_cpus", "resources", "max_restarts"}
-    if unknown:
-        raise typer.BadParameter(f"{where}: unknown fields {sorted(unknown)}")
-    resources = tuple(sorted((str(k), float(v)) for k, v in (data.get("resources") or {}).items()))
-    return ActorPlacement(
-        num_gpus=float(data.get("num_gpus", 0.0)),
-        num_cpus=float(data.get("num_cpus", 0.5)),
-        resources=resources,
-        max_restarts=int(data.get("max_restarts", 0)),
-    )
+    file: Path | None = None
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    """Flag name -> value, for the flags given only."""
+
+    def argv(self) -> list[str]:
+        """The same as command-line arguments again (what the detached `up` is started with)."""
+        argv = [arg for f in FLAGS if f.name in self.flags for arg in f.argv(self.flags[f.name])]
+        return argv + (["--config", str(self.file.resolve())] if self.file else [])
 
 
-def _planner_settings(data: Any, enabled: bool | None) -> PlannerSettings:
-    from planner.loop import PlannerSettings, settings_from_dict
+def config_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with --config and every flag of FLAGS as options; it is called with
+    `config=ConfigArgs(...)` in their place."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    signature = inspect.signature(command, eval_str=True)  # the Annotated options, not text
+    own = [p.replace(kind=keyword) for p in signature.parameters.values() if p.name != "config"]
+    added = [
+        inspect.Parameter(
+            "config", keyword, default=None,
+            annotation=Annotated[Path | None, typer.Option(help=CONFIG_HELP)],
+        ),
+        *(
+            inspect.Parameter(
+                f.name, keyword, default=None,
+                annotation=Annotated[
+                    f.type | None, typer.Option(*filter(None, [f.switch]), help=f.help)
+                ],
+            )
+            for f in FLAGS
+        ),
+    ]  # fmt: skip
 
-    if data is not None and not isinstance(data, dict):
-        raise typer.BadParameter("planner: expected a mapping")
+    @functools.wraps(command)
+    def run(**kwargs: Any) -> None:
+        file = kwargs.pop("config")
+        given = {f.name: kwargs.pop(f.name) for f in FLAGS}
+        flags = {name: value for name, value in given.items() if value is not None}
+        command(config=ConfigArgs(file, flags), **kwargs)
+
+    params = [*added, *own]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
+
+
+# ---- file + flags -> tree -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigInput:
+    """The file and the flags merged in the tree's shape (plain data, flags over the file),
+    and where each value came from, for the refusals."""
+
+    data: dict[str, Any]
+    set_by_flag: dict[str, str]
+    """Tree path -> the flag that set it."""
+    file_keys: dict[str, str]
+    """Tree path -> the file's own key for it, where the file used a flat key."""
+
+    def get(self, path: str) -> Any:
+        """The value given at `path` (None when none was)."""
+        node: Any = self.data
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        return node
+
+    def where(self, path: str) -> str:
+        """How a refusal names the value at `path`: its flag, else its key in the file."""
+        if path in self.set_by_flag:
+            return self.set_by_flag[path]
+        for prefix in sorted(self.file_keys, key=len, reverse=True):
+            if path == prefix or path.startswith((f"{prefix}.", f"{prefix}[")):
+                return f"config {self.file_keys[prefix]}{path[len(prefix) :]}"
+        return f"config {path}" if path else "config"
+
+
+def read_config(args: ConfigArgs) -> ConfigInput:
+    """The --config file (flat keys moved to their paths) with the flags given over it.
+    Imports no Ray: `up` reads `cluster.address` from it before Ray is imported."""
+    return config_input(load_config(args.file), args.flags)
+
+
+def config_input(raw: dict[str, Any], flags: Mapping[str, Any]) -> ConfigInput:
+    """`raw` (a config file's mapping) with `flags` (name -> value given) over it."""
+    data = {k: v for k, v in raw.items() if k not in FLAT_KEYS}
+    file_keys: dict[str, str] = {}
+    for key, path in FLAT_KEYS.items():
+        if key in raw:
+            value = raw[key]
+            if key == "planner" and isinstance(value, dict) and _flat_planner(value):
+                value = _nested_planner(value)
+                file_keys[f"{path}.config"] = key
+            _put(data, path, value, f"config {key}", replace=False)
+            file_keys[path] = key
+    set_by_flag = {}
+    for f in FLAGS:
+        if f.name in flags:
+            _put(data, f.path, flags[f.name], f.option, replace=True)
+            set_by_flag[f.path] = f.option
+    return ConfigInput(data, set_by_flag, file_keys)
+
+
+def effective_config(given: ConfigInput) -> PdserveConfig:
+    """The tree `given` describes, every value checked (the model folder is not: see
+    `check_model_dir`)."""
+    from deploy.config import config_from_data
+    from deploy.config_codec import ConfigError
+
     try:
-        settings = settings_from_dict(dict(data or {})) if data else PlannerSettings()
-    except (ValueError, TypeError) as e:
-        raise typer.BadParameter(f"planner: {e}") from e
-    if enabled is not None:
-        settings = replace(settings, enabled=enabled)
-    return settings
+        config = config_from_data(given.data)
+    except ConfigError as e:
+        raise typer.BadParameter(f"{given.where(e.path)}: {e.problem}") from e
+    routers = check_count(config.cluster.routers, given.where("cluster.routers"), 1)
+    check_port(config.router.grpc_port, given.where("router.grpc_port"), routers)
+    if config.router.metrics_port is not None:  # None (null): no metrics
+        check_port(config.router.metrics_port, given.where("router.metrics_port"), routers)
+    check_count(config.workers.num_prefill, given.where("workers.num_prefill"))
+    check_count(config.workers.num_decode, given.where("workers.num_decode"), 1)
+    return config
 
 
-def build_options(
-    config: dict[str, Any],
-    model: str | None,
-    prefill: int | None,
-    decode: int | None,
-    colocated: bool | None,
-    grpc_port: int | None,
-    metrics_port: int | None,
-    redis_url: str | None,
-    address: str | None,
-    routers: int | None,
-    host: str | None,
-    planner: bool | None = None,
-) -> ClusterOptions:
-    """Flags over the config file over the defaults; every count and port checked (the
-    model folder is not: see `check_model_dir`)."""
+def _flat_planner(planner: dict[str, Any]) -> list[str]:
+    """The keys of a `planner:` mapping that are not the loop's own (PlannerConfig's, which
+    the flat format put beside them)."""
     from dataclasses import fields
 
-    from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.cluster import ClusterOptions
-    from engine.config import EngineConfig
-    from router.server import RouterConfig
+    from planner.loop import PlannerSettings
 
-    unknown_keys = set(config) - CONFIG_KEYS
-    if unknown_keys:
-        raise typer.BadParameter(f"config: unknown keys {sorted(unknown_keys)}")
-    placement = config.get("placement") or {}
-    if not isinstance(placement, dict):
-        raise typer.BadParameter("placement: expected a mapping")
-    unknown_roles = set(placement) - {"default", "prefill", "decode"}
-    if unknown_roles:
-        raise typer.BadParameter(f"placement: unknown roles {sorted(unknown_roles)}")
+    loop = {f.name for f in fields(PlannerSettings)}
+    return [k for k in planner if k not in loop]
 
-    model_dir = pick(model, config, "model", None)
-    if model_dir is not None and not isinstance(model_dir, str):
-        raise typer.BadParameter(f"config model: expected a folder path, got {model_dir!r}")
-    is_colocated = pick(colocated, config, "colocated", False)
-    if not isinstance(is_colocated, bool):
-        raise typer.BadParameter(f"config colocated: expected true or false, got {is_colocated!r}")
-    num_routers = check_count(pick(routers, config, "routers", 1), source(routers, "routers"), 1)
-    port = check_port(
-        pick(grpc_port, config, "grpc_port", 50051), source(grpc_port, "grpc_port"), num_routers
-    )
-    metrics = pick(metrics_port, config, "metrics_port", 9464)  # None (null): no metrics
-    if metrics is not None:
-        metrics = check_port(metrics, source(metrics_port, "metrics_port"), num_routers)
-    engine_fields = {f.name for f in fields(EngineConfig)}
-    engine_cfg = dict(config.get("engine") or {})
-    unknown = set(engine_cfg) - engine_fields
-    if unknown:
-        raise typer.BadParameter(f"engine: unknown fields {sorted(unknown)}")
-    try:
-        engine = EngineConfig(model_dir=model_dir or "", **engine_cfg)
-    except (ValueError, TypeError) as e:
-        raise typer.BadParameter(f"engine: {e}") from e
-    router = None
-    if config.get("thresholds") or config.get("tenants"):
-        try:
-            thresholds = AdmissionThresholds(**(config.get("thresholds") or {}))
-        except (ValueError, TypeError) as e:
-            raise typer.BadParameter(f"thresholds: {e}") from e
-        router = RouterConfig(
-            model_dir=model_dir or "",
-            admission=AdmissionConfig(thresholds=thresholds),
-            tenants=tuple(config.get("tenants") or ()),
-        )
-    return ClusterOptions(
-        model_dir=model_dir,
-        num_prefill=check_count(pick(prefill, config, "prefill", 1), source(prefill, "prefill")),
-        num_decode=check_count(pick(decode, config, "decode", 1), source(decode, "decode"), 1),
-        colocated=is_colocated,
-        host=str(pick(host, config, "host", "127.0.0.1")),
-        grpc_port=port,
-        metrics_port=metrics,
-        num_routers=num_routers,
-        redis_url=pick(redis_url, config, "redis_url", None),
-        address=pick(address, config, "address", None),
-        engine=engine,
-        router=router,
-        placement=_placement(placement.get("default"), "placement.default"),
-        prefill_placement=_placement(placement.get("prefill"), "placement.prefill"),
-        decode_placement=_placement(placement.get("decode"), "placement.decode"),
-        router_resources=tuple(
-            sorted((str(k), float(v)) for k, v in (config.get("router_resources") or {}).items())
-        ),
-        planner=_planner_settings(config.get("planner"), planner),
-    )
+
+def _nested_planner(planner: dict[str, Any]) -> dict[str, Any]:
+    flat = _flat_planner(planner)
+    nested = {k: v for k, v in planner.items() if k not in flat}
+    core = nested.get("config")
+    nested["config"] = {**(core if isinstance(core, dict) else {}), **{k: planner[k] for k in flat}}
+    return nested
+
+
+def _put(data: dict[str, Any], path: str, value: Any, source: str, *, replace: bool) -> None:
+    """Set `path` in `data`; without `replace`, a value already there is refused (the file
+    gave it twice: a flat key and its path)."""
+    *parents, leaf = path.split(".")
+    node, walked = data, []
+    for key in parents:
+        walked.append(key)
+        child = node.setdefault(key, {})
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise typer.BadParameter(
+                f"config {'.'.join(walked)}: expected a mapping, got {child!r}"
+            )
+        node = child
+    if not replace and leaf in node:
+        raise typer.BadParameter(f"{source}: given twice, also as {path}")
+    node[leaf] = value

@@ -1,5 +1,6 @@
 """What the controller runs: `ClusterSpec`, the model and the workers of each role, and how
-they are placed, checked and replaced."""
+they are placed, checked and replaced. In a cluster's config tree (deploy/config.py) it is the
+`workers:` section; `Cluster` fills in the model folder, Redis and `fixed_capacity`."""
 
 from __future__ import annotations
 
@@ -14,23 +15,39 @@ from worker_runtime.api import WorkerRole
 
 
 @dataclass(frozen=True)
+class WorkerPlacement:
+    """Ray resources per worker, by role (None: the next more general one)."""
+
+    default: ActorPlacement | None = None
+    """Every worker's; None: one GPU each where there are GPUs, else half a CPU."""
+    prefill: ActorPlacement | None = None
+    """Prefill workers' (e.g. a custom resource that only the prefill node group has)."""
+    decode: ActorPlacement | None = None
+    """Decode (and colocated) workers'."""
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """What the controller runs: the model, how many workers of each role, and how."""
 
-    engine: EngineConfig
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(model_dir=""))
     """Base engine settings; the mode is set per role."""
     num_prefill: int = 1
+    """Prefill workers started with the cluster (0: decode workers prefill everything)."""
     num_decode: int = 1
+    """Decode workers started with the cluster (at least 1)."""
     colocated: bool = False
     """Baseline mode: decode workers get the COLOCATED role and no prefill workers run."""
     redis_url: str | None = None
+    """The prefix index's Redis; None: no index (placement on load alone)."""
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    """KV hand-off between prefill and decode workers: leases, deadlines, budgets."""
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
-    placement: ActorPlacement | None = None
-    """Ray resources per worker; None: one GPU each where there are GPUs, else half a CPU."""
-    prefill_placement: ActorPlacement | None = None
-    decode_placement: ActorPlacement | None = None
+    """The Redis prefix index: workers publish their cached blocks, routers look them up."""
+    placement: WorkerPlacement = field(default_factory=WorkerPlacement)
+    """Ray resources per worker, by role."""
     torch_threads: int = 1
+    """CPU threads each worker's torch may use."""
     stall_timeout_s: float = 60.0
     """A worker whose engine or transfer loop has work and makes no progress this long is
     unhealthy: removed from placement and replaced (WorkerConfig.stall_timeout_s)."""
@@ -38,9 +55,14 @@ class ClusterSpec:
     """The Ray has the resources it started with (a local Ray that pdserve started): a
     rebalance that could never place its new workers is refused before anything drains."""
     replace_dead: bool = True
+    """Start a fresh worker of the same role in place of a ready one removed as dead."""
     health_interval_s: float = 1.0
+    """Seconds between the controller's health pings of the workers."""
     failure_threshold: int = 3
+    """Health pings in a row without an answer after which a worker is removed as dead (an
+    actor that died, or one that reports itself unhealthy, is removed at once)."""
     start_timeout_s: float = 900.0
+    """Longest a worker may take to start (model load, KV pool, NIXL agent)."""
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     """The planner loop (off by default)."""
 
@@ -53,5 +75,6 @@ class ClusterSpec:
     def placement_for(self, role: WorkerRole) -> ActorPlacement:
         """Ray resources of a worker of `role` (call with Ray initialized: the default looks
         at the cluster's GPUs)."""
-        specific = self.prefill_placement if role is WorkerRole.PREFILL else self.decode_placement
-        return specific or self.placement or default_placement()
+        p = self.placement
+        specific = p.prefill if role is WorkerRole.PREFILL else p.decode
+        return specific or p.default or default_placement()

@@ -32,11 +32,6 @@ class SeqChunk:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def context_len(self) -> int:
-        """Tokens attended to by the last token of the chunk (cached + new)."""
-        return self.start_pos + len(self.token_ids)
-
 
 @dataclass(frozen=True)
 class ScheduledBatch:

@@ -25,6 +25,11 @@ from engine.block_hash import BlockHash
 from engine.kv_events import KVEvent, KVEventKind
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b in integers: the number of blocks of b tokens that hold a tokens."""
+    return -(-a // b)
+
+
 class NoFreeBlocksError(RuntimeError):
     """More blocks were requested than the pool can hand out (check `can_allocate` first)."""
 
@@ -97,8 +102,8 @@ class BlockPool:
         Ascending order matters for KV transfer: a request's blocks are read as runs of ids
         adjacent on both sides, one NIXL descriptor per run. Freed sequences come back to
         the free/LRU lists as groups (tail first), so sorting turns a later allocation
-        from them back into long runs (benchmarks/bench_kv_runs.py: two pools under churn,
-        75 descriptors per 105-block transfer in hand-out order, 25 sorted).
+        from them back into long runs (benchmarks/bench_kv_runs.py measures the descriptors
+        per transfer under churn both ways: docs/benchmarks.md, "GPU: KV transfer").
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")

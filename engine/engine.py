@@ -3,7 +3,7 @@
 `LLMEngine` ties the scheduler (decisions, block bookkeeping), the model runner (tensors)
 and the sampler/stop checker (tokens, text) together, and is the only thing workers call.
 
-Hand-off hooks (DESIGN.md lifecycle steps 5-6):
+Hand-off hooks (the Prefill and Hand-off steps of a request, router/orchestrator.py):
 - prefill-only: a request finishes after its first token with `FinishReason.HANDOFF`; its
   `RequestOutput.kv_handoff` lists the blocks, which stay held (never evicted) until
   `release_request_blocks(request_id)`. A request that stops on its first token (eos,

@@ -2,12 +2,13 @@
 
 Layout (`block_major_v1`): one tensor of shape
     [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
-so a block holds every layer's K and V contiguously. Why: NIXL pays ~7 µs per descriptor and
-moves a 64 KiB descriptor (one page of one layer of Llama-3-8B) at ~9 GB/s but a 2 MiB one at
-~165 GB/s; block-major makes one block one descriptor (2 MiB for Llama-3-8B at block size 16),
-and adjacent blocks coalesce further. Attention kernels take the strided per-layer view
-`tensor[:, layer]` ([num_blocks, 2, block_size, kv_heads, head_dim], flashinfer's NHD paged
-layout) at no cost (measured on the H200, see docs/benchmarks.md).
+so a block holds every layer's K and V contiguously. Why: NIXL has a fixed cost per
+descriptor and moves small descriptors far below the link rate (one page of one layer of
+Llama-3-8B is 64 KiB); block-major makes one block one descriptor (2 MiB for Llama-3-8B at
+block size 16), and adjacent blocks coalesce further. Attention kernels take the strided
+per-layer view `tensor[:, layer]` ([num_blocks, 2, block_size, kv_heads, head_dim],
+flashinfer's NHD paged layout) at no cost. Both measured on the H200: docs/benchmarks.md
+("GPU: KV transfer", "GPU: engine").
 """
 
 from __future__ import annotations
@@ -95,14 +96,10 @@ class KVCache:
         """Per-layer strided view [num_blocks, 2, block_size, kv_heads, head_dim]."""
         return self.tensor[:, layer]
 
-    def block_address(self, block_id: int) -> int:
-        """Address of the first byte of a block (for transfer descriptors)."""
-        return self.tensor.data_ptr() + block_id * self.spec.block_nbytes
-
     def copy_blocks_from(
         self, src: KVCache, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> None:
-        """Copy whole blocks from another cache (in-process hand-off; tests and colocation)."""
+        """Copy whole blocks from another cache (an in-process hand-off, for tests)."""
         if src.spec.shape[1:] != self.spec.shape[1:] or src.spec.dtype != self.spec.dtype:
             raise ValueError(f"incompatible KV caches: {src.spec} vs {self.spec}")
         if len(src_block_ids) != len(dst_block_ids):

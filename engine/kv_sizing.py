@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.block_pool import cdiv
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, dtype_name
 from engine.model import LlamaModel, causal_attend
@@ -80,7 +81,7 @@ def decide_num_kv_blocks(
     budget = config.kv_cache_memory_fraction * (free - peak)
     num_blocks = int(budget // block_bytes)
     max_len = config.max_model_len or model_cfg.max_model_len
-    needed = -(-max_len // config.block_size)
+    needed = cdiv(max_len, config.block_size)
     if num_blocks < needed:
         raise ValueError(
             f"KV pool of {num_blocks} blocks ({budget / 2**30:.2f} GiB free for KV after "

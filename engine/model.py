@@ -142,7 +142,8 @@ class DecoderLayer(nn.Module):
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         if self.fp8 is not None:
-            return self.fp8[name](x)  # type: ignore[no-any-return]
+            out: torch.Tensor = self.fp8[name](x)
+            return out
         return F.linear(x, weight, bias)
 
     def forward(

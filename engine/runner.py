@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import StepStager, build_layout, check_bounds, create_backend
 from engine.batch import ScheduledBatch, SeqChunk
+from engine.block_pool import cdiv
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, torch_dtype
@@ -85,7 +86,7 @@ class ModelRunner:
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
             max_len = config.max_model_len or model.cfg.max_model_len
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
-            self.graphs = self._capture_graphs(max_batch, -(-max_len // self.block_size))
+            self.graphs = self._capture_graphs(max_batch, cdiv(max_len, self.block_size))
 
     def _capture_graphs(self, max_batch: int, pages_per_seq: int) -> DecodeGraphs:
         graphs = DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, self.layer_ops)
@@ -152,7 +153,7 @@ class ModelRunner:
         """Run one prompt chunk over blocks 0.. (compiles kernels); call before serving."""
         bs = self.block_size
         num_tokens = min(num_tokens, self.kv_cache.spec.num_blocks * bs)
-        blocks = tuple(range(-(-num_tokens // bs)))
+        blocks = tuple(range(cdiv(num_tokens, bs)))
         chunk = SeqChunk("warmup", (0,) * num_tokens, 0, blocks, sample=True)
         self.execute(ScheduledBatch((chunk,)))
         if self.device.type == "cuda":

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_hash import BlockHash
-from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
 from engine.request import Request, RequestStatus
 
 
@@ -59,10 +59,6 @@ class ReservedTransfer:
     num_cached_blocks: int
     """Leading blocks that were already cached here (not transferred)."""
     hash_extra: bytes
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:

@@ -34,7 +34,7 @@ class XferStatus(enum.Enum):
 
 
 class DescriptorMode(enum.Enum):
-    """How a read's descriptors are built (measured; see kv_transfer/nixl_backend.py)."""
+    """How a read's descriptors are built (kv_transfer/nixl_backend.py says why PREPPED)."""
 
     PREPPED = "prepped"  # per-block dlists prepared once per peer; NIXL merges adjacent ones
     COALESCED = "coalesced"  # one descriptor per `DescriptorRun`, built per transfer

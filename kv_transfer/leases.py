@@ -166,10 +166,6 @@ class LeaseTable:
                 return LeaseState.HELD
             return self._ended.get(request_id)
 
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return min((lease.deadline for lease in self._held.values()), default=None)
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)

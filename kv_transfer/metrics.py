@@ -36,13 +36,6 @@ class TransferStats:
     """Exceptions no transfer path expects (a backend or manager bug, a raising outcome
     callback), each confined to one transfer or notice and logged with its traceback."""
 
-    @property
-    def mean_gbps(self) -> float:
-        """Bytes over time spent transferring (GB/s, 1e9 bytes)."""
-        if self.transfer_seconds <= 0:
-            return 0.0
-        return self.bytes_transferred / self.transfer_seconds / 1e9
-
 
 @dataclass
 class TransferMetrics:

@@ -6,20 +6,13 @@ described to NIXL as one descriptor each, prepared once locally and once per pee
 `TransferPlan`; NIXL merges indices that are adjacent on both sides into one descriptor, so a
 plan's `DescriptorRun`s are exactly what is posted (checked with NIXL telemetry in the tests).
 
-Why prepped dlists (measured on the 2-core CPU machine, UCX over shm/tcp on loopback, two
-processes; handle creation time, median of 20; the transfer itself took the same time in
-every mode, memory bound at ~1.2-1.8 GB/s there):
-
-    256 KiB blocks x 64  initialize_xfer, coalesced (1 desc)    126-175 µs
-                         initialize_xfer, per block (64 desc)   257-277 µs
-                         make_prepped_xfer (merged to 1 desc)    38-51 µs
-    2 MiB blocks x 256   initialize_xfer, coalesced (1 desc)    171-184 µs
-                         initialize_xfer, per block (256 desc)  583-611 µs
-                         make_prepped_xfer (merged to 1 desc)    50-69 µs
-
-Prepping costs ~1 ms per 10k blocks, once per peer. `DescriptorMode.COALESCED` and
-`PER_BLOCK` remain for the benchmark. On GPU, do not set UCX_TLS: UCX picks cuda_ipc between
-two GPUs of one host by itself.
+Why prepped dlists: building a read's handle from lists prepared once costs the same however
+many runs the plan has (a scattered plan as little as a merged one), while `initialize_xfer`
+over freshly built lists costs more with every descriptor; prepping is paid once per peer, in
+`add_peer`. benchmarks/bench_kv_transfer.py times all of it (figures: docs/benchmarks.md,
+"KV transfer and Redis index (CPU)"); `DescriptorMode.COALESCED` and `PER_BLOCK` remain for
+that comparison. On GPU, do not set UCX_TLS: UCX picks cuda_ipc between two GPUs of one host
+by itself.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Turn a `KVHandle` and the decode worker's destination blocks into a `TransferPlan`.
 
 Coalescing: a descriptor covers a run of blocks whose ids are consecutive on both sides, so a
-request whose blocks were allocated contiguously on both workers moves in one descriptor (NIXL
-pays ~7 µs per descriptor; see engine/kv_cache.py for why a block is one contiguous region).
+request whose blocks were allocated contiguously on both workers moves in one descriptor (each
+descriptor has a fixed cost in NIXL; engine/kv_cache.py says why a block is one contiguous
+region).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from loadtests.records import RequestRecord
+from planner.core import percentile
 
 
 class SLOError(ValueError):
@@ -71,17 +72,6 @@ def parse_slo(spec: str | Sequence[str]) -> SLO:
     if not values:
         raise SLOError("slo: give at least one of ttft:MS tpot:MS e2el:MS")
     return SLO(**values)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """q-th percentile (0-100), linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass(frozen=True)

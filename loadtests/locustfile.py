@@ -35,8 +35,8 @@ from loadtests.runspec import RunSpec
 from loadtests.workload import PlannedRequest
 from pdserve.v1 import serving_pb2_grpc
 
-# Required before any channel exists: otherwise every stream deadlocks under gevent and
-# `-t` never stops the run (ENV-NOTES.md).
+# Required before any channel exists: otherwise every gRPC stream deadlocks under gevent and
+# Locust's `-t` never stops the run.
 grpc_gevent.init_gevent()
 
 

@@ -205,9 +205,6 @@ class ScalingDecision:
     memory: PlannerMemory
     """Pass to the next `plan` call."""
 
-    def for_role(self, role: Role) -> RoleDecision:
-        return self.prefill if role is Role.PREFILL else self.decode
-
     def describe(self) -> str:
         """One line: what changes and why (what `Planner` logs)."""
         parts = []

@@ -1,6 +1,6 @@
 """The prefill worker: a Ray actor that computes prompts and lends their KV to decode workers.
 
-Lifecycle of a request in this worker (DESIGN.md steps 5-6):
+Lifecycle of a request in this worker (the router's Prefill step, router/orchestrator.py):
 
 1. `prefill(req)` arrives: the request joins the engine's waiting queue (prefill-only mode;
    prompts are batched and chunked under the step's token budget; cached prefix blocks of

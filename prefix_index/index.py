@@ -70,8 +70,8 @@ return out
 """
 
 # ARGV: worker, reverse-index, seq and block key prefixes, then a mode and worker ids:
-# 'dead' purges the registered workers without a liveness key, 'named' the ids given (live or
-# not), 'except' every registered worker not among the ids given. Returns the ids purged.
+# 'named' purges the ids given (live or not), 'except' every registered worker not among the
+# ids given. Returns the ids purged.
 _PURGE = """
 local wp, wbp, sp, bp, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local function purge(w)
@@ -86,10 +86,7 @@ if mode == 'named' then
   return purged
 end
 for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local dead = mode == 'dead' and redis.call('EXISTS', wp .. w) == 0
-  if dead or (mode == 'except' and not given[w]) then
-    purge(w); purged[#purged + 1] = w
-  end
+  if not given[w] then purge(w); purged[#purged + 1] = w end
 end
 return purged
 """
@@ -124,9 +121,6 @@ class IndexKeys:
     @property
     def workers(self) -> str:
         return self.root + "workers"
-
-    def block(self, block_hash: BlockHash) -> str:
-        return self.block_prefix + block_hash.hex()
 
     def worker(self, worker_id: str) -> str:
         return self.worker_prefix + worker_id
@@ -205,14 +199,6 @@ class PrefixIndex:
             self._mark_down(e)
             return ()
         return tuple(w for w, alive in zip(ids, flags, strict=True) if alive)
-
-    def purge_dead_workers(self) -> tuple[str, ...]:
-        """Delete every entry of workers whose liveness key expired; returns their ids.
-
-        Lookups already ignore dead workers; purging reclaims memory. Call it on a timer
-        (the controller does, e.g. every few seconds).
-        """
-        return self._run_purge("dead", ())
 
     def purge_worker(self, worker_id: str) -> bool:
         """Delete every entry of `worker_id` now, live or not (a worker the controller removed).

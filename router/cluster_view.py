@@ -3,8 +3,8 @@ how loaded each is (polled), in the shapes admission and placement take.
 
 Loads are polled on a timer with a timeout: every `poll_interval_s` while requests arrive,
 every `idle_poll_interval_s` once none has arrived for `idle_after_s` (each poll is one Ray
-call per worker, ~1 ms of the router's CPU on a busy 2-core machine: polling an idle cluster at
-the busy rate cost ~9 % of a core per router). The first request after a quiet spell wakes
+call per worker, which costs the router CPU: docs/benchmarks.md, "Router overhead (CPU)", has
+what polling an idle cluster at the busy rate cost). The first request after a quiet spell wakes
 the poller at once (it is admitted on the last poll, at most `idle_poll_interval_s` old; the
 admission ledger covers what this router itself admitted meanwhile). A worker that fails
 `failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
@@ -82,6 +82,9 @@ class WorkerEntry:
     reports do not show yet (reserved at placement, released at the request's first chunk)."""
     avoid_until: float = 0.0
     """Monotonic time before which placement skips the worker (it missed a stage deadline)."""
+    dead_at: float = -float("inf")
+    """Monotonic time its actor was last seen dead (`mark_dead`): a load poll sent before
+    then answers for the actor that died and must not bring the entry back."""
 
     @property
     def worker_id(self) -> str:
@@ -101,6 +104,12 @@ class WorkerEntry:
     def queued_prefill_tokens(self) -> int:
         reported = self.load.engine.num_waiting_prefill_tokens if self.load else 0
         return reported + self.dispatched_prefill_tokens
+
+    def mark_dead(self) -> None:
+        """Its actor died (a call to it, or its token channel, failed with an actor death):
+        out of placement now, until a load poll sent after this answers."""
+        self.alive = False
+        self.dead_at = time.monotonic()
 
     def close_channel(self, reason: str) -> None:
         if self.channel is not None:
@@ -125,28 +134,43 @@ class DecodeReservation:
             self._entry = None
 
 
+@dataclass(frozen=True)
+class ClusterViewConfig:
+    """How a router polls the workers (see the module docstring)."""
+
+    poll_interval_s: float = 0.05
+    """Seconds between load polls while requests arrive."""
+    idle_poll_interval_s: float = 0.5
+    """Seconds between load polls once no request arrived for `idle_after_s` (at least
+    `poll_interval_s`)."""
+    idle_after_s: float = 1.0
+    """Seconds without a request after which polling slows to `idle_poll_interval_s`."""
+    registry_interval_s: float = 1.0
+    """Seconds between asks of the directory (the controller) for the worker list."""
+    call_timeout_s: float = 2.0
+    """Longest wait for one load poll or directory call."""
+    failure_threshold: int = 3
+    """Failed polls in a row after which a worker leaves placement."""
+
+
 class ClusterView:
     def __init__(
         self,
         directory: WorkerDirectory,
         metrics: RouterMetrics | None = None,
-        poll_interval_s: float = 0.05,
-        registry_interval_s: float = 1.0,
-        call_timeout_s: float = 2.0,
-        failure_threshold: int = 3,
-        idle_poll_interval_s: float = 0.5,
-        idle_after_s: float = 1.0,
+        config: ClusterViewConfig | None = None,
     ) -> None:
+        config = config or ClusterViewConfig()
         self.directory = directory
         self.metrics = metrics
-        self.poll_interval_s = poll_interval_s
-        self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
-        self.idle_after_s = idle_after_s
+        self.poll_interval_s = config.poll_interval_s
+        self.idle_poll_interval_s = max(config.idle_poll_interval_s, config.poll_interval_s)
+        self.idle_after_s = config.idle_after_s
         self._last_request = -float("inf")
         self._wake = asyncio.Event()
-        self.registry_interval_s = registry_interval_s
-        self.call_timeout_s = call_timeout_s
-        self.failure_threshold = failure_threshold
+        self.registry_interval_s = config.registry_interval_s
+        self.call_timeout_s = config.call_timeout_s
+        self.failure_threshold = config.failure_threshold
         self.entries: dict[str, WorkerEntry] = {}
         self.router_id = uuid.uuid4().hex[:12]
         """Unique per view (per router): names this router's token channels on the workers."""
@@ -230,11 +254,14 @@ class ClusterView:
         entries = list(self.entries.values())
         if not entries:
             return
+        sent = time.monotonic()
         results = await asyncio.gather(
             *(asyncio.wait_for(e.handle.load.remote(), self.call_timeout_s) for e in entries),
             return_exceptions=True,
         )
         for entry, result in zip(entries, results, strict=True):
+            if entry.dead_at >= sent:
+                continue  # seen dead while this poll was out: its answer predates the death
             if isinstance(result, BaseException):
                 entry.failures += 1
                 if entry.failures >= self.failure_threshold and entry.alive:
@@ -252,7 +279,7 @@ class ClusterView:
     def mark_dead(self, worker_id: str) -> None:
         entry = self.entries.get(worker_id)
         if entry is not None:
-            entry.alive = False
+            entry.mark_dead()
 
     def avoid(self, worker_id: str, for_s: float) -> None:
         """Keep new requests off a worker for `for_s` (it missed a stage deadline)."""
@@ -267,11 +294,10 @@ class ClusterView:
     def decode_channel(self, entry: WorkerEntry) -> DecodeChannel:
         """This router's token channel to a decode worker (opened on first use)."""
         if entry.channel is None:
-
-            def lost() -> None:  # the actor died: this entry (not a replacement) is dead
-                entry.alive = False
-
-            entry.channel = DecodeChannel(entry.worker_id, entry.handle, self.router_id, lost)
+            # An actor death the channel sees kills this entry, not a later replacement.
+            entry.channel = DecodeChannel(
+                entry.worker_id, entry.handle, self.router_id, entry.mark_dead
+            )
         return entry.channel
 
     async def wait_changed(self, timeout_s: float) -> None:

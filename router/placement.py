@@ -1,6 +1,6 @@
 """Placement: which prefill worker computes a prompt and which decode worker serves it.
 
-Pure functions over candidate snapshots (DESIGN.md, lifecycle step 4):
+Pure functions over candidate snapshots (the Place step of router/orchestrator.py):
 
     prefill cost = w * uncached_prompt_blocks + queued_prefill_tokens / block_size
     decode cost  = active KV blocks + in-flight transfer blocks

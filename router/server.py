@@ -29,7 +29,12 @@ from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from router import validation
-from router.cluster_view import ClusterView, ControllerDirectory, WorkerDirectory
+from router.cluster_view import (
+    ClusterView,
+    ClusterViewConfig,
+    ControllerDirectory,
+    WorkerDirectory,
+)
 from router.control import ClusterControl, DrainReport
 from router.metrics import RecentSamples, RouterMetrics
 from router.orchestrator import Orchestrator, OrchestratorConfig
@@ -59,29 +64,9 @@ class RouterSignals:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """Settings of one router replica."""
+class RouterLimits:
+    """What one router takes at once, checked before a request is validated."""
 
-    model_dir: str
-    """Checkpoint folder (the router reads config.json and tokenizer.json only)."""
-    model_id: str = ""
-    """Binds prefix-cache hashes; must equal the workers' (defaults to the folder name)."""
-    host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    """gRPC port; 0 picks a free one."""
-    metrics_port: int | None = None
-    """Prometheus HTTP port; None disables, 0 picks a free one."""
-    redis_url: str | None = None
-    """Prefix-index Redis; None routes on load alone."""
-    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
-    tenants: tuple[str, ...] = ()
-    """Known tenants; empty accepts any tenant name."""
-    poll_interval_s: float = 0.05
-    """How often worker loads are polled while requests arrive."""
-    idle_poll_interval_s: float = 0.5
-    """How often worker loads are polled once no request arrived for a second."""
     max_message_bytes: int = 8 << 20
     """Largest gRPC message accepted (a prompt of 128k tokens of text fits); larger ones are
     refused by gRPC with RESOURCE_EXHAUSTED before they are parsed."""
@@ -90,6 +75,38 @@ class RouterConfig:
     RESOURCE_EXHAUSTED with retry-after before it is validated."""
     max_concurrent_streams: int = 1024
     """HTTP/2 streams per client connection (gRPC's `max_concurrent_streams`)."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router replica. In a cluster's config tree (deploy/config.py) this is
+    the `router:` section; `Cluster` fills in the model, Redis, index and, per replica, the
+    ports."""
+
+    model_dir: str = ""
+    """Checkpoint folder (the router reads config.json and tokenizer.json only)."""
+    model_id: str = ""
+    """Binds prefix-cache hashes; must equal the workers' (defaults to the folder name)."""
+    host: str = "127.0.0.1"
+    """Address the gRPC and metrics servers bind (0.0.0.0: every interface)."""
+    grpc_port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int | None = None
+    """Prometheus HTTP port; None disables, 0 picks a free one."""
+    redis_url: str | None = None
+    """Prefix-index Redis; None routes on load alone."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """Prefix-index lookups (timeouts, back-off after a failed lookup)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """Admission thresholds, policy tuning and tenant limits."""
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    """Placement weights, retries and stage deadlines of each request."""
+    view: ClusterViewConfig = field(default_factory=ClusterViewConfig)
+    """How often worker loads and the worker list are polled."""
+    limits: RouterLimits = field(default_factory=RouterLimits)
+    """Message size and concurrency limits."""
+    tenants: tuple[str, ...] = ()
+    """Known tenants; empty accepts any tenant name."""
 
     @property
     def resolved_model_id(self) -> str:
@@ -105,12 +122,7 @@ class RouterServer:
     ) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.view = ClusterView(
-            directory,
-            self.metrics,
-            poll_interval_s=config.poll_interval_s,
-            idle_poll_interval_s=config.idle_poll_interval_s,
-        )
+        self.view = ClusterView(directory, self.metrics, config.view)
         self.admission = AdmissionController(config.admission)
         self.index = (
             PrefixIndex(config.redis_url, config.resolved_model_id, config.index)
@@ -147,14 +159,17 @@ class RouterServer:
         await self.view.start()
         self._update_limits()
         opts = [
-            ("grpc.max_receive_message_length", self.config.max_message_bytes),
-            ("grpc.max_send_message_length", self.config.max_message_bytes),
-            ("grpc.max_concurrent_streams", self.config.max_concurrent_streams),
+            ("grpc.max_receive_message_length", self.config.limits.max_message_bytes),
+            ("grpc.max_send_message_length", self.config.limits.max_message_bytes),
+            ("grpc.max_concurrent_streams", self.config.limits.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(options=opts)
         self.generation = GenerationServicer(
-            self.orchestrator, self.tokenizer, self.limits, self.config.max_concurrent_requests
+            self.orchestrator,
+            self.tokenizer,
+            self.limits,
+            self.config.limits.max_concurrent_requests,
         )
         server.add_generic_rpc_handlers((generation_handler(self.generation),))
         admin = AdminServicer(
@@ -216,9 +231,9 @@ class RouterServer:
             max_stop_strings=validation.MAX_STOP_STRINGS,
             max_stop_string_chars=validation.MAX_STOP_STRING_CHARS,
             max_stop_token_ids=validation.MAX_STOP_TOKEN_IDS,
-            max_message_bytes=self.config.max_message_bytes,
-            max_concurrent_requests=self.config.max_concurrent_requests,
-            max_concurrent_streams=self.config.max_concurrent_streams,
+            max_message_bytes=self.config.limits.max_message_bytes,
+            max_concurrent_requests=self.config.limits.max_concurrent_requests,
+            max_concurrent_streams=self.config.limits.max_concurrent_streams,
             max_model_len=lim.max_model_len,
             max_prompt_tokens=lim.max_prompt_tokens or 0,
             default_request_timeout_s=o.default_request_timeout_s,

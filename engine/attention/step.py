@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.batch import ScheduledBatch
+from engine.block_pool import cdiv
 
 
 def _frozen(values: list[int]) -> np.ndarray:
@@ -96,7 +97,7 @@ def build_layout(batch: ScheduledBatch, block_size: int) -> BatchLayout:
         end = start + n
         if n == 0 or start < 0:
             raise ValueError(f"request {c.request_id}: empty chunk or negative start_pos")
-        num_pages = (end + bs - 1) // bs
+        num_pages = cdiv(end, bs)
         if num_pages > len(c.block_ids):
             raise ValueError(
                 f"request {c.request_id}: block table has {len(c.block_ids)} blocks "

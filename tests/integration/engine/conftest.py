@@ -19,8 +19,8 @@ Reference = Callable[[list[int], int], list[int]]
 @pytest.fixture(autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """The tiny model gains nothing from intra-op threads, and on a loaded 2-core machine a
-    descheduled second OpenMP thread stalls every small op at its barrier (measured: the
-    set took ~5 min with 2 threads vs ~30 s with 1 under a load average of 14)."""
+    descheduled second OpenMP thread stalls every small op at its barrier (docs/benchmarks.md,
+    "Engine (CPU)")."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

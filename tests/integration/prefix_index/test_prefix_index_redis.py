@@ -122,12 +122,12 @@ def test_dead_worker_is_ignored_at_lookup_and_purged(
     wait_until(lambda: index.live_workers() == ("alive",), timeout_s=3.0)
     assert index.lookup(A).workers == (WorkerPrefix("alive", 2),)
 
-    assert index.purge_dead_workers() == ("dying",)
+    assert index.purge_worker("dying") is True  # the controller removed it
     r = redis.Redis.from_url(redis_url)
     leftovers = [k for k in r.scan_iter(f"pdserve:{model_id}:*") if b"dying" in k]
     members = {m for h in A[:5] for m in r.smembers(f"pdserve:{model_id}:blk:{h.hex()}")}
     assert leftovers == [] and members == {b"alive"}
-    assert index.purge_dead_workers() == ()
+    assert index.purge_worker("dying") is False
 
 
 def test_replayed_events_after_a_lost_reply_are_idempotent(
@@ -302,8 +302,6 @@ def test_purge_worker_removes_one_named_worker_even_while_its_liveness_lasts(
     wait_until(lambda: p_gone.applied_seq == 0 and p_kept.applied_seq == 0)
     p_gone.close(deregister=False)  # removed by the controller; its liveness key still lasts
     index = PrefixIndex(redis_url, model_id, FAST)
-    assert index.purge_dead_workers() == ()
-
     assert index.purge_worker("gone") is True
     assert index.lookup(A).workers == (WorkerPrefix("kept", 2),)
     assert traces_of(redis_url, model_id, "gone") == []

@@ -34,9 +34,11 @@ from engine.tokenizer import Tokenizer
 def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCluster]:
     import ray
 
-    from deploy.cluster import Cluster, ClusterOptions
+    from deploy.cluster import Cluster
+    from deploy.config import LaunchConfig, PdserveConfig
+    from deploy.spec import ClusterSpec
     from router.orchestrator import OrchestratorConfig
-    from router.server import RouterConfig
+    from router.server import RouterConfig, RouterLimits
 
     engine = EngineConfig(
         model_dir=str(tiny_model_dir),
@@ -48,24 +50,23 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
         cuda_graphs=False,
     )
     router = RouterConfig(
-        model_dir=str(tiny_model_dir),
+        grpc_port=0,
+        metrics_port=0,
         tenants=TENANTS,
-        max_message_bytes=MAX_MESSAGE_BYTES,
+        limits=RouterLimits(max_message_bytes=MAX_MESSAGE_BYTES),
         admission=AdmissionConfig(thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)),
         # test_router_faults stops workers: short stage deadlines and stall checks
         orchestrator=OrchestratorConfig(token_gap_timeout_s=TOKEN_GAP_S),
     )
-    options = ClusterOptions(
-        num_prefill=2,
-        num_decode=1,
-        num_routers=2,
-        grpc_port=0,
-        metrics_port=0,
-        engine=engine,
+    config = PdserveConfig(
+        model=str(tiny_model_dir),
+        cluster=LaunchConfig(routers=2),
         router=router,
-        extra_spec={"stall_timeout_s": STALL_TIMEOUT_S},
+        workers=ClusterSpec(
+            engine=engine, num_prefill=2, num_decode=1, stall_timeout_s=STALL_TIMEOUT_S
+        ),
     )
-    with Cluster(options) as cluster:
+    with Cluster(config) as cluster:
         ep = cluster.endpoint
         assert ep is not None
         listed = ray.get(cluster.controller.list_workers.remote())

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from admission import (
+from admission.config import AdmissionThresholds
+from admission.snapshot import (
     AdmissionRequest,
-    AdmissionThresholds,
     ClusterSnapshot,
     DecodeWorkerLoad,
     PrefillWorkerLoad,

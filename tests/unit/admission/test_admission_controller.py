@@ -11,18 +11,10 @@ from typing import Any
 import pytest
 from admission_factories import THRESHOLDS, make_request, make_snapshot, prefill
 
-from admission import (
-    Admission,
-    AdmissionConfig,
-    AdmissionController,
-    AdmissionRejected,
-    AdmissionThresholds,
-    ClusterSnapshot,
-    DuplicateRequestId,
-    Reason,
-    RequestState,
-    TenantLimit,
-)
+from admission.config import AdmissionConfig, AdmissionThresholds, TenantLimit
+from admission.controller import AdmissionController, RequestState
+from admission.decision import Admission, AdmissionRejected, DuplicateRequestId, Reason
+from admission.snapshot import ClusterSnapshot
 
 ONE_AT_A_TIME = replace(THRESHOLDS, max_inflight_requests=1, max_queue_wait_ms=5000.0)
 
@@ -288,20 +280,6 @@ def test_queued_requests_recheck_the_snapshot_while_prefill_queues_drain() -> No
         ticket = await asyncio.wait_for(waiting, 1.0)
         assert ticket.request_id == "b"
         assert cluster.calls >= 3
-
-    run(scenario)
-
-
-def test_notify_capacity_changed_admits_without_waiting_for_a_recheck() -> None:
-    async def scenario() -> None:
-        ctl = controller(THRESHOLDS)
-        cluster = Cluster(make_snapshot(prefills=(prefill(queued=10_000),)))
-        waiting = asyncio.create_task(ctl.admit(make_request("b"), cluster))
-        await settle()
-        cluster.snapshot = make_snapshot()
-        ctl.notify_capacity_changed()
-        await settle()
-        assert waiting.done()
 
     run(scenario)
 

@@ -13,15 +13,10 @@ from admission_factories import (
     prefill,
 )
 
-from admission import (
-    AdmissionLedger,
-    DecisionKind,
-    PolicyTuning,
-    Reason,
-    ScaledLimits,
-    TenantAllowance,
-    evaluate,
-)
+from admission.config import PolicyTuning
+from admission.decision import DecisionKind, Reason
+from admission.policy import ScaledLimits, evaluate
+from admission.snapshot import AdmissionLedger, TenantAllowance
 
 ADMIT, QUEUE, REJECT = DecisionKind.ADMIT, DecisionKind.QUEUE, DecisionKind.REJECT
 

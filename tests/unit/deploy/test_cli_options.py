@@ -11,8 +11,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from deploy.cli import _up_argv, app
-from deploy.options import build_options, load_config
+from deploy.cli import app
+from deploy.options import ConfigArgs, config_input, effective_config, load_config
 from deploy.workers import ActorPlacement
 from planner.core import RoleBounds
 
@@ -20,13 +20,7 @@ COMMANDS = ("make-model", "up", "down", "status", "generate", "rebalance", "drai
 
 
 def options(config: dict[str, Any], **flags: Any) -> Any:
-    args: dict[str, Any] = {
-        k: None
-        for k in ("model", "prefill", "decode", "colocated", "grpc_port", "metrics_port",
-                  "redis_url", "address", "routers", "host", "planner")
-    }  # fmt: skip
-    args.update(flags)
-    return build_options(config, **args)
+    return effective_config(config_input(config, flags))
 
 
 def test_root_help_lists_every_command() -> None:
@@ -58,10 +52,15 @@ def test_up_help_documents_planner_config_and_address() -> None:
 
 
 def test_defaults_without_config() -> None:
-    opts = options({})
-    assert (opts.num_prefill, opts.num_decode, opts.grpc_port, opts.address) == (1, 1, 50051, None)
-    assert opts.redis_url is None and not opts.planner.enabled
-    assert opts.prefill_placement is None and opts.decode_placement is None
+    cfg = options({})
+    assert (cfg.workers.num_prefill, cfg.workers.num_decode) == (1, 1)
+    assert (cfg.router.grpc_port, cfg.router.metrics_port, cfg.cluster.address) == (
+        50051,
+        9464,
+        None,
+    )
+    assert cfg.cluster.redis_url is None and not cfg.workers.planner.enabled
+    assert cfg.workers.placement.prefill is None and cfg.workers.placement.decode is None
 
 
 def test_config_file_then_flags_win(tmp_path: Path) -> None:
@@ -90,30 +89,31 @@ def test_config_file_then_flags_win(tmp_path: Path) -> None:
             }
         )
     )
-    opts = options(load_config(path), prefill=1, grpc_port=7000, planner=True)
-    assert opts.num_prefill == 1 and opts.grpc_port == 7000  # flags
-    assert opts.num_decode == 2 and opts.address == "10.0.0.1:6379"  # file
-    assert opts.redis_url == "redis://10.0.0.2:6379/0"
-    assert opts.engine.num_kv_blocks == 64 and opts.engine.max_model_len == 256
-    assert opts.router.admission.thresholds.max_inflight_requests == 7
-    assert opts.placement == ActorPlacement(num_cpus=0)
-    assert opts.prefill_placement == ActorPlacement(
+    cfg = options(load_config(path), prefill=1, grpc_port=7000, planner=True)
+    workers = cfg.workers
+    assert workers.num_prefill == 1 and cfg.router.grpc_port == 7000  # flags
+    assert workers.num_decode == 2 and cfg.cluster.address == "10.0.0.1:6379"  # file
+    assert cfg.cluster.redis_url == "redis://10.0.0.2:6379/0"
+    assert workers.engine.num_kv_blocks == 64 and workers.engine.max_model_len == 256
+    assert cfg.router.admission.thresholds.max_inflight_requests == 7
+    assert workers.placement.default == ActorPlacement(num_cpus=0)
+    assert workers.placement.prefill == ActorPlacement(
         num_gpus=1, num_cpus=2, resources=(("prefill", 1.0),)
     )
-    assert opts.decode_placement == ActorPlacement(num_gpus=1, resources=(("decode", 1.0),))
-    assert opts.planner.enabled  # --planner over the file's enabled: false
-    assert opts.planner.interval_s == 2 and opts.planner.config.ttft_slo_ms == 800
-    assert opts.planner.config.prefill == RoleBounds(1, 4)
+    assert workers.placement.decode == ActorPlacement(num_gpus=1, resources=(("decode", 1.0),))
+    assert workers.planner.enabled  # --planner over the file's enabled: false
+    assert workers.planner.interval_s == 2 and workers.planner.config.ttft_slo_ms == 800
+    assert workers.planner.config.prefill == RoleBounds(1, 4)
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"prefil": 2}, "unknown keys ['prefil']"),
-        ({"engine": {"kv_blocks": 3}}, "engine: unknown fields ['kv_blocks']"),
-        ({"placement": {"router": {}}}, "placement: unknown roles ['router']"),
-        ({"placement": {"prefill": {"gpus": 1}}}, "placement.prefill: unknown fields ['gpus']"),
-        ({"planner": {"ttft_slo": 1}}, "planner: planner_config: unknown fields ['ttft_slo']"),
+        ({"prefil": 2}, "config prefil: unknown key"),
+        ({"engine": {"kv_blocks": 3}}, "config engine.kv_blocks: unknown key"),
+        ({"placement": {"router": {}}}, "config placement.router: unknown key"),
+        ({"placement": {"prefill": {"gpus": 1}}}, "config placement.prefill.gpus: unknown key"),
+        ({"planner": {"ttft_slo": 1}}, "config planner.ttft_slo: unknown key"),
         ({"planner": {"prefill": {"min_workers": 3, "max_workers": 1}}}, "min <= max"),
     ],
 )
@@ -141,9 +141,12 @@ def test_up_refuses_a_bad_config_before_starting_anything(tmp_path: Path) -> Non
         env={"PDSERVE_STATE_FILE": str(tmp_path / "state.json")},
     )
     assert result.exit_code == 2
-    assert "unknown keys" in result.output
+    assert result.output == "error: config prefil: unknown key\n"
 
 
 def test_detached_up_gets_the_given_options_only(tmp_path: Path) -> None:
-    argv = _up_argv(prefill=2, decode=None, grpc_port=0, config=tmp_path / "c.yaml")
-    assert argv == ["--prefill", "2", "--grpc-port", "0", "--config", str(tmp_path / "c.yaml")]
+    args = ConfigArgs(tmp_path / "c.yaml", {"prefill": 2, "grpc_port": 0, "planner": False})
+    assert args.argv() == [
+        "--prefill", "2", "--grpc-port", "0", "--no-planner",
+        "--config", str((tmp_path / "c.yaml").resolve()),
+    ]  # fmt: skip

@@ -47,7 +47,7 @@ def starts(monkeypatch: pytest.MonkeyPatch) -> StartRecorder:
     recorder = StartRecorder()
 
     def cluster_start(cluster: Any) -> Any:
-        recorder.started.append(cluster.options)
+        recorder.started.append(cluster.config)
         raise RuntimeError("stub: not starting a cluster in a unit test")
 
     monkeypatch.setattr("deploy.cluster.Cluster.start", cluster_start)
@@ -121,7 +121,7 @@ def test_bad_flags_are_refused_before_anything_starts(
         ({"prefill": 1.5}, "config prefill: expected a whole number, got 1.5"),
         ({"decode": True}, "config decode: expected a whole number, got True"),
         ({"colocated": "yes"}, "config colocated: expected true or false, got 'yes'"),
-        ({"model": 7}, "config model: expected a folder path, got 7"),
+        ({"model": 7}, "config model: expected a string, got 7"),
     ],
 )
 def test_bad_config_values_are_refused_like_flags(
@@ -136,8 +136,8 @@ def test_a_flag_over_a_bad_config_value_is_what_counts(
 ) -> None:
     result = up(tmp_path, "--config", write_config(tmp_path, {"prefill": -1}), "--prefill", "0")
     assert result.exit_code == 1, result.output  # got as far as starting (the stub refused)
-    (opts,) = starts.started
-    assert opts.num_prefill == 0  # no prefill workers: decode prefills locally (degraded)
+    (config,) = starts.started
+    assert config.workers.num_prefill == 0  # no prefill workers: decode prefills locally
 
 
 def test_metrics_port_null_in_the_config_means_no_metrics(
@@ -145,7 +145,7 @@ def test_metrics_port_null_in_the_config_means_no_metrics(
 ) -> None:
     result = up(tmp_path, "--config", write_config(tmp_path, {"metrics_port": None}))
     assert result.exit_code == 1, result.output
-    assert starts.started[0].metrics_port is None
+    assert starts.started[0].router.metrics_port is None
 
 
 def test_a_config_file_that_is_missing_or_not_yaml_is_one_line(
@@ -230,7 +230,7 @@ def test_a_loadable_looking_model_folder_goes_on_to_start(
     result = up(tmp_path, "--model", str(folder))
     assert result.exit_code == 1, result.output  # the stub's refusal, after the checks
     assert "cluster failed to start: stub" in result.output
-    assert starts.started[0].model_dir == str(folder)
+    assert starts.started[0].model == str(folder)
     (tmp_path / "sharded").mkdir()
     sharded = make_checkpoint(tmp_path / "sharded")
     (sharded / "model.safetensors").unlink()

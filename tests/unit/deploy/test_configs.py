@@ -11,15 +11,13 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.options import build_options
+from deploy.options import config_input, effective_config
 
 CONFIGS = Path(__file__).parents[3] / "deploy" / "configs"
 
 
 def options(config: dict[str, Any]) -> Any:
-    flags = ("model", "prefill", "decode", "colocated", "grpc_port", "metrics_port",
-             "redis_url", "address", "routers", "host", "planner")  # fmt: skip
-    return build_options(config, **dict.fromkeys(flags))
+    return effective_config(config_input(config, {}))
 
 
 def kuberay_docs() -> dict[str, dict[str, Any]]:
@@ -44,39 +42,41 @@ def test_ray_cluster_launcher_config_passes_rays_validation() -> None:
 
 def test_gpu_pdserve_config_asks_for_what_the_launcher_node_types_have() -> None:
     cluster = yaml.safe_load((CONFIGS / "ray-cluster.yaml").read_text())
-    opts = options(yaml.safe_load((CONFIGS / "pdserve-gpu.yaml").read_text()))
+    cfg = options(yaml.safe_load((CONFIGS / "pdserve-gpu.yaml").read_text()))
     types = cluster["available_node_types"]
-    assert opts.prefill_placement.num_gpus == 1
-    assert dict(opts.prefill_placement.resources) == {"prefill": 1.0}
-    assert dict(opts.decode_placement.resources) == {"decode": 1.0}
+    placement = cfg.workers.placement
+    assert placement.prefill.num_gpus == 1
+    assert dict(placement.prefill.resources) == {"prefill": 1.0}
+    assert dict(placement.decode.resources) == {"decode": 1.0}
     assert "prefill" in types["prefill-gpu"]["resources"]
     assert "decode" in types["decode-gpu"]["resources"]
-    (router_resource,) = dict(opts.router_resources)
+    (router_resource,) = dict(cfg.cluster.router_resources)
     assert router_resource in types[cluster["head_node_type"]]["resources"]
-    assert opts.planner.enabled and opts.planner.request_resources
-    assert opts.host == "0.0.0.0"
+    assert cfg.workers.planner.enabled and cfg.workers.planner.request_resources
+    assert cfg.router.host == "0.0.0.0"
 
 
 def test_kuberay_example_is_consistent_with_its_pdserve_config() -> None:
     docs = kuberay_docs()
     assert set(docs) == {"ConfigMap", "RayCluster", "RayJob", "Service"}
-    opts = options(yaml.safe_load(docs["ConfigMap"]["data"]["pdserve.yaml"]))
+    cfg = options(yaml.safe_load(docs["ConfigMap"]["data"]["pdserve.yaml"]))
     cluster = docs["RayCluster"]
     assert cluster["apiVersion"] == "ray.io/v1" and cluster["spec"]["enableInTreeAutoscaling"]
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"prefill", "decode"}
     assert ray_start_resources(groups["prefill"]["rayStartParams"]) == {"prefill": 1}
     assert ray_start_resources(groups["decode"]["rayStartParams"]) == {"decode": 1}
-    for role, placement in (("prefill", opts.prefill_placement), ("decode", opts.decode_placement)):
+    placements = cfg.workers.placement
+    for role, placement in (("prefill", placements.prefill), ("decode", placements.decode)):
         assert dict(placement.resources) == {role: 1.0}
         group = groups[role]
         assert float(group["rayStartParams"]["num-gpus"]) >= placement.num_gpus
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     head = cluster["spec"]["headGroupSpec"]
-    (router_resource,) = dict(opts.router_resources)
+    (router_resource,) = dict(cfg.cluster.router_resources)
     assert router_resource in ray_start_resources(head["rayStartParams"])
     ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
-    assert {opts.grpc_port, opts.metrics_port} <= ports
+    assert {cfg.router.grpc_port, cfg.router.metrics_port} <= ports
     job = docs["RayJob"]
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
     assert (

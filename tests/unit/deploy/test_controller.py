@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deploy.controller import Controller, _Worker
-from deploy.spec import ClusterSpec
+from deploy.spec import ClusterSpec, WorkerPlacement
 from deploy.workers import ActorPlacement
 from engine.config import EngineConfig
 from engine.outputs import EngineLoad
@@ -235,8 +235,8 @@ def test_rebalance_beyond_a_fixed_ray_is_refused_before_anything_drains(
 ) -> None:
     monkeypatch.setattr("deploy.controller.ray.cluster_resources", lambda: {"decode": 2.0})
     c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
-    c.spec = dataclasses.replace(c.spec, fixed_capacity=True, decode_placement=DECODE,
-                                 prefill_placement=PREFILL)  # fmt: skip
+    placement = WorkerPlacement(prefill=PREFILL, decode=DECODE)
+    c.spec = dataclasses.replace(c.spec, fixed_capacity=True, placement=placement)
     with pytest.raises(DrainRefused, match="rebalance would start 2 decode"):
         asyncio.run(c.rebalance(0, 3, 5.0))
     assert set(c.workers) == {"prefill-0", "decode-1"}

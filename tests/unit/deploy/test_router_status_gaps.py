@@ -1,7 +1,6 @@
-"""What `pdserve status` shows for a worker the router has registered but not polled yet.
-
-It was shown as WORKER_STATE_DEAD (router/servicer.py `AdminServicer.Status`), so for ~one poll
-interval after a rebalance or replacement a healthy new worker read "dead"; it is STARTING.
+"""What `pdserve status` shows for a worker the router has registered but not polled yet:
+STARTING (router/servicer.py `AdminServicer.Status`), not DEAD, so a healthy new worker does
+not read "dead" for a poll interval after a rebalance or replacement.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine.batch import ScheduledBatch, SeqChunk
+from engine.block_pool import cdiv
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.kv_sizing import kv_cache_spec
@@ -32,13 +33,13 @@ def batch(*chunks: SeqChunk) -> ScheduledBatch:
 
 def sequential_blocks(first: int, num_tokens: int, block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
     """Contiguous block ids covering num_tokens, starting at `first`."""
-    return tuple(range(first, first + -(-num_tokens // block_size)))
+    return tuple(range(first, first + cdiv(num_tokens, block_size)))
 
 
 def scattered_blocks(seed: int, num_tokens: int, num_blocks: int, block_size: int = BLOCK_SIZE):
     """Distinct, non-contiguous, unordered block ids covering num_tokens."""
     gen = torch.Generator().manual_seed(seed)
-    need = -(-num_tokens // block_size)
+    need = cdiv(num_tokens, block_size)
     return tuple(torch.randperm(num_blocks, generator=gen)[:need].tolist())
 
 

@@ -146,7 +146,8 @@ def model(tiny_model_dir: Path) -> LlamaModel:
 def legacy_forward(
     m: LlamaModel, ids: torch.Tensor, positions: torch.Tensor, attend: Attend
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder as engine/model.py computed it before LayerOps, written out as it was."""
+    """The decoder written out with plain torch ops, independently of LayerOps: the
+    reference the model's LayerOps path is compared with."""
 
     def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)

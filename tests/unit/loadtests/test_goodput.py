@@ -1,4 +1,5 @@
-"""Goodput, SLO parsing and percentiles on hand-made samples."""
+"""Goodput, SLO parsing and latency summaries on hand-made samples (the percentile helper
+itself is planner.core's, tested there)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from loadtests.goodput import (
     by_rate,
     max_rate_meeting,
     parse_slo,
-    percentile,
     run_duration_s,
     summarize,
 )
@@ -96,18 +96,7 @@ def test_unset_limits_are_not_checked() -> None:
     assert not SLO(e2e_ms=999.0).met_by(rec(0, e2e=1000.0))
 
 
-# -- percentiles and summaries -----------------------------------------------------------------
-
-
-def test_percentile_interpolates_linearly_like_numpy() -> None:
-    values = [15.0, 20.0, 35.0, 40.0, 50.0]
-    assert percentile(values, 0) == 15.0
-    assert percentile(values, 50) == 35.0
-    assert percentile(values, 40) == pytest.approx(29.0)  # rank 1.6: 20 + 0.6 * 15
-    assert percentile(values, 90) == pytest.approx(46.0)
-    assert percentile(values, 100) == 50.0
-    assert percentile([7.0], 99) == 7.0
-    assert math.isnan(percentile([], 50))
+# -- summaries ---------------------------------------------------------------------------------
 
 
 def test_latency_stats_of_hand_made_values() -> None:

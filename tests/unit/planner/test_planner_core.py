@@ -80,11 +80,14 @@ def steady(**kw: object) -> TickInput:
     return make_tick(**kw)  # type: ignore[arg-type]
 
 
-def test_percentile_interpolates_linearly_between_ranks() -> None:
+def test_percentile_interpolates_linearly_between_ranks_like_numpy() -> None:
     assert percentile([5.0], 90) == 5.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([10.0, 0.0, 20.0, 30.0, 40.0], 90) == pytest.approx(36.0)
     assert percentile([3.0, 1.0, 2.0], 100) == 3.0
+    values = [15.0, 20.0, 35.0, 40.0, 50.0]
+    assert percentile(values, 0) == 15.0
+    assert percentile(values, 40) == pytest.approx(29.0)  # rank 1.6: 20 + 0.6 * 15
     with pytest.raises(ValueError):
         percentile([], 50)
 

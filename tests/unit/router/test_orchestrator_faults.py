@@ -25,7 +25,7 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferTimeout
 from prefill_worker.api import PrefillRequest, PrefillResult
-from router.cluster_view import ClusterView, StaticDirectory
+from router.cluster_view import ClusterView, ClusterViewConfig, StaticDirectory
 from router.errors import StageTimeout, StreamCut, WorkerLost, to_grpc_failure
 from router.orchestrator import Orchestrator, OrchestratorConfig, StreamDelta
 from router.validation import ValidRequest
@@ -194,7 +194,9 @@ async def _serve(
     ] + [(make_info(d.worker_id, WorkerRole.DECODE), d) for d in setup.decode]
     directory = StaticDirectory(workers)
     # no poll between the requests of a burst: what spreads them is the router's own count
-    view = ClusterView(directory, poll_interval_s=60, idle_poll_interval_s=60)
+    view = ClusterView(
+        directory, config=ClusterViewConfig(poll_interval_s=60, idle_poll_interval_s=60)
+    )
     await view.start()
     thresholds = AdmissionThresholds(local_prefill_threshold_tokens=0)
     admission = AdmissionController(AdmissionConfig(thresholds=thresholds))
