@@ -17,6 +17,10 @@ A failure after tokens went out arrives as `StreamCut(error, n)`: the error's st
 message followed by "(n tokens delivered)".
 
 Worker exceptions arrive wrapped by Ray (`RayTaskError`); `unwrap` digs out the cause.
+
+Whether a failure ends the request at all (or is retried on other workers first) is decided
+beside this table, by the recovery policy (router/recovery.py); this table maps only what a
+request ends with.
 """
 
 from __future__ import annotations
