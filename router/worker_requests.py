@@ -45,52 +45,49 @@ def prefill_request(
     )
 
 
+def _decode_request(
+    req: ValidRequest,
+    deadline: float | None,
+    prompt_token_ids: tuple[int, ...] | None = None,
+    sampling: SamplingParams | None = None,
+    handle: KVHandle | None = None,
+    first_token: tuple[int, float | None] = (-1, None),
+) -> DecodeRequest:
+    return DecodeRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids if prompt_token_ids is None else prompt_token_ids,
+        sampling=req.sampling if sampling is None else sampling,
+        cache_salt=req.cache_salt,
+        handle=handle,
+        first_token_id=first_token[0] if handle is not None else None,
+        first_logprob=first_token[1] if handle is not None else None,
+        arrival_time=time.time(),
+        deadline=deadline,
+    )
+
+
 def handoff_request(
     req: ValidRequest,
     handle: KVHandle,
     first_token: tuple[int, float | None],
     deadline: float | None,
 ) -> DecodeRequest:
-    token_id, logprob = first_token
-    return DecodeRequest(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=req.sampling,
-        cache_salt=req.cache_salt,
-        handle=handle,
-        first_token_id=token_id,
-        first_logprob=logprob,
-        arrival_time=time.time(),
-        deadline=deadline,
-    )
+    """The decode of a prefilled request: pull `handle`'s KV, go on after the first token."""
+    return _decode_request(req, deadline, handle=handle, first_token=first_token)
 
 
 def local_request(req: ValidRequest, deadline: float | None) -> DecodeRequest:
-    return DecodeRequest(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=req.sampling,
-        cache_salt=req.cache_salt,
-        handle=None,
-        first_token_id=None,
-        first_logprob=None,
-        arrival_time=time.time(),
-        deadline=deadline,
-    )
+    """The whole request on the decode worker (it prefills the prompt itself)."""
+    return _decode_request(req, deadline)
 
 
 def resume_request(req: ValidRequest, first_token_id: int, deadline: float | None) -> DecodeRequest:
     """The rest of a request whose first token is out, computed on the decode worker alone
     (no prefill worker left): prompt + that token is prefilled there and it samples the
     second token on, so the client sees each token once."""
-    return DecodeRequest(
-        request_id=req.request_id,
+    return _decode_request(
+        req,
+        deadline,
         prompt_token_ids=(*req.prompt_token_ids, first_token_id),
         sampling=replace(req.sampling, max_tokens=req.sampling.max_tokens - 1),
-        cache_salt=req.cache_salt,
-        handle=None,
-        first_token_id=None,
-        first_logprob=None,
-        arrival_time=time.time(),
-        deadline=deadline,
     )

@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from router_fakes import Method, make_info, make_load
 
 from admission.config import AdmissionConfig, AdmissionThresholds
 from admission.controller import AdmissionController
 from decode_worker.api import ChunkError, DecodeRequest, TokenChunk
-from engine.outputs import EngineLoad
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferTimeout
@@ -36,7 +36,6 @@ from worker_runtime.api import (
     WorkerLoad,
     WorkerOverloaded,
     WorkerRole,
-    WorkerState,
 )
 
 PROMPT = tuple(range(2, 40))
@@ -46,37 +45,6 @@ EXPECTED = [100 + len(PROMPT) + k for k in range(MAX_TOKENS)]
 
 def token_at(position: int) -> int:
     return 100 + position
-
-
-class Method:
-    """`handle.name.remote(...)` of a fake actor: runs `fn` as a task, records the call."""
-
-    def __init__(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]] | None = None) -> None:
-        self.fn, self.calls = fn, calls if calls is not None else []
-
-    def options(self, **_: Any) -> Method:
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-        result = self.fn(*args)
-        if asyncio.iscoroutine(result):
-            return asyncio.ensure_future(result)
-        return result
-
-
-def make_load(worker_id: str, role: WorkerRole, used_blocks: int = 0) -> WorkerLoad:
-    engine = EngineLoad(
-        num_waiting=0, num_running=0, num_waiting_prefill_tokens=0,
-        num_free_blocks=100 - used_blocks, num_total_blocks=100, num_handoff_blocks=0,
-        num_transfer_blocks=0, num_cache_query_tokens=0, num_cache_hit_tokens=0,
-        num_preemptions=0,
-    )  # fmt: skip
-    return WorkerLoad(worker_id, role, WorkerState.READY, engine, 0, 0)
-
-
-def make_info(worker_id: str, role: WorkerRole) -> WorkerInfo:
-    return WorkerInfo(worker_id, role, worker_id, "node", "cpu", "m", 16, 512, 100, 100)
 
 
 @dataclass

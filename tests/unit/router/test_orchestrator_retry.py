@@ -6,13 +6,16 @@ token it already has; a second failure ends the request with the typed error."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
+
+from router_fakes import Method
+from router_fakes import make_info as info
+from router_fakes import make_load as load
 
 from admission.config import AdmissionConfig, AdmissionThresholds
 from admission.controller import AdmissionController
 from decode_worker.api import ChunkError, DecodeRequest, TokenChunk
-from engine.outputs import EngineLoad
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import TransferTimeout
@@ -21,40 +24,10 @@ from router.cluster_view import ClusterView, StaticDirectory
 from router.errors import StreamCut
 from router.orchestrator import Orchestrator, StreamDelta
 from router.validation import ValidRequest
-from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from worker_runtime.api import WorkerLoad, WorkerRole
 
 FIRST_TOKEN = 7
 DECODED = (8, 9, 10)
-
-
-class Method:
-    """`handle.name.remote(...)` of a fake actor: runs `fn` as a task, records the call."""
-
-    def __init__(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> None:
-        self.fn, self.calls = fn, calls
-
-    def options(self, **_: Any) -> Method:
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-        result = self.fn(*args)
-        if asyncio.iscoroutine(result):
-            return asyncio.ensure_future(result)
-        return result
-
-
-def load(worker_id: str, role: WorkerRole) -> WorkerLoad:
-    engine = EngineLoad(
-        num_waiting=0, num_running=0, num_waiting_prefill_tokens=0, num_free_blocks=100,
-        num_total_blocks=100, num_handoff_blocks=0, num_transfer_blocks=0,
-        num_cache_query_tokens=0, num_cache_hit_tokens=0, num_preemptions=0,
-    )  # fmt: skip
-    return WorkerLoad(worker_id, role, WorkerState.READY, engine, 0, 0)
-
-
-def info(worker_id: str, role: WorkerRole) -> WorkerInfo:
-    return WorkerInfo(worker_id, role, worker_id, "node", "cpu", "m", 16, 512, 100, 100)
 
 
 class FakePrefill:

@@ -5,51 +5,24 @@ worker), and a request that ends on its first token leaves no decode reservation
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from router_fakes import Method, make_info, make_load
 
 from admission.config import AdmissionConfig, AdmissionThresholds
 from admission.controller import AdmissionController
 from decode_worker.api import DecodeRequest, TokenChunk
-from engine.outputs import EngineLoad
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from prefill_worker.api import PrefillRequest, PrefillResult
 from router.cluster_view import ClusterView, StaticDirectory
 from router.orchestrator import Orchestrator, StreamDelta
 from router.validation import ValidRequest
-from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerLoad, WorkerRole
 
 PROMPT = tuple(range(2, 40))
-
-
-class Method:
-    """`handle.name.remote(...)` of a fake actor: runs `fn` as a task, records the call."""
-
-    def __init__(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]] | None = None) -> None:
-        self.fn, self.calls = fn, calls if calls is not None else []
-
-    def options(self, **_: Any) -> Method:
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-        result = self.fn(*args)
-        return asyncio.ensure_future(result) if asyncio.iscoroutine(result) else result
-
-
-def make_load(worker_id: str, role: WorkerRole) -> WorkerLoad:
-    engine = EngineLoad(
-        num_waiting=0, num_running=0, num_waiting_prefill_tokens=0, num_free_blocks=100,
-        num_total_blocks=100, num_handoff_blocks=0, num_transfer_blocks=0,
-        num_cache_query_tokens=0, num_cache_hit_tokens=0, num_preemptions=0,
-    )  # fmt: skip
-    return WorkerLoad(worker_id, role, WorkerState.READY, engine, 0, 0)
-
-
-def make_info(worker_id: str, role: WorkerRole) -> WorkerInfo:
-    return WorkerInfo(worker_id, role, worker_id, "node", "cpu", "m", 16, 512, 100, 100)
 
 
 @dataclass
