@@ -31,6 +31,7 @@ from typing import Any
 
 from decode_worker.api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
 from router.errors import WorkerLost, is_actor_death, unwrap
+from router.worker_calls import cancel_remote
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class DecodeChannel:
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         if self._subscription is not None:
-            _cancel_remote(self._subscription)
+            cancel_remote(self._subscription)
             self._subscription = None
 
     async def _read(self, subscription: Any) -> None:
@@ -203,11 +204,3 @@ class DecodeChannel:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(WorkerLost(reason))
-
-
-def _cancel_remote(ref: Any) -> None:
-    """Cancel a Ray call (here: the subscription), best effort."""
-    import ray
-
-    with contextlib.suppress(Exception):
-        ray.cancel(ref)

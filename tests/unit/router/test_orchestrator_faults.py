@@ -70,8 +70,8 @@ class FakePrefill:
         if self.fail_with:
             raise self.fail_with.pop(0)
         n = len(req.prompt_token_ids)
-        # a prefill that could end on its first token hands nothing off (max_tokens=1)
-        ends = req.sampling.max_tokens == 1 and not req.sampling.ignore_eos
+        # a request of max_tokens=1 ends on its first token: nothing is handed off
+        ends = req.sampling.max_tokens == 1
         return PrefillResult(
             req.request_id, token_at(n), "a", None, FinishReason.LENGTH if ends else None,
             None if ends else object(),  # type: ignore[arg-type]
@@ -237,6 +237,19 @@ def test_prefill_worker_draining_overloaded_or_failing_moves_to_another() -> Non
         (got,), _ = serve(setup)
         assert tokens(got) == EXPECTED, failure
         assert len(setup.prefill[1].prefills) == 1
+        # the same attempt on another prefill worker: same id (no `~N`), same decode worker
+        first, second = setup.prefill[0].prefills[0][0], setup.prefill[1].prefills[0][0]
+        assert second.request_id == first.request_id
+        assert [c[0].request_id for c in setup.decode[0].submits] == [first.request_id]
+        assert setup.prefill[1].aborts == [] and setup.decode[0].aborts == []
+        assert got[-1].timings is not None and got[-1].timings.prefill_worker == "prefill-1"
+
+
+def test_a_request_that_ends_on_its_first_token_releases_its_decode_reservation() -> None:
+    setup = Setup([FakePrefill("prefill-0")], [FakeDecode("decode-1")])
+    (got,), _ = serve(setup, max_tokens=1)  # serve asserts every reservation is released
+    assert isinstance(got, list) and [t for d in got for t in d.token_ids] == EXPECTED[:1]
+    assert got[-1].finish_reason is FinishReason.LENGTH and setup.decode[0].submits == []
 
 
 def test_no_prefill_worker_left_after_the_first_token_resumes_on_the_decode_worker() -> None:
