@@ -254,6 +254,8 @@ def test_publisher_thread_survives_a_raising_snapshot_and_counts_it(
         wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("w", 3),))
         p.publish([w.store(A[3:6])])  # later events keep landing
         wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("w", 6),))
+        # Redis holds the write before the publisher counts it: wait for its own confirmation
+        wait_until(lambda: p.stats().applied_seq == 1 and p.stats().connected)
         stats = p.stats()
         assert stats.running and stats.connected and stats.applied_seq == 1
         assert (stats.num_errors, stats.last_error) == (2, "RuntimeError: snapshot broke")
@@ -287,6 +289,8 @@ def test_publisher_resyncs_past_a_malformed_event_and_serves_later_ones(
     p.publish([w.store(A[4:6])])
     index = PrefixIndex(redis_url, model_id, FAST)
     wait_until(lambda: index.lookup(A).workers == (WorkerPrefix("w", 6),))
+    # Redis holds the resync before the publisher counts it: wait for its own confirmation
+    wait_until(lambda: p.stats().applied_seq == 2)
     stats = p.stats()
     assert stats.running and stats.num_resyncs == resyncs + 1 and stats.applied_seq == 2
     assert (stats.num_errors, stats.last_error) == (1, "TypeError: not a block hash")
