@@ -37,6 +37,13 @@ class EngineConfig:
     """Weights of the decoder projections: none (the dtype above) or fp8 (e4m3, one scale per
     tensor, quantized at load; activations quantized at run time; embeddings, norms and the
     head stay in the dtype above). GPU: cuBLASLt FP8 GEMMs (Hopper); CPU: dequantized."""
+    kv_cache_dtype: str = "auto"
+    """KV pool element type: auto (the dtype above) or fp8 (e4m3 with one static scale per
+    layer for K and one for V, calibrated at load; halves KV bytes per block and per
+    hand-off). Prefill and decode workers must agree (the transfer handshake refuses)."""
+    load_format: str = "auto"
+    """auto (the checkpoint's safetensors) or dummy (random weights made on the device from
+    config.json alone, for measuring shapes whose checkpoint is not on disk)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     block_size: int = 16

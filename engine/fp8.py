@@ -37,9 +37,17 @@ class Fp8Linear(torch.nn.Module):
     weight: torch.Tensor
     weight_scale: torch.Tensor
 
+    input_scale: torch.Tensor | None
+
     def __init__(
-        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_scale: torch.Tensor | None = None,
     ) -> None:
+        """`input_scale`: a static per-tensor activation scale (from the checkpoint or
+        calibrated at load); None quantizes each input with its own amax."""
         super().__init__()
         if weight.dtype != FP8_DTYPE or weight.dim() != 2:
             raise ValueError(f"Fp8Linear: want a 2-D {FP8_DTYPE} weight, got {weight.dtype}")
@@ -50,6 +58,9 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float().reshape(()))
         self.bias = bias
+        self.register_buffer(
+            "input_scale", None if input_scale is None else input_scale.float().reshape(())
+        )
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
