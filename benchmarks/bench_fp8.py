@@ -1,9 +1,16 @@
-"""FP8 weights vs bf16 on one GPU: decode step, prefill and logit error, side by side in one run.
+"""FP8 weights and FP8 KV vs bf16 on one GPU: decode step, prefill and logit error, side by side
+in one run.
 
 A Llama-3-8B-shaped model with random bf16 weights made on the GPU (benchmarks/bench_engine.py
 builds it), the engine's ModelRunner with CUDA graphs and flashinfer attention, then the same
 model quantized to FP8 in place (engine/fp8.py: e4m3 weights with one scale per tensor,
-activations quantized per tensor at run time, cuBLASLt `_scaled_mm`):
+cuBLASLt `_scaled_mm`), measured four ways:
+- bf16;
+- fp8-dynamic: activations quantized per tensor at run time (an amax reduction and a cast
+  kernel before every GEMM);
+- fp8: static activation scales calibrated at load (engine/fp8_calibration.py), so RMSNorm,
+  SiLU·mul and attention's output write e4m3 themselves (engine/layer_ops.py, fp8_kernels.py);
+- fp8+kv8: the same with an e4m3 KV pool (calibrated per-layer scales);
 - decode step at batch 1, 16, 64 with 2048 tokens of context per sequence, each against its
   own HBM floor (its weight bytes + the KV read, over the copy bandwidth measured here);
 - prefill of one 4096-token prompt in TFLOP/s against the bf16 and FP8 matmul rates measured
@@ -43,6 +50,7 @@ from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_pool import cdiv
 from engine.config import EngineConfig
 from engine.fp8 import quantize_per_tensor
+from engine.fp8_calibration import calibrate_activations, kv_scales, observe
 from engine.kv_cache import KVCache
 from engine.kv_sizing import kv_cache_spec
 from engine.layer_ops import TORCH_OPS
@@ -116,8 +124,9 @@ def main() -> None:
     num_blocks = pages_decode + cdiv(prompt, bs) + 8
     kv = KVCache(kv_cache_spec(model.cfg, bs, torch.bfloat16, num_blocks), "cuda")
     kv.tensor.normal_()
+    kv_holder: dict[str, object] = {"kv": kv, "bytes": 2}  # the pool the next runner uses
     cfg = model.cfg
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_elems_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
 
     ids = torch.randint(1, cfg.vocab_size, (256,), device="cuda")
     errors: dict[str, float] = {}
@@ -175,7 +184,7 @@ def main() -> None:
             cuda_graph_max_batch=max(batches),
             max_num_seqs=max(batches),
         )
-        runner = ModelRunner(model, kv, config)
+        runner = ModelRunner(model, cast(KVCache, kv_holder["kv"]), config)
         runner.execute(decode_batch(2, 64, bs, pages_decode))
         runner.warmup(256)
         return runner
@@ -195,6 +204,7 @@ def main() -> None:
             if sec is None:
                 continue
             secs[b] = sec
+            kv_per_token = kv_elems_per_token * cast(int, kv_holder["bytes"])
             floor = (weights + b * context * kv_per_token) / hbm
             print(f"   {label} B={b}: {sec * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms")
             ROWS.append(
@@ -232,18 +242,39 @@ def main() -> None:
     if ref is not None:
         step("bf16 logit error", functools.partial(logit_error, "bf16"))
         step("bf16 one-layer error", functools.partial(layer_error, "bf16"))
-    bf16 = bench("bf16")
+    results = {"bf16": bench("bf16")}
     step("quantize the projections to FP8 in place", model.quantize_fp8)
     torch.cuda.empty_cache()
     if ref is not None:
-        step("FP8 logit error", functools.partial(logit_error, "fp8"))
-        step("FP8 one-layer error", functools.partial(layer_error, "fp8"))
-    fp8 = bench("fp8")
-    for b in [*batches, -1]:
-        if b in bf16 and b in fp8:
-            what = "prefill" if b < 0 else f"decode B={b}"
-            ratio = fp8[b] / bf16[b]
-            ROWS.append((f"{what}: fp8 / bf16 time", f"{ratio:.2f}x", "", ""))
+        step("FP8 (dynamic) logit error", functools.partial(logit_error, "fp8-dynamic"))
+    results["fp8-dynamic"] = bench("fp8-dynamic")
+    calib = [int(t) for t in torch.randint(1, cfg.vocab_size, (512,))]
+    observed = step("calibrate static FP8 scales (512 tokens)", lambda: observe(model, calib))
+    if observed is not None:
+        calibrate_activations(model, observed)
+        if ref is not None:
+            step("FP8 (static) logit error", functools.partial(logit_error, "fp8"))
+            step("FP8 (static) one-layer error", functools.partial(layer_error, "fp8"))
+        results["fp8"] = bench("fp8")
+        kv_holder["kv"] = None
+        del kv
+        torch.cuda.empty_cache()
+        spec8 = kv_cache_spec(model.cfg, bs, torch.float8_e4m3fn, num_blocks, kv_scales(observed))
+        kv8 = KVCache(spec8, "cuda")
+        for i in range(0, num_blocks, 256):  # random context, a slice at a time
+            part = kv8.tensor[i : i + 256]
+            part.copy_(torch.randn(part.shape, device="cuda").clamp(-8, 8))
+        kv_holder["kv"], kv_holder["bytes"] = kv8, 1
+        results["fp8+kv8"] = bench("fp8+kv8")
+    bf16 = results["bf16"]
+    for label, secs in results.items():
+        if label == "bf16":
+            continue
+        for b in [*batches, -1]:
+            if b in bf16 and b in secs:
+                what = "prefill" if b < 0 else f"decode B={b}"
+                ratio = secs[b] / bf16[b]
+                ROWS.append((f"{what}: {label} / bf16 time", f"{ratio:.2f}x", "", ""))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     print_table()
 

@@ -51,8 +51,8 @@ t = time.time(); from engine.layer_ops import FlashInferOps; FlashInferOps().bui
 print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   tests) step gpu_tests 200 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
   engine) step bench_engine 170 python benchmarks/bench_engine.py ;;
-  fp8) step fp8_tests 150 python -m pytest tests/gpu/test_fp8_gpu.py -q -rA -p no:cacheprovider
-    step bench_fp8 330 python benchmarks/bench_fp8.py ;;
+  fp8) step fp8_tests 200 python -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_gpu.py -q -rA -p no:cacheprovider
+    step bench_fp8 400 python benchmarks/bench_fp8.py ;;
   kv) step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis ;;
   router) step bench_router 170 python benchmarks/bench_router.py --rates 2,5,10 --requests 120 \
     --markdown ;;

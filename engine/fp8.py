@@ -16,6 +16,8 @@ H200, see docs/benchmarks.md), so a fused projection (q/k/v, gate/up) shares one
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -71,23 +73,55 @@ class Fp8Linear(torch.nn.Module):
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
+    @property
+    def is_static(self) -> bool:
+        """Whether inputs are quantized with the fixed `input_scale` (the fused-op path)."""
+        return self.input_scale is not None
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.float() * self.weight_scale).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x in e4m3, its scale): the static scale, or one from x's own amax."""
+        if self.input_scale is not None:
+            return quantize_static(x, self.input_scale), self.input_scale
         # one reduction for the scale; x / scale stays in x's dtype (a 0-dim float32 tensor
         # does not promote it), e4m3 saturates in the clamp
         amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
         x_scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-        x_q = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        if x.is_cuda:
+        return (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T + b in `out_dtype` (default x's dtype). An e4m3 `x` is taken as already
+        quantized with `input_scale` (a fused norm/activation wrote it) and needs out_dtype."""
+        if x.dtype == FP8_DTYPE:
+            if self.input_scale is None or out_dtype is None:
+                raise ValueError("an e4m3 input needs a static input_scale and an out_dtype")
+            x_q, x_scale = x, self.input_scale
+        else:
+            out_dtype = out_dtype or x.dtype
+            x_q, x_scale = self.quantize_input(x)
+        if x_q.is_cuda:
             return torch._scaled_mm(
                 x_q,
                 self.weight.t(),
                 scale_a=x_scale,
                 scale_b=self.weight_scale,
                 bias=self.bias,
-                out_dtype=x.dtype,
+                out_dtype=out_dtype,
             )
-        x_dq = (x_q.float() * x_scale).to(x.dtype)
-        return F.linear(x_dq, self.dequantized(x.dtype), self.bias)
+        x_dq = (x_q.float() * x_scale).to(out_dtype)
+        return F.linear(x_dq, self.dequantized(out_dtype), self.bias)
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale in e4m3, saturated at ±448 (the reference the fused kernels are checked
+    against; computed in float32)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def pow2_scale(amax: float, headroom: float) -> float:
+    """The smallest power of two >= amax * headroom / 448 (a scale whose division is exact in
+    any float format, and which equal models calibrate to bit-identically)."""
+    want = max(amax * headroom / FP8_MAX, _MIN_SCALE)
+    return float(2.0 ** math.ceil(math.log2(want)))

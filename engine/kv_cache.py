@@ -23,7 +23,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
+FP8_KV_DTYPE = "float8_e4m3fn"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -52,6 +54,25 @@ class KVCacheSpec:
     head_dim: int
     dtype: str
     layout: str = KV_LAYOUT
+    scales: tuple[float, ...] = ()
+    """An e4m3 pool's per-layer scales (k0, v0, k1, v1, ...): stored value = K / k_scale.
+    Empty for a pool in the model's float dtype."""
+
+    def __post_init__(self) -> None:
+        quantized = self.dtype == FP8_KV_DTYPE
+        if quantized != bool(self.scales) or (
+            quantized and len(self.scales) != 2 * self.num_layers
+        ):
+            raise ValueError(
+                f"KV pool of {self.dtype} needs {2 * self.num_layers if quantized else 0} "
+                f"scales, got {len(self.scales)}"
+            )
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of one layer; (1.0, 1.0) for a float pool."""
+        if not self.scales:
+            return 1.0, 1.0
+        return self.scales[2 * layer], self.scales[2 * layer + 1]
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -100,7 +121,8 @@ class KVCache:
         self, src: KVCache, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> None:
         """Copy whole blocks from another cache (an in-process hand-off, for tests)."""
-        if src.spec.shape[1:] != self.spec.shape[1:] or src.spec.dtype != self.spec.dtype:
+        same = (src.spec.dtype, src.spec.scales) == (self.spec.dtype, self.spec.scales)
+        if src.spec.shape[1:] != self.spec.shape[1:] or not same:
             raise ValueError(f"incompatible KV caches: {src.spec} vs {self.spec}")
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError("src and dst block lists differ in length")

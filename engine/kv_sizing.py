@@ -22,9 +22,14 @@ CPU_DEFAULT_KV_BLOCKS = 4096
 
 
 def kv_cache_spec(
-    model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_blocks: int
+    model_cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    num_blocks: int,
+    scales: tuple[float, ...] = (),
 ) -> KVCacheSpec:
-    """The pool spec of this model at this block size and dtype."""
+    """The pool spec of this model at this block size and dtype (an e4m3 pool: with its
+    per-layer scales, engine/fp8_calibration.py)."""
     return KVCacheSpec(
         num_blocks=num_blocks,
         num_layers=model_cfg.num_layers,
@@ -32,6 +37,7 @@ def kv_cache_spec(
         num_kv_heads=model_cfg.num_kv_heads,
         head_dim=model_cfg.head_dim,
         dtype=dtype_name(dtype),
+        scales=scales,
     )
 
 
@@ -63,7 +69,7 @@ def decide_num_kv_blocks(
     dtype: torch.dtype,
     model: LlamaModel | None = None,
 ) -> int:
-    """Number of KV blocks for the pool (see the module docstring).
+    """Number of KV blocks for the pool (see the module docstring); `dtype`: the pool's.
 
     On GPU without a configured number, `model` (already loaded on `device`) is required.
     Raises ValueError when the memory left cannot hold one sequence of max_model_len tokens.
@@ -74,7 +80,8 @@ def decide_num_kv_blocks(
         return CPU_DEFAULT_KV_BLOCKS
     if model is None:
         raise ValueError("sizing the KV pool on GPU needs the loaded model (to profile it)")
-    block_bytes = kv_cache_spec(model_cfg, config.block_size, dtype, 1).block_nbytes
+    per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim
+    block_bytes = per_token * config.block_size * torch.empty((), dtype=dtype).element_size()
     tokens = config.max_num_batched_tokens
     peak = profile_activation_peak(model, tokens, min(config.max_num_seqs, tokens))
     free, _total = torch.cuda.mem_get_info(device)

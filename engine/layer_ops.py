@@ -42,6 +42,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.fp8 import FP8_DTYPE, quantize_static
 from engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,35 @@ class LayerOps(abc.ABC):
     @abc.abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x[..., :I]) * x[..., I:] for x [..., 2I]."""
+
+    # FP8 inputs of the next GEMM (static per-tensor scale: a float32 0-dim device tensor).
+    # These compose the ops above with a separate cast; fused implementations override them.
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x / scale in e4m3, saturated (x [T, N])."""
+        return quantize_static(x, scale)
+
+    def rms_norm_quant(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """rms_norm(x) / scale in e4m3; x is not modified."""
+        return self.quantize(self.rms_norm(x, weight, eps), scale)
+
+    def add_rms_norm_quant(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) / scale in e4m3, x + residual); may overwrite residual and x."""
+        h, summed = self.add_rms_norm(x, residual, weight, eps)
+        return self.quantize(h, scale), summed
+
+    def silu_and_mul_quant(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(x) / scale in e4m3."""
+        return self.quantize(self.silu_and_mul(x), scale)
 
 
 class TorchOps(LayerOps):
@@ -178,6 +208,12 @@ class FlashInferOps(LayerOps):
             self._norm, self._rope, self._act = _import_flashinfer_ops()
         except Exception as e:
             raise LayerOpsUnavailable(f"flashinfer does not import: {e}") from e
+        from engine import fp8_kernels
+
+        reason = fp8_kernels.unavailable_reason()
+        if reason is not None:
+            log.debug("fused FP8 casts: composed ops (%s)", reason)
+        self._fp8_kernels: ModuleType | None = fp8_kernels if reason is None else None
 
     def build_kernels(self) -> None:
         """Build (JIT) or load the kernels' modules in parallel threads. On a fresh machine
@@ -237,4 +273,41 @@ class FlashInferOps(LayerOps):
         if x.shape[0] == 0:
             return x.new_empty((0, x.shape[-1] // 2))
         out: torch.Tensor = self._act.silu_and_mul(x.contiguous())
+        return out
+
+    # FP8: flashinfer's norm kernels write e4m3 themselves; SiLU·mul and the plain cast are
+    # triton kernels (engine/fp8_kernels.py) when triton runs here, else the composed ops.
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self._fp8_kernels is None or x.dim() != 2 or x.stride(-1) != 1:
+            return super().quantize(x, scale)
+        out: torch.Tensor = self._fp8_kernels.quantize(x, scale)
+        return out
+
+    def rms_norm_quant(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+        if x.shape[0] > 0:
+            self._norm.rmsnorm_quant(out, x, weight, scale.reshape(1), eps)
+        return out
+
+    def add_rms_norm_quant(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # residual += x; out = rmsnorm(residual) * weight / scale in e4m3, in one kernel
+        out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+        if x.shape[0] > 0:
+            self._norm.fused_add_rmsnorm_quant(out, x, residual, weight, scale.reshape(1), eps)
+        return out, residual
+
+    def silu_and_mul_quant(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self._fp8_kernels is None or x.stride(-1) != 1:
+            return super().silu_and_mul_quant(x, scale)
+        out: torch.Tensor = self._fp8_kernels.silu_and_mul_quant(x, scale)
         return out

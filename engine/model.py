@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.fp8 import Fp8Linear
 from engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
 from engine.model_config import ModelConfig, RopeConfig
 
@@ -124,8 +125,6 @@ class DecoderLayer(nn.Module):
     def quantize_fp8(self) -> None:
         """Replace qkv, o, gate/up and down by FP8 copies (engine/fp8.py), freeing the dense
         weights; norms stay in the model dtype."""
-        from engine.fp8 import Fp8Linear
-
         self.fp8 = nn.ModuleDict(
             {
                 "qkv_proj": Fp8Linear.from_weight(self.qkv_proj, self.qkv_bias),
@@ -138,13 +137,41 @@ class DecoderLayer(nn.Module):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             setattr(self, name, nn.Parameter(empty, requires_grad=False))
 
+    def _static_scale(self, name: str) -> torch.Tensor | None:
+        """The static input scale of FP8 projection `name` (the op before it then writes
+        e4m3 itself), or None (dense, or FP8 with dynamic input scales)."""
+        if self.fp8 is None:
+            return None
+        return cast(Fp8Linear, self.fp8[name]).input_scale
+
     def _linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        """Projection `name` of x (model dtype, or e4m3 made with its static input scale)."""
         if self.fp8 is not None:
-            out: torch.Tensor = self.fp8[name](x)
+            out: torch.Tensor = self.fp8[name](x, out_dtype=weight.dtype)
             return out
         return F.linear(x, weight, bias)
+
+    def _norm_into(
+        self,
+        name: str,
+        ops: LayerOps,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input of projection `name`: rmsnorm of x (+ residual), residual stream);
+        e4m3 when that projection's input scale is static."""
+        eps = self.cfg.rms_norm_eps
+        scale = self._static_scale(name)
+        if residual is None:
+            if scale is not None:
+                return ops.rms_norm_quant(x, weight, eps, scale), x
+            return ops.rms_norm(x, weight, eps), x
+        if scale is not None:
+            return ops.add_rms_norm_quant(x, residual, weight, eps, scale)
+        return ops.add_rms_norm(x, residual, weight, eps)
 
     def forward(
         self,
@@ -160,10 +187,7 @@ class DecoderLayer(nn.Module):
         layer 0 gets (embeddings, None). x and residual may be overwritten (see LayerOps)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, self.input_layernorm.weight, eps)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        h, residual = self._norm_into("qkv_proj", ops, x, residual, self.input_layernorm.weight)
         qkv = self._linear("qkv_proj", h, self.qkv_proj, self.qkv_bias)
         t = qkv.shape[0]
         # views into qkv (no copies); RoPE may rotate q and k in place there
@@ -175,9 +199,19 @@ class DecoderLayer(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, eps)
         q, k = ops.rope(positions, q, k, rotary)
         attn = attend(layer, q, k, v).reshape(t, cfg.q_size)
+        o_scale = self._static_scale("o_proj")
+        if o_scale is not None:
+            attn = ops.quantize(attn, o_scale)
         h = self._linear("o_proj", attn, self.o_proj, self.o_bias)
-        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
-        h = ops.silu_and_mul(self._linear("gate_up_proj", h, self.gate_up_proj, None))
+        h, residual = self._norm_into(
+            "gate_up_proj", ops, h, residual, self.post_attention_layernorm.weight
+        )
+        gate_up = self._linear("gate_up_proj", h, self.gate_up_proj, None)
+        down_scale = self._static_scale("down_proj")
+        if down_scale is not None:
+            h = ops.silu_and_mul_quant(gate_up, down_scale)
+        else:
+            h = ops.silu_and_mul(gate_up)
         return self._linear("down_proj", h, self.down_proj, None), residual
 
 

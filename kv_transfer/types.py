@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,12 +36,19 @@ def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
             f"num_layers={spec.num_layers}",
             f"num_kv_heads={spec.num_kv_heads}",
             f"head_dim={spec.head_dim}",
+            *([f"kv_scales={_digest(spec.scales)}"] if spec.scales else []),
         ]
     )
 
 
+def _digest(scales: tuple[float, ...]) -> str:
+    """12 hex digits over an e4m3 pool's scales (their exact float64 bits)."""
+    return hashlib.sha256(struct.pack(f"<{len(scales)}d", *scales)).hexdigest()[:12]
+
+
 def compat_hash(spec: KVCacheSpec, model_id: str) -> str:
-    """32 hex digits over model, dtype, layout, block size, layers, kv heads and head dim."""
+    """32 hex digits over model, dtype, layout, block size, layers, kv heads, head dim and an
+    e4m3 pool's scales."""
     return hashlib.sha256(compat_fields(spec, model_id).encode()).hexdigest()[:32]
 
 

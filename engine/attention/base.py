@@ -17,11 +17,13 @@ Invariants:
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
 from engine.attention.step import StepInputs
+from engine.fp8 import FP8_DTYPE, quantize_static
 from engine.kv_cache import KVCache, torch_dtype
 from engine.model_config import ModelConfig
 
@@ -36,7 +38,11 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
 
-    def __init__(self, model_cfg: ModelConfig, kv_cache: KVCache) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, kv_cache: KVCache, compute_dtype: torch.dtype | None = None
+    ) -> None:
+        """`compute_dtype`: q's dtype (the model's; default the pool's, which an e4m3 pool
+        cannot be)."""
         spec = kv_cache.spec
         if (spec.num_kv_heads, spec.head_dim, spec.num_layers) != (
             model_cfg.num_kv_heads,
@@ -47,11 +53,21 @@ class AttentionBackend(abc.ABC):
         self.model_cfg = model_cfg
         self.kv_cache = kv_cache
         self.block_size = spec.block_size
-        self.dtype = torch_dtype(spec.dtype)
+        self.kv_dtype = torch_dtype(spec.dtype)
+        self.dtype = compute_dtype or self.kv_dtype
+        if self.dtype == FP8_DTYPE:
+            raise ValueError("an e4m3 KV pool needs the model's compute dtype for q")
         self.num_heads = model_cfg.num_heads
         self.num_kv_heads = model_cfg.num_kv_heads
         self.head_dim = model_cfg.head_dim
         self.scale = model_cfg.head_dim**-0.5
+        self._fp8_store: Callable[..., None] | None = None
+        """An e4m3 pool on CUDA: the fused quantize-and-store kernel (engine/fp8_kernels.py)."""
+        if self.kv_dtype == FP8_DTYPE and kv_cache.device.type == "cuda":
+            from engine import fp8_kernels
+
+            if fp8_kernels.unavailable_reason() is None:
+                self._fp8_store = fp8_kernels.store_kv
 
     @abc.abstractmethod
     def prepare(self, step: StepInputs) -> None:
@@ -67,8 +83,17 @@ class AttentionBackend(abc.ABC):
         """Store the step's k/v of one layer at their slots (an index_put on the pool view)."""
         kv = self.kv_cache.layer(layer)
         blocks, offsets = step.slot_blocks, step.slot_offsets
+        if kv.dtype == FP8_DTYPE and self._fp8_store is not None:  # one fused launch
+            self._fp8_store(
+                self.kv_cache.tensor, layer, blocks, offsets, k, v,
+                self.kv_cache.spec.layer_scales(layer), step.write_rows,
+            )  # fmt: skip
+            return
         if step.write_rows is not None:
             k, v = k[step.write_rows], v[step.write_rows]
+        if kv.dtype == FP8_DTYPE:  # stored as K / k_scale (engine/fp8_calibration.py)
+            k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+            k, v = quantize_static(k, k_scale), quantize_static(v, v_scale)
         kv[:, 0].index_put_((blocks, offsets), k.to(kv.dtype))
         kv[:, 1].index_put_((blocks, offsets), v.to(kv.dtype))
 

@@ -50,8 +50,10 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
 
-    def __init__(self, model_cfg: ModelConfig, kv_cache: KVCache) -> None:
-        super().__init__(model_cfg, kv_cache)
+    def __init__(
+        self, model_cfg: ModelConfig, kv_cache: KVCache, compute_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(model_cfg, kv_cache, compute_dtype)
         reason = flashinfer_unavailable_reason(model_cfg, kv_cache.device, self.dtype)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -74,7 +76,15 @@ class FlashInferBackend(AttentionBackend):
         self._has_prefill = self._has_decode = False
 
     def _plan_kwargs(self) -> dict[str, Any]:
-        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.scale}
+        return {"q_data_type": self.dtype, "kv_data_type": self.kv_dtype, "sm_scale": self.scale}
+
+    def _scales(self, layer: int) -> dict[str, float]:
+        """An e4m3 pool's dequantization scales for flashinfer's run (none for a float pool:
+        the kernels then skip the multiply)."""
+        if not self.kv_cache.spec.scales:
+            return {}
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+        return {"k_scale": k_scale, "v_scale": v_scale}
 
     def prepare(self, step: StepInputs) -> None:
         lay = step.layout
@@ -111,16 +121,17 @@ class FlashInferBackend(AttentionBackend):
         self.write_kv(layer, self._step, k, v)
         pool = self.kv_cache.layer(layer)
         q = q.contiguous()
+        scales = self._scales(layer)
         if self._graph_batch is not None:
-            return self._graph_wrappers[self._graph_batch].run(q, pool)
+            return self._graph_wrappers[self._graph_batch].run(q, pool, **scales)
         if not self._has_decode:
-            return self._prefill.run(q, pool)
+            return self._prefill.run(q, pool, **scales)
         if not self._has_prefill:
-            return self._decode.run(q, pool)
+            return self._decode.run(q, pool, **scales)
         out = torch.empty_like(q)
         t = self._split
-        self._prefill.run(q[:t], pool, out=out[:t])
-        self._decode.run(q[t:], pool, out=out[t:])
+        self._prefill.run(q[:t], pool, out=out[:t], **scales)
+        self._decode.run(q[t:], pool, out=out[t:], **scales)
         return out
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:

@@ -76,7 +76,14 @@ def resolve_backend_name(
     return requested
 
 
-def create_backend(requested: str, model_cfg: ModelConfig, kv_cache: KVCache) -> AttentionBackend:
-    """Build the backend `requested` ("auto", "torch", "flashinfer") for this model and pool."""
-    name = resolve_backend_name(requested, model_cfg, kv_cache.device, kv_cache.tensor.dtype)
-    return backend_class(name)(model_cfg, kv_cache)
+def create_backend(
+    requested: str,
+    model_cfg: ModelConfig,
+    kv_cache: KVCache,
+    compute_dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """Build the backend `requested` ("auto", "torch", "flashinfer") for this model and pool;
+    `compute_dtype` is the model's (q's), default the pool's."""
+    dtype = compute_dtype or kv_cache.tensor.dtype
+    name = resolve_backend_name(requested, model_cfg, kv_cache.device, dtype)
+    return backend_class(name)(model_cfg, kv_cache, compute_dtype)

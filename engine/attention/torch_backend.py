@@ -37,6 +37,13 @@ class _Seq:
     start_pos: int
 
 
+def _dequant(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Pool values in `dtype` (an e4m3 pool stores value / scale; a float pool has scale 1)."""
+    if scale == 1.0:
+        return t.to(dtype)
+    return (t.float() * scale).to(dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Gather-and-attend per sequence (see the module docstring)."""
 
@@ -83,12 +90,14 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(layer, self._step, k, v)
         pool = self.kv_cache.layer(layer)  # [blocks, 2, block_size, Hkv, D]
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
         out = torch.empty_like(q)
         for s in self._seqs:
             ctx = pool[s.pages]  # [pages, 2, block_size, Hkv, D]
             keys = ctx[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[: s.kv_len]
             values = ctx[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[: s.kv_len]
-            out[s.rows] = self._attend(q[s.rows], keys.to(q.dtype), values.to(q.dtype), s)
+            keys, values = _dequant(keys, k_scale, q.dtype), _dequant(values, v_scale, q.dtype)
+            out[s.rows] = self._attend(q[s.rows], keys, values, s)
         if self._decodes is not None:
             d = self._decodes
             ctx = pool[d.pages]  # [S, pages, 2, block_size, Hkv, D]
@@ -98,8 +107,8 @@ class TorchAttentionBackend(AttentionBackend):
             qd = q[d.first_row :].unsqueeze(2)  # [S, Hq, 1, D]
             o = F.scaled_dot_product_attention(
                 qd,
-                keys.transpose(1, 2).to(q.dtype),
-                values.transpose(1, 2).to(q.dtype),
+                _dequant(keys.transpose(1, 2), k_scale, q.dtype),
+                _dequant(values.transpose(1, 2), v_scale, q.dtype),
                 attn_mask=d.mask,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,

@@ -1,8 +1,11 @@
-"""FP8 weights on the tiny model (CPU: FP8 values, dequantized matmuls): greedy tokens equal
-the float32 engine's except at near-ties, by a stated margin rule.
+"""FP8 weights and an FP8 KV cache on the tiny model (CPU: FP8 values, dequantized matmuls and
+attention): greedy tokens equal the float32 engine's except at near-ties, by a stated margin
+rule. Weights use the static activation scales calibrated at load (engine/fp8_calibration.py),
+the KV pool its calibrated per-layer scales.
 
 Margin rule (issue 17): along the float32 greedy continuation (teacher-forced), let err_t
-be the largest absolute difference between the FP8 and float32 logits at step t. The FP8
+be the largest absolute difference between the FP8 and float32 logits at step t (the FP8 side
+computed with the same quantized weights, activations and KV values the engine uses). The FP8
 continuation must equal the float32 one up to its first differing token, and at that step the
 float32 top-2 margin must be below 2 * err_t: a token may flip only where quantization moved
 the logits by more than half the gap between the two best tokens."""
@@ -12,32 +15,54 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
 
+from engine.fp8 import quantize_static
 from engine.model import LlamaModel, causal_attend
 from engine.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
 
 
-def _logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def _logits(model: LlamaModel, ids: list[int], kv_scales: tuple[float, ...] = ()) -> torch.Tensor:
+    """Teacher-forced logits; with `kv_scales`, K and V pass through e4m3 as the pool stores
+    them (value / scale in e4m3, times scale on read)."""
     cfg = model.cfg
-    attend = causal_attend(1, len(ids), cfg.num_heads, cfg.num_kv_heads)
+    causal = causal_attend(1, len(ids), cfg.num_heads, cfg.num_kv_heads)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if kv_scales:
+            ks, vs = kv_scales[2 * layer], kv_scales[2 * layer + 1]
+            k = quantize_static(k, ks).float().mul(ks).to(k.dtype)
+            v = quantize_static(v, vs).float().mul(vs).to(v.dtype)
+        return causal(layer, q, k, v)
+
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), attend)
         return model.compute_logits(hidden)
 
 
-def test_fp8_weights_match_float32_greedy_but_at_near_ties(
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"), [("fp8", "auto"), ("none", "fp8"), ("fp8", "fp8")]
+)
+def test_fp8_matches_float32_greedy_but_at_near_ties(
     tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer,
-    prompts: list[list[int]],
+    prompts: list[list[int]], quantization: str, kv_cache_dtype: str,
 ) -> None:  # fmt: skip
     fp8_model = copy.deepcopy(tiny_model)
-    fp8_model.quantize_fp8()
-    assert fp8_model.weight_bytes < tiny_model.weight_bytes
     ref_engine = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
-    fp8_engine = make_engine(tiny_model_dir, fp8_model, tiny_tokenizer, quantization="fp8")
+    fp8_engine = make_engine(
+        tiny_model_dir, fp8_model, tiny_tokenizer,
+        quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    kv_scales = fp8_engine.kv_cache.spec.scales
+    if quantization == "fp8":
+        assert fp8_model.weight_bytes < tiny_model.weight_bytes
+    if kv_cache_dtype == "fp8":
+        assert fp8_engine.kv_cache.tensor.dtype == torch.float8_e4m3fn and kv_scales
+        assert fp8_engine.kv_cache.spec.block_nbytes * 4 == ref_engine.kv_cache.spec.block_nbytes
     for engine in (ref_engine, fp8_engine):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
@@ -52,7 +77,7 @@ def test_fp8_weights_match_float32_greedy_but_at_near_ties(
         t = next(k for k, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b)
         first_flips.append(t)
         seq = prompt + ref[:t]
-        want, have = _logits(tiny_model, seq)[-1], _logits(fp8_model, seq)[-1]
+        want, have = _logits(tiny_model, seq)[-1], _logits(fp8_model, seq, kv_scales)[-1]
         err = float((want - have).abs().max())
         top2 = want.topk(2).values
         margin = float(top2[0] - top2[1])

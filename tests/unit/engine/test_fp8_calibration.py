@@ -1,0 +1,176 @@
+"""Static FP8 scales (engine/fp8_calibration.py), the FP8 ops' torch composition, the e4m3
+KV pool's spec and its place in the transfer handshake."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, pow2_scale, quantize_static
+from engine.fp8_calibration import (
+    ACTIVATION_HEADROOM,
+    KV_HEADROOM,
+    calibrate_activations,
+    calibration_ids,
+    kv_scales,
+    observe,
+    prepare_fp8,
+)
+from engine.kv_cache import FP8_KV_DTYPE, KVCache, KVCacheSpec
+from engine.layer_ops import TORCH_OPS
+from engine.model import LlamaModel
+from engine.weights import load_model
+from kv_transfer.backend import MemoryRegion
+from kv_transfer.errors import HandshakeError
+from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, check_handshake
+from kv_transfer.types import compat_fields, compat_hash
+
+
+@pytest.fixture()
+def tiny_model(tiny_model_dir: Path) -> Callable[[], LlamaModel]:
+    """A fresh float32 copy of the tiny trained model per call (the tests quantize it)."""
+    return lambda: load_model(tiny_model_dir, torch.float32)
+
+
+def test_pow2_scale_is_the_smallest_power_of_two_covering_the_headroom() -> None:
+    assert pow2_scale(448.0, 1.0) == 1.0
+    assert pow2_scale(449.0, 1.0) == 2.0
+    assert pow2_scale(1.0, 4.0) == 2.0**-6  # 4/448 = 0.0089 -> 2^-6 = 0.0156
+    assert pow2_scale(0.0, 4.0) > 0
+    s = pow2_scale(3.7, 2.0)
+    assert s >= 3.7 * 2 / FP8_MAX > s / 2 and math.log2(s).is_integer()
+
+
+def test_quantize_static_saturates_and_rounds_to_e4m3() -> None:
+    x = torch.tensor([0.0, 1.0, -3.0, 1000.0, -1000.0, 0.3])
+    q = quantize_static(x, torch.tensor(0.5))
+    assert q.dtype == FP8_DTYPE
+    assert q.float().tolist()[:5] == [0.0, 2.0, -6.0, FP8_MAX, -FP8_MAX]
+    assert abs(float(q.float()[5]) - 0.6) <= 0.6 * 2**-4
+
+
+def test_observe_records_every_fp8_input_and_every_layers_kv(
+    tiny_model: Callable[[], LlamaModel],
+) -> None:
+    model = tiny_model()
+    model.quantize_fp8()
+    ids = list(range(3, 40))
+    seen = observe(model, ids)
+    names = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert set(seen.activations) == names and len(names) == 4 * model.cfg.num_layers
+    assert all(a > 0 for a in seen.activations.values())
+    assert len(seen.kv) == model.cfg.num_layers and all(k > 0 and v > 0 for k, v in seen.kv)
+    assert observe(model, ids) == seen  # deterministic: equal models calibrate equally
+
+
+def test_calibration_sets_static_scales_only_where_the_checkpoint_gave_none(
+    tiny_model: Callable[[], LlamaModel],
+) -> None:
+    model = tiny_model()
+    model.quantize_fp8()
+    seen = observe(model, list(range(3, 40)))
+    kept = model.layers[0].fp8["down_proj"]  # type: ignore[index]
+    kept.input_scale = torch.tensor(0.125)
+    assert calibrate_activations(model, seen) == 4 * model.cfg.num_layers - 1
+    assert float(kept.input_scale) == 0.125
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear) and m is not kept:
+            assert m.is_static
+            assert float(m.input_scale) >= seen.activations[name] * ACTIVATION_HEADROOM / FP8_MAX
+    scales = kv_scales(seen)
+    assert len(scales) == 2 * model.cfg.num_layers
+    assert scales[1] >= seen.kv[0][1] * KV_HEADROOM / FP8_MAX
+
+
+def test_static_scales_keep_the_layer_close_to_dynamic_quantization(
+    tiny_model: Callable[[], LlamaModel],
+) -> None:
+    model = tiny_model()
+    model.quantize_fp8()
+    ids = list(range(3, 40))
+    x = torch.nn.functional.embedding(torch.tensor(ids), model.embed_tokens)
+    from engine.model import causal_attend
+
+    attend = causal_attend(1, len(ids), model.cfg.num_heads, model.cfg.num_kv_heads)
+    pos = torch.arange(len(ids))
+    layer = model.layers[0]
+    dynamic = layer(0, x.clone(), None, pos, model.rotary, attend, TORCH_OPS)[0]
+    calibrate_activations(model, observe(model, ids))
+    static = layer(0, x.clone(), None, pos, model.rotary, attend, TORCH_OPS)[0]
+    err = float((static - dynamic).norm() / dynamic.norm())
+    assert 0 < err < 0.1  # both e4m3, scales up to 4x apart: a few e4m3 steps at most
+
+
+def test_an_e4m3_input_needs_the_static_scale() -> None:
+    lin = Fp8Linear.from_weight(torch.randn(16, 16))
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="static input_scale"):
+        lin(quantize_static(x, 0.01), out_dtype=torch.float32)
+    lin.input_scale = torch.tensor(2.0**-6)
+    assert torch.equal(lin(x), lin(quantize_static(x, lin.input_scale), out_dtype=torch.float32))
+
+
+def test_prepare_fp8_refuses_unknown_settings_and_leaves_a_plain_model_alone(
+    tiny_model: Callable[[], LlamaModel],
+) -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match="quantization"):
+        prepare_fp8(model, [1, 2], "int4", "auto")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        prepare_fp8(model, [1, 2], "none", "fp4")
+    assert prepare_fp8(model, [1, 2], "none", "auto") == () and model.quantization == "none"
+    assert len(prepare_fp8(model, list(range(3, 20)), "none", "fp8")) == 2 * model.cfg.num_layers
+    assert model.quantization == "none"  # an FP8 pool does not quantize the weights
+
+
+def test_calibration_ids_keep_to_the_vocabulary_and_the_limit() -> None:
+    ids = calibration_ids(lambda text: [ord(c) for c in text], 128, 50)
+    assert len(ids) == 50 and max(ids) < 128
+    with pytest.raises(ValueError, match="no token"):
+        calibration_ids(lambda text: [1000], 128, 50)
+
+
+SPEC = KVCacheSpec(num_blocks=4, num_layers=2, block_size=4, num_kv_heads=1, head_dim=8,
+                   dtype="float32")  # fmt: skip
+
+
+def test_an_e4m3_spec_needs_one_scale_per_layer_for_k_and_v() -> None:
+    fp8 = dataclasses.replace(SPEC, dtype=FP8_KV_DTYPE, scales=(1.0, 2.0, 4.0, 8.0))
+    assert fp8.block_nbytes * 4 == SPEC.block_nbytes and fp8.layer_scales(1) == (4.0, 8.0)
+    assert SPEC.layer_scales(0) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="needs 4 scales"):
+        dataclasses.replace(SPEC, dtype=FP8_KV_DTYPE)
+    with pytest.raises(ValueError, match="needs 0 scales"):
+        dataclasses.replace(SPEC, scales=(1.0,) * 4)
+    assert KVCache(fp8).tensor.dtype == FP8_DTYPE
+
+
+def _info(spec: KVCacheSpec) -> HandshakeInfo:
+    return HandshakeInfo(
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash=compat_hash(spec, "m"),
+        compat_fields=compat_fields(spec, "m"),
+        worker_id="p0",
+        agent_name="P",
+        agent_metadata=b"",
+        region=MemoryRegion("DRAM", 0, spec.nbytes, spec.block_nbytes, spec.num_blocks),
+    )
+
+
+def test_the_handshake_refuses_a_peer_whose_kv_dtype_or_scales_differ() -> None:
+    fp8 = dataclasses.replace(SPEC, dtype=FP8_KV_DTYPE, scales=(1.0, 2.0, 4.0, 8.0))
+    other_scales = dataclasses.replace(fp8, scales=(1.0, 2.0, 4.0, 16.0))
+    check_handshake(_info(fp8), compat_hash(fp8, "m"), compat_fields(fp8, "m"), fp8.block_nbytes)
+    with pytest.raises(HandshakeError, match="dtype: peer float8_e4m3fn vs local float32"):
+        check_handshake(
+            _info(fp8), compat_hash(SPEC, "m"), compat_fields(SPEC, "m"), SPEC.block_nbytes
+        )
+    with pytest.raises(HandshakeError, match="kv_scales: peer"):
+        check_handshake(
+            _info(other_scales), compat_hash(fp8, "m"), compat_fields(fp8, "m"), fp8.block_nbytes
+        )
