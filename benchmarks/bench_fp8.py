@@ -19,6 +19,7 @@ cuBLASLt `_scaled_mm`), measured four ways:
   the same weights, over one 256-token random prompt.
 
     python benchmarks/bench_fp8.py [--batches 1,16,64] [--layer-ops flashinfer]
+    python benchmarks/bench_fp8.py --shape llama3-70b   # FP8 weights + FP8 KV, dummy weights
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from engine.kv_cache import KVCache
 from engine.kv_sizing import kv_cache_spec
 from engine.layer_ops import TORCH_OPS
 from engine.model import DecoderLayer, LlamaModel, causal_attend
+from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 
@@ -73,6 +75,16 @@ def measure_fp8_matmul() -> float:
     print(f"   FP8 matmul 8192^3 (per-tensor scales): {rate / 1e12:.0f} TFLOP/s")
     ROWS.append(("FP8 matmul 8192^3 per-tensor", f"{rate / 1e12:.0f} TFLOP/s", "", ""))
     return rate
+
+
+def dummy_llama3_70b_fp8() -> LlamaModel:
+    from deploy.make_model import PRESETS, hf_config
+    from engine.dummy_weights import dummy_model
+
+    cfg = ModelConfig.from_dict(hf_config(PRESETS["llama3-70b"], 0, 1))
+    model = dummy_model(cfg, torch.bfloat16, "cuda", fp8=True)
+    print(f"   {model.weight_bytes / 2**30:.1f} GiB of weights")
+    return model
 
 
 def weight_read_bytes(model: LlamaModel) -> int:
@@ -108,13 +120,24 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--layer-ops", default="flashinfer")
+    parser.add_argument(
+        "--shape",
+        default="llama3-8b",
+        choices=("llama3-8b", "llama3-70b"),
+        help="llama3-70b: FP8 dummy weights made layer by layer (engine/dummy_weights.py), "
+        "FP8 weights + FP8 KV only (its bf16 weights do not fit one GPU)",
+    )
     args = parser.parse_args()
+    big = args.shape == "llama3-70b"
     t_start = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     hbm = step("measure HBM bandwidth", measure_hbm) or float("nan")
     bf16_rate = step("measure bf16 matmul rate", measure_matmul) or float("nan")
     fp8_rate = step("measure FP8 matmul rate", measure_fp8_matmul) or float("nan")
-    model = step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
+    if big:
+        model = step("build the Llama-3-70B shape (FP8 dummy weights)", dummy_llama3_70b_fp8)
+    else:
+        model = step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
     if model is None:
         print_table()
         return
@@ -122,9 +145,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     pages_decode = max(batches) * cdiv(context, bs)
     num_blocks = pages_decode + cdiv(prompt, bs) + 8
-    kv = KVCache(kv_cache_spec(model.cfg, bs, torch.bfloat16, num_blocks), "cuda")
-    kv.tensor.normal_()
-    kv_holder: dict[str, object] = {"kv": kv, "bytes": 2}  # the pool the next runner uses
+    kv_holder: dict[str, object] = {"kv": None, "bytes": 2}  # the pool the next runner uses
+    if not big:
+        kv = KVCache(kv_cache_spec(model.cfg, bs, torch.bfloat16, num_blocks), "cuda")
+        kv.tensor.normal_()
+        kv_holder["kv"] = kv
     cfg = model.cfg
     kv_elems_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
 
@@ -148,7 +173,9 @@ def main() -> None:
         torch.cuda.empty_cache()
         return out
 
-    ref = step("float32 reference logits (a float32 copy of the weights)", reference_logits)
+    ref = None
+    if not big:
+        ref = step("float32 reference logits (a float32 copy of the weights)", reference_logits)
 
     def layer_error(label: str) -> None:
         """One decoder layer's output against float32 (random weights amplify any error
@@ -242,12 +269,14 @@ def main() -> None:
     if ref is not None:
         step("bf16 logit error", functools.partial(logit_error, "bf16"))
         step("bf16 one-layer error", functools.partial(layer_error, "bf16"))
-    results = {"bf16": bench("bf16")}
-    step("quantize the projections to FP8 in place", model.quantize_fp8)
-    torch.cuda.empty_cache()
-    if ref is not None:
-        step("FP8 (dynamic) logit error", functools.partial(logit_error, "fp8-dynamic"))
-    results["fp8-dynamic"] = bench("fp8-dynamic")
+    results: dict[str, dict[int, float]] = {}
+    if not big:
+        results["bf16"] = bench("bf16")
+        step("quantize the projections to FP8 in place", model.quantize_fp8)
+        torch.cuda.empty_cache()
+        if ref is not None:
+            step("FP8 (dynamic) logit error", functools.partial(logit_error, "fp8-dynamic"))
+        results["fp8-dynamic"] = bench("fp8-dynamic")
     calib = [int(t) for t in torch.randint(1, cfg.vocab_size, (512,))]
     observed = step("calibrate static FP8 scales (512 tokens)", lambda: observe(model, calib))
     if observed is not None:
@@ -255,10 +284,11 @@ def main() -> None:
         if ref is not None:
             step("FP8 (static) logit error", functools.partial(logit_error, "fp8"))
             step("FP8 (static) one-layer error", functools.partial(layer_error, "fp8"))
-        results["fp8"] = bench("fp8")
-        kv_holder["kv"] = None
-        del kv
-        torch.cuda.empty_cache()
+        if not big:
+            results["fp8"] = bench("fp8")
+            kv_holder["kv"] = None
+            del kv
+            torch.cuda.empty_cache()
         spec8 = kv_cache_spec(model.cfg, bs, torch.float8_e4m3fn, num_blocks, kv_scales(observed))
         kv8 = KVCache(spec8, "cuda")
         for i in range(0, num_blocks, 256):  # random context, a slice at a time
@@ -266,7 +296,7 @@ def main() -> None:
             part.copy_(torch.randn(part.shape, device="cuda").clamp(-8, 8))
         kv_holder["kv"], kv_holder["bytes"] = kv8, 1
         results["fp8+kv8"] = bench("fp8+kv8")
-    bf16 = results["bf16"]
+    bf16 = results.get("bf16", {})
     for label, secs in results.items():
         if label == "bf16":
             continue

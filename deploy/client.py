@@ -210,9 +210,10 @@ def status_table(st: pb.ClusterStatus) -> Table:
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
-    for col in ("worker", "role", "health", "node", "device", "KV used", "in-flight", "queue",
-                "run", "xfer", "TTFT p50/90 ms", "TPOT p50/90 ms", "done"):  # fmt: skip
-        left = col in ("worker", "role", "health", "node", "device")
+    for col in ("worker", "role", "health", "node", "device", "weights", "KV pool", "KV used",
+                "in-flight", "queue", "run", "xfer", "TTFT p50/90 ms", "TPOT p50/90 ms",
+                "done"):  # fmt: skip
+        left = col in ("worker", "role", "health", "node", "device", "weights", "KV pool")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for w in st.workers:
         state = worker_state(w.state)
@@ -223,6 +224,11 @@ def status_table(st: pb.ClusterStatus) -> Table:
             f"[{style}]{state}[/{style}]" if style else state,
             w.node[:8],
             w.device,
+            _stored(
+                w.quantization if w.quantization not in ("", "none") else w.weights_dtype,
+                w.weight_bytes,
+            ),
+            _stored(w.kv_cache_dtype, w.kv_cache_bytes),
             f"{w.kv_blocks_used}/{w.kv_blocks_total}",
             str(w.inflight_requests),
             f"{w.queued_requests} ({w.queued_prefill_tokens} tok)",
@@ -240,6 +246,17 @@ def status_table(st: pb.ClusterStatus) -> Table:
         f"local-prefill<={t.local_prefill_threshold_tokens}tok"
     )
     return table
+
+
+def _stored(dtype: str, nbytes: int) -> str:
+    """ "fp8 8.46 GiB": a dtype (e4m3 shown as fp8) and a byte count; "-" when not reported."""
+    if not dtype:
+        return "-"
+    dtype = "fp8" if dtype == "float8_e4m3fn" else dtype
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{dtype} {nbytes / (1 << shift):.3g} {unit}"
+    return f"{dtype} {nbytes} B"
 
 
 def _size(n: int) -> str:

@@ -21,6 +21,14 @@ class EngineMode(enum.Enum):
     COLOCATED = "colocated"
 
 
+QUANTIZATIONS = ("none", "fp8")
+"""Choices of EngineConfig.quantization."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""Choices of EngineConfig.kv_cache_dtype."""
+LOAD_FORMATS = ("auto", "dummy")
+"""Choices of EngineConfig.load_format."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine (one worker's model, KV pool, scheduler and sampler)."""
@@ -36,14 +44,18 @@ class EngineConfig:
     quantization: str = "none"
     """Weights of the decoder projections: none (the dtype above) or fp8 (e4m3, one scale per
     tensor, quantized at load; activations quantized at run time; embeddings, norms and the
-    head stay in the dtype above). GPU: cuBLASLt FP8 GEMMs (Hopper); CPU: dequantized."""
+    head stay in the dtype above). GPU: cuBLASLt FP8 GEMMs (Hopper); CPU: dequantized.
+    A pre-quantized FP8 checkpoint (compressed-tensors float-quantized) loads as FP8 whatever
+    this says: the checkpoint decides."""
     kv_cache_dtype: str = "auto"
     """KV pool element type: auto (the dtype above) or fp8 (e4m3 with one static scale per
     layer for K and one for V, calibrated at load; halves KV bytes per block and per
     hand-off). Prefill and decode workers must agree (the transfer handshake refuses)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device from
-    config.json alone, for measuring shapes whose checkpoint is not on disk)."""
+    config.json alone, for measuring shapes whose checkpoint is not on disk; seeded by `seed`;
+    with fp8 made layer by layer straight into FP8, so a model whose bf16 weights would not
+    fit the device loads when its FP8 weights do)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     block_size: int = 16
@@ -72,5 +84,10 @@ class EngineConfig:
     """Capture decode steps in CUDA graphs (GPU only)."""
     cuda_graph_max_batch: int = 256
     """Largest decode batch captured in a CUDA graph."""
+    overlap_scheduling: bool = True
+    """Hide host work behind the device: step t+1 is scheduled, staged and queued while step t
+    runs, and step t's tokens are read (detokenized, stop-checked) after; sampled ids feed the
+    next step's inputs on the device, one host wait per step. Off: each step is read before
+    the next is scheduled (same outputs; for comparison)."""
     seed: int = 0
     """Seed of the default sampling generator (requests may carry their own)."""

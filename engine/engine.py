@@ -3,6 +3,14 @@
 `LLMEngine` ties the scheduler (decisions, block bookkeeping), the model runner (tensors)
 and the sampler/stop checker (tokens, text) together, and is the only thing workers call.
 
+Overlap scheduling (`EngineConfig.overlap_scheduling`, on by default; engine/overlap.py):
+`step()` launches step t (schedule, stage, model, sample: queued on the device) before it
+reads step t-1's sampled tokens and postprocesses them, so host work hides behind the device.
+Its outputs are therefore those of the previous step, plus this one's when nothing could run
+next without its tokens (the end of a burst; a prefill-only batch). The one host wait per
+step is reading t-1's tokens. Off, every step is read before `step()` returns; it is the same
+code with the step in flight read at once.
+
 Hand-off hooks (the Prefill and Hand-off steps of a request, router/orchestrator.py):
 - prefill-only: a request finishes after its first token with `FinishReason.HANDOFF`; its
   `RequestOutput.kv_handoff` lists the blocks, which stay held (never evicted) until
@@ -28,15 +36,18 @@ from pathlib import Path
 
 import torch
 
+from engine.batch import ScheduledBatch
 from engine.block_hash import BlockHash, hash_extra
 from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig, EngineMode
-from engine.kv_cache import KVCache
+from engine.fp8_calibration import calibration_ids, prepare_fp8
+from engine.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
 from engine.kv_events import KVEvent
 from engine.kv_sizing import decide_num_kv_blocks, kv_cache_spec
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.outputs import EngineLoad, KVHandoff, RequestOutput, TransferAllocation
+from engine.overlap import InflightStep
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sampler import Sampler, SamplingRow
@@ -63,21 +74,26 @@ class LLMEngine:
         self.model_id = config.model_id or Path(config.model_dir).name
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        self.model = model if model is not None else load_model(config.model_dir, dtype, device)
-        if config.quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization: none or fp8, got {config.quantization!r}")
-        if config.quantization == "fp8" and self.model.quantization != "fp8":
-            self.model.quantize_fp8()  # before sizing the KV pool: it gets the memory freed
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        if model is None:  # FP8 (configured, or the checkpoint's own) is made while loading
+            model = load_model(
+                config.model_dir, dtype, device, quantization=config.quantization,
+                load_format=config.load_format, seed=config.seed,
+            )  # fmt: skip
+        self.model = model
         self.tokenizer = tokenizer or Tokenizer.from_model_dir(config.model_dir)
         self.eos_token_ids = tuple(
             dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
         )
         model_len = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        num_blocks = decide_num_kv_blocks(config, self.model_config, device, dtype, self.model)
-        spec = kv_cache_spec(self.model_config, config.block_size, dtype, num_blocks)
+        # FP8 weights and scales before sizing the KV pool: it gets the memory freed
+        calibration = calibration_ids(
+            self.tokenizer.encode, self.model_config.vocab_size, self.max_model_len
+        )
+        kv_scales = prepare_fp8(self.model, calibration, config.quantization, config.kv_cache_dtype)
+        kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
+        num_blocks = decide_num_kv_blocks(config, self.model_config, device, kv_dtype, self.model)
+        spec = kv_cache_spec(self.model_config, config.block_size, kv_dtype, num_blocks, kv_scales)
         self.kv_cache = KVCache(spec, device)
         self.runner = ModelRunner(self.model, self.kv_cache, config)
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
@@ -88,11 +104,14 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             keep_blocks_on_prefill_finish=config.mode is EngineMode.PREFILL_ONLY,
+            max_model_len=self.max_model_len,
+            finish_after_first_token=config.mode is EngineMode.PREFILL_ONLY,
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
         self._checkers: dict[str, StopChecker] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
+        self._inflight: InflightStep | None = None  # launched, tokens not read yet
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -128,36 +147,72 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; one output per request that sampled or finished."""
+        """Launch one scheduled batch and read the one before it (see the module docstring);
+        one output per request that sampled or finished in the steps read.
+
+        A step that raises loses what was in flight: abort every request (EngineDriver does).
+        """
         outputs, self._ready = self._ready, []
+        previous, self._inflight = self._inflight, None
         decision = self.scheduler.schedule()
         for request in decision.finished:  # ended by the scheduler (LENGTH: pool too small)
             text = self._checkers[request.request_id].take_text_delta(request, finished=True)
             outputs.append(self._output(request, 0, text))
             self._stop_tracking(request.request_id)
-        batch = decision.batch
-        if not batch.chunks:
-            return outputs
+        launched = self._launch(decision.batch, previous) if decision.batch.chunks else None
+        if previous is not None:
+            outputs += self._complete(previous)
+        if launched is not None:
+            if self.config.overlap_scheduling and self.scheduler.has_ready_work():
+                self._inflight = launched  # read by the next step(), after it launches
+            else:
+                outputs += self._complete(launched)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
+        """Queue a batch's model run and sampling on the device; returns without waiting.
+        Placeholder inputs and pending outputs (penalties) come from `previous`'s tokens."""
+        requests = tuple(self.scheduler.requests[c.request_id] for c in batch.chunks)
         logits = self.runner.execute(batch)
-        requests = [self.scheduler.requests[c.request_id] for c in batch.chunks]
-        sampled = [r for r, c in zip(requests, batch.chunks, strict=True) if c.sample]
-        rows = [
-            SamplingRow(
-                r.sampling_params,
-                r.prompt_token_ids,
-                r.output_token_ids,
-                self._generators.get(r.request_id),
+        sampled: list[Request] = []
+        rows: list[SamplingRow] = []
+        for request, chunk in zip(requests, batch.chunks, strict=True):
+            if not chunk.sample:
+                continue
+            pending = -1
+            if chunk.placeholder:
+                if previous is None:
+                    raise RuntimeError(f"request {request.request_id}: placeholder, no step read")
+                pending = previous.row_of(request)
+            sampled.append(request)
+            generator = self._generators.get(request.request_id)
+            rows.append(
+                SamplingRow(
+                    request.sampling_params,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    generator,
+                    pending,
+                )
             )
-            for r in sampled
-        ]
-        result = self.sampler(logits, rows)
-        for request in requests:
-            self.scheduler.cache_computed_blocks(request)
+        previous_ids = previous.tokens.token_ids if previous is not None else None
+        tokens = self.sampler.sample(logits, rows, previous_ids)
+        self.runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
+        return InflightStep(requests, tuple(sampled), tokens)
+
+    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (the host's one wait on the device) and postprocess
+        them. A request that finished since it was launched (aborted; or stopped by the token
+        before, read after this step was launched) gets nothing: its token is discarded."""
+        token_ids, logprobs = step.results()
+        for request in step.requests:
+            if not request.is_finished:
+                self.scheduler.cache_computed_blocks(request)
         now = time.time()
-        for request, token_id, logprob in zip(
-            sampled, result.token_ids, result.logprobs, strict=True
-        ):
-            outputs.append(self._postprocess(request, token_id, logprob, now))
+        outputs: list[RequestOutput] = []
+        for request, token_id, logprob in zip(step.sampled, token_ids, logprobs, strict=True):
+            if not request.is_finished:
+                outputs.append(self._postprocess(request, token_id, logprob, now))
         return outputs
 
     def _postprocess(
@@ -228,6 +283,10 @@ class LLMEngine:
         """Reserve local blocks for a prompt's KV (block_hashes: its full blocks' hashes, as
         the prefill side reported them). Raises NoFreeBlocksError when the pool is short."""
         self._validate_prompt(prompt_token_ids, None)
+        if self._inflight is not None and self._inflight.released_blocks():
+            # The transfer writes the pool from outside the device stream, and the step in
+            # flight may still write a block one of its requests gave back: let it finish.
+            self._inflight.wait_device()
         extra = hash_extra(self.model_id, cache_salt)
         reserved = self.scheduler.reserve_transfer(
             request_id, prompt_token_ids, block_hashes, extra

@@ -51,7 +51,8 @@ class Observed:
     """Amax values of one calibration pass."""
 
     activations: dict[str, float]
-    """Per FP8 projection (its module path in the model): amax of its input."""
+    """Per FP8 projection without a static input scale (its module path in the model): amax
+    of its input."""
     kv: tuple[tuple[float, float], ...]
     """Per layer: (amax of K after RoPE, amax of V)."""
 
@@ -59,7 +60,7 @@ class Observed:
 @torch.inference_mode()
 def observe(model: LlamaModel, token_ids: Sequence[int]) -> Observed:
     """One causal forward of `token_ids` (a single sequence from position 0), recording the
-    amax of each FP8 projection's input and each layer's K and V."""
+    amax of each dynamic FP8 projection's input and each layer's K and V."""
     cfg, device = model.cfg, model.device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(token_ids), device=device)
@@ -75,7 +76,7 @@ def observe(model: LlamaModel, token_ids: Sequence[int]) -> Observed:
     handles = [
         m.register_forward_pre_hook(record(name))  # type: ignore[arg-type]
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, Fp8Linear) and m.input_scale is None  # a static one gets e4m3 in
     ]
     inner = causal_attend(1, len(token_ids), cfg.num_heads, cfg.num_kv_heads)
 

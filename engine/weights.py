@@ -4,23 +4,55 @@ Tensors are read one at a time and copied into place (converted to the model's d
 device on the way), so peak host memory is one tensor, not the checkpoint. q/k/v and gate/up
 land in slices of the fused parameters. Every parameter must be filled exactly once; a
 missing or unexpected tensor is an error that names it.
+
+`load_model` picks the way in (`EngineConfig.quantization` and `load_format`):
+
+    dense checkpoint, quantization none   LlamaModel in the dtype, `load_weights`
+    dense checkpoint, quantization fp8    each fused projection quantized as soon as its parts
+                                          are read (engine/fp8_checkpoint.py): the dense
+                                          projections never exist on the device
+    FP8 checkpoint (compressed-tensors)   read as FP8 whatever quantization says (logged)
+    load_format dummy                     random weights from config.json (engine/dummy_weights.py),
+                                          with fp8 made layer by layer straight into FP8
+
+The FP8 ways build the model with `empty_model` (its projections allocated by nobody but
+the loader) and set `model.quantization = "fp8"`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from engine.model import DecoderLayer, LlamaModel
+from engine.config import LOAD_FORMATS, QUANTIZATIONS
+from engine.model import DecoderLayer, LlamaModel, Rotary
 from engine.model_config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The fused decoder projections (`DecoderLayer` parameters; keys of `DecoderLayer.fp8`)."""
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of each fused projection."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {
+        "qkv_proj": (q + 2 * kv, h),
+        "o_proj": (h, q),
+        "gate_up_proj": (2 * inter, h),
+        "down_proj": (h, inter),
+    }
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -129,36 +161,97 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
-@torch.no_grad()
-def load_weights(model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model; raise naming any missing or misshapen tensor."""
-    seen: set[str] = set()
-    for name, tensor in tensors:
-        target = _target(model, name)
-        if target is None:
-            continue
-        param, start, end, key = target
-        dest = param.data[start:end]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"config expects {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        seen.add(key)
-    missing = [n for n in expected_tensor_names(model.cfg) if n not in seen]
+def copy_tensor(model: LlamaModel, name: str, tensor: torch.Tensor) -> str | None:
+    """Copy one HF-named tensor into its place in `model` (converted to the parameter's dtype
+    and device); the name it fills, or None for a tensor skipped (a tied head's copy, RoPE
+    tables). Raises naming an unexpected or misshapen tensor."""
+    target = _target(model, name)
+    if target is None:
+        return None
+    param, start, end, key = target
+    dest = param.data[start:end]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, config expects {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+    return key
+
+
+def check_complete(names: Iterable[str], seen: set[str]) -> None:
+    """Raise naming the first of `names` (what a checkpoint must provide) not in `seen`."""
+    missing = [n for n in names if n not in seen]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing {', '.join(missing[:5])}{more}")
 
 
-def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+@torch.no_grad()
+def load_weights(model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model; raise naming any missing or misshapen tensor."""
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        key = copy_tensor(model, name, tensor)
+        if key is not None:
+            seen.add(key)
+    check_complete(expected_tensor_names(model.cfg), seen)
+
+
+def empty_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> LlamaModel:
-    """Build a LlamaModel from a Hugging Face checkpoint folder on local disk."""
-    cfg = ModelConfig.from_pretrained(model_dir)
-    model = LlamaModel(cfg, dtype=dtype, device=device)
-    load_weights(model, iter_checkpoint(model_dir))
+    """A model for loaders that fill `DecoderLayer.fp8` themselves: embeddings, norms, biases
+    and head allocated (uninitialized) on `device`, the dense projections empty placeholders
+    in the model dtype (as `quantize_fp8` leaves them). It is built on the meta device, so the
+    dense projections are never allocated anywhere."""
+    device = torch.device(device)
+    model = LlamaModel(cfg, dtype=dtype, device="meta")
+    for layer in model.layers:
+        for name in PROJECTIONS:
+            empty = torch.empty(0, dtype=dtype, device="meta")
+            setattr(layer, name, nn.Parameter(empty, requires_grad=False))
+    model.to_empty(device=device)
+    model.device = device
+    model.rotary = Rotary(cfg, device)  # its tables are computed, not loaded
+    return model
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    quantization: str = "none",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaModel:
+    """Build a LlamaModel from a Hugging Face checkpoint folder on local disk (the ways in:
+    see the module docstring). `seed` seeds dummy weights."""
+    from engine.fp8_checkpoint import load_fp8_weights, read_fp8_scheme
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint folder")
+    raw = json.loads(path.read_text())
+    cfg = ModelConfig.from_dict(raw)
+    scheme = read_fp8_scheme(raw)
+    if scheme is not None and quantization != "fp8":
+        log.info("%s is an FP8 checkpoint (%s): loading FP8 weights", model_dir, scheme)
+    fp8 = quantization == "fp8" or scheme is not None
+    if load_format == "dummy":
+        from engine.dummy_weights import dummy_model
+
+        return dummy_model(cfg, dtype, device, fp8=fp8, seed=seed).eval()
+    if fp8:
+        model = empty_model(cfg, dtype, device)
+        load_fp8_weights(model, iter_checkpoint(model_dir), scheme)
+    else:
+        model = LlamaModel(cfg, dtype=dtype, device=device)
+        load_weights(model, iter_checkpoint(model_dir))
     return model.eval()
 
 

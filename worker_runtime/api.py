@@ -44,6 +44,16 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     num_kv_blocks: int
+    weights_dtype: str = ""
+    """The model dtype (embeddings, norms, head; the projections too unless quantized)."""
+    quantization: str = "none"
+    """How the decoder projections are stored: none (weights_dtype) or fp8."""
+    weight_bytes: int = 0
+    """Bytes of every weight the worker's model holds."""
+    kv_cache_dtype: str = ""
+    """Element type of the KV pool (e.g. bfloat16, float8_e4m3fn)."""
+    kv_cache_bytes: int = 0
+    """Bytes of the KV pool."""
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,11 @@ class WorkerRuntime:
             max_model_len=engine.max_model_len,
             vocab_size=engine.model_config.vocab_size,
             num_kv_blocks=engine.block_pool.num_blocks,
+            weights_dtype=str(engine.model.dtype).removeprefix("torch."),
+            quantization=engine.model.quantization,
+            weight_bytes=engine.model.weight_bytes,
+            kv_cache_dtype=engine.kv_cache.spec.dtype,
+            kv_cache_bytes=engine.kv_cache.spec.nbytes,
         )
         self.state = WorkerState.READY
         return self.info

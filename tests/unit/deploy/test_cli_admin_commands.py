@@ -282,6 +282,38 @@ def test_status_json_has_states_in_flight_and_limits(admin: tuple[ScriptedAdmin,
     assert data["limits"]["token_gap_timeout_s"] == 30.5
 
 
+def test_status_shows_each_workers_weights_and_kv_pool_dtype_and_bytes(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    st = cluster_status(None)
+    fp8 = {"weights_dtype": "bfloat16", "quantization": "fp8", "weight_bytes": 74_700_000_000,
+           "kv_cache_dtype": "float8_e4m3fn", "kv_cache_bytes": 48 << 30}  # fmt: skip
+    for field, value in fp8.items():
+        setattr(st.workers[0], field, value)
+    dense = {"weights_dtype": "float32", "quantization": "none", "weight_bytes": 3 << 20,
+             "kv_cache_dtype": "float32", "kv_cache_bytes": 1536 << 10}  # fmt: skip
+    for field, value in dense.items():
+        setattr(st.workers[1], field, value)
+    servicer.replies["Status"] = lambda request, context: st
+    result = cli(target, "status")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line for line in lines if "weights" in line and "KV pool" in line)
+    workers = ("prefill-", "decode-")
+    rows = {line.split()[0]: line for line in lines if line.strip().startswith(workers)}
+    start, end = header.index("weights"), header.index("KV used")
+    shown = {w: " ".join(row[start:end].split()) for w, row in rows.items()}
+    assert shown == {
+        "prefill-0": "fp8 69.6 GiB fp8 48 GiB",
+        "decode-1": "float32 3 MiB float32 1.5 MiB",
+        "decode-2": "- -",  # a worker that reports none (an older one)
+    }
+    data = json.loads(cli(target, "status", "--json").output)
+    as_json = {**fp8, "weight_bytes": "74700000000", "kv_cache_bytes": str(48 << 30)}
+    assert {k: data["workers"][0][k] for k in fp8} == as_json  # proto3 JSON: uint64 as a string
+
+
 def test_an_unavailable_the_router_sends_is_its_own_not_no_router(
     admin: tuple[ScriptedAdmin, str],
 ) -> None:
