@@ -15,8 +15,15 @@ Every step prints what it does and catches its own failure, so one failure loses
 CPU mode (`--cpu`): tokens/s of the runner in a greedy loop on the tiny model vs
 transformers.generate on the same prompts, same run (and whether their tokens agree).
 
-    python benchmarks/bench_engine.py            # GPU
-    python benchmarks/bench_engine.py --cpu      # CPU, tiny model
+Engine-step mode (`--engine-step`, benchmarks/bench_engine_step.py): the whole
+`LLMEngine.step()` over a steady decode batch, overlap scheduling on and off, vs the pure
+CUDA-graph decode replay at B=1/8/16/64 (ratios; goal: step <= 1.05x decode with overlap),
+and a host-side profile of the step (schedule, launch, sample, wait, postprocess).
+
+    python benchmarks/bench_engine.py                    # GPU
+    python benchmarks/bench_engine.py --cpu              # CPU, tiny model
+    python benchmarks/bench_engine.py --engine-step      # GPU (one H200), Llama-3-8B shape
+    python benchmarks/bench_engine.py --engine-step --cpu  # CPU, tiny model
 """
 
 from __future__ import annotations
@@ -486,10 +493,32 @@ def main() -> None:
     )
     parser.add_argument("--cpu-prompt", type=int, default=32)
     parser.add_argument("--cpu-new", type=int, default=64)
+    parser.add_argument(
+        "--engine-step",
+        action="store_true",
+        help="time LLMEngine.step() (overlap on/off) vs the pure decode, with a host profile",
+    )
+    parser.add_argument("--step-batches", default="1,8,16,64", help="engine-step batch sizes")
+    parser.add_argument("--cpu-step-batches", default="1,8,16", help="... on the CPU")
+    parser.add_argument("--cpu-context", type=int, default=256, help="... context on the CPU")
+    parser.add_argument("--cpu-iters", type=int, default=20, help="... timed steps on the CPU")
+    parser.add_argument("--rounds", type=int, default=5, help="engine-step: interleaved rounds")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
-    if args.cpu or not torch.cuda.is_available():
+    if args.engine_step:
+        # bench_engine_step imports this module (ROWS, step): as this run's one copy
+        sys.modules.setdefault("bench_engine", sys.modules[__name__])
+        import bench_engine_step
+
+        if args.cpu or not torch.cuda.is_available():
+            step(
+                "CPU: engine step vs decode, tiny model",
+                lambda: bench_engine_step.cpu_engine_step(args),
+            )
+        else:
+            bench_engine_step.gpu_engine_step(args)
+    elif args.cpu or not torch.cuda.is_available():
         step("CPU: runner greedy loop vs transformers.generate", lambda: cpu_main(args))
     else:
         gpu_main(args)

@@ -9,7 +9,10 @@
 #   jit      build flashinfer's fused layer-ops kernels once into /tmp/fiws (~1-2 min fresh)
 #   tests    the GPU tests (tests/gpu)
 #   engine   benchmarks/bench_engine.py (decode/prefill vs the HBM and matmul floors)
+#   enginestep  benchmarks/bench_engine.py --engine-step (LLMEngine.step(), overlap scheduling
+#            on/off, vs the pure CUDA-graph decode at B=1/8/16/64; host profile of the step)
 #   fp8      the FP8 GPU tests, then benchmarks/bench_fp8.py (bf16 vs FP8 weights, one run)
+#   fp8big   benchmarks/bench_fp8.py --shape llama3-70b (FP8 dummy weights + FP8 KV)
 #   kv       benchmarks/bench_kv_transfer.py --gpu (needs 2 GPUs for the VRAM->VRAM figure)
 #   router   benchmarks/bench_router.py on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
@@ -43,16 +46,18 @@ small_model() {
 STEPS=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do STEPS="$STEPS $1"; shift; done
 [ "${1:-}" = "--" ] && shift
-if [ -z "$STEPS" ] && [ $# -eq 0 ]; then STEPS="jit tests engine kv router e2e1 e2e8b e2e2"; fi
+if [ -z "$STEPS" ] && [ $# -eq 0 ]; then STEPS="jit tests engine enginestep kv router e2e1 e2e8b e2e2"; fi
 for s in $STEPS; do
   case $s in
   jit) step jit 240 python -c "import logging, time; logging.basicConfig(level=logging.INFO); \
 t = time.time(); from engine.layer_ops import FlashInferOps; FlashInferOps().build_kernels(); \
 print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
-  tests) step gpu_tests 200 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
+  tests) step gpu_tests 280 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
   engine) step bench_engine 170 python benchmarks/bench_engine.py ;;
+  enginestep) TAILN=${TAILN:-40} step bench_engine_step 300 python benchmarks/bench_engine.py --engine-step ;;
   fp8) step fp8_tests 200 python -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_gpu.py -q -rA -p no:cacheprovider
     step bench_fp8 400 python benchmarks/bench_fp8.py ;;
+  fp8big) step bench_fp8_70b 300 python benchmarks/bench_fp8.py --shape llama3-70b --iters 15 ;;
   kv) step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis ;;
   router) step bench_router 170 python benchmarks/bench_router.py --rates 2,5,10 --requests 120 \
     --markdown ;;

@@ -27,6 +27,10 @@ class SeqChunk:
     """The sequence's block table; covers at least start_pos + len(token_ids) tokens."""
     sample: bool
     """Return logits for the last token of this chunk (false for non-final prompt chunks)."""
+    placeholder: bool = False
+    """The chunk is one token whose value the previous step is still sampling (overlap
+    scheduling): token_ids holds 0 in its place and the runner takes the token from that
+    step's sampled ids on the device (`ModelRunner.keep_sampled`)."""
 
     @property
     def num_tokens(self) -> int:

@@ -6,10 +6,13 @@ A decode-only step of n sequences replays the graph captured for the smallest si
     ids | positions | slot blocks | slot offsets | write rows | sample rows | pages
 
 (each of the first six `max_batch` long), filled per step by one host→device copy from a
-pinned mirror. Padding rows decode token 0 at position 0 over sequence 0's first page and
-write row 0's own k/v to row 0's slot (`StepInputs.write_rows`), so they change nothing that
-a real row does not. Before each replay the attention backend re-plans its graph-mode decode
-wrapper of size B (outside the graph, in place).
+pinned mirror; placeholder ids (overlap scheduling) are then overwritten on the device
+(`run`'s `fill`) before the replay. Padding rows decode token 0 at position 0 over sequence
+0's first page and write row 0's own k/v to row 0's slot (`StepInputs.write_rows`), so they
+change nothing that a real row does not. Before each replay the attention backend re-plans
+its graph-mode decode wrapper of size B (outside the graph, in place). Nothing here waits for
+the device, but the mirror and the plan's pinned buffers are rewritten only once the previous
+step's copies out of them have run (an event recorded after each plan).
 
 Invariant: capture runs the model eagerly once per size to warm up, which writes into slot 0
 of block 0; capture before any sequence holds KV.
@@ -17,6 +20,7 @@ of block 0; capture before any sequence holds KV.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -116,7 +120,7 @@ class DecodeGraphs:
             rows,
             padded.sample_rows,
         )
-        if self._copied is not None:
+        if self._copied is not None:  # the previous step's copies out of the pinned buffers
             self._copied.synchronize()
         host = self._host.numpy()
         for i, arr in enumerate(fields):
@@ -125,8 +129,6 @@ class DecodeGraphs:
         host[base : base + num_pages] = padded.page_indices
         used = base + num_pages
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
         d = self._dev
         return StepInputs(
             layout=padded,
@@ -138,6 +140,12 @@ class DecodeGraphs:
             sample_rows=d[5 * m : 5 * m + padded.num_sampled],
             page_indices=d[base : base + num_pages],
         )
+
+    def _plan(self, step: StepInputs, size: int) -> None:
+        """The backend's plan of a staged step, then the event `_stage` waits for."""
+        self.backend.prepare_decode_graph(step, size)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def _body(self, step: StepInputs) -> torch.Tensor:
         hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.ops)
@@ -153,7 +161,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             step = self._stage(layout, size)
-            self.backend.prepare_decode_graph(step, size)
+            self._plan(step, size)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -165,12 +173,25 @@ class DecodeGraphs:
             self._graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, layout: BatchLayout, size: int) -> torch.Tensor:
-        """Float32 logits of the sampled rows of a decode-only layout (replays graph `size`)."""
-        step = self._stage(layout, size)
-        self.backend.prepare_decode_graph(step, size)
+    def replay(self, size: int) -> None:
+        """Replay graph `size` on the inputs staged last (`run`; alone: a benchmark's pure
+        device time of a decode step)."""
         self._graphs[size].replay()
         self.num_replays += 1
+
+    def run(
+        self,
+        layout: BatchLayout,
+        size: int,
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits of the sampled rows of a decode-only layout (replays graph `size`;
+        queued, no host sync). `fill` writes placeholder ids into the staged input ids."""
+        step = self._stage(layout, size)
+        if fill is not None:
+            fill(step.input_ids)
+        self._plan(step, size)
+        self.replay(size)
         logits = self._logits[size]
         if layout.samples_every_row:
             return logits[: layout.num_seqs].clone()

@@ -8,10 +8,14 @@ command and runs between two steps. The thread loops:
     → publish a load snapshot → `on_tick` (e.g. forward KV events) → when idle, sleep
     until a command arrives (or `idle_wait_s` passes)
 
-`on_outputs` runs on the engine thread and must be quick (workers forward the outputs to
-asyncio queues with `loop.call_soon_threadsafe`). A step that raises fails every request the
-engine holds (each gets an aborted output through `on_step_error`), the engine is reset to
-idle and the loop keeps serving: one bad batch never wedges the worker.
+With overlap scheduling (engine/overlap.py) the device may still run the latest step while
+commands run; that is safe for every command (an abort discards the token computed for the
+request, a transfer reservation first waits for a step that may write a block given back),
+and a step's outputs reach `on_outputs` one iteration later, when the next step has been
+launched. `on_outputs` runs on the engine thread and must be quick (workers forward the
+outputs to asyncio queues with `loop.call_soon_threadsafe`). A step that raises fails every
+request the engine holds (each gets an aborted output through `on_step_error`), the engine is
+reset to idle and the loop keeps serving: one bad batch never wedges the worker.
 
 Progress: the thread stamps the (monotonic) time each iteration completes (a step and its
 hand-off, or an idle wait), and `progress()` reports it with whether work is pending, so a

@@ -17,6 +17,11 @@ Progress uses one counter for prefill, recompute and decode alike (as vLLM v1 do
 tokens are `prompt + outputs`, `num_computed_tokens` of them have KV in the cache, and a step
 computes the next `num_tokens - num_computed_tokens` (capped by the token budget). When that
 reaches the end, the last token's logits are sampled and the new token is appended.
+
+Overlap scheduling (engine/engine.py): a sampled token is known to the host one step after it
+was scheduled. Until then it is a placeholder (`num_output_placeholders`): it counts as a
+token of the request, so the next step can already compute its KV (its value comes from the
+previous step's sampled ids, on the device), and `append_output` resolves it.
 """
 
 from __future__ import annotations
@@ -98,6 +103,10 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Hashes of every full block of `all_token_ids` (grows as outputs fill blocks)."""
     num_computed_tokens: int = 0
+    """Tokens scheduled for KV computation (a step in flight included)."""
+    num_output_placeholders: int = 0
+    """Sampled tokens scheduled whose value the host has not read yet (0, 1 or, while the
+    next step is being scheduled, 2); they count in `num_pending_tokens`."""
     num_cached_blocks: int = 0
     """Leading blocks registered in the prefix cache (or reused from it)."""
     num_cached_prompt_tokens: int = 0
@@ -128,15 +137,19 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens whose KV is still to be computed before the next sample."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens whose KV is still to be computed before the next sample (placeholders
+        included)."""
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
     def append_output(self, token_id: int, logprob: float | None) -> None:
-        """Add a sampled token; hash the block it completes, if any."""
+        """Add a sampled token (resolving the oldest placeholder, if any); hash the block it
+        completes, if any."""
+        if self.num_output_placeholders:
+            self.num_output_placeholders -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:

@@ -6,6 +6,13 @@ copy per step), runs the model with the chosen attention backend (which writes t
 KV into the pool and attends over the cached context) and computes logits only for chunks
 with sample=True. Decode-only steps replay CUDA graphs on GPU when enabled.
 
+Overlap scheduling (engine/overlap.py): `execute` only queues work on the device and returns
+(no host sync). A chunk marked `placeholder` is the decode of a token the previous step is
+still sampling: it is staged as 0 and its row is overwritten on the device with that step's
+sampled id, which the engine hands over with `keep_sampled` after sampling each step. Before
+a step's attention plan rewrites a pinned buffer that the previous plan's copy may not have
+read yet, the runner waits for that copy (an event, not a device drain).
+
 The layer ops (torch math or flashinfer's fused kernels, engine/layer_ops.py) are chosen once,
 at construction, by `create_layer_ops` (which self-checks the fused ones); if capturing the
 CUDA graphs with fused ops fails, the runner falls back to torch ops and captures again.
@@ -13,11 +20,13 @@ CUDA graphs with fused ops fails, the runner falls back to torch ops and capture
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 
-from engine.attention import StepStager, build_layout, check_bounds, create_backend
+from engine.attention import BatchLayout, StepStager, build_layout, check_bounds, create_backend
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_pool import cdiv
 from engine.config import EngineConfig
@@ -26,6 +35,7 @@ from engine.kv_cache import KVCache, torch_dtype
 from engine.layer_ops import TORCH_OPS, LayerOps
 from engine.layer_ops_select import create_layer_ops
 from engine.model import LlamaModel
+from engine.overlap import to_device
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +79,9 @@ class ModelRunner:
             raise ValueError(
                 f"KV cache block size {kv_cache.spec.block_size} != config {config.block_size}"
             )
-        if kv_cache.tensor.dtype != model.dtype or kv_cache.device != model.device:
+        kv_dtype_ok = kv_cache.tensor.dtype in (model.dtype, torch.float8_e4m3fn)
+        same_device = resolve_device(str(kv_cache.device)) == resolve_device(str(model.device))
+        if not kv_dtype_ok or not same_device:  # "cuda" is the current "cuda:N"
             raise ValueError(
                 f"KV cache ({kv_cache.tensor.dtype}, {kv_cache.device}) does not match the "
                 f"model ({model.dtype}, {model.device})"
@@ -79,9 +91,12 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         self.device = kv_cache.device
-        self.backend = create_backend(config.attention_backend, model.cfg, kv_cache)
+        self.backend = create_backend(config.attention_backend, model.cfg, kv_cache, model.dtype)
         self.layer_ops: LayerOps = create_layer_ops(config.layer_ops, model)
         self._stager = StepStager(self.device)
+        self._planned: torch.cuda.Event | None = None  # the last eager plan's copies queued
+        self._sampled: torch.Tensor | None = None  # `keep_sampled`: the latest step's ids
+        self._sampled_rows: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
             max_len = config.max_model_len or model.cfg.max_model_len
@@ -108,9 +123,16 @@ class ModelRunner:
     def attention_backend(self) -> str:
         return self.backend.name
 
+    def keep_sampled(self, token_ids: torch.Tensor, request_ids: Sequence[str]) -> None:
+        """The ids sampled from the latest step's logits (on the device, row i for
+        request_ids[i]): the next step's placeholder chunks take their tokens from here."""
+        self._sampled = token_ids
+        self._sampled_rows = {rid: i for i, rid in enumerate(request_ids)}
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Float32 logits [batch.num_sampled, vocab] of the sampled chunks, in batch order."""
+        """Float32 logits [batch.num_sampled, vocab] of the sampled chunks, in batch order
+        (queued on the device; nothing here waits for it)."""
         if not batch.chunks:
             return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
         layout = build_layout(batch, self.block_size)
@@ -118,12 +140,20 @@ class ModelRunner:
         check_bounds(
             layout, self.kv_cache.spec.num_blocks, cfg.vocab_size, cfg.max_position_embeddings
         )
+        fill = self._placeholder_fill(batch, layout)
         if self.graphs is not None and batch.is_decode_only:
             size = self.graphs.batch_size_for(layout)
             if size is not None:
-                return self.graphs.run(layout, size)
+                return self.graphs.run(layout, size, fill)
         step = self._stager.stage(layout)
+        if fill is not None:
+            fill(step.input_ids)
+        if self._planned is not None:  # flashinfer plans through a pinned buffer it reuses
+            self._planned.synchronize()
         self.backend.prepare(step)
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
         hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.layer_ops)
         if batch.num_sampled == 0:
             # Only mid-prompt chunks (a prompt longer than the step's token budget): the KV is
@@ -133,6 +163,31 @@ class ModelRunner:
         if not layout.samples_every_row:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden, self.layer_ops)
+
+    def _placeholder_fill(
+        self, batch: ScheduledBatch, layout: BatchLayout
+    ) -> functools.partial[None] | None:
+        """What writes the placeholder chunks' tokens into the staged input ids (None: the
+        batch has none). Raises ValueError if the latest kept sample lacks one of them."""
+        rows: list[int] = []
+        sources: list[int] = []
+        for i, c in enumerate(batch.chunks):
+            if not c.placeholder:
+                continue
+            source = self._sampled_rows.get(c.request_id)
+            if c.num_tokens != 1 or source is None:
+                raise ValueError(
+                    f"request {c.request_id}: a placeholder chunk must be one token that the "
+                    "latest kept sample holds"
+                )
+            rows.append(int(layout.qo_indptr[i]))
+            sources.append(source)
+        if not rows:
+            return None
+        assert self._sampled is not None
+        return functools.partial(
+            fill_placeholders, tokens=self._sampled, rows=rows, sources=sources
+        )
 
     def clear_device_error(self) -> None:
         """After a failed step: a launch error (e.g. an invalid argument) stays pending in the
@@ -158,3 +213,17 @@ class ModelRunner:
         self.execute(ScheduledBatch((chunk,)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def fill_placeholders(
+    input_ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], sources: list[int]
+) -> None:
+    """input_ids[rows[i]] = tokens[sources[i]] on the device (a slice copy when both are runs,
+    the steady decode case: the same requests in the same order)."""
+    n = len(rows)
+    r0, s0 = rows[0], sources[0]
+    if rows == list(range(r0, r0 + n)) and sources == list(range(s0, s0 + n)):
+        input_ids[r0 : r0 + n].copy_(tokens[s0 : s0 + n])
+        return
+    idx = to_device(rows + sources, torch.long, input_ids.device)
+    input_ids.index_copy_(0, idx[:n], tokens.index_select(0, idx[n:]).to(input_ids.dtype))

@@ -17,6 +17,15 @@ So decodes are never starved by long prompts, and a long prompt advances by what
 the decodes leave. The scheduler owns block bookkeeping and never touches tensors; its
 output is a `ScheduledBatch` (prefill chunks first, then single-token chunks).
 
+Overlap scheduling: `schedule()` may run while the previous step is still on the device, so
+a request's newest sampled token may be a placeholder (`Request.num_output_placeholders`):
+its decode is scheduled anyway (`SeqChunk.placeholder`: the runner takes the value from that
+step's sampled ids), except when that sample certainly ends the request (max_tokens,
+max_model_len, or the first token of a prefill-only request): then nothing is scheduled
+for it and it is never chosen for preemption (a prefill-only request's blocks are its
+hand-off). A request that turns out to have stopped had one decode computed for nothing;
+the engine discards its token and `finish` frees its blocks as usual.
+
 Hand-off states outside the two queues: `handed_off` (prefill-only requests finished with
 their blocks kept until `release`) and `transferring` (decode-side blocks reserved for KV
 that is being pulled, until `add_transferred` or `free_transfer`).
@@ -72,13 +81,19 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         keep_blocks_on_prefill_finish: bool = False,
+        max_model_len: int = 0,
+        finish_after_first_token: bool = False,
     ) -> None:
+        """`max_model_len` (0: none) and `finish_after_first_token` (prefill-only) say when a
+        sample still in flight certainly ends its request (see the module docstring)."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.keep_blocks_on_prefill_finish = keep_blocks_on_prefill_finish
+        self.max_model_len = max_model_len
+        self.finish_after_first_token = finish_after_first_token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.handed_off: dict[str, Request] = {}
@@ -107,6 +122,12 @@ class Scheduler:
         waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         return waiting + sum(r.num_pending_tokens for r in self.running if r.num_pending_tokens > 1)
 
+    def has_ready_work(self) -> bool:
+        """Whether `schedule()` can find tokens to compute without the values of the samples
+        in flight: a waiting request, or a running one with tokens other than a sample that
+        certainly ends it. (False: the step in flight is the last one until it is read.)"""
+        return bool(self.waiting) or any(self._num_schedulable(r) for r in self.running)
+
     def add_request(self, request: Request) -> None:
         rid = request.request_id
         if rid in self.requests or rid in self.handed_off or rid in self.transferring:
@@ -127,16 +148,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_pending_tokens, budget)
-            if num_new < request.num_pending_tokens and not self.enable_chunked_prefill:
+            pending = self._num_schedulable(request)
+            num_new = min(pending, budget)
+            if num_new == 0 or (num_new < pending and not self.enable_chunked_prefill):
+                i += 1
+                continue
+            if request.num_output_placeholders and self._exceeds_pool(request, num_new):
+                # Its token in flight may have stopped it; once read, the next step ends it
+                # with LENGTH if not (never preempted for a recompute that cannot fit).
                 i += 1
                 continue
             if self._grow(request, num_new, preempted, finished):
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
-            # else: the request itself left `running` (preempted or finished), and it was the
-            # last one, so the loop ends.
+            # else: the request itself left `running` (preempted or finished); the requests
+            # after it, if any, certainly finish with a sample in flight (never victims).
 
         while (
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
@@ -154,15 +181,39 @@ class Scheduler:
         chunks.sort(key=lambda c: c.num_tokens == 1)  # stable: prefill chunks first
         return SchedulerOutput(ScheduledBatch(tuple(chunks)), tuple(preempted), tuple(finished))
 
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens a running request can compute now: its pending ones (a placeholder
+        included), or none when its pending token is a placeholder whose sample certainly
+        ends the request (that KV would never be read)."""
+        if self._finishes_in_flight(request):
+            return 0
+        return request.num_pending_tokens
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """A sample still in flight certainly ends the request: the first token of a
+        prefill-only request, or the one that reaches max_tokens or max_model_len."""
+        if not request.num_output_placeholders:
+            return False
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        if self.finish_after_first_token or num_outputs >= request.sampling_params.max_tokens:
+            return True
+        return 0 < self.max_model_len <= request.num_prompt_tokens + num_outputs
+
+    def _exceeds_pool(self, request: Request, num_new: int) -> bool:
+        needed = self._blocks_needed(request, num_new)
+        return len(request.block_ids) + needed > self.block_pool.num_blocks
+
     def _grow(
         self, request: Request, num_new: int, preempted: list[str], finished: list[Request]
     ) -> bool:
         """Give a running request blocks for `num_new` more tokens, preempting the newest
-        running requests as needed. False if the request itself had to leave `running`."""
+        running requests (but those a sample in flight certainly ends) as needed. False if
+        the request itself had to leave `running`."""
         needed = self._blocks_needed(request, num_new)
         while not self.block_pool.can_allocate(needed):
-            victim = self.running[-1]
-            if victim is request and len(request.block_ids) + needed > self.block_pool.num_blocks:
+            # `request` itself qualifies, so there is always a victim (never an older one).
+            victim = next(r for r in reversed(self.running) if not self._finishes_in_flight(r))
+            if victim is request and self._exceeds_pool(request, num_new):
                 self.finish(request, RequestStatus.FINISHED_LENGTH)
                 finished.append(request)
                 return False
@@ -175,6 +226,8 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int, now: float) -> int:
         """Allocate a waiting request's blocks (reusing cached ones); tokens scheduled, or 0."""
+        if request.num_output_placeholders:  # preempted under a step in flight: wait for it
+            return 0
         bs = self.block_size
         hits = self.block_pool.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
         num_computed = len(hits) * bs
@@ -202,12 +255,17 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> SeqChunk:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
+        known = tuple(request.all_token_ids[start : start + num_new])
+        sample = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+        if sample:
+            request.num_output_placeholders += 1  # until the engine appends what it samples
         return SeqChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=known + (0,) * (num_new - len(known)),
             start_pos=start,
             block_ids=tuple(request.block_ids),
-            sample=request.num_computed_tokens == request.num_tokens,
+            sample=sample,
+            placeholder=len(known) < num_new,
         )
 
     def _blocks_needed(self, request: Request, num_new: int) -> int:
@@ -215,6 +273,7 @@ class Scheduler:
         return max(0, total - len(request.block_ids))
 
     def _preempt(self, request: Request) -> None:
+        # A placeholder stays: the token in flight is appended when read (then recomputed).
         self.running.remove(request)
         self.block_pool.free(request.block_ids)
         request.block_ids = []

@@ -1,6 +1,7 @@
 """LLMEngine on the GPU (tiny model, float32): greedy tokens equal transformers on the GPU
-through chunked prefill, preemption and the prefill-only → decode-only hand-off; seeded
-sampling with CUDA generators is reproducible whatever the batch.
+through chunked prefill, preemption and the prefill-only → decode-only hand-off, with overlap
+scheduling (the default) and without; seeded sampling with CUDA generators is reproducible
+whatever the batch.
 
 Seen passing on an H200 (torch 2.11, transformers 5.17) with the torch attention backend.
 """
@@ -70,8 +71,9 @@ def want(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
         {"block_size": 4, "max_num_batched_tokens": 7},
         {"block_size": 4, "num_kv_blocks": 16},
         {"cuda_graphs": False},
+        {"block_size": 4, "max_num_batched_tokens": 7, "overlap_scheduling": False},
     ],
-    ids=["colocated", "chunked", "preempting", "eager"],
+    ids=["colocated", "chunked", "preempting", "eager", "chunked-no-overlap"],
 )
 def test_greedy_matches_transformers_on_gpu(
     engine: LLMEngine,

@@ -23,6 +23,7 @@ from runner_factories import (
     sequential_blocks,
 )
 
+from engine.batch import SeqChunk
 from engine.config import EngineConfig
 from engine.kv_sizing import CPU_DEFAULT_KV_BLOCKS, decide_num_kv_blocks
 from engine.model import LlamaModel
@@ -208,3 +209,56 @@ def test_kv_pool_size_on_cpu_is_the_config_value_or_the_default(
     assert decide_num_kv_blocks(default, model.cfg, cpu, torch.float32) == CPU_DEFAULT_KV_BLOCKS
     sized = EngineConfig(model_dir=str(tiny_model_dir), num_kv_blocks=123)
     assert decide_num_kv_blocks(sized, model.cfg, cpu, torch.float32) == 123
+
+
+def test_placeholder_chunks_take_their_tokens_from_the_kept_sample(
+    model: LlamaModel, tiny_model_dir: Path, corpus: list[int]
+) -> None:
+    prompts = {s: prompt_tokens(corpus, seed, 20 + 7 * seed) for seed, s in enumerate("abc")}
+    blocks = {s: sequential_blocks(8 * i, 40) for i, s in enumerate("abc")}
+    known, fed = make_runner(model, tiny_model_dir), make_runner(model, tiny_model_dir)
+    for runner in (known, fed):
+        runner.execute(batch(*(chunk(s, prompts[s], 0, blocks[s]) for s in "abc")))
+    nxt = {"a": 11, "b": 22, "c": 33}
+    want = known.execute(batch(*(chunk(s, [nxt[s]], len(prompts[s]), blocks[s]) for s in "abc")))
+
+    def placeholders(*order: str):  # type: ignore[no-untyped-def]
+        return batch(
+            *(
+                SeqChunk(s, (0,), len(prompts[s]), blocks[s], sample=True, placeholder=True)
+                for s in order
+            )
+        )
+
+    # the steady case (same requests, same order: a slice copy) ...
+    fed.keep_sampled(torch.tensor([nxt[s] for s in "abc"]), list("abc"))
+    got = fed.execute(placeholders("a", "b", "c"))
+    assert torch.equal(got, want)
+    # ... and rows gathered out of order, beside a prompt chunk (an index copy)
+    pool_known, pool_fed = make_runner(model, tiny_model_dir), make_runner(model, tiny_model_dir)
+    for runner in (pool_known, pool_fed):
+        runner.execute(batch(*(chunk(s, prompts[s], 0, blocks[s]) for s in "bc")))
+    prompt = chunk("a", prompts["a"], 0, blocks["a"])
+    want = pool_known.execute(
+        batch(prompt, *(chunk(s, [nxt[s]], len(prompts[s]), blocks[s]) for s in "cb"))
+    )
+    pool_fed.keep_sampled(torch.tensor([5, nxt["b"], 7, nxt["c"]]), ["x", "b", "y", "c"])
+    got = pool_fed.execute(
+        batch(
+            prompt,
+            *(SeqChunk(s, (0,), len(prompts[s]), blocks[s], True, placeholder=True) for s in "cb"),
+        )
+    )
+    assert torch.equal(got, want)
+
+
+def test_a_placeholder_without_a_kept_sample_is_a_value_error(
+    model: LlamaModel, tiny_model_dir: Path
+) -> None:
+    runner = make_runner(model, tiny_model_dir)
+    orphan = SeqChunk("a", (0,), 4, (0,), sample=True, placeholder=True)
+    with pytest.raises(ValueError, match="request a: a placeholder chunk"):
+        runner.execute(batch(orphan))
+    runner.keep_sampled(torch.tensor([3]), ["other"])
+    with pytest.raises(ValueError, match="request a: a placeholder chunk"):
+        runner.execute(batch(orphan))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
@@ -113,3 +114,31 @@ def test_penalties_change_only_the_rows_that_ask() -> None:
 def test_empty_batch() -> None:
     out = Sampler()(torch.zeros((0, 8)), [])
     assert (out.token_ids, out.logprobs) == ((), ())
+
+
+def test_a_pending_output_counts_for_penalties_like_a_known_one() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, -1.0, 0.5]])
+    params = {"repetition_penalty": 2.0, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    known = apply_penalties(logits.clone(), [row(prompt=(0,), output=(2, 3), **params)])
+    previous = torch.tensor([4, 3])  # the previous step sampled 3 for this sequence (row 1)
+    pending = SamplingRow(SamplingParams(**params), (0,), (2,), None, pending=1)  # type: ignore[arg-type]
+    assert torch.equal(apply_penalties(logits.clone(), [pending], previous), known)
+    with pytest.raises(ValueError, match="no previous sampled ids"):
+        apply_penalties(logits.clone(), [pending])
+
+
+def test_sample_leaves_tokens_on_the_device_and_matches_the_host_result() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.6, 0.2, 0.2]]))
+    rows = [
+        row(temperature=0.0, logprobs=True),
+        row(generator=Sampler().make_generator(3), top_k=2),
+        row(temperature=0.0),
+    ]
+    out = Sampler(seed=4).sample(logits, rows)
+    assert out.token_ids.dtype == torch.long and out.token_ids.shape == (3,)
+    assert out.logprobs is not None and out.wants_logprobs == (True, False, False)
+    rows[1] = row(generator=Sampler().make_generator(3), top_k=2)  # the same draw again
+    host = Sampler(seed=4)(logits, rows)
+    assert out.to_host() == host
+    assert host.token_ids[0] == 0 and host.token_ids[2] == 0
+    assert host.logprobs[1:] == (None, None)

@@ -218,3 +218,82 @@ def test_duplicate_request_id_is_refused() -> None:
     s.add_request(make_request("r1"))
     with pytest.raises(ValueError, match=r"^request_id: 'r1' is already in use"):
         s.add_request(make_request("r1"))
+
+
+# ---- overlap scheduling: samples in flight --------------------------------------------------
+
+
+def test_a_token_still_being_sampled_is_decoded_from_a_placeholder() -> None:
+    s = make_scheduler()
+    r = make_request("r1", prompt_len=6)
+    s.add_request(r)
+    assert chunk_view(s.schedule()) == [("r1", 0, 6, (0, 1), True)]
+    assert r.num_output_placeholders == 1 and s.has_ready_work()
+    out = s.schedule()  # the first token is not read yet: its decode takes a placeholder
+    [c] = out.batch.chunks
+    assert (c.start_pos, c.token_ids, c.sample, c.placeholder) == (6, (0,), True, True)
+    assert r.num_output_placeholders == 2 and r.num_computed_tokens == 7
+    r.append_output(7, None)  # the first step is read
+    assert r.num_output_placeholders == 1 and r.num_pending_tokens == 1
+    [c] = s.schedule().batch.chunks  # position 7: still a placeholder (the second token)
+    assert (c.start_pos, c.placeholder) == (7, True)
+    r.append_output(8, None)
+    r.append_output(9, None)
+    [c] = s.schedule().batch.chunks  # everything read: a known token again
+    assert (c.start_pos, c.token_ids, c.placeholder) == (8, (9,), False)
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "max_model_len", "prefill_only"], ids=lambda x: x)
+def test_a_sample_that_certainly_ends_the_request_gets_nothing_scheduled_after_it(
+    limit: str,
+) -> None:
+    s = make_scheduler()
+    if limit == "max_model_len":
+        s.max_model_len = 8  # prompt 6 + 2 outputs
+    if limit == "prefill_only":
+        s.finish_after_first_token = True
+    r = make_request("r1", prompt_len=6, max_tokens=2 if limit == "max_tokens" else 16)
+    s.add_request(r)
+    s.schedule()
+    if limit != "prefill_only":
+        assert [c.placeholder for c in s.schedule().batch.chunks] == [True]  # output 2 of 2
+    assert chunk_view(s.schedule()) == []
+    assert not s.has_ready_work()
+    s.add_request(make_request("r2", prompt_len=3, first_token=200))
+    assert s.has_ready_work()
+    assert [c.request_id for c in s.schedule().batch.chunks] == ["r2"]
+
+
+def test_a_request_finishing_in_flight_is_never_preempted() -> None:
+    s = make_scheduler(num_blocks=4)
+    r1 = make_request("r1", prompt_len=8)
+    last = make_request("last", prompt_len=8, first_token=200, max_tokens=1)
+    s.add_request(r1)
+    s.add_request(last)
+    s.schedule()  # both prompts; both first tokens in flight, the pool is full
+    # r1's decode at position 8 needs a block. "last" is the newest, but its token in flight
+    # ends it (max_tokens=1) and its blocks come back then: r1 preempts itself instead.
+    out = s.schedule()
+    assert out.preempted == ("r1",) and chunk_view(out) == []
+    assert last.block_ids == [2, 3] and s.running == [last]
+    r1.append_output(7, None)  # the step is read: r1's token joins it while it waits
+    assert r1.output_token_ids == [7] and r1.num_output_placeholders == 0
+    last.append_output(5, None)
+    s.finish(last, RequestStatus.FINISHED_LENGTH)
+    [c] = s.schedule().batch.chunks  # recomputed, its token 7 included
+    assert (c.request_id, c.start_pos, c.token_ids[-1], c.sample) == ("r1", 0, 7, True)
+
+
+def test_a_placeholder_request_too_big_for_the_pool_waits_for_its_token() -> None:
+    s = make_scheduler(num_blocks=2)
+    r = make_request("r1", prompt_len=7)
+    s.add_request(r)
+    s.schedule()
+    r.append_output(7, None)
+    s.schedule()  # decode at position 7 (the last slot of block 1), its token in flight
+    out = s.schedule()  # position 8 needs a third block: wait for the token, do not finish
+    assert (out.finished, chunk_view(out)) == ((), []) and r.status is RequestStatus.RUNNING
+    r.append_output(8, None)
+    out = s.schedule()  # the token did not stop it: now it ends as without overlap
+    assert out.finished == (r,) and r.status is RequestStatus.FINISHED_LENGTH
+    assert s.block_pool.num_free == 2
