@@ -30,6 +30,7 @@ from deploy.options import (
 
 if TYPE_CHECKING:
     from deploy.config import PdserveConfig
+    from engine.fp8_checkpoint import Fp8Scheme
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis.",
@@ -81,7 +82,7 @@ def _router(target: str | None) -> Iterator[str]:
 def make_model_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
     preset: Annotated[
-        str, typer.Option(help="tiny (trained, CPU) or llama3-8b (random).")
+        str, typer.Option(help="tiny (trained, CPU), llama3-8b or llama3-70b (random).")
     ] = "tiny",
     seed: Annotated[int, typer.Option(help="Seed: same seed, same bytes.")] = 0,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
@@ -93,9 +94,38 @@ def make_model_cmd(
     vocab: Annotated[int | None, typer.Option(help="Model vocabulary size.")] = None,
     train_steps: Annotated[int | None, typer.Option(help="Training steps on the corpus.")] = None,
     device: Annotated[str, typer.Option(help="Where random weights are drawn.")] = "cpu",
+    quantization: Annotated[
+        str, typer.Option(help="none, or fp8: compressed-tensors FP8 (llm-compressor's format).")
+    ] = "none",
+    weight_scales: Annotated[
+        str, typer.Option(help="fp8 weight scales: channel (one per output row) or tensor.")
+    ] = "channel",
+    activations: Annotated[
+        str, typer.Option(help="fp8 activations: dynamic, or static (scales from the corpus).")
+    ] = "dynamic",
+    config_only: Annotated[
+        bool, typer.Option("--config-only", help="Only config.json and tokenizer (no weights).")
+    ] = False,
+    source: Annotated[
+        Path | None,
+        typer.Option("--from", help="With --quantization fp8: quantize this checkpoint folder."),
+    ] = None,
 ) -> None:
     """Write a Llama-architecture checkpoint in Hugging Face format (no download)."""
+    from deploy.fp8_checkpoint import quantize_checkpoint
     from deploy.make_model import make_model
+
+    with _checked_options():
+        fp8 = _fp8_scheme(quantization, weight_scales, activations)
+        if source is not None and (fp8 is None or config_only):
+            raise typer.BadParameter("--from: only with --quantization fp8 (and weights)")
+    if source is not None and fp8 is not None:
+        try:
+            path = quantize_checkpoint(source, out_dir, fp8)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(f"--from {source}: {e}", 2)
+        console.print(f"wrote {fp8} checkpoint of {source} to [bold]{path}[/bold]")
+        return
 
     overrides: dict[str, Any] = {
         k: v
@@ -112,10 +142,30 @@ def make_model_cmd(
         if v is not None
     }
     try:
-        path = make_model(out_dir, preset=preset, seed=seed, device=device, **overrides)
+        path = make_model(
+            out_dir, preset=preset, seed=seed, device=device, fp8=fp8, config_only=config_only,
+            **overrides,
+        )  # fmt: skip
     except ValueError as e:
         _fail(str(e), 2)
-    console.print(f"wrote {preset} checkpoint to [bold]{path}[/bold]")
+    what = "config and tokenizer" if config_only else "checkpoint"
+    console.print(f"wrote {preset} {what}{f' ({fp8})' if fp8 else ''} to [bold]{path}[/bold]")
+
+
+def _fp8_scheme(quantization: str, weight_scales: str, activations: str) -> Fp8Scheme | None:
+    """make-model's FP8 options as a scheme (None: dense); typer.BadParameter naming the
+    option that does not fit."""
+    from engine.fp8_checkpoint import WEIGHT_STRATEGIES, Fp8Scheme
+
+    if quantization not in ("none", "fp8"):
+        raise typer.BadParameter(f"--quantization: none or fp8, got {quantization!r}")
+    if weight_scales not in WEIGHT_STRATEGIES:
+        raise typer.BadParameter(f"--weight-scales: channel or tensor, got {weight_scales!r}")
+    if activations not in ("dynamic", "static"):
+        raise typer.BadParameter(f"--activations: dynamic or static, got {activations!r}")
+    if quantization == "none":
+        return None
+    return Fp8Scheme(weight_scales, dynamic_activations=activations == "dynamic")
 
 
 # ---- cluster ------------------------------------------------------------------------------
@@ -143,7 +193,8 @@ def up(
 
             loopback_env()  # before the first `import ray` (Ray reads it on import)
         tree = effective_config(given)
-        check_model_dir(tree.model, given.where("model"))
+        dummy = tree.workers.engine.load_format == "dummy"  # weights made on the device
+        check_model_dir(tree.model, given.where("model"), weights=not dummy)
     if detach:
         log_path = daemon.state_path().parent / "pdserve-up.log"
         console.print(f"starting pdserve in the background (log: {log_path}) ...")
@@ -209,8 +260,23 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
         console.print("stopped")
 
 
+def _http_urls(targets: list[str]) -> list[str]:
+    """Each router's OpenAI HTTP API, as it reports it (none where it serves none)."""
+    import grpc
+
+    from deploy import client
+
+    try:
+        return [url for t in targets if (url := client.status(t, timeout_s=5).http_url)]
+    except (grpc.RpcError, client.NoRouter):
+        return []
+
+
 def _print_endpoint(state: Any) -> None:
     console.print(f"[bold green]pdserve is up[/bold green]: gRPC {', '.join(state.targets)}")
+    urls = _http_urls(state.targets)
+    if urls:
+        console.print(f"  openai   {', '.join(u + '/v1' for u in urls)}")
     if state.metrics:
         console.print(f"  metrics  {', '.join(state.metrics)}")
     console.print(f"  redis    {state.redis_url}")
@@ -305,8 +371,8 @@ def status(
     ] = None,
 ) -> None:
     """Per worker: role, state, node, device, KV blocks, requests in flight, queue, transfers,
-    TTFT/TPOT; then the request limits, the controller's recent events and the planner's last
-    decision (from the control log)."""
+    TTFT/TPOT; then the router's APIs (gRPC, OpenAI HTTP), the request limits, the
+    controller's recent events and the planner's last decision (from the control log)."""
     from deploy import client
 
     with _router(target) as addr:
@@ -316,8 +382,11 @@ def status(
         print(client.status_json(st, log))
         return
     # A pipe gets the whole table, not one squeezed into 80 columns.
-    out = console if console.is_terminal else Console(width=160)
+    out = console if console.is_terminal else Console(width=200)
     out.print(client.status_table(st))
+    if st.http_url:
+        api = f"api:      gRPC {addr} · OpenAI {st.http_url}/v1"
+        out.print(f"  {api}", markup=False, highlight=False)
     for line in client.limits_lines(st):
         out.print(f"  {line}", markup=False, highlight=False)
     for line in log.events:
@@ -463,21 +532,30 @@ def bench(
     num_requests: Annotated[int | None, typer.Option(help="Cap on requests per rate.")] = None,
     no_locust: Annotated[bool, typer.Option(help="Use the asyncio driver, not Locust.")] = False,
     attainment: Annotated[float, typer.Option(help="Goodput attainment target.")] = 0.9,
+    api: Annotated[
+        str, typer.Option(help="grpc (Generate) or openai (the router's HTTP /v1/completions).")
+    ] = "grpc",
     target: Annotated[
         str | None, typer.Option(help="HOST:PORT (default: running cluster).")
     ] = None,
 ) -> None:
     """Run a Locust load test headless and write CSV, HTML, plots and a goodput summary."""
     from deploy import client
-    from loadtests.bench import BenchError, run_bench
+    from loadtests.bench import APIS, BenchError, run_bench
     from loadtests.goodput import SLOError
     from loadtests.workload import ProfileError
 
+    if api not in APIS:
+        _fail(f"--api: one of {', '.join(APIS)}, got {api!r}", 2)
     with _router(target) as addr:
         client.require_router(addr)
+        # the OpenAI API's address comes from the router itself (its http_port)
+        url = client.status(addr).http_url if api == "openai" else addr
+    if not url:
+        _fail(f"--api openai: the router at {addr} serves no HTTP API (http_port: null)", 1)
     try:
         run_bench(
-            addr,
+            url,
             profile,
             rate or [1.0],
             " ".join(slo or ["ttft:1000", "tpot:100"]),
@@ -488,6 +566,7 @@ def bench(
             num_requests=num_requests,
             attainment_target=attainment,
             console=console,
+            api=api,
         )
     except (ValueError, SLOError, ProfileError) as e:
         _fail(str(e), 2)

@@ -30,6 +30,7 @@ from deploy.spec import ClusterSpec
 from router.server import RouterConfig
 
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class LaunchConfig:
     """Redis of the prefix index; None starts an embedded redis-server on a free loopback
     port."""
     routers: int = 1
-    """Router replicas; replica i listens on router.grpc_port + i (metrics_port + i)."""
+    """Router replicas; replica i listens on router.grpc_port + i (http_port + i,
+    metrics_port + i)."""
     router_resources: tuple[tuple[str, float], ...] = ()
     """Custom Ray resources each router asks for, to pin routers to the nodes that have them
     (e.g. the head pod behind a Kubernetes Service); empty: anywhere."""
@@ -62,9 +64,11 @@ class PdserveConfig:
     cluster: LaunchConfig = field(default_factory=LaunchConfig)
     """Ray, Redis and the router replicas."""
     router: RouterConfig = field(
-        default_factory=lambda: RouterConfig(metrics_port=DEFAULT_METRICS_PORT)
+        default_factory=lambda: RouterConfig(
+            metrics_port=DEFAULT_METRICS_PORT, http_port=DEFAULT_HTTP_PORT
+        )
     )
-    """Each router replica (metrics on 9464 unless set)."""
+    """Each router replica (metrics on 9464 and the OpenAI HTTP API on 8000 unless set)."""
     workers: ClusterSpec = field(default_factory=ClusterSpec)
     """What the controller runs: the workers of each role, how, and the planner."""
 
@@ -82,7 +86,7 @@ class PdserveConfig:
         """`router` as router replica `replica` takes it: the workers' model and index, and
         its own ports (each replica one above the last; 0 stays 0: a free one)."""
         r = self.router
-        grpc, metrics = r.grpc_port, r.metrics_port
+        grpc, metrics, http = r.grpc_port, r.metrics_port, r.http_port
         return replace(
             r,
             model_dir=model_dir,
@@ -91,6 +95,7 @@ class PdserveConfig:
             index=self.workers.index,
             grpc_port=grpc + replica if grpc else 0,
             metrics_port=None if metrics is None else (metrics + replica if metrics else 0),
+            http_port=None if http is None else (http + replica if http else 0),
         )
 
 

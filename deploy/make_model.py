@@ -1,6 +1,6 @@
 """`pdserve make-model`: write a Llama-architecture checkpoint in Hugging Face format.
 
-Two presets:
+Presets:
 - `tiny` (the embedded default and the tests' model): ~1M parameters, a byte-level BPE
   tokenizer trained offline on deploy/data/corpus.txt, and a few seconds of training on that
   text, so the demo prints text-like output. After training the final norm is scaled up
@@ -9,6 +9,12 @@ Two presets:
   not float rounding luck.
 - `llama3-8b`: Llama-3-8B shapes with random weights (bf16 by default, no training) for GPU
   benchmarks; written in ~5 GB shards with an index.
+- `llama3-70b`: Llama-3-70B shapes, meant for `config_only` (config.json and the tiny
+  model's tokenizer, no weights) and `--load-format dummy`: the engine makes the weights on
+  the device. The tokenizer's 512 tokens are fewer than the model's 128256, which is fine for
+  random weights (ids past the tokenizer's decode to no text).
+
+`fp8` writes the checkpoint in the compressed-tensors FP8 format (deploy/fp8_checkpoint.py).
 
 Output is deterministic for a given seed on a given machine (training runs single-threaded).
 Everything is built locally; nothing is downloaded.
@@ -27,11 +33,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.fp8_checkpoint import Fp8Scheme
 from engine.model_config import ModelConfig
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-TINY_FORMAT_VERSION = 1  # bump when the tiny model's recipe changes (invalidates caches)
+TINY_FORMAT_VERSION = 2  # bump when the tiny model's recipe changes (invalidates caches)
+# The chat template tokenizer_config.json carries (the router's OpenAI chat API renders it
+# with transformers): plain "User:" / "Assistant:" turns, like the corpus's prose.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] | trim }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] | trim }}\n"
+    "{% elif message['role'] == 'assistant' %}"
+    "Assistant: {{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% else %}{{ raise_exception('roles are system, user or assistant') }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,18 @@ PRESETS: dict[str, ModelShape] = {
         llama3_rope=True,
         dtype="bfloat16",
     ),
+    "llama3-70b": ModelShape(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        llama3_rope=True,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -107,6 +139,7 @@ def build_tokenizer(vocab_size: int, max_length: int) -> tuple[object, dict[str,
         "pad_token": PAD,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     return tok, tokenizer_config
 
@@ -277,11 +310,15 @@ def make_model(
     seed: int = 0,
     device: str = "cpu",
     shard_bytes: int = 5 << 30,
+    *,
+    fp8: Fp8Scheme | None = None,
+    config_only: bool = False,
     **overrides: object,
 ) -> Path:
     """Write a checkpoint folder (config.json, safetensors, tokenizer files) and return it.
 
     `overrides` replace fields of the preset's ModelShape (e.g. num_layers=2, dtype="bfloat16").
+    `fp8`: the weights in that compressed-tensors FP8 scheme; `config_only`: no weights.
     The folder is written under a temporary name and renamed into place, so concurrent
     writers never see a half-written checkpoint.
     """
@@ -296,17 +333,21 @@ def make_model(
     )
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)  # type: ignore[attr-defined]
     cfg_dict = hf_config(shape, bos_id, eos_id)
-    tensors = random_tensors(cfg_dict, shape, seed, device)
-    if shape.train_steps > 0:
+    tensors = {} if config_only else random_tensors(cfg_dict, shape, seed, device)
+    if shape.train_steps > 0 and not config_only:
         stream: list[int] = []
         for para in CORPUS.read_text().split("\n\n"):
             stream += [*tok.encode(para.strip()).ids, eos_id]  # type: ignore[attr-defined]
         tensors = train_tiny(tensors, cfg_dict, stream, shape, seed)
+    if fp8 is not None:
+        tensors = _quantized(tensors, ModelConfig.from_dict(cfg_dict), fp8, tok)
+        cfg_dict["quantization_config"] = fp8.quantization_config()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        _save_shards(tensors, tmp, shard_bytes)
+        if tensors:
+            _save_shards(tensors, tmp, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2)
@@ -315,9 +356,9 @@ def make_model(
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
         special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
         (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-        (tmp / "pdserve_recipe.json").write_text(
-            json.dumps({"preset": preset, "seed": seed, **asdict(shape)}, indent=2)
-        )
+        recipe = {"preset": preset, "seed": seed, **asdict(shape)}
+        recipe |= {"fp8": asdict(fp8) if fp8 else None, "config_only": config_only}
+        (tmp / "pdserve_recipe.json").write_text(json.dumps(recipe, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -325,6 +366,17 @@ def make_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _quantized(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, scheme: Fp8Scheme, tok: object
+) -> dict[str, torch.Tensor]:
+    from deploy.fp8_checkpoint import corpus_ids, observe_input_amax, quantize_tensors
+
+    amax = None
+    if tensors and not scheme.dynamic_activations:
+        amax = observe_input_amax(tensors, cfg, corpus_ids(None, tok))
+    return quantize_tensors(tensors, scheme, amax)
 
 
 def cache_dir() -> Path:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import yaml
 
+from engine.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
+
 if TYPE_CHECKING:
     from deploy.config import PdserveConfig
 
@@ -84,13 +86,15 @@ def check_seconds(value: Any, where: str, *, allow_zero: bool) -> float:
     return seconds
 
 
-def check_model_dir(model_dir: str | None, where: str = "--model") -> None:
+def check_model_dir(model_dir: str | None, where: str = "--model", weights: bool = True) -> None:
     """Refuse a folder the engine could not load, before anything starts: it must exist and
-    hold a Llama-family config.json (read as the engine reads it), the *.safetensors files
-    (every shard a model.safetensors.index.json lists) and tokenizer.json. None (the tiny
-    model, written on demand) passes."""
+    hold a Llama-family config.json (read as the engine reads it, its quantization_config
+    too), the *.safetensors files (every shard a model.safetensors.index.json lists; not
+    with `weights` False: --load-format dummy) and tokenizer.json. None (the tiny model,
+    written on demand) passes."""
     if model_dir is None:
         return
+    from engine.fp8_checkpoint import read_fp8_scheme
     from engine.model_config import ModelConfig
     from engine.weights import checkpoint_files  # what the loader reads, shards and all
 
@@ -103,6 +107,7 @@ def check_model_dir(model_dir: str | None, where: str = "--model") -> None:
     config = root / "config.json"
     try:
         ModelConfig.from_pretrained(root)
+        read_fp8_scheme(json.loads(config.read_text()))
     except FileNotFoundError as e:
         raise typer.BadParameter(f"{where}: {model_dir} has no config.json; expected {hint}") from e
     except json.JSONDecodeError as e:
@@ -113,7 +118,7 @@ def check_model_dir(model_dir: str | None, where: str = "--model") -> None:
         detail = f"no {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
         raise typer.BadParameter(f"{where}: {config}: not a Llama-family config ({detail})") from e
     try:
-        shards = checkpoint_files(root)
+        shards = checkpoint_files(root) if weights else []
     except FileNotFoundError as e:
         raise typer.BadParameter(f"{where}: {model_dir} has no *.safetensors weights") from e
     except (ValueError, KeyError, TypeError) as e:
@@ -146,6 +151,8 @@ class Flag:
     """`--help` text; a [default] in it is the tree's default (tests check it)."""
     switch: str = ""
     """A bool flag's declaration: "--on" (given or not) or "--on/--off"."""
+    choices: tuple[str, ...] = ()
+    """The values a str flag takes (checked, from the flag or the file); empty: any."""
 
     @property
     def option(self) -> str:
@@ -166,12 +173,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag("colocated", "workers.colocated", bool, "Baseline: no disaggregation.", "--colocated"),
     Flag("grpc_port", "router.grpc_port", int, "gRPC port [50051]; 0: a free one."),
     Flag("metrics_port", "router.metrics_port", int, "Prometheus port [9464]; 0: a free one."),
+    Flag("http_port", "router.http_port", int, "OpenAI-compatible HTTP API port [8000]; 0: a "
+         "free one (http_port: null in the config file turns it off)."),
     Flag("redis_url", "cluster.redis_url", str, "Redis URL (default: start an embedded one)."),
     Flag("address", "cluster.address", str, "Ray address of a cluster (default: a local Ray)."),
     Flag("routers", "cluster.routers", int, "Router replicas [1]."),
     Flag("host", "router.host", str, "Address routers bind [127.0.0.1]."),
     Flag("planner", "workers.planner.enabled", bool, "Run the planner (scales roles, asks Ray's "
          "autoscaler for nodes); off unless given.", "--planner/--no-planner"),
+    Flag("overlap_scheduling", "workers.engine.overlap_scheduling", bool, "Engines schedule "
+         "and launch the next step while the device runs the current one [on].",
+         "--overlap-scheduling/--no-overlap-scheduling"),
+    Flag("quantization", "workers.engine.quantization", str, "Decoder weights: none or fp8 (e4m3, "
+         "quantized at load; an FP8 checkpoint loads as FP8 anyway) [none].",
+         choices=QUANTIZATIONS),
+    Flag("kv_cache_dtype", "workers.engine.kv_cache_dtype", str, "KV cache: auto (the weights' "
+         "dtype) or fp8 (e4m3, scales calibrated at load) [auto].", choices=KV_CACHE_DTYPES),
+    Flag("load_format", "workers.engine.load_format", str, "Weights: auto (the checkpoint's) or "
+         "dummy (random, made on the device from config.json) [auto].", choices=LOAD_FORMATS),
 )  # fmt: skip
 """Every flag that sets a field of the tree; the rest of the tree is set in the file."""
 
@@ -320,8 +339,19 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
     check_port(config.router.grpc_port, given.where("router.grpc_port"), routers)
     if config.router.metrics_port is not None:  # None (null): no metrics
         check_port(config.router.metrics_port, given.where("router.metrics_port"), routers)
+    if config.router.http_port is not None:  # None (null): no HTTP API
+        check_port(config.router.http_port, given.where("router.http_port"), routers)
     check_count(config.workers.num_prefill, given.where("workers.num_prefill"))
     check_count(config.workers.num_decode, given.where("workers.num_decode"), 1)
+    for f in FLAGS:
+        if f.choices:
+            value: Any = config
+            for key in f.path.split("."):
+                value = getattr(value, key)
+            if value not in f.choices:
+                raise typer.BadParameter(
+                    f"{given.where(f.path)}: one of {', '.join(f.choices)}, got {value!r}"
+                )
     return config
 
 

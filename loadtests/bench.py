@@ -13,6 +13,12 @@ or gevent needed, as on the GPU machine); both write the same per-request record
 
     python -m loadtests.bench --target 127.0.0.1:50051 --profile synthetic --rate 1 2 4 \
         --slo ttft:500 tpot:50 --duration 60 --out bench-results/run1 [--no-locust]
+    python -m loadtests.bench --api openai --target http://127.0.0.1:8000 ...
+
+`api` picks the door: "grpc" (target HOST:PORT, the Generate stream) or "openai" (target the
+base URL of the OpenAI-compatible HTTP API, streaming /v1/completions; Locust user
+loadtests/locust_openai.py, asyncio sender loadtests/openai_driver.py). Both send the same
+workload and measure it the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from loadtests.runspec import RunSpec
 from loadtests.workload import load_profile
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+LOCUSTFILE_OPENAI = Path(__file__).with_name("locust_openai.py")
+APIS = ("grpc", "openai")
 
 
 class BenchError(RuntimeError):
@@ -59,6 +67,7 @@ class RateResult:
 class BenchSummary:
     target: str
     profile: str
+    api: str
     seed: int
     slo: SLO
     duration_s: float
@@ -91,8 +100,12 @@ def run_bench(
     attainment_target: float = 0.9,
     itl_events: bool = True,
     console: Console | None = None,
+    api: str = "grpc",
 ) -> BenchSummary:
-    """Run `profile` against `target` (host:port) at each rate; write and print the report."""
+    """Run `profile` against `target` (host:port, or the HTTP API's base URL with `api`
+    "openai") at each rate; write and print the report."""
+    if api not in APIS:
+        raise ValueError(f"api: one of {', '.join(APIS)}, got {api!r}")
     rate_list = [float(rates)] if isinstance(rates, (int, float)) else [float(r) for r in rates]
     if not rate_list or any(r <= 0 for r in rate_list):
         raise ValueError(f"rate: need one or more rates > 0, got {rate_list}")
@@ -119,11 +132,11 @@ def run_bench(
         console.print(f"[bold]{profile_name}[/bold] at {rate:g} req/s for {duration_s:g} s ...")
         html = csv_prefix = None
         if use_locust:
-            html, csv_prefix = _run_locust(target, spec, run_dir)
+            html, csv_prefix = _run_locust(target, spec, run_dir, api)
         else:
             from loadtests.driver import run_spec
 
-            run_spec(target, spec)
+            run_spec(target, spec, api)
         records = read_records(records_path) if records_path.exists() else []
         report = summarize(records, slo, offered_rate=rate)
         results.append(RateResult(rate, report, run_dir, records_path, html, csv_prefix))
@@ -141,6 +154,7 @@ def run_bench(
     summary = BenchSummary(
         target=target,
         profile=profile_name,
+        api=api,
         seed=seed,
         slo=slo,
         duration_s=duration_s,
@@ -159,17 +173,20 @@ def run_bench(
     return summary
 
 
-def _run_locust(target: str, spec: RunSpec, run_dir: Path) -> tuple[Path, Path]:
+def _run_locust(target: str, spec: RunSpec, run_dir: Path, api: str) -> tuple[Path, Path]:
     if importlib.util.find_spec("locust") is None:
         raise BenchError("locust is not installed: pip install 'pdserve[bench]', or --no-locust")
     html, csv_prefix, log = run_dir / "locust.html", run_dir / "locust", run_dir / "locust.log"
     # A safety limit only: the open-loop user stops the run once its last request is done.
     limit_s = int(spec.duration_s + spec.request_timeout_s + 30)
+    locustfile, user = (LOCUSTFILE, "OpenLoopUser")
+    if api == "openai":
+        locustfile, user = (LOCUSTFILE_OPENAI, "OpenAIOpenLoopUser")
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        sys.executable, "-m", "locust", "-f", str(locustfile), "--headless",
         "-u", "1", "-r", "1", "--host", target, "-t", f"{limit_s}s",
         "--csv", str(csv_prefix), "--html", str(html), "--only-summary",
-        "--exit-code-on-error", "0", "--stop-timeout", "10", "OpenLoopUser",
+        "--exit-code-on-error", "0", "--stop-timeout", "10", user,
     ]  # fmt: skip
     env = {**os.environ, **spec.to_env()}
     with log.open("w") as out:
@@ -226,6 +243,7 @@ def _write_plots(
 def _summary_json(summary: BenchSummary) -> dict[str, object]:
     return {
         "target": summary.target,
+        "api": summary.api,
         "profile": summary.profile,
         "seed": summary.seed,
         "slo": asdict(summary.slo),
@@ -297,13 +315,17 @@ def print_summary(summary: BenchSummary, console: Console) -> None:
             failures = ", ".join(f"{status} x{n}" for status, n in result.report.failures)
             console.print(f"  {result.rate:g} req/s failures: {failures}")
     console.print(
-        f"driver: {'locust' if summary.used_locust else 'asyncio'}; output in {summary.out_dir}"
+        f"driver: {'locust' if summary.used_locust else 'asyncio'}, {summary.api} API; "
+        f"output in {summary.out_dir}"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark a running pdserve cluster.")
-    parser.add_argument("--target", default="127.0.0.1:50051", help="gRPC host:port")
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", help="gRPC host:port, or the HTTP API's base URL"
+    )
+    parser.add_argument("--api", choices=APIS, default="grpc", help="which API to load")
     parser.add_argument("--profile", default="synthetic", help="profile name or YAML path")
     parser.add_argument("--rate", type=float, nargs="+", required=True, help="req/s (a sweep)")
     parser.add_argument("--slo", nargs="+", required=True, help="ttft:MS tpot:MS [e2el:MS]")
@@ -327,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_requests=args.num_requests,
         request_timeout_s=args.timeout,
         attainment_target=args.attainment,
+        api=args.api,
     )
     return 0
 

@@ -1,5 +1,6 @@
-"""The headless load driver: the same workload and records as the Locust user, on asyncio +
-grpc.aio, for machines without Locust/gevent (the GPU benchmark) and for quick runs.
+"""The headless load driver: the same workload and records as the Locust users, on asyncio +
+grpc.aio (or httpx2 for the OpenAI HTTP API), for machines without Locust/gevent (the GPU
+benchmark) and for quick runs.
 
 Open loop: each request is started as its own task at its scheduled time, whatever the
 completions do; a conversation's next turn waits for its previous turn (plus think time).
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -56,6 +57,47 @@ async def _send(
     )
 
 
+Sender = Callable[[PlannedRequest, float], Awaitable[RequestRecord]]
+"""Sends one planned request (given the run's start on the perf_counter clock) and returns
+its record."""
+
+
+async def open_loop(
+    planned: Sequence[PlannedRequest], send: Sender, sink: RecordSink | None = None
+) -> list[RequestRecord]:
+    """Start each request at its scheduled time (a conversation's next turn once its previous
+    turn completed, plus think time); one record per request, in completion order."""
+    records: list[RequestRecord] = []
+    done = {p.index: asyncio.Event() for p in planned}
+    done_at: dict[int, float] = {}
+    run_start = time.perf_counter()
+
+    async def sleep_until(offset_s: float) -> None:
+        delay = run_start + offset_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def send_one(p: PlannedRequest) -> None:
+        try:
+            if p.after is not None:
+                await done[p.after].wait()
+                await sleep_until(max(p.send_at_s, done_at[p.after] + p.think_s))
+            record = await send(p, run_start)
+            records.append(record)
+            if sink is not None:
+                sink.write(record)
+        finally:
+            done_at[p.index] = time.perf_counter() - run_start
+            done[p.index].set()
+
+    tasks = []
+    for p in planned:
+        await sleep_until(p.send_at_s)
+        tasks.append(asyncio.create_task(send_one(p)))
+    await asyncio.gather(*tasks)
+    return records
+
+
 async def run_planned(
     target: str,
     planned: Sequence[PlannedRequest],
@@ -63,44 +105,27 @@ async def run_planned(
     offered_rate: float | None = None,
     timeout_s: float = 300.0,
     sink: RecordSink | None = None,
+    api: str = "grpc",
 ) -> list[RequestRecord]:
-    """Send `planned` to `target` open-loop; one record per request, in completion order."""
-    records: list[RequestRecord] = []
-    done = {p.index: asyncio.Event() for p in planned}
-    done_at: dict[int, float] = {}
+    """Send `planned` to `target` open-loop: a gRPC host:port, or with `api="openai"` the base
+    URL of an OpenAI-compatible HTTP API (loadtests/openai_driver.py)."""
+    if api == "openai":
+        from loadtests.openai_driver import OpenAISender
+
+        async with OpenAISender(target, offered_rate, timeout_s) as send_http:
+            return await open_loop(planned, send_http, sink)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = serving_pb2_grpc.GenerationStub(channel)
-        run_start = time.perf_counter()
 
-        async def sleep_until(offset_s: float) -> None:
-            delay = run_start + offset_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async def send(p: PlannedRequest, run_start: float) -> RequestRecord:
+            return await _send(
+                stub, p, run_start=run_start, offered_rate=offered_rate, timeout_s=timeout_s
+            )
 
-        async def send_one(p: PlannedRequest) -> None:
-            try:
-                if p.after is not None:
-                    await done[p.after].wait()
-                    await sleep_until(max(p.send_at_s, done_at[p.after] + p.think_s))
-                record = await _send(
-                    stub, p, run_start=run_start, offered_rate=offered_rate, timeout_s=timeout_s
-                )
-                records.append(record)
-                if sink is not None:
-                    sink.write(record)
-            finally:
-                done_at[p.index] = time.perf_counter() - run_start
-                done[p.index].set()
-
-        tasks = []
-        for p in planned:
-            await sleep_until(p.send_at_s)
-            tasks.append(asyncio.create_task(send_one(p)))
-        await asyncio.gather(*tasks)
-    return records
+        return await open_loop(planned, send, sink)
 
 
-def run_spec(target: str, spec: RunSpec) -> list[RequestRecord]:
+def run_spec(target: str, spec: RunSpec, api: str = "grpc") -> list[RequestRecord]:
     """Run one RunSpec to completion (blocking); records also go to `spec.records_path`."""
     sink = RecordSink(spec.records)
     try:
@@ -111,6 +136,7 @@ def run_spec(target: str, spec: RunSpec) -> list[RequestRecord]:
                 offered_rate=spec.rate,
                 timeout_s=spec.request_timeout_s,
                 sink=sink,
+                api=api,
             )
         )
     finally:

@@ -1,5 +1,6 @@
-"""Assemble and run one router: gRPC server (Generation, Admin, health, reflection),
-cluster view, admission controller, prefix index client and Prometheus metrics.
+"""Assemble and run one router: gRPC server (Generation, Admin, health, reflection), the
+OpenAI-compatible HTTP API (router/http, on the same event loop and orchestrator), cluster
+view, admission controller, prefix index client and Prometheus metrics.
 
 `RouterServer` runs in any asyncio loop (tests run it in-process); `RouterActor` hosts it in
 a Ray actor so routers live with the cluster and several replicas can serve at once (each on
@@ -45,6 +46,8 @@ from worker_runtime.api import WorkerRole
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from router.http import HttpServer
+
 log = logging.getLogger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -88,11 +91,14 @@ class RouterConfig:
     model_id: str = ""
     """Binds prefix-cache hashes; must equal the workers' (defaults to the folder name)."""
     host: str = "127.0.0.1"
-    """Address the gRPC and metrics servers bind (0.0.0.0: every interface)."""
+    """Address the gRPC, HTTP and metrics servers bind (0.0.0.0: every interface)."""
     grpc_port: int = 50051
     """gRPC port; 0 picks a free one."""
     metrics_port: int | None = None
     """Prometheus HTTP port; None disables, 0 picks a free one."""
+    http_port: int | None = None
+    """OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /ready); None disables, 0 picks a free one."""
     redis_url: str | None = None
     """Prefix-index Redis; None routes on load alone."""
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
@@ -151,6 +157,8 @@ class RouterServer:
         self.generation: GenerationServicer | None = None
         self.port = 0
         self.metrics_port: int | None = None
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None
         self._metrics_http: WSGIServer | None = None
         self._health_task: asyncio.Task[None] | None = None
 
@@ -180,6 +188,7 @@ class RouterServer:
             self.control,
             self.config.resolved_model_id,
             self.request_limits,
+            lambda: self.http_url,
         )
         pb_grpc.add_AdminServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -193,6 +202,12 @@ class RouterServer:
             raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.grpc_port}")
         await server.start()
         self.server = server
+        if self.config.http_port is not None:
+            try:
+                await self._start_http(self.config.http_port)
+            except BaseException:
+                await server.stop(0)
+                raise
         if self.config.metrics_port is not None:
             self._metrics_http = _serve_metrics(
                 self.metrics, self.config.host, self.config.metrics_port
@@ -201,6 +216,34 @@ class RouterServer:
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop())
         return self.port
+
+    async def _start_http(self, port: int) -> None:
+        """The OpenAI door: its chat template read from the checkpoint (transformers is
+        imported only when the door is on), then uvicorn on this loop."""
+        from router.http import ChatTemplate, HttpServer, OpenAIDoor, Translator
+
+        template = await asyncio.to_thread(ChatTemplate.from_model_dir, self.config.model_dir)
+        translator = Translator(
+            self.config.resolved_model_id, self.tokenizer, template, lambda: self.limits
+        )
+        limits = self.config.limits
+        door = OpenAIDoor(
+            self.orchestrator,
+            translator,
+            self.view,
+            limits.max_concurrent_requests,
+            limits.max_message_bytes,
+        )
+        self.http = HttpServer(door.app(), self.config.host, port)
+        self.http_port = await self.http.start()
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI API (`http://host:port`; "" when it is off)."""
+        if self.http_port is None:
+            return ""
+        host = self.config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.http_port}"
 
     def _update_limits(self) -> None:
         """Workers may serve a shorter context than the model (engine max_model_len); the
@@ -288,6 +331,8 @@ class RouterServer:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
         if self._metrics_http is not None:

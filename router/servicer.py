@@ -194,6 +194,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         control: ClusterControl | None,
         model_id: str,
         limits: Callable[[], pb.RequestLimits] | None = None,
+        http_url: Callable[[], str] | None = None,
     ) -> None:
         self.view = view
         self.admission = admission
@@ -202,6 +203,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.control = control
         self.model_id = model_id
         self.limits = limits
+        self.http_url = http_url
 
     def _thresholds(self) -> pb.AdmissionThresholds:
         t = self.admission.thresholds
@@ -218,6 +220,11 @@ class AdminServicer(pb_grpc.AdminServicer):
                 node=info.node,
                 device=info.device,
                 state=_worker_state(entry.alive, load),
+                weights_dtype=info.weights_dtype,
+                quantization=info.quantization,
+                weight_bytes=info.weight_bytes,
+                kv_cache_dtype=info.kv_cache_dtype,
+                kv_cache_bytes=info.kv_cache_bytes,
                 ttft_p50_ms=lat.ttft_p50_ms,
                 ttft_p90_ms=lat.ttft_p90_ms,
                 tpot_p50_ms=lat.tpot_p50_ms,
@@ -248,6 +255,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             router_inflight_requests=self.orchestrator.inflight,
             redis_ok=redis_ok,
             limits=self.limits() if self.limits is not None else None,
+            http_url=self.http_url() if self.http_url is not None else "",
         )
 
     async def GetThresholds(self, request: Any, context: Any) -> pb.AdmissionThresholds:

@@ -52,6 +52,7 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
     router = RouterConfig(
         grpc_port=0,
         metrics_port=0,
+        http_port=0,  # the OpenAI HTTP API (test_openai_*)
         tenants=TENANTS,
         limits=RouterLimits(max_message_bytes=MAX_MESSAGE_BYTES),
         admission=AdmissionConfig(thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)),

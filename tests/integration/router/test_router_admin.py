@@ -9,6 +9,7 @@ import urllib.request
 import grpc
 import pytest
 import ray
+import torch
 from google.protobuf import descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +19,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from router_client import GENERATE_METHOD, generate, rpc_error
 from router_harness import KV_BLOCKS, RouterCluster
 
+from engine.model_config import ModelConfig
+from engine.weights import load_model
 from pdserve.v1 import serving_pb2 as pb
 from worker_runtime.api import WorkerRole
 
@@ -33,12 +36,18 @@ def test_status_reports_every_worker_and_the_router(router_cluster: RouterCluste
     )
     by_id = {w.worker_id: w for w in status.workers}
     assert set(by_id) == set(router_cluster.workers)
+    cfg = ModelConfig.from_pretrained(router_cluster.model_dir)
+    weight_bytes = load_model(router_cluster.model_dir, torch.float32).weight_bytes
+    block_bytes = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # float32
     for wid, (info, _) in router_cluster.workers.items():
         w = by_id[wid]
         assert w.role == info.role.value
         assert w.state == pb.WORKER_STATE_READY
         assert w.kv_blocks_total == KV_BLOCKS
         assert w.node == info.node and w.device == "cpu"
+        assert (w.weights_dtype, w.quantization) == ("float32", "none")
+        assert w.weight_bytes == weight_bytes
+        assert (w.kv_cache_dtype, w.kv_cache_bytes) == ("float32", KV_BLOCKS * block_bytes)
     (decode_id,) = router_cluster.worker_ids(WorkerRole.DECODE)
     assert by_id[decode_id].tpot_p50_ms > 0
     assert any(by_id[p].ttft_p50_ms > 0 for p in router_cluster.worker_ids(WorkerRole.PREFILL))

@@ -1,0 +1,355 @@
+"""An OpenAI request body → the requests the orchestrator serves (a `GenerationPlan`).
+
+The HTTP door speaks to validation in the gRPC request's own terms: each prompt becomes a
+`GenerateRequest` that `router.validation.validate` checks, exactly as it checks one that
+came over gRPC, so both doors accept and refuse the same values with the same words. Only
+the names differ: an error names the body's field (`prompt`, `messages`,
+`max_completion_tokens`, `prompt[2]`) or header (`x-request-id`), not the gRPC field.
+
+Before that, this module checks what only the HTTP door has: the model name (404), fields
+pdserve cannot honour (`tools`, `response_format` with a schema, `logprobs` > 0, ...: 400
+naming the field, never a silent ignore), the JSON shapes of `prompt`, `stop` and
+`messages`, integers that a protobuf field cannot hold, and renders chat messages with the
+checkpoint's template (router/http/chat.py).
+
+`n` choices of one prompt are siblings: one request validated and tokenized once, then
+copied with seeds `seed`, `seed + 1`, ... (so they differ and each stays reproducible).
+Choice `i * n + j` is sibling `j` of prompt `i`, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdserve.v1 import serving_pb2 as pb
+from router.http.chat import ChatTemplate, template_messages
+from router.http.errors import ApiError, failure
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, GenerationBody
+from router.validation import (
+    MAX_PROMPT_BYTES_PER_TOKEN,
+    InvalidRequest,
+    ValidationLimits,
+    ValidRequest,
+    validate,
+)
+
+MAX_CHOICES = 64
+"""The most choices one request may ask for (prompts times n)."""
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions; chat defaults to what the context leaves."""
+
+REQUEST_ID_HEADER = "x-request-id"
+TENANT_HEADER = "x-pdserve-tenant"
+"""Set by the gateway in front (like the gRPC field `tenant`); the default tenant without."""
+TIMEOUT_HEADER = "x-request-timeout"
+"""Seconds the request may take (like a gRPC deadline); the router's default without."""
+
+_UINT32 = 2**32
+
+
+def _off(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in allowed
+
+
+_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_off([]), "tool calling is not supported"),
+    "tool_choice": (_off("none"), "tool calling is not supported"),
+    "functions": (_off([]), "function calling is not supported"),
+    "function_call": (_off("none"), "function calling is not supported"),
+    "response_format": (_off({"type": "text"}), 'only {"type": "text"} is supported (no JSON '
+                        "mode or schema)"),
+    "logit_bias": (_off({}), "logit biases are not supported"),
+    "audio": (_off(), "audio output is not supported"),
+    "modalities": (_off(["text"]), 'only ["text"] output is supported'),
+    "prediction": (_off(), "predicted outputs are not supported"),
+    "web_search_options": (_off(), "web search is not supported"),
+    "reasoning_effort": (_off(), "this model does not reason"),
+    "store": (_off(False), "pdserve does not store completions"),
+    "echo": (_off(False), "echoing the prompt is not supported"),
+    "suffix": (_off(""), "suffixes (insertion) are not supported"),
+    "best_of": (_off(1), "best_of is not supported (n is)"),
+    "guided_json": (_off(), "guided decoding is not supported"),
+    "guided_regex": (_off(), "guided decoding is not supported"),
+    "guided_choice": (_off(), "guided decoding is not supported"),
+    "guided_grammar": (_off(), "guided decoding is not supported"),
+    "structured_outputs": (_off(), "structured outputs are not supported"),
+}  # fmt: skip
+"""Fields OpenAI (or vLLM) defines that pdserve cannot honour, with the values that ask for
+nothing (those pass)."""
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "text_completion"
+    CHAT = "chat.completion"
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    prompt_index: int
+    request: ValidRequest
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """One HTTP request as the orchestrator serves it: a request per choice."""
+
+    endpoint: Endpoint
+    choices: tuple[Choice, ...]
+    n: int
+    """Siblings per prompt: choices `i * n` .. `i * n + n - 1` share prompt `i`."""
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    return_token_ids: bool
+    timeout_s: float | None
+    """From the timeout header; None: the router's default request deadline."""
+
+    @property
+    def response_id(self) -> str:
+        prefix = "chatcmpl-" if self.endpoint is Endpoint.CHAT else "cmpl-"
+        return prefix + self.choices[0].request.request_id
+
+
+class Translator:
+    """Turns bodies into plans for one model (its id, tokenizer, template and limits)."""
+
+    def __init__(
+        self,
+        model_id: str,
+        tokenizer: Any,
+        chat_template: ChatTemplate | None,
+        limits: Callable[[], ValidationLimits],
+    ) -> None:
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.limits = limits
+
+    def completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> GenerationPlan:
+        self._common(body)
+        if body.logprobs is not None and body.logprobs != 0:
+            raise InvalidRequest(
+                "logprobs", f"only 0 is supported (the sampled token's log-probability; top "
+                f"alternatives are not computed), got {body.logprobs}",
+            )  # fmt: skip
+        prompts = _prompts(body.prompt)
+        n = _n(body, len(prompts))
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        logprobs = body.logprobs is not None
+        requests = []
+        for name, prompt in prompts:
+            req = self._proto(body, headers, "max_tokens", max_tokens, logprobs)
+            if isinstance(prompt, str):
+                req.prompt = prompt
+            else:
+                req.token_ids.extend(prompt)
+            requests.append(self._validate(req, name, "max_tokens"))
+        return self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
+
+    def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> GenerationPlan:
+        self._common(body)
+        if body.top_logprobs:
+            raise InvalidRequest(
+                "top_logprobs", f"only 0 is supported (top alternatives are not computed), "
+                f"got {body.top_logprobs}",
+            )  # fmt: skip
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs", "needs logprobs: true")
+        if self.chat_template is None:
+            raise InvalidRequest(
+                "messages", f"model {self.model_id!r} has no chat template (no chat_template in "
+                "its tokenizer_config.json): use /v1/completions",
+            )  # fmt: skip
+        text = self.chat_template.render(template_messages(body.messages))
+        limits = self.limits()
+        if len(text) > limits.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN:
+            raise InvalidRequest(
+                "messages", f"{len(text)} characters is far over the context length of "
+                f"{limits.max_model_len} tokens",
+            )  # fmt: skip
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if body.max_completion_tokens is not None:
+            name, max_tokens = "max_completion_tokens", body.max_completion_tokens
+        elif body.max_tokens is not None:
+            name, max_tokens = "max_tokens", body.max_tokens
+        else:  # what the context and the smallest decode KV pool leave
+            room = min(limits.max_model_len, limits.max_sequence_tokens or limits.max_model_len)
+            name, max_tokens = "max_completion_tokens", max(room - len(ids), 1)
+        logprobs = bool(body.logprobs)
+        req = self._proto(body, headers, name, max_tokens, logprobs)
+        req.token_ids.extend(ids)
+        valid = self._validate(req, "messages", name)
+        return self._plan(Endpoint.CHAT, body, headers, [valid], _n(body, 1), logprobs)
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    def _common(self, body: GenerationBody) -> None:
+        """The model, and the fields no value of which pdserve can honour."""
+        if body.model != self.model_id:
+            raise ApiError(failure(
+                404, f"model: the model {body.model!r} does not exist; this server serves "
+                f"{self.model_id!r} (GET /v1/models)", "model", "model_not_found",
+            ))  # fmt: skip
+        for name, value in (body.model_extra or {}).items():
+            refused = _REFUSED.get(name)
+            if refused is not None and not refused[0](value):
+                raise InvalidRequest(name, refused[1])
+        if body.stream_options is not None and not body.stream:
+            raise InvalidRequest("stream_options", "only allowed when stream is true")
+
+    def _proto(
+        self,
+        body: GenerationBody,
+        headers: Mapping[str, str],
+        max_name: str,
+        max_tokens: int,
+        logprobs: bool,
+    ) -> pb.GenerateRequest:
+        """The body's sampling fields as a GenerateRequest (the prompt is the caller's)."""
+        req = pb.GenerateRequest(
+            request_id=headers.get(REQUEST_ID_HEADER, ""),
+            tenant=headers.get(TENANT_HEADER, ""),
+            max_tokens=_uint(max_name, max_tokens),
+            top_k=0 if body.top_k == -1 else _uint("top_k", body.top_k or 0),
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            stop=_stops(body.stop),
+            stop_token_ids=[_uint("stop_token_ids", t) for t in body.stop_token_ids or ()],
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            cache_salt=body.cache_salt or "",
+        )  # fmt: skip
+        if body.priority is not None:
+            if not -10 <= body.priority <= 10:
+                raise InvalidRequest("priority", f"must be in [-10, 10], got {body.priority}")
+            req.priority = body.priority
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(body, name)
+            if value is not None:
+                setattr(req, name, value)
+        if body.seed is not None:
+            if not 0 <= body.seed < 2**64:
+                raise InvalidRequest("seed", f"must be in [0, 2**64), got {body.seed}")
+            req.seed = body.seed
+        return req
+
+    def _validate(self, req: pb.GenerateRequest, prompt_name: str, max_name: str) -> ValidRequest:
+        """`validate`, with its field names turned into the body's."""
+        try:
+            return validate(req, self.tokenizer, self.limits())
+        except InvalidRequest as e:
+            names = {"prompt": prompt_name, "token_ids": prompt_name, "max_tokens": max_name,
+                     "request_id": REQUEST_ID_HEADER, "tenant": TENANT_HEADER}  # fmt: skip
+            param = names.get(e.field, e.field)
+            raise InvalidRequest(param, str(e)[len(e.field) + 2 :]) from e
+
+    def _plan(
+        self,
+        endpoint: Endpoint,
+        body: GenerationBody,
+        headers: Mapping[str, str],
+        prompts: list[ValidRequest],
+        n: int,
+        logprobs: bool,
+    ) -> GenerationPlan:
+        choices = []
+        for i, first in enumerate(prompts):
+            for j in range(n):
+                choices.append(Choice(i * n + j, i, _sibling(first, j)))
+        options = body.stream_options
+        return GenerationPlan(
+            endpoint=endpoint,
+            choices=tuple(choices),
+            n=n,
+            stream=bool(body.stream),
+            include_usage=bool(options is not None and options.include_usage),
+            logprobs=logprobs,
+            return_token_ids=bool(body.return_token_ids),
+            timeout_s=_timeout(headers.get(TIMEOUT_HEADER)),
+        )
+
+
+def _n(body: GenerationBody, num_prompts: int) -> int:
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise InvalidRequest("n", f"must be >= 1, got {n}")
+    if n * num_prompts > MAX_CHOICES:
+        raise InvalidRequest(
+            "n", f"{n} choices of {num_prompts} prompts is more than {MAX_CHOICES} per request"
+        )
+    return n
+
+
+def _sibling(first: ValidRequest, j: int) -> ValidRequest:
+    seed = first.sampling.seed
+    if j == 0 or seed is None:
+        return first
+    return replace(first, sampling=replace(first.sampling, seed=(seed + j) % 2**64))
+
+
+def _uint(name: str, value: int) -> int:
+    if not 0 <= value < _UINT32:
+        if name in ("max_tokens", "max_completion_tokens") and value < 1:
+            raise InvalidRequest(name, f"must be >= 1, got {value}")
+        raise InvalidRequest(name, f"must be in [0, {_UINT32 - 1}], got {value}")
+    return value
+
+
+def _timeout(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidRequest(TIMEOUT_HEADER, f"must be a number of seconds > 0, got {raw!r}")
+    return seconds
+
+
+def _stops(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequest("stop", "must be a string or a list of strings")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _prompts(prompt: Any) -> list[tuple[str, str | list[int]]]:
+    """The prompts of a completion body, each with the name errors call it by: one string,
+    strings, token ids or lists of token ids."""
+    shape = "must be a string, a list of strings, a list of token ids or a list of lists of ids"
+    if isinstance(prompt, str):
+        return [("prompt", prompt)]
+    if not isinstance(prompt, list):
+        raise InvalidRequest("prompt", shape if prompt is not None else "is required")
+    if not prompt:
+        raise InvalidRequest("prompt", "must not be empty")
+    if _is_ids(prompt):
+        return [("prompt", _token_ids("prompt", prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+    if all(_is_ids(p) for p in prompt):
+        return [(f"prompt[{i}]", _token_ids(f"prompt[{i}]", p)) for i, p in enumerate(prompt)]
+    raise InvalidRequest("prompt", shape)
+
+
+def _token_ids(name: str, ids: list[int]) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < _UINT32), None)
+    if bad is not None:
+        raise InvalidRequest(name, f"id {bad} is not a token id")
+    return ids

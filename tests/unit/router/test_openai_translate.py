@@ -1,0 +1,269 @@
+"""OpenAI bodies → the orchestrator's requests (router/http/translate.py): prompt shapes,
+siblings and their seeds, defaults, the names errors use, the fields pdserve refuses and the
+values of them that pass, headers, chat messages; and the tiny model's chat template as
+transformers renders it. Exact answers on hand-made inputs (no cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.http.chat import ChatTemplate
+from router.http.errors import ApiError
+from router.http.protocol import ChatCompletionRequest, CompletionRequest
+from router.http.translate import (
+    MAX_CHOICES,
+    REQUEST_ID_HEADER,
+    TENANT_HEADER,
+    TIMEOUT_HEADER,
+    Endpoint,
+    GenerationPlan,
+    Translator,
+)
+from router.validation import InvalidRequest, ValidationLimits
+
+MODEL = "tiny"
+LIMITS = ValidationLimits(max_model_len=64, vocab_size=100, tenants=frozenset({"", "acme"}),
+                          max_sequence_tokens=48)  # fmt: skip
+
+
+class CharTokenizer:
+    """One token per character (code point mod 100); BOS 1 when special tokens are added."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) % 100 for c in text]
+
+
+class Template:
+    """A chat template that writes `role:content|` per message (what the translator sends
+    it is what these tests check)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[dict[str, str]]] = []
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        self.seen.append(messages)
+        return "".join(f"{m['role']}:{m['content']}|" for m in messages)
+
+
+def translator(template: Template | None = None) -> Translator:
+    return Translator(MODEL, CharTokenizer(), template, lambda: LIMITS)  # type: ignore[arg-type]
+
+
+def completion(headers: dict[str, str] | None = None, **body: Any) -> GenerationPlan:
+    return translator().completion(
+        CompletionRequest.model_validate({"model": MODEL, **body}), headers or {}
+    )
+
+
+def chat(template: Template | None = None, **body: Any) -> GenerationPlan:
+    return translator(template or Template()).chat(
+        ChatCompletionRequest.model_validate({"model": MODEL, **body}), {}
+    )
+
+
+def refused(fn: Any, *args: Any, **kwargs: Any) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as err:
+        fn(*args, **kwargs)
+    return err.value
+
+
+def test_each_prompt_shape_gives_its_prompts_with_n_siblings_each() -> None:
+    text = completion(prompt="ab")
+    assert [c.request.prompt_token_ids for c in text.choices] == [(1, 97, 98)]
+    assert text.choices[0].request.sampling.max_tokens == 16  # OpenAI's default
+    ids = completion(prompt=[5, 6, 7], max_tokens=3)
+    assert ids.choices[0].request.prompt_token_ids == (5, 6, 7)
+    plan = completion(prompt=[[5], [6, 7]], n=3, seed=10, max_tokens=2)
+    assert [(c.index, c.prompt_index) for c in plan.choices] == [
+        (0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1),
+    ]  # fmt: skip
+    assert [c.request.sampling.seed for c in plan.choices] == [10, 11, 12, 10, 11, 12]
+    assert [c.request.prompt_token_ids for c in plan.choices] == [(5,)] * 3 + [(6, 7)] * 3
+    strings = completion(prompt=["a", "b"], n=2)
+    assert [c.request.prompt_token_ids for c in strings.choices] == [(1, 97)] * 2 + [(1, 98)] * 2
+    no_seed = completion(prompt="a", n=2)
+    assert [c.request.sampling.seed for c in no_seed.choices] == [None, None]
+    top = completion(prompt="a", seed=2**64 - 1, n=2)
+    assert [c.request.sampling.seed for c in top.choices] == [2**64 - 1, 0]
+
+
+def test_errors_name_the_bodys_field() -> None:
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"prompt": [3, 100]}, "prompt", "id 100 is outside the vocabulary [0, 100)"),
+        ({"prompt": [[3], [4, 200]]}, "prompt[1]", "id 200 is outside the vocabulary"),
+        ({"prompt": ["a", ""]}, "prompt[1]", "must not be empty"),
+        ({"prompt": [1, -2]}, "prompt", "id -2 is not a token id"),
+        ({"prompt": [True, 1]}, "prompt", "must be a string, a list of strings"),
+        ({"prompt": {"text": "a"}}, "prompt", "must be a string"),
+        ({}, "prompt", "is required"),
+        ({"prompt": []}, "prompt", "must not be empty"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens", "must be >= 1, got 0"),
+        ({"prompt": "a", "max_tokens": -4}, "max_tokens", "must be >= 1, got -4"),
+        ({"prompt": "a", "max_tokens": 2**32}, "max_tokens", "must be in [0, 4294967295]"),
+        ({"prompt": "a", "max_tokens": 63}, "max_tokens", "exceeds the context length of 64"),
+        ({"prompt": "a", "top_k": -2}, "top_k", "must be in [0,"),
+        ({"prompt": "a", "seed": -1}, "seed", "must be in [0, 2**64)"),
+        ({"prompt": "a", "priority": 11}, "priority", "must be in [-10, 10], got 11"),
+        ({"prompt": "a", "stop": [1]}, "stop", "must be a string or a list of strings"),
+        ({"prompt": "a", "stop": "x\x00"}, "stop", "control character"),
+        ({"prompt": "a", "temperature": -0.5}, "temperature", "must be >= 0"),
+        ({"prompt": "a", "n": 0}, "n", "must be >= 1, got 0"),
+        ({"prompt": ["a", "b"], "n": 33}, "n", f"more than {MAX_CHOICES} per request"),
+        ({"prompt": "a", "logprobs": 1}, "logprobs", "only 0 is supported"),
+        (
+            {"prompt": "a", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed when stream is true",
+        ),
+    ]
+    for body, field, words in cases:
+        err = refused(completion, **body)
+        assert (err.field, str(err).startswith(f"{field}: ")) == (field, True), (body, err)
+        assert words in str(err), (body, err)
+
+
+def test_headers_give_the_request_id_tenant_and_deadline() -> None:
+    plan = completion({REQUEST_ID_HEADER: "abc-1", TENANT_HEADER: "acme",
+                       TIMEOUT_HEADER: "2.5"}, prompt="a")  # fmt: skip
+    request = plan.choices[0].request
+    assert (request.request_id, request.tenant, plan.timeout_s) == ("abc-1", "acme", 2.5)
+    assert plan.response_id == "cmpl-abc-1"
+    assert completion(prompt="a").timeout_s is None
+    for headers, field in [({TENANT_HEADER: "other"}, TENANT_HEADER),
+                           ({REQUEST_ID_HEADER: "a b"}, REQUEST_ID_HEADER),
+                           ({TIMEOUT_HEADER: "0"}, TIMEOUT_HEADER),
+                           ({TIMEOUT_HEADER: "inf"}, TIMEOUT_HEADER)]:  # fmt: skip
+        assert refused(completion, headers, prompt="a").field == field
+
+
+def test_sampling_fields_and_extensions_reach_the_request() -> None:
+    # (the floats are exact in float32, the proto's type)
+    plan = completion(
+        prompt="a", max_tokens=5, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125,
+        repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, seed=3,
+        stop="zz", stop_token_ids=[2], ignore_eos=True, priority=-2, cache_salt="s1",
+        logprobs=0, stream=True, stream_options={"include_usage": True},
+        return_token_ids=True, user="someone",
+    )  # fmt: skip
+    r = plan.choices[0].request
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (5, 0.5, 0.75, 7, 0.125)
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.25, 0.5, -0.5)
+    assert (s.seed, s.stop, s.stop_token_ids, s.ignore_eos, s.logprobs) == (
+        3, ("zz",), (2,), True, True,
+    )  # fmt: skip
+    assert (r.priority, r.cache_salt) == (-2, "s1")
+    assert (plan.stream, plan.include_usage, plan.logprobs, plan.return_token_ids) == (
+        True, True, True, True,
+    )  # fmt: skip
+    unset = completion(prompt="a", top_k=-1).choices[0].request.sampling
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.logprobs) == (1.0, 1.0, 0, False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("functions", [{}]),
+     ("function_call", "auto"), ("response_format", {"type": "json_object"}),
+     ("logit_bias", {"5": 10}), ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
+     ("prediction", {"type": "content"}), ("web_search_options", {}),
+     ("reasoning_effort", "low"), ("store", True), ("echo", True), ("suffix", "x"),
+     ("best_of", 2), ("guided_json", {}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
+     ("guided_grammar", "g"), ("structured_outputs", {"json": {}})],
+)  # fmt: skip
+def test_fields_pdserve_cannot_honour_are_refused_by_name(field: str, value: Any) -> None:
+    err = refused(completion, prompt="a", **{field: value})
+    assert err.field == field
+
+
+def test_values_that_ask_for_nothing_and_unknown_fields_pass() -> None:
+    plan = completion(prompt="a", tools=[], tool_choice="none", response_format={"type": "text"},
+                      logit_bias={}, modalities=["text"], store=False, echo=False, suffix="",
+                      best_of=1, parallel_tool_calls=True, metadata={"k": "v"},
+                      service_tier="auto", some_future_field=3)  # fmt: skip
+    assert len(plan.choices) == 1
+
+
+def test_an_unknown_model_is_404() -> None:
+    with pytest.raises(ApiError) as err:
+        completion(prompt="a", model="gpt-4o")
+    f = err.value.failure
+    assert (f.status, f.param, f.code) == (404, "model", "model_not_found")
+
+
+def test_chat_messages_reach_the_template_and_the_prompt_is_not_given_a_second_bos() -> None:
+    template = Template()
+    plan = chat(template, messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+         "name": "ann"},
+        {"role": "assistant", "content": None},
+    ])  # fmt: skip
+    assert template.seen == [[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "ann"},
+        {"role": "assistant", "content": ""},
+    ]]  # fmt: skip
+    rendered = "system:be brief|user:a\nb|assistant:|"
+    request = plan.choices[0].request
+    assert request.prompt_token_ids == tuple(ord(c) % 100 for c in rendered)
+    # No max_tokens: what the smallest decode pool (48 tokens) leaves after the prompt.
+    assert request.sampling.max_tokens == 48 - len(rendered)
+    assert plan.endpoint is Endpoint.CHAT and plan.response_id.startswith("chatcmpl-")
+
+
+def test_chat_errors_name_the_message_and_field() -> None:
+    user = {"role": "user", "content": "hi"}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [user, {"role": "critic", "content": "x"}]}, "messages[1].role"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages[0].content[0].text",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+            "messages[0].tool_calls",
+        ),
+        ({"messages": [user], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": [user], "max_tokens": 60}, "max_tokens"),
+        ({"messages": [user], "top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"messages": [user], "top_logprobs": 0}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x" * 60}]}, "messages"),
+    ]
+    for body, field in cases:
+        assert refused(chat, **body).field == field, body
+
+
+def test_chat_without_a_template_is_refused_saying_so() -> None:
+    err = refused(
+        translator(None).chat,
+        ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        ),
+        {},
+    )
+    assert err.field == "messages" and "has no chat template" in str(err)
+
+
+def test_the_tiny_models_template_renders_as_transformers_does(tiny_model_dir: Path) -> None:
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None
+    text = template.render([{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Tell a story."},
+                            {"role": "assistant", "content": "Once."},
+                            {"role": "user", "content": "More"}])  # fmt: skip
+    assert text == (
+        "<|begin_of_text|>Be brief.\n\nUser: Tell a story.\nAssistant: Once.<|end_of_text|>\n"
+        "User: More\nAssistant:"
+    )
+    err = refused(template.render, [{"role": "tool", "content": "x"}])
+    assert err.field == "messages" and "roles are system, user or assistant" in str(err)
