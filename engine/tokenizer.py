@@ -49,19 +49,33 @@ class Tokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids)
 
 
+PROMPT_CONTEXT_TOKENS = 8
+"""Prompt tokens the detokenizer keeps as context: enough for a decoder that drops a leading
+space or a character split across tokens; not the whole prompt, whose first decode would
+cost the engine thread ~0.4 ms per 1k tokens (benchmarks/bench_detokenize.py)."""
+
+
 class IncrementalDetokenizer:
     """Text deltas for generated tokens, one token at a time (special tokens skipped).
 
-    The prompt is context only (tokenizers whose decoders drop a leading space need it);
-    its text is never returned. `push` returns "" while a multi-byte character is incomplete
-    and the whole character once its last byte arrives.
+    The prompt's last PROMPT_CONTEXT_TOKENS tokens are context only (tokenizers whose
+    decoders drop a leading space need it); its text is never returned. `push` returns ""
+    while a multi-byte character is incomplete and the whole character once its last byte
+    arrives. An id the tokenizer does not know (a model vocabulary larger than the
+    tokenizer's: dummy weights over a stand-in tokenizer) has no text: it returns "" and is
+    not kept, since a kept one stalls the stream's window, which then grows with every
+    token (0.4 ms a token after a 2k prompt).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=True)
+        self._vocab_size = tokenizer.vocab_size
+        context = [t for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if t < self._vocab_size]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
+        if not 0 <= token_id < self._vocab_size:
+            return ""
         delta = self._stream.step(self._tokenizer.hf, token_id)
         return delta or ""
 

@@ -57,3 +57,26 @@ def test_module_imports_no_torch() -> None:
     code += "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_detokenizer_text_after_a_long_prompt_equals_decoding_it_whole(
+    tokenizer: Tokenizer,
+) -> None:
+    from deploy.make_model import CORPUS
+
+    ids = tokenizer.encode(CORPUS.read_text(), add_special_tokens=False)
+    prompt, out = ids[:600], ids[600:900]
+    detok = tokenizer.detokenizer(prompt)  # keeps only the prompt's last tokens as context
+    got = "".join(detok.push(t) for t in out)
+    whole, head = tokenizer.decode(prompt + out), tokenizer.decode(prompt)
+    assert whole.startswith(head) and got == whole[len(head) :]
+
+
+def test_ids_the_tokenizer_does_not_know_have_no_text_and_stall_nothing(
+    tokenizer: Tokenizer,
+) -> None:
+    detok = tokenizer.detokenizer(tokenizer.encode("The"))
+    unknown = [tokenizer.vocab_size, tokenizer.vocab_size + 7, 128255]
+    assert [detok.push(t) for t in unknown] == ["", "", ""]
+    rest = tokenizer.encode(" river runs", add_special_tokens=False)
+    assert "".join(detok.push(t) for t in rest) == " river runs"

@@ -1,0 +1,74 @@
+"""The engine thread's detokenization cost per request and per token, side by side in one run:
+`IncrementalDetokenizer` (the prompt's last few tokens as context, ids the tokenizer does
+not know skipped) against a stream holding the whole prompt as context and every id (how it
+was before), after prompts of 512 / 2048 / 8192 tokens, for tokens the tokenizer knows and
+for ids beyond its vocabulary (what a dummy-weight model over a stand-in tokenizer samples:
+the GPU engine-step benchmark's case).
+
+    python benchmarks/bench_detokenize.py [--tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.make_model import CORPUS, cached_tiny_model
+from engine.tokenizer import Tokenizer
+
+
+class WholePromptStream:
+    """The previous detokenizer: the whole prompt as context, every id kept."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer.hf, token_id) or ""
+
+
+def timed(make: object, ids: list[int]) -> tuple[float, float]:
+    """(µs of the first push, µs per later push)."""
+    stream = make()  # type: ignore[operator]
+    t0 = time.perf_counter()
+    stream.push(ids[0])
+    t1 = time.perf_counter()
+    for t in ids[1:]:
+        stream.push(t)
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6, (t2 - t1) * 1e6 / max(len(ids) - 1, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    tok = Tokenizer.from_model_dir(cached_tiny_model())
+    corpus = tok.encode(CORPUS.read_text(), add_special_tokens=False)
+    while len(corpus) < 8192 + args.tokens:
+        corpus += corpus
+    rng = random.Random(0)
+    unknown = [rng.randrange(tok.vocab_size, 128256) for _ in range(args.tokens)]
+    print("| prompt | outputs | first push: now / before (µs) | per token: now / before (µs) |")
+    print("|---|---|---|---|")
+    for n in (512, 2048, 8192):
+        prompt = corpus[:n]
+        for label, ids in (("known", corpus[n : n + args.tokens]), ("unknown ids", unknown)):
+            now = timed(lambda: tok.detokenizer(prompt), ids)  # noqa: B023
+            before = timed(lambda: WholePromptStream(tok, prompt), ids)  # noqa: B023
+            print(
+                f"| {n} | {label} | {now[0]:.0f} / {before[0]:.0f} | "
+                f"{now[1]:.2f} / {before[1]:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
