@@ -1,0 +1,96 @@
+"""TEST-ONLY: the references FP8 accuracy tests share (CPU and GPU).
+
+Margin rule (issue 17): along the reference's greedy continuation (teacher-forced), let err_t
+be the largest absolute difference between the FP8 and reference logits at step t, the FP8
+side computed with the quantized weights, activations and KV values the engine uses. The
+FP8 continuation must equal the reference up to its first differing token, and there the
+reference's top-2 margin must be below 2 * err_t (at most, for bf16's coarse logits): a token
+may flip only where quantization moved the logits by more than half the gap between the two
+best tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.fp8 import quantize_static
+from engine.model import LlamaModel, causal_attend
+
+
+def teacher_forced_logits(
+    model: LlamaModel, ids: list[int], kv_scales: tuple[float, ...] = ()
+) -> torch.Tensor:
+    """Float32 logits of the last position of `ids`; with `kv_scales`, K and V pass through
+    e4m3 as an FP8 pool stores them (value / scale in e4m3, times scale on read)."""
+    cfg, device = model.cfg, model.device
+    causal = causal_attend(1, len(ids), cfg.num_heads, cfg.num_kv_heads)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if kv_scales:
+            ks, vs = kv_scales[2 * layer], kv_scales[2 * layer + 1]
+            k = quantize_static(k, ks).float().mul(ks).to(k.dtype)
+            v = quantize_static(v, vs).float().mul(vs).to(v.dtype)
+        return causal(layer, q, k, v)
+
+    with torch.inference_mode():
+        t = torch.tensor(ids, device=device)
+        hidden = model(t, torch.arange(len(ids), device=device), attend)
+        return model.compute_logits(hidden)[-1].float()
+
+
+def first_difference(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token (None: equal)."""
+    if ref == got:
+        return None
+    return next(
+        (k for k, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b),
+        min(len(ref), len(got)),
+    )
+
+
+def assert_flip_at_near_tie(
+    want: torch.Tensor, have: torch.Tensor, what: str, inclusive: bool = False
+) -> float:
+    """The margin rule at one flipped step: reference logits `want`, FP8 logits `have`.
+    Returns the logit error."""
+    err = float((want - have).abs().max())
+    top2 = want.topk(2).values
+    margin = float(top2[0] - top2[1])
+    ok = margin <= 2 * err if inclusive else margin < 2 * err
+    assert ok, f"{what}: flipped at margin {margin:.4f} with logit error {err:.4f}"
+    return err
+
+
+GPU_TEXTS = ("The river runs past the old mill", "The baker opens his shop", "Hello", "The")
+
+
+def greedy_margin_check(dense: object, fp8: object, texts: tuple[str, ...] = GPU_TEXTS) -> int:
+    """Run the same greedy requests (16 tokens, eos ignored) on two LLMEngines, and apply
+    the margin rule (inclusive: bf16 logits are coarse, a flip at exactly twice the error has
+    been seen) where they differ. Returns how many continuations are equal."""
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    assert isinstance(dense, LLMEngine) and isinstance(fp8, LLMEngine)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for engine in (dense, fp8):
+        for i, text in enumerate(texts):
+            engine.add_request(f"r{i}", engine.tokenizer.encode(text), greedy)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outs.append(got)
+    exact = 0
+    for i, text in enumerate(texts):
+        ref, have = outs[0][f"r{i}"], outs[1][f"r{i}"]
+        t = first_difference(ref, have)
+        if t is None:
+            exact += 1
+            continue
+        seq = dense.tokenizer.encode(text) + ref[:t]
+        want = teacher_forced_logits(dense.model, seq)
+        got_logits = teacher_forced_logits(fp8.model, seq, fp8.kv_cache.spec.scales)
+        assert_flip_at_near_tie(want, got_logits, f"text {i}, token {t}", inclusive=True)
+    return exact
