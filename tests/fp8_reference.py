@@ -11,10 +11,14 @@ best tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from engine.engine import LLMEngine
 from engine.fp8 import quantize_static
 from engine.model import LlamaModel, causal_attend
+from engine.sampling_params import SamplingParams
 
 
 def teacher_forced_logits(
@@ -62,35 +66,51 @@ def assert_flip_at_near_tie(
 
 
 GPU_TEXTS = ("The river runs past the old mill", "The baker opens his shop", "Hello", "The")
+GPU_GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def greedy_margin_check(dense: object, fp8: object, texts: tuple[str, ...] = GPU_TEXTS) -> int:
-    """Run the same greedy requests (16 tokens, eos ignored) on two LLMEngines, and apply
-    the margin rule (inclusive: bf16 logits are coarse, a flip at exactly twice the error has
-    been seen) where they differ. Returns how many continuations are equal."""
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+@dataclass
+class MarginReport:
+    """What `greedy_margin_check` saw: how many continuations were equal, and for each other
+    one its first differing token and the logit error there."""
 
-    assert isinstance(dense, LLMEngine) and isinstance(fp8, LLMEngine)
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    exact: int = 0
+    first_flips: list[int] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)
+
+
+def greedy_margin_check(
+    dense: LLMEngine,
+    fp8: LLMEngine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    *,
+    inclusive: bool = False,
+) -> MarginReport:
+    """Run the same greedy requests on two engines to completion and apply the margin rule
+    where their continuations differ (`inclusive`: <=, for bf16's coarse logits, where a flip
+    at exactly twice the error has been seen); the FP8 side is teacher-forced through its
+    engine's model and KV scales."""
     outs = []
     for engine in (dense, fp8):
-        for i, text in enumerate(texts):
-            engine.add_request(f"r{i}", engine.tokenizer.encode(text), greedy)
-        got: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, sampling)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished():
             for out in engine.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                got[out.request_id].extend(out.new_token_ids)
         outs.append(got)
-    exact = 0
-    for i, text in enumerate(texts):
+    report = MarginReport()
+    for i, prompt in enumerate(prompts):
         ref, have = outs[0][f"r{i}"], outs[1][f"r{i}"]
         t = first_difference(ref, have)
         if t is None:
-            exact += 1
+            report.exact += 1
             continue
-        seq = dense.tokenizer.encode(text) + ref[:t]
+        report.first_flips.append(t)
+        seq = prompt + ref[:t]
         want = teacher_forced_logits(dense.model, seq)
         got_logits = teacher_forced_logits(fp8.model, seq, fp8.kv_cache.spec.scales)
-        assert_flip_at_near_tie(want, got_logits, f"text {i}, token {t}", inclusive=True)
-    return exact
+        what = f"prompt {i}, token {t}"
+        report.errors.append(assert_flip_at_near_tie(want, got_logits, what, inclusive))
+    return report

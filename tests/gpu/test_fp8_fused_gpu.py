@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_reference import greedy_margin_check
+from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.attention import build_layout, create_backend, stage_once
 from engine.batch import ScheduledBatch, SeqChunk
@@ -169,4 +169,5 @@ def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
     )
     assert fp8.kv_cache.tensor.dtype == FP8_DTYPE
     assert fp8.runner.graphs is not None  # the CUDA-graph decode path serves it
-    assert greedy_margin_check(dense, fp8) >= 1
+    prompts = [dense.tokenizer.encode(text) for text in GPU_TEXTS]
+    assert greedy_margin_check(dense, fp8, prompts, GPU_GREEDY, inclusive=True).exact >= 1

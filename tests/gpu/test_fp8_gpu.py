@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_reference import greedy_margin_check
+from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -55,4 +55,5 @@ def test_tiny_model_fp8_greedy_equals_bf16_but_at_near_ties(tiny_model_dir: Path
     dense = LLMEngine(EngineConfig(**base))  # type: ignore[arg-type]
     fp8 = LLMEngine(EngineConfig(**base, quantization="fp8"))  # type: ignore[arg-type]
     assert fp8.model.quantization == "fp8"
-    greedy_margin_check(dense, fp8)
+    prompts = [dense.tokenizer.encode(text) for text in GPU_TEXTS]
+    greedy_margin_check(dense, fp8, prompts, GPU_GREEDY, inclusive=True)

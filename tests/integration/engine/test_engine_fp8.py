@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
-from fp8_reference import assert_flip_at_near_tie, first_difference, teacher_forced_logits
+from fp8_reference import greedy_margin_check
 
 from engine.model import LlamaModel
 from engine.tokenizer import Tokenizer
@@ -40,24 +40,8 @@ def test_fp8_matches_float32_greedy_but_at_near_ties(
     if kv_cache_dtype == "fp8":
         assert fp8_engine.kv_cache.tensor.dtype == torch.float8_e4m3fn and kv_scales
         assert fp8_engine.kv_cache.spec.block_nbytes * 4 == ref_engine.kv_cache.spec.block_nbytes
-    for engine in (ref_engine, fp8_engine):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
-    ref_out, fp8_out = run_to_completion(ref_engine), run_to_completion(fp8_engine)
-    exact = 0
-    first_flips = []
-    for i, prompt in enumerate(prompts):
-        ref, got = tokens_of(ref_out[f"r{i}"]), tokens_of(fp8_out[f"r{i}"])
-        if ref == got:
-            exact += 1
-            continue
-        t = first_difference(ref, got)
-        assert t is not None
-        first_flips.append(t)
-        seq = prompt + ref[:t]
-        want = teacher_forced_logits(tiny_model, seq)
-        have = teacher_forced_logits(fp8_model, seq, kv_scales)
-        assert_flip_at_near_tie(want, have, f"prompt {i}, token {t}")
+    seen = greedy_margin_check(ref_engine, fp8_engine, prompts, greedy(MAX_TOKENS))
+    exact, first_flips = seen.exact, seen.first_flips
     # not vacuous: the tiny model's logits move by up to ~1 (of a spread of ~5) under
     # per-tensor FP8, so near-ties flip only some steps in; every continuation starts equal
     assert exact >= 1 and min(first_flips, default=MAX_TOKENS) >= 4, (exact, first_flips)

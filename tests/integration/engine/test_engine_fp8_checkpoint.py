@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_factories import greedy, make_engine, run_to_completion, tokens_of
-from fp8_reference import assert_flip_at_near_tie, first_difference, teacher_forced_logits
+from engine_factories import greedy, make_engine
+from fp8_reference import greedy_margin_check
 from typer.testing import CliRunner
 
 from deploy.cli import app
@@ -47,22 +47,8 @@ def test_fp8_checkpoint_matches_float32_greedy_but_at_near_ties(
     fp8_model = fp8_engine.model
     assert fp8_model.quantization == "fp8" and fp8_model.weight_bytes < tiny_model.weight_bytes
     ref_engine = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
-    for engine in (ref_engine, fp8_engine):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
-    ref_out, fp8_out = run_to_completion(ref_engine), run_to_completion(fp8_engine)
-    exact, first_flips, errors = 0, [], []
-    for i, prompt in enumerate(prompts):
-        ref, got = tokens_of(ref_out[f"r{i}"]), tokens_of(fp8_out[f"r{i}"])
-        if ref == got:
-            exact += 1
-            continue
-        t = first_difference(ref, got)
-        assert t is not None
-        first_flips.append(t)
-        seq = prompt + ref[:t]
-        want, have = teacher_forced_logits(tiny_model, seq), teacher_forced_logits(fp8_model, seq)
-        errors.append(assert_flip_at_near_tie(want, have, f"prompt {i}, token {t}"))
+    seen = greedy_margin_check(ref_engine, fp8_engine, prompts, greedy(MAX_TOKENS))
+    exact, first_flips, errors = seen.exact, seen.first_flips, seen.errors
     # not vacuous: a broken model moves the logits by ~10 (of a spread of ~7) and flips at
     # once; this one moves them by ~1 (measured <= 1.3: two e4m3 roundings of the weights),
     # some continuations agree whole and the rest mostly agree before they part
