@@ -40,7 +40,7 @@ from engine.batch import ScheduledBatch
 from engine.block_hash import BlockHash, hash_extra
 from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig, EngineMode
-from engine.fp8_calibration import calibration_ids, prepare_fp8
+from engine.fp8_calibration import prepare_fp8
 from engine.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
 from engine.kv_events import KVEvent
 from engine.kv_sizing import decide_num_kv_blocks, kv_cache_spec
@@ -87,10 +87,10 @@ class LLMEngine:
         model_len = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         # FP8 weights and scales before sizing the KV pool: it gets the memory freed
-        calibration = calibration_ids(
-            self.tokenizer.encode, self.model_config.vocab_size, self.max_model_len
-        )
-        kv_scales = prepare_fp8(self.model, calibration, config.quantization, config.kv_cache_dtype)
+        kv_scales = prepare_fp8(
+            self.model, self.tokenizer.encode, config.quantization, config.kv_cache_dtype,
+            self.max_model_len,
+        )  # fmt: skip
         kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
         num_blocks = decide_num_kv_blocks(config, self.model_config, device, kv_dtype, self.model)
         spec = kv_cache_spec(self.model_config, config.block_size, kv_dtype, num_blocks, kv_scales)

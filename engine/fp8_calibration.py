@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.fp8 import Fp8Linear, pow2_scale
 from engine.model import Attend, LlamaModel, causal_attend
 
@@ -115,23 +116,29 @@ def kv_scales(observed: Observed) -> tuple[float, ...]:
 
 
 def prepare_fp8(
-    model: LlamaModel, token_ids: Sequence[int], quantization: str, kv_cache_dtype: str
+    model: LlamaModel,
+    encode: Callable[[str], list[int]],
+    quantization: str,
+    kv_cache_dtype: str,
+    max_tokens: int,
 ) -> tuple[float, ...]:
     """Make a loaded model serve as configured (EngineConfig.quantization, kv_cache_dtype):
     quantize its projections (unless the checkpoint already was FP8), calibrate static input
-    scales on `token_ids` (the tokenized calibration text), and return the KV scales of an
-    e4m3 pool (empty for a float pool). Raises ValueError naming a bad setting."""
-    if quantization not in ("none", "fp8"):
-        raise ValueError(f"quantization: none or fp8, got {quantization!r}")
-    if kv_cache_dtype not in ("auto", "fp8"):
-        raise ValueError(f"kv_cache_dtype: auto or fp8, got {kv_cache_dtype!r}")
+    scales on the calibration text (tokenized with `encode`, at most `max_tokens`; only when
+    something needs calibrating), and return the KV scales of an e4m3 pool (empty for a
+    float pool). Raises ValueError naming a bad setting."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        choices = ", ".join(KV_CACHE_DTYPES)
+        raise ValueError(f"kv_cache_dtype: one of {choices}, got {kv_cache_dtype!r}")
     if quantization == "fp8" and model.quantization != "fp8":
         model.quantize_fp8()
         if model.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool is sized after this: it gets the memory
     if model.quantization != "fp8" and kv_cache_dtype != "fp8":
         return ()
-    observed = observe(model, token_ids)
+    observed = observe(model, calibration_ids(encode, model.cfg.vocab_size, max_tokens))
     if model.quantization == "fp8":
         calibrate_activations(model, observed)
     return kv_scales(observed) if kv_cache_dtype == "fp8" else ()

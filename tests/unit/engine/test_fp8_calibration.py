@@ -119,12 +119,20 @@ def test_prepare_fp8_refuses_unknown_settings_and_leaves_a_plain_model_alone(
     tiny_model: Callable[[], LlamaModel],
 ) -> None:
     model = tiny_model()
+
+    def encode(text: str) -> list[int]:
+        return [3 + ord(c) % 60 for c in text]
+
+    def never_called(text: str) -> list[int]:
+        raise AssertionError("calibrated a model that needs no FP8 scales")
+
     with pytest.raises(ValueError, match="quantization"):
-        prepare_fp8(model, [1, 2], "int4", "auto")
+        prepare_fp8(model, encode, "int4", "auto", 64)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        prepare_fp8(model, [1, 2], "none", "fp4")
-    assert prepare_fp8(model, [1, 2], "none", "auto") == () and model.quantization == "none"
-    assert len(prepare_fp8(model, list(range(3, 20)), "none", "fp8")) == 2 * model.cfg.num_layers
+        prepare_fp8(model, encode, "none", "fp4", 64)
+    untouched = prepare_fp8(model, never_called, "none", "auto", 64)  # nothing to calibrate
+    assert untouched == () and model.quantization == "none"
+    assert len(prepare_fp8(model, encode, "none", "fp8", 64)) == 2 * model.cfg.num_layers
     assert model.quantization == "none"  # an FP8 pool does not quantize the weights
 
 
