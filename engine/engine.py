@@ -92,7 +92,9 @@ class LLMEngine:
             self.max_model_len,
         )  # fmt: skip
         kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
-        num_blocks = decide_num_kv_blocks(config, self.model_config, device, kv_dtype, self.model)
+        num_blocks = decide_num_kv_blocks(
+            config, self.model_config, device, kv_dtype, self.model, kv_scales
+        )
         spec = kv_cache_spec(self.model_config, config.block_size, kv_dtype, num_blocks, kv_scales)
         self.kv_cache = KVCache(spec, device)
         self.runner = ModelRunner(self.model, self.kv_cache, config)

@@ -148,13 +148,11 @@ def store_kv(
     ):
         raise ValueError("store_kv: k and v need contiguous heads")
     kernel = _kernels()[2]
+    import triton  # imports: _kernels() built the kernels with it
+
     kernel[(t,)](
         k, v, rows if rows is not None else slot_blocks, slot_blocks, slot_offsets, pool,
         k.stride(0), v.stride(0), pool.stride(0), pool.stride(2), pool.stride(3),
         layer * pool.stride(1), 1.0 / scales[0], 1.0 / scales[1], n, FP8_MAX,
-        HAS_ROWS=rows is not None, BLOCK=triton_next_pow2(n),
+        HAS_ROWS=rows is not None, BLOCK=triton.next_power_of_2(n),
     )  # fmt: skip
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -68,8 +68,10 @@ def decide_num_kv_blocks(
     device: torch.device,
     dtype: torch.dtype,
     model: LlamaModel | None = None,
+    scales: tuple[float, ...] = (),
 ) -> int:
-    """Number of KV blocks for the pool (see the module docstring); `dtype`: the pool's.
+    """Number of KV blocks for the pool (see the module docstring); `dtype` and `scales`: the
+    pool's (an e4m3 pool's per-layer scales, `kv_cache_spec`).
 
     On GPU without a configured number, `model` (already loaded on `device`) is required.
     Raises ValueError when the memory left cannot hold one sequence of max_model_len tokens.
@@ -80,8 +82,7 @@ def decide_num_kv_blocks(
         return CPU_DEFAULT_KV_BLOCKS
     if model is None:
         raise ValueError("sizing the KV pool on GPU needs the loaded model (to profile it)")
-    per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim
-    block_bytes = per_token * config.block_size * torch.empty((), dtype=dtype).element_size()
+    block_bytes = kv_cache_spec(model_cfg, config.block_size, dtype, 1, scales).block_nbytes
     tokens = config.max_num_batched_tokens
     peak = profile_activation_peak(model, tokens, min(config.max_num_seqs, tokens))
     free, _total = torch.cuda.mem_get_info(device)
