@@ -19,10 +19,8 @@ checkpoint folder).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -119,7 +117,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Fp8Scheme) -> 
     """Write the dense checkpoint folder `src` to `out` in `scheme` (config.json gains its
     `quantization_config`; tokenizer and other files are copied). Written under a temporary
     name and renamed into place, as make-model does."""
-    from deploy.make_model import _save_shards
+    from deploy.make_model import _save_shards, staged_dir
     from engine.fp8_checkpoint import read_fp8_scheme
     from engine.weights import iter_checkpoint
 
@@ -134,20 +132,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Fp8Scheme) -> 
         amax = observe_input_amax(tensors, cfg, corpus_ids(src))
     quantized = quantize_tensors(tensors, scheme, amax)
     raw["quantization_config"] = scheme.quantization_config()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with staged_dir(out) as tmp:
         _save_shards(quantized, tmp, 5 << 30)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         for f in src.iterdir():
             weights = f.suffix == ".safetensors" or f.name == "model.safetensors.index.json"
             if f.is_file() and not weights and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

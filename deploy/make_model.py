@@ -22,11 +22,12 @@ Everything is built locally; nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -281,6 +282,23 @@ def train_tiny(
     return out
 
 
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` to write a checkpoint into, renamed to `out` (replacing
+    it) when the block ends and removed if it raises: a reader never sees half a folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _save_shards(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> None:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if total <= shard_bytes:
@@ -342,10 +360,7 @@ def make_model(
     if fp8 is not None:
         tensors = _quantized(tensors, ModelConfig.from_dict(cfg_dict), fp8, tok)
         cfg_dict["quantization_config"] = fp8.quantization_config()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with staged_dir(out) as tmp:
         if tensors:
             _save_shards(tensors, tmp, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
@@ -359,12 +374,6 @@ def make_model(
         recipe = {"preset": preset, "seed": seed, **asdict(shape)}
         recipe |= {"fp8": asdict(fp8) if fp8 else None, "config_only": config_only}
         (tmp / "pdserve_recipe.json").write_text(json.dumps(recipe, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
