@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import FinishReason
+from engine.request import NO_PRIOR, FinishReason, PriorOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.types import KVHandle
 
@@ -28,6 +28,15 @@ class DecodeRequest:
     first_logprob: float | None = None
     arrival_time: float = 0.0
     deadline: float | None = None
+    prior: PriorOutput = NO_PRIOR
+    """A migrated request: the tokens the client already has from the worker that failed
+    (with a handle, those before `first_token_id`; their KV follows the prompt's in it).
+    They count as output: sampling goes on after them as in one undisturbed run."""
+
+    @property
+    def kv_token_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV the handle holds, or this worker computes before sampling."""
+        return (*self.prompt_token_ids, *self.prior.token_ids)
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             try:
                 return await self.runtime.call(
                     lambda e: e.allocate_for_transfer(
-                        rid, req.prompt_token_ids, handle.block_hashes, cache_salt=req.cache_salt
+                        rid, req.kv_token_ids, handle.block_hashes, cache_salt=req.cache_salt
                     )
                 )
             except NoFreeBlocksError as e:
@@ -309,6 +309,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                         req.sampling,
                         cache_salt=req.cache_salt,
                         arrival_time=req.arrival_time or None,
+                        prior=req.prior,
                     )
                 )
             else:
@@ -322,6 +323,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                         req.sampling,
                         first_token_logprob=req.first_logprob,
                         arrival_time=req.arrival_time or None,
+                        prior=req.prior,
                     )
                 )
             await _finished(sink, req.deadline)

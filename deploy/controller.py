@@ -58,6 +58,7 @@ from router.control import DrainRefused, DrainReport
 from router.server import RouterSignals
 from worker_runtime.api import WorkerInfo, WorkerRole, WorkerState, WorkerUnhealthy
 from worker_runtime.runtime import WorkerConfig
+from worker_runtime.waits import wait_within
 
 log = logging.getLogger(__name__)
 
@@ -207,9 +208,7 @@ class Controller:
     async def _await_ready(self, w: _Worker) -> WorkerInfo:
         worker_id, handle, role = w.worker_id, w.handle, w.role
         try:
-            info: WorkerInfo = await asyncio.wait_for(
-                handle.start.remote(), self.spec.start_timeout_s
-            )
+            info: WorkerInfo = await wait_within(handle.start.remote(), self.spec.start_timeout_s)
         except BaseException as e:
             self.workers.pop(worker_id, None)
             with contextlib.suppress(Exception):
@@ -237,7 +236,7 @@ class Controller:
         """Ping every ready worker; returns the ids found dead (and removed) this round."""
         ready = [w for w in self.workers.values() if w.state in _LISTED_STATES]
         results = await asyncio.gather(
-            *(asyncio.wait_for(w.handle.ping.remote(), 2.0) for w in ready),
+            *(wait_within(w.handle.ping.remote(), 2.0) for w in ready),
             return_exceptions=True,
         )
         dead: list[tuple[_Worker, str]] = []
@@ -309,7 +308,7 @@ class Controller:
         workers = list(self.workers.values())
         polled = [w for w in workers if w.state in _LISTED_STATES]
         loads = await asyncio.gather(
-            *(asyncio.wait_for(w.handle.load.remote(), 2.0) for w in polled),
+            *(wait_within(w.handle.load.remote(), 2.0) for w in polled),
             return_exceptions=True,
         )
         by_id = {
@@ -330,7 +329,7 @@ class Controller:
 
     async def router_signals(self, since_s: float) -> list[RouterSignals]:
         results = await asyncio.gather(
-            *(asyncio.wait_for(r.signals.remote(since_s), 2.0) for r in self.routers),
+            *(wait_within(r.signals.remote(since_s), 2.0) for r in self.routers),
             return_exceptions=True,
         )
         return [r for r in results if isinstance(r, RouterSignals)]
@@ -445,7 +444,7 @@ class Controller:
 
     async def _inflight(self, w: _Worker) -> int:
         try:
-            load = await asyncio.wait_for(w.handle.load.remote(), 2.0)
+            load = await wait_within(w.handle.load.remote(), 2.0)
         except Exception:
             return 0
         return int(load.inflight_requests + load.leases_held)
@@ -478,7 +477,7 @@ class Controller:
     async def _stop(self, w: _Worker) -> None:
         self.workers.pop(w.worker_id, None)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(w.handle.shutdown.remote(), 30)
+            await wait_within(w.handle.shutdown.remote(), 30)
         with contextlib.suppress(Exception):
             ray.kill(w.handle)
         w.state = WorkerState.STOPPED

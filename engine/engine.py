@@ -48,7 +48,7 @@ from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.outputs import EngineLoad, KVHandoff, RequestOutput, TransferAllocation
 from engine.overlap import InflightStep
-from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.request import FINISH_REASONS, NO_PRIOR, PriorOutput, Request, RequestStatus
 from engine.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -125,13 +125,24 @@ class LLMEngine:
         *,
         cache_salt: str = "",
         arrival_time: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> None:
-        """Queue a request (prefilled here). Raises ValueError naming the bad field."""
+        """Queue a request (prefilled here). Raises ValueError naming the bad field.
+
+        With `prior` (a migrated request) its tokens are prefilled after the prompt and
+        sampling goes on after them: the outputs are those of one undisturbed run."""
         params = sampling_params or SamplingParams()
         self._validate_prompt(prompt_token_ids, params)
+        prior = prior or NO_PRIOR
+        self._validate_prior(prompt_token_ids, params, prior)
         request = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+        for token_id in prior.token_ids:
+            request.append_output(token_id, None)
         self.scheduler.add_request(request)
-        self._start_tracking(request, prompt_token_ids, params, num_draws_done=0)
+        draws = 0 if params.greedy else len(prior.token_ids)
+        checker = self._start_tracking(request, prompt_token_ids, params, num_draws_done=draws)
+        checker.replay(prior.token_ids)
+        checker.mark_released(prior.text_chars)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request wherever it is (queued, running, held for hand-off, or reserved for
@@ -310,33 +321,52 @@ class LLMEngine:
         *,
         first_token_logprob: float | None = None,
         arrival_time: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> None:
         """Start decoding a request whose prompt KV now fills its reserved blocks.
 
         `first_token_id` is the token the prefill side sampled (already streamed to the
         client: its text is not returned again). If it already ends the request (eos,
         max_tokens=1) the request finishes at once and the next `step()` reports it.
+
+        With `prior` (a migrated request) the reserved KV is the prompt's and then the prior
+        tokens', `first_token_id` is the last token the client has (not sampled by the
+        prefill side), and the text sent is `prior.text_chars` characters up to and with it.
         """
         reserved = self.scheduler.transferring.get(request_id)
         if reserved is None:
             raise KeyError(f"no transfer reserved for request {request_id!r}")
+        prior = prior or NO_PRIOR
+        n_prior = len(prior.token_ids)
+        kv_tokens = reserved.prompt_token_ids
+        if n_prior and kv_tokens[len(kv_tokens) - n_prior :] != prior.token_ids:
+            raise ValueError("prior: its tokens are not those that end the transferred KV")
         request = Request(
             request_id=request_id,
-            prompt_token_ids=reserved.prompt_token_ids,
+            prompt_token_ids=kv_tokens[: len(kv_tokens) - n_prior],
             sampling_params=sampling_params,
             block_size=self.config.block_size,
             hash_extra=reserved.hash_extra,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
-            block_hashes=list(reserved.block_hashes),
+            # (a prior's tokens hash as they are appended)
+            block_hashes=[] if n_prior else list(reserved.block_hashes),
         )
+        self._validate_prior(request.prompt_token_ids, sampling_params, prior, with_next=True)
+        for token_id in prior.token_ids:
+            request.append_output(token_id, None)
         request.append_output(first_token_id, first_token_logprob)
         request.first_token_time = time.time()
         self.scheduler.add_transferred(request)
-        # The prefill side drew once from a seeded generator for the first token.
-        draws = 0 if sampling_params.greedy else 1
-        checker = self._start_tracking(request, reserved.prompt_token_ids, sampling_params, draws)
+        # The prefill side drew once from a seeded generator for the first token (a
+        # migrated request: once for each token the client has).
+        draws = 0 if sampling_params.greedy else n_prior + 1
+        checker = self._start_tracking(request, request.prompt_token_ids, sampling_params, draws)
+        checker.replay(prior.token_ids)
         status = checker.update(request, first_token_id)
-        checker.take_text_delta(request, finished=True)  # the prefill side sent this text
+        if n_prior:
+            checker.mark_released(prior.text_chars)
+        else:
+            checker.take_text_delta(request, finished=True)  # the prefill side sent this text
         if status is not None:
             self.scheduler.finish(request, status)
             self._stop_tracking(request_id)
@@ -411,6 +441,30 @@ class LLMEngine:
             raise ValueError(
                 f"prompt_token_ids: {len(prompt)} tokens + max_tokens exceed "
                 f"max_num_batched_tokens={budget} with chunked prefill disabled"
+            )
+
+    def _validate_prior(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        prior: PriorOutput,
+        with_next: bool = False,
+    ) -> None:
+        """A prior output leaves the request unfinished (it did not stop on the engine that
+        produced it): room for one more token (after `with_next`, the client's last one)."""
+        n = len(prior.token_ids) + (1 if with_next else 0)
+        if not prior.token_ids:
+            return
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prior.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prior: token id {bad[0]} is outside [0, {vocab})")
+        if n >= params.max_tokens:
+            raise ValueError(f"prior: {n} tokens leave none of max_tokens={params.max_tokens}")
+        if len(prompt) + n >= self.max_model_len:
+            raise ValueError(
+                f"prior: {len(prompt)} prompt + {n} output tokens leave no room within "
+                f"max_model_len={self.max_model_len}"
             )
 
     def _new_request(

@@ -85,6 +85,26 @@ class RequestTimings:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class PriorOutput:
+    """Output a request already produced on another engine, whose client has it: a request
+    that migrated after its worker failed. The tokens follow the prompt and their KV is
+    computed here as the prompt's is, but they count as output (max_tokens, penalties, the
+    draws of a seeded generator, stop strings over the text); the first `text_chars`
+    characters of their text were sent (the rest was held back for a stop string)."""
+
+    token_ids: tuple[int, ...] = ()
+    text_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text_chars < 0:
+            raise ValueError(f"text_chars: {self.text_chars} is negative")
+
+
+NO_PRIOR = PriorOutput()
+"""A request that starts here (nothing produced elsewhere)."""
+
+
 @dataclass(eq=False)
 class Request:
     """Mutable engine-side state of one request (never crosses a module boundary)."""

@@ -399,13 +399,16 @@ class Scheduler:
         transfer = self.transferring.get(request.request_id)
         if transfer is None:
             raise UnknownRequestError(request.request_id)
-        if request.prompt_token_ids != transfer.prompt_token_ids:
+        num_tokens = len(transfer.prompt_token_ids)
+        # (a migrated request's KV also holds its prior outputs: all its tokens but the last)
+        if tuple(request.all_token_ids[:num_tokens]) != transfer.prompt_token_ids or (
+            request.num_tokens != num_tokens + 1
+        ):
             raise ValueError("prompt_token_ids: differ from those the transfer reserved for")
         del self.transferring[request.request_id]
-        num_tokens = len(transfer.prompt_token_ids)
         request.block_ids = list(transfer.block_ids)
         request.num_computed_tokens = num_tokens
-        request.num_cached_prompt_tokens = num_tokens
+        request.num_cached_prompt_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         request.first_scheduled_time = time.time()
         self.cache_computed_blocks(request)

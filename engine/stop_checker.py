@@ -67,6 +67,17 @@ class StopChecker:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def replay(self, token_ids: tuple[int, ...]) -> None:
+        """Detokenize output another engine produced (a migrated request's) without checking
+        it: it did not stop the request there."""
+        for token_id in token_ids:
+            self.text += self._detokenizer.push(token_id)
+
+    def mark_released(self, text_chars: int) -> None:
+        """The client has the first `text_chars` characters (a migrated request: what the
+        engine before sent); the rest is released as if held back here."""
+        self._num_released = min(text_chars, len(self.text))
+
     def take_text_delta(self, request: Request, finished: bool) -> str:
         """Text not yet released; all of it when finished, else minus the stop hold-back."""
         end = len(self.text)

@@ -36,6 +36,7 @@ from router.decode_channel import DecodeChannel
 from router.metrics import RouterMetrics
 from router.placement import DecodeCandidate, PrefillCandidate
 from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from worker_runtime.waits import wait_within
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ class ClusterView:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 interval = self.idle_poll_interval_s if idle else self.poll_interval_s
-                await asyncio.wait_for(self._wake.wait(), interval)
+                await wait_within(self._wake.wait(), interval)
             try:
                 await self.poll_loads()
             except Exception:
@@ -232,7 +233,7 @@ class ClusterView:
 
     async def refresh_registry(self) -> None:
         try:
-            listed = await asyncio.wait_for(self.directory.list_workers(), self.call_timeout_s)
+            listed = await wait_within(self.directory.list_workers(), self.call_timeout_s)
         except Exception as e:
             log.warning("worker directory unavailable: %s", e)
             return
@@ -256,7 +257,7 @@ class ClusterView:
             return
         sent = time.monotonic()
         results = await asyncio.gather(
-            *(asyncio.wait_for(e.handle.load.remote(), self.call_timeout_s) for e in entries),
+            *(wait_within(e.handle.load.remote(), self.call_timeout_s) for e in entries),
             return_exceptions=True,
         )
         for entry, result in zip(entries, results, strict=True):
@@ -304,7 +305,7 @@ class ClusterView:
         """Wait until the next load poll (or `timeout_s`)."""
         self._changed.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            await wait_within(self._changed.wait(), timeout_s)
 
     # ---- views ------------------------------------------------------------------------------
 

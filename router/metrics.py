@@ -86,6 +86,13 @@ class RouterMetrics:
             "pdserve_prompt_tokens", "Prompt tokens by source", ["source"], registry=r
         )
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight", registry=r)
+        self.migrations = Counter(
+            "pdserve_migrations",
+            "Running requests moved to other workers after their decode worker failed, by how "
+            "they went on (re-prefill on a new pair, or resume on a decode worker alone)",
+            ["how"],
+            registry=r,
+        )
         labels = ["worker", "role"]
         self.w_kv_used = Gauge(
             "pdserve_worker_kv_blocks_used", "KV blocks used", labels, registry=r

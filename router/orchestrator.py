@@ -95,6 +95,10 @@ class OrchestratorConfig:
     """Fresh prefills after a failed hand-off (before the first decoded token)."""
     max_prefill_attempts: int = 3
     """Prefill workers tried when one is draining, overloaded, stopped, failing or dead."""
+    migration_limit: int = 3
+    """Times a running request moves to other workers when its decode worker dies, breaks
+    its token channel or stops answering (its stream goes on, no token lost or repeated);
+    past it the request ends with UNAVAILABLE naming the tokens delivered. 0: never."""
     default_request_timeout_s: float = 1800.0
     """Deadline of a request whose client sets none (so no request waits forever)."""
     prefill_timeout_s: float = 120.0
@@ -290,7 +294,11 @@ class Orchestrator:
             attempt = attempt.excluding_prefill(failure.worker_id)
         prefill_left = self.view.prefill_candidates(match, attempt.excluded_prefill)
         snapshot = attempt.snapshot(progress.first_token is not None, len(prefill_left))
-        limits = RecoveryLimits(self.config.max_handoff_retries, self.config.max_prefill_attempts)
+        limits = RecoveryLimits(
+            self.config.max_handoff_retries,
+            self.config.max_prefill_attempts,
+            self.config.migration_limit,
+        )
         decision = decide(failure, snapshot, limits)
         if isinstance(decision, Fail):
             return decision, attempt
@@ -304,10 +312,16 @@ class Orchestrator:
         if not self.view.decode_candidates(match, excluded):
             excluded = frozenset()  # the only decode worker: try it again
         resume = isinstance(decision, Resume)
-        attempt = attempt.fresh(excluded, resume)
+        migration = failure.stage in (Stage.DECODE, Stage.LOCAL)
+        attempt = attempt.fresh(excluded, resume, migration)
+        if migration:
+            progress.migrations += 1
+            self.metrics.migrations.labels("resume" if resume else "re-prefill").inc()
         log.warning(
-            "request %s: hand-off failed (%s); %s", attempt.request_id, failure.error,
-            "resuming on the decode worker" if resume else "re-prefilling",
+            "request %s: %s failed on %s (%s); %s after %d tokens", attempt.request_id,
+            "decode" if migration else "hand-off", failure.worker_id, failure.error,
+            "resuming on a decode worker" if resume else "re-prefilling",
+            progress.completion_tokens,
         )  # fmt: skip
         return decision, attempt
 
@@ -359,9 +373,14 @@ class Orchestrator:
             raise WorkerLost("no prefill worker could take the request")
         # A retry's prefill only rebuilds the KV: its first token is dropped (the client has
         # one), so it must hand off whatever it samples.
-        sampling = req.sampling if progress.first_token is None else handoff_sampling(req.sampling)
+        if progress.first_token is None:
+            preq = prefill_request(req, req.sampling, deadline)
+        else:  # the client's tokens but the last follow the prompt (a migration's)
+            preq = prefill_request(
+                req, handoff_sampling(req.sampling), deadline, progress.prior(with_last=False)
+            )
         entry.dispatched_prefill_tokens += placement.uncached_tokens
-        ref = entry.handle.prefill.remote(prefill_request(req, sampling, deadline))
+        ref = entry.handle.prefill.remote(preq)
         try:
             result: PrefillResult = await self._within(
                 ref, self.config.prefill_timeout_s, deadline, "prefill", worker_id, progress
@@ -395,11 +414,13 @@ class Orchestrator:
         deadline: float | None,
     ) -> DecodeRequest:
         """The decode request that pulls the lease's KV and continues after the client's
-        first token (a retry's prefill sampled another one; it is dropped)."""
+        last token (a retry's prefill sampled another one; it is dropped)."""
         if lease.handle is None:  # never with a hand-off sampling; guard the stream
             raise WorkerLost(f"prefill worker {lease.worker_id} returned no KV handle")
         assert progress.first_token is not None
-        return handoff_request(req, lease.handle, progress.first_token, deadline)
+        return handoff_request(
+            req, lease.handle, progress.last_token, deadline, progress.prior(with_last=False)
+        )
 
     def _abort_prefill(self, lease: PrefillResult) -> None:
         entry = self.view.get(lease.worker_id)
@@ -416,12 +437,12 @@ class Orchestrator:
         reservation: DecodeReservation,
         deadline: float | None,
     ) -> AsyncIterator[StreamDelta]:
-        """The decode worker computes the request alone: a local prefill, or (the first
-        token already out, no prefill worker left) a resume after that token."""
-        first = progress.first_token
-        dreq = local_request(req, deadline) if first is None else resume_request(
-            req, first[0], deadline
-        )  # fmt: skip
+        """The decode worker computes the request alone: a local prefill, or (tokens already
+        out, no prefill worker left) a resume after them."""
+        if progress.first_token is None:
+            dreq = local_request(req, deadline)
+        else:
+            dreq = resume_request(req, progress.prior(with_last=True), deadline)
         first_chunk_s = self.config.prefill_timeout_s + self.config.handoff_timeout_s
         return self._decode(placement, dreq, progress, reservation, first_chunk_s)
 

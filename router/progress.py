@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from decode_worker.api import TokenChunk
-from engine.request import FinishReason
+from engine.request import FinishReason, PriorOutput
 from prefill_worker.api import PrefillResult
 from router.placement import Placement
 
@@ -87,6 +87,11 @@ class RequestProgress:
         self._last_token_at: float | None = None
         self._completion_tokens = 0
         self._decoded_tokens = 0
+        self._sent_ids: list[int] = []
+        self._sent_chars = 0
+        self._last_logprob: float | None = None
+        self.migrations = 0
+        """Times the request moved to other workers after its decode worker failed."""
 
     # ---- what the orchestrator reads ---------------------------------------------------------
 
@@ -105,6 +110,17 @@ class RequestProgress:
         """The prefill worker's first token and its logprob, once sent to the client (a
         retry's decode continues after it; a local prefill has none)."""
         return self._first_token
+
+    @property
+    def last_token(self) -> tuple[int, float | None]:
+        """The last token the client has and its logprob (a hand-off continues after it)."""
+        return self._sent_ids[-1], self._last_logprob
+
+    def prior(self, with_last: bool) -> PriorOutput:
+        """The tokens the client has (`with_last`: all of them; else all but the last, which a
+        hand-off passes as the token it continues after) and how much of their text."""
+        ids = self._sent_ids if with_last else self._sent_ids[:-1]
+        return PriorOutput(tuple(ids), self._sent_chars)
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -126,7 +142,8 @@ class RequestProgress:
         """The prefill result's first token becomes the client's first token (TTFT)."""
         self._first_token = (result.first_token_id, result.first_logprob)
         self._cached_prompt_tokens = result.num_cached_prompt_tokens
-        self._tokens_out(1)
+        self._tokens_out((result.first_token_id,), result.first_text)
+        self._last_logprob = result.first_logprob
         logprobs = (result.first_logprob,) if result.first_logprob is not None else None
         return StreamDelta((result.first_token_id,), result.first_text, logprobs)
 
@@ -139,16 +156,22 @@ class RequestProgress:
             self._prefill_ms = chunk.prefill_s * 1000
             self._cached_prompt_tokens = chunk.num_cached_prompt_tokens
         if chunk.token_ids:
-            self._tokens_out(len(chunk.token_ids))
+            self._tokens_out(chunk.token_ids, chunk.text)
+            if chunk.logprobs:
+                self._last_logprob = chunk.logprobs[-1]
             if not self._local_prefill:
                 self._decoded_tokens += len(chunk.token_ids)
+        else:
+            self._sent_chars += len(chunk.text)
 
-    def _tokens_out(self, n: int) -> None:
+    def _tokens_out(self, token_ids: tuple[int, ...], text: str) -> None:
         now = time.perf_counter()
         if self._first_token_at is None:
             self._first_token_at = now
         self._last_token_at = now
-        self._completion_tokens += n
+        self._completion_tokens += len(token_ids)
+        self._sent_ids += token_ids
+        self._sent_chars += len(text)
 
     # ---- what is computed from it ------------------------------------------------------------
 

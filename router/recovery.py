@@ -17,8 +17,21 @@ status; this module only says whether the request fails.
                                                     sent, no prefill worker
     HAND_OFF  the same                              retries used up             Fail(error)
     HAND_OFF  anything else (deadline, cancel, ...)                             Fail(error)
-    DECODE    any (the decode worker sent tokens)                               Fail(error)
-    LOCAL     any (the decode worker alone)                                     Fail(error)
+    DECODE,   worker fault, TransferError,          migrations < limit, a      Retry(PAIR)
+    LOCAL     WorkerLost (a broken token channel,   prefill worker left or
+              a stuck worker's StageTimeout)        no token sent
+    DECODE,   the same                              migrations < limit,        Resume
+    LOCAL                                           tokens sent, no prefill
+                                                    worker
+    DECODE,   the same                              migrations used up         Fail(error)
+    LOCAL
+    DECODE,   anything else (deadline, cancel, bad input, ...)                  Fail(error)
+    LOCAL
+
+A retry after the client has tokens (a migration, or a hand-off retried after the first
+token) continues its stream: the tokens sent follow the prompt in the new attempt's prefill
+and count as the new decode request's output (`engine.request.PriorOutput`), so no token is
+lost or repeated and greedy or seeded sampling goes on as in one undisturbed run.
 
 `Attempt` is the other half: the worker-facing id and the exclusions a decision leaves for the
 next try (`another_prefill_worker`, `fresh`).
@@ -91,6 +104,8 @@ class ProgressSnapshot:
     """Prefill workers tried in this attempt, the failed one included."""
     prefill_workers_left: int
     """Serving prefill workers this request has not failed on."""
+    migrations: int = 0
+    """Attempts already made after a decode worker failed (DECODE or LOCAL)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,8 @@ class RecoveryLimits:
     """Fresh attempts after failed hand-offs (before the first decoded token)."""
     max_prefill_attempts: int = 3
     """Prefill workers tried in one attempt."""
+    migration_limit: int = 3
+    """Fresh attempts after the decode worker of a running request failed."""
 
 
 class RetryScope(enum.Enum):
@@ -146,10 +163,22 @@ def decide(failure: Failure, progress: ProgressSnapshot, limits: RecoveryLimits)
         and _hand_off_retryable(error)
         and progress.handoff_retries < limits.max_handoff_retries
     ):
-        if progress.first_token_sent and progress.prefill_workers_left == 0:
-            return Resume()
-        return Retry(RetryScope.PAIR)
+        return _continue(progress)
+    if (
+        failure.stage in (Stage.DECODE, Stage.LOCAL)
+        and _hand_off_retryable(error)
+        and progress.migrations < limits.migration_limit
+    ):
+        return _continue(progress)
     return Fail(error)
+
+
+def _continue(progress: ProgressSnapshot) -> Decision:
+    """A fresh attempt: a new pair, or the decode worker alone once the client has tokens
+    and no prefill worker is left."""
+    if progress.first_token_sent and progress.prefill_workers_left == 0:
+        return Resume()
+    return Retry(RetryScope.PAIR)
 
 
 @dataclass(frozen=True)
@@ -167,6 +196,8 @@ class Attempt:
     prefill_tries: int = 1
     excluded_prefill: frozenset[str] = frozenset()
     excluded_decode: frozenset[str] = frozenset()
+    migrations: int = 0
+    """Fresh attempts (of `number`) made after a decode worker failed."""
 
     @property
     def request_id(self) -> str:
@@ -176,7 +207,11 @@ class Attempt:
 
     def snapshot(self, first_token_sent: bool, prefill_workers_left: int) -> ProgressSnapshot:
         return ProgressSnapshot(
-            first_token_sent, self.number, self.prefill_tries, prefill_workers_left
+            first_token_sent,
+            self.number - self.migrations,
+            self.prefill_tries,
+            prefill_workers_left,
+            self.migrations,
         )
 
     def excluding_prefill(self, worker_id: str) -> Attempt:
@@ -186,8 +221,11 @@ class Attempt:
         """Retry(PREFILL_WORKER): the same attempt on `placement` (its new prefill worker)."""
         return replace(self, placement=placement, prefill_tries=self.prefill_tries + 1)
 
-    def fresh(self, excluded_decode: frozenset[str], resume: bool) -> Attempt:
-        """Retry(PAIR) or Resume: the next attempt, placed anew."""
+    def fresh(
+        self, excluded_decode: frozenset[str], resume: bool, migration: bool = False
+    ) -> Attempt:
+        """Retry(PAIR) or Resume: the next attempt, placed anew (`migration`: after its
+        decode worker failed)."""
         return replace(
             self,
             number=self.number + 1,
@@ -195,4 +233,5 @@ class Attempt:
             resume=resume,
             prefill_tries=1,
             excluded_decode=excluded_decode,
+            migrations=self.migrations + migration,
         )

@@ -8,13 +8,13 @@ stuck or far behind). `cancel_remote` cancels a Ray call; `fire` marks a call no
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from typing import Any
 
 from router.errors import StageTimeout
 from worker_runtime.api import RequestDeadlineExceeded
+from worker_runtime.waits import wait_within
 
 DEADLINE_GRACE_S = 1.0
 """How long past a request's deadline the router waits for the worker's own deadline error."""
@@ -36,7 +36,7 @@ async def within(
         if remaining < limit:
             limit, request_bound = max(remaining, 0.0), True
     try:
-        return await asyncio.wait_for(awaitable, limit)
+        return await wait_within(awaitable, limit)
     except TimeoutError:
         if request_bound:
             raise RequestDeadlineExceeded(f"request deadline passed in {stage}") from None

@@ -1,11 +1,13 @@
 """What the router asks of a worker for one attempt of a request.
 
-prefill_request   the prompt, to a prefill worker (a retry's with `handoff_sampling`)
+prefill_request   the prompt, to a prefill worker (a retry's with `handoff_sampling`; a
+                  migrated request's prompt is followed by the tokens sent but the last)
 handoff_request   to the decode worker: pull the prefill result's KV, continue after the
-                  client's first token
+                  client's last token (its first; a migrated request's tokens before it are
+                  the decode request's `prior`)
 local_request     to the decode worker alone: prefill and decode the whole request
-resume_request    to the decode worker alone after the first token went out: prompt +
-                  that token is its prompt, one token fewer to go
+resume_request    to the decode worker alone after tokens went out: they are its `prior`,
+                  prefilled after the prompt; it samples the next one on
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import replace
 
 from decode_worker.api import DecodeRequest
+from engine.request import NO_PRIOR, PriorOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.types import KVHandle
 from prefill_worker.api import PrefillRequest
@@ -33,11 +36,14 @@ def handoff_sampling(sampling: SamplingParams) -> SamplingParams:
 
 
 def prefill_request(
-    req: ValidRequest, sampling: SamplingParams, deadline: float | None
+    req: ValidRequest,
+    sampling: SamplingParams,
+    deadline: float | None,
+    prior: PriorOutput = NO_PRIOR,
 ) -> PrefillRequest:
     return PrefillRequest(
         request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
+        prompt_token_ids=(*req.prompt_token_ids, *prior.token_ids),
         sampling=sampling,
         cache_salt=req.cache_salt,
         arrival_time=time.time(),
@@ -48,32 +54,34 @@ def prefill_request(
 def _decode_request(
     req: ValidRequest,
     deadline: float | None,
-    prompt_token_ids: tuple[int, ...] | None = None,
-    sampling: SamplingParams | None = None,
     handle: KVHandle | None = None,
     first_token: tuple[int, float | None] = (-1, None),
+    prior: PriorOutput = NO_PRIOR,
 ) -> DecodeRequest:
     return DecodeRequest(
         request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids if prompt_token_ids is None else prompt_token_ids,
-        sampling=req.sampling if sampling is None else sampling,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=req.sampling,
         cache_salt=req.cache_salt,
         handle=handle,
         first_token_id=first_token[0] if handle is not None else None,
         first_logprob=first_token[1] if handle is not None else None,
         arrival_time=time.time(),
         deadline=deadline,
+        prior=prior,
     )
 
 
 def handoff_request(
     req: ValidRequest,
     handle: KVHandle,
-    first_token: tuple[int, float | None],
+    last_token: tuple[int, float | None],
     deadline: float | None,
+    prior: PriorOutput = NO_PRIOR,
 ) -> DecodeRequest:
-    """The decode of a prefilled request: pull `handle`'s KV, go on after the first token."""
-    return _decode_request(req, deadline, handle=handle, first_token=first_token)
+    """The decode of a prefilled request: pull `handle`'s KV (the prompt's, then `prior`'s),
+    go on after the client's last token."""
+    return _decode_request(req, deadline, handle, last_token, prior)
 
 
 def local_request(req: ValidRequest, deadline: float | None) -> DecodeRequest:
@@ -81,13 +89,8 @@ def local_request(req: ValidRequest, deadline: float | None) -> DecodeRequest:
     return _decode_request(req, deadline)
 
 
-def resume_request(req: ValidRequest, first_token_id: int, deadline: float | None) -> DecodeRequest:
-    """The rest of a request whose first token is out, computed on the decode worker alone
-    (no prefill worker left): prompt + that token is prefilled there and it samples the
-    second token on, so the client sees each token once."""
-    return _decode_request(
-        req,
-        deadline,
-        prompt_token_ids=(*req.prompt_token_ids, first_token_id),
-        sampling=replace(req.sampling, max_tokens=req.sampling.max_tokens - 1),
-    )
+def resume_request(req: ValidRequest, prior: PriorOutput, deadline: float | None) -> DecodeRequest:
+    """The rest of a request whose first tokens are out (`prior`), computed on the decode
+    worker alone: prompt + prior is prefilled there and it samples the next token on, so
+    the client sees each token once."""
+    return _decode_request(req, deadline, prior=prior)

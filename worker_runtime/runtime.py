@@ -40,6 +40,7 @@ from worker_runtime.api import (
     WorkerStopped,
     WorkerUnhealthy,
 )
+from worker_runtime.waits import wait_within
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -326,7 +327,7 @@ async def within_deadline(aw: Awaitable[T], deadline: float | None, request_id: 
     if timeout is not None and timeout <= 0:
         raise RequestDeadlineExceeded(f"request {request_id}: deadline passed before it was served")
     try:
-        return await asyncio.wait_for(aw, timeout)
+        return await wait_within(aw, timeout)
     except TimeoutError:
         raise RequestDeadlineExceeded(
             f"request {request_id}: deadline passed on the worker"

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from worker_runtime.waits import wait_within
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -64,7 +66,7 @@ class HttpServer:
             return
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), self.grace_s + 2)
+            await wait_within(asyncio.shield(self._task), self.grace_s + 2)
         except TimeoutError:
             self._server.force_exit = True
             self._task.cancel()

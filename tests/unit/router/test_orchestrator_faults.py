@@ -123,8 +123,9 @@ class FakeDecode:
 
     async def _stream(self, req: DecodeRequest) -> None:
         n = len(req.prompt_token_ids)
-        # a local prefill samples its first token itself; a pulled request starts after it
-        first = 0 if req.handle is None else 1
+        # a local prefill samples its first token itself; a pulled request starts after it,
+        # a migrated one after the tokens its client has (its prior, counted as output)
+        first = len(req.prior.token_ids) + (0 if req.handle is None else 1)
         count = req.sampling.max_tokens
         for i in range(first, count):
             if self.hang_after is not None and i - first >= self.hang_after:
@@ -261,10 +262,12 @@ def test_no_prefill_worker_left_after_the_first_token_resumes_on_the_decode_work
     (got,), _ = serve(setup, between=prefill_gone)
     assert tokens(got) == EXPECTED
     resumed = setup.decode[0].submits[-1][0]
-    # prompt + the token already sent, computed on the decode worker; one token fewer to go
+    # the prompt, then the token already sent as its prior output, computed on the decode
+    # worker, which samples the second token on (max_tokens counts the prior token)
     assert resumed.handle is None and resumed.first_token_id is None
-    assert resumed.prompt_token_ids == (*PROMPT, EXPECTED[0])
-    assert resumed.sampling.max_tokens == MAX_TOKENS - 1
+    assert resumed.prompt_token_ids == PROMPT
+    assert resumed.prior.token_ids == (EXPECTED[0],) and resumed.prior.text_chars == 1
+    assert resumed.sampling.max_tokens == MAX_TOKENS
 
 
 def test_decode_worker_lost_before_any_decoded_token_is_retried_on_another() -> None:
@@ -285,7 +288,7 @@ def test_a_decode_worker_that_goes_silent_mid_stream_ends_the_request_in_the_tok
     setup = Setup(
         [FakePrefill("prefill-0")],
         [FakeDecode("decode-1", hang_after=2)],
-        OrchestratorConfig(token_gap_timeout_s=0.3),
+        OrchestratorConfig(token_gap_timeout_s=0.3, migration_limit=0),  # (no migration)
     )
     t0 = time.monotonic()
     (got,), _ = serve(setup)
@@ -297,6 +300,62 @@ def test_a_decode_worker_that_goes_silent_mid_stream_ends_the_request_in_the_tok
     assert "did not answer within 0.3s" in failure.message
     assert failure.message.endswith("(3 tokens delivered)")
     assert setup.decode[0].aborts  # what it still held is aborted
+
+
+# ---- migration: a running request moves when its decode worker fails ----------------------
+
+
+def test_a_request_whose_decode_worker_goes_silent_migrates_and_its_stream_goes_on() -> None:
+    setup = Setup(
+        [FakePrefill("prefill-0")],
+        [FakeDecode("decode-1", hang_after=2), FakeDecode("decode-2", used_blocks=5)],
+        OrchestratorConfig(token_gap_timeout_s=0.3),
+    )
+    (got,), orchestrator = serve(setup)
+    assert tokens(got) == EXPECTED  # none lost, none repeated
+    # the re-prefill computes the prompt + the tokens sent but the last on a prefill worker
+    (first,), (again,) = setup.prefill[0].prefills
+    assert again.prompt_token_ids == (*PROMPT, *EXPECTED[:2])
+    # decode-2 pulls that and continues after the client's last token, the two before it
+    # its prior output (they count in max_tokens)
+    (moved,) = (s[0] for s in setup.decode[1].submits)
+    assert moved.prompt_token_ids == PROMPT and moved.sampling.max_tokens == MAX_TOKENS
+    assert moved.prior.token_ids == tuple(EXPECTED[:2]) and moved.first_token_id == EXPECTED[2]
+    assert moved.prior.text_chars == 3  # "a" from the prefill worker, "b" "b" from decode-1
+    assert setup.decode[0].aborts  # what decode-1 still held is aborted
+    assert orchestrator.metrics.migrations.labels("re-prefill")._value.get() == 1
+
+
+def test_migration_with_no_prefill_worker_left_resumes_on_a_decode_worker_alone() -> None:
+    setup = Setup(
+        [FakePrefill("prefill-0")],
+        [FakeDecode("decode-1", hang_after=2), FakeDecode("decode-2", used_blocks=5)],
+        OrchestratorConfig(token_gap_timeout_s=0.3),
+    )
+
+    async def prefill_gone(view: ClusterView, directory: StaticDirectory) -> None:
+        view.avoid("prefill-0", 60)
+
+    (got,), orchestrator = serve(setup, between=prefill_gone)
+    assert tokens(got) == EXPECTED
+    (resumed,) = (s[0] for s in setup.decode[1].submits)
+    assert resumed.handle is None and resumed.prior.token_ids == tuple(EXPECTED[:3])
+    assert orchestrator.metrics.migrations.labels("resume")._value.get() == 1
+
+
+def test_a_request_past_its_migration_limit_ends_unavailable_naming_the_tokens_delivered() -> None:
+    setup = Setup(
+        [FakePrefill("prefill-0")],
+        [FakeDecode("decode-1", hang_after=1), FakeDecode("decode-2", hang_after=1)],
+        OrchestratorConfig(token_gap_timeout_s=0.3, migration_limit=1),
+    )
+    (got,), orchestrator = serve(setup)
+    # decode-1 sent one token after the first, decode-2 (the one migration) one more
+    assert isinstance(got, StreamCut) and got.tokens_delivered == 3, got
+    failure = to_grpc_failure(got)
+    assert failure.code.name == "UNAVAILABLE" and failure.message.endswith("(3 tokens delivered)")
+    assert orchestrator.metrics.migrations.labels("re-prefill")._value.get() == 1
+    assert setup.decode[0].aborts and setup.decode[1].aborts
 
 
 def test_a_prefill_worker_that_never_answers_ends_the_request_unavailable() -> None:

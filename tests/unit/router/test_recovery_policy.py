@@ -76,8 +76,38 @@ def decision(stage: Stage, error: BaseException, progress: ProgressSnapshot = FR
 
 
 @pytest.mark.parametrize("error", WORKER_FAULTS + HAND_OFF_ONLY + NEVER_RETRIED, ids=repr)
-@pytest.mark.parametrize("stage", [Stage.PLACE, Stage.DECODE, Stage.LOCAL])
-def test_a_failure_after_a_decoded_token_or_alone_or_in_placement_fails_as_it_is(
+def test_a_failure_in_placement_fails_as_it_is(error: BaseException) -> None:
+    assert decision(Stage.PLACE, error) == Fail(error)
+
+
+@pytest.mark.parametrize("error", WORKER_FAULTS + HAND_OFF_ONLY, ids=repr)
+@pytest.mark.parametrize("stage", [Stage.DECODE, Stage.LOCAL])
+def test_a_decode_worker_fault_migrates_the_running_request(
+    stage: Stage, error: BaseException
+) -> None:
+    assert decision(stage, error) == Retry(RetryScope.PAIR)
+    # no prefill worker left: the tokens sent are resumed after on a decode worker alone
+    assert decision(stage, error, replace(FRESH, prefill_workers_left=0)) == Resume()
+    # nothing sent yet (a local prefill): placed anew, maybe on a decode worker alone
+    nothing = replace(FRESH, first_token_sent=False, prefill_workers_left=0)
+    assert decision(stage, error, nothing) == Retry(RetryScope.PAIR)
+
+
+@pytest.mark.parametrize("stage", [Stage.DECODE, Stage.LOCAL])
+def test_migrations_stop_at_the_limit_and_hand_off_retries_do_not_count(stage: Stage) -> None:
+    error = WorkerLost("decode worker decode-1 lost")
+    limits = RecoveryLimits(max_handoff_retries=1, migration_limit=2)
+    failure = Failure(stage, error, "decode-1")
+    got = [
+        decide(failure, replace(FRESH, migrations=n, handoff_retries=1), limits) for n in range(3)
+    ]
+    assert got == [Retry(RetryScope.PAIR)] * 2 + [Fail(error)]
+    assert decide(failure, FRESH, RecoveryLimits(migration_limit=0)) == Fail(error)
+
+
+@pytest.mark.parametrize("error", NEVER_RETRIED, ids=repr)
+@pytest.mark.parametrize("stage", [Stage.DECODE, Stage.LOCAL])
+def test_a_deadline_a_cancel_or_a_bad_request_while_decoding_fails_as_it_is(
     stage: Stage, error: BaseException
 ) -> None:
     assert decision(stage, error) == Fail(error)
@@ -175,6 +205,10 @@ def test_fresh_attempts_get_fresh_worker_facing_ids_and_keep_the_exclusions() ->
     assert second.excluded_decode == frozenset({"decode-1"}) and third.excluded_decode == set()
     assert (second.resume, third.resume) == (False, True)
     assert second.snapshot(True, 2) == ProgressSnapshot(True, 1, 1, 2)
+    # a migration is a fresh attempt that counts against the migration limit instead
+    migrated = third.fresh(frozenset({"decode-2"}), resume=False, migration=True)
+    assert migrated.request_id == "client-1@ab.0~3"
+    assert migrated.snapshot(True, 1) == ProgressSnapshot(True, 2, 1, 1, migrations=1)
 
 
 def test_another_prefill_worker_is_the_same_attempt_on_a_fixed_placement() -> None:
