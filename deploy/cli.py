@@ -574,6 +574,61 @@ def bench(
         _fail(f"bench failed: {e}", 1)
 
 
+@app.command()
+@config_options
+def chaos(
+    config: ConfigArgs,
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 600.0,
+    load: Annotated[float, typer.Option(help="Offered load as a multiple of capacity.")] = 2.0,
+    kill_every: Annotated[
+        float, typer.Option(help="Seconds between worker kills (0: none).")
+    ] = 30.0,
+    redis_restart_every: Annotated[
+        float, typer.Option(help="Seconds between Redis restarts (0: none).")
+    ] = 120.0,
+    cancel_share: Annotated[float, typer.Option(help="Share of requests cancelled.")] = 0.1,
+    deadline_share: Annotated[
+        float, typer.Option(help="Share of requests given a short deadline.")
+    ] = 0.05,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per request.")] = 48,
+    seed: Annotated[int, typer.Option(help="Seed of prompts, arrivals and faults.")] = 0,
+    out: Annotated[Path, typer.Option(help="Folder for chaos.json.")] = Path("chaos-results"),
+) -> None:
+    """Start a local cluster (the `up` flags), serve open-loop load on it while killing
+    workers, restarting Redis and cancelling requests; report what was lost, wrong, hung or
+    leaked (exit code 1 unless nothing was)."""
+    from deploy.chaos import run_chaos
+    from loadtests.chaos import ChaosConfig
+
+    if daemon_running():
+        _fail("a cluster is already running: chaos starts its own (`pdserve down` first)", 1)
+    with _checked_options():
+        try:
+            spec = ChaosConfig(
+                duration_s=duration, load_multiple=load, kill_every_s=kill_every,
+                redis_restart_every_s=redis_restart_every, cancel_share=cancel_share,
+                deadline_share=deadline_share, max_tokens=max_tokens, seed=seed,
+            )  # fmt: skip
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        given = read_config(config)
+        if given.get("cluster.address") is None:
+            from deploy.local_ray import loopback_env
+
+            loopback_env()
+        tree = effective_config(given)
+        check_model_dir(tree.model, given.where("model"), weights=True)
+    report = run_chaos(tree, spec, out, console)
+    if not report.clean:
+        _fail(f"the chaos run found faults (see {out / 'chaos.json'})", 1)
+
+
+def daemon_running() -> bool:
+    from deploy import daemon
+
+    return daemon.read_state() is not None
+
+
 def main() -> None:
     app()
 

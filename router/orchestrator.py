@@ -257,7 +257,7 @@ class Orchestrator:
                         yield delta
                     return
                 lease = await self._prefill(wreq, placement, progress, deadline)
-                if progress.first_token is None:
+                if not progress.sent_any:
                     yield progress.first_token_out(lease)
                     if lease.finish_reason is not None:
                         yield progress.final_delta(lease.finish_reason)
@@ -293,7 +293,7 @@ class Orchestrator:
         if failure.stage is Stage.PREFILL and failure.worker_id is not None:
             attempt = attempt.excluding_prefill(failure.worker_id)
         prefill_left = self.view.prefill_candidates(match, attempt.excluded_prefill)
-        snapshot = attempt.snapshot(progress.first_token is not None, len(prefill_left))
+        snapshot = attempt.snapshot(progress.sent_any, len(prefill_left))
         limits = RecoveryLimits(
             self.config.max_handoff_retries,
             self.config.max_prefill_attempts,
@@ -340,7 +340,7 @@ class Orchestrator:
         prefill (the decode worker alone must resume after that token: `Resume`)."""
         if attempt.placement is not None:
             return attempt.placement
-        first_out = progress.first_token is not None
+        first_out = progress.sent_any
         prefill = [] if attempt.resume else self.view.prefill_candidates(
             match, attempt.excluded_prefill
         )  # fmt: skip
@@ -373,7 +373,7 @@ class Orchestrator:
             raise WorkerLost("no prefill worker could take the request")
         # A retry's prefill only rebuilds the KV: its first token is dropped (the client has
         # one), so it must hand off whatever it samples.
-        if progress.first_token is None:
+        if not progress.sent_any:
             preq = prefill_request(req, req.sampling, deadline)
         else:  # the client's tokens but the last follow the prompt (a migration's)
             preq = prefill_request(
@@ -417,7 +417,7 @@ class Orchestrator:
         last token (a retry's prefill sampled another one; it is dropped)."""
         if lease.handle is None:  # never with a hand-off sampling; guard the stream
             raise WorkerLost(f"prefill worker {lease.worker_id} returned no KV handle")
-        assert progress.first_token is not None
+        assert progress.sent_any
         return handoff_request(
             req, lease.handle, progress.last_token, deadline, progress.prior(with_last=False)
         )
@@ -439,7 +439,7 @@ class Orchestrator:
     ) -> AsyncIterator[StreamDelta]:
         """The decode worker computes the request alone: a local prefill, or (tokens already
         out, no prefill worker left) a resume after them."""
-        if progress.first_token is None:
+        if not progress.sent_any:
             dreq = local_request(req, deadline)
         else:
             dreq = resume_request(req, progress.prior(with_last=True), deadline)

@@ -82,7 +82,6 @@ class RequestProgress:
         self._prefill_worker = ""
         self._decode_worker = ""
         self._local_prefill = False
-        self._first_token: tuple[int, float | None] | None = None
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._completion_tokens = 0
@@ -106,10 +105,10 @@ class RequestProgress:
         return self._decoded_tokens
 
     @property
-    def first_token(self) -> tuple[int, float | None] | None:
-        """The prefill worker's first token and its logprob, once sent to the client (a
-        retry's decode continues after it; a local prefill has none)."""
-        return self._first_token
+    def sent_any(self) -> bool:
+        """The client has tokens (from a prefill worker's first token or a decode worker's
+        stream, a local prefill's included): a retry continues after them."""
+        return bool(self._sent_ids)
 
     @property
     def last_token(self) -> tuple[int, float | None]:
@@ -129,7 +128,7 @@ class RequestProgress:
 
     def placed(self, placement: Placement) -> None:
         self._decode_worker = placement.decode_worker_id
-        if placement.local_prefill and self._first_token is None:
+        if placement.local_prefill and not self._sent_ids:
             # (a local placement after the first token is a resume: its prefill stats and
             # tokens count as decoded ones)
             self._local_prefill = True
@@ -140,7 +139,6 @@ class RequestProgress:
 
     def first_token_out(self, result: PrefillResult) -> StreamDelta:
         """The prefill result's first token becomes the client's first token (TTFT)."""
-        self._first_token = (result.first_token_id, result.first_logprob)
         self._cached_prompt_tokens = result.num_cached_prompt_tokens
         self._tokens_out((result.first_token_id,), result.first_text)
         self._last_logprob = result.first_logprob

@@ -1,9 +1,10 @@
 """Faults a review found, on the shared real cluster (conftest.py): a bad-input battery over
 gRPC leaves no INTERNAL, no hang and a healthy cluster (long prompts through the hand-off
 after it); draining a decode worker lets its live streams finish token-exact; drain and
-undrain never leave a worker in limbo; a worker stopped with SIGSTOP or with an engine
-thread that blocks forever ends its requests with UNAVAILABLE, new requests go elsewhere,
-and the controller replaces it (and purges its prefix-index entries).
+undrain never leave a worker in limbo; a decode worker stopped with SIGSTOP has its streams
+migrate to another (token-exact), one whose engine thread blocks forever ends a request
+that has nowhere to go with UNAVAILABLE; new requests go elsewhere, and the controller
+replaces the worker (and purges its prefix-index entries).
 
 Each test that adds a decode worker takes it (or its replacement) out again, so the cluster
 is as the other modules expect afterwards (1 decode worker, ready)."""
@@ -319,24 +320,24 @@ def _index_holds(rc: RouterCluster, worker_id: str) -> bool:
         r.close()
 
 
-def test_a_sigstopped_decode_worker_ends_its_streams_unavailable_and_is_replaced(
-    router_cluster: RouterCluster, spare_decode: str, corpus_ids: list[int]
+def test_a_sigstopped_decode_worker_s_streams_migrate_token_exact_and_it_is_replaced(
+    router_cluster: RouterCluster, spare_decode: str, corpus_ids: list[int], hf_greedy: Reference
 ) -> None:
     own = _isolate(router_cluster, spare_decode)
-    streams = Streams(router_cluster, _prompts(corpus_ids, 4, 600), max_tokens=600)
+    streams = Streams(router_cluster, _prompts(corpus_ids, 4, 600), max_tokens=300)
     streams.wait_tokens(10)
     _undrain(router_cluster, own)
     _wait(lambda: _index_holds(router_cluster, spare_decode), "its blocks are in the index")
     pid = _pid(_handle(router_cluster, spare_decode))
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
     try:
-        streams.join(60)
-        for i in range(4):
-            err = streams.errors[i]
-            assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, i
-            assert "tokens delivered" in err.details(), err.details()
-            assert streams.ended_at[i] - t0 < 20, streams.ended_at[i] - t0
+        # past the token gap each stream moves to `own` and goes on: nothing lost or repeated
+        streams.join(240)
+        for i, prompt in enumerate(streams.prompts):
+            assert streams.errors[i] is None, streams.errors[i].details()  # type: ignore[union-attr]
+            assert streams.tokens[i] == hf_greedy(prompt, 300), i
+            final = streams.finals[i]
+            assert final is not None and final.timings.decode_worker == own
         out = generate(router_cluster.generation(0), **greedy_request(streams.prompts[0], 3))
         assert out.final.timings.decode_worker == own
         _wait_replaced(router_cluster, spare_decode, own)

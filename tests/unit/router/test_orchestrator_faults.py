@@ -314,7 +314,8 @@ def test_a_request_whose_decode_worker_goes_silent_migrates_and_its_stream_goes_
     (got,), orchestrator = serve(setup)
     assert tokens(got) == EXPECTED  # none lost, none repeated
     # the re-prefill computes the prompt + the tokens sent but the last on a prefill worker
-    (first,), (again,) = setup.prefill[0].prefills
+    assert len(setup.prefill[0].prefills) == 2
+    (again,) = setup.prefill[0].prefills[1]
     assert again.prompt_token_ids == (*PROMPT, *EXPECTED[:2])
     # decode-2 pulls that and continues after the client's last token, the two before it
     # its prior output (they count in max_tokens)
@@ -340,6 +341,20 @@ def test_migration_with_no_prefill_worker_left_resumes_on_a_decode_worker_alone(
     assert tokens(got) == EXPECTED
     (resumed,) = (s[0] for s in setup.decode[1].submits)
     assert resumed.handle is None and resumed.prior.token_ids == tuple(EXPECTED[:3])
+    assert orchestrator.metrics.migrations.labels("resume")._value.get() == 1
+
+
+def test_a_local_prefill_whose_decode_worker_goes_silent_resumes_after_its_tokens() -> None:
+    # no prefill worker: decode-1 computes the request alone, streams 2 tokens, goes silent
+    setup = Setup(
+        [],
+        [FakeDecode("decode-1", hang_after=2), FakeDecode("decode-2", used_blocks=5)],
+        OrchestratorConfig(token_gap_timeout_s=0.3),
+    )
+    (got,), orchestrator = serve(setup)
+    assert tokens(got) == EXPECTED
+    (resumed,) = (s[0] for s in setup.decode[1].submits)
+    assert resumed.handle is None and resumed.prior.token_ids == tuple(EXPECTED[:2])
     assert orchestrator.metrics.migrations.labels("resume")._value.get() == 1
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from decode_worker.api import TokenChunk
-from engine.request import FinishReason
+from engine.request import FinishReason, PriorOutput
 from prefill_worker.api import PrefillResult
 from router import progress as progress_module
 from router.placement import Placement
@@ -51,7 +51,8 @@ def test_a_disaggregated_request_times_prefill_transfer_ttft_and_tpot(clock: Clo
     clock.now = 100.3
     p.prefilled("prefill-0", prefill_result(-0.5))
     assert p.first_token_out(prefill_result(-0.5)) == StreamDelta((7,), "a", (-0.5,))
-    assert p.first_token == (7, -0.5) and p.completion_tokens == 1 and p.decoded_tokens == 0
+    assert p.last_token == (7, -0.5) and p.completion_tokens == 1 and p.decoded_tokens == 0
+    assert p.sent_any and p.prior(with_last=True) == PriorOutput((7,), 1)
     clock.now = 100.5
     p.chunk(chunk(8, 9, transfer_s=0.04, num_transferred_tokens=22))
     clock.now = 100.7
@@ -81,7 +82,9 @@ def test_a_local_prefill_takes_its_stats_from_the_first_chunk_and_counts_no_deco
     p.chunk(chunk(7, prefill_s=0.15, num_cached_prompt_tokens=32))
     clock.now = 100.4
     p.chunk(chunk(8, prefill_s=9.0, num_cached_prompt_tokens=0))  # later chunks: not prefill
-    assert (p.completion_tokens, p.decoded_tokens, p.first_token) == (2, 0, None)
+    # a local prefill's tokens are the client's too: a retry continues after both
+    assert (p.completion_tokens, p.decoded_tokens, p.sent_any) == (2, 0, True)
+    assert p.prior(with_last=False).token_ids == (7,) and p.last_token[0] == 8
     timings = p.final_delta(FinishReason.STOP).timings
     assert timings is not None and timings.local_prefill and timings.prefill_worker == ""
     assert timings.prefill_ms == pytest.approx(150.0) and timings.ttft_ms == pytest.approx(200.0)
