@@ -191,6 +191,8 @@ FLAGS: tuple[Flag, ...] = (
          "dtype) or fp8 (e4m3, scales calibrated at load) [auto].", choices=KV_CACHE_DTYPES),
     Flag("load_format", "workers.engine.load_format", str, "Weights: auto (the checkpoint's) or "
          "dummy (random, made on the device from config.json) [auto].", choices=LOAD_FORMATS),
+    Flag("migration_limit", "router.orchestrator.migration_limit", int, "Times a running "
+         "request moves to other workers when its decode worker fails [3]; 0: never."),
 )  # fmt: skip
 """Every flag that sets a field of the tree; the rest of the tree is set in the file."""
 

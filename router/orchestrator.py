@@ -113,6 +113,11 @@ class OrchestratorConfig:
     """How long placement avoids a worker that missed a stage deadline (the controller's
     progress check replaces it if it is stuck)."""
 
+    def __post_init__(self) -> None:
+        for name in ("max_handoff_retries", "migration_limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
 
 class Orchestrator:
     def __init__(
