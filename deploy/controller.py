@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -56,13 +56,23 @@ from planner.loop import (
 from prefix_index.index import PrefixIndex
 from router.control import DrainRefused, DrainReport
 from router.server import RouterSignals
-from worker_runtime.api import WorkerInfo, WorkerRole, WorkerState, WorkerUnhealthy
+from worker_runtime.api import (
+    ACTOR_NAME_PREFIX,
+    WorkerInfo,
+    WorkerRole,
+    WorkerState,
+    WorkerUnhealthy,
+)
 from worker_runtime.runtime import WorkerConfig
 from worker_runtime.waits import wait_within
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "pdserve-controller"
+ROUTER_NAMESPACE = "pdserve"
+"""Where deploy.cluster names its routers (its NAMESPACE)."""
+ADOPT_TIMEOUT_S = 10.0
+"""How long a restarted controller waits for each worker it finds to say who it is."""
 
 
 @dataclass
@@ -96,6 +106,8 @@ class Controller:
         self._planner_task: asyncio.Task[None] | None = None
         self._prefix_index: PrefixIndex | None = None
         _log_to_stderr()
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._adopt()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -103,7 +115,12 @@ class Controller:
         """Start the configured workers (all at once); returns their infos."""
         infos = await asyncio.gather(*(self._start_worker(r) for r in self.spec.initial_roles()))
         await self._purge_index()  # entries of workers an earlier cluster left behind
-        self._health_task = asyncio.create_task(self._health_loop())
+        self._start_loops()
+        return list(infos)
+
+    def _start_loops(self) -> None:
+        """The health check, and the planner when it is on."""
+        self._health_task = asyncio.get_event_loop().create_task(self._health_loop())
         if self.spec.planner.enabled:
             settings = self.spec.planner
             resources = ResourceRequester() if settings.request_resources else None
@@ -116,7 +133,50 @@ class Controller:
                 f"{c.prefill.min_workers}..{c.prefill.max_workers}, decode "
                 f"{c.decode.min_workers}..{c.decode.max_workers}"
             )
-        return list(infos)
+
+    def _adopt(self) -> None:
+        """After a restart (the actor died and Ray made it again from the same spec): take
+        back the workers and routers that outlived it (workers are detached actors), so none
+        is orphaned, and check them again. A worker that cannot say who it is (it was still
+        starting) is killed and replaced."""
+        # Workers are named in the job's namespace (the controller's creator's), routers in
+        # the cluster's (deploy.cluster.NAMESPACE, which names this actor too).
+        namespace = ray.get_runtime_context().namespace
+        named = [(a["name"], a.get("namespace")) for a in ray.util.list_named_actors(True)]
+        highest = -1
+        lost: list[WorkerRole] = []
+        for name, ns in sorted(named):
+            if name.startswith("pdserve-router-") and ns in (namespace, ROUTER_NAMESPACE):
+                self.routers.append(ray.get_actor(name, namespace=ns))
+                continue
+            if not name.startswith(ACTOR_NAME_PREFIX) or ns != namespace:
+                continue
+            worker_id = name[len(ACTOR_NAME_PREFIX) :]
+            role_name, _, number = worker_id.rpartition("-")
+            highest = max(highest, int(number)) if number.isdigit() else highest
+            handle = ray.get_actor(name, namespace=namespace)
+            try:
+                info = cast(WorkerInfo, ray.get(handle.info.remote(), timeout=ADOPT_TIMEOUT_S))
+                load = ray.get(handle.load.remote(), timeout=ADOPT_TIMEOUT_S)
+            except Exception as e:
+                self._log(f"controller restart: worker {worker_id} did not answer ({e}); killed")
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
+                with contextlib.suppress(ValueError):
+                    lost.append(WorkerRole(role_name))
+                continue
+            placement = self.spec.placement_for(info.role)
+            w = _Worker(info, info.role, worker_id, handle, placement, state=load.state)
+            w.ready_at = time.time()
+            self.workers[worker_id] = w
+        self._ids = itertools.count(highest + 1)
+        self._start_loops()
+        for role in lost:
+            self._spawn(self._replace(role))
+        self._log(
+            f"controller restarted: adopted {len(self.workers)} workers "
+            f"({', '.join(sorted(self.workers)) or 'none'}) and {len(self.routers)} routers"
+        )
 
     async def shutdown(self) -> None:
         """Stop the loops and every worker; release the autoscaler request."""
@@ -134,7 +194,8 @@ class Controller:
         self.routers.append(router)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro)
+        # (the actor's loop, also from __init__ after a restart, before the loop runs)
+        task = asyncio.get_event_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -197,7 +258,9 @@ class Controller:
         """Create the actor and register it as starting (its start() is not awaited yet)."""
         worker_id = f"{role.value}-{next(self._ids)}"
         placement = self.spec.placement_for(role)
-        handle = create_worker(self._worker_config(role, worker_id), self.spec.transfer, placement)
+        handle = create_worker(
+            self._worker_config(role, worker_id), self.spec.transfer, placement, detached=True
+        )
         w = _Worker(None, role, worker_id, handle, placement)
         self.workers[worker_id] = w
         return w
@@ -566,6 +629,8 @@ def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
         "namespace": namespace,
         "num_cpus": 0,
         "max_concurrency": 1000,
+        # A controller that dies comes back and adopts the workers and routers (`_adopt`).
+        "max_restarts": -1,
     }
     if detached:
         opts["lifetime"] = "detached"

@@ -122,11 +122,16 @@ def create_worker(
     config: WorkerConfig,
     transfer: KVTransferConfig,
     placement: ActorPlacement | None = None,
+    detached: bool = False,
 ) -> Any:
-    """Create (not start) the actor; call `.start.remote()` on the handle and await it."""
+    """Create (not start) the actor; call `.start.remote()` on the handle and await it.
+
+    `detached`: the actor outlives its creator (the controller's workers: a controller that
+    dies and restarts adopts them; whoever stops the cluster kills them)."""
     placement = placement or default_placement()
     name = actor_name_for(config.worker_id)
     remote_cls: Any = ray.remote(actor_class(config.role))
+    lifetime = {"lifetime": "detached"} if detached else {}
     return remote_cls.options(
         name=name,
         num_gpus=placement.num_gpus,
@@ -134,6 +139,7 @@ def create_worker(
         resources=dict(placement.resources),
         max_restarts=placement.max_restarts,
         max_concurrency=4096,
+        **lifetime,
     ).remote(config, transfer, name)
 
 
