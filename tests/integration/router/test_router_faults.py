@@ -369,3 +369,52 @@ def test_a_decode_worker_whose_engine_blocks_forever_is_replaced(
     out = generate(router_cluster.generation(0), prompt="The river runs", max_tokens=3)
     assert out.final.timings.decode_worker == own
     _wait_replaced(router_cluster, spare_decode, own)
+
+
+def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
+    router_cluster: RouterCluster, spare_decode: str, corpus_ids: list[int], hf_greedy: Reference
+) -> None:
+    """ray.kill breaks the token channel at once: the streams move without waiting for the
+    token gap. A greedy stream equals transformers; a seeded one with penalties equals the
+    same request served undisturbed (its random stream goes on where it was)."""
+    stub = router_cluster.generation(0)
+    prompts = _prompts(corpus_ids, 4, 1100)
+    seeded = dict(temperature=0.9, top_k=50, seed=1234, repetition_penalty=1.2,
+                  presence_penalty=0.3, ignore_eos=True)  # fmt: skip
+    undisturbed = [
+        generate(stub, token_ids=p, max_tokens=160, **seeded).token_ids for p in prompts[2:]
+    ]
+    own = _isolate(router_cluster, spare_decode)
+    results: list[list[int] | grpc.RpcError] = [[] for _ in prompts]
+    finals: list[pb.GenerateResponse | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        if i < 2:
+            fields = greedy_request(prompts[i], 160)
+        else:
+            fields = dict(token_ids=prompts[i], max_tokens=160, **seeded)
+        try:
+            for msg in stub.Generate(pb.GenerateRequest(**fields), timeout=240):  # type: ignore[arg-type]
+                results[i].extend(msg.token_ids)  # type: ignore[union-attr]
+                if msg.HasField("usage"):
+                    finals[i] = msg
+        except grpc.RpcError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    _wait(lambda: all(isinstance(r, list) and len(r) >= 12 for r in results), "12 tokens each")
+    _undrain(router_cluster, own)
+    ray.kill(_handle(router_cluster, spare_decode), no_restart=True)
+    for t in threads:
+        t.join(240)
+    for i, prompt in enumerate(prompts):
+        got = results[i]
+        assert isinstance(got, list), got.details()  # type: ignore[union-attr]
+        expected = hf_greedy(prompt, 160) if i < 2 else undisturbed[i - 2]
+        assert got == expected, i
+        final = finals[i]
+        assert final is not None and final.timings.decode_worker == own
+        assert final.usage.completion_tokens == 160
+    _wait_replaced(router_cluster, spare_decode, own)
