@@ -95,6 +95,19 @@ class ClusterChaos:
                     total += sum(s.value for s in family.samples if s.name.endswith("_total"))
         return total
 
+    def unindexed_workers(self) -> list[str]:
+        import redis
+
+        client = redis.Redis.from_url(self.endpoint.redis_url, socket_timeout=CALL_TIMEOUT_S)
+        try:
+            indexed = {
+                key.decode().rsplit("seq:", 1)[1]
+                for key in client.scan_iter(match="pdserve:*seq:*")
+            }
+        finally:
+            client.close()
+        return sorted(set(self._workers()) - indexed)
+
 
 def _held(load: WorkerLoad) -> str:
     """What a worker still holds beyond its idle baseline ("" when idle)."""
@@ -151,10 +164,13 @@ def report_table(report: ChaosReport) -> Table:
         ("gap at a decode kill p50 / p99",
          f"{report.migration_gap_p50_ms} / {report.migration_gap_p99_ms} ms"),
         ("leaked", str(report.leaked or 0)),
+        ("not in the index at the end", ", ".join(report.unindexed) or "none"),
     ]  # fmt: skip
     for k in report.kills:
         recovered = "never" if k.recovered_s is None else f"{k.recovered_s:.1f}s"
         rows.append((f"kill {k.role} {k.worker_id} at {k.at_s:.1f}s", f"replaced in {recovered}"))
+    for status, messages in sorted(report.status_samples.items()):
+        rows.append((f"{status}, e.g.", " | ".join(m[:120] for m in messages)))
     rows.append(("clean", "yes" if report.clean else "NO"))
     for key, value in rows:
         table.add_row(key, value)

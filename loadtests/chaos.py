@@ -58,6 +58,10 @@ class ChaosTarget(Protocol):
         """Migrations the routers counted so far."""
         ...
 
+    def unindexed_workers(self) -> list[str]:
+        """Ready workers the Redis prefix index holds no state of (not resynced yet)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ChaosConfig:
@@ -104,6 +108,8 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)
     ended_s: float = 0.0
     deadline_s: float = 0.0
+    details: str = ""
+    """The error's message, if it ended with one."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,8 @@ class ChaosReport:
     sent: int
     completed: int
     statuses: dict[str, int]
+    status_samples: dict[str, list[str]]
+    """A few messages of each status but OK: why requests ended as they did."""
     unexpected: dict[str, int]
     """Statuses outside EXPECTED_STATUSES (INTERNAL, UNKNOWN, ...): each a finding."""
     token_mismatches: int
@@ -137,6 +145,9 @@ class ChaosReport:
     redis_restarts: int
     leaked: dict[str, str]
     """Workers still holding blocks, transfers or leases once everything ended."""
+    unindexed: list[str]
+    """Ready workers whose prefix-index state Redis still lacks at the end (after a restart
+    every publisher must resync)."""
     tpot_p50_ms: float
     migration_gap_p50_ms: float | None
     migration_gap_p99_ms: float | None
@@ -144,9 +155,8 @@ class ChaosReport:
 
     @property
     def clean(self) -> bool:
-        return not (self.unexpected or self.token_mismatches or self.hung or self.leaked) and all(
-            k.recovered_s is not None for k in self.kills
-        )
+        found = self.unexpected or self.token_mismatches or self.hung or self.leaked
+        return not (found or self.unindexed) and all(k.recovered_s is not None for k in self.kills)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "clean": self.clean}
@@ -190,8 +200,9 @@ class ChaosRun:
                 faults.cancel()
                 await asyncio.gather(faults, return_exceptions=True)
             await self._await_recovered()
-        leaked = await self._settle()
-        return self._report(capacity, rate, self.target.migrations() - migrations_before, leaked)
+        leaked, unindexed = await self._settle()
+        migrations = self.target.migrations() - migrations_before
+        return self._report(capacity, rate, migrations, leaked, unindexed)
 
     # ---- phases -------------------------------------------------------------------------
 
@@ -278,12 +289,14 @@ class ChaosRun:
         while time.monotonic() < end and any(k.recovered_s is None for k in self.kills):
             await asyncio.sleep(0.5)
 
-    async def _settle(self) -> dict[str, str]:
+    async def _settle(self) -> tuple[dict[str, str], list[str]]:
+        """Wait until no worker holds anything and the index knows every ready worker."""
         end = time.monotonic() + self.config.settle_timeout_s
         while True:
             busy = await asyncio.to_thread(self.target.busy_workers)
-            if not busy or time.monotonic() > end:
-                return busy
+            unindexed = await asyncio.to_thread(self.target.unindexed_workers)
+            if not (busy or unindexed) or time.monotonic() > end:
+                return busy, unindexed
             await asyncio.sleep(0.5)
 
     # ---- one request --------------------------------------------------------------------
@@ -307,7 +320,7 @@ class ChaosRun:
         except asyncio.CancelledError:
             out.status = "CANCELLED"
         except grpc.aio.AioRpcError as e:
-            out.status = e.code().name
+            out.status, out.details = e.code().name, e.details() or ""
         out.ended_s = self._now()
 
     def _now(self) -> float:
@@ -316,9 +329,19 @@ class ChaosRun:
     # ---- the report ---------------------------------------------------------------------
 
     def _report(
-        self, capacity: float, rate: float, migrations: float, leaked: dict[str, str]
+        self,
+        capacity: float,
+        rate: float,
+        migrations: float,
+        leaked: dict[str, str],
+        unindexed: list[str] | None = None,
     ) -> ChaosReport:
         statuses = Counter(o.status for o in self.outcomes)
+        samples: dict[str, list[str]] = {}
+        for o in self.outcomes:
+            seen = samples.setdefault(o.status, []) if o.status != "OK" else None
+            if seen is not None and len(seen) < 3 and o.details and o.details not in seen:
+                seen.append(o.details)
         wrong = [o for o in self.outcomes if _mismatch(o, self.reference[o.prompt])]
         hung = sum(_hung(o) for o in self.outcomes)
         gaps = [
@@ -334,6 +357,7 @@ class ChaosRun:
             sent=len(self.outcomes),
             completed=statuses.get("OK", 0),
             statuses=dict(statuses),
+            status_samples={k: v for k, v in samples.items() if v},
             unexpected={s: n for s, n in statuses.items() if s not in EXPECTED_STATUSES},
             token_mismatches=len(wrong),
             mismatch_samples=[_difference(o, self.reference[o.prompt]) for o in wrong[:5]],
@@ -342,6 +366,7 @@ class ChaosRun:
             kills=self.kills,
             redis_restarts=self.redis_restarts,
             leaked=leaked,
+            unindexed=unindexed or [],
             tpot_p50_ms=round(statistics.median(gaps), 2) if gaps else 0.0,
             migration_gap_p50_ms=_percentile(around_kills, 50),
             migration_gap_p99_ms=_percentile(around_kills, 99),

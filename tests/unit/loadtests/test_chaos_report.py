@@ -27,6 +27,9 @@ class _Target:
     def migrations(self) -> float:
         return 0.0
 
+    def unindexed_workers(self) -> list[str]:
+        return []
+
 
 REF = [11, 12, 13, 14]
 
@@ -50,11 +53,12 @@ def test_served_cancelled_refused_and_short_deadlines_are_clean() -> None:
         _ok(REF[:2], "cancel", "CANCELLED"),
         _ok(REF[:1], "deadline", "DEADLINE_EXCEEDED"),
         _ok([], status="RESOURCE_EXHAUSTED"),
-        _ok(REF[:3], status="UNAVAILABLE"),  # cut after its migrations ran out
+        replace(_ok(REF[:3], status="UNAVAILABLE"), details="decode worker lost (3 tokens)"),
         kills=(Kill("decode", "decode-1", 1.015, 4.0),),
     )._report(10.0, 20.0, 1.0, {})
     assert report.clean, report
     assert (report.sent, report.completed, report.token_mismatches) == (5, 1, 0)
+    assert report.status_samples == {"UNAVAILABLE": ["decode worker lost (3 tokens)"]}
     assert report.tpot_p50_ms == pytest.approx(10.0)
     assert report.migration_gap_p50_ms == pytest.approx(10.0)  # the gap across the kill
 
@@ -76,8 +80,9 @@ def test_each_finding_makes_the_run_not_clean(outcome: Outcome, finding: str) ->
     assert not report.clean and getattr(report, finding), report
 
 
-def test_a_leak_or_a_worker_never_replaced_makes_it_not_clean() -> None:
+def test_a_leak_a_stale_index_or_a_worker_never_replaced_makes_it_not_clean() -> None:
     assert not _run(_ok())._report(1.0, 2.0, 0.0, {"decode-1": "kv_used=3"}).clean
+    assert not _run(_ok())._report(1.0, 2.0, 0.0, {}, ["prefill-3"]).clean
     never = Kill("prefill", "prefill-0", 5.0, None)
     assert not _run(_ok(), kills=(never,))._report(1.0, 2.0, 0.0, {}).clean
 
