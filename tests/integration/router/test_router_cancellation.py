@@ -55,3 +55,43 @@ def test_client_cancel_frees_blocks_on_both_workers(
         router_cluster.wait_idle(timeout_s=LEASE_S - 3)
     # The cluster still serves afterwards.
     assert generate(router_cluster.generation(router), prompt="The baker", max_tokens=2).final
+
+
+def test_a_storm_of_cancels_and_deadlines_wedges_nothing(
+    router_cluster: RouterCluster, corpus_ids: list[int]
+) -> None:
+    """200 requests on both routers at once, each cancelled or timed out at a random point
+    (in admission, prefill, the hand-off or decode): every block, lease and transfer is
+    back within the lease, and both routers serve afterwards."""
+    import random
+
+    router_cluster.wait_idle()
+    rng = random.Random(7)
+    calls = []
+    for i in range(200):
+        router = i % 2
+        prompt = corpus_ids[rng.randrange(0, 2000) :][: rng.randrange(20, 200)]
+        req = pb.GenerateRequest(**greedy_request(prompt, 300))
+        if i % 3 == 0:  # a deadline that runs out somewhere in the request
+            call = router_cluster.generation(router).Generate(req, timeout=rng.uniform(0.01, 2))
+            calls.append((call, None))
+        else:
+            call = router_cluster.generation(router).Generate(req, timeout=120)
+            calls.append((call, rng.uniform(0, 1.5)))
+    t0 = time.monotonic()
+    pending = sorted((at, i) for i, (_, at) in enumerate(calls) if at is not None)
+    for at, i in pending:
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        calls[i][0].cancel()
+    for call, _ in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() in (
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ), err.value.details()
+    router_cluster.wait_idle(timeout_s=LEASE_S - 1)
+    for router in (0, 1):
+        out = generate(router_cluster.generation(router), prompt="The baker", max_tokens=3)
+        assert out.final.usage.completion_tokens == 3
