@@ -418,3 +418,55 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
         assert final is not None and final.timings.decode_worker == own
         assert final.usage.completion_tokens == 160
     _wait_replaced(router_cluster, spare_decode, own)
+
+
+def test_an_http_stream_on_a_killed_decode_worker_migrates_and_its_text_is_whole(
+    router_cluster: RouterCluster, spare_decode: str, corpus_ids: list[int]
+) -> None:
+    """The OpenAI HTTP API's streams go through the same orchestrator: an SSE completion
+    whose decode worker dies ends with the same text and usage as an undisturbed one."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    url = urlsplit(_status(router_cluster).http_url)
+    assert url.hostname and url.port
+    prompt = _prompts(corpus_ids, 1, 1500)[0]
+    body = {"model": router_cluster.model_id, "prompt": prompt, "max_tokens": 150,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    def events(on_event: Callable[[int], None] = lambda n: None) -> tuple[str, dict[str, int]]:
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=240)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        r = conn.getresponse()
+        assert r.status == 200
+        text, usage, n = "", {}, 0
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                text += choice["text"]
+                n += 1
+                on_event(n)
+        conn.close()
+        return text, usage
+
+    expected_text, expected_usage = events()
+    own = _isolate(router_cluster, spare_decode)
+
+    def kill_at_20(n: int) -> None:
+        if n == 20:
+            _undrain(router_cluster, own)
+            ray.kill(_handle(router_cluster, spare_decode), no_restart=True)
+
+    text, usage = events(kill_at_20)
+    assert text == expected_text
+    assert usage["completion_tokens"] == expected_usage["completion_tokens"] == 150
+    _wait_replaced(router_cluster, spare_decode, own)
