@@ -49,8 +49,11 @@ def bench(rc: RouterCluster, profile: Path, out: Path, *extra: str) -> dict[str,
         assert r.ok and r.output_tokens == r.max_tokens, r
         assert r.finish_reason == "FINISH_REASON_LENGTH", r
         assert r.ttft_ms is not None and 0 < r.ttft_ms < r.e2e_ms, r
-        # each chunk timed as it arrived (a client that buffered the stream would see ~0)
-        assert r.tpot_ms is not None and r.tpot_ms > 1.0, r
+        assert r.tpot_ms is not None, r
+    # each chunk timed as it arrived: a client that buffered the stream would see ~0 for all
+    # (one stream on a busy machine may arrive in one burst: most must not)
+    spaced = [r for r in records if r.tpot_ms is not None and r.tpot_ms > 1.0]
+    assert len(spaced) * 2 >= len(records), [r.tpot_ms for r in records]
     return summary
 
 
