@@ -23,7 +23,6 @@ from deploy.config import PdserveConfig
 from loadtests.chaos import ChaosConfig, ChaosReport, ChaosRun
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from worker_runtime.api import WorkerLoad
 
 CALL_TIMEOUT_S = 10.0
 
@@ -76,7 +75,7 @@ class ClusterChaos:
         workers = self._workers()
         loads = ray.get([h.load.remote() for _, h in workers.values()], timeout=30)
         for load in loads:
-            held = _held(load)
+            held = load.held()
             if held:
                 busy[load.worker_id] = held
         for i, ch in enumerate(self._channels):
@@ -107,23 +106,6 @@ class ClusterChaos:
         finally:
             client.close()
         return sorted(set(self._workers()) - indexed)
-
-
-def _held(load: WorkerLoad) -> str:
-    """What a worker still holds beyond its idle baseline ("" when idle)."""
-    e = load.engine
-    parts = {
-        "kv_used": e.num_total_blocks - e.num_free_blocks,
-        "waiting": e.num_waiting,
-        "running": e.num_running,
-        "handoff_blocks": e.num_handoff_blocks,
-        "transfer_blocks": e.num_transfer_blocks,
-        "inflight_requests": load.inflight_requests,
-        "leased_blocks": load.leased_blocks,
-        "leases": load.leases_held,
-        "pulling_blocks": load.transfer.pending_blocks,
-    }
-    return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
 
 
 def run_chaos(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -68,6 +69,27 @@ def finish_record(
     if last is not None and last.finish_reason:
         finish_reason = serving_pb2.FinishReason.Name(last.finish_reason)
     return RequestRecord(
+        **client_fields(planned, timer, run_start, ended_at, offered_rate, failure),
+        finish_reason=finish_reason,
+        cached_prompt_tokens=usage.cached_prompt_tokens if usage is not None else 0,
+        server_queue_ms=timings.queue_ms if timings is not None else None,
+        server_ttft_ms=timings.ttft_ms if timings is not None else None,
+        server_prefill_ms=timings.prefill_ms if timings is not None else None,
+        server_transfer_ms=timings.transfer_ms if timings is not None else None,
+    )
+
+
+def client_fields(
+    planned: PlannedRequest,
+    timer: StreamTimer,
+    run_start: float,
+    ended_at: float,
+    offered_rate: float | None,
+    failure: RpcFailure | None,
+) -> dict[str, Any]:
+    """The fields of a RequestRecord the client knows whatever the API: what it planned,
+    what it timed and how the request ended."""
+    return dict(
         request_id=planned.request_id,
         index=planned.index,
         sent_s=timer.sent_at - run_start,
@@ -82,12 +104,6 @@ def finish_record(
         status=OK if failure is None else failure.status,
         error="" if failure is None else failure.details,
         retry_after_ms=None if failure is None else failure.retry_after_ms,
-        finish_reason=finish_reason,
-        cached_prompt_tokens=usage.cached_prompt_tokens if usage is not None else 0,
-        server_queue_ms=timings.queue_ms if timings is not None else None,
-        server_ttft_ms=timings.ttft_ms if timings is not None else None,
-        server_prefill_ms=timings.prefill_ms if timings is not None else None,
-        server_transfer_ms=timings.transfer_ms if timings is not None else None,
         offered_rate=offered_rate,
         conversation=planned.conversation,
         turn=planned.turn,

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtests.client import RpcFailure
-from loadtests.records import OK, RequestRecord, StreamTimer
+from loadtests.client import RpcFailure, client_fields
+from loadtests.records import RequestRecord, StreamTimer
 from loadtests.workload import PlannedRequest
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -129,23 +129,7 @@ def finish_openai_record(
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     reason = stream.finish_reason
     return RequestRecord(
-        request_id=planned.request_id,
-        index=planned.index,
-        sent_s=timer.sent_at - run_start,
-        scheduled_s=planned.send_at_s,
-        prompt_tokens=planned.prompt_tokens,
-        max_tokens=planned.max_tokens,
-        output_tokens=timer.output_tokens,
-        e2e_ms=timer.e2e_ms(ended_at),
-        ttft_ms=timer.ttft_ms,
-        tpot_ms=timer.tpot_ms,
-        itl_ms=timer.itl_ms,
-        status=OK if failure is None else failure.status,
-        error="" if failure is None else failure.details,
-        retry_after_ms=None if failure is None else failure.retry_after_ms,
+        **client_fields(planned, timer, run_start, ended_at, offered_rate, failure),
         finish_reason=f"FINISH_REASON_{reason.upper()}" if reason else "",
         cached_prompt_tokens=int(cached),
-        offered_rate=offered_rate,
-        conversation=planned.conversation,
-        turn=planned.turn,
     )

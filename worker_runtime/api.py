@@ -79,6 +79,24 @@ class WorkerLoad:
     index that goes stale shows here."""
     timestamp: float = 0.0
 
+    def held(self) -> str:
+        """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use
+        (evictable prefix-cache blocks count as free), requests queued, running or in
+        flight, blocks held for a hand-off, reserved for or being pulled, leases."""
+        e = self.engine
+        parts = {
+            "kv_used": e.num_total_blocks - e.num_free_blocks,
+            "waiting": e.num_waiting,
+            "running": e.num_running,
+            "handoff_blocks": e.num_handoff_blocks,
+            "transfer_blocks": e.num_transfer_blocks,
+            "inflight_requests": self.inflight_requests,
+            "leased_blocks": self.leased_blocks,
+            "leases": self.leases_held,
+            "pulling_blocks": self.transfer.pending_blocks,
+        }
+        return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
+
 
 class WorkerDraining(Exception):
     """The worker is draining and admits no new request: place it elsewhere."""
