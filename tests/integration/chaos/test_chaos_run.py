@@ -59,4 +59,4 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(
     # the streams running on each killed decode worker went on elsewhere
     assert report["migrations"] >= 2, report
     assert report["migration_gap_p50_ms"] is not None, report
-    assert report["redis_restarts"] == 2, report
+    assert report["redis_restarts"] >= 2, report
