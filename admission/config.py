@@ -82,18 +82,45 @@ THRESHOLD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AdmissionThresh
 
 @dataclass(frozen=True)
 class TenantLimit:
-    """A token-rate limit for one tenant (prompt + max_tokens are charged per request)."""
+    """What one tenant may take: a token rate (prompt + max_tokens are charged per request)
+    and requests in flight. A limit left unset (None) does not apply; one must be set."""
 
     tenant: str
-    """Tenant name as sent in `GenerateRequest.tenant` ("" is the default tenant)."""
-    tokens_per_s: float
-    """Sustained rate the tenant's token bucket refills at."""
-    burst_tokens: float
+    """Tenant name: the one its API key maps to (or `GenerateRequest.tenant` with keys off;
+    "" is the default tenant)."""
+    tokens_per_s: float | None = None
+    """Sustained rate the tenant's token bucket refills at (with `burst_tokens`)."""
+    burst_tokens: float | None = None
     """Bucket capacity: the most tokens a tenant may spend at once after being idle."""
+    max_inflight_requests: int | None = None
+    """Requests of the tenant admitted and not finished, per router; one more is rejected
+    (RESOURCE_EXHAUSTED) while other tenants are served."""
 
     def __post_init__(self) -> None:
-        _require(self.tokens_per_s > 0, "tokens_per_s", "> 0", self.tokens_per_s)
-        _require(self.burst_tokens > 0, "burst_tokens", "> 0", self.burst_tokens)
+        if (self.tokens_per_s is None) != (self.burst_tokens is None):
+            given, missing = ("tokens_per_s", "burst_tokens")
+            if self.tokens_per_s is None:
+                given, missing = missing, given
+            raise InvalidAdmissionConfig(f"{missing}: must be set with {given}")
+        if self.tokens_per_s is None and self.max_inflight_requests is None:
+            raise InvalidAdmissionConfig(
+                "tokens_per_s: set a rate (tokens_per_s, burst_tokens), max_inflight_requests "
+                "or both"
+            )
+        if self.tokens_per_s is not None and self.burst_tokens is not None:
+            _require(self.tokens_per_s > 0, "tokens_per_s", "> 0", self.tokens_per_s)
+            _require(self.burst_tokens > 0, "burst_tokens", "> 0", self.burst_tokens)
+        if self.max_inflight_requests is not None:
+            _require(
+                self.max_inflight_requests >= 1,
+                "max_inflight_requests",
+                ">= 1",
+                self.max_inflight_requests,
+            )
+
+    @property
+    def has_rate(self) -> bool:
+        return self.tokens_per_s is not None
 
 
 @dataclass(frozen=True)
@@ -143,7 +170,8 @@ class AdmissionConfig:
     tuning: PolicyTuning = field(default_factory=PolicyTuning)
     """Static policy knobs."""
     tenant_limits: tuple[TenantLimit, ...] = ()
-    """Per-tenant token-rate limits; tenants not listed get `default_tenant_limit`."""
+    """Per-tenant limits (token rate, requests in flight); tenants not listed get
+    `default_tenant_limit`."""
     default_tenant_limit: TenantLimit | None = None
     """Limit applied to every unlisted tenant (its `tenant` name is ignored); None: unlimited."""
     max_tracked_tenants: int = 10000

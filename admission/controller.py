@@ -109,6 +109,8 @@ class AdmissionController:
         )
         """The router feeds finished prefills here and reads it when building snapshots."""
         self._admitted: dict[str, _Reservation] = {}
+        self._tenant_inflight: Counter[str] = Counter()
+        """Admitted, unreleased requests per tenant (what `max_inflight_requests` limits)."""
         self._reserved_blocks = 0
         self._waiting: list[_Waiter] = []
         self._waiting_ids: set[str] = set()
@@ -175,6 +177,9 @@ class AdmissionController:
         reservation = self._admitted.pop(request_id, None)
         if reservation is None:
             return False
+        self._tenant_inflight[reservation.tenant] -= 1
+        if self._tenant_inflight[reservation.tenant] <= 0:
+            del self._tenant_inflight[reservation.tenant]
         self._reserved_blocks -= reservation.blocks
         if generated_tokens is not None:
             unused = max(0, reservation.max_tokens - generated_tokens)
@@ -189,6 +194,10 @@ class AdmissionController:
         if request_id in self._waiting_ids:
             return RequestState.QUEUED
         return None
+
+    def tenant_inflight(self, tenant: str) -> int:
+        """The tenant's requests admitted and not yet released."""
+        return self._tenant_inflight.get(tenant, 0)
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
@@ -290,7 +299,7 @@ class AdmissionController:
             snapshot,
             self._thresholds,
             ledger=ledger,
-            tenant=self.limiter.allowance(request.tenant),
+            tenant=self.limiter.allowance(request.tenant, self._tenant_inflight[request.tenant]),
             tuning=self._config.tuning,
         )
 
@@ -302,6 +311,7 @@ class AdmissionController:
             charged_tokens=charged,
             max_tokens=request.max_tokens,
         )
+        self._tenant_inflight[request.tenant] += 1
         self._reserved_blocks += decision.reserve_blocks
         self.limiter.charge(request.tenant, charged)
         self._admitted_total += 1

@@ -24,6 +24,7 @@ class Reason(enum.Enum):
     REQUEST_TOO_LARGE = "request_too_large"  # prompt + max_tokens exceed any worker's limit
     DEADLINE_UNREACHABLE = "deadline_unreachable"  # estimated TTFT is past the caller's deadline
     TENANT_RATE_LIMITED = "tenant_rate_limited"  # the tenant's token bucket is short
+    TENANT_INFLIGHT_LIMIT = "tenant_inflight_limit"  # the tenant's max_inflight_requests
     INFLIGHT_LIMIT = "inflight_limit"  # max_inflight_requests reached
     DECODE_KV_FULL = "decode_kv_full"  # no decode worker (or the reservation budget) has room
     TRANSFER_BUDGET = "transfer_budget"  # every decode worker's transfer budget is in use

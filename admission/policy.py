@@ -4,7 +4,9 @@ Order of the checks (the first that fails names the reason):
 
 1. hard refusals, where waiting cannot help: no live decode worker, a request larger
    than any decode worker may hold, a deadline the estimated TTFT already misses;
-2. the tenant's token-rate limit (rejected with the time until its bucket refills);
+2. the tenant's limits: requests in flight (rejected with the default retry-after) and token
+   rate (rejected with the time until its bucket refills), each message naming the limit; a
+   rejection, never a queue, so a tenant over its limits never blocks the queue's head;
 3. overload: in-flight requests, decode KV (the controller's reservation budget and a worker with
    room), the KV-transfer budget, the estimated TTFT, and earlier queued requests;
 4. on overload, QUEUE when the bounded wait could see it clear, REJECT with retry-after when not.
@@ -118,17 +120,12 @@ def evaluate(
             None,
         )
 
-    # 2. Tenant token rate. An oversized request needs only a full bucket, then runs into debt.
+    # 2. Tenant limits. An oversized request needs only a full bucket, then runs into debt.
     if tenant is not None:
-        needed = min(float(request.charged_tokens), tenant.burst_tokens)
-        if tenant.available_tokens < needed:
-            refill_ms = (needed - tenant.available_tokens) / tenant.tokens_per_s * 1000.0
-            return reject(
-                Reason.TENANT_RATE_LIMITED,
-                f"tenant {request.tenant!r} is over its rate of {tenant.tokens_per_s:g} tokens/s "
-                f"({tenant.available_tokens:.0f} of {needed:.0f} tokens available)",
-                refill_ms,
-            )
+        refusal = _tenant_refusal(request, tenant, tuning)
+        if refusal is not None:
+            reason, message, retry_ms = refusal
+            return reject(reason, message, retry_ms)
 
     # 3. Overload.
     blockers = _overload(request, snapshot, limits, ledger, need, local, estimated_ttft_ms)
@@ -168,6 +165,34 @@ def evaluate(
         reserve_blocks=need,
         estimated_ttft_ms=estimated_ttft_ms,
         local_prefill=local,
+    )
+
+
+def _tenant_refusal(
+    request: AdmissionRequest, tenant: TenantAllowance, tuning: PolicyTuning
+) -> tuple[Reason, str, float] | None:
+    """Why the tenant's own limits refuse `request` (reason, message, retry-after), if they do."""
+    limit = tenant.max_inflight_requests
+    if limit is not None and tenant.inflight_requests >= limit:
+        return (
+            Reason.TENANT_INFLIGHT_LIMIT,
+            f"tenant {request.tenant!r} has {tenant.inflight_requests} requests in flight, its "
+            f"limit (tenant_limits max_inflight_requests {limit}); retry when one finishes",
+            tuning.default_retry_after_ms,
+        )
+    if tenant.tokens_per_s is None or tenant.burst_tokens is None:
+        return None
+    needed = min(float(request.charged_tokens), tenant.burst_tokens)
+    if tenant.available_tokens >= needed:
+        return None
+    refill_ms = (needed - tenant.available_tokens) / tenant.tokens_per_s * 1000.0
+    return (
+        Reason.TENANT_RATE_LIMITED,
+        f"tenant {request.tenant!r} is over its rate of {tenant.tokens_per_s:g} tokens/s "
+        f"(tenant_limits tokens_per_s {tenant.tokens_per_s:g}, burst_tokens "
+        f"{tenant.burst_tokens:g}): {tenant.available_tokens:.0f} of {needed:.0f} tokens "
+        "available",
+        refill_ms,
     )
 
 

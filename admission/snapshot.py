@@ -154,12 +154,15 @@ class AdmissionLedger:
 
 @dataclass(frozen=True)
 class TenantAllowance:
-    """A tenant's token bucket at the instant of the decision."""
+    """A tenant's limits at the instant of the decision (None: that limit does not apply)."""
 
-    available_tokens: float
+    available_tokens: float = math.inf
     """Tokens in the bucket now (negative while repaying an oversized request)."""
-    tokens_per_s: float
-    burst_tokens: float
+    tokens_per_s: float | None = None
+    burst_tokens: float | None = None
+    inflight_requests: int = 0
+    """The tenant's requests admitted and not finished (on this router)."""
+    max_inflight_requests: int | None = None
 
 
 EMPTY_LEDGER = AdmissionLedger()

@@ -46,8 +46,6 @@ import grpc
 import httptools
 import httpx2
 
-from admission.config import AdmissionConfig, AdmissionThresholds
-from engine.config import EngineConfig
 from loadtests.openai_client import SseStream
 from loadtests.records import StreamTimer
 from pdserve.v1 import serving_pb2 as pb
@@ -264,42 +262,16 @@ def main() -> None:
     if not set(args.clients) <= set(CLIENTS):
         ap.error(f"--clients: of {', '.join(CLIENTS)}")
 
+    from bench_cluster import tiny_disaggregated
+
     from deploy.cluster import Cluster, loopback_env
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.make_model import cached_tiny_model
-    from deploy.spec import ClusterSpec, WorkerPlacement
-    from deploy.workers import ActorPlacement
-    from router.server import RouterConfig
 
     loopback_env()
-    model_dir = str(cached_tiny_model())
-    options = PdserveConfig(
-        model=model_dir,
-        cluster=LaunchConfig(num_cpus=4),
-        router=RouterConfig(
-            grpc_port=0,
-            http_port=0,
-            metrics_port=None,
-            admission=AdmissionConfig(
-                thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
-            ),
-        ),
-        workers=ClusterSpec(
-            engine=EngineConfig(
-                model_dir,
-                device="cpu",
-                dtype="float32",
-                num_kv_blocks=1024,
-                attention_backend="torch",
-                cuda_graphs=False,
-            ),
-            placement=WorkerPlacement(default=ActorPlacement(num_cpus=0.5)),
-        ),
-    )
+    options = tiny_disaggregated(http_port=0)
     with Cluster(options) as cluster:
         assert cluster.endpoint is not None
         target = cluster.endpoint.target
-        with grpc.insecure_channel(target) as ch:
+        with grpc.insecure_channel(cluster.endpoint.admin[0]) as ch:  # the admin plane
             status = pb_grpc.AdminStub(ch).Status(pb.StatusRequest(), timeout=10)
 
         async def run() -> list[Sample]:

@@ -43,9 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from admission.config import AdmissionConfig, AdmissionThresholds
 from decode_worker.api import DecodeRequest
-from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
@@ -292,38 +290,12 @@ def main() -> None:
     ap.add_argument("--router-pid-file", help="write the router process id here (profilers)")
     args = ap.parse_args()
 
+    from bench_cluster import tiny_disaggregated
+
     from deploy.cluster import Cluster, loopback_env
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.make_model import cached_tiny_model
-    from deploy.spec import ClusterSpec, WorkerPlacement
-    from deploy.workers import ActorPlacement
-    from router.server import RouterConfig
 
     loopback_env()
-    model_dir = str(cached_tiny_model())
-    options = PdserveConfig(
-        model=model_dir,
-        cluster=LaunchConfig(num_cpus=4),
-        router=RouterConfig(
-            grpc_port=0,
-            metrics_port=None,
-            admission=AdmissionConfig(
-                thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
-            ),
-        ),
-        workers=ClusterSpec(
-            engine=EngineConfig(
-                model_dir,
-                device="cpu",
-                dtype="float32",
-                num_kv_blocks=1024,
-                attention_backend="torch",
-                cuda_graphs=False,
-            ),
-            # CPU workers, also on a GPU host
-            placement=WorkerPlacement(default=ActorPlacement(num_cpus=0.5)),
-        ),
-    )
+    options = tiny_disaggregated()
     import ray
 
     with Cluster(options) as cluster:

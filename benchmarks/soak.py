@@ -111,39 +111,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from admission.config import AdmissionConfig, AdmissionThresholds
+    from bench_cluster import tiny_disaggregated
+
     from deploy.cluster import Cluster
-    from deploy.config import PdserveConfig
     from deploy.local_ray import loopback_env
-    from deploy.make_model import cached_tiny_model
-    from deploy.spec import ClusterSpec, WorkerPlacement
-    from deploy.workers import ActorPlacement
-    from engine.config import EngineConfig
-    from router.server import RouterConfig
 
     loopback_env()
-    model_dir = str(cached_tiny_model())
-    config = PdserveConfig(
-        model=model_dir,
-        router=RouterConfig(
-            grpc_port=0,
-            metrics_port=None,
-            admission=AdmissionConfig(
-                thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
-            ),
-        ),
-        workers=ClusterSpec(
-            engine=EngineConfig(
-                model_dir,
-                device="cpu",
-                dtype="float32",
-                num_kv_blocks=256,
-                attention_backend="torch",
-                cuda_graphs=False,
-            ),
-            placement=WorkerPlacement(default=ActorPlacement(num_cpus=0)),
-        ),
-    )
+    config = tiny_disaggregated(num_kv_blocks=256, worker_cpus=0, ray_cpus=None)
     with Cluster(config) as cluster:
         assert cluster.endpoint is not None
         pids = processes(cluster)

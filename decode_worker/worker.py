@@ -375,6 +375,8 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             inflight_requests=rt.num_inflight,
             requests_done=rt.requests_done,
             index_publish_errors=rt.index_publish_errors,
+            transfer_stats=self._endpoint.stats() if self.endpoint is not None else None,
+            index=rt.index_stats(),
             transfer=self._endpoint.load() if self.endpoint is not None else TransferLoad(),
             timestamp=time.time(),
         )

@@ -32,7 +32,8 @@ class ClusterChaos:
         assert cluster.endpoint is not None, "start the cluster first"
         self.cluster = cluster
         self.endpoint = cluster.endpoint
-        self._channels = [grpc.insecure_channel(t) for t in self.endpoint.grpc]
+        # Admin (Status) is on each router's admin plane, not its data port
+        self._channels = [grpc.insecure_channel(t) for t in self.endpoint.admin]
 
     def close(self) -> None:
         for ch in self._channels:

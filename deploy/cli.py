@@ -4,6 +4,14 @@ rebalance, drain, undrain, thresholds, bench.
 Exit codes: 0 done; 1 the cluster said no, or there is none to ask (one line on stderr: no
 cluster running, no router answering, or the server's status code and message); 2 a bad
 option, refused before anything starts or any RPC is sent (one line naming the option).
+
+Commands that talk to a cluster find it through the state file `up` writes: the data plane
+(generate, bench) at its gRPC target, the admin plane (status, drain, undrain, rebalance,
+thresholds) at its own port; `--target` overrides (a running cluster's data target stands for
+its admin plane there). With API keys on, the admin key is `$PDSERVE_ADMIN_KEY` or the state
+file's, and `generate` sends `$PDSERVE_API_KEY` or the admin key; with TLS, the router's
+certificate is verified with `$PDSERVE_TLS_CA` or the state file's, and
+`$PDSERVE_TLS_CLIENT_CERT` / `$PDSERVE_TLS_CLIENT_KEY` are presented for mutual TLS.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from deploy.options import (
 )
 
 if TYPE_CHECKING:
+    from deploy import client
     from deploy.config import PdserveConfig
     from engine.fp8_checkpoint import Fp8Scheme
 
@@ -62,20 +71,24 @@ def _checked_options() -> Iterator[None]:
 
 
 @contextmanager
-def _router(target: str | None) -> Iterator[str]:
-    """The router a command talks to (--target, else the running cluster's first). No
-    cluster, nothing answering there, and an RPC the server refused are each one line on
-    stderr and exit 1; every command that talks to a router goes through here."""
+def _router(target: str | None, admin: bool = False) -> Iterator[client.Target]:
+    """The router a command talks to (--target, else the running cluster's first; its admin
+    plane with `admin`), with the key and TLS files to call it with. No cluster, nothing
+    answering there, and an RPC the server refused are each one line on stderr and exit 1;
+    every command that talks to a router goes through here."""
     import grpc
 
     from deploy import client, daemon
 
     try:
-        yield daemon.resolve_target(target)
+        yield client.resolve(target, admin)
     except (daemon.NoCluster, client.NoRouter) as e:
         _fail(str(e), 1)
     except grpc.RpcError as e:
-        _fail(client.rpc_error_line(e), 1)
+        line = client.rpc_error_line(e)
+        if admin and isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            line += " (no admin plane at this address: it has its own port, --admin-port)"
+        _fail(line, 1)
 
 
 @app.command("make-model")
@@ -195,6 +208,7 @@ def up(
         tree = effective_config(given)
         dummy = tree.workers.engine.load_format == "dummy"  # weights made on the device
         check_model_dir(tree.model, given.where("model"), weights=not dummy)
+        _check_access(tree)
     if detach:
         log_path = daemon.state_path().parent / "pdserve-up.log"
         console.print(f"starting pdserve in the background (log: {log_path}) ...")
@@ -223,6 +237,19 @@ def config_show(config: ConfigArgs) -> None:
     print(config_yaml(tree), end="")
 
 
+def _check_access(tree: PdserveConfig) -> None:
+    """The API keys load, and nothing listens beyond loopback without them (unless
+    --insecure): typer.BadParameter naming the option otherwise."""
+    from deploy.security import SecurityError, cluster_access, exposure_refusal
+
+    try:
+        refusal = exposure_refusal(tree, cluster_access(tree))
+    except SecurityError as e:
+        raise typer.BadParameter(str(e)) from None
+    if refusal is not None:
+        raise typer.BadParameter(refusal)
+
+
 def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
     from deploy import daemon
     from deploy.cluster import Cluster
@@ -245,6 +272,9 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
         ray_address=endpoint.ray_address,
         ray_external=config.cluster.address is not None,
         control_log=str(control_log),
+        admin_targets=list(endpoint.admin),
+        admin_key=cluster.access.admin_key,
+        tls_ca=os.environ.get("PDSERVE_TLS_CA") or config.router.tls.cert_file,
     )
     daemon.write_state(state)
     _print_endpoint(state)
@@ -260,26 +290,32 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
         console.print("stopped")
 
 
-def _http_urls(targets: list[str]) -> list[str]:
+def _http_urls(state: Any) -> list[str]:
     """Each router's OpenAI HTTP API, as it reports it (none where it serves none)."""
     import grpc
 
     from deploy import client
 
     try:
+        targets = [client.resolve(t, admin=True) for t in state.targets]
         return [url for t in targets if (url := client.status(t, timeout_s=5).http_url)]
-    except (grpc.RpcError, client.NoRouter):
+    except (grpc.RpcError, client.NoRouter, OSError):
         return []
 
 
 def _print_endpoint(state: Any) -> None:
+    from deploy.redis_server import redact_url
+
     console.print(f"[bold green]pdserve is up[/bold green]: gRPC {', '.join(state.targets)}")
-    urls = _http_urls(state.targets)
+    urls = _http_urls(state)
     if urls:
         console.print(f"  openai   {', '.join(u + '/v1' for u in urls)}")
+    if state.admin_targets:
+        auth = "admin key in the state file" if state.admin_key else "no API keys"
+        console.print(f"  admin    {', '.join(state.admin_targets)} ({auth})")
     if state.metrics:
         console.print(f"  metrics  {', '.join(state.metrics)}")
-    console.print(f"  redis    {state.redis_url}")
+    console.print(f"  redis    {redact_url(state.redis_url)}")
     console.print(f"  model    {state.model_dir}")
     if state.ray_address:
         console.print(f"  ray      {state.ray_address}")
@@ -375,7 +411,7 @@ def status(
     controller's recent events and the planner's last decision (from the control log)."""
     from deploy import client
 
-    with _router(target) as addr:
+    with _router(target, admin=True) as addr:
         st = client.status(addr)
     log = client.control_log_summary(_control_log_path(target), events)
     if as_json:
@@ -421,7 +457,7 @@ def rebalance(
         check_count(prefill, "--prefill", 0)
         check_count(decode, "--decode", 1)
         check_seconds(timeout, "--timeout", allow_zero=True)
-    with _router(target) as addr:
+    with _router(target, admin=True) as addr:
         r = client.rebalance(addr, prefill, decode, timeout)
     console.print(f"{r.message}; started {list(r.started)}, stopped {list(r.stopped)}")
 
@@ -451,7 +487,7 @@ def drain(
     if timeout is not None:
         with _checked_options():
             check_seconds(timeout, "--timeout", allow_zero=True)
-    with _router(target) as addr:
+    with _router(target, admin=True) as addr:
         r = client.drain(addr, worker_id, stop, timeout, force)
     console.print(r.message, markup=False, highlight=False)
     if not r.drained:
@@ -468,7 +504,7 @@ def undrain(
     """Put a draining or drained (not stopped) worker back into service."""
     from deploy import client
 
-    with _router(target) as addr:
+    with _router(target, admin=True) as addr:
         r = client.undrain(addr, worker_id)
     console.print(r.message or f"{worker_id} is admitting again", markup=False, highlight=False)
 
@@ -513,7 +549,7 @@ def thresholds(
         }.items()
         if v is not None
     }
-    with _router(target) as addr:
+    with _router(target, admin=True) as addr:
         current = client.thresholds(addr, changes)
     for field, value in current.items():
         console.print(f"{field:32} {value:g}")
@@ -538,6 +574,13 @@ def bench(
     target: Annotated[
         str | None, typer.Option(help="HOST:PORT (default: running cluster).")
     ] = None,
+    admin_target: Annotated[
+        str | None,
+        typer.Option(
+            help="The router's admin plane, where --api openai finds the HTTP API "
+            "(default: the running cluster's for --target)."
+        ),
+    ] = None,
 ) -> None:
     """Run a Locust load test headless and write CSV, HTML, plots and a goodput summary."""
     from deploy import client
@@ -549,8 +592,9 @@ def bench(
         _fail(f"--api: one of {', '.join(APIS)}, got {api!r}", 2)
     with _router(target) as addr:
         client.require_router(addr)
+    with _router(admin_target or target, admin=True) as admin_addr:
         # the OpenAI API's address comes from the router itself (its http_port)
-        url = client.status(addr).http_url if api == "openai" else addr
+        url = client.status(admin_addr).http_url if api == "openai" else addr.address
     if not url:
         _fail(f"--api openai: the router at {addr} serves no HTTP API (http_port: null)", 1)
     try:

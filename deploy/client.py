@@ -1,17 +1,22 @@
 """The CLI's gRPC client: stream a generation, show cluster status, drain and rebalance.
 
 Every call opens its channel through `_channel`, which tells "nothing answers at the target"
-(`NoRouter`) from a router's own UNAVAILABLE (e.g. no decode worker).
+(`NoRouter`) from a router's own UNAVAILABLE (e.g. no decode worker). A `Target` carries what
+a call needs beyond the address: the API key it sends (`authorization: Bearer KEY`) and the
+TLS files it verifies the router with (and, for mutual TLS, presents); a plain "HOST:PORT"
+string is a target without either.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -41,6 +46,111 @@ class NoRouter(ConnectionError):
         self.target = target
 
 
+@dataclass(frozen=True)
+class Target:
+    """A router's address and how to call it."""
+
+    address: str
+    """HOST:PORT."""
+    key: str = ""
+    """API key sent with every call ("" none). Secret: never printed."""
+    ca_file: str = ""
+    """PEM roots to verify the router's certificate with; set (or a client certificate):
+    TLS."""
+    cert_file: str = ""
+    """Client certificate (mutual TLS), with `key_file`."""
+    key_file: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+    def __str__(self) -> str:
+        return self.address
+
+    def __repr__(self) -> str:
+        return f"Target({self.address!r}, key={'set' if self.key else 'none'}, tls={self.tls})"
+
+
+def resolve(target: str | None, admin: bool) -> Target:
+    """The router a CLI command talks to, and how (deploy/cli.py's docstring): `target`, else
+    the running cluster's first router; its admin plane with `admin` (a running cluster's data
+    target stands for its admin plane); the admin key ($PDSERVE_ADMIN_KEY, else the state
+    file's, sent only to that cluster) or, on the data plane, $PDSERVE_API_KEY before it; the
+    TLS files from $PDSERVE_TLS_CA (else the state file's), $PDSERVE_TLS_CLIENT_CERT / _KEY.
+    `daemon.NoCluster` with neither a target nor a running cluster."""
+    from deploy import daemon
+    from router.auth import ADMIN_KEY_ENV, CLIENT_KEY_ENV
+
+    state = daemon.read_state()
+    if target is None and state is None:
+        raise daemon.NoCluster()
+    address = target or (state.target if state is not None else "")
+    if state is not None and admin and state.admin_targets and address in state.targets:
+        address = state.admin_targets[state.targets.index(address)]
+    ours = state is not None and address in (*state.targets, *state.admin_targets)
+    key = os.environ.get(ADMIN_KEY_ENV) or (state.admin_key if ours and state else "")
+    if not admin:
+        key = os.environ.get(CLIENT_KEY_ENV) or key
+    return Target(
+        address,
+        key=key,
+        ca_file=os.environ.get("PDSERVE_TLS_CA") or (state.tls_ca if ours and state else ""),
+        cert_file=os.environ.get("PDSERVE_TLS_CLIENT_CERT", ""),
+        key_file=os.environ.get("PDSERVE_TLS_CLIENT_KEY", ""),
+    )
+
+
+def as_target(target: Target | str) -> Target:
+    return target if isinstance(target, Target) else Target(target)
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to every call of a channel."""
+
+    def __init__(self, key: str) -> None:
+        self._entry = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._entry]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)  # fmt: skip
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._with_key(details), request)
+
+
+def open_channel(target: Target | str) -> grpc.Channel:
+    """A channel to `target`: TLS when it has TLS files, its key on every call."""
+    t = as_target(target)
+    if t.tls:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=Path(t.ca_file).read_bytes() if t.ca_file else None,
+            private_key=Path(t.key_file).read_bytes() if t.key_file else None,
+            certificate_chain=Path(t.cert_file).read_bytes() if t.cert_file else None,
+        )
+        channel = grpc.secure_channel(t.address, creds)
+    else:
+        channel = grpc.insecure_channel(t.address)
+    return grpc.intercept_channel(channel, _BearerKey(t.key)) if t.key else channel
+
+
 def _connects(channel: grpc.Channel, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
     future = grpc.channel_ready_future(channel)
     try:
@@ -52,27 +162,27 @@ def _connects(channel: grpc.Channel, timeout_s: float = CONNECT_TIMEOUT_S) -> bo
 
 
 @contextmanager
-def _channel(target: str) -> Iterator[grpc.Channel]:
+def _channel(target: Target | str) -> Iterator[grpc.Channel]:
     """A channel to `target`, closed on exit. An RPC on it that fails with UNAVAILABLE
     becomes `NoRouter` when the target does not accept a connection either; an UNAVAILABLE
     the router itself sent (it answered) stays what it is."""
-    channel = grpc.insecure_channel(target)
+    channel = open_channel(target)
     try:
         yield channel
     except grpc.RpcError as e:
         code = e.code() if isinstance(e, grpc.Call) else None
         if code == grpc.StatusCode.UNAVAILABLE and not _connects(channel):
-            raise NoRouter(target) from e
+            raise NoRouter(str(target)) from e
         raise
     finally:
         channel.close()
 
 
-def require_router(target: str, timeout_s: float = 3.0) -> None:
+def require_router(target: Target | str, timeout_s: float = 3.0) -> None:
     """Return once `target` accepts a connection; `NoRouter` when it does not in time."""
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target) as channel:
         if not _connects(channel, timeout_s):
-            raise NoRouter(target)
+            raise NoRouter(str(target))
 
 
 def rpc_error_line(error: grpc.RpcError) -> str:
@@ -94,7 +204,7 @@ class GenerationResult:
 
 
 def stream_generate(
-    target: str, request: pb.GenerateRequest, timeout_s: float = 120.0
+    target: Target | str, request: pb.GenerateRequest, timeout_s: float = 120.0
 ) -> Iterator[pb.GenerateResponse]:
     with _channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -102,7 +212,7 @@ def stream_generate(
 
 
 def generate(
-    target: str,
+    target: Target | str,
     request: pb.GenerateRequest,
     console: Console | None = None,
     timeout_s: float = 120.0,
@@ -132,10 +242,9 @@ def generate(
 
 def timings_line(result: GenerationResult) -> str:
     t, u = result.last.timings, result.last.usage
+    prefill, decode = (w or "(not shown)" for w in (t.prefill_worker, t.decode_worker))
     path = (
-        f"local prefill on {t.decode_worker}"
-        if t.local_prefill
-        else f"prefill {t.prefill_worker} → decode {t.decode_worker}"
+        f"local prefill on {decode}" if t.local_prefill else f"prefill {prefill} → decode {decode}"
     )
     return (
         f"TTFT {result.client_ttft_ms:.1f} ms · TPOT {result.client_tpot_ms:.1f} ms "
@@ -148,13 +257,13 @@ def timings_line(result: GenerationResult) -> str:
 
 
 @contextmanager
-def admin(target: str) -> Iterator[Any]:
+def admin(target: Target | str) -> Iterator[Any]:
     """The Admin stub of the router at `target` (see `_channel` for what failures become)."""
     with _channel(target) as channel:
         yield pb_grpc.AdminStub(channel)
 
 
-def status(target: str, timeout_s: float = 10.0) -> pb.ClusterStatus:
+def status(target: Target | str, timeout_s: float = 10.0) -> pb.ClusterStatus:
     with admin(target) as stub:
         return stub.Status(pb.StatusRequest(), timeout=timeout_s)
 
@@ -311,7 +420,7 @@ def limits_lines(st: pb.ClusterStatus) -> list[str]:
 
 
 def drain(
-    target: str,
+    target: Target | str,
     worker_id: str,
     stop: bool,
     timeout_s: float | None = None,
@@ -326,12 +435,14 @@ def drain(
         return stub.Drain(request, timeout=wait_s + 30)
 
 
-def undrain(target: str, worker_id: str, timeout_s: float = 30.0) -> pb.UndrainResponse:
+def undrain(target: Target | str, worker_id: str, timeout_s: float = 30.0) -> pb.UndrainResponse:
     with admin(target) as stub:
         return stub.Undrain(pb.UndrainRequest(worker_id=worker_id), timeout=timeout_s)
 
 
-def rebalance(target: str, prefill: int, decode: int, timeout_s: float) -> pb.RebalanceResponse:
+def rebalance(
+    target: Target | str, prefill: int, decode: int, timeout_s: float
+) -> pb.RebalanceResponse:
     with admin(target) as stub:
         return stub.Rebalance(
             pb.RebalanceRequest(prefill=prefill, decode=decode, timeout_s=timeout_s),
@@ -339,7 +450,9 @@ def rebalance(target: str, prefill: int, decode: int, timeout_s: float) -> pb.Re
         )
 
 
-def thresholds(target: str, changes: dict[str, float], timeout_s: float = 10.0) -> dict[str, float]:
+def thresholds(
+    target: Target | str, changes: dict[str, float], timeout_s: float = 10.0
+) -> dict[str, float]:
     """Apply `changes` (may be empty) to a router's admission thresholds; returns them all.
 
     With several router replicas, each has its own thresholds: this talks to `target` only.

@@ -1,7 +1,10 @@
 """Launch a pdserve cluster: Redis (embedded unless a URL is given), Ray (local unless an
 address is given), the controller with its workers, and the router replica(s).
 
-`Cluster.start()` returns once every router answers; `Cluster.stop()` undoes everything it
+Before anything starts, `Cluster.start()` loads the API keys and refuses a router bound beyond
+loopback without them (deploy/security.py); the block-hash algorithm reaches every router and
+worker through the actors' environment (`PDSERVE_BLOCK_HASH`, inherited by the controller's
+workers). `Cluster.start()` returns once every router answers; `Cluster.stop()` undoes everything it
 started, in reverse order, including the detached controller (and with it the workers it
 owns) on a Ray cluster that outlives this driver. `pdserve up` runs this in the foreground (or
 in a detached daemon process with `--detach`); tests use it directly.
@@ -19,8 +22,16 @@ from deploy.config import PdserveConfig
 from deploy.controller import CONTROLLER_NAME, Controller, controller_options
 from deploy.local_ray import loopback_env
 from deploy.redis_server import EmbeddedRedis
+from deploy.security import (
+    Access,
+    SecurityError,
+    cluster_access,
+    exposure_refusal,
+    resolve_block_hash,
+)
 from deploy.spec import ClusterSpec
 from deploy.workers import capacity_shortfall
+from engine.block_hash import BLOCK_HASH_ENV
 from router.server import RouterActor
 
 log = logging.getLogger(__name__)
@@ -37,9 +48,14 @@ class Endpoint:
     grpc: tuple[str, ...]
     metrics: tuple[str, ...]
     redis_url: str
+    """Secret when it holds a password (the embedded Redis's does): show `redact_url(...)`."""
     model_dir: str
     ray_address: str = ""
     """GCS address of the Ray cluster the workers run on."""
+    admin: tuple[str, ...] = ()
+    """Each router's admin plane (HOST:PORT)."""
+    block_hash: str = ""
+    """The block-hash algorithm the routers and workers run with."""
 
     @property
     def target(self) -> str:
@@ -55,6 +71,8 @@ class Cluster:
         self.controller: Any = None
         self.routers: list[Any] = []
         self.endpoint: Endpoint | None = None
+        self.access = Access()
+        """The API keys and the CLI's admin key (set by `start`)."""
         self._ray_started = False
 
     def start(self) -> Endpoint:
@@ -63,6 +81,16 @@ class Cluster:
         from deploy.make_model import cached_tiny_model
 
         cfg, launch = self.config, self.config.cluster
+        try:
+            self.access = cluster_access(cfg)
+        except SecurityError as e:
+            raise ClusterError(str(e)) from None
+        refusal = exposure_refusal(cfg, self.access)
+        if refusal is not None:
+            raise ClusterError(refusal)
+        block_hash = resolve_block_hash(cfg).value
+        # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm.
+        runtime_env = {"env_vars": {BLOCK_HASH_ENV: block_hash}}
         try:
             model_dir = cfg.model or str(cached_tiny_model())
             redis_url = launch.redis_url
@@ -88,12 +116,11 @@ class Cluster:
             spec = cfg.controller_spec(model_dir, redis_url, fixed_capacity=fixed)
             if fixed:
                 _refuse_unplaceable(spec)
-            self.controller = (
-                ray.remote(Controller).options(**controller_options(NAMESPACE)).remote(spec)
-            )
+            options = {**controller_options(NAMESPACE), "runtime_env": runtime_env}
+            self.controller = ray.remote(Controller).options(**options).remote(spec)
             ray.get(self.controller.start.remote())
-            host = cfg.router.host
-            grpc_addrs, metrics_addrs = [], []
+            host, admin_host = _address(cfg.router.host), _address(cfg.router.admin_host)
+            grpc_addrs, metrics_addrs, admin_addrs = [], [], []
             for i in range(launch.routers):
                 router: Any = (
                     ray.remote(RouterActor)
@@ -102,21 +129,29 @@ class Cluster:
                         namespace=NAMESPACE,
                         num_cpus=0,
                         resources=dict(launch.router_resources),
+                        runtime_env=runtime_env,
                     )
-                    .remote(cfg.replica_config(i, model_dir, redis_url), CONTROLLER_NAME, NAMESPACE)
+                    .remote(
+                        cfg.replica_config(i, model_dir, redis_url, self.access.keys, block_hash),
+                        CONTROLLER_NAME,
+                        NAMESPACE,
+                    )
                 )
                 self.routers.append(router)
-                port, mport = ray.get(router.start.remote())
+                ports = ray.get(router.start.remote())
                 ray.get(self.controller.register_router.remote(router))
-                grpc_addrs.append(f"{host}:{port}")
-                if mport is not None:
-                    metrics_addrs.append(f"http://{host}:{mport}/metrics")
+                grpc_addrs.append(f"{host}:{ports.grpc}")
+                admin_addrs.append(f"{admin_host}:{ports.admin}")
+                if ports.metrics is not None:
+                    metrics_addrs.append(f"http://{host}:{ports.metrics}/metrics")
             self.endpoint = Endpoint(
                 tuple(grpc_addrs),
                 tuple(metrics_addrs),
                 redis_url,
                 model_dir,
                 ray.get_runtime_context().gcs_address,
+                tuple(admin_addrs),
+                block_hash,
             )
             return self.endpoint
         except BaseException:
@@ -174,6 +209,11 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _address(host: str) -> str:
+    """`host` as the host part of HOST:PORT (IPv6 in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _refuse_running_controller() -> None:

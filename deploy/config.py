@@ -27,10 +27,15 @@ import yaml
 
 from deploy.config_codec import from_data, to_data
 from deploy.spec import ClusterSpec
+from engine.block_hash import ALGORITHMS
+from router.auth import ApiKey
+from router.metrics import SloTargets
 from router.server import RouterConfig
 
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_ADMIN_PORT = 50151
+BLOCK_HASHES = ("auto", *ALGORITHMS)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,15 @@ class LaunchConfig:
     """CPUs a local Ray advertises (None: what Ray detects)."""
     object_store_bytes: int = 256 << 20
     """Object store of a local Ray."""
+    api_keys_file: str | None = None
+    """API keys file (`KEY TENANT [admin]` lines, router/auth.py), read by `pdserve up`; None:
+    $PDSERVE_API_KEYS, else no keys (auth off: loopback only, unless `insecure`)."""
+    insecure: bool = False
+    """Serve beyond loopback without API keys (anyone who reaches the ports may generate,
+    drain and rebalance). Refused otherwise."""
+    block_hash: str = "auto"
+    """Block-hash algorithm of every router and worker: xxh3 (fast, craftable collisions),
+    sha256 (collision resistant), or auto: sha256 when a router listens beyond loopback."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +79,13 @@ class PdserveConfig:
     """Ray, Redis and the router replicas."""
     router: RouterConfig = field(
         default_factory=lambda: RouterConfig(
-            metrics_port=DEFAULT_METRICS_PORT, http_port=DEFAULT_HTTP_PORT
+            metrics_port=DEFAULT_METRICS_PORT,
+            http_port=DEFAULT_HTTP_PORT,
+            admin_port=DEFAULT_ADMIN_PORT,
         )
     )
-    """Each router replica (metrics on 9464 and the OpenAI HTTP API on 8000 unless set)."""
+    """Each router replica (metrics on 9464, the OpenAI HTTP API on 8000 and the admin plane
+    on 127.0.0.1:50151 unless set)."""
     workers: ClusterSpec = field(default_factory=ClusterSpec)
     """What the controller runs: the workers of each role, how, and the planner."""
 
@@ -82,18 +99,31 @@ class PdserveConfig:
             fixed_capacity=fixed_capacity,
         )
 
-    def replica_config(self, replica: int, model_dir: str, redis_url: str) -> RouterConfig:
-        """`router` as router replica `replica` takes it: the workers' model and index, and
-        its own ports (each replica one above the last; 0 stays 0: a free one)."""
+    def replica_config(
+        self,
+        replica: int,
+        model_dir: str,
+        redis_url: str,
+        api_keys: tuple[ApiKey, ...] = (),
+        block_hash: str = "",
+    ) -> RouterConfig:
+        """`router` as router replica `replica` takes it: the workers' model, index and block
+        hash, the API keys, and its own ports (each replica one above the last; 0 stays 0: a
+        free one)."""
         r = self.router
         grpc, metrics, http = r.grpc_port, r.metrics_port, r.http_port
+        planner = self.workers.planner.config
         return replace(
             r,
             model_dir=model_dir,
             model_id=self.workers.engine.model_id or Path(model_dir).name,
+            slo=SloTargets(planner.ttft_slo_ms, planner.tpot_slo_ms),
             redis_url=redis_url,
             index=self.workers.index,
+            api_keys=api_keys,
+            block_hash=block_hash,
             grpc_port=grpc + replica if grpc else 0,
+            admin_port=r.admin_port + replica if r.admin_port else 0,
             metrics_port=None if metrics is None else (metrics + replica if metrics else 0),
             http_port=None if http is None else (http + replica if http else 0),
         )
@@ -109,6 +139,9 @@ FILLED_IN: frozenset[str] = frozenset(
         "router.model_id",  # `workers.engine.model_id`, or the folder's name
         "router.redis_url",  # as workers.redis_url
         "router.index",  # `workers.index`
+        "router.api_keys",  # `cluster.api_keys_file` / $PDSERVE_API_KEYS, and the admin key
+        "router.block_hash",  # `cluster.block_hash`, resolved
+        "router.slo",  # `workers.planner.config` ttft_slo_ms / tpot_slo_ms: one set of SLOs
     }
 )
 """Fields of the tree that pdserve fills in from other fields or what it started; they are

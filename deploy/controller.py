@@ -40,6 +40,7 @@ from typing import Any, cast
 
 import ray
 
+from deploy.metrics import ControllerMetrics
 from deploy.spec import ClusterSpec
 from deploy.workers import (
     ActorPlacement,
@@ -87,6 +88,13 @@ class _Worker:
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
     """Wall-clock time start() returned."""
+    state_since: float = field(default_factory=time.monotonic)
+    """Monotonic time `state` last changed (kept by `__setattr__`; for the metrics)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and getattr(self, "state", None) is not value:
+            object.__setattr__(self, "state_since", time.monotonic())
+        object.__setattr__(self, name, value)
 
 
 class Controller:
@@ -105,8 +113,13 @@ class Controller:
         self.planner: PlannerLoop | None = None
         self._planner_task: asyncio.Task[None] | None = None
         self._prefix_index: PrefixIndex | None = None
+        decode_role = WorkerRole.COLOCATED if spec.colocated else WorkerRole.DECODE
+        roles = (WorkerRole.PREFILL.value, decode_role.value)
+        self.metrics = ControllerMetrics(lambda: list(self.workers.values()), roles)
+        if ray.is_initialized():  # an actor (not a unit test's bare instance)
+            self.metrics.serve(ray.util.get_node_ip_address())
         _log_to_stderr()
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if _restarted_actor():
             self._adopt()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -124,7 +137,9 @@ class Controller:
         if self.spec.planner.enabled:
             settings = self.spec.planner
             resources = ResourceRequester() if settings.request_resources else None
-            self.planner = PlannerLoop(settings, self, self.spec.colocated, resources)
+            self.planner = PlannerLoop(
+                settings, self, self.spec.colocated, resources, metrics=self.metrics.planner
+            )
             self._planner_task = asyncio.create_task(self.planner.run())
             c = self.planner.settings.config
             self._log(
@@ -188,6 +203,11 @@ class Controller:
         await asyncio.gather(*(self._stop(w) for w in list(self.workers.values())))
         if self._prefix_index is not None:
             self._prefix_index.close()
+        self.metrics.close()
+
+    def metrics_url(self) -> str:
+        """Where this controller serves its Prometheus metrics ("" when it could not bind)."""
+        return self.metrics.url
 
     def register_router(self, router: Any) -> None:
         """A router replica the planner reads latency samples and queue depth from."""
@@ -276,9 +296,11 @@ class Controller:
             self.workers.pop(worker_id, None)
             with contextlib.suppress(Exception):
                 ray.kill(handle)
+            self.metrics.removed.labels(role.value, "start_failed").inc()
             self._log(f"worker {worker_id} failed to start: {e}")
             raise
         w.info, w.state, w.ready_at = info, WorkerState.READY, time.time()
+        self.metrics.started.labels(role.value).inc()
         self._log(f"worker {worker_id} ({role.value}) ready on {info.device}, node {info.node}")
         return info
 
@@ -316,6 +338,8 @@ class Controller:
                 dead.append((w, f"dead ({w.failures} health checks failed)"))
         for w, why in dead:
             self.workers.pop(w.worker_id, None)
+            reason = "unhealthy" if why.startswith("unhealthy") else "dead"
+            self.metrics.removed.labels(w.role.value, reason).inc()
             self._log(f"worker {w.worker_id} is {why}; removed from placement")
             with contextlib.suppress(Exception):
                 ray.kill(w.handle)
@@ -538,7 +562,8 @@ class Controller:
             raise DrainRefused(why)
 
     async def _stop(self, w: _Worker) -> None:
-        self.workers.pop(w.worker_id, None)
+        if self.workers.pop(w.worker_id, None) is not None:
+            self.metrics.removed.labels(w.role.value, "stopped").inc()
         with contextlib.suppress(Exception):
             await wait_within(w.handle.shutdown.remote(), 30)
         with contextlib.suppress(Exception):
@@ -621,6 +646,13 @@ def _log_to_stderr() -> None:
     # Every tick's decision goes to the planner loop's records (and the control log); the log
     # shows the ones that act (planner.loop), not every hold.
     logging.getLogger("planner.core").setLevel(logging.WARNING)
+
+
+def _restarted_actor() -> bool:
+    """This process is a Ray actor that Ray made again after it died (not its first start;
+    False outside an actor, e.g. a controller driven directly by a test)."""
+    context = ray.get_runtime_context()
+    return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
 
 
 def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:

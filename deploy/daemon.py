@@ -1,8 +1,10 @@
 """Run `pdserve up` in the foreground or as a detached daemon, and find it again.
 
 The process that runs the cluster (foreground, or the daemon `--detach` starts) writes a state
-file (`~/.cache/pdserve/run/cluster.json`, or `$PDSERVE_STATE_FILE`: pid, gRPC targets,
-metrics, Redis, Ray address, log) once the API answers, and removes it when it stops. While it
+file (`~/.cache/pdserve/run/cluster.json`, or `$PDSERVE_STATE_FILE`: pid, gRPC targets, admin
+planes, metrics, Redis, Ray address, log, and with API keys on the CLI's admin key) once the
+API answers, and removes it when it stops. It holds secrets (the admin key, Redis's password):
+it is written readable by its user only (0600). While it
 runs it appends the controller's events (worker lifecycle, planner actions) to the control log
 next to the state file, which `pdserve status` shows. `pdserve down` sends that pid SIGTERM,
 which stops routers, the controller with its workers, Ray and the embedded Redis in order.
@@ -19,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,15 @@ class ClusterState:
     """The Ray cluster was there before `up` (`--address`) and outlives it."""
     control_log: str = ""
     """File the controller's events are appended to (`pdserve status` shows its tail)."""
+    admin_targets: list[str] = field(default_factory=list)
+    """Each router's admin plane (HOST:PORT), in the order of `targets`."""
+    admin_key: str = ""
+    """The key the CLI sends on the admin plane ("" with API keys off). Secret."""
+    tls_ca: str = ""
+    """PEM file the CLI verifies the routers' TLS certificate with ("" without TLS)."""
+
+    def __repr__(self) -> str:  # never print the admin key or Redis's password
+        return f"ClusterState(pid={self.pid}, targets={self.targets})"
 
     @property
     def target(self) -> str:
@@ -72,7 +83,10 @@ def write_state(state: ClusterState) -> None:
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(state), indent=2))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(asdict(state), indent=2))
     os.replace(tmp, path)
 
 

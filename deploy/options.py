@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import yaml
 
+from engine.block_hash import ALGORITHMS as HASH_ALGORITHMS
 from engine.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -193,6 +194,20 @@ FLAGS: tuple[Flag, ...] = (
          "dummy (random, made on the device from config.json) [auto].", choices=LOAD_FORMATS),
     Flag("migration_limit", "router.orchestrator.migration_limit", int, "Times a running "
          "request moves to other workers when its decode worker fails [3]; 0: never."),
+    Flag("admin_host", "router.admin_host", str, "Address the admin plane (status, drain, "
+         "rebalance, thresholds) binds [127.0.0.1]."),
+    Flag("admin_port", "router.admin_port", int, "Admin plane gRPC port [50151]; 0: a free one."),
+    Flag("api_keys_file", "cluster.api_keys_file", str, "API keys file, one `KEY TENANT` or "
+         "`KEY TENANT admin` per line (default: $PDSERVE_API_KEYS; none: auth off, loopback "
+         "only)."),
+    Flag("insecure", "cluster.insecure", bool, "Serve beyond loopback without API keys.",
+         "--insecure"),
+    Flag("tls_cert", "router.tls.cert_file", str, "PEM certificate: TLS on gRPC and HTTP."),
+    Flag("tls_key", "router.tls.key_file", str, "PEM private key of --tls-cert."),
+    Flag("tls_client_ca", "router.tls.client_ca_file", str, "PEM CA of client certificates "
+         "(mutual TLS)."),
+    Flag("block_hash", "cluster.block_hash", str, "Prefix-cache block hash: xxh3, sha256, or auto "
+         "(sha256 beyond loopback) [auto].", choices=("auto", *HASH_ALGORITHMS)),
 )  # fmt: skip
 """Every flag that sets a field of the tree; the rest of the tree is set in the file."""
 
@@ -339,6 +354,7 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
         raise typer.BadParameter(f"{given.where(e.path)}: {e.problem}") from e
     routers = check_count(config.cluster.routers, given.where("cluster.routers"), 1)
     check_port(config.router.grpc_port, given.where("router.grpc_port"), routers)
+    check_port(config.router.admin_port, given.where("router.admin_port"), routers)
     if config.router.metrics_port is not None:  # None (null): no metrics
         check_port(config.router.metrics_port, given.where("router.metrics_port"), routers)
     if config.router.http_port is not None:  # None (null): no HTTP API

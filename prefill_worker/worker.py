@@ -165,6 +165,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             inflight_requests=rt.num_inflight,
             requests_done=rt.requests_done,
             index_publish_errors=rt.index_publish_errors,
+            index=rt.index_stats(),
             leased_blocks=leases.pinned_blocks if leases else 0,
             leases_held=leases.held if leases else 0,
             leases_expired=leases.expired if leases else 0,

@@ -8,8 +8,13 @@ Keys (all under `pdserve:{model}:`, so models never share entries):
     wblk:{id}        reverse index: hashes a worker cached (for resync and purge)
     seq:{id}         sequence number of the last KV event applied for a worker
 
+A block's hash carries its tenant and cache salt (engine/block_hash.py `scoped_salt`), so the
+`blk:` keys of one tenant's prompt are never another tenant's: lookups find only the
+caller's own cached prefixes.
+
 Written only by `KVEventPublisher` (prefix_index/publisher.py); read by `lookup` in one
-round trip: a Lua script gets the chain as one hex string, keeps the live holders of the
+round trip: a Lua script gets the chain as one hex string (and the hex digits of one hash:
+32 for xxh3, 64 for sha256, engine/block_hash.py), keeps the live holders of the
 first block as candidates, and walks on with one SMISMEMBER per block (SISMEMBER per
 candidate on Redis < 6.2) until no candidate is left (a miss costs one SMEMBERS). A worker's
 count is the number of leading blocks it holds without a hole; because hashes chain, an
@@ -42,9 +47,9 @@ from prefix_index.types import PrefixMatch, WorkerPrefix
 log = logging.getLogger(__name__)
 
 _LOOKUP = """
-local bp, wp, hexes = ARGV[1], ARGV[2], ARGV[3]
-local n = #hexes / 32
-local function key(i) return bp .. string.sub(hexes, 32 * (i - 1) + 1, 32 * i) end
+local bp, wp, hexes, width = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local n = #hexes / width
+local function key(i) return bp .. string.sub(hexes, width * (i - 1) + 1, width * i) end
 local names, depth = {}, {}
 for _, w in ipairs(redis.call('SMEMBERS', key(1))) do
   if redis.call('EXISTS', wp .. w) == 1 then names[#names + 1] = w; depth[w] = 1 end
@@ -177,8 +182,11 @@ class PrefixIndex:
         if n == 0:
             return PrefixMatch(chain_length=0)
         try:
-            chain_hex = b"".join(block_hashes).hex()  # 32 hex digits per block
-            raw = self._lookup(args=[self.keys.block_prefix, self.keys.worker_prefix, chain_hex])
+            chain_hex = b"".join(block_hashes).hex()  # 2 hex digits per byte of each hash
+            width = 2 * len(block_hashes[0])
+            raw = self._lookup(
+                args=[self.keys.block_prefix, self.keys.worker_prefix, chain_hex, width]
+            )
         except redis.RedisError as e:
             self._mark_down(e)
             return PrefixMatch(chain_length=n, available=False)

@@ -31,7 +31,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import redis
 
@@ -39,6 +38,7 @@ from engine.block_hash import BlockHash
 from engine.kv_events import KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import IndexKeys, connect
+from prefix_index.types import PublisherStats
 
 log = logging.getLogger(__name__)
 
@@ -96,24 +96,6 @@ return 0
 """
 
 _KIND = {KVEventKind.STORED: "s", KVEventKind.REMOVED: "r", KVEventKind.CLEARED: "c"}
-
-
-@dataclass(frozen=True)
-class PublisherStats:
-    """A snapshot of one worker's publisher (any thread may take it; the worker exports it)."""
-
-    running: bool
-    """The publisher thread is alive."""
-    connected: bool
-    """The last round reached Redis and succeeded."""
-    applied_seq: int
-    """Sequence number Redis has applied up to (as last confirmed)."""
-    pending_events: int
-    num_resyncs: int
-    num_errors: int
-    """Failed rounds since start: Redis errors and any other exception."""
-    last_error: str
-    """`Type: message` of the latest failure, "" if none."""
 
 
 class KVEventPublisher:

@@ -1,5 +1,5 @@
-"""What a prefix lookup answers: per live worker, how many leading blocks of a prompt's hash
-chain it caches (torch-free: the router imports it)."""
+"""What a prefix lookup answers (per live worker, how many leading blocks of a prompt's hash
+chain it caches) and how a worker's publisher fares (torch-free: the router imports it)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,21 @@ class PrefixMatch:
 
     def best(self) -> WorkerPrefix | None:
         return self.workers[0] if self.workers else None
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """A snapshot of one worker's publisher (any thread may take it; the worker exports it)."""
+
+    running: bool
+    """The publisher thread is alive."""
+    connected: bool
+    """The last round reached Redis and succeeded."""
+    applied_seq: int
+    """Sequence number Redis has applied up to (as last confirmed)."""
+    pending_events: int
+    num_resyncs: int
+    num_errors: int
+    """Failed rounds since start: Redis errors and any other exception."""
+    last_error: str
+    """`Type: message` of the latest failure, "" if none."""

@@ -3,15 +3,22 @@ windows that `pdserve status` reports per worker (p50/p90 of recent TTFT and TPO
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
+from admission.decision import Reason
+from router.worker_metrics import WorkerLoadCollector
 from worker_runtime.api import WorkerLoad
+
+if TYPE_CHECKING:
+    from prefix_index.index import PrefixIndex
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -19,6 +26,8 @@ _LATENCY_BUCKETS = (
 WINDOW = 512
 RECENT = 4096
 """Timestamped samples kept for the controller's planner (`RouterMetrics.recent_samples`)."""
+OUTCOMES = ("ok", "invalid", "rejected", "deadline", "cancelled", "unavailable", "internal")
+"""Values of `pdserve_requests_total{outcome}` (router/errors.py `GrpcFailure.outcome`)."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +65,34 @@ def _pct(values: deque[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-class RouterMetrics:
-    """All series of one router, in a registry of its own."""
+@dataclass(frozen=True)
+class SloTargets:
+    """The latency targets `pdserve_goodput_requests_total` counts against (the defaults are
+    the planner's, planner/core.py `PlannerConfig`)."""
 
-    def __init__(self) -> None:
+    ttft_ms: float = 500.0
+    tpot_ms: float = 50.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.ttft_ms / 1000
+
+    @property
+    def tpot_s(self) -> float:
+        return self.tpot_ms / 1000
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Within both (a request of one token has no TPOT: its TTFT decides)."""
+        if ttft_s is None or ttft_s > self.ttft_s:
+            return False
+        return tpot_s is None or tpot_s <= self.tpot_s
+
+
+class RouterMetrics:
+    """All series of one router, in a registry of its own; the per-worker ones come from the
+    load polls (router/worker_metrics.py)."""
+
+    def __init__(self, slo: SloTargets | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -93,29 +126,29 @@ class RouterMetrics:
             ["how"],
             registry=r,
         )
-        labels = ["worker", "role"]
-        self.w_kv_used = Gauge(
-            "pdserve_worker_kv_blocks_used", "KV blocks used", labels, registry=r
-        )
-        self.w_kv_total = Gauge("pdserve_worker_kv_blocks_total", "KV blocks", labels, registry=r)
-        self.w_queued = Gauge(
-            "pdserve_worker_queued_prefill_tokens", "Prompt tokens not yet computed", labels,
-            registry=r,
-        )  # fmt: skip
-        self.w_running = Gauge("pdserve_worker_running_requests", "Running", labels, registry=r)
-        self.w_transfer = Gauge(
-            "pdserve_worker_transfer_blocks", "KV blocks being pulled", labels, registry=r
-        )
-        self.w_leased = Gauge(
-            "pdserve_worker_leased_blocks", "Prefill blocks under lease", labels, registry=r
-        )
-        self.w_index_errors = Gauge(
-            "pdserve_worker_index_publish_errors",
-            "Failed rounds of the worker's KV-event publisher to the Redis prefix index "
-            "(since the worker started)",
-            labels,
+        for outcome in OUTCOMES:  # every series exists from the start: rates and ratios work
+            self.requests.labels(outcome)
+        self.admission.labels("admit", Reason.ADMITTED.value)
+        for reason in Reason:
+            if reason is not Reason.ADMITTED:
+                self.admission.labels("reject", reason.value)
+        for how in ("re-prefill", "resume"):
+            self.migrations.labels(how)
+        self.slo = slo or SloTargets()
+        self.goodput = Counter(
+            "pdserve_goodput_requests",
+            "Requests that finished ok within both SLOs (TTFT, and TPOT when it has one)",
             registry=r,
         )
+        slo_gauge = Gauge(
+            "pdserve_slo_seconds", "The SLOs goodput is counted against", ["metric"], registry=r
+        )
+        slo_gauge.labels("ttft").set(self.slo.ttft_s)
+        slo_gauge.labels("tpot").set(self.slo.tpot_s)
+        for source in ("cached", "computed"):
+            self.cached_tokens.labels(source)
+        self.workers = WorkerLoadCollector()
+        r.register(self.workers)
         self._ttft: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
         self._tpot: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
         self._recent_ttft: deque[TimedSample] = deque(maxlen=RECENT)
@@ -132,6 +165,8 @@ class RouterMetrics:
     ) -> None:
         self.requests.labels(outcome).inc()
         self.e2e.observe(e2e_s)
+        if outcome == "ok" and self.slo.met(ttft_s, tpot_s):
+            self.goodput.inc()
         now = time.time()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -155,20 +190,34 @@ class RouterMetrics:
         return LatencySummary(_pct(ttft, 50), _pct(ttft, 90), _pct(tpot, 50), _pct(tpot, 90))
 
     def observe_load(self, load: WorkerLoad) -> None:
-        labels = (load.worker_id, load.role.value)
-        e = load.engine
-        self.w_kv_used.labels(*labels).set(e.num_total_blocks - e.num_free_blocks)
-        self.w_kv_total.labels(*labels).set(e.num_total_blocks)
-        self.w_queued.labels(*labels).set(e.num_waiting_prefill_tokens)
-        self.w_running.labels(*labels).set(e.num_running)
-        self.w_transfer.labels(*labels).set(load.transfer.pending_blocks)
-        self.w_leased.labels(*labels).set(load.leased_blocks)
-        self.w_index_errors.labels(*labels).set(load.index_publish_errors)
+        self.workers.observe(load)
+
+    def watch_index(self, index: PrefixIndex) -> None:
+        """Export the prefix index client's lookups and how many found Redis unavailable
+        (`pdserve_prefix_index_lookups_total`, `..._unavailable_total`), read at scrape."""
+        self.registry.register(_IndexCollector(index))
 
     def forget_worker(self, worker_id: str, role: str) -> None:
-        for g in (self.w_kv_used, self.w_kv_total, self.w_queued, self.w_running,
-                  self.w_transfer, self.w_leased, self.w_index_errors):  # fmt: skip
-            with contextlib.suppress(KeyError):
-                g.remove(worker_id, role)
+        self.workers.forget(worker_id)
         self._ttft.pop(worker_id, None)
         self._tpot.pop(worker_id, None)
+
+
+class _IndexCollector:
+    """The router's prefix-index lookups (Redis down shows as lookups answered unavailable)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "pdserve_prefix_index_lookups", "Prefix-index lookups", value=self._index.num_lookups
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_index_unavailable",
+            "Prefix-index lookups and calls that found Redis unavailable (routed on load alone)",
+            value=self._index.num_unavailable,
+        )
+
+    def describe(self) -> list[Metric]:
+        return []

@@ -542,7 +542,9 @@ class Orchestrator:
             record.decode_worker,
         )  # fmt: skip
         if outcome == "ok":
-            self.metrics.cached_tokens.labels("cached").inc(record.cached_prompt_tokens)
+            cached = record.cached_prompt_tokens
+            self.metrics.cached_tokens.labels("cached").inc(cached)
+            self.metrics.cached_tokens.labels("computed").inc(progress.prompt_tokens - cached)
 
 
 def _failure(

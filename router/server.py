@@ -1,6 +1,10 @@
-"""Assemble and run one router: gRPC server (Generation, Admin, health, reflection), the
+"""Assemble and run one router: the gRPC data plane (Generation, health, reflection), the
+gRPC admin plane on its own port (Admin, health, reflection; loopback by default), the
 OpenAI-compatible HTTP API (router/http, on the same event loop and orchestrator), cluster
 view, admission controller, prefix index client and Prometheus metrics.
+
+With API keys (`RouterConfig.api_keys`, router/auth.py) every call but health checks needs a
+key, the admin plane an admin key; with `tls` every listener but metrics speaks TLS.
 
 `RouterServer` runs in any asyncio loop (tests run it in-process); `RouterActor` hosts it in
 a Ray actor so routers live with the cluster and several replicas can serve at once (each on
@@ -23,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
+from engine.block_hash import set_algorithm
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
@@ -30,6 +35,7 @@ from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from router import validation
+from router.auth import ApiKey, AuthInterceptor, KeyTable
 from router.cluster_view import (
     ClusterView,
     ClusterViewConfig,
@@ -37,9 +43,10 @@ from router.cluster_view import (
     WorkerDirectory,
 )
 from router.control import ClusterControl, DrainReport
-from router.metrics import RecentSamples, RouterMetrics
+from router.metrics import RecentSamples, RouterMetrics, SloTargets
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.servicer import AdminServicer, GenerationServicer, generation_handler
+from router.tls import TlsConfig
 from router.validation import ValidationLimits
 from worker_runtime.api import WorkerRole
 
@@ -52,6 +59,18 @@ log = logging.getLogger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+_OPEN_SERVICES = frozenset({f"/{health.SERVICE_NAME}"})
+"""Needs no API key: load balancers and orchestrators probe health without one."""
+
+
+@dataclass(frozen=True)
+class RouterPorts:
+    """Where one started router listens (None: that listener is off)."""
+
+    grpc: int
+    admin: int
+    metrics: int | None
+    http: int | None
 
 
 @dataclass(frozen=True)
@@ -88,12 +107,20 @@ class RouterConfig:
 
     model_dir: str = ""
     """Checkpoint folder (the router reads config.json and tokenizer.json only)."""
+    slo: SloTargets = field(default_factory=SloTargets)
+    """Latency targets `pdserve_goodput_requests_total` counts against (`pdserve up` gives
+    the planner's, `workers.planner.config`)."""
     model_id: str = ""
     """Binds prefix-cache hashes; must equal the workers' (defaults to the folder name)."""
     host: str = "127.0.0.1"
     """Address the gRPC, HTTP and metrics servers bind (0.0.0.0: every interface)."""
     grpc_port: int = 50051
     """gRPC port; 0 picks a free one."""
+    admin_host: str = "127.0.0.1"
+    """Address the admin plane (the Admin service: status, thresholds, drain, rebalance)
+    binds; keep it on loopback unless API keys (with an admin key) are on."""
+    admin_port: int = 0
+    """Admin plane gRPC port; 0 picks a free one."""
     metrics_port: int | None = None
     """Prometheus HTTP port; None disables, 0 picks a free one."""
     http_port: int | None = None
@@ -112,7 +139,15 @@ class RouterConfig:
     limits: RouterLimits = field(default_factory=RouterLimits)
     """Message size and concurrency limits."""
     tenants: tuple[str, ...] = ()
-    """Known tenants; empty accepts any tenant name."""
+    """Known tenants (checked with API keys off); empty accepts any tenant name."""
+    api_keys: tuple[ApiKey, ...] = ()
+    """Accepted API keys, by digest (router/auth.py); empty: auth off. `pdserve up` fills
+    them in from --api-keys-file / $PDSERVE_API_KEYS and the admin key."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS (and mutual TLS) of the gRPC and HTTP listeners."""
+    block_hash: str = ""
+    """Block-hash algorithm of the cluster (xxh3 or sha256, engine/block_hash.py); it must be
+    the workers'. Empty: the process's own ($PDSERVE_BLOCK_HASH). Filled in by `pdserve up`."""
 
     @property
     def resolved_model_id(self) -> str:
@@ -127,7 +162,10 @@ class RouterServer:
         control: ClusterControl | None = None,
     ) -> None:
         self.config = config
-        self.metrics = RouterMetrics()
+        if config.block_hash:
+            set_algorithm(config.block_hash)
+        self.keys = KeyTable(config.api_keys)
+        self.metrics = RouterMetrics(config.slo)
         self.view = ClusterView(directory, self.metrics, config.view)
         self.admission = AdmissionController(config.admission)
         self.index = (
@@ -135,6 +173,8 @@ class RouterServer:
             if config.redis_url
             else None
         )
+        if self.index is not None:
+            self.metrics.watch_index(self.index)
         self.orchestrator = Orchestrator(
             self.view,
             self.admission,
@@ -154,8 +194,10 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         self.control = control
         self.server: grpc.aio.Server | None = None
+        self.admin_server: grpc.aio.Server | None = None
         self.generation: GenerationServicer | None = None
         self.port = 0
+        self.admin_port = 0
         self.metrics_port: int | None = None
         self.http: HttpServer | None = None
         self.http_port: int | None = None
@@ -172,14 +214,21 @@ class RouterServer:
             ("grpc.max_concurrent_streams", self.config.limits.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=opts)
+        data = AuthInterceptor(self.keys, admin=False, open_methods=_OPEN_SERVICES)
+        server = grpc.aio.server(options=opts, interceptors=(data,))
         self.generation = GenerationServicer(
             self.orchestrator,
             self.tokenizer,
             self.limits,
             self.config.limits.max_concurrent_requests,
+            self.keys,
         )
         server.add_generic_rpc_handlers((generation_handler(self.generation),))
+        self.port = self._listen(
+            server, GENERATION_SERVICE, self.config.host, self.config.grpc_port
+        )
+        admin_plane = AuthInterceptor(self.keys, admin=True, open_methods=_OPEN_SERVICES)
+        admin_server = grpc.aio.server(options=opts, interceptors=(admin_plane,))
         admin = AdminServicer(
             self.view,
             self.admission,
@@ -190,23 +239,24 @@ class RouterServer:
             self.request_limits,
             lambda: self.http_url,
         )
-        pb_grpc.add_AdminServicer_to_server(admin, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-            pool=_ReflectionPool(descriptor_pool.Default()),
+        pb_grpc.add_AdminServicer_to_server(admin, admin_server)
+        self.admin_port = self._listen(
+            admin_server, ADMIN_SERVICE, self.config.admin_host, self.config.admin_port
         )
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.grpc_port}")
         await server.start()
         self.server = server
+        try:
+            await admin_server.start()
+        except BaseException:
+            await server.stop(0)
+            raise
+        self.admin_server = admin_server
         if self.config.http_port is not None:
             try:
                 await self._start_http(self.config.http_port)
             except BaseException:
                 await server.stop(0)
+                await admin_server.stop(0)
                 raise
         if self.config.metrics_port is not None:
             self._metrics_http = _serve_metrics(
@@ -216,6 +266,26 @@ class RouterServer:
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop())
         return self.port
+
+    def _listen(self, server: grpc.aio.Server, service: str, host: str, port: int) -> int:
+        """Health and reflection beside `service` on `server`, bound to host:port (TLS when
+        configured); returns the bound port."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (service, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
+            pool=_ReflectionPool(descriptor_pool.Default()),
+        )
+        address = f"{host}:{port}"
+        tls = self.config.tls
+        bound = (
+            server.add_secure_port(address, tls.grpc_credentials())
+            if tls.enabled
+            else server.add_insecure_port(address)
+        )
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC to {address}")
+        return int(bound)
 
     async def _start_http(self, port: int) -> None:
         """The OpenAI door: its chat template read from the checkpoint (transformers is
@@ -233,17 +303,19 @@ class RouterServer:
             self.view,
             limits.max_concurrent_requests,
             limits.max_message_bytes,
+            self.keys,
         )
-        self.http = HttpServer(door.app(), self.config.host, port)
+        self.http = HttpServer(door.app(), self.config.host, port, tls=self.config.tls)
         self.http_port = await self.http.start()
 
     @property
     def http_url(self) -> str:
-        """Base URL of the OpenAI API (`http://host:port`; "" when it is off)."""
+        """Base URL of the OpenAI API (`http(s)://host:port`; "" when it is off)."""
         if self.http_port is None:
             return ""
         host = self.config.host
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.http_port}"
+        scheme = self.config.tls.scheme
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self.http_port}"
 
     def _update_limits(self) -> None:
         """Workers may serve a shorter context than the model (engine max_model_len); the
@@ -335,6 +407,8 @@ class RouterServer:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace_s)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -408,8 +482,8 @@ class RouterActor:
         self.namespace = namespace
         self.server: RouterServer | None = None
 
-    async def start(self, min_decode: int = 1, timeout_s: float = 600.0) -> tuple[int, int | None]:
-        """Serve; returns (gRPC port, metrics port) once `min_decode` workers are ready."""
+    async def start(self, min_decode: int = 1, timeout_s: float = 600.0) -> RouterPorts:
+        """Serve; returns where it listens once `min_decode` workers are ready."""
         import ray
 
         controller = ray.get_actor(self.controller_name, namespace=self.namespace)
@@ -418,7 +492,8 @@ class RouterActor:
         )
         port = await self.server.start()
         await self.server.wait_ready(min_decode, timeout_s)
-        return port, self.server.metrics_port
+        s = self.server
+        return RouterPorts(port, s.admin_port, s.metrics_port, s.http_port)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -2,7 +2,12 @@
 
 `GenerationServicer.Generate` validates (INVALID_ARGUMENT names the field), hands the
 request to the orchestrator and streams its deltas; every error leaves through
-`router.errors.to_grpc_failure`. `AdminServicer` serves status, thresholds, drain and
+`router.errors.to_grpc_failure`. With API keys on (router/auth.py; the server's interceptor has
+refused calls without one already) the tenant is the key's, and a tenant's responses name no
+worker: `timings.prefill_worker` / `decode_worker` are empty and worker ids in error messages
+are replaced (they would tell one tenant where, and so beside whom, its requests ran; cached
+token counts stay, since the prefix cache is the tenant's own: engine/block_hash.py). An admin
+key, or auth off, sees them. `AdminServicer` serves status, thresholds, drain and
 rebalance for the CLI. A request whose bytes are not valid protobuf (e.g. a string field that
 is not UTF-8) is answered INVALID_ARGUMENT naming the field, not INTERNAL: the method is
 registered with a deserializer that keeps such requests instead of failing the call.
@@ -27,6 +32,7 @@ from engine.request import FinishReason
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from router.auth import AuthFailure, KeyTable, redact_workers, sees_workers
 from router.cluster_view import ClusterView
 from router.control import ClusterControl
 from router.errors import DEFAULT_RETRY_AFTER_MS, RETRY_AFTER_KEY, to_grpc_failure, unwrap
@@ -81,7 +87,7 @@ def decode_generate_request(data: bytes) -> pb.GenerateRequest | UndecodableRequ
         return UndecodableRequest(find_invalid_utf8_field(data), str(e))
 
 
-def to_proto(delta: StreamDelta, request_id: str) -> pb.GenerateResponse:
+def to_proto(delta: StreamDelta, request_id: str, show_workers: bool = True) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
     if delta.logprobs is not None:
         msg.logprobs.extend(delta.logprobs)
@@ -107,8 +113,8 @@ def to_proto(delta: StreamDelta, request_id: str) -> pb.GenerateResponse:
                 ttft_ms=t.ttft_ms,
                 tpot_ms=t.tpot_ms,
                 e2e_ms=t.e2e_ms,
-                prefill_worker=t.prefill_worker,
-                decode_worker=t.decode_worker,
+                prefill_worker=t.prefill_worker if show_workers else "",
+                decode_worker=t.decode_worker if show_workers else "",
                 local_prefill=t.local_prefill,
             )
         )
@@ -122,11 +128,13 @@ class GenerationServicer:
         tokenizer: Tokenizer,
         limits: ValidationLimits,
         max_concurrent_requests: int = 4096,
+        keys: KeyTable | None = None,
     ) -> None:
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_concurrent_requests = max_concurrent_requests
+        self.keys = keys or KeyTable()
 
     async def Generate(
         self,
@@ -134,6 +142,12 @@ class GenerationServicer:
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.GenerateResponse]:
         requests = self.orchestrator.metrics.requests
+        try:
+            principal = self.keys.from_metadata(context.invocation_metadata())
+        except AuthFailure as e:  # the interceptor refuses these first; never served
+            await context.abort(e.code, e.message)
+            return
+        show_workers = sees_workers(principal)
         if isinstance(request, UndecodableRequest):
             requests.labels("invalid").inc()
             field = request.field or "request"
@@ -152,7 +166,8 @@ class GenerationServicer:
             return
         started = False
         try:
-            valid = validate(request, self.tokenizer, self.limits)
+            tenant = principal.tenant if principal is not None else None
+            valid = validate(request, self.tokenizer, self.limits, tenant)
             started = True
             # aclosing: a client that goes away while a message is being written closes this
             # generator at its yield; close the orchestrator's at once too (its cleanup frees
@@ -160,7 +175,7 @@ class GenerationServicer:
             stream = self.orchestrator.generate(valid, context.time_remaining())
             async with contextlib.aclosing(stream):
                 async for delta in stream:
-                    yield to_proto(delta, valid.request_id)
+                    yield to_proto(delta, valid.request_id, show_workers)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -171,7 +186,8 @@ class GenerationServicer:
                 log.exception("request failed with an internal error")
             if failure.trailing_metadata:
                 context.set_trailing_metadata(failure.trailing_metadata)
-            await context.abort(failure.code, failure.message)
+            message = failure.message if show_workers else redact_workers(failure.message)
+            await context.abort(failure.code, message)
 
 
 def generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:

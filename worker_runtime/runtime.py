@@ -31,6 +31,7 @@ from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.publisher import KVEventPublisher
+from prefix_index.types import PublisherStats
 from worker_runtime.api import (
     RequestDeadlineExceeded,
     StepFailed,
@@ -191,6 +192,10 @@ class WorkerRuntime:
     def index_publish_errors(self) -> int:
         """Failed rounds of the KV-event publisher (0 without one)."""
         return self._publisher.num_errors if self._publisher is not None else 0
+
+    def index_stats(self) -> PublisherStats | None:
+        """The KV-event publisher's state, for the worker's load report (None without one)."""
+        return self._publisher.stats() if self._publisher is not None else None
 
     def watch(self, name: str, probe: ProgressProbe) -> None:
         """Include another thread's loop in `check_health` (e.g. the KV-transfer endpoint's

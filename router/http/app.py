@@ -11,6 +11,11 @@ router's concurrency limit applies as on gRPC, each choice is one `Orchestrator.
 (admission, placement, prefill, hand-off, decode), and every failure leaves through
 router/http/errors.py, which maps router/errors.py's status on.
 
+With API keys on (router/auth.py), every route but /health and /ready needs
+`Authorization: Bearer KEY` (401 without a valid one, before the body is read); the tenant is
+the key's (the `x-pdserve-tenant` header is ignored), and a tenant's error messages name no
+worker.
+
 A stream's status is decided by its first token: the door waits for it before it answers,
 so a request refused by admission (429), one no worker can take (503) or one past its
 deadline (504) gets that status, not a 200 with an error inside. An error after that is a
@@ -26,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,6 +40,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.auth import AuthFailure, KeyTable, Principal, redact_workers, sees_workers
 from router.cluster_view import ClusterView
 from router.errors import DEFAULT_RETRY_AFTER_MS
 from router.http.errors import HttpFailure, failure, to_http_failure
@@ -47,6 +54,10 @@ from router.progress import StreamDelta
 log = logging.getLogger(__name__)
 
 _CLIENT_GONE = ConnectionAbortedError("the client closed the connection")
+_OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Routes that need no API key (probes)."""
+_PRINCIPAL = "pdserve.principal"
+"""The ASGI scope key the authenticated caller is kept under."""
 
 
 class OpenAIDoor:
@@ -59,12 +70,14 @@ class OpenAIDoor:
         view: ClusterView,
         max_concurrent_requests: int,
         max_body_bytes: int,
+        keys: KeyTable | None = None,
     ) -> None:
         self.orchestrator = orchestrator
         self.translator = translator
         self.view = view
         self.max_concurrent_requests = max_concurrent_requests
         self.max_body_bytes = max_body_bytes
+        self.keys = keys or KeyTable()
         self.created = int(time.time())
 
     def app(self) -> ASGIApp:
@@ -72,13 +85,17 @@ class OpenAIDoor:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
+            tenant = _tenant(request)
             return await self._serve(
-                request, lambda: self.translator.completion(body, request.headers)
+                request, lambda: self.translator.completion(body, request.headers, tenant)
             )
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-            return await self._serve(request, lambda: self.translator.chat(body, request.headers))
+            tenant = _tenant(request)
+            return await self._serve(
+                request, lambda: self.translator.chat(body, request.headers, tenant)
+            )
 
         @app.get("/v1/models")
         async def models() -> Response:
@@ -111,7 +128,8 @@ class OpenAIDoor:
         async def http_error(request: Request, exc: HTTPException) -> Response:
             return _error(failure(exc.status_code, f"{request.url.path}: {exc.detail}"))
 
-        return _BodyLimit(app, self.max_body_bytes)
+        limited = _BodyLimit(app, self.max_body_bytes)
+        return _Authenticated(limited, self.keys) if self.keys.enabled else limited
 
     def _model(self) -> dict[str, Any]:
         return {"id": self.translator.model_id, "object": "model", "created": self.created,
@@ -122,10 +140,11 @@ class OpenAIDoor:
 
     async def _serve(self, request: Request, make_plan: Callable[[], GenerationPlan]) -> Response:
         requests = self.orchestrator.metrics.requests
+        redact = not sees_workers(request.scope.get(_PRINCIPAL))
         try:
             plan = make_plan()
         except Exception as e:
-            f = _logged(e)
+            f = _logged(e, redact)
             requests.labels(f.outcome).inc()
             return _error(f)
         inflight = self.orchestrator.inflight
@@ -138,13 +157,13 @@ class OpenAIDoor:
             ))  # fmt: skip
         writer = ResponseWriter(plan, self.translator.model_id, self.translator.tokenizer)
         if not plan.stream:
-            return await self._whole(request, plan, writer)
+            return await self._whole(request, plan, writer, redact)
         if len(plan.choices) == 1:
-            return await self._stream_one(plan, writer)
-        return await self._stream_many(plan, writer)
+            return await self._stream_one(plan, writer, redact)
+        return await self._stream_many(plan, writer, redact)
 
     async def _whole(
-        self, request: Request, plan: GenerationPlan, writer: ResponseWriter
+        self, request: Request, plan: GenerationPlan, writer: ResponseWriter, redact: bool
     ) -> Response:
         """Every choice to its end, then one response; the client leaving aborts them."""
         fanout = Fanout(plan, self.orchestrator.generate)
@@ -161,7 +180,7 @@ class OpenAIDoor:
                 elif isinstance(item, BaseException):
                     if item is _CLIENT_GONE:
                         return Response(status_code=499)  # nobody reads it
-                    return _error(_logged(item))
+                    return _error(_logged(item, redact))
                 else:
                     outputs[index].add(item)
         finally:
@@ -169,7 +188,9 @@ class OpenAIDoor:
             await fanout.close()
         return _json(writer.response(outputs))
 
-    async def _stream_one(self, plan: GenerationPlan, writer: ResponseWriter) -> Response:
+    async def _stream_one(
+        self, plan: GenerationPlan, writer: ResponseWriter, redact: bool
+    ) -> Response:
         """One choice: the orchestrator's stream straight to the client (no task between)."""
         stream = self.orchestrator.generate(plan.choices[0].request, plan.timeout_s)
         try:
@@ -177,7 +198,7 @@ class OpenAIDoor:
         except StopAsyncIteration:
             return _error(to_http_failure(RuntimeError("the request ended without output")))
         except Exception as e:
-            return _error(_logged(e))
+            return _error(_logged(e, redact))
         out = ChoiceOutput(0, 0)
 
         async def events() -> AsyncIterator[bytes]:
@@ -190,12 +211,14 @@ class OpenAIDoor:
                 if plan.include_usage:
                     yield writer.usage_chunk([out])
             except Exception as e:
-                yield writer.error_event(_logged(e).body())
+                yield writer.error_event(_logged(e, redact).body())
             yield DONE
 
         return _EventStream(events(), stream.aclose)
 
-    async def _stream_many(self, plan: GenerationPlan, writer: ResponseWriter) -> Response:
+    async def _stream_many(
+        self, plan: GenerationPlan, writer: ResponseWriter, redact: bool
+    ) -> Response:
         """Several choices: their deltas interleaved as they come."""
         fanout = Fanout(plan, self.orchestrator.generate)
         outputs = [ChoiceOutput(c.index, c.prompt_index) for c in plan.choices]
@@ -203,7 +226,7 @@ class OpenAIDoor:
         index, item = await fanout.next()
         if isinstance(item, BaseException) or item is None:
             await fanout.close()
-            return _error(to_http_failure(item or RuntimeError("ended without output")))
+            return _error(_logged(item or RuntimeError("ended without output"), redact))
         first: StreamDelta = item
 
         async def events() -> AsyncIterator[bytes]:
@@ -223,7 +246,7 @@ class OpenAIDoor:
                 if plan.include_usage:
                     yield writer.usage_chunk(outputs)
             except Exception as e:
-                yield writer.error_event(_logged(e).body())
+                yield writer.error_event(_logged(e, redact).body())
             yield DONE
 
         return _EventStream(events(), fanout.close)
@@ -252,6 +275,37 @@ class _EventStream(StreamingResponse):
             # request's own streams (an `async for` left by an exception closes nothing).
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self._close()
+
+
+class _Authenticated:
+    """Refuses a request without a valid API key (401, or 403) before anything reads its
+    body; keeps the caller in the scope for the routes (`_tenant`)."""
+
+    def __init__(self, app: ASGIApp, keys: KeyTable) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
+        try:
+            scope[_PRINCIPAL] = self.keys.authenticate(header)
+        except AuthFailure as e:
+            denied = failure(e.http_status, e.message, "authorization", _AUTH_CODES[e.http_status])
+            await _error(denied)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+_AUTH_CODES = {401: "invalid_api_key", 403: "permission_denied"}
+
+
+def _tenant(request: Request) -> str | None:
+    """The caller's tenant from its API key (None: auth off)."""
+    principal: Principal | None = request.scope.get(_PRINCIPAL)
+    return principal.tenant if principal is not None else None
 
 
 class _BodyLimit:
@@ -310,11 +364,12 @@ def _error(f: HttpFailure) -> Response:
     return Response(f.body(), f.status, f.headers(), media_type="application/json")
 
 
-def _logged(exc: BaseException) -> HttpFailure:
+def _logged(exc: BaseException, redact: bool = False) -> HttpFailure:
+    """The failure `exc` ends a request with (worker ids replaced for a tenant)."""
     f = to_http_failure(exc)
     if f.status == 500:
         log.error("request failed with an internal error", exc_info=exc)
-    return f
+    return replace(f, message=redact_workers(f.message)) if redact else f
 
 
 def _shape_failure(exc: RequestValidationError) -> HttpFailure:

@@ -5,6 +5,8 @@ door maps that status on, through one table, so both doors end a request the sam
 
     gRPC status          HTTP  OpenAI `type`           `code`
     INVALID_ARGUMENT     400   invalid_request_error   (none; `param` names the field)
+    UNAUTHENTICATED      401   invalid_request_error   invalid_api_key (+ WWW-Authenticate)
+    PERMISSION_DENIED    403   invalid_request_error   permission_denied
     NOT_FOUND            404   invalid_request_error   model_not_found (the HTTP door's own)
     RESOURCE_EXHAUSTED   429   rate_limit_error        rate_limit_exceeded, + Retry-After
     CANCELLED            503   server_error            request_aborted (a worker aborted it)
@@ -32,6 +34,8 @@ from router.validation import InvalidRequest
 
 _BY_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error", "permission_denied"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.CANCELLED: (503, "server_error", "request_aborted"),
@@ -60,6 +64,8 @@ class HttpFailure:
         return json.dumps({"error": error}).encode()
 
     def headers(self) -> dict[str, str]:
+        if self.status == 401:
+            return {"www-authenticate": 'Bearer realm="pdserve"'}
         if self.retry_after_ms is None:
             return {}
         return {

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from router.tls import TlsConfig
 from worker_runtime.waits import wait_within
 
 
@@ -28,9 +29,16 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """One ASGI app on `host:port` (0: a free port) in the running loop."""
+    """One ASGI app on `host:port` (0: a free port) in the running loop; HTTPS with `tls`."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        grace_s: float = 1.0,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.grace_s = grace_s
@@ -43,6 +51,7 @@ class HttpServer:
             server_header=False,
             timeout_graceful_shutdown=max(1, int(grace_s)),
             backlog=2048,
+            **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None

@@ -44,7 +44,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 REQUEST_ID_HEADER = "x-request-id"
 TENANT_HEADER = "x-pdserve-tenant"
-"""Set by the gateway in front (like the gRPC field `tenant`); the default tenant without."""
+"""Set by the gateway in front (like the gRPC field `tenant`); the default tenant without.
+Ignored with API keys on: the tenant is the key's."""
 TIMEOUT_HEADER = "x-request-timeout"
 """Seconds the request may take (like a gRPC deadline); the router's default without."""
 
@@ -130,7 +131,10 @@ class Translator:
         self.chat_template = chat_template
         self.limits = limits
 
-    def completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> GenerationPlan:
+    def completion(
+        self, body: CompletionRequest, headers: Mapping[str, str], tenant: str | None = None
+    ) -> GenerationPlan:
+        """`tenant`: the caller's API key's (None: auth off, the tenant header counts)."""
         self._common(body)
         if body.logprobs is not None and body.logprobs != 0:
             raise InvalidRequest(
@@ -148,10 +152,12 @@ class Translator:
                 req.prompt = prompt
             else:
                 req.token_ids.extend(prompt)
-            requests.append(self._validate(req, name, "max_tokens"))
+            requests.append(self._validate(req, name, "max_tokens", tenant))
         return self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
 
-    def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> GenerationPlan:
+    def chat(
+        self, body: ChatCompletionRequest, headers: Mapping[str, str], tenant: str | None = None
+    ) -> GenerationPlan:
         self._common(body)
         if body.top_logprobs:
             raise InvalidRequest(
@@ -183,7 +189,7 @@ class Translator:
         logprobs = bool(body.logprobs)
         req = self._proto(body, headers, name, max_tokens, logprobs)
         req.token_ids.extend(ids)
-        valid = self._validate(req, "messages", name)
+        valid = self._validate(req, "messages", name, tenant)
         return self._plan(Endpoint.CHAT, body, headers, [valid], _n(body, 1), logprobs)
 
     # ---- shared ------------------------------------------------------------------------------
@@ -239,10 +245,12 @@ class Translator:
             req.seed = body.seed
         return req
 
-    def _validate(self, req: pb.GenerateRequest, prompt_name: str, max_name: str) -> ValidRequest:
+    def _validate(
+        self, req: pb.GenerateRequest, prompt_name: str, max_name: str, tenant: str | None
+    ) -> ValidRequest:
         """`validate`, with its field names turned into the body's."""
         try:
-            return validate(req, self.tokenizer, self.limits())
+            return validate(req, self.tokenizer, self.limits(), tenant)
         except InvalidRequest as e:
             names = {"prompt": prompt_name, "token_ids": prompt_name, "max_tokens": max_name,
                      "request_id": REQUEST_ID_HEADER, "tenant": TENANT_HEADER}  # fmt: skip

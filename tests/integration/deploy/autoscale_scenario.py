@@ -150,7 +150,8 @@ class Scenario:
     def status(self) -> Any:
         from deploy import client
 
-        return client.status(self.state()["targets"][0])
+        state = self.state()
+        return client.status((state.get("admin_targets") or state["targets"])[0])
 
     def prefill_workers(self) -> dict[str, Any]:
         return {w.worker_id: w for w in self.status().workers if w.role == "prefill"}

@@ -73,6 +73,7 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
         listed = ray.get(cluster.controller.list_workers.remote())
         workers = {info.worker_id: (info, handle) for info, handle in listed}
         channels = [grpc.insecure_channel(t) for t in ep.grpc]
+        admin_channels = [grpc.insecure_channel(t) for t in ep.admin]
         try:
             yield RouterCluster(
                 cluster=cluster,
@@ -83,9 +84,11 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
                 model_id=next(iter(workers.values()))[0].model_id,
                 workers=workers,
                 channels=channels,
+                admin_targets=ep.admin,
+                admin_channels=admin_channels,
             )
         finally:
-            for ch in channels:
+            for ch in channels + admin_channels:
                 ch.close()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ class RouterCluster:
     model_id: str
     workers: dict[str, tuple[WorkerInfo, Any]]
     channels: list[grpc.Channel]
+    admin_targets: tuple[str, ...] = ()
+    """Each router's admin plane (the Admin service has its own port)."""
+    admin_channels: list[grpc.Channel] = field(default_factory=list)
 
     def channel(self, router: int = 0) -> grpc.Channel:
         return self.channels[router]
@@ -45,7 +48,7 @@ class RouterCluster:
         return pb_grpc.GenerationStub(self.channels[router])
 
     def admin(self, router: int = 0) -> pb_grpc.AdminStub:
-        return pb_grpc.AdminStub(self.channels[router])
+        return pb_grpc.AdminStub(self.admin_channels[router])
 
     def worker_ids(self, role: WorkerRole) -> list[str]:
         return sorted(w for w, (info, _) in self.workers.items() if info.role is role)
@@ -70,7 +73,7 @@ class RouterCluster:
         end = time.monotonic() + timeout_s
         while True:
             loads = self.loads()
-            busy = {w: _busy(load) for w, load in loads.items() if _busy(load)}
+            busy = {w: load.held() for w, load in loads.items() if load.held()}
             for i in range(len(self.channels)):
                 n = self.admin(i).Status(pb.StatusRequest(), timeout=10).router_inflight_requests
                 if n:
@@ -96,18 +99,3 @@ class RouterCluster:
             if restore.local_prefill_threshold_tokens == 0:
                 restore.local_prefill_threshold_tokens = 1
             admin.SetThresholds(restore, timeout=10)
-
-
-def _busy(load: WorkerLoad) -> str:
-    e = load.engine
-    parts = {
-        "kv_used": e.num_total_blocks - e.num_free_blocks,
-        "waiting": e.num_waiting,
-        "running": e.num_running,
-        "handoff_blocks": e.num_handoff_blocks,
-        "transfer_blocks": e.num_transfer_blocks,
-        "inflight_requests": load.inflight_requests,
-        "leased_blocks": load.leased_blocks,
-        "pulling_blocks": load.transfer.pending_blocks,
-    }
-    return ", ".join(f"{k}={v}" for k, v in parts.items() if v)

@@ -60,10 +60,11 @@ def test_models_health_and_ready(router_cluster: RouterCluster, client: openai.O
     from deploy.cli import app
 
     assert http_url(router_cluster, 1) != base
-    shown = CliRunner().invoke(app, ["status", "--target", router_cluster.targets[0]])
+    admin = router_cluster.admin_targets[0]  # status is on the admin plane
+    shown = CliRunner().invoke(app, ["status", "--target", admin])
     assert shown.exit_code == 0, shown.output
     assert f"OpenAI {base}/v1" in shown.output
-    as_json = CliRunner().invoke(app, ["status", "--json", "--target", router_cluster.targets[0]])
+    as_json = CliRunner().invoke(app, ["status", "--json", "--target", admin])
     assert json.loads(as_json.output)["http_url"] == base
 
 

@@ -33,7 +33,8 @@ def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def bench(rc: RouterCluster, profile: Path, out: Path, *extra: str) -> dict[str, object]:
     from deploy.cli import app
 
-    args = ["bench", "--api", "openai", "--target", rc.targets[0], "--profile", str(profile),
+    args = ["bench", "--api", "openai", "--target", rc.targets[0],
+            "--admin-target", rc.admin_targets[0], "--profile", str(profile),
             "--rate", "4", "--duration", "2", "--num-requests", str(REQUESTS),
             "--slo", "ttft:5000", "--slo", "tpot:1000", "--out", str(out), *extra]  # fmt: skip
     result = CliRunner().invoke(app, args, catch_exceptions=False)

@@ -1,5 +1,6 @@
-"""The control surface of a router: Admin (status, thresholds, drain, rebalance), the
-standard health service, server reflection (what grpcurl uses) and the Prometheus endpoint."""
+"""The control surface of a router: Admin (status, thresholds, drain, rebalance) on its own
+port, the standard health service, server reflection (what grpcurl uses) and the Prometheus
+endpoint."""
 
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ def test_reflection_lets_a_generic_client_call_generate(router_cluster: RouterCl
     from the reflected descriptors alone (no generated code) and call it."""
     db = ProtoReflectionDescriptorDatabase(router_cluster.channel(0))
     services = set(db.get_services())
-    assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
+    assert "pdserve.v1.Admin" not in services  # the admin plane has its own port
     pool = descriptor_pool.DescriptorPool(db)
     method = pool.FindMethodByName("pdserve.v1.Generation.Generate")
     assert method.server_streaming and not method.client_streaming
@@ -180,7 +182,9 @@ def test_reflection_lets_a_generic_client_call_generate(router_cluster: RouterCl
     )
     replies = list(call(request_cls(prompt="The river", max_tokens=3), timeout=30))
     assert sum(len(r.token_ids) for r in replies) == 3
-    admin = pool.FindServiceByName("pdserve.v1.Admin")
+    admin_db = ProtoReflectionDescriptorDatabase(router_cluster.admin_channels[0])
+    assert "pdserve.v1.Admin" in set(admin_db.get_services())
+    admin = descriptor_pool.DescriptorPool(admin_db).FindServiceByName("pdserve.v1.Admin")
     assert {"Status", "GetThresholds", "SetThresholds", "Drain", "Rebalance"} <= set(
         admin.methods_by_name
     )

@@ -407,3 +407,41 @@ def test_request_states_follow_the_documented_transitions() -> None:
         assert ctl.state("b") is None
 
     run(scenario)
+
+
+def test_tenant_over_its_inflight_limit_is_rejected_naming_it_while_others_are_admitted() -> None:
+    async def scenario() -> None:
+        limit = TenantLimit("acme", max_inflight_requests=2)
+        ctl = controller(THRESHOLDS, tenant_limits=(limit,))
+        cluster = Cluster()
+        await ctl.admit(make_request("a1", tenant="acme"), cluster)
+        await ctl.admit(make_request("a2", tenant="acme"), cluster)
+        assert ctl.tenant_inflight("acme") == 2
+        with pytest.raises(AdmissionRejected) as err:
+            await ctl.admit(make_request("a3", tenant="acme"), cluster)
+        assert err.value.reason is Reason.TENANT_INFLIGHT_LIMIT
+        assert "max_inflight_requests 2" in err.value.message
+        assert err.value.retry_after_ms == AdmissionConfig().tuning.default_retry_after_ms
+        assert ctl.state("a3") is None  # rejected, not queued: it blocks nobody
+        await ctl.admit(make_request("g1", tenant="globex"), cluster)  # another tenant goes
+        ctl.release("a1")
+        assert ctl.tenant_inflight("acme") == 1
+        await ctl.admit(make_request("a4", tenant="acme"), cluster)
+        for rid in ("a2", "a4", "g1"):
+            ctl.release(rid)
+        assert ctl.tenant_inflight("acme") == 0 and ctl.tenant_inflight("globex") == 0
+
+    run(scenario)
+
+
+def test_default_tenant_limit_applies_to_each_unlisted_tenant_alone() -> None:
+    async def scenario() -> None:
+        ctl = controller(THRESHOLDS, default_tenant_limit=TenantLimit("", max_inflight_requests=1))
+        cluster = Cluster()
+        await ctl.admit(make_request("x1", tenant="x"), cluster)
+        await ctl.admit(make_request("y1", tenant="y"), cluster)
+        with pytest.raises(AdmissionRejected) as err:
+            await ctl.admit(make_request("x2", tenant="x"), cluster)
+        assert err.value.reason is Reason.TENANT_INFLIGHT_LIMIT
+
+    run(scenario)

@@ -107,6 +107,17 @@ def test_tenant_short_of_tokens_is_rejected_with_time_to_refill() -> None:
     assert (d.kind, d.reason) == (REJECT, Reason.TENANT_RATE_LIMITED)
     assert d.retry_after_ms == pytest.approx(700.0)  # (1200 - 500) tokens at 1000 tokens/s
     assert "'acme'" in d.message
+    assert "tokens_per_s 1000, burst_tokens 10000" in d.message  # names the limit
+
+
+def test_tenant_at_its_inflight_limit_is_rejected_before_its_rate_is_looked_at() -> None:
+    tenant = TenantAllowance(inflight_requests=3, max_inflight_requests=3)
+    d = evaluate(make_request(tenant="acme"), make_snapshot(), THRESHOLDS, tenant=tenant)
+    assert (d.kind, d.reason) == (REJECT, Reason.TENANT_INFLIGHT_LIMIT)
+    assert "max_inflight_requests 3" in d.message and "'acme'" in d.message
+    assert d.retry_after_ms == 1000.0  # the default hint: when a request ends is unknown
+    below = replace(tenant, inflight_requests=2)
+    assert evaluate(make_request(), make_snapshot(), THRESHOLDS, tenant=below).kind is ADMIT
 
 
 def test_tenant_with_enough_tokens_is_admitted() -> None:

@@ -239,3 +239,21 @@ def test_estimator_refuses_bad_parameters() -> None:
         PrefillThroughputEstimator(prior_tokens_per_s=0.0)
     with pytest.raises(ValueError, match="alpha"):
         PrefillThroughputEstimator(alpha=0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tokens_per_s=1.0), "burst_tokens: must be set with tokens_per_s"),
+        (dict(burst_tokens=1.0), "tokens_per_s: must be set with burst_tokens"),
+        (dict(), "tokens_per_s: set a rate"),
+        (dict(max_inflight_requests=0), "max_inflight_requests: must be >= 1"),
+        (dict(tokens_per_s=0.0, burst_tokens=1.0), "tokens_per_s: must be > 0"),
+    ],
+)
+def test_a_tenant_limit_needs_a_whole_rate_or_an_inflight_limit(
+    kwargs: dict[str, float], message: str
+) -> None:
+    with pytest.raises(InvalidAdmissionConfig) as err:
+        TenantLimit("t", **kwargs)  # type: ignore[arg-type]
+    assert str(err.value).startswith(message)

@@ -169,7 +169,7 @@ def test_the_controller_and_each_router_get_the_running_clusters_facts() -> None
          "config workers.transfer.descriptor_mode: expected one of prepped, coalesced, "
          "per_block, got 'fast'"),
         ("router: {admission: {tenant_limits: [{tenant: a, tokens_per_s: 1}]}}\n",
-         "config router.admission.tenant_limits[0].burst_tokens: missing (it has no default)"),
+         "config router.admission.tenant_limits[0]: burst_tokens: must be set with tokens_per_s"),
         ("placement: {default: {resources: {gpu-node: many}}}\n",
          "config placement.default.resources.gpu-node: expected a number, got 'many'"),
         ("router: {tenants: abc}\n", "config router.tenants: expected a list, got 'abc'"),

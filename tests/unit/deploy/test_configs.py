@@ -93,3 +93,27 @@ def test_kuberay_example_is_consistent_with_its_pdserve_config() -> None:
 def test_cluster_configs_say_they_are_unvalidated_examples(name: str) -> None:
     head = " ".join((CONFIGS / name).read_text()[:1500].lower().split())
     assert "an example, not validated against a live" in head.replace("# ", "")
+
+
+def test_configs_beyond_loopback_name_a_keys_file_and_keep_the_admin_plane_on_loopback() -> None:
+    from deploy.security import Access, exposure_refusal, is_loopback
+    from router.auth import ApiKey
+
+    docs = kuberay_docs()
+    trees = [
+        options(yaml.safe_load((CONFIGS / "pdserve-gpu.yaml").read_text())),
+        options(yaml.safe_load(docs["ConfigMap"]["data"]["pdserve.yaml"])),
+    ]
+    for cfg in trees:
+        assert not is_loopback(cfg.router.host)
+        assert cfg.cluster.api_keys_file and not cfg.cluster.insecure
+        assert is_loopback(cfg.router.admin_host)
+        assert exposure_refusal(cfg, Access()) is not None  # without keys: refused
+        assert exposure_refusal(cfg, Access((ApiKey("0" * 64, "t"),), "k" * 20)) is None
+    head = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    key_path = trees[1].cluster.api_keys_file
+    assert key_path is not None and key_path.startswith(mounts["pdserve-keys"] + "/")
+    launcher = yaml.safe_load((CONFIGS / "ray-cluster.yaml").read_text())
+    (start,) = [c for c in launcher["head_start_ray_commands"] if "ray start" in c]
+    assert "--dashboard-host=127.0.0.1" in start

@@ -8,6 +8,7 @@ import pytest
 from google.protobuf import descriptor_pool
 
 from admission.decision import AdmissionRejected, Reason
+from engine.block_hash import scoped_salt
 from pdserve.v1 import serving_pb2 as pb
 from router.errors import WorkerLost, to_grpc_failure
 from router.placement import NoWorkerError
@@ -44,7 +45,8 @@ def test_valid_request_keeps_every_field() -> None:
     assert v.prompt_token_ids == (1, 2, 3)
     s = v.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop) == (5, 0.0, 0.5, 7, ("x",))
-    assert (v.tenant, v.priority, v.cache_salt) == ("acme", -3, "s")
+    assert (v.tenant, v.priority) == ("acme", -3)
+    assert v.cache_salt == scoped_salt("acme", "s")  # the tenant scopes its cache entries
 
 
 def test_unset_sampling_fields_get_their_documented_defaults() -> None:

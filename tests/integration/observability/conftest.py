@@ -1,0 +1,155 @@
+"""A live cluster watched by a real Prometheus: 1 prefill + 1 decode worker (tiny model, NIXL
+over UCX on loopback, the session's Ray and an embedded redis-server), one router, the planner
+on (ticking every second, bounds that make it hold), and Prometheus scraping the router and the
+controller every second with the repository's rules loaded. A short load has run once the
+fixture yields, and Prometheus has scraped what it left."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_server import PrometheusServer, require_prometheus
+
+from pdserve.v1 import serving_pb2 as pb
+from pdserve.v1 import serving_pb2_grpc as pb_grpc
+
+PROMPTS = (
+    "The baker opens the shop before dawn and the street smells of bread.",
+    "The baker opens the shop before dawn and the first customers wait outside.",
+    "A river runs past the old mill, and the wheel turns slowly in the current.",
+)
+"""Shared prefixes (prefix-cache hits on the second of each pair)."""
+REQUESTS = 12
+
+
+@dataclass(frozen=True)
+class Observed:
+    prometheus: PrometheusServer
+    target: str
+    router_metrics_urls: tuple[str, ...]
+    controller_metrics_url: str
+    ray_address: str
+    ok_requests: int
+
+
+@pytest.fixture(scope="module")
+def observed(
+    ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Observed]:
+    binary = require_prometheus()
+    import ray
+
+    from admission.config import AdmissionConfig, AdmissionThresholds
+    from deploy.cluster import Cluster
+    from deploy.config import LaunchConfig, PdserveConfig
+    from deploy.spec import ClusterSpec
+    from engine.config import EngineConfig
+    from planner.core import PlannerConfig, RoleBounds
+    from planner.loop import PlannerSettings
+    from router.server import RouterConfig
+
+    planner = PlannerSettings(
+        enabled=True,
+        interval_s=1.0,
+        request_resources=False,
+        config=PlannerConfig(prefill=RoleBounds(1, 1), decode=RoleBounds(1, 1)),
+    )
+    config = PdserveConfig(
+        model=str(tiny_model_dir),
+        cluster=LaunchConfig(routers=1),
+        router=RouterConfig(
+            grpc_port=0,
+            metrics_port=0,
+            # every prompt goes through a prefill worker and a KV hand-off
+            admission=AdmissionConfig(
+                thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
+            ),
+        ),
+        workers=ClusterSpec(
+            engine=EngineConfig(
+                model_dir=str(tiny_model_dir),
+                device="cpu",
+                dtype="float32",
+                num_kv_blocks=128,
+                max_model_len=512,
+                attention_backend="torch",
+                cuda_graphs=False,
+            ),
+            num_prefill=1,
+            num_decode=1,
+            planner=planner,
+        ),
+    )
+    with Cluster(config) as cluster:
+        ep = cluster.endpoint
+        assert ep is not None and ep.metrics
+        controller_url = ray.get(cluster.controller.metrics_url.remote(), timeout=30)
+        assert controller_url, "the controller serves no metrics"
+        prometheus = PrometheusServer(
+            binary,
+            tmp_path_factory.mktemp("prometheus"),
+            {"pdserve-router": list(ep.metrics), "pdserve-controller": [controller_url]},
+        )
+        try:
+            wait_for(prometheus, ['count(up{job=~"pdserve-.*"} == 1) == 2'])  # before the load
+            ok = send_load(ep.target)
+            wait_for(prometheus, scraped(ok))
+            yield Observed(prometheus, ep.target, ep.metrics, controller_url, ep.ray_address, ok)
+        finally:
+            prometheus.stop()
+
+
+def send_load(target: str) -> int:
+    """REQUESTS greedy requests, 4 at a time, in two waves 2 s apart (rates over a window see
+    them rise, whatever the scrape phase), plus one invalid one; returns the ok count."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        def one(i: int) -> int:
+            req = pb.GenerateRequest(
+                prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8, temperature=0.0, ignore_eos=True
+            )
+            return len([m for m in stub.Generate(req, timeout=60)])
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(list(pool.map(one, range(REQUESTS // 2))))
+            time.sleep(2.0)
+            assert all(list(pool.map(one, range(REQUESTS // 2, REQUESTS))))
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=10))
+    return REQUESTS
+
+
+def scraped(ok: int) -> list[str]:
+    """What Prometheus holds once it scraped the load: its requests, planner decisions and a
+    recording rule's result over them."""
+    return [
+        f'sum(pdserve_requests_total{{outcome="ok"}}) >= {ok}',
+        "sum(pdserve_planner_ticks_total) >= 2",
+        "pdserve:ttft_seconds:p90_5m",
+    ]
+
+
+def wait_for(prometheus: PrometheusServer, checks: list[str], timeout_s: float = 30.0) -> None:
+    """Until every query in `checks` has a finite sample."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [expr for expr in checks if not prometheus.finite(expr)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            got = {expr: prometheus.query(expr) for expr in missing}
+            errors = [
+                (r["name"], r.get("lastError"))
+                for g in prometheus.api("rules")["groups"]
+                for r in g["rules"]
+                if r["health"] != "ok"
+            ]
+            raise AssertionError(f"Prometheus still lacks data after {timeout_s}s: {got} {errors}")
+        time.sleep(0.5)
