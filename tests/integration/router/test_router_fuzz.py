@@ -41,27 +41,34 @@ token_ids = st.one_of(
     st.lists(st.integers(0, U32), max_size=20),
     st.just([5] * 3000),
 )
-valid = st.fixed_dictionaries(
-    {"max_tokens": st.integers(1, 12)},
-    optional={
-        "prompt": st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]),
-                          min_size=1, max_size=200),
-        "token_ids": st.lists(st.integers(0, 500), min_size=1, max_size=150),
-        "temperature": st.floats(0, 2),
-        "top_p": st.floats(0.05, 1),
-        "top_k": st.integers(0, 100),
-        "min_p": st.floats(0, 1),
-        "repetition_penalty": st.floats(0.5, 2),
-        "presence_penalty": st.floats(-2, 2),
-        "frequency_penalty": st.floats(-2, 2),
-        "seed": st.integers(0, 2**63),
-        "stop": st.lists(st.text(min_size=1, max_size=8), max_size=4),
-        "stop_token_ids": st.lists(st.integers(0, 500), max_size=8),
-        "ignore_eos": st.booleans(),
-        "logprobs": st.booleans(),
-        "priority": st.integers(-5, 5),
-        "cache_salt": st.text(alphabet="abcdef0123", max_size=16),
-    },
+printable = st.characters(codec="utf-8", exclude_categories=["Cc", "Cs"])
+"""Text a client may well send: no control characters (refused by validation) or surrogates."""
+prompt_or_ids = st.one_of(
+    st.fixed_dictionaries({"prompt": st.text(alphabet=printable, min_size=1, max_size=200)}),
+    st.fixed_dictionaries({"token_ids": st.lists(st.integers(0, 500), min_size=1, max_size=150)}),
+)
+valid = st.builds(
+    lambda source, rest: {**source, **rest},
+    prompt_or_ids,
+    st.fixed_dictionaries(
+        {"max_tokens": st.integers(1, 12)},
+        optional={
+            "temperature": st.floats(0, 2),
+            "top_p": st.floats(0.05, 1),
+            "top_k": st.integers(0, 100),
+            "min_p": st.floats(0, 1),
+            "repetition_penalty": st.floats(0.5, 2),
+            "presence_penalty": st.floats(-2, 2),
+            "frequency_penalty": st.floats(-2, 2),
+            "seed": st.integers(0, 2**63),
+            "stop": st.lists(st.text(alphabet=printable, min_size=1, max_size=8), max_size=4),
+            "stop_token_ids": st.lists(st.integers(0, 500), max_size=8),
+            "ignore_eos": st.booleans(),
+            "logprobs": st.booleans(),
+            "priority": st.integers(-5, 5),
+            "cache_salt": st.text(alphabet="abcdef0123", max_size=16),
+        },
+    ),
 )  # fmt: skip
 """Requests a client may well send: most are served."""
 wild = st.fixed_dictionaries(
