@@ -83,6 +83,9 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # typ
         enable_chunked_prefill=True,
         max_model_len=8192,
         num_kv_blocks=args.num_kv_blocks,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        load_format=args.load_format,
     )
     thresholds = AdmissionThresholds(
         max_estimated_ttft_ms=600_000.0,
@@ -141,13 +144,14 @@ def transfer_stats(cluster) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return totals
 
 
-def engine_steps(cluster) -> dict[str, tuple[int, float]]:  # type: ignore[no-untyped-def]
-    """Per worker: engine steps so far and the seconds spent in them (EngineDriver)."""
+def engine_steps(cluster) -> dict[str, tuple[int, float, int]]:  # type: ignore[no-untyped-def]
+    """Per worker: engine steps so far, the seconds spent in them (EngineDriver) and the
+    requests summed over the steps that ran a batch (the engine's StepStats)."""
     import ray
 
-    def read(actor) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+    def read(actor) -> tuple[int, float, int]:  # type: ignore[no-untyped-def]
         driver = actor.runtime.driver
-        return driver.num_steps, driver.busy_s
+        return driver.num_steps, driver.busy_s, driver.load.steps.batch_requests
 
     return {
         info.worker_id: tuple(ray.get(handle.__ray_call__.remote(read)))
@@ -155,13 +159,20 @@ def engine_steps(cluster) -> dict[str, tuple[int, float]]:  # type: ignore[no-un
     }
 
 
-def step_ms(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> str:
-    """Mean engine step time per worker between two `engine_steps` readings."""
+def step_ms(
+    before: dict[str, tuple[int, float, int]], after: dict[str, tuple[int, float, int]]
+) -> str:
+    """Mean engine step time and mean batch (requests per step) per worker between two
+    `engine_steps` readings."""
     parts = []
-    for wid, (n1, s1) in sorted(after.items()):
-        n0, s0 = before.get(wid, (0, 0.0))
+    for wid, (n1, s1, b1) in sorted(after.items()):
+        n0, s0, b0 = before.get(wid, (0, 0.0, 0))
         if n1 > n0:
-            parts.append(f"{wid} {1000 * (s1 - s0) / (n1 - n0):.2f} ms x {n1 - n0}")
+            steps = n1 - n0
+            parts.append(
+                f"{wid} {1000 * (s1 - s0) / steps:.2f} ms x {steps}, "
+                f"mean batch {(b1 - b0) / steps:.1f}"
+            )
     return ", ".join(parts)
 
 
@@ -197,7 +208,12 @@ def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> 
                     log(f"{mode} {workload}: attainment under {args.stop_below:.0%}, next workload")
                     break
         if mode == "pd":
-            result["transfer"] = transfer_stats(cluster)
+            result["transfer"] = t = transfer_stats(cluster)
+            n = t["transfers"] or 1.0
+            log(
+                f"pd: {t['transfers']:.0f} hand-offs, {t['bytes'] / n / 2**20:.2f} MiB and "
+                f"{1000 * t['seconds'] / n:.2f} ms each, {t['gbps']:.1f} GB/s while moving"
+            )
     return result
 
 
@@ -342,6 +358,9 @@ def main() -> int:
         "--num-kv-blocks", type=int, default=0,
         help="KV blocks per worker (0: sized from free memory; set it when workers share a GPU)",
     )  # fmt: skip
+    ap.add_argument("--quantization", default="none", help="engine weights: none | fp8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pool: auto | fp8")
+    ap.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--analyse", nargs="+", metavar="DIR", help="only re-analyse earlier outputs")

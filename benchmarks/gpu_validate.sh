@@ -19,6 +19,11 @@
 #            worker) and PD (prefill + decode sharing the GPU), engine step time vs client TPOT
 #   e2e8b    as e2e1 with the full Llama-3-8B shape (random bf16 weights written here)
 #   e2e2     the same model, PD (GPU0 + GPU1) vs colocated (two workers), needs 2 GPUs
+#   e2e8d    the Llama-3-8B shape from its config alone (--load-format dummy: nothing written to
+#            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch
+#   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
+#   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
+#            GPU, two rates: client TPOT vs engine step
 set -u
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT" /tmp/site
@@ -41,6 +46,10 @@ step() {
 small_model() {
   [ -f /tmp/small/config.json ] || python -m deploy.cli make-model /tmp/small --preset llama3-8b \
     --layers 4 --device cuda > "$OUT/make_small.log" 2>&1
+}
+config_model() {  # config.json and tokenizer of a preset, for --load-format dummy
+  [ -f "/tmp/cfg-$1/config.json" ] || python -m deploy.cli make-model "/tmp/cfg-$1" --preset "$1" \
+    --config-only > "$OUT/make_cfg_$1.log" 2>&1
 }
 # `gpu_validate.sh STEP... -- CMD ARGS`: run CMD last, in the same environment (log: cmd.log)
 STEPS=""
@@ -76,6 +85,18 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   e2e2) small_model; step e2e2 190 python benchmarks/bench_goodput.py --model /tmp/small \
     --out /tmp/e2e2 --workloads balanced --rates "balanced=4" --duration 5
     tar czf "$OUT/e2e2.tgz" -C /tmp e2e2 ;;
+  e2e8d|e2e8d8) config_model llama3-8b
+    kv=auto; modes=colocated,pd; [ "$s" = e2e8d8 ] && { kv=fp8; modes=pd; }
+    step "$s" 300 python benchmarks/bench_goodput.py --model /tmp/cfg-llama3-8b --out "/tmp/$s" \
+    --load-format dummy --kv-cache-dtype "$kv" --modes "$modes" --colocated-workers 1 \
+    --gpu-fraction 0.5 --num-kv-blocks 12000 --workloads balanced --rates "balanced=2,4" \
+    --duration 8 --stop-below 0
+    tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
+  e2e70) config_model llama3-70b
+    step e2e70 420 python benchmarks/bench_goodput.py --model /tmp/cfg-llama3-70b --out /tmp/e2e70 \
+    --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --modes colocated \
+    --colocated-workers 1 --workloads balanced --rates "balanced=1,2" --duration 8 --stop-below 0
+    tar czf "$OUT/e2e70.tgz" -C /tmp e2e70 ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
 done
