@@ -28,6 +28,7 @@ import argparse
 import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -113,6 +114,30 @@ def logits_of(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden).float()
 
 
+def kernel_profile(run: Callable[[], object], steps: int = 5) -> None:
+    """Print the CUDA time per step of the kernels `run` launches, largest first, grouped by
+    name (kernels replayed from a CUDA graph included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    kernels: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us, n = kernels.get(e.name, (0.0, 0))
+        kernels[e.name] = (us + e.time_range.elapsed_us(), n + 1)
+    total = sum(us for us, _ in kernels.values()) / steps
+    print(f"   kernels per step: {sum(n for _, n in kernels.values()) // steps}, "
+          f"CUDA time {total / 1e3:.2f} ms")  # fmt: skip
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"   {us / steps / 1e3:7.3f} ms {n // steps:5d}x  {name[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,16,64")
@@ -120,6 +145,11 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--layer-ops", default="flashinfer")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block (page) size")
+    parser.add_argument(
+        "--profile-batch", type=int, default=0,
+        help="also profile the decode step at this batch: CUDA time per kernel (torch.profiler)",
+    )  # fmt: skip
     parser.add_argument(
         "--shape",
         default="llama3-8b",
@@ -141,7 +171,7 @@ def main() -> None:
     if model is None:
         print_table()
         return
-    bs, context, prompt = 16, args.context, args.prefill_tokens
+    bs, context, prompt = args.block_size, args.context, args.prefill_tokens
     batches = [int(b) for b in args.batches.split(",")]
     pages_decode = max(batches) * cdiv(context, bs)
     num_blocks = pages_decode + cdiv(prompt, bs) + 8
@@ -231,6 +261,8 @@ def main() -> None:
             if sec is None:
                 continue
             secs[b] = sec
+            if b == args.profile_batch:
+                step(f"{label}: profile decode B={b}", functools.partial(kernel_profile, run))
             kv_per_token = kv_elems_per_token * cast(int, kv_holder["bytes"])
             floor = (weights + b * context * kv_per_token) / hbm
             print(f"   {label} B={b}: {sec * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms")
