@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_slot import ClusterSlot
 
 # Loopback-only Ray and UCX, before anything imports them.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -67,6 +68,11 @@ def redis_server() -> Iterator[object]:
 
     with EmbeddedRedis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def cluster_slot(ray_cluster: None) -> ClusterSlot:
+    return ClusterSlot()
 
 
 @pytest.fixture(scope="session")

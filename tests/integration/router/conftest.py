@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cluster_slot import ClusterSlot
 from router_harness import (
     KV_BLOCKS,
     MAX_MESSAGE_BYTES,
@@ -31,7 +32,9 @@ from engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
-def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCluster]:
+def router_cluster(
+    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot
+) -> Iterator[RouterCluster]:
     import ray
 
     from deploy.cluster import Cluster
@@ -67,7 +70,9 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
             engine=engine, num_prefill=2, num_decode=1, stall_timeout_s=STALL_TIMEOUT_S
         ),
     )
-    with Cluster(config) as cluster:
+    cluster = Cluster(config)
+    cluster_slot.take(cluster.stop)
+    with cluster:
         ep = cluster.endpoint
         assert ep is not None
         listed = ray.get(cluster.controller.list_workers.remote())
@@ -90,6 +95,7 @@ def router_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[RouterCl
         finally:
             for ch in channels + admin_channels:
                 ch.close()
+            cluster_slot.release(cluster.stop)
 
 
 @pytest.fixture(scope="session")

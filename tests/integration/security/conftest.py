@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from certs import make_certs
+from cluster_slot import ClusterSlot
 from secure_harness import ADMIN_KEY, KEYS, SLOW_BURST_TOKENS, SecureCluster, bearer
 
 from admission.config import AdmissionConfig, AdmissionThresholds, TenantLimit
@@ -20,7 +21,10 @@ from engine.config import EngineConfig
 
 @pytest.fixture(scope="session")
 def secure_cluster(
-    ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_cluster: None,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cluster_slot: ClusterSlot,
 ) -> Iterator[SecureCluster]:
     from deploy.cluster import Cluster
     from deploy.config import LaunchConfig, PdserveConfig
@@ -67,6 +71,7 @@ def secure_cluster(
     os.environ["PDSERVE_ADMIN_KEY"] = ADMIN_KEY
     try:
         cluster = Cluster(config)
+        cluster_slot.take(cluster.stop)
         cluster.start()
     finally:
         if before is None:
@@ -94,3 +99,4 @@ def secure_cluster(
         yield secure
     finally:
         cluster.stop()
+        cluster_slot.release(cluster.stop)
