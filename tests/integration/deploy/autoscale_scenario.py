@@ -21,6 +21,7 @@ Story (prints `SCENARIO OK {json}` at the end, exits non-zero with the reason ot
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -160,14 +161,20 @@ class Scenario:
         return Path(self.state()["control_log"]).read_text()
 
 
-def wait(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+def wait(
+    predicate: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    context: Callable[[], str] = lambda: "",
+) -> Any:
+    """Poll `predicate` until it holds; on timeout fail with `context()` (what was seen)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{context()}")
 
 
 def alive_nodes() -> list[dict[str, Any]]:
@@ -210,6 +217,12 @@ class Surge:
         for t in self._threads:
             t.start()
         return self
+
+    def describe(self) -> str:
+        """What the surge got so far (for a failure message)."""
+        failed = collections.Counter(f.split(":", 1)[0] for f in self.failures)
+        sample = self.failures[-1] if self.failures else ""
+        return f"surge: {len(self.prefill_workers)} served, failed {dict(failed)} {sample}"
 
     def stop(self) -> None:
         self._stop.set()
@@ -262,7 +275,9 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
             "enabled": True,
             "interval_s": 1.0,
             "sample_window_s": 4.0,
-            "ttft_slo_ms": 150.0,
+            # Below what the surge's TTFT is on a quiet machine (p90 ~110 ms with one prefill
+            # worker): at 150 ms a fast run never scaled up (it passed only under load).
+            "ttft_slo_ms": 50.0,
             "tpot_slo_ms": 5000.0,
             "cold_start_s": 2.0,
             "min_samples": 3,
@@ -289,6 +304,10 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
         ),
         120,
         "the planner to start a prefill worker",
+        lambda: (
+            f"{surge.describe()}\ncontrol log:\n{s.control_log()[-3000:]}\n"
+            f"status:\n{str(s.status())[-3000:]}"
+        ),
     )
     s.mark(f"planner scaled prefill up: {added}")
     wait(lambda: len(alive_nodes()) == 2, 120, "the autoscaler to add a node")
@@ -331,7 +350,7 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
     ):
         assert needle in log, f"{needle!r} not in the control log:\n{log}"
     # The surge is seen as TTFT over the SLO or as the prefill queue over its bound.
-    assert "> SLO 150 ms" in log or "per worker" in log, log
+    assert "> SLO 50 ms" in log or "per worker" in log, log
     requests = [line for line in log.splitlines() if "planner: request_resources" in line]
     assert requests[-1].endswith("[{'prefill': 1.0}, {'decode': 1.0}]"), requests
     planner_lines = [line for line in log.splitlines() if " planner tick " in line]
