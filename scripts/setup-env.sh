@@ -35,10 +35,20 @@ fi
 . "$VENV/bin/activate"
 stamp="$VENV/.pdserve-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || { [ -f requirements.lock ] && [ requirements.lock -nt "$stamp" ]; } \
    || [ -n "$(find proto -newer "$stamp" -name '*.proto' 2>/dev/null)" ]; then
   echo "[setup] installing $TORCH and pdserve[$EXTRAS] (takes ~2 min the first time)"
   log="$VENV/pdserve-install.log"
-  if ! { python -m pip install --upgrade pip && python -m pip install "$TORCH" \
+  # The runtime dependencies come from requirements.lock, each pinned and checked against
+  # its sha256 (scripts/lock.sh makes it; torch there is the local CPU wheel); then pdserve
+  # itself and its extras (test tools: ranges from pyproject.toml). PDSERVE_LOCK=0 skips the
+  # lock (a machine whose wheels differ from the lock's, e.g. another Python or platform).
+  if [ "${PDSERVE_LOCK:-1}" = 1 ] && [ -f requirements.lock ] && [ "$TORCH" = torch==2.13.0 ]; then
+    deps=(python -m pip install --require-hashes --no-deps -r requirements.lock)
+  else
+    deps=(python -m pip install "$TORCH")
+  fi
+  if ! { python -m pip install --upgrade pip && "${deps[@]}" \
          && python -m pip install -e ".[$EXTRAS]"; } >"$log" 2>&1; then
     tail -40 "$log" >&2
     echo "[setup] install failed; full log in $log" >&2
