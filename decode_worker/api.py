@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.request import NO_PRIOR, FinishReason, PriorOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.types import KVHandle
+from worker_runtime.tracing import TraceContext
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class DecodeRequest:
     """A migrated request: the tokens the client already has from the worker that failed
     (with a handle, those before `first_token_id`; their KV follows the prompt's in it).
     They count as output: sampling goes on after them as in one undisturbed run."""
+    trace: TraceContext | None = None
+    """The router's span of this decode call (the worker's spans are its children); None:
+    untraced."""
 
     @property
     def kv_token_ids(self) -> tuple[int, ...]:

@@ -58,6 +58,7 @@ from worker_runtime.api import (
 )
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, within_deadline
+from worker_runtime.tracing import NO_SPAN, Span, SpanKind, open_span, quietly
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ ALLOCATE_RETRY_S = 0.01
 ALLOCATE_MAX_WAIT_S = 5.0
 CHANNEL_ORPHAN_S = 10.0
 """A token channel without a subscriber this long is closed and its requests aborted."""
+KV_PULL_SPAN = "pdserve.decode_worker.kv_pull"
+DECODE_SPAN = "pdserve.decode_worker.decode"
+"""This worker's spans of a traced request (router/tracing.py draws the tree)."""
 
 
 class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
@@ -161,8 +165,11 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                 self.runtime.post(lambda e: e.free_transfer_blocks(rid))
                 raise
 
-    async def _pull(self, req: DecodeRequest, handle: KVHandle) -> tuple[int, float]:
-        """Pull the prompt's KV into reserved blocks; (tokens transferred, seconds)."""
+    async def _pull(
+        self, req: DecodeRequest, handle: KVHandle, span: Span = NO_SPAN
+    ) -> tuple[int, float]:
+        """Pull the prompt's KV into reserved blocks; (tokens transferred, seconds). `span`
+        gets what the read moved."""
         await self._ensure_peer(handle)
         alloc = await self._allocate(req, handle)
         if req.request_id in self._aborted:  # aborted while the allocation ran
@@ -198,6 +205,8 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             self.runtime.post(lambda e: e.free_transfer_blocks(req.request_id))
             assert outcome.error is not None
             raise outcome.error
+        if span.recording:
+            quietly(_traced_pull, span, outcome, handle)
         # Reused blocks are full blocks at the head; everything after them was pulled.
         reused_tokens = outcome.plan.num_reused * self.runtime.config.engine.block_size
         return max(handle.num_tokens - reused_tokens, 0), time.perf_counter() - t0
@@ -299,8 +308,10 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         rid = req.request_id
         finished = False
         in_engine = False
+        span = NO_SPAN  # the decode span, once the request is in the engine
         try:
             if req.handle is None:
+                span = self._decode_span(req)
                 in_engine = True
                 await rt.call(
                     lambda e: e.add_request(
@@ -313,8 +324,11 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                     )
                 )
             else:
-                sink.num_transferred_tokens, sink.transfer_s = await self._pull(req, req.handle)
+                with open_span(KV_PULL_SPAN, req.trace, SpanKind.SERVER) as pulled:
+                    got = await self._pull(req, req.handle, pulled)
+                sink.num_transferred_tokens, sink.transfer_s = got
                 in_engine = True  # from here the engine holds the blocks (abort frees them)
+                span = self._decode_span(req)
                 self._raise_if_aborted(rid)
                 await rt.call(
                     lambda e: e.add_transferred_request(
@@ -328,16 +342,20 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                 )
             await _finished(sink, req.deadline)
             finished = True
+            span.end()
         except (RequestAborted, TransferCancelled) as e:
+            span.end(e)
             if rid in self._aborted:
                 sink.end(TokenChunk(token_ids=(), text="", finish_reason=FinishReason.ABORT))
             else:
                 sink.end(ChunkError(rid, _portable(e)))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
+            span.end(e)
             # The `generate` caller went away (or the worker stops): nobody reads this.
             sink.end(ChunkError(rid, RequestAborted(f"request {rid} cancelled on the worker")))
             raise
         except Exception as e:
+            span.end(e)
             sink.end(ChunkError(rid, _portable(e)))
         finally:
             rt.close_stream(rid)
@@ -345,6 +363,16 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             rt.requests_done += 1
             if in_engine and not finished:
                 rt.post(lambda e: e.abort_request(rid))
+
+    def _decode_span(self, req: DecodeRequest) -> Span:
+        """The span of a traced request in this worker's engine (a local prefill's included),
+        until its last token."""
+        span = open_span(DECODE_SPAN, req.trace, SpanKind.SERVER)
+        if span.recording:
+            span.set("pdserve.request_id", req.request_id)
+            span.set("pdserve.worker_id", self.runtime.config.worker_id)
+            span.set("pdserve.local_prefill", req.handle is None)
+        return span
 
     async def abort(self, request_id: str) -> bool:
         """End a request here and free what it holds: cancel its transfer (the outcome frees
@@ -383,6 +411,18 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
 
     def transfer_stats(self) -> TransferStats:
         return self._endpoint.stats()
+
+
+def _traced_pull(span: Span, outcome: TransferOutcome, handle: KVHandle) -> None:
+    plan = outcome.plan
+    span.set("pdserve.request_id", outcome.request_id)
+    span.set("pdserve.prefill_worker", handle.worker_id)
+    span.set("pdserve.kv_bytes", plan.nbytes)
+    span.set("pdserve.kv_blocks", plan.num_blocks)
+    span.set("pdserve.kv_reused_blocks", plan.num_reused)
+    span.set("pdserve.kv_descriptors", plan.num_descriptors)
+    span.set("pdserve.transfer_queue_ms", outcome.queue_wait_s * 1000)
+    span.set("pdserve.transfer_ms", outcome.transfer_s * 1000)
 
 
 async def _finished(sink: RequestSink, deadline: float | None) -> None:

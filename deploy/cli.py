@@ -12,20 +12,22 @@ its admin plane there). With API keys on, the admin key is `$PDSERVE_ADMIN_KEY` 
 file's, and `generate` sends `$PDSERVE_API_KEY` or the admin key; with TLS, the router's
 certificate is verified with `$PDSERVE_TLS_CA` or the state file's, and
 `$PDSERVE_TLS_CLIENT_CERT` / `$PDSERVE_TLS_CLIENT_KEY` are presented for mutual TLS.
+
+`generate` and `status` (with `-v` and `--watch`) live in deploy/cli_inspect.py; what every
+command module shares (consoles, the one-line failure, the router to call) in
+deploy/cli_support.py.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
+from deploy import cli_inspect
+from deploy.cli_support import checked_options, console, fail, router_for
 from deploy.options import (
     ConfigArgs,
     check_count,
@@ -37,7 +39,6 @@ from deploy.options import (
 )
 
 if TYPE_CHECKING:
-    from deploy import client
     from deploy.config import PdserveConfig
     from engine.fp8_checkpoint import Fp8Scheme
 
@@ -46,49 +47,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
 
 
 @app.callback()
 def _root() -> None:
     """pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis."""
-
-
-def _fail(message: str, code: int) -> NoReturn:
-    """One line on stderr (never wrapped), then exit `code`."""
-    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
-    raise typer.Exit(code)
-
-
-@contextmanager
-def _checked_options() -> Iterator[None]:
-    """A refused option (typer.BadParameter from deploy.options) is one line and exit 2."""
-    try:
-        yield
-    except typer.BadParameter as e:
-        _fail(e.message, 2)
-
-
-@contextmanager
-def _router(target: str | None, admin: bool = False) -> Iterator[client.Target]:
-    """The router a command talks to (--target, else the running cluster's first; its admin
-    plane with `admin`), with the key and TLS files to call it with. No cluster, nothing
-    answering there, and an RPC the server refused are each one line on stderr and exit 1;
-    every command that talks to a router goes through here."""
-    import grpc
-
-    from deploy import client, daemon
-
-    try:
-        yield client.resolve(target, admin)
-    except (daemon.NoCluster, client.NoRouter) as e:
-        _fail(str(e), 1)
-    except grpc.RpcError as e:
-        line = client.rpc_error_line(e)
-        if admin and isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
-            line += " (no admin plane at this address: it has its own port, --admin-port)"
-        _fail(line, 1)
 
 
 @app.command("make-model")
@@ -128,7 +91,7 @@ def make_model_cmd(
     from deploy.fp8_checkpoint import quantize_checkpoint
     from deploy.make_model import make_model
 
-    with _checked_options():
+    with checked_options():
         fp8 = _fp8_scheme(quantization, weight_scales, activations)
         if source is not None and (fp8 is None or config_only):
             raise typer.BadParameter("--from: only with --quantization fp8 (and weights)")
@@ -136,7 +99,7 @@ def make_model_cmd(
         try:
             path = quantize_checkpoint(source, out_dir, fp8)
         except (ValueError, FileNotFoundError) as e:
-            _fail(f"--from {source}: {e}", 2)
+            fail(f"--from {source}: {e}", 2)
         console.print(f"wrote {fp8} checkpoint of {source} to [bold]{path}[/bold]")
         return
 
@@ -160,7 +123,7 @@ def make_model_cmd(
             **overrides,
         )  # fmt: skip
     except ValueError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     what = "config and tokenizer" if config_only else "checkpoint"
     console.print(f"wrote {preset} {what}{f' ({fp8})' if fp8 else ''} to [bold]{path}[/bold]")
 
@@ -197,8 +160,8 @@ def up(
 
     running = daemon.read_state()
     if running is not None:
-        _fail(f"a cluster is already running (pid {running.pid}, {running.target})", 1)
-    with _checked_options():  # every value, flags and file alike, before anything starts
+        fail(f"a cluster is already running (pid {running.pid}, {running.target})", 1)
+    with checked_options():  # every value, flags and file alike, before anything starts
         check_seconds(timeout, "--timeout", allow_zero=False)
         given = read_config(config)
         if given.get("cluster.address") is None:
@@ -215,7 +178,7 @@ def up(
         try:
             state = daemon.spawn_detached(config.argv(), log_path, timeout)
         except (RuntimeError, TimeoutError) as e:
-            _fail(str(e), 1)
+            fail(str(e), 1)
         _print_endpoint(state)
         return
     _run_foreground(tree, log_file)
@@ -232,7 +195,7 @@ def config_show(config: ConfigArgs) -> None:
     `--config` reads."""
     from deploy.config import config_yaml
 
-    with _checked_options():
+    with checked_options():
         tree = effective_config(read_config(config))
     print(config_yaml(tree), end="")
 
@@ -259,7 +222,7 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
     try:
         endpoint = cluster.start()
     except Exception as e:
-        _fail(f"cluster failed to start: {e}", 1)
+        fail(f"cluster failed to start: {e}", 1)
     control_log = daemon.state_path().parent / "pdserve-control.log"
     control_log.write_text("")  # exists (empty) once the state file names it
     state = daemon.ClusterState(
@@ -337,7 +300,7 @@ def down(
     """Stop the cluster that `pdserve up` started."""
     from deploy import daemon
 
-    with _checked_options():
+    with checked_options():
         check_seconds(timeout, "--timeout", allow_zero=True)
     state = daemon.stop_cluster(timeout)
     if state is None:
@@ -351,94 +314,8 @@ def down(
         console.print(f"removed from {address}: {', '.join(killed) or 'nothing left'}")
 
 
-@app.command()
-def generate(
-    prompt: Annotated[str, typer.Argument(help="Prompt text.")],
-    max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 = all tokens.")] = 0,
-    seed: Annotated[int | None, typer.Option(help="Per-request seed.")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Generate past end-of-sequence.")] = False,
-    target: Annotated[
-        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Request deadline in seconds.")] = 120.0,
-) -> None:
-    """Send one request through the gRPC API and stream the answer, then TTFT/TPOT."""
-    from deploy import client
-    from pdserve.v1 import serving_pb2 as pb
-
-    with _checked_options():  # the server checks meaning; these would not fit the message
-        check_count(max_tokens, "--max-tokens")
-        check_count(top_k, "--top-k")
-        if seed is not None:
-            check_count(seed, "--seed")
-        check_seconds(timeout, "--timeout", allow_zero=False)
-    request = pb.GenerateRequest(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop=stop or [],
-        ignore_eos=ignore_eos,
-    )
-    if seed is not None:
-        request.seed = seed
-    with _router(target) as addr:
-        console.print(f"[dim]{escape(prompt)}[/dim]", end="")
-        try:
-            result = client.generate(addr, request, console, timeout)
-        finally:
-            console.print()  # ends the prompt + answer line, also when the stream failed
-    console.print(f"[cyan]{client.timings_line(result)}[/cyan]")
-
-
-@app.command()
-def status(
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    events: Annotated[
-        int, typer.Option(help="Recent controller events / planner decisions to show.")
-    ] = 5,
-    target: Annotated[
-        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
-    ] = None,
-) -> None:
-    """Per worker: role, state, node, device, KV blocks, requests in flight, queue, transfers,
-    TTFT/TPOT; then the router's APIs (gRPC, OpenAI HTTP), the request limits, the
-    controller's recent events and the planner's last decision (from the control log)."""
-    from deploy import client
-
-    with _router(target, admin=True) as addr:
-        st = client.status(addr)
-    log = client.control_log_summary(_control_log_path(target), events)
-    if as_json:
-        print(client.status_json(st, log))
-        return
-    # A pipe gets the whole table, not one squeezed into 80 columns.
-    out = console if console.is_terminal else Console(width=200)
-    out.print(client.status_table(st))
-    if st.http_url:
-        api = f"api:      gRPC {addr} · OpenAI {st.http_url}/v1"
-        out.print(f"  {api}", markup=False, highlight=False)
-    for line in client.limits_lines(st):
-        out.print(f"  {line}", markup=False, highlight=False)
-    for line in log.events:
-        out.print(f"  {line}", markup=False, highlight=False)
-    if log.planner:
-        out.print(f"  {log.planner}", markup=False, highlight=False, style="cyan")
-
-
-def _control_log_path(target: str | None) -> str:
-    """The running cluster's control log, when `target` is that cluster (or not given)."""
-    from deploy import daemon
-
-    state = daemon.read_state()
-    if state is None or (target and target not in state.targets):
-        return ""
-    return state.control_log
+app.command()(cli_inspect.generate)
+app.command()(cli_inspect.status)
 
 
 @app.command()
@@ -453,11 +330,11 @@ def rebalance(
     """Move capacity between roles, draining workers before stopping them."""
     from deploy import client
 
-    with _checked_options():
+    with checked_options():
         check_count(prefill, "--prefill", 0)
         check_count(decode, "--decode", 1)
         check_seconds(timeout, "--timeout", allow_zero=True)
-    with _router(target, admin=True) as addr:
+    with router_for(target, admin=True) as addr:
         r = client.rebalance(addr, prefill, decode, timeout)
     console.print(f"{r.message}; started {list(r.started)}, stopped {list(r.stopped)}")
 
@@ -485,9 +362,9 @@ def drain(
     from deploy import client
 
     if timeout is not None:
-        with _checked_options():
+        with checked_options():
             check_seconds(timeout, "--timeout", allow_zero=True)
-    with _router(target, admin=True) as addr:
+    with router_for(target, admin=True) as addr:
         r = client.drain(addr, worker_id, stop, timeout, force)
     console.print(r.message, markup=False, highlight=False)
     if not r.drained:
@@ -504,7 +381,7 @@ def undrain(
     """Put a draining or drained (not stopped) worker back into service."""
     from deploy import client
 
-    with _router(target, admin=True) as addr:
+    with router_for(target, admin=True) as addr:
         r = client.undrain(addr, worker_id)
     console.print(r.message or f"{worker_id} is admitting again", markup=False, highlight=False)
 
@@ -533,7 +410,7 @@ def thresholds(
     """Show the router's admission thresholds, or change the ones given (at run time)."""
     from deploy import client
 
-    with _checked_options():  # the server checks ranges; a negative count does not fit the message
+    with checked_options():  # the server checks ranges; a negative count does not fit the message
         if max_inflight_requests is not None:
             check_count(max_inflight_requests, "--max-inflight-requests")
         if local_prefill_threshold_tokens is not None:
@@ -549,7 +426,7 @@ def thresholds(
         }.items()
         if v is not None
     }
-    with _router(target, admin=True) as addr:
+    with router_for(target, admin=True) as addr:
         current = client.thresholds(addr, changes)
     for field, value in current.items():
         console.print(f"{field:32} {value:g}")
@@ -589,14 +466,14 @@ def bench(
     from loadtests.workload import ProfileError
 
     if api not in APIS:
-        _fail(f"--api: one of {', '.join(APIS)}, got {api!r}", 2)
-    with _router(target) as addr:
+        fail(f"--api: one of {', '.join(APIS)}, got {api!r}", 2)
+    with router_for(target) as addr:
         client.require_router(addr)
-    with _router(admin_target or target, admin=True) as admin_addr:
+    with router_for(admin_target or target, admin=True) as admin_addr:
         # the OpenAI API's address comes from the router itself (its http_port)
         url = client.status(admin_addr).http_url if api == "openai" else addr.address
     if not url:
-        _fail(f"--api openai: the router at {addr} serves no HTTP API (http_port: null)", 1)
+        fail(f"--api openai: the router at {addr} serves no HTTP API (http_port: null)", 1)
     try:
         run_bench(
             url,
@@ -613,9 +490,9 @@ def bench(
             api=api,
         )
     except (ValueError, SLOError, ProfileError) as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     except BenchError as e:
-        _fail(f"bench failed: {e}", 1)
+        fail(f"bench failed: {e}", 1)
 
 
 @app.command()
@@ -645,8 +522,8 @@ def chaos(
     from loadtests.chaos import ChaosConfig
 
     if daemon_running():
-        _fail("a cluster is already running: chaos starts its own (`pdserve down` first)", 1)
-    with _checked_options():
+        fail("a cluster is already running: chaos starts its own (`pdserve down` first)", 1)
+    with checked_options():
         try:
             spec = ChaosConfig(
                 duration_s=duration, load_multiple=load, kill_every_s=kill_every,
@@ -664,7 +541,7 @@ def chaos(
         check_model_dir(tree.model, given.where("model"), weights=True)
     report = run_chaos(tree, spec, out, console)
     if not report.clean:
-        _fail(f"the chaos run found faults (see {out / 'chaos.json'})", 1)
+        fail(f"the chaos run found faults (see {out / 'chaos.json'})", 1)
 
 
 def daemon_running() -> bool:

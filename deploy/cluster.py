@@ -4,7 +4,8 @@ address is given), the controller with its workers, and the router replica(s).
 Before anything starts, `Cluster.start()` loads the API keys and refuses a router bound beyond
 loopback without them (deploy/security.py); the block-hash algorithm reaches every router and
 worker through the actors' environment (`PDSERVE_BLOCK_HASH`, inherited by the controller's
-workers). `Cluster.start()` returns once every router answers; `Cluster.stop()` undoes everything it
+workers), and so do the `OTEL_*` variables that configure tracing (worker_runtime/tracing.py).
+`Cluster.start()` returns once every router answers; `Cluster.stop()` undoes everything it
 started, in reverse order, including the detached controller (and with it the workers it
 owns) on a Ray cluster that outlives this driver. `pdserve up` runs this in the foreground (or
 in a detached daemon process with `--detach`); tests use it directly.
@@ -33,6 +34,7 @@ from deploy.spec import ClusterSpec
 from deploy.workers import capacity_shortfall
 from engine.block_hash import BLOCK_HASH_ENV
 from router.server import RouterActor
+from worker_runtime.tracing import tracing_env
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,9 @@ class Cluster:
         if refusal is not None:
             raise ClusterError(refusal)
         block_hash = resolve_block_hash(cfg).value
-        # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm.
-        runtime_env = {"env_vars": {BLOCK_HASH_ENV: block_hash}}
+        # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm
+        # and traces as this process's OTEL_* say (off without OTEL_TRACES_EXPORTER).
+        runtime_env = {"env_vars": {BLOCK_HASH_ENV: block_hash, **tracing_env()}}
         try:
             model_dir = cfg.model or str(cached_tiny_model())
             redis_url = launch.redis_url

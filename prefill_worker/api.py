@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kv_transfer.types import KVHandle
+from worker_runtime.tracing import TraceContext
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class PrefillRequest:
     arrival_time: float = 0.0
     deadline: float | None = None
     """Wall-clock time after which the worker gives up on the request."""
+    trace: TraceContext | None = None
+    """The router's span of this call (the worker's span is its child); None: untraced."""
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,13 @@ from worker_runtime.api import (
 )
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, next_output
+from worker_runtime.tracing import Span, SpanKind, open_span, quietly
 
 log = logging.getLogger(__name__)
 
 _EWMA = 0.2
+PREFILL_SPAN = "pdserve.prefill_worker.prefill"
+"""This worker's span of a traced `prefill` call (router/tracing.py draws the tree)."""
 
 
 class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
@@ -73,6 +76,13 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
     # ---- requests ---------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        with open_span(PREFILL_SPAN, req.trace, SpanKind.SERVER) as span:
+            result = await self._prefill(req)
+            if span.recording:
+                quietly(_traced, span, result)
+            return result
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         self.admit()
         rt = self.runtime
         rid = req.request_id
@@ -172,3 +182,14 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             prefill_tokens_per_s=self._tokens_per_s,
             timestamp=time.time(),
         )
+
+
+def _traced(span: Span, result: PrefillResult) -> None:
+    span.set("pdserve.request_id", result.request_id)
+    span.set("pdserve.worker_id", result.worker_id)
+    span.set("pdserve.prompt_tokens", result.num_prompt_tokens)
+    span.set("pdserve.cached_tokens", result.num_cached_prompt_tokens)
+    span.set("pdserve.queue_ms", result.queue_s * 1000)
+    span.set("pdserve.prefill_ms", result.prefill_s * 1000)
+    if result.handle is not None:
+        span.set("pdserve.kv_blocks", result.handle.num_blocks)

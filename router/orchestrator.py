@@ -25,7 +25,8 @@ an unfinished decode stream abort themselves). The recovery policy (router/recov
 pure function) then decides: the same attempt on another prefill worker, a fresh attempt on
 (if possible) other workers under a fresh worker-facing id, a resume on the decode worker
 alone (prompt + first token), or failing with the typed error that router/errors.py maps to
-a status. The orchestrator only carries the decision out.
+a status. The orchestrator only carries the decision out. With tracing on, the steps are the
+spans of the request's trace (router/tracing.py draws the tree).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from engine.block_hash import hash_chain, hash_extra
 from prefill_worker.api import PrefillResult
 from prefix_index.index import PrefixIndex
 from prefix_index.types import PrefixMatch
+from router import tracing
 from router.cluster_view import ClusterView, DecodeReservation
 from router.errors import (
     StageTimeout,
@@ -70,6 +72,7 @@ from router.recovery import (
     RetryScope,
     Stage,
     decide,
+    failure_of,
 )
 from router.validation import ValidRequest
 from router.worker_calls import cancel_remote, fire, within
@@ -81,6 +84,7 @@ from router.worker_requests import (
     resume_request,
 )
 from worker_runtime.api import RequestDeadlineExceeded
+from worker_runtime.tracing import Span, SpanKind, TraceContext
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "StreamDelta"]
 
@@ -156,7 +160,9 @@ class Orchestrator:
         """
         progress = RequestProgress(prompt_tokens=len(req.prompt_token_ids))
         self.view.request_arrived()
+        client_id = req.request_id
         req = replace(req, request_id=f"{req.request_id}@{self._id_prefix}{next(self._seq)}")
+        trace = tracing.request_trace(req, client_id)  # NO_TRACE unless this router traces
         if timeout_s is None:
             timeout_s = self.config.default_request_timeout_s
         deadline = time.time() + timeout_s
@@ -167,8 +173,8 @@ class Orchestrator:
         admitted: Admission | None = None
         outcome = "error"
         try:
-            admitted = await self._admit(areq, progress)
-            async for delta in self._serve(req, match, areq, progress, deadline):
+            admitted = await self._admit(areq, progress, trace)
+            async for delta in self._serve(req, match, areq, progress, deadline, trace):
                 yield delta
             outcome = "ok"
         except asyncio.CancelledError:
@@ -182,7 +188,7 @@ class Orchestrator:
                 raise StreamCut(unwrap(e), progress.completion_tokens) from e
             raise
         finally:
-            self._finish(req.request_id, admitted, progress, outcome)
+            self._finish(req.request_id, admitted, progress, outcome, trace)
 
     # ---- 1. admit ---------------------------------------------------------------------------
 
@@ -213,8 +219,12 @@ class Orchestrator:
             deadline_ms=timeout_s * 1000,
         )
 
-    async def _admit(self, areq: AdmissionRequest, progress: RequestProgress) -> Admission:
-        admitted = await self.admission.admit(areq, self._snapshot)
+    async def _admit(
+        self, areq: AdmissionRequest, progress: RequestProgress, trace: tracing.RequestTrace
+    ) -> Admission:
+        with trace.span(tracing.ADMISSION) as span:
+            admitted = await self.admission.admit(areq, self._snapshot)
+            span.set("pdserve.queued_ms", admitted.queued_ms)
         self.running += 1
         self.metrics.admission.labels("admit", "admitted").inc()
         progress.admitted(admitted.queued_ms)
@@ -235,13 +245,14 @@ class Orchestrator:
         areq: AdmissionRequest,
         progress: RequestProgress,
         deadline: float | None,
+        trace: tracing.RequestTrace,
     ) -> AsyncIterator[StreamDelta]:
         """Attempts (place → prefill → first token → hand-off → decode stream), until one
         finishes or the recovery policy fails the request."""
         block_size = self.view.block_size()
         decode_blocks = areq.kv_blocks(block_size)
         attempt = Attempt(base_id=req.request_id)
-        while True:
+        for n in itertools.count(1):
             placement: Placement | None = None
             reservation: DecodeReservation | None = None
             # Set once the prefill worker holds the prompt's blocks: every failure from there,
@@ -249,34 +260,40 @@ class Orchestrator:
             # end it (else the blocks stay pinned until the lease expires).
             lease: PrefillResult | None = None
             try:
-                placement = self._place(attempt, match, block_size, decode_blocks, progress)
+                with trace.span(tracing.PLACEMENT) as span:
+                    placement = self._place(attempt, match, block_size, decode_blocks, progress)
+                    tracing.placed(span, placement, n)
                 progress.placed(placement)
                 # Counted on the decode worker until its load reports show the request (its
                 # first chunk), so a burst placed between two polls spreads over the workers.
                 reservation = self.view.reserve_decode(placement.decode_worker_id, decode_blocks)
                 wreq = replace(req, request_id=attempt.request_id)
                 if placement.local_prefill:
-                    async for delta in self._decode_alone(
-                        wreq, placement, progress, reservation, deadline
-                    ):
-                        yield delta
+                    with trace.span(tracing.DECODE, SpanKind.CLIENT) as span:
+                        async for delta in self._decode_alone(
+                            wreq, placement, progress, reservation, deadline, span
+                        ):
+                            yield delta
                     return
-                lease = await self._prefill(wreq, placement, progress, deadline)
+                with trace.span(tracing.PREFILL, SpanKind.CLIENT) as span:
+                    lease = await self._prefill(wreq, placement, progress, deadline, span.carrier())
+                    tracing.prefilled(span, lease)
                 if not progress.sent_any:
                     yield progress.first_token_out(lease)
                     if lease.finish_reason is not None:
                         yield progress.final_delta(lease.finish_reason)
                         return
-                dreq = self._hand_off(wreq, lease, progress, deadline)
-                async for delta in self._decode(
-                    placement, dreq, progress, reservation, self.config.handoff_timeout_s
-                ):
-                    yield delta
+                with trace.span(tracing.DECODE, SpanKind.CLIENT) as span:
+                    dreq = self._hand_off(wreq, lease, progress, deadline, span.carrier())
+                    async for delta in self._decode(
+                        placement, dreq, progress, reservation, self.config.handoff_timeout_s, span
+                    ):
+                        yield delta
                 return
             except BaseException as e:
                 if lease is not None:
                     self._abort_prefill(lease)
-                failure = _failure(e, placement, lease, progress)
+                failure = failure_of(e, placement, lease is not None, progress.decoded_tokens > 0)
                 decision, attempt = self._recover(failure, attempt, placement, match, progress)
                 if isinstance(decision, Fail):
                     if decision.error is failure.error:
@@ -367,6 +384,7 @@ class Orchestrator:
         placement: Placement,
         progress: RequestProgress,
         deadline: float | None,
+        trace: TraceContext | None,
     ) -> PrefillResult:
         """The prompt on the placed prefill worker, within the prefill stage deadline. A call
         cut short (a client cancel, a deadline) is cancelled and the worker told to drop the
@@ -379,11 +397,12 @@ class Orchestrator:
         # A retry's prefill only rebuilds the KV: its first token is dropped (the client has
         # one), so it must hand off whatever it samples.
         if not progress.sent_any:
-            preq = prefill_request(req, req.sampling, deadline)
+            preq = prefill_request(req, req.sampling, deadline, trace=trace)
         else:  # the client's tokens but the last follow the prompt (a migration's)
             preq = prefill_request(
-                req, handoff_sampling(req.sampling), deadline, progress.prior(with_last=False)
-            )
+                req, handoff_sampling(req.sampling), deadline, progress.prior(with_last=False),
+                trace,
+            )  # fmt: skip
         entry.dispatched_prefill_tokens += placement.uncached_tokens
         ref = entry.handle.prefill.remote(preq)
         try:
@@ -417,6 +436,7 @@ class Orchestrator:
         lease: PrefillResult,
         progress: RequestProgress,
         deadline: float | None,
+        trace: TraceContext | None,
     ) -> DecodeRequest:
         """The decode request that pulls the lease's KV and continues after the client's
         last token (a retry's prefill sampled another one; it is dropped)."""
@@ -424,8 +444,9 @@ class Orchestrator:
             raise WorkerLost(f"prefill worker {lease.worker_id} returned no KV handle")
         assert progress.sent_any
         return handoff_request(
-            req, lease.handle, progress.last_token, deadline, progress.prior(with_last=False)
-        )
+            req, lease.handle, progress.last_token, deadline, progress.prior(with_last=False),
+            trace,
+        )  # fmt: skip
 
     def _abort_prefill(self, lease: PrefillResult) -> None:
         entry = self.view.get(lease.worker_id)
@@ -441,15 +462,16 @@ class Orchestrator:
         progress: RequestProgress,
         reservation: DecodeReservation,
         deadline: float | None,
+        span: Span,
     ) -> AsyncIterator[StreamDelta]:
         """The decode worker computes the request alone: a local prefill, or (tokens already
         out, no prefill worker left) a resume after them."""
         if not progress.sent_any:
-            dreq = local_request(req, deadline)
+            dreq = local_request(req, deadline, span.carrier())
         else:
-            dreq = resume_request(req, progress.prior(with_last=True), deadline)
+            dreq = resume_request(req, progress.prior(with_last=True), deadline, span.carrier())
         first_chunk_s = self.config.prefill_timeout_s + self.config.handoff_timeout_s
-        return self._decode(placement, dreq, progress, reservation, first_chunk_s)
+        return self._decode(placement, dreq, progress, reservation, first_chunk_s, span)
 
     async def _decode(
         self,
@@ -458,6 +480,7 @@ class Orchestrator:
         progress: RequestProgress,
         reservation: DecodeReservation,
         first_timeout_s: float,
+        span: Span,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request on this router's token channel to the decode worker and read its
         chunks off the channel (one Ray item per engine step for all of this router's
@@ -470,6 +493,8 @@ class Orchestrator:
         deadline = dreq.deadline
         stream = self.view.decode_channel(entry).open_request(dreq.request_id)
         finished = False
+        phase = tracing.first_phase(span, dreq, worker_id)  # the hand-off, then the stream
+        chunk, error = None, None
         try:
             try:
                 await self._within(
@@ -485,6 +510,8 @@ class Orchestrator:
                 chunk = await self._within(
                     stream.next(), timeout, deadline, stage, worker_id, progress
                 )
+                if stage == "hand-off":
+                    phase = tracing.first_chunk(phase, span, chunk)
                 reservation.release()  # the worker's own load reports count it from here
                 timeout, stage = self.config.token_gap_timeout_s, "token stream"
                 progress.chunk(chunk)
@@ -498,7 +525,11 @@ class Orchestrator:
                     yield replace(
                         final, token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs
                     )
+        except BaseException as e:
+            error = e
+            raise
         finally:
+            tracing.stream_ended(phase, progress, chunk, error)
             stream.close()
             if not finished:
                 fire(entry.handle.abort.remote(dreq.request_id))
@@ -530,6 +561,7 @@ class Orchestrator:
         admitted: Admission | None,
         progress: RequestProgress,
         outcome: str,
+        trace: tracing.RequestTrace,
     ) -> None:
         self.inflight -= 1
         self.metrics.inflight.set(self.inflight)
@@ -537,6 +569,7 @@ class Orchestrator:
             self.running -= 1
             self.admission.release(request_id, generated_tokens=progress.completion_tokens)
         record = progress.record()
+        trace.finish(outcome, record, progress)
         self.metrics.observe_request(
             outcome, record.ttft_s, record.tpot_s, record.e2e_s, record.first_token_worker,
             record.decode_worker,
@@ -545,22 +578,3 @@ class Orchestrator:
             cached = record.cached_prompt_tokens
             self.metrics.cached_tokens.labels("cached").inc(cached)
             self.metrics.cached_tokens.labels("computed").inc(progress.prompt_tokens - cached)
-
-
-def _failure(
-    error: BaseException,
-    placement: Placement | None,
-    lease: PrefillResult | None,
-    progress: RequestProgress,
-) -> Failure:
-    """The failed attempt as the recovery policy sees it: the stage follows from what it
-    had (workers, a prefill lease, tokens decoded)."""
-    err = unwrap(error)
-    if placement is None:
-        return Failure(Stage.PLACE, err)
-    if placement.local_prefill:
-        return Failure(Stage.LOCAL, err, placement.decode_worker_id)
-    if lease is None:
-        return Failure(Stage.PREFILL, err, placement.prefill_worker_id)
-    stage = Stage.DECODE if progress.decoded_tokens else Stage.HAND_OFF
-    return Failure(stage, err, placement.decode_worker_id)

@@ -63,6 +63,9 @@ class RequestRecord:
     """The worker that computed the first token (the decode worker for a local prefill)."""
     decode_worker: str
     cached_prompt_tokens: int
+    transferred_prompt_tokens: int = 0
+    prefill_worker: str = ""
+    """The prefill worker of the first token ("" for a local prefill)."""
 
 
 class RequestProgress:
@@ -208,4 +211,6 @@ class RequestProgress:
             first_token_worker=self._decode_worker if self._local_prefill else self._prefill_worker,
             decode_worker=self._decode_worker,
             cached_prompt_tokens=self._cached_prompt_tokens,
+            transferred_prompt_tokens=self._transferred_prompt_tokens,
+            prefill_worker="" if self._local_prefill else self._prefill_worker,
         )

@@ -43,7 +43,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from kv_transfer.errors import TransferError
-from router.errors import WorkerLost, is_actor_death
+from router.errors import WorkerLost, is_actor_death, unwrap
 from router.placement import Placement
 from worker_runtime.api import StepFailed, WorkerDraining, WorkerOverloaded, WorkerStopped
 
@@ -90,6 +90,22 @@ class Failure:
     """The error itself (router.errors.unwrap applied)."""
     worker_id: str | None = None
     """The worker of the failed stage (the prefill worker in PREFILL, else the decode one)."""
+
+
+def failure_of(
+    error: BaseException, placement: Placement | None, prefilled: bool, decoded: bool
+) -> Failure:
+    """A failed attempt as the policy sees it: the stage follows from what it had (workers,
+    a prefill lease, tokens decoded after the prefill worker's first)."""
+    err = unwrap(error)
+    if placement is None:
+        return Failure(Stage.PLACE, err)
+    if placement.local_prefill:
+        return Failure(Stage.LOCAL, err, placement.decode_worker_id)
+    if not prefilled:
+        return Failure(Stage.PREFILL, err, placement.prefill_worker_id)
+    stage = Stage.DECODE if decoded else Stage.HAND_OFF
+    return Failure(stage, err, placement.decode_worker_id)
 
 
 @dataclass(frozen=True)

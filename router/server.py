@@ -48,6 +48,7 @@ from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.servicer import AdminServicer, GenerationServicer, generation_handler
 from router.tls import TlsConfig
 from router.validation import ValidationLimits
+from worker_runtime import tracing
 from worker_runtime.api import WorkerRole
 
 if TYPE_CHECKING:
@@ -206,6 +207,7 @@ class RouterServer:
 
     async def start(self) -> int:
         """Start serving; returns the bound gRPC port."""
+        tracing.configure_tracing("router")  # from OTEL_*: off unless an exporter is named
         await self.view.start()
         self._update_limits()
         opts = [
@@ -498,6 +500,17 @@ class RouterActor:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+        await asyncio.to_thread(tracing.shutdown_tracing)  # what is left goes to the exporter
+
+    def finished_spans(self, clear: bool = False) -> list[tracing.FinishedSpan]:
+        """The spans this router exported to the `pdserve_memory` exporter (tests and
+        debugging; empty with another exporter or tracing off)."""
+        return tracing.finished_spans(clear)
+
+    def pause_tracing(self, paused: bool) -> bool:
+        """Stop opening spans (or open them again), keeping the exporters; True when this
+        router traces now. Its requests then carry no context to the workers either."""
+        return tracing.pause_tracing(paused)
 
     def signals(self, since_s: float) -> RouterSignals | None:
         """The planner's input from this router (None before it serves)."""

@@ -38,6 +38,7 @@ from router.control import ClusterControl
 from router.errors import DEFAULT_RETRY_AFTER_MS, RETRY_AFTER_KEY, to_grpc_failure, unwrap
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamDelta
+from router.tracing import grpc_caller_context
 from router.validation import ValidationLimits, find_invalid_utf8_field, validate
 from worker_runtime.api import WorkerLoad, WorkerState
 
@@ -142,8 +143,9 @@ class GenerationServicer:
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.GenerateResponse]:
         requests = self.orchestrator.metrics.requests
+        metadata = context.invocation_metadata()
         try:
-            principal = self.keys.from_metadata(context.invocation_metadata())
+            principal = self.keys.from_metadata(metadata)
         except AuthFailure as e:  # the interceptor refuses these first; never served
             await context.abort(e.code, e.message)
             return
@@ -167,7 +169,8 @@ class GenerationServicer:
         started = False
         try:
             tenant = principal.tenant if principal is not None else None
-            valid = validate(request, self.tokenizer, self.limits, tenant)
+            trace = grpc_caller_context(metadata)
+            valid = validate(request, self.tokenizer, self.limits, tenant, trace)
             started = True
             # aclosing: a client that goes away while a message is being written closes this
             # generator at its yield; close the orchestrator's at once too (its cleanup frees

@@ -16,6 +16,7 @@ from engine.block_hash import scoped_salt
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
+from worker_runtime.tracing import TraceContext
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 64
@@ -56,6 +57,9 @@ class ValidRequest:
     cache_salt: str
     """The salt that scopes its prefix-cache entries: the tenant and the request's own
     `cache_salt` (`engine.block_hash.scoped_salt`), so no two tenants share a cached block."""
+    trace: TraceContext | None = None
+    """The caller's W3C trace context (a `traceparent` in the call's metadata or headers),
+    which the request's trace continues; None: none given, or this router does not trace."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,13 @@ def validate(
     tokenizer: Tokenizer,
     limits: ValidationLimits,
     tenant: str | None = None,
+    trace: TraceContext | None = None,
 ) -> ValidRequest:
     """Check every field of `req`; raise InvalidRequest naming the first bad one.
 
     `tenant` is the caller's, from its API key: it replaces whatever the request's `tenant`
     field says (that field is then ignored). None (auth off): the field is the tenant.
+    `trace`: the caller's trace context, from the call's metadata (router/tracing.py).
     """
     request_id = req.request_id or uuid.uuid4().hex
     check_name("request_id", request_id, MAX_REQUEST_ID_CHARS)
@@ -170,6 +176,7 @@ def validate(
         tenant=tenant,
         priority=int(req.priority),
         cache_salt=scoped_salt(tenant, req.cache_salt),
+        trace=trace,
     )
 
 

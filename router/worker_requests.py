@@ -8,6 +8,8 @@ handoff_request   to the decode worker: pull the prefill result's KV, continue a
 local_request     to the decode worker alone: prefill and decode the whole request
 resume_request    to the decode worker alone after tokens went out: they are its `prior`,
                   prefilled after the prompt; it samples the next one on
+
+Each carries the router's span of its call (`trace`, router/tracing.py) when it is traced.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.types import KVHandle
 from prefill_worker.api import PrefillRequest
 from router.validation import ValidRequest
+from worker_runtime.tracing import TraceContext
 
 
 def handoff_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -40,6 +43,7 @@ def prefill_request(
     sampling: SamplingParams,
     deadline: float | None,
     prior: PriorOutput = NO_PRIOR,
+    trace: TraceContext | None = None,
 ) -> PrefillRequest:
     return PrefillRequest(
         request_id=req.request_id,
@@ -48,6 +52,7 @@ def prefill_request(
         cache_salt=req.cache_salt,
         arrival_time=time.time(),
         deadline=deadline,
+        trace=trace,
     )
 
 
@@ -57,6 +62,7 @@ def _decode_request(
     handle: KVHandle | None = None,
     first_token: tuple[int, float | None] = (-1, None),
     prior: PriorOutput = NO_PRIOR,
+    trace: TraceContext | None = None,
 ) -> DecodeRequest:
     return DecodeRequest(
         request_id=req.request_id,
@@ -69,6 +75,7 @@ def _decode_request(
         arrival_time=time.time(),
         deadline=deadline,
         prior=prior,
+        trace=trace,
     )
 
 
@@ -78,19 +85,27 @@ def handoff_request(
     last_token: tuple[int, float | None],
     deadline: float | None,
     prior: PriorOutput = NO_PRIOR,
+    trace: TraceContext | None = None,
 ) -> DecodeRequest:
     """The decode of a prefilled request: pull `handle`'s KV (the prompt's, then `prior`'s),
     go on after the client's last token."""
-    return _decode_request(req, deadline, handle, last_token, prior)
+    return _decode_request(req, deadline, handle, last_token, prior, trace)
 
 
-def local_request(req: ValidRequest, deadline: float | None) -> DecodeRequest:
+def local_request(
+    req: ValidRequest, deadline: float | None, trace: TraceContext | None = None
+) -> DecodeRequest:
     """The whole request on the decode worker (it prefills the prompt itself)."""
-    return _decode_request(req, deadline)
+    return _decode_request(req, deadline, trace=trace)
 
 
-def resume_request(req: ValidRequest, prior: PriorOutput, deadline: float | None) -> DecodeRequest:
+def resume_request(
+    req: ValidRequest,
+    prior: PriorOutput,
+    deadline: float | None,
+    trace: TraceContext | None = None,
+) -> DecodeRequest:
     """The rest of a request whose first tokens are out (`prior`), computed on the decode
     worker alone: prompt + prior is prefilled there and it samples the next token on, so
     the client sees each token once."""
-    return _decode_request(req, deadline, prior=prior)
+    return _decode_request(req, deadline, prior=prior, trace=trace)

@@ -11,7 +11,8 @@ every new request passes (READY, and room for one more). `drain` stops admitting
 until the role holds nothing (`_holds_work`: a decode worker's streams, a prefill worker's
 requests and leases); `ping` is the controller's health check (health means progress:
 `WorkerRuntime.check_health`); `shutdown` closes the endpoint and stops the runtime, failing
-what is left with `WorkerStopped`.
+what is left with `WorkerStopped`, and flushes the process's spans (worker_runtime/tracing.py,
+set up from `OTEL_*` when the actor is created).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.engine import LLMEngine
 from kv_transfer.config import KVTransferConfig
 from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
 from worker_runtime.runtime import WorkerConfig, WorkerRuntime
+from worker_runtime.tracing import FinishedSpan, configure_tracing, finished_spans, shutdown_tracing
 
 DRAIN_POLL_S = 0.05
 TRANSFER_LOOP = "kv-transfer thread"
@@ -54,6 +56,7 @@ class WorkerLifecycle(Generic[E]):
         self.runtime = WorkerRuntime(config, actor_name or config.worker_id)
         self.transfer_config = transfer
         self.endpoint: E | None = None
+        configure_tracing(config.role.value)  # from OTEL_*: off unless an exporter is named
 
     # ---- the role's part --------------------------------------------------------------------
 
@@ -127,3 +130,9 @@ class WorkerLifecycle(Generic[E]):
             await asyncio.to_thread(self.endpoint.close)
         self.runtime.stop()
         self._closing()
+        await asyncio.to_thread(shutdown_tracing)  # what is left goes to the exporter
+
+    def finished_spans(self, clear: bool = False) -> list[FinishedSpan]:
+        """The spans this worker exported to the `pdserve_memory` exporter (tests and
+        debugging; empty with another exporter or tracing off)."""
+        return finished_spans(clear)

@@ -29,6 +29,7 @@ from pdserve.v1 import serving_pb2 as pb
 from router.http.chat import ChatTemplate, template_messages
 from router.http.errors import ApiError, failure
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, GenerationBody
+from router.tracing import http_caller_context
 from router.validation import (
     MAX_PROMPT_BYTES_PER_TOKEN,
     InvalidRequest,
@@ -36,6 +37,7 @@ from router.validation import (
     ValidRequest,
     validate,
 )
+from worker_runtime.tracing import TraceContext
 
 MAX_CHOICES = 64
 """The most choices one request may ask for (prompts times n)."""
@@ -146,13 +148,14 @@ class Translator:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         logprobs = body.logprobs is not None
         requests = []
+        trace = http_caller_context(headers)
         for name, prompt in prompts:
             req = self._proto(body, headers, "max_tokens", max_tokens, logprobs)
             if isinstance(prompt, str):
                 req.prompt = prompt
             else:
                 req.token_ids.extend(prompt)
-            requests.append(self._validate(req, name, "max_tokens", tenant))
+            requests.append(self._validate(req, name, "max_tokens", tenant, trace))
         return self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
 
     def chat(
@@ -189,7 +192,7 @@ class Translator:
         logprobs = bool(body.logprobs)
         req = self._proto(body, headers, name, max_tokens, logprobs)
         req.token_ids.extend(ids)
-        valid = self._validate(req, "messages", name, tenant)
+        valid = self._validate(req, "messages", name, tenant, http_caller_context(headers))
         return self._plan(Endpoint.CHAT, body, headers, [valid], _n(body, 1), logprobs)
 
     # ---- shared ------------------------------------------------------------------------------
@@ -246,11 +249,16 @@ class Translator:
         return req
 
     def _validate(
-        self, req: pb.GenerateRequest, prompt_name: str, max_name: str, tenant: str | None
+        self,
+        req: pb.GenerateRequest,
+        prompt_name: str,
+        max_name: str,
+        tenant: str | None,
+        trace: TraceContext | None,
     ) -> ValidRequest:
         """`validate`, with its field names turned into the body's."""
         try:
-            return validate(req, self.tokenizer, self.limits(), tenant)
+            return validate(req, self.tokenizer, self.limits(), tenant, trace)
         except InvalidRequest as e:
             names = {"prompt": prompt_name, "token_ids": prompt_name, "max_tokens": max_name,
                      "request_id": REQUEST_ID_HEADER, "tenant": TENANT_HEADER}  # fmt: skip

@@ -129,6 +129,76 @@ def test_generate_streams_then_status_table_shows_latency(cli_cluster: CliCluste
     assert prefill["ttft_p50_ms"] > 0
 
 
+def test_generate_verbose_prints_the_timings_the_answer_carries(cli_cluster: CliCluster) -> None:
+    result = cli_cluster.cli(
+        "generate", "The lighthouse keeper writes", "--max-tokens", "6", "--ignore-eos", "-v"
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    (prefill,), (decode,) = ids(cli_cluster, "prefill"), ids(cli_cluster, "decode")
+    for stage in ("admission queue", "prefill", "KV transfer", "TTFT", "TPOT (mean)",
+                  "end to end", "this client"):  # fmt: skip
+        assert stage in out, stage
+    assert "request " in out and "6 generated" in out and "disaggregated" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert prefill in rows["prefill"] and decode in rows["KV"]
+    assert float(rows["TTFT"].split()[1]) > 0
+
+
+def test_status_watch_refreshes_count_times_on_a_pipe(cli_cluster: CliCluster) -> None:
+    started = time.monotonic()
+    result = cli_cluster.cli("status", "--watch", "--interval", "0.3", "--count", "3")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("pdserve status · every 0.3 s") == 3
+    assert result.output.count("redis ok") == 3  # the table's title, once per refresh
+    assert time.monotonic() - started >= 0.6  # two waits between three refreshes
+    refused = cli_cluster.cli("status", "--watch", "--interval", "0")
+    assert refused.exit_code == 2 and "--interval" in refused.output
+
+
+def test_status_watch_redraws_in_place_on_a_terminal_until_ctrl_c(
+    cli_cluster: CliCluster,
+) -> None:
+    import os
+    import pty
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, **cli_cluster.env, "TERM": "xterm", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "status", "--watch", "--interval", "0.3"],
+        stdin=follower, stdout=follower, stderr=follower, env=env, close_fds=True,
+    )  # fmt: skip
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while seen.count(b"pdserve status") < 3 and time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if ready:
+                seen += os.read(leader, 65536)
+        assert seen.count(b"pdserve status") >= 3, seen.decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        while select.select([leader], [], [], 0.2)[0]:
+            try:
+                seen += os.read(leader, 65536)
+            except OSError:  # the terminal closed with the process
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        os.close(leader)
+    text = seen.decode(errors="replace")
+    assert rc == 0, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert "\x1b[2K" in text and "\x1b[1A" in text  # the live table moves the cursor up
+
+
 def test_thresholds_shows_and_sets_zero_at_run_time(cli_cluster: CliCluster) -> None:
     shown = cli_cluster.cli("thresholds")
     assert shown.exit_code == 0, shown.output

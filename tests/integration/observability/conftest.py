@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cluster_slot import ClusterSlot
 from prometheus_server import PrometheusServer, require_prometheus
 
 from pdserve.v1 import serving_pb2 as pb
@@ -40,7 +41,10 @@ class Observed:
 
 @pytest.fixture(scope="module")
 def observed(
-    ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_cluster: None,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cluster_slot: ClusterSlot,
 ) -> Iterator[Observed]:
     binary = require_prometheus()
     import ray
@@ -86,7 +90,9 @@ def observed(
             planner=planner,
         ),
     )
-    with Cluster(config) as cluster:
+    cluster = Cluster(config)
+    cluster_slot.take(cluster.stop)  # a session fixture's cluster (router, security) stops
+    with cluster:
         ep = cluster.endpoint
         assert ep is not None and ep.metrics
         controller_url = ray.get(cluster.controller.metrics_url.remote(), timeout=30)
@@ -103,6 +109,7 @@ def observed(
             yield Observed(prometheus, ep.target, ep.metrics, controller_url, ep.ray_address, ok)
         finally:
             prometheus.stop()
+            cluster_slot.release(cluster.stop)
 
 
 def send_load(target: str) -> int:

@@ -70,6 +70,7 @@ def test_a_disaggregated_request_times_prefill_transfer_ttft_and_tpot(clock: Clo
     assert p.record() == RequestRecord(
         ttft_s=pytest.approx(0.3), tpot_s=pytest.approx(0.4 / 3), e2e_s=1.0,
         first_token_worker="prefill-0", decode_worker="decode-1", cached_prompt_tokens=16,
+        transferred_prompt_tokens=22, prefill_worker="prefill-0",
     )  # fmt: skip
 
 

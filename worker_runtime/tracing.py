@@ -1,0 +1,357 @@
+"""Traces: the W3C trace context a request carries across the Ray boundary, and this
+process's tracer, configured from the standard `OTEL_*` environment variables.
+
+Off unless `OTEL_TRACES_EXPORTER` names an exporter (and `OTEL_SDK_DISABLED` is not true).
+Off, `open_span` returns `NO_SPAN` after one check of a module global: no span, context or
+carrier is ever built, and opentelemetry is not even imported. A router (the orchestrator,
+router/tracing.py) opens a request's root span, continuing the caller's trace when the call
+carried one; a worker only opens child spans of a context that a request brought
+(`PrefillRequest.trace`, `DecodeRequest.trace`), so a request the router did not trace costs
+a worker nothing either.
+
+Exporters are found by name in the `opentelemetry_traces_exporter` entry-point group, as the
+SDK's own configurator finds them: `console` (the SDK), `otlp_proto_http` (the OTLP/HTTP
+exporter; `otlp` means it unless `OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL` says `grpc`, which
+needs `opentelemetry-exporter-otlp-proto-grpc` installed), and `pdserve_memory`, the SDK's
+in-memory exporter, whose spans `finished_spans()` reads back (tests, debugging: the actors
+answer it). Each sits behind a `BatchSpanProcessor` (`OTEL_BSP_*`); the SDK reads the rest:
+`OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES` (the service name defaults to
+`pdserve-<role>`), `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_EXPORTER_OTLP_*`, span limits.
+`tracing_env()` is what deploy/cluster.py hands every actor it starts.
+
+Tracing never fails a request: exporters run on the processor's thread, which logs their
+errors; an exporter that cannot be built leaves this process untraced (logged once); a span
+operation that raises is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Tracer
+
+log = logging.getLogger(__name__)
+
+EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+EXPORTER_GROUP = "opentelemetry_traces_exporter"
+MEMORY_EXPORTER = "pdserve_memory"
+"""The exporter name (an entry point of pdserve's) of the SDK's in-memory exporter."""
+
+AttributeValue = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """A span's W3C trace context (https://www.w3.org/TR/trace-context/) as it travels with a
+    request to another process: the `traceparent` and `tracestate` header values."""
+
+    traceparent: str
+    tracestate: str = ""
+
+
+class SpanKind(enum.Enum):
+    INTERNAL = "internal"
+    SERVER = "server"
+    """The callee's side of a call: a router's request span, a worker's span of a Ray call."""
+    CLIENT = "client"
+    """The caller's side of a worker call (its context travels in the request)."""
+
+
+class Span:
+    """An open span. This class itself is the span of an untraced path (`NO_SPAN`): every
+    method does nothing. `end` (or leaving a `with` block) ends it once; an error ends it
+    with an error status naming the exception."""
+
+    recording = False
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        """Set attribute `key` (pdserve's are named `pdserve.*`)."""
+
+    def carrier(self) -> TraceContext | None:
+        """This span's context for a request going to another process (None: untraced)."""
+        return None
+
+    def end(self, error: BaseException | None = None) -> None:
+        pass
+
+    def __enter__(self) -> Span:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        self.end(error)
+
+
+NO_SPAN = Span()
+
+
+@dataclass
+class _Tracing:
+    """What `configure_tracing` set up in this process (the SDK's objects, built once)."""
+
+    tracer: Tracer
+    provider: TracerProvider
+    exporters: list[SpanExporter]
+    role: str
+    kinds: dict[SpanKind, Any]
+    propagator: Any
+    in_context: Any
+    """opentelemetry.trace.set_span_in_context"""
+
+
+_tracing: _Tracing | None = None
+_active: _Tracing | None = None
+"""What spans are opened with: None when tracing is off (or paused)."""
+
+
+def tracing_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The `OTEL_*` variables of this process: the actors a cluster starts get them (a Ray
+    worker process does not inherit the driver's environment)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith("OTEL_")}
+
+
+def exporter_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The entry-point names `OTEL_TRACES_EXPORTER` asks for; empty means tracing is off."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    names = [n.strip() for n in env.get(EXPORTER_ENV, "").split(",") if n.strip()]
+    if [n.lower() for n in names] == ["none"] or not names:
+        return []
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or ""
+    ).strip()
+    otlp = "otlp_proto_grpc" if protocol.strip() == "grpc" else "otlp_proto_http"
+    return [otlp if n == "otlp" else n for n in names if n.lower() != "none"]
+
+
+def configure_tracing(role: str) -> bool:
+    """Set up this process's tracer from its `OTEL_*` environment (once: a later call keeps
+    the first set-up); `role` names the default service (`pdserve-<role>`). True when it
+    traces."""
+    global _tracing, _active
+    if _tracing is not None:
+        return True
+    names = exporter_names()
+    if not names:
+        return False
+    try:
+        _tracing = _build(role, names)
+    except Exception as e:
+        log.warning("tracing stays off in this %s process: %s", role, e)
+        return False
+    _active = _tracing
+    log.info("tracing on (%s), exporters %s", role, ", ".join(names))
+    return True
+
+
+def _build(role: str, names: list[str]) -> _Tracing:
+    from importlib.metadata import entry_points
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    exporters: list[SpanExporter] = []
+    for name in names:
+        found = list(entry_points(group=EXPORTER_GROUP, name=name))
+        if not found:
+            raise RuntimeError(f"{EXPORTER_ENV}: no trace exporter named {name!r} is installed")
+        exporter = found[0].load()()
+        if not isinstance(exporter, SpanExporter):
+            raise RuntimeError(f"{EXPORTER_ENV}: {name!r} is not a span exporter")
+        exporters.append(exporter)
+    resource = Resource.create({"pdserve.role": role})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: f"pdserve-{role}"}))
+    provider = TracerProvider(resource=resource)
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    kinds = {
+        SpanKind.INTERNAL: trace.SpanKind.INTERNAL,
+        SpanKind.SERVER: trace.SpanKind.SERVER,
+        SpanKind.CLIENT: trace.SpanKind.CLIENT,
+    }
+    return _Tracing(
+        provider.get_tracer("pdserve"), provider, exporters, role, kinds,
+        TraceContextTextMapPropagator(), trace.set_span_in_context,
+    )  # fmt: skip
+
+
+def tracing_enabled() -> bool:
+    """True when spans are being opened in this process (the one check of a traced path)."""
+    return _active is not None
+
+
+def pause_tracing(paused: bool) -> bool:
+    """Stop (or resume) opening spans, keeping the exporters; True when it traces now. A
+    benchmark compares the two in one process (benchmarks/bench_tracing.py)."""
+    global _active
+    _active = None if paused else _tracing
+    return _active is not None
+
+
+def shutdown_tracing(timeout_s: float = 5.0) -> None:
+    """Export what is pending (within `timeout_s`) and turn tracing off in this process."""
+    global _tracing, _active
+    current, _tracing, _active = _tracing, None, None
+    if current is None:
+        return
+    try:
+        current.provider.force_flush(int(timeout_s * 1000))
+        current.provider.shutdown()
+    except Exception as e:
+        log.warning("tracing shutdown: %s", e)
+
+
+def open_span(
+    name: str,
+    parent: Span | TraceContext | None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    new_trace: bool = False,
+) -> Span:
+    """A span, child of `parent` (an open span of this process, or a context another process
+    sent). Without a parent it starts a trace only with `new_trace` (a router's request
+    span); else, and whenever tracing is off, it is `NO_SPAN`."""
+    t = _active
+    if t is None or (parent is None and not new_trace) or parent is NO_SPAN:
+        return NO_SPAN
+    try:
+        if isinstance(parent, _Recording):
+            context = t.in_context(parent.span)
+        elif isinstance(parent, TraceContext):
+            headers = {"traceparent": parent.traceparent}
+            if parent.tracestate:
+                headers["tracestate"] = parent.tracestate
+            context = t.propagator.extract(headers)
+        else:
+            context = None
+        return _Recording(t, t.tracer.start_span(name, context, t.kinds[kind]))
+    except Exception as e:
+        log.warning("span %s not opened: %s", name, e)
+        return NO_SPAN
+
+
+class _Recording(Span):
+    """A span of the SDK's (recording unless the sampler said no: its context still goes on,
+    so a caller's "not sampled" reaches the workers)."""
+
+    def __init__(self, tracing: _Tracing, span: Any) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.recording = bool(span.is_recording())
+        self._ended = False
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        self.span.set_attribute(key, value)
+
+    def carrier(self) -> TraceContext | None:
+        headers: dict[str, str] = {}
+        try:
+            self.tracing.propagator.inject(headers, self.tracing.in_context(self.span))
+        except Exception as e:
+            log.warning("no trace context for a worker call: %s", e)
+        if "traceparent" not in headers:
+            return None
+        return TraceContext(headers["traceparent"], headers.get("tracestate", ""))
+
+    def end(self, error: BaseException | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            if error is not None:
+                from opentelemetry.trace import Status, StatusCode
+
+                what = "cancelled" if _is_cancel(error) else f"{type(error).__name__}: {error}"
+                self.span.set_status(Status(StatusCode.ERROR, what))
+                self.span.set_attribute("pdserve.error", type(error).__name__)
+            self.span.end()
+        except Exception as e:
+            log.warning("span not ended: %s", e)
+
+
+def quietly(fn: Callable[..., None], *args: object) -> None:
+    """`fn(*args)`, a helper that reads a request's values into a span, with any error it
+    raises logged, not raised: a tracing bug must not fail the request."""
+    try:
+        fn(*args)
+    except Exception:
+        log.warning("tracing: %s failed (the request goes on)", fn.__name__, exc_info=True)
+
+
+def _is_cancel(error: BaseException) -> bool:
+    import asyncio
+
+    return isinstance(error, (asyncio.CancelledError, GeneratorExit))
+
+
+# ---- reading spans back (tests, debugging) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinishedSpan:
+    """A finished span as the in-memory exporter holds it, in plain values (it crosses Ray)."""
+
+    name: str
+    service: str
+    trace_id: str
+    """32 hex digits."""
+    span_id: str
+    """16 hex digits."""
+    parent_id: str | None
+    """The parent's span id (16 hex digits; None for a trace's root)."""
+    kind: str
+    status: str
+    """unset, ok or error."""
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+
+
+def finished_spans(clear: bool = False, timeout_s: float = 5.0) -> list[FinishedSpan]:
+    """The spans this process exported to `pdserve_memory` (flushed first, within
+    `timeout_s`); empty when it does not trace or exports elsewhere. `clear`: forget them."""
+    current = _tracing
+    if current is None:
+        return []
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    current.provider.force_flush(int(timeout_s * 1000))
+    spans: list[FinishedSpan] = []
+    for exporter in current.exporters:
+        if isinstance(exporter, InMemorySpanExporter):
+            spans += [_plain(s) for s in exporter.get_finished_spans()]
+            if clear:
+                exporter.clear()
+    return spans
+
+
+def _plain(span: ReadableSpan) -> FinishedSpan:
+    ctx = span.context
+    assert ctx is not None
+    parent = span.parent
+    return FinishedSpan(
+        name=span.name,
+        service=str(span.resource.attributes.get("service.name", "")),
+        trace_id=f"{ctx.trace_id:032x}",
+        span_id=f"{ctx.span_id:016x}",
+        parent_id=f"{parent.span_id:016x}" if parent is not None else None,
+        kind=span.kind.name.lower(),
+        status=span.status.status_code.name.lower(),
+        start_ns=span.start_time or 0,
+        end_ns=span.end_time or 0,
+        attributes=dict(span.attributes or {}),  # type: ignore[arg-type]
+    )
