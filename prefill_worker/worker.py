@@ -20,6 +20,7 @@ Aborts: before step 3 the engine aborts the request (blocks freed at once); afte
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -35,13 +36,15 @@ from worker_runtime.api import (
 )
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, next_output
-from worker_runtime.tracing import Span, SpanKind, open_span, quietly
+from worker_runtime.tracing import DeferredSpans, Span, SpanKind, open_span, quietly
 
 log = logging.getLogger(__name__)
 
 _EWMA = 0.2
 PREFILL_SPAN = "pdserve.prefill_worker.prefill"
 """This worker's span of a traced `prefill` call (router/tracing.py draws the tree)."""
+SPAN_AFTER_REPLY_S = 0.005
+"""How long after a traced `prefill` returns its span is made (Ray sends the reply first)."""
 
 
 class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
@@ -76,11 +79,18 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
     # ---- requests ---------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        with open_span(PREFILL_SPAN, req.trace, SpanKind.SERVER) as span:
-            result = await self._prefill(req)
-            if span.recording:
-                quietly(_traced, span, result)
-            return result
+        # Deferred (worker_runtime/tracing.py): made in the SDK after the reply has left,
+        # so the router's first token does not wait for it.
+        spans = DeferredSpans()
+        try:
+            with open_span(PREFILL_SPAN, req.trace, SpanKind.SERVER, deferred=spans) as span:
+                result = await self._prefill(req)
+                if span.recording:
+                    quietly(_traced, span, result)
+                return result
+        finally:
+            if spans.spans:
+                asyncio.get_running_loop().call_later(SPAN_AFTER_REPLY_S, spans.flush)
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         self.admit()

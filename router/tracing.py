@@ -33,9 +33,11 @@ from router.progress import RequestProgress, RequestRecord
 from router.validation import ValidRequest
 from worker_runtime.tracing import (
     NO_SPAN,
+    DeferredSpans,
     Span,
     SpanKind,
     TraceContext,
+    open_request_span,
     open_span,
     quietly,
     tracing_enabled,
@@ -55,19 +57,26 @@ TRACESTATE = "tracestate"
 
 
 class RequestTrace:
-    """The root span of one request and the stage spans under it."""
+    """The root span of one request and the stage spans under it.
 
-    def __init__(self, root: Span) -> None:
+    Every span of it is deferred (worker_runtime/tracing.py, `open_span`): while the request
+    runs they record times and attributes in plain values; they are made in the SDK when it
+    finishes, so its tokens do not wait for the SDK (benchmarks/bench_tracing.py)."""
+
+    def __init__(self, root: Span, deferred: DeferredSpans) -> None:
         self.root = root
+        self.deferred = deferred
 
     def span(self, name: str, kind: SpanKind = SpanKind.INTERNAL) -> Span:
         """A stage span under the root (`with trace.span(...) as span:` ends it)."""
-        return open_span(name, self.root, kind)
+        return open_span(name, self.root, kind, deferred=self.deferred)
 
     def finish(self, outcome: str, record: RequestRecord, progress: RequestProgress) -> None:
-        """End the root with what the request did; its status is an error unless ok."""
+        """Make the stage spans, then end the root with what the request did; its status is
+        an error unless ok."""
         if self.root.recording:
             quietly(self._finish, outcome, record, progress)
+            self.deferred.flush()
 
     def _finish(self, outcome: str, record: RequestRecord, progress: RequestProgress) -> None:
         root = self.root
@@ -85,7 +94,7 @@ class RequestTrace:
         root.end(None if outcome == "ok" else _Outcome(outcome))
 
 
-NO_TRACE = RequestTrace(NO_SPAN)
+NO_TRACE = RequestTrace(NO_SPAN, DeferredSpans())
 
 
 class _Outcome(Exception):
@@ -97,13 +106,14 @@ def request_trace(req: ValidRequest, client_request_id: str) -> RequestTrace:
     this router does not trace."""
     if not tracing_enabled():
         return NO_TRACE
-    root = open_span(REQUEST, req.trace, SpanKind.SERVER, new_trace=True)
+    deferred = DeferredSpans()
+    root = open_request_span(REQUEST, req.trace, SpanKind.SERVER, deferred)
     if root.recording:
         root.set("pdserve.request_id", client_request_id)
         root.set("pdserve.router_request_id", req.request_id)
         root.set("pdserve.prompt_tokens", len(req.prompt_token_ids))
         root.set("pdserve.max_tokens", req.sampling.max_tokens)
-    return RequestTrace(root)
+    return RequestTrace(root, deferred)
 
 
 # ---- the caller's context --------------------------------------------------------------------

@@ -29,13 +29,15 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
     from opentelemetry.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class _Tracing:
     propagator: Any
     in_context: Any
     """opentelemetry.trace.set_span_in_context"""
+    ids: Any
+    """The provider's `_Ids` (a deferred span is made with the span id it chose up front)."""
 
 
 _tracing: _Tracing | None = None
@@ -176,7 +180,9 @@ def _build(role: str, names: list[str]) -> _Tracing:
     resource = Resource.create({"pdserve.role": role})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: f"pdserve-{role}"}))
-    provider = TracerProvider(resource=resource)
+    ids = _Ids()
+    # duck-typed (the module may not import opentelemetry at its top: off, it is never loaded)
+    provider = TracerProvider(resource=resource, id_generator=cast("IdGenerator", ids))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     kinds = {
@@ -186,7 +192,7 @@ def _build(role: str, names: list[str]) -> _Tracing:
     }
     return _Tracing(
         provider.get_tracer("pdserve"), provider, exporters, role, kinds,
-        TraceContextTextMapPropagator(), trace.set_span_in_context,
+        TraceContextTextMapPropagator(), trace.set_span_in_context, ids,
     )  # fmt: skip
 
 
@@ -221,13 +227,23 @@ def open_span(
     parent: Span | TraceContext | None,
     kind: SpanKind = SpanKind.INTERNAL,
     new_trace: bool = False,
+    deferred: DeferredSpans | None = None,
 ) -> Span:
     """A span, child of `parent` (an open span of this process, or a context another process
     sent). Without a parent it starts a trace only with `new_trace` (a router's request
-    span); else, and whenever tracing is off, it is `NO_SPAN`."""
+    span); else, and whenever tracing is off, it is `NO_SPAN`.
+
+    `deferred` (a span on a request's latency path): the span only records its times and
+    attributes in plain values and is made in the SDK when `deferred.flush()` runs, off that
+    path (the span id it will have is chosen now, so `carrier()` works at once). A child of a
+    deferred span is deferred with it."""
     t = _active
     if t is None or (parent is None and not new_trace) or parent is NO_SPAN:
         return NO_SPAN
+    if isinstance(parent, _Deferred):
+        deferred = parent.sink
+    if deferred is not None and parent is not None:
+        return _deferred_span(name, parent, kind, deferred)
     try:
         if isinstance(parent, _Recording):
             context = t.in_context(parent.span)
@@ -281,6 +297,178 @@ class _Recording(Span):
             self.span.end()
         except Exception as e:
             log.warning("span not ended: %s", e)
+
+
+class _Ids:
+    """The provider's id generator: random ids (the SDK's own), but the next span id is the
+    one `forced` holds while a deferred span is made (set and cleared on one thread)."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self.forced: int | None = None
+        self.forced_trace: int | None = None
+
+    def generate_span_id(self) -> int:
+        forced, self.forced = self.forced, None
+        return forced if forced is not None else self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        forced, self.forced_trace = self.forced_trace, None
+        return forced if forced is not None else self._random.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """Where a deferred span hangs: its trace, its parent's span id (0: it starts the
+    trace), the trace flags."""
+
+    trace_id: int
+    span_id: int
+    flags: int
+    state: str = ""
+
+
+def _parent_of(parent: Span | TraceContext) -> _Parent | None:
+    if isinstance(parent, _Deferred):
+        return _Parent(parent.parent.trace_id, parent.span_id, parent.parent.flags)
+    if isinstance(parent, _Recording):
+        ctx = parent.span.get_span_context()
+        return _Parent(ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
+    if isinstance(parent, TraceContext):
+        parts = parent.traceparent.strip().split("-")
+        if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+            return None
+        try:
+            trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+        except ValueError:
+            return None
+        if not trace_id or not span_id:
+            return None
+        return _Parent(trace_id, span_id, flags, parent.tracestate)
+    return None
+
+
+class DeferredSpans:
+    """The deferred spans of one request (or one worker call), made in the SDK by `flush`."""
+
+    def __init__(self) -> None:
+        self.spans: list[_Deferred] = []
+
+    def flush(self) -> None:
+        """Make every span recorded so far (one still open ends now); never raises."""
+        spans, self.spans = self.spans, []
+        t = _active or _tracing
+        if t is None:
+            return
+        for span in spans:
+            try:
+                span.make(t)
+            except Exception as e:
+                log.warning("deferred span %s not made: %s", span.name, e)
+
+
+def open_request_span(
+    name: str, caller: TraceContext | None, kind: SpanKind, sink: DeferredSpans
+) -> Span:
+    """A request's root span, deferred into `sink` (see `open_span`): a child of the
+    caller's context, or the first span of a new trace, which this process's sampler
+    decides on now (`NO_SPAN` when tracing is off, the caller's context is invalid or not
+    sampled, or the sampler drops the new trace)."""
+    t = _active
+    if t is None:
+        return NO_SPAN
+    if caller is not None:
+        return _deferred_span(name, caller, kind, sink)
+    try:
+        trace_id = t.ids.generate_trace_id()
+        decision = t.provider.sampler.should_sample(None, trace_id, name, t.kinds[kind])
+        if not decision.decision.is_sampled():
+            return NO_SPAN
+    except Exception as e:
+        log.warning("span %s not opened: %s", name, e)
+        return NO_SPAN
+    span = _Deferred(name, _Parent(trace_id, 0, 1), kind, sink)
+    sink.spans.append(span)
+    return span
+
+
+def _deferred_span(
+    name: str, parent: Span | TraceContext, kind: SpanKind, sink: DeferredSpans
+) -> Span:
+    where = _parent_of(parent)
+    if where is None or not where.flags & 1:  # no valid context, or not sampled upstream
+        return NO_SPAN
+    span = _Deferred(name, where, kind, sink)
+    sink.spans.append(span)
+    return span
+
+
+class _Deferred(Span):
+    """A span recorded in plain values (see `open_span`'s `deferred`)."""
+
+    recording = True
+
+    def __init__(self, name: str, parent: _Parent, kind: SpanKind, sink: DeferredSpans) -> None:
+        import random
+
+        self.name = name
+        self.parent = parent
+        self.kind = kind
+        self.sink = sink
+        self.span_id = random.getrandbits(64) or 1
+        self.start_ns = time.time_ns()
+        self.end_ns = 0
+        self.attributes: dict[str, AttributeValue] = {}
+        self.error = ""
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        self.attributes[key] = value
+
+    def carrier(self) -> TraceContext | None:
+        p = self.parent
+        return TraceContext(f"00-{p.trace_id:032x}-{self.span_id:016x}-{p.flags:02x}", p.state)
+
+    def end(self, error: BaseException | None = None) -> None:
+        if self.end_ns:
+            return
+        self.end_ns = time.time_ns()
+        if error is not None:
+            what = "cancelled" if _is_cancel(error) else f"{type(error).__name__}: {error}"
+            self.error, self.attributes["pdserve.error"] = what, type(error).__name__
+
+    def make(self, t: _Tracing) -> None:
+        from opentelemetry import trace
+
+        p = self.parent
+        context = None  # a trace's first span: its trace id is the one chosen up front
+        if p.span_id:
+            context = trace.set_span_in_context(
+                trace.NonRecordingSpan(
+                    trace.SpanContext(
+                        p.trace_id, p.span_id, is_remote=True,
+                        trace_flags=trace.TraceFlags(p.flags),
+                        trace_state=trace.TraceState.from_header([p.state]) if p.state else None,
+                    )
+                )
+            )  # fmt: skip
+        else:
+            t.ids.forced_trace = p.trace_id
+        t.ids.forced = self.span_id
+        try:
+            span = t.tracer.start_span(
+                self.name, context, t.kinds[self.kind], attributes=self.attributes,
+                start_time=self.start_ns,
+            )  # fmt: skip
+        finally:
+            t.ids.forced = t.ids.forced_trace = None
+        if self.error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, self.error))
+        span.end(end_time=self.end_ns or time.time_ns())
 
 
 def quietly(fn: Callable[..., None], *args: object) -> None:

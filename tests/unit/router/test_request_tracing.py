@@ -146,3 +146,34 @@ def test_the_caller_context_comes_from_grpc_metadata_and_http_headers(traced: No
     assert grpc_caller_context(()) is None
     assert http_caller_context({"traceparent": CALLER}) == TraceContext(CALLER)
     assert http_caller_context({}) is None
+
+
+def test_a_deferred_span_is_made_at_flush_with_the_span_id_its_carrier_named(
+    traced: None,
+) -> None:
+    deferred = tracing.DeferredSpans()
+    span = tracing.open_span("stage", TraceContext(CALLER, "a=1"), deferred=deferred)
+    child = tracing.open_span("inner", span)  # a child of a deferred span is deferred too
+    span.set("pdserve.request_id", "r1")
+    carrier = span.carrier()
+    assert carrier is not None and carrier.tracestate == "a=1"
+    _, trace_id, span_id, flags = carrier.traceparent.split("-")
+    assert trace_id == CALLER.split("-")[1] and flags == "01"
+    child.end()
+    span.end(ValueError("bad"))
+    assert tracing.finished_spans() == []  # nothing made in the SDK before the flush
+    deferred.flush()
+    got = {s.name: s for s in tracing.finished_spans()}
+    assert got["stage"].span_id == span_id and got["stage"].trace_id == trace_id
+    assert got["stage"].parent_id == CALLER.split("-")[2]
+    assert got["stage"].attributes["pdserve.request_id"] == "r1"
+    assert got["stage"].status == "error" and got["stage"].start_ns <= got["stage"].end_ns
+    assert got["inner"].parent_id == span_id and got["inner"].trace_id == trace_id
+
+
+def test_a_caller_that_did_not_sample_gets_no_deferred_span(traced: None) -> None:
+    unsampled = CALLER[:-2] + "00"
+    deferred = tracing.DeferredSpans()
+    assert tracing.open_span("stage", TraceContext(unsampled), deferred=deferred) is NO_SPAN
+    bad = TraceContext("00-xyz-1-01")
+    assert tracing.open_span("stage", bad, deferred=deferred) is NO_SPAN
