@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_slot import ClusterSlot
+from cpu_engine import cpu_engine
 from prometheus_server import PrometheusServer, require_prometheus
 
 from pdserve.v1 import serving_pb2 as pb
@@ -53,7 +54,6 @@ def observed(
     from deploy.cluster import Cluster
     from deploy.config import LaunchConfig, PdserveConfig
     from deploy.spec import ClusterSpec
-    from engine.config import EngineConfig
     from planner.core import PlannerConfig, RoleBounds
     from planner.loop import PlannerSettings
     from router.server import RouterConfig
@@ -76,15 +76,7 @@ def observed(
             ),
         ),
         workers=ClusterSpec(
-            engine=EngineConfig(
-                model_dir=str(tiny_model_dir),
-                device="cpu",
-                dtype="float32",
-                num_kv_blocks=128,
-                max_model_len=512,
-                attention_backend="torch",
-                cuda_graphs=False,
-            ),
+            engine=cpu_engine(tiny_model_dir, num_kv_blocks=128, max_model_len=512),
             num_prefill=1,
             num_decode=1,
             planner=planner,

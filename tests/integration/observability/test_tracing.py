@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from cluster_slot import ClusterSlot
+from cpu_engine import cpu_engine
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
@@ -75,7 +76,6 @@ def traced(
     from deploy.cluster import Cluster
     from deploy.config import LaunchConfig, PdserveConfig
     from deploy.spec import ClusterSpec
-    from engine.config import EngineConfig
     from router.server import RouterConfig
 
     config = PdserveConfig(
@@ -90,15 +90,7 @@ def traced(
             ),
         ),
         workers=ClusterSpec(
-            engine=EngineConfig(
-                model_dir=str(tiny_model_dir),
-                device="cpu",
-                dtype="float32",
-                num_kv_blocks=128,
-                max_model_len=512,
-                attention_backend="torch",
-                cuda_graphs=False,
-            ),
+            engine=cpu_engine(tiny_model_dir, num_kv_blocks=128, max_model_len=512),
             num_prefill=1,
             num_decode=1,
         ),

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_slot import ClusterSlot
+from cpu_engine import cpu_engine
 from router_harness import (
     KV_BLOCKS,
     MAX_MESSAGE_BYTES,
@@ -27,7 +28,6 @@ from router_harness import (
 )
 
 from admission.config import AdmissionConfig, AdmissionThresholds
-from engine.config import EngineConfig
 from engine.tokenizer import Tokenizer
 
 
@@ -43,15 +43,7 @@ def router_cluster(
     from router.orchestrator import OrchestratorConfig
     from router.server import RouterConfig, RouterLimits
 
-    engine = EngineConfig(
-        model_dir=str(tiny_model_dir),
-        device="cpu",
-        dtype="float32",
-        num_kv_blocks=KV_BLOCKS,
-        max_model_len=MAX_MODEL_LEN,
-        attention_backend="torch",
-        cuda_graphs=False,
-    )
+    engine = cpu_engine(tiny_model_dir, num_kv_blocks=KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
     router = RouterConfig(
         grpc_port=0,
         metrics_port=0,

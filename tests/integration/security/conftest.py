@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from certs import make_certs
 from cluster_slot import ClusterSlot
+from cpu_engine import cpu_engine
 from secure_harness import ADMIN_KEY, KEYS, SLOW_BURST_TOKENS, SecureCluster, bearer
 
 from admission.config import AdmissionConfig, AdmissionThresholds, TenantLimit
-from engine.config import EngineConfig
 
 
 @pytest.fixture(scope="session")
@@ -38,15 +38,7 @@ def secure_cluster(
     keys_file.write_text(
         "# tenant keys\n" + "".join(f"{key} {tenant}\n" for tenant, key in KEYS.items())
     )
-    engine = EngineConfig(
-        model_dir=str(tiny_model_dir),
-        device="cpu",
-        dtype="float32",
-        num_kv_blocks=256,
-        max_model_len=1024,
-        attention_backend="torch",
-        cuda_graphs=False,
-    )
+    engine = cpu_engine(tiny_model_dir, num_kv_blocks=256, max_model_len=1024)
     limits = (
         TenantLimit("limited", max_inflight_requests=1),
         TenantLimit("slow", tokens_per_s=0.5, burst_tokens=SLOW_BURST_TOKENS),
