@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -414,8 +415,6 @@ class _Deferred(Span):
     recording = True
 
     def __init__(self, name: str, parent: _Parent, kind: SpanKind, sink: DeferredSpans) -> None:
-        import random
-
         self.name = name
         self.parent = parent
         self.kind = kind
