@@ -12,6 +12,11 @@ Sharing is by reference: a cache hit takes a reference on the cached block, so a
 ref_count > 0 is never evicted; that is also how hand-off pins blocks (the holder keeps its
 reference until it releases). The pool only does bookkeeping; it never touches the KV tensor.
 
+With a host tier (engine/host_tier.py) a cached block that becomes evictable is offered to
+it (copied to host memory at the next flush), and an evicted block whose hash lives on in
+the host tier leaves as OFFLOADED rather than REMOVED; `match_prefix_tiers` walks both tiers
+and `onboard` brings host-tier blocks back into fresh device blocks.
+
 Every change of the set of cached hashes leaves as a `KVEvent` with a sequence number that
 grows by one per event (`take_events`); `cached_hashes` is the snapshot for a full resync.
 """
@@ -22,6 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from engine.block_hash import BlockHash
+from engine.host_tier import HostTier
 from engine.kv_events import KVEvent, KVEventKind
 
 
@@ -43,7 +49,11 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, max_pending_events: int = 65536
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        max_pending_events: int = 65536,
+        host_tier: HostTier | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -60,6 +70,7 @@ class BlockPool:
         self._next_seq = 0
         self.num_evicted = 0
         """Cached blocks evicted since construction (counter for metrics)."""
+        self.host_tier = host_tier if enable_caching else None
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -111,6 +122,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free} free")
         block_ids: list[int] = []
         evicted: list[BlockHash] = []
+        offloaded: list[BlockHash] = []
         for _ in range(num_blocks):
             if self._free:
                 block_id = self._free.popleft()
@@ -120,11 +132,17 @@ class BlockPool:
                 assert block_hash is not None
                 del self._cached[block_hash]
                 self._hashes[block_id] = None
-                evicted.append(block_hash)
+                kept = self.host_tier is not None and self.host_tier.on_device_evict(
+                    block_id, block_hash
+                )
+                (offloaded if kept else evicted).append(block_hash)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        self.num_evicted += len(evicted) + len(offloaded)
+        if offloaded:
+            self._emit(KVEventKind.OFFLOADED, offloaded)
+        evicted += self._host_dropped()
         if evicted:
-            self.num_evicted += len(evicted)
             self._emit(KVEventKind.REMOVED, evicted)
         block_ids.sort()
         return block_ids
@@ -140,10 +158,13 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed more often than allocated")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                if self._hashes[block_id] is None:
+                block_hash = self._hashes[block_id]
+                if block_hash is None:
                     self._free.append(block_id)
                 else:
                     self._evictable[block_id] = None
+                    if self.host_tier is not None:
+                        self.host_tier.offer(block_id, block_hash)
 
     # ---- prefix cache ---------------------------------------------------------------------
 
@@ -160,6 +181,65 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
+    def match_prefix_tiers(self, block_hashes: Sequence[BlockHash]) -> list[int | None]:
+        """The longest prefix of a hash chain held in either tier: per block its device block
+        id, or None where only the host tier holds it (`onboard` brings those back). Takes no
+        reference, like `match_prefix`."""
+        if not self.enable_caching:
+            return []
+        hits: list[int | None] = []
+        for block_hash in block_hashes:
+            block_id = self._cached.get(block_hash)
+            if block_id is None and (self.host_tier is None or block_hash not in self.host_tier):
+                break
+            hits.append(block_id)
+        return hits
+
+    def onboard(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Fresh device blocks (ref count 1, cached: a STORED event) holding these host-tier
+        blocks; the copies are queued on the current stream, before any later step.
+        Check `can_allocate(len(block_hashes))` first."""
+        tier = self.host_tier
+        if not block_hashes:
+            return []
+        if tier is None:
+            raise ValueError("onboard needs a host tier")
+        slots = [tier.lookup(h) for h in block_hashes]
+        if any(s is None for s in slots):
+            raise ValueError("onboard: a block is not in the host tier (match first)")
+        held = [s for s in slots if s is not None]
+        tier.pin(held)  # the allocation below may offload into the host tier: not over these
+        try:
+            block_ids = self.allocate(len(block_hashes))
+            tier.onboard(list(zip(held, block_ids, strict=True)))
+        finally:
+            tier.unpin(held)
+        self.cache_blocks(block_ids, block_hashes)
+        return block_ids
+
+    def flush_host_tier(self) -> None:
+        """Before a step: fence it behind offloads it may overwrite, and copy out offered
+        blocks (engine/host_tier.py). Hashes the host LRU let go of leave as REMOVED."""
+        if self.host_tier is None:
+            return
+        self.host_tier.fence()
+        self.host_tier.flush()
+        dropped = self._host_dropped()
+        if dropped:
+            self._emit(KVEventKind.REMOVED, dropped)
+
+    def _host_dropped(self) -> list[BlockHash]:
+        """Hashes the host tier let go of that the device pool does not cache either."""
+        if self.host_tier is None:
+            return []
+        return [h for h in self.host_tier.take_dropped() if h not in self._cached]
+
+    def host_only_hashes(self) -> tuple[BlockHash, ...]:
+        """Hashes held in the host tier and not cached in the device pool (for a resync)."""
+        if self.host_tier is None:
+            return ()
+        return tuple(h for h in self.host_tier.hashes() if h not in self._cached)
+
     def num_evictable_among(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks `touch` would take out of the evictable set."""
         return sum(1 for b in block_ids if self._ref_counts[b] == 0)
@@ -171,6 +251,10 @@ class BlockPool:
                 if block_id not in self._evictable:
                     raise ValueError(f"block {block_id} is free; allocate it instead")
                 del self._evictable[block_id]
+                if self.host_tier is not None:
+                    block_hash = self._hashes[block_id]
+                    assert block_hash is not None
+                    self.host_tier.withdraw(block_hash)
             self._ref_counts[block_id] += 1
 
     def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
@@ -202,6 +286,8 @@ class BlockPool:
             self._free.append(block_id)
         self._evictable.clear()
         self._cached.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         self._hashes = [None] * self.num_blocks
         self._emit(KVEventKind.CLEARED, [])
 

@@ -72,6 +72,14 @@ class EngineConfig:
     """Split long prompts into chunks that fit the step's token budget."""
     enable_prefix_caching: bool = True
     """Reuse cached full blocks of earlier prompts with the same hash chain."""
+    host_kv_gb: float = -1.0
+    """Host-memory KV tier (engine/host_tier.py): GiB of host RAM (pinned on GPU) holding prefix
+    blocks the device pool evicts, onboarded again on a hit instead of recomputed. -1 = auto
+    (a tenth of the host's available RAM, at most 64 GiB and at most 8 times the device pool);
+    0 = off. Needs prefix caching."""
+    host_kv_max_blocks_per_step: int = 256
+    """The host tier's budget per step: blocks copied out (offload) and blocks onboarded at most
+    per engine step; more wait for the next step."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's context length."""
     attention_backend: str = "auto"

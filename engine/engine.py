@@ -41,9 +41,10 @@ from engine.block_hash import BlockHash, hash_extra
 from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig, EngineMode
 from engine.fp8_calibration import prepare_fp8
+from engine.host_tier import HostTier
 from engine.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
-from engine.kv_events import KVEvent
-from engine.kv_sizing import decide_num_kv_blocks, kv_cache_spec
+from engine.kv_events import CacheSnapshot, KVEvent
+from engine.kv_sizing import decide_num_host_blocks, decide_num_kv_blocks, kv_cache_spec
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.outputs import EngineLoad, KVHandoff, RequestOutput, TransferAllocation
@@ -99,7 +100,15 @@ class LLMEngine:
         spec = kv_cache_spec(self.model_config, config.block_size, kv_dtype, num_blocks, kv_scales)
         self.kv_cache = KVCache(spec, device)
         self.runner = ModelRunner(self.model, self.kv_cache, config)
-        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
+        self.host_tier = (
+            HostTier(num_host, self.kv_cache.tensor, config.host_kv_max_blocks_per_step)
+            if num_host
+            else None
+        )
+        self.block_pool = BlockPool(
+            num_blocks, config.enable_prefix_caching, host_tier=self.host_tier
+        )
         self.scheduler = Scheduler(
             self.block_pool,
             block_size=config.block_size,
@@ -202,6 +211,7 @@ class LLMEngine:
         """Queue a batch's model run and sampling on the device; returns without waiting.
         Placeholder inputs and pending outputs (penalties) come from `previous`'s tokens."""
         requests = tuple(self.scheduler.requests[c.request_id] for c in batch.chunks)
+        self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
         logits = self.runner.execute(batch)
         sampled: list[Request] = []
         rows: list[SamplingRow] = []
@@ -403,6 +413,8 @@ class LLMEngine:
             num_cache_query_tokens=s.num_cache_query_tokens,
             num_cache_hit_tokens=s.num_cache_hit_tokens,
             num_preemptions=s.num_preemptions,
+            num_host_hit_tokens=s.num_host_hit_tokens,
+            host_tier=self.host_tier.stats() if self.host_tier is not None else None,
             steps=self.step_meter.snapshot(),
         )
 
@@ -411,8 +423,13 @@ class LLMEngine:
         return self.block_pool.take_events()
 
     def cached_block_hashes(self) -> tuple[tuple[BlockHash, ...], int]:
-        """(every cached hash, seq of the last event they include): a full-resync snapshot."""
+        """(every hash cached in the device pool, seq of the last event they include)."""
         return self.block_pool.cached_hashes(), self.block_pool.last_seq
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        """Every hash held, by tier, as of one event sequence number: a full index resync."""
+        pool = self.block_pool
+        return CacheSnapshot(pool.last_seq, pool.cached_hashes(), pool.host_only_hashes())
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

@@ -2,7 +2,9 @@
 
 The block pool emits one event per change with a per-worker sequence number that increases by
 exactly one, so a consumer (the Redis prefix-index publisher in kv_transfer) can detect a gap
-(a lost event, a restart) and answer it with a full resync from `BlockPool.cached_hashes()`.
+(a lost event, a restart) and answer it with a full resync from `BlockPool.cached_hashes()`
+and `BlockPool.host_only_hashes()`. A hash is in one tier as far as the index goes: the
+device pool when it is cached there (it may also have a host copy), else the host tier.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ from engine.block_hash import BlockHash
 
 
 class KVEventKind(enum.Enum):
-    STORED = "stored"  # blocks became cached (their hash is now reusable on this worker)
-    REMOVED = "removed"  # cached blocks were evicted (hash no longer on this worker)
+    STORED = "stored"  # blocks became cached in the device pool (reusable on this worker)
+    OFFLOADED = "offloaded"  # evicted from the device pool, held in the host tier only
+    REMOVED = "removed"  # held in no tier of this worker any more
     CLEARED = "cleared"  # the whole prefix cache was dropped (no hashes listed)
+
+
+HOST_TIER = "host"
+DEVICE_TIER = "device"
 
 
 @dataclass(frozen=True)
@@ -24,3 +31,20 @@ class KVEvent:
     seq: int
     kind: KVEventKind
     block_hashes: tuple[BlockHash, ...] = ()
+
+    @property
+    def tier(self) -> str | None:
+        """The tier the blocks are in after the event (None: held nowhere)."""
+        if self.kind is KVEventKind.STORED:
+            return DEVICE_TIER
+        return HOST_TIER if self.kind is KVEventKind.OFFLOADED else None
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """Every hash a worker holds, by tier, as of event `seq` (a full index resync)."""
+
+    seq: int
+    device_hashes: tuple[BlockHash, ...]
+    host_hashes: tuple[BlockHash, ...] = ()
+    """Held in the host tier only."""

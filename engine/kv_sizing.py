@@ -10,6 +10,8 @@ remaining (1 - fraction) share.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.block_pool import cdiv
@@ -98,3 +100,19 @@ def decide_num_kv_blocks(
             "max_num_batched_tokens, or raise kv_cache_memory_fraction"
         )
     return num_blocks
+
+
+HOST_KV_AUTO_FRACTION = 0.1
+HOST_KV_AUTO_MAX_GIB = 64.0
+HOST_KV_AUTO_MAX_POOLS = 8
+
+
+def decide_num_host_blocks(config: EngineConfig, block_nbytes: int, num_device_blocks: int) -> int:
+    """Blocks of the host tier (EngineConfig.host_kv_gb; 0: no tier)."""
+    if config.host_kv_gb == 0 or not config.enable_prefix_caching:
+        return 0
+    if config.host_kv_gb > 0:
+        return max(1, int(config.host_kv_gb * 2**30 // block_nbytes))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    nbytes = min(HOST_KV_AUTO_FRACTION * available, HOST_KV_AUTO_MAX_GIB * 2**30)
+    return max(0, min(int(nbytes // block_nbytes), HOST_KV_AUTO_MAX_POOLS * num_device_blocks))

@@ -71,6 +71,24 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """Counters of one host tier (monotonic, except the gauges `num_cached`/`num_blocks`)."""
+
+    num_blocks: int
+    num_cached: int
+    num_offloaded: int
+    """Blocks copied device → host."""
+    num_onboarded: int
+    """Blocks copied host → device for a prefix hit."""
+    num_evicted: int
+    """Host slots reused for a newer block (LRU)."""
+    num_fenced: int
+    """Steps that waited on the device for an offload still in flight (an evicted block)."""
+    offload_bytes: int
+    onboard_bytes: int
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """Snapshot of one engine's load (admission and placement read it)."""
 
@@ -89,5 +107,9 @@ class EngineLoad:
     num_cache_hit_tokens: int
     """Of those, tokens found cached since start."""
     num_preemptions: int
+    num_host_hit_tokens: int = 0
+    """Of the cache hits, tokens onboarded from the host tier since start."""
+    host_tier: HostTierStats | None = None
+    """The host KV tier's counters (None: no tier)."""
     steps: StepStats = field(default_factory=StepStats)
     """Step time and batch shape since start (engine/step_stats.py)."""

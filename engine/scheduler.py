@@ -12,6 +12,9 @@ Policy (vLLM v1's): running requests first, then waiting ones, under one token b
    at the head): the longest cached prefix of full blocks is reused (at most all but the last
    token, which must be computed to sample), the rest is prefilled in chunks of the budget
    left. The first request that does not fit stops admission for this step (no reordering).
+   Prefix blocks found only in the host tier are onboarded into fresh device blocks (copies
+   queued before the step), at most the host tier's `max_blocks_per_step` per step (a request
+   needing more than is left waits for the next step; alone, it may take more).
 
 So decodes are never starved by long prompts, and a long prompt advances by whatever budget
 the decodes leave. The scheduler owns block bookkeeping and never touches tensors; its
@@ -66,7 +69,7 @@ class ReservedTransfer:
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
     num_cached_blocks: int
-    """Leading blocks that were already cached here (not transferred)."""
+    """Leading blocks that were already cached here, in either tier (not transferred)."""
     hash_extra: bytes
 
 
@@ -103,6 +106,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cache_query_tokens = 0
         self.num_cache_hit_tokens = 0
+        self.num_host_hit_tokens = 0
+        """Prompt tokens of first admissions found in the host tier (onboarded)."""
+        self._onboard_left = 0
 
     # ---- queues ---------------------------------------------------------------------------
 
@@ -141,6 +147,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = time.time()
         budget = self.max_num_batched_tokens
+        self._onboard_left = self._onboard_budget()
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         finished: list[Request] = []
@@ -225,23 +232,32 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, budget: int, now: float) -> int:
-        """Allocate a waiting request's blocks (reusing cached ones); tokens scheduled, or 0."""
+        """Allocate a waiting request's blocks (reusing cached ones, onboarding host-tier
+        ones); tokens scheduled, or 0."""
         if request.num_output_placeholders:  # preempted under a step in flight: wait for it
             return 0
         bs = self.block_size
-        hits = self.block_pool.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
+        hits = self.block_pool.match_prefix_tiers(
+            request.block_hashes[: (request.num_tokens - 1) // bs]
+        )
+        num_onboard = hits.count(None)
+        spent = self._onboard_left < self._onboard_budget()
+        if num_onboard > self._onboard_left and spent:
+            return 0  # over what this step may still onboard: next step (FCFS holds)
         num_computed = len(hits) * bs
         remaining = request.num_tokens - num_computed
         num_new = min(remaining, budget)
         if num_new < remaining and not self.enable_chunked_prefill:
             return 0
         num_new_blocks = cdiv(num_computed + num_new, bs) - len(hits)
+        on_device = [b for b in hits if b is not None]
         if not self.block_pool.can_allocate(
-            num_new_blocks + self.block_pool.num_evictable_among(hits)
+            num_new_blocks + num_onboard + self.block_pool.num_evictable_among(on_device)
         ):
             return 0
-        self.block_pool.touch(hits)
-        request.block_ids = hits + self.block_pool.allocate(num_new_blocks)
+        request.block_ids = self._take_hits(request.block_hashes, hits)
+        request.block_ids += self.block_pool.allocate(num_new_blocks)
+        self._onboard_left = max(0, self._onboard_left - num_onboard)
         request.num_cached_blocks = len(hits)
         request.num_computed_tokens = num_computed
         if request.status is RequestStatus.WAITING:  # first admission (not a recompute)
@@ -249,8 +265,23 @@ class Scheduler:
             request.num_cached_prompt_tokens = num_computed
             self.num_cache_query_tokens += request.num_tokens
             self.num_cache_hit_tokens += num_computed
+            self.num_host_hit_tokens += num_onboard * bs
         request.status = RequestStatus.RUNNING
         return num_new
+
+    def _take_hits(
+        self, block_hashes: Sequence[BlockHash], hits: Sequence[int | None]
+    ) -> list[int]:
+        """Reference the device hits (first, so onboarding cannot evict them) and onboard the
+        host-tier ones; the blocks in chain order."""
+        self.block_pool.touch([b for b in hits if b is not None])
+        missing = [h for h, b in zip(block_hashes, hits, strict=False) if b is None]
+        onboarded = iter(self.block_pool.onboard(missing))
+        return [b if b is not None else next(onboarded) for b in hits]
+
+    def _onboard_budget(self) -> int:
+        tier = self.block_pool.host_tier
+        return tier.max_blocks_per_step if tier is not None else 0
 
     def _chunk(self, request: Request, num_new: int) -> SeqChunk:
         start = request.num_computed_tokens
@@ -337,9 +368,10 @@ class Scheduler:
 
     def can_reserve_transfer(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> bool:
         """Whether `reserve_transfer` would succeed now."""
-        hits = self.block_pool.match_prefix(block_hashes)
-        needed = cdiv(num_tokens, self.block_size) - len(hits)
-        return self.block_pool.can_allocate(needed + self.block_pool.num_evictable_among(hits))
+        hits = self.block_pool.match_prefix_tiers(block_hashes)
+        on_device = [b for b in hits if b is not None]
+        needed = cdiv(num_tokens, self.block_size) - len(on_device)
+        return self.block_pool.can_allocate(needed + self.block_pool.num_evictable_among(on_device))
 
     def reserve_transfer(
         self,
@@ -365,9 +397,9 @@ class Scheduler:
                 f"{cdiv(num_tokens, self.block_size)} blocks needed for the transfer of "
                 f"{request_id!r}, {self.block_pool.num_free} free"
             )
-        hits = self.block_pool.match_prefix(block_hashes)
-        self.block_pool.touch(hits)
-        block_ids = hits + self.block_pool.allocate(cdiv(num_tokens, self.block_size) - len(hits))
+        hits = self.block_pool.match_prefix_tiers(block_hashes)
+        block_ids = self._take_hits(block_hashes, hits)
+        block_ids += self.block_pool.allocate(cdiv(num_tokens, self.block_size) - len(hits))
         reserved = ReservedTransfer(
             prompt_token_ids=tuple(prompt_token_ids),
             block_ids=tuple(block_ids),

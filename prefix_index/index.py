@@ -2,10 +2,12 @@
 
 Keys (all under `pdserve:{model}:`, so models never share entries):
 
-    blk:{hash hex}   set of worker ids that cache the block with this chained hash
+    blk:{hash hex}   set of worker ids that hold the block with this chained hash (any tier)
+    hblk:{hash hex}  of those, the workers that hold it in their host tier only
     worker:{id}      liveness key, refreshed by the worker's publisher, expires after a TTL
     workers          set of every worker id that ever published (for purging)
-    wblk:{id}        reverse index: hashes a worker cached (for resync and purge)
+    wblk:{id}        reverse index: hashes a worker holds (for resync and purge)
+    whblk:{id}       reverse index: hashes a worker holds in its host tier only
     seq:{id}         sequence number of the last KV event applied for a worker
 
 A block's hash carries its tenant and cache salt (engine/block_hash.py `scoped_salt`), so the
@@ -19,7 +21,10 @@ first block as candidates, and walks on with one SMISMEMBER per block (SISMEMBER
 candidate on Redis < 6.2) until no candidate is left (a miss costs one SMEMBERS). A worker's
 count is the number of leading blocks it holds without a hole; because hashes chain, an
 equal hash at position i means an equal prompt up to block i. The index is a hint: a stale
-entry costs a cache miss, never a wrong answer.
+entry costs a cache miss, never a wrong answer. With host tiers (engine/host_tier.py) the
+answer also says, per worker, how many of its leading blocks are in the host tier only
+(onboarded before use, cheaper than a recompute and dearer than a device hit): one more
+SMISMEMBER per block over the workers still holding it.
 
 Redis unavailable: `lookup` answers `PrefixMatch(available=False)` after at most the socket
 timeout, and then at once for `retry_after_s` (a circuit breaker), so routing falls back to
@@ -69,25 +74,40 @@ for i = 2, n do
   end
   names = still
 end
+local hosts = {}
+for w, _ in pairs(depth) do hosts[w] = 0 end
+local hp = ARGV[5]
+for i = 1, n do
+  local holding = {}
+  for w, d in pairs(depth) do if d >= i then holding[#holding + 1] = w end end
+  if #holding == 0 then break end
+  local k = hp .. string.sub(hexes, width * (i - 1) + 1, width * i)
+  if redis.call('EXISTS', k) == 1 then
+    for _, w in ipairs(holding) do
+      if redis.call('SISMEMBER', k, w) == 1 then hosts[w] = hosts[w] + 1 end
+    end
+  end
+end
 local out = {}
-for w, d in pairs(depth) do out[#out + 1] = w; out[#out + 1] = d end
+for w, d in pairs(depth) do out[#out + 1] = w; out[#out + 1] = d; out[#out + 1] = hosts[w] end
 return out
 """
 
-# ARGV: worker, reverse-index, seq and block key prefixes, then a mode and worker ids:
-# 'named' purges the ids given (live or not), 'except' every registered worker not among the
-# ids given. Returns the ids purged.
+# ARGV: worker, reverse-index, seq, block, host-block and host reverse-index key prefixes, then
+# a mode and worker ids: 'named' purges the ids given (live or not), 'except' every registered
+# worker not among the ids given. Returns the ids purged.
 _PURGE = """
-local wp, wbp, sp, bp, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local wp, wbp, sp, bp, hp, whp, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local function purge(w)
   local held = redis.call('SREM', KEYS[1], w)
   for _, h in ipairs(redis.call('SMEMBERS', wbp .. w)) do redis.call('SREM', bp .. h, w) end
-  return held + redis.call('DEL', wp .. w, wbp .. w, sp .. w) > 0
+  for _, h in ipairs(redis.call('SMEMBERS', whp .. w)) do redis.call('SREM', hp .. h, w) end
+  return held + redis.call('DEL', wp .. w, wbp .. w, whp .. w, sp .. w) > 0
 end
 local purged, given = {}, {}
-for i = 6, #ARGV do given[ARGV[i]] = true end
+for i = 8, #ARGV do given[ARGV[i]] = true end
 if mode == 'named' then
-  for i = 6, #ARGV do if purge(ARGV[i]) then purged[#purged + 1] = ARGV[i] end end
+  for i = 8, #ARGV do if purge(ARGV[i]) then purged[#purged + 1] = ARGV[i] end end
   return purged
 end
 for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -112,8 +132,16 @@ class IndexKeys:
         return self.root + "blk:"
 
     @property
+    def host_block_prefix(self) -> str:
+        return self.root + "hblk:"
+
+    @property
     def worker_prefix(self) -> str:
         return self.root + "worker:"
+
+    @property
+    def worker_host_blocks_prefix(self) -> str:
+        return self.root + "whblk:"
 
     @property
     def worker_blocks_prefix(self) -> str:
@@ -132,6 +160,9 @@ class IndexKeys:
 
     def worker_blocks(self, worker_id: str) -> str:
         return self.worker_blocks_prefix + worker_id
+
+    def worker_host_blocks(self, worker_id: str) -> str:
+        return self.worker_host_blocks_prefix + worker_id
 
     def seq(self, worker_id: str) -> str:
         return self.seq_prefix + worker_id
@@ -185,12 +216,21 @@ class PrefixIndex:
             chain_hex = b"".join(block_hashes).hex()  # 2 hex digits per byte of each hash
             width = 2 * len(block_hashes[0])
             raw = self._lookup(
-                args=[self.keys.block_prefix, self.keys.worker_prefix, chain_hex, width]
+                args=[
+                    self.keys.block_prefix,
+                    self.keys.worker_prefix,
+                    chain_hex,
+                    width,
+                    self.keys.host_block_prefix,
+                ],
             )
         except redis.RedisError as e:
             self._mark_down(e)
             return PrefixMatch(chain_length=n, available=False)
-        pairs = [WorkerPrefix(_text(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
+        pairs = [
+            WorkerPrefix(_text(raw[i]), int(raw[i + 1]), int(raw[i + 2]))
+            for i in range(0, len(raw), 3)
+        ]
         pairs.sort(key=lambda w: (-w.num_blocks, w.worker_id))
         return PrefixMatch(chain_length=n, workers=tuple(pairs))
 
@@ -229,7 +269,10 @@ class PrefixIndex:
     def _run_purge(self, mode: str, worker_ids: Sequence[str]) -> tuple[str, ...]:
         """The `_PURGE` script in `mode`; () when Redis is unavailable (nothing was purged)."""
         k = self.keys
-        prefixes = [k.worker_prefix, k.worker_blocks_prefix, k.seq_prefix, k.block_prefix]
+        prefixes = [
+            k.worker_prefix, k.worker_blocks_prefix, k.seq_prefix, k.block_prefix,
+            k.host_block_prefix, k.worker_host_blocks_prefix,
+        ]  # fmt: skip
         try:
             purged = self._purge(keys=[k.workers], args=[*prefixes, mode, *worker_ids])
         except redis.RedisError as e:

@@ -9,12 +9,15 @@ applied by a Lua script that is idempotent through the worker's sequence number:
 - a missing `seq:{id}` (Redis restarted or was flushed; a new worker) answers nil;
 both make the publisher resync.
 
-A resync replaces everything Redis holds for the worker with `snapshot()` (called on the
-publisher thread; it must be thread-safe and quick) in one MULTI/EXEC: the worker's entries
-are removed, the snapshot's hashes added and `seq:{id}` set to the snapshot's sequence
-number. Queued events up to that number are dropped, later ones applied after it. The
-publisher resyncs when it starts, on a gap, when the heartbeat finds `seq:{id}` missing or
-behind (Redis restarted), and after too many events piled up while Redis was down. While
+Tiers (engine/kv_events.py): STORED puts a hash in the worker's device tier, OFFLOADED in its
+host tier (it stays a holder in `blk:`, and is also listed in `hblk:`), REMOVED takes it out
+of both. A resync replaces everything Redis holds for the worker with `snapshot()` (called on
+the publisher thread; it must be thread-safe and quick) in one MULTI/EXEC: the worker's
+entries are removed, the snapshot's hashes added by tier and `seq:{id}` set to the
+snapshot's sequence number. Queued events up to that number are dropped, later ones applied
+after it. The publisher resyncs when it starts, on a gap, when the heartbeat finds `seq:{id}`
+missing or behind (Redis restarted), and after too many events piled up while Redis was down.
+While
 Redis is down it retries with capped exponential backoff; the worker never waits on it.
 
 The thread outlives every failure, not only Redis errors: an exception from `snapshot()`, a
@@ -34,16 +37,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
-from engine.block_hash import BlockHash
-from engine.kv_events import KVEvent, KVEventKind
+from engine.kv_events import CacheSnapshot, KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import IndexKeys, connect
 from prefix_index.types import PublisherStats
 
 log = logging.getLogger(__name__)
 
-Snapshot = Callable[[], tuple[int, Sequence[BlockHash]]]
-"""Returns (sequence number of the last event reflected, hashes cached at that point)."""
+Snapshot = Callable[[], CacheSnapshot]
+"""Returns every hash held by tier, as of the sequence number of the last event reflected."""
 
 _HEARTBEAT = """
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
@@ -53,26 +55,35 @@ if not s then return false end
 return tonumber(s)
 """
 
+# KEYS: seq, device+host reverse index, host reverse index. ARGV: worker, block and host-block
+# key prefixes, then per event: seq, kind (s stored, o offloaded, r removed, c cleared), n, hashes.
 _APPLY = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return false end
 cur = tonumber(cur)
-local w, bp, i = ARGV[1], ARGV[2], 3
+local w, bp, hp, i = ARGV[1], ARGV[2], ARGV[3], 4
 while i <= #ARGV do
   local seq, kind, n = tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2])
   if seq > cur then
     if seq ~= cur + 1 then redis.call('SET', KEYS[1], cur); return 'gap' end
-    if kind == 's' then
-      for j = i + 3, i + 2 + n do
-        redis.call('SADD', bp .. ARGV[j], w); redis.call('SADD', KEYS[2], ARGV[j])
-      end
-    elseif kind == 'r' then
-      for j = i + 3, i + 2 + n do
-        redis.call('SREM', bp .. ARGV[j], w); redis.call('SREM', KEYS[2], ARGV[j])
-      end
-    else
+    if kind == 'c' then
       for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('SREM', bp .. h, w) end
-      redis.call('DEL', KEYS[2])
+      for _, h in ipairs(redis.call('SMEMBERS', KEYS[3])) do redis.call('SREM', hp .. h, w) end
+      redis.call('DEL', KEYS[2], KEYS[3])
+    else
+      for j = i + 3, i + 2 + n do
+        local h = ARGV[j]
+        if kind == 'r' then
+          redis.call('SREM', bp .. h, w); redis.call('SREM', KEYS[2], h)
+        else
+          redis.call('SADD', bp .. h, w); redis.call('SADD', KEYS[2], h)
+        end
+        if kind == 'o' then
+          redis.call('SADD', hp .. h, w); redis.call('SADD', KEYS[3], h)
+        else
+          redis.call('SREM', hp .. h, w); redis.call('SREM', KEYS[3], h)
+        end
+      end
     end
     cur = seq
   end
@@ -82,20 +93,33 @@ redis.call('SET', KEYS[1], cur)
 return cur
 """
 
+# KEYS as _APPLY's. ARGV: worker, block and host-block key prefixes, a mode, then hashes
+# ('add': held in the device pool, 'addh': in the host tier only) or the seq ('end').
 _RESYNC = """
-local w, bp, mode = ARGV[1], ARGV[2], ARGV[3]
+local w, bp, hp, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if mode == 'begin' then
   for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('SREM', bp .. h, w) end
-  redis.call('DEL', KEYS[1], KEYS[2])
-elseif mode == 'add' then
-  for j = 4, #ARGV do redis.call('SADD', bp .. ARGV[j], w); redis.call('SADD', KEYS[2], ARGV[j]) end
+  for _, h in ipairs(redis.call('SMEMBERS', KEYS[3])) do redis.call('SREM', hp .. h, w) end
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+elseif mode == 'add' or mode == 'addh' then
+  for j = 5, #ARGV do
+    redis.call('SADD', bp .. ARGV[j], w); redis.call('SADD', KEYS[2], ARGV[j])
+    if mode == 'addh' then
+      redis.call('SADD', hp .. ARGV[j], w); redis.call('SADD', KEYS[3], ARGV[j])
+    end
+  end
 else
-  redis.call('SET', KEYS[1], ARGV[4])
+  redis.call('SET', KEYS[1], ARGV[5])
 end
 return 0
 """
 
-_KIND = {KVEventKind.STORED: "s", KVEventKind.REMOVED: "r", KVEventKind.CLEARED: "c"}
+_KIND = {
+    KVEventKind.STORED: "s",
+    KVEventKind.OFFLOADED: "o",
+    KVEventKind.REMOVED: "r",
+    KVEventKind.CLEARED: "c",
+}
 
 
 class KVEventPublisher:
@@ -252,7 +276,7 @@ class KVEventPublisher:
             ttl_ms = int(self.config.liveness_ttl_s * 1000)
             self._heartbeat(keys=[k.worker(w), k.seq(w), k.workers], args=[w, ttl_ms], client=pipe)
         for args in self._event_args(batch):
-            self._apply(keys=[k.seq(w), k.worker_blocks(w)], args=args, client=pipe)
+            self._apply(keys=self._worker_keys(), args=args, client=pipe)
         results = pipe.execute()
         if heartbeat_due:
             seq = results.pop(0)  # None: seq key missing
@@ -271,42 +295,60 @@ class KVEventPublisher:
 
     def _event_args(self, batch: Sequence[KVEvent]) -> list[list[str | int]]:
         """Script argument lists, each holding at most `resync_chunk` hashes."""
+        head: list[str | int] = [
+            self.worker_id,
+            self.keys.block_prefix,
+            self.keys.host_block_prefix,
+        ]
         out: list[list[str | int]] = []
-        args: list[str | int] = [self.worker_id, self.keys.block_prefix]
+        args = list(head)
         for e in batch:
             args += [e.seq, _KIND[e.kind], len(e.block_hashes)]
             args += [h.hex() for h in e.block_hashes]
             if len(args) >= self.config.resync_chunk:
                 out.append(args)
-                args = [self.worker_id, self.keys.block_prefix]
-        if len(args) > 2:
+                args = list(head)
+        if len(args) > len(head):
             out.append(args)
         return out
+
+    def _worker_keys(self) -> list[str]:
+        k, w = self.keys, self.worker_id
+        return [k.seq(w), k.worker_blocks(w), k.worker_host_blocks(w)]
+
+    def _resync_args(self, mode: str, *values: str | int) -> list[str | int]:
+        k = self.keys
+        return [self.worker_id, k.block_prefix, k.host_block_prefix, mode, *values]
 
     def _resync(self) -> None:
         with self._cond:
             self._needs_resync = False
         try:
-            last_seq, hashes = self._snapshot()
-            k, w = self.keys, self.worker_id
-            keys = [k.seq(w), k.worker_blocks(w)]
+            snap = self._snapshot()
+            keys = self._worker_keys()
             pipe = self._redis.pipeline(transaction=True)
-            self._resync_script(keys=keys, args=[w, k.block_prefix, "begin"], client=pipe)
+            self._resync_script(keys=keys, args=self._resync_args("begin"), client=pipe)
             chunk = self.config.resync_chunk
-            for i in range(0, len(hashes), chunk):
-                hexes = [h.hex() for h in hashes[i : i + chunk]]
-                self._resync_script(keys=keys, args=[w, k.block_prefix, "add", *hexes], client=pipe)
-            self._resync_script(keys=keys, args=[w, k.block_prefix, "end", last_seq], client=pipe)
+            for mode, hashes in (("add", snap.device_hashes), ("addh", snap.host_hashes)):
+                for i in range(0, len(hashes), chunk):
+                    hexes = [h.hex() for h in hashes[i : i + chunk]]
+                    self._resync_script(
+                        keys=keys, args=self._resync_args(mode, *hexes), client=pipe
+                    )
+            self._resync_script(keys=keys, args=self._resync_args("end", snap.seq), client=pipe)
             pipe.execute()
         except BaseException:
             self.request_resync()
             raise
         self.num_resyncs += 1
-        self._applied_seq = last_seq
+        self._applied_seq = snap.seq
         with self._cond:
-            while self._pending and self._pending[0].seq <= last_seq:
+            while self._pending and self._pending[0].seq <= snap.seq:
                 self._pending.popleft()
-        log.info("worker %s resynced %d blocks at seq %d", w, len(hashes), last_seq)
+        log.info(
+            "worker %s resynced %d device + %d host blocks at seq %d",
+            self.worker_id, len(snap.device_hashes), len(snap.host_hashes), snap.seq,
+        )  # fmt: skip
 
     def close(self, deregister: bool = True) -> None:
         """Stop the thread; with `deregister`, remove this worker from the index at once."""
@@ -319,8 +361,8 @@ class KVEventPublisher:
             k, w = self.keys, self.worker_id
             try:
                 pipe = self._redis.pipeline(transaction=True)
-                keys = [k.seq(w), k.worker_blocks(w)]
-                self._resync_script(keys=keys, args=[w, k.block_prefix, "begin"], client=pipe)
+                keys = self._worker_keys()
+                self._resync_script(keys=keys, args=self._resync_args("begin"), client=pipe)
                 pipe.delete(k.worker(w))
                 pipe.srem(k.workers, w)
                 pipe.execute()

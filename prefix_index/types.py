@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WorkerPrefix:
-    """One worker's cached prefix of a prompt: its first `num_blocks` blocks."""
+    """One worker's cached prefix of a prompt: its first `num_blocks` blocks, of which
+    `num_host_blocks` are in its host tier only (onboarded before use)."""
 
     worker_id: str
     num_blocks: int
+    num_host_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,17 @@ class PrefixMatch:
     available: bool = True
 
     def blocks_cached(self, worker_id: str) -> int:
+        """Leading blocks the worker holds, in any tier."""
         for w in self.workers:
             if w.worker_id == worker_id:
                 return w.num_blocks
+        return 0
+
+    def host_blocks(self, worker_id: str) -> int:
+        """Of `blocks_cached`, those in the worker's host tier only."""
+        for w in self.workers:
+            if w.worker_id == worker_id:
+                return w.num_host_blocks
         return 0
 
     def best(self) -> WorkerPrefix | None:

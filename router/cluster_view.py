@@ -330,7 +330,12 @@ class ClusterView:
         self, match: PrefixMatch, exclude: frozenset[str] = frozenset()
     ) -> list[PrefillCandidate]:
         return [
-            PrefillCandidate(e.worker_id, match.blocks_cached(e.worker_id), e.queued_prefill_tokens)
+            PrefillCandidate(
+                e.worker_id,
+                match.blocks_cached(e.worker_id),
+                e.queued_prefill_tokens,
+                match.host_blocks(e.worker_id),
+            )
             for e in self.prefill_workers()
             if e.worker_id not in exclude
         ]

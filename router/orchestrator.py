@@ -95,6 +95,8 @@ log = logging.getLogger(__name__)
 class OrchestratorConfig:
     uncached_block_weight: float = 4.0
     """Placement: cost of one uncached prompt block vs one block of queued prefill work."""
+    host_block_weight: float = 0.25
+    """Placement: cost of one prompt block a worker holds in its host KV tier (an onboard)."""
     max_handoff_retries: int = 1
     """Fresh prefills after a failed hand-off (before the first decoded token)."""
     max_prefill_attempts: int = 3
@@ -372,7 +374,9 @@ class Orchestrator:
             block_size,
             prefill,
             self.view.decode_candidates(match, attempt.excluded_decode),
-            PlacementConfig(self.config.uncached_block_weight, threshold),
+            PlacementConfig(
+                self.config.uncached_block_weight, threshold, self.config.host_block_weight
+            ),
             needed_decode_blocks=decode_blocks,
         )
 

@@ -2,14 +2,18 @@
 
 Pure functions over candidate snapshots (the Place step of router/orchestrator.py):
 
-    prefill cost = w * uncached_prompt_blocks + queued_prefill_tokens / block_size
+    prefill cost = w * uncached_prompt_blocks + w_host * host_tier_blocks
+                   + queued_prefill_tokens / block_size
     decode cost  = active KV blocks + in-flight transfer blocks
 
 The decode worker is chosen first (least cost; ties go to the longer cached prefix, then to
 the id for determinism). Conditional disaggregation: when the part of the prompt the chosen
 decode worker has not cached is at most `local_prefill_threshold_tokens`, the decode worker
 prefills it itself and no transfer happens. Otherwise the prefill worker with the least cost
-is chosen, so a worker that already holds a long prefix wins unless it is much busier.
+is chosen, so a worker that already holds a long prefix wins unless it is much busier. A
+prefix block a worker holds only in its host tier costs `w_host` (an onboard: a host→device
+copy, far cheaper than computing it, dearer than a device hit), so a host-tier holder beats a
+cold worker and loses to one that has the block on its device.
 With no live prefill worker the decode worker prefills locally (degraded, not failed).
 """
 
@@ -23,8 +27,10 @@ from dataclasses import dataclass
 class PrefillCandidate:
     worker_id: str
     cached_blocks: int
-    """Leading prompt blocks this worker holds (from the Redis prefix index)."""
+    """Leading prompt blocks this worker holds, in any tier (from the Redis prefix index)."""
     queued_prefill_tokens: int
+    host_blocks: int = 0
+    """Of `cached_blocks`, those in its host tier only (onboarded before use)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class PlacementConfig:
     """w: the cost of one uncached prompt block relative to one block of queued prefill."""
     local_prefill_threshold_tokens: int = 0
     """Uncached prompt tokens at or below which the decode worker prefills locally (0: never)."""
+    host_block_weight: float = 0.25
+    """w_host: the cost of one host-tier prompt block (its onboard) on the same scale."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,12 @@ class NoWorkerError(Exception):
         self.role = role
 
 
-def prefill_cost(c: PrefillCandidate, prompt_blocks: int, block_size: int, w: float) -> float:
-    uncached = max(prompt_blocks - c.cached_blocks, 0)
-    return w * uncached + c.queued_prefill_tokens / block_size
+def prefill_cost(
+    c: PrefillCandidate, prompt_blocks: int, block_size: int, w: float, w_host: float = 0.0
+) -> float:
+    cached = min(c.cached_blocks, prompt_blocks)
+    host = min(c.host_blocks, cached)
+    return w * (prompt_blocks - cached) + w_host * host + c.queued_prefill_tokens / block_size
 
 
 def decode_cost(c: DecodeCandidate) -> float:
@@ -105,7 +116,9 @@ def place(
     pre = min(
         prefill,
         key=lambda p: (
-            prefill_cost(p, full_blocks, block_size, config.uncached_block_weight),
+            prefill_cost(
+                p, full_blocks, block_size, config.uncached_block_weight, config.host_block_weight
+            ),
             p.worker_id,
         ),
     )

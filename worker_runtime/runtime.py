@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from engine.block_hash import BlockHash
 from engine.config import EngineConfig
 from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
 from engine.engine import LLMEngine
+from engine.kv_events import CacheSnapshot
 from engine.outputs import RequestOutput
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.publisher import KVEventPublisher
@@ -309,9 +309,8 @@ class WorkerRuntime:
         if events:
             self._publisher.publish(events)
 
-    def _cache_snapshot(self) -> tuple[int, list[BlockHash]]:  # publisher thread
-        hashes, seq = self.driver.call(lambda e: e.cached_block_hashes()).result(timeout=30)
-        return seq, list(hashes)
+    def _cache_snapshot(self) -> CacheSnapshot:  # publisher thread
+        return self.driver.call(lambda e: e.cache_snapshot()).result(timeout=30)
 
 
 def _node_id() -> str:

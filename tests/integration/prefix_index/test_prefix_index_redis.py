@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from engine.block_hash import BlockHash, hash_chain, hash_extra
-from engine.kv_events import KVEvent, KVEventKind
+from engine.kv_events import CacheSnapshot, KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from prefix_index.publisher import KVEventPublisher
@@ -33,26 +33,35 @@ A, B = chain(PROMPT_A), chain(PROMPT_B)
 
 
 class FakeWorkerCache:
-    """A worker's cached hashes with the engine's event numbering (seq from 0, +1 each)."""
+    """A worker's cached hashes (device tier, host tier) with the engine's event numbering
+    (seq from 0, +1 each)."""
 
     def __init__(self) -> None:
         self.hashes: set[BlockHash] = set()
+        self.host: set[BlockHash] = set()
         self.last_seq = -1
 
     def store(self, hashes: Sequence[BlockHash]) -> KVEvent:
         self.hashes.update(hashes)
+        self.host.difference_update(hashes)
         return self._event(KVEventKind.STORED, hashes)
+
+    def offload(self, hashes: Sequence[BlockHash]) -> KVEvent:
+        self.hashes.difference_update(hashes)
+        self.host.update(hashes)
+        return self._event(KVEventKind.OFFLOADED, hashes)
 
     def remove(self, hashes: Sequence[BlockHash]) -> KVEvent:
         self.hashes.difference_update(hashes)
+        self.host.difference_update(hashes)
         return self._event(KVEventKind.REMOVED, hashes)
 
     def _event(self, kind: KVEventKind, hashes: Sequence[BlockHash]) -> KVEvent:
         self.last_seq += 1
         return KVEvent(self.last_seq, kind, tuple(hashes))
 
-    def snapshot(self) -> tuple[int, list[BlockHash]]:
-        return self.last_seq, sorted(self.hashes)
+    def snapshot(self) -> CacheSnapshot:
+        return CacheSnapshot(self.last_seq, tuple(sorted(self.hashes)), tuple(sorted(self.host)))
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -105,6 +114,33 @@ def test_lookup_returns_longest_prefix_per_live_worker_on_branching_prompts(
     p1.publish([w1.remove(A[2:3])])  # a hole at block 2 ends w1's prefix there
     wait_until(lambda: p1.applied_seq == 1)
     assert index.lookup(A).workers == (WorkerPrefix("w2", 3), WorkerPrefix("w1", 2))
+
+
+def test_lookup_counts_host_tier_blocks_and_a_resync_keeps_the_tiers(
+    redis_url: str, model_id: str, publishers: Callable[..., KVEventPublisher]
+) -> None:
+    w1, w2 = FakeWorkerCache(), FakeWorkerCache()
+    p1, p2 = publishers("w1", w1), publishers("w2", w2)
+    p1.publish([w1.store(A[:6]), w1.offload(A[4:6])])  # blocks 4, 5 left the device pool
+    p2.publish([w2.store(A[:3]), w2.offload(A[:3]), w2.store(A[:1])])  # block 0 onboarded
+    index = PrefixIndex(redis_url, model_id, FAST)
+    wait_until(lambda: (p1.applied_seq, p2.applied_seq) == (1, 2))
+    expected = (WorkerPrefix("w1", 6, 2), WorkerPrefix("w2", 3, 2))
+    assert index.lookup(A).workers == expected
+    assert index.lookup(A).host_blocks("w1") == 2 and index.lookup(A[:4]).host_blocks("w1") == 0
+
+    p1.publish([w1.remove(A[5:6])])  # the host LRU let block 5 go: held nowhere
+    wait_until(lambda: p1.applied_seq == 2)
+    assert index.lookup(A).workers[0] == WorkerPrefix("w1", 5, 1)
+
+    r = redis.Redis.from_url(redis_url)
+    r.delete(f"pdserve:{model_id}:seq:w1")  # Redis lost w1's state: the heartbeat resyncs it
+    wait_until(lambda: p1.stats().num_resyncs >= 2)
+    wait_until(lambda: index.lookup(A).workers[0] == WorkerPrefix("w1", 5, 1))
+    p1.publish([w1.remove(A[:6])])
+    wait_until(lambda: p1.applied_seq == 3)
+    assert index.lookup(A).workers == (WorkerPrefix("w2", 3, 2),)
+    assert r.smembers(f"pdserve:{model_id}:whblk:w1") == set()
 
 
 def test_dead_worker_is_ignored_at_lookup_and_purged(
@@ -241,7 +277,7 @@ def test_publisher_thread_survives_a_raising_snapshot_and_counts_it(
     w = FakeWorkerCache()
     failures = [RuntimeError("snapshot broke"), RuntimeError("snapshot broke")]
 
-    def flaky_snapshot() -> tuple[int, list[BlockHash]]:
+    def flaky_snapshot() -> CacheSnapshot:
         if failures:
             raise failures.pop()
         return w.snapshot()

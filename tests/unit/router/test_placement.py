@@ -92,3 +92,15 @@ def test_cached_blocks_capped_at_full_prompt_blocks() -> None:
     # index may report more blocks than this prompt has (another request's longer prompt)
     p = place(40, BS, [pre("p0", cached=9)], [dec("d0")], PlacementConfig())
     assert (p.cached_blocks, p.uncached_tokens) == (2, 8)
+
+
+def test_host_tier_holder_beats_a_cold_worker_and_loses_to_a_device_holder() -> None:
+    host = PrefillCandidate("p-host", cached_blocks=30, queued_prefill_tokens=0, host_blocks=30)
+    device = PrefillCandidate("p-dev", cached_blocks=30, queued_prefill_tokens=0)
+    cold = pre("p-cold")
+    cfg = PlacementConfig()
+    assert place(640, BS, [cold, host], [dec("d0")], cfg).prefill_worker_id == "p-host"
+    assert place(640, BS, [cold, host, device], [dec("d0")], cfg).prefill_worker_id == "p-dev"
+    # onboarding 30 blocks (30 * 0.25 = 7.5) is worth less than a queue of 16 blocks of work
+    busy_device = PrefillCandidate("p-dev", 30, queued_prefill_tokens=16 * 16)
+    assert place(640, BS, [host, busy_device], [dec("d0")], cfg).prefill_worker_id == "p-host"

@@ -1,0 +1,269 @@
+"""The host-memory KV tier: prefix blocks the device pool lets go of, kept in host RAM.
+
+Without it an evicted block is gone and a returning chat session recomputes its history once
+the device pool has cycled. With it (`EngineConfig.host_kv_gb`), the pool (engine/block_pool.py)
+offers every cached block that becomes evictable (ref count 0, a hash) to this tier, which
+copies it to a host slot; when the device pool later evicts the block, its hash lives on here,
+and a prefix hit here is onboarded (copied back into a device block) before the request is
+computed, instead of being recomputed.
+
+Why copy on free and not on evict: an evicted block is overwritten by the very next step, so
+a copy made at eviction would have to finish before that step starts (a stall on the step's
+stream). A block that becomes evictable usually stays cached for many steps more, so its copy
+runs on a side stream while the device computes, and by the time it is evicted the copy is
+long done. When it is not (evicted within a step or two of being freed), the next step waits
+on the device for that copy only (`fence`), never the host.
+
+Layout: one host tensor [num_blocks, *device block shape], pinned when CUDA is present (the
+device's copy engine reads and writes it directly, and NIXL can register it), so a block is
+one contiguous region on both sides and a copy is one `copy_` per run of adjacent blocks. The
+tier is LRU over its slots; a slot is taken out of the LRU while something reads it (`pin`,
+e.g. a transfer lease), so it is never overwritten under a reader.
+
+Bookkeeping vs tensors: `HostTier` owns both, but the block pool only calls its bookkeeping
+methods; the copies are queued by the engine (`flush` before each launch, `onboard` while
+scheduling), in stream order with the steps. On CPU copies are synchronous and `fence` is a
+no-op; the logic is the same. A disk tier would sit behind this one with the same interface
+(`HostTier.lookup` / `take` / `offer`), holding what the host LRU drops (not built).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.outputs import HostTierStats
+
+
+class HostTier:
+    """Host slots [0, num_blocks) holding device-pool blocks by hash, LRU (module docstring)."""
+
+    def __init__(self, num_blocks: int, device_kv: torch.Tensor, max_blocks_per_step: int) -> None:
+        """`device_kv` is the device pool's tensor ([num_blocks, ...] block-major)."""
+        if num_blocks <= 0:
+            raise ValueError(f"host tier num_blocks must be positive, got {num_blocks}")
+        if max_blocks_per_step <= 0:
+            raise ValueError(
+                f"host tier max_blocks_per_step must be positive, got {max_blocks_per_step}"
+            )
+        self.num_blocks = num_blocks
+        self.max_blocks_per_step = max_blocks_per_step
+        self.device_kv = device_kv
+        cuda = device_kv.device.type == "cuda"
+        self.tensor = torch.zeros(
+            (num_blocks, *device_kv.shape[1:]), dtype=device_kv.dtype, pin_memory=cuda
+        )
+        self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._pins = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        # Offers: device blocks (by hash) that became evictable and are not here yet.
+        self._offers: OrderedDict[BlockHash, int] = OrderedDict()
+        self._stream = torch.cuda.Stream(device_kv.device) if cuda else None
+        # Side-stream offloads not known complete: by device block (a step overwriting the
+        # block waits: `fence`) and by host slot (an onboard reading the slot waits).
+        self._copy_events: dict[int, torch.cuda.Event] = {}
+        self._slot_events: dict[int, torch.cuda.Event] = {}
+        self._needs_fence: list[torch.cuda.Event] = []
+        self._dropped: list[BlockHash] = []
+        self.num_offloaded = self.num_onboarded = self.num_evicted = self.num_fenced = 0
+
+    # ---- bookkeeping (the block pool's side) ------------------------------------------------
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._slots
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._slots)
+
+    def hashes(self) -> tuple[BlockHash, ...]:
+        return tuple(self._slots)
+
+    def offer(self, block_id: int, block_hash: BlockHash) -> None:
+        """A device block with this hash became evictable: copy it here at the next `flush`
+        (nothing to do when the hash is here already; then it counts as recently used)."""
+        if block_hash in self._slots:
+            self._slots.move_to_end(block_hash)
+        else:
+            self._offers[block_hash] = block_id
+
+    def withdraw(self, block_hash: BlockHash) -> None:
+        """The device block was taken again (a hit) before its copy was made: not needed."""
+        self._offers.pop(block_hash, None)
+
+    def on_device_evict(self, block_id: int, block_hash: BlockHash) -> bool:
+        """The device pool is about to reuse `block_id`: True when its data lives on here.
+
+        An offer not copied yet is copied now, in stream order before any later step (the
+        block's data is still intact: nothing overwrites it before the next launch).
+        A copy still in flight on the side stream makes the next step wait for it (`fence`).
+        """
+        if block_hash in self._offers:
+            del self._offers[block_hash]
+            return self._copy_out([(block_id, block_hash)], side_stream=False) > 0
+        event = self._copy_events.pop(block_id, None)
+        if event is not None and not event.query():
+            self._needs_fence.append(event)
+        return block_hash in self._slots
+
+    def clear(self) -> None:
+        """Forget every hash (a prefix-cache reset); pinned slots keep their data."""
+        self._offers.clear()
+        for slot in self._slots.values():
+            self._hash_of[slot] = None
+            if self._pins[slot] == 0:
+                self._free.append(slot)
+        self._slots.clear()
+
+    # ---- onboard / pins -------------------------------------------------------------------
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The host slot holding this hash, or None."""
+        return self._slots.get(block_hash)
+
+    def pin(self, slots: Sequence[int]) -> None:
+        """Keep slots out of LRU reuse while something outside reads them (a transfer)."""
+        for slot in slots:
+            self._pins[slot] += 1
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if self._pins[slot] <= 0:
+                raise ValueError(f"host slot {slot} unpinned more often than pinned")
+            self._pins[slot] -= 1
+            if self._pins[slot] == 0 and self._hash_of[slot] is None:
+                self._free.append(slot)
+
+    def onboard(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host slots into device blocks: `(slot, device_block_id)` pairs. Queued on the
+        current (step) stream, so the step that reads the blocks runs after the copy."""
+        if self._slot_events:
+            stream = torch.cuda.current_stream(self.device_kv.device)
+            for slot, _ in pairs:
+                event = self._slot_events.pop(slot, None)
+                if event is not None and not event.query():
+                    stream.wait_event(event)
+        for slot, block_id, n in _runs(pairs):
+            self.device_kv[block_id : block_id + n].copy_(
+                self.tensor[slot : slot + n], non_blocking=True
+            )
+        for slot, _ in pairs:
+            block_hash = self._hash_of[slot]
+            if block_hash is not None:
+                self._slots.move_to_end(block_hash)
+        self.num_onboarded += len(pairs)
+
+    # ---- copies (the engine's side) -------------------------------------------------------
+
+    def flush(self) -> None:
+        """Copy up to `max_blocks_per_step` offered blocks out (side stream); called before a
+        step is launched. Offers beyond the budget wait for the next step."""
+        if not self._offers:
+            return
+        batch: list[tuple[int, BlockHash]] = []
+        while self._offers and len(batch) < self.max_blocks_per_step:
+            block_hash, block_id = self._offers.popitem(last=False)
+            batch.append((block_id, block_hash))
+        self._copy_out(batch, side_stream=True)
+
+    def fence(self) -> None:
+        """Make the step about to launch wait (on the device) for offloads of blocks it may
+        overwrite. The host never waits."""
+        if not self._needs_fence:
+            return
+        stream = torch.cuda.current_stream(self.device_kv.device)
+        for event in self._needs_fence:
+            stream.wait_event(event)
+        self.num_fenced += 1
+        self._needs_fence.clear()
+
+    def _copy_out(self, batch: Sequence[tuple[int, BlockHash]], side_stream: bool) -> int:
+        """Copy device blocks into fresh host slots (LRU reuse when full); blocks copied."""
+        pairs: list[tuple[int, int]] = []
+        for block_id, block_hash in batch:
+            slot = self._take_slot()
+            if slot is None:  # every slot pinned: this block is dropped
+                break
+            self._hash_of[slot] = block_hash
+            self._slots[block_hash] = slot
+            pairs.append((block_id, slot))
+        if self._stream is None or not side_stream:
+            self._copy_runs(pairs)
+        else:
+            main = torch.cuda.current_stream(self.device_kv.device)
+            self._stream.wait_stream(main)  # after every step queued so far wrote the blocks
+            with torch.cuda.stream(self._stream):
+                self._copy_runs(pairs)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._forget_completed()
+            for block_id, slot in pairs:
+                self._copy_events[block_id] = event
+                self._slot_events[slot] = event
+        self.num_offloaded += len(pairs)
+        return len(pairs)
+
+    def _copy_runs(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for block_id, slot, n in _runs(pairs):
+            self.tensor[slot : slot + n].copy_(
+                self.device_kv[block_id : block_id + n], non_blocking=True
+            )
+
+    def _forget_completed(self) -> None:
+        if len(self._copy_events) > 4 * self.max_blocks_per_step:
+            self._copy_events = {b: e for b, e in self._copy_events.items() if not e.query()}
+            self._slot_events = {s: e for s, e in self._slot_events.items() if not e.query()}
+
+    def wait_slots(self, slots: Sequence[int]) -> None:
+        """Block the caller until these slots' offloads are complete (a reader outside the
+        device streams, e.g. a NIXL transfer of host memory)."""
+        for slot in slots:
+            event = self._slot_events.get(slot)
+            if event is not None:
+                event.synchronize()
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(
+            num_blocks=self.num_blocks,
+            num_cached=len(self._slots),
+            num_offloaded=self.num_offloaded,
+            num_onboarded=self.num_onboarded,
+            num_evicted=self.num_evicted,
+            num_fenced=self.num_fenced,
+            offload_bytes=self.num_offloaded * self.block_nbytes,
+            onboard_bytes=self.num_onboarded * self.block_nbytes,
+        )
+
+    def take_dropped(self) -> list[BlockHash]:
+        """Hashes the LRU let go of since the last call (the pool reports them)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.popleft()
+        for block_hash, slot in self._slots.items():  # LRU first; pinned slots are skipped
+            if self._pins[slot] == 0:
+                del self._slots[block_hash]
+                self._hash_of[slot] = None
+                self.num_evicted += 1
+                self._dropped.append(block_hash)
+                return slot
+        return None
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """`(a, b)` pairs as maximal runs `(a0, b0, n)` adjacent on both sides: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            a0, b0, n = runs[-1]
+            runs[-1] = (a0, b0, n + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
