@@ -22,6 +22,9 @@
 #   e2e8d    the Llama-3-8B shape from its config alone (--load-format dummy: nothing written to
 #            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
+#   hosttier the host KV tier: its GPU tests, benchmarks/bench_host_tier.py copy (onboard/offload
+#            GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B shape with dummy
+#            weights, one colocated worker, a 1536-block device pool: tier off vs on)
 #   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
 #            GPU, two rates: client TPOT vs engine step
 set -u
@@ -97,6 +100,12 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --modes colocated \
     --colocated-workers 1 --workloads balanced --rates "balanced=1,2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e70.tgz" -C /tmp e2e70 ;;
+  hosttier) config_model llama3-8b
+    step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
+    step host_tier_copy 90 python benchmarks/bench_host_tier.py copy --blocks 1024 --out /tmp/ht
+    step host_tier_chat 480 python benchmarks/bench_host_tier.py chat --model /tmp/cfg-llama3-8b \
+    --load-format dummy --num-kv-blocks 1536 --host-kv-gb 24 --rate 3 --duration 60 --out /tmp/ht
+    tar czf "$OUT/host_tier.tgz" -C /tmp ht ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
 done

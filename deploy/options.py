@@ -147,7 +147,7 @@ class Flag:
     path: str
     """The field of PdserveConfig it sets (`workers.num_prefill`)."""
     type: type
-    """int, str or bool (the field's type; tests check it)."""
+    """int, float, str or bool (the field's type; tests check it)."""
     help: str
     """`--help` text; a [default] in it is the tree's default (tests check it)."""
     switch: str = ""
@@ -192,6 +192,9 @@ FLAGS: tuple[Flag, ...] = (
          "dtype) or fp8 (e4m3, scales calibrated at load) [auto].", choices=KV_CACHE_DTYPES),
     Flag("load_format", "workers.engine.load_format", str, "Weights: auto (the checkpoint's) or "
          "dummy (random, made on the device from config.json) [auto].", choices=LOAD_FORMATS),
+    Flag("host_kv_gb", "workers.engine.host_kv_gb", float, "Host-memory KV tier per worker, "
+         "GiB: evicted prefix blocks kept in (pinned) RAM and onboarded on a hit; -1: a tenth "
+         "of free RAM, 0: off [-1.0]."),
     Flag("migration_limit", "router.orchestrator.migration_limit", int, "Times a running "
          "request moves to other workers when its decode worker fails [3]; 0: never."),
     Flag("admin_host", "router.admin_host", str, "Address the admin plane (status, drain, "

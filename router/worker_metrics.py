@@ -25,6 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from engine.outputs import EngineLoad
 from engine.step_stats import BATCH_REQUESTS_BUCKETS, STEP_SECONDS_BUCKETS
 from worker_runtime.api import WorkerLoad, WorkerState
 
@@ -105,6 +106,24 @@ class _Families:
         self.cache_hit = c(
             "pdserve_worker_prefix_cache_hit_tokens",
             "Prompt tokens found in the worker's prefix cache (not computed)",
+        )
+        # The host KV tier (engine/host_tier.py), on workers that have one.
+        self.host_hit = c(
+            "pdserve_worker_host_kv_hit_tokens",
+            "Prompt tokens found in the worker's host KV tier (onboarded, not computed)",
+        )
+        self.host_blocks = g("pdserve_worker_host_kv_blocks", "Blocks of the host KV tier")
+        self.host_cached = g(
+            "pdserve_worker_host_kv_cached_blocks", "Host KV tier blocks holding a cached block"
+        )
+        self.host_moved = CounterMetricFamily(
+            "pdserve_worker_host_kv_blocks_moved",
+            "Blocks copied between the device pool and the host KV tier, by direction",
+            labels=[*LABELS, "direction"],
+        )
+        self._all.append(self.host_moved)
+        self.host_evicted = c(
+            "pdserve_worker_host_kv_evicted_blocks", "Host KV tier blocks reused for newer ones"
         )
         self.prefill_rate = g(
             "pdserve_worker_prefill_tokens_per_second",
@@ -214,6 +233,7 @@ class _Families:
         self.cache_query.add_metric(labels, e.num_cache_query_tokens)
         self.cache_hit.add_metric(labels, e.num_cache_hit_tokens)
         self.prefill_rate.add_metric(labels, load.prefill_tokens_per_s)
+        self._add_host_tier(labels, e)
         steps = e.steps
         self.step_seconds.add_metric(
             labels,
@@ -233,6 +253,17 @@ class _Families:
             self.index_connected.add_metric(labels, float(index.connected and index.running))
             self.index_resyncs.add_metric(labels, index.num_resyncs)
             self.index_pending.add_metric(labels, index.pending_events)
+
+    def _add_host_tier(self, labels: list[str], e: EngineLoad) -> None:
+        tier = e.host_tier
+        if tier is None:
+            return
+        self.host_hit.add_metric(labels, e.num_host_hit_tokens)
+        self.host_blocks.add_metric(labels, tier.num_blocks)
+        self.host_cached.add_metric(labels, tier.num_cached)
+        self.host_moved.add_metric([*labels, "offload"], tier.num_offloaded)
+        self.host_moved.add_metric([*labels, "onboard"], tier.num_onboarded)
+        self.host_evicted.add_metric(labels, tier.num_evicted)
 
     def _add_transfer(self, labels: list[str], load: WorkerLoad) -> None:
         stats = load.transfer_stats

@@ -33,6 +33,7 @@ SHIPPED = [
     "bursty",
     "decode_heavy",
     "multi_turn",
+    "multi_turn_long",
     "prefill_heavy",
     "shared_prefix",
     "synthetic",

@@ -13,6 +13,7 @@ from router_fakes import make_load
 
 from admission.decision import Reason
 from engine.block_hash import BlockHash
+from engine.outputs import HostTierStats
 from engine.step_stats import StepMeter
 from kv_transfer.metrics import TransferStats
 from kv_transfer.types import TransferLoad
@@ -37,8 +38,12 @@ def decode_load() -> WorkerLoad:
     meter.record(2, 40, 0, 0.003)
     meter.record(2, 0, 2, 0.0004)
     load = make_load("decode-1", WorkerRole.DECODE, used_blocks=30)
+    tier = HostTierStats(num_blocks=512, num_cached=40, num_offloaded=70, num_onboarded=12,
+                         num_evicted=3, num_fenced=0, offload_bytes=70 << 10,
+                         onboard_bytes=12 << 10)  # fmt: skip
     engine = replace(load.engine, num_cache_query_tokens=64, num_cache_hit_tokens=48,
-                     num_waiting=3, steps=meter.snapshot())  # fmt: skip
+                     num_waiting=3, steps=meter.snapshot(), num_host_hit_tokens=32,
+                     host_tier=tier)  # fmt: skip
     return replace(
         load,
         state=WorkerState.DRAINING,
@@ -68,6 +73,12 @@ def test_worker_series_come_from_the_latest_load_report() -> None:
     assert at("pdserve_worker_state", ("state", "ready")) == 0
     assert at("pdserve_worker_prefix_cache_query_tokens_total") == 64
     assert at("pdserve_worker_prefix_cache_hit_tokens_total") == 48
+    assert at("pdserve_worker_host_kv_hit_tokens_total") == 32
+    assert at("pdserve_worker_host_kv_blocks") == 512
+    assert at("pdserve_worker_host_kv_cached_blocks") == 40
+    assert at("pdserve_worker_host_kv_blocks_moved_total", ("direction", "offload")) == 70
+    assert at("pdserve_worker_host_kv_blocks_moved_total", ("direction", "onboard")) == 12
+    assert at("pdserve_worker_host_kv_evicted_blocks_total") == 3
     assert at("pdserve_worker_engine_step_seconds_count") == 2
     assert at("pdserve_worker_engine_step_seconds_bucket", ("le", "0.0005")) == 1
     assert at("pdserve_worker_engine_step_seconds_bucket", ("le", "0.0025")) == 1

@@ -1,0 +1,105 @@
+"""The host KV tier on the GPU path it exists for: pinned host slots, offloads on a side stream,
+the fence a step waits on when it overwrites a block whose copy is still in flight, onboards
+on the step's stream, with overlap scheduling and CUDA-graph decode on.
+
+Blocks come back bit-exact whichever path copied them out (side stream, or at eviction on the
+step's stream), and an engine whose device pool cycles gives the tokens of one that never
+evicts (greedy, bf16), with the returning prompt's full blocks onboarded, not recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.host_tier import HostTier
+from engine.model import LlamaModel
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from engine.weights import load_model
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def block_hash(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_blocks_come_back_bit_exact_from_either_offload_path() -> None:
+    device_kv = torch.randn((64, 2, 2, 16, 2, 64), device="cuda").to(torch.bfloat16)
+    original = device_kv.clone()
+    tier = HostTier(32, device_kv, max_blocks_per_step=8)
+    assert tier.tensor.is_pinned()
+    for b in range(16):
+        tier.offer(b, block_hash(b))
+    tier.flush()  # blocks 0-7 on the side stream; 8-15 wait for the next flush
+    assert tier.on_device_evict(3, block_hash(3))  # copied, maybe still in flight: a fence
+    assert tier.on_device_evict(12, block_hash(12))  # never copied: copied now, step stream
+    tier.fence()
+    device_kv[:16].zero_()  # the next step overwrites the evicted blocks
+    slots = [tier.lookup(block_hash(b)) for b in (3, 12)]
+    assert None not in slots
+    tier.onboard([(slots[0], 40), (slots[1], 41)])  # type: ignore[list-item]
+    torch.cuda.synchronize()
+    assert torch.equal(device_kv[40], original[3]) and torch.equal(device_kv[41], original[12])
+    assert tier.stats().num_offloaded == 9  # 8 flushed + 1 at eviction
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from deploy.make_model import make_model
+
+    out = tmp_path_factory.mktemp("tiny-bf16-host-tier") / "model"
+    return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> LlamaModel:
+    return load_model(model_dir, torch.bfloat16, "cuda")
+
+
+def engine_with(model_dir: Path, model: LlamaModel, **overrides: object) -> LLMEngine:
+    config = EngineConfig(
+        model_dir=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+        max_num_seqs=8, cuda_graph_max_batch=8, max_model_len=1024,
+    )  # fmt: skip
+    return LLMEngine(replace(config, **overrides), model, Tokenizer.from_model_dir(model_dir))
+
+
+def run(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    engine.add_request(rid, prompt, GREEDY)
+    tokens: list[int] = []
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                cached = out.num_cached_prompt_tokens
+    return tokens, cached
+
+
+def test_a_cycled_device_pool_onboards_and_gives_the_tokens_of_one_that_never_evicts(
+    model_dir: Path, model: LlamaModel
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 500, (100,), generator=g).tolist() for _ in range(6)]
+    # the roomy engine's second round hits its device prefix cache: the same computation
+    # (a cached 96-token prefix, 4 prompt tokens computed) as an onboarded prefix
+    roomy = engine_with(model_dir, model, num_kv_blocks=256, host_kv_gb=0)
+    expected = [[run(roomy, f"r{rnd}-{i}", p) for i, p in enumerate(prompts)] for rnd in (0, 1)]
+    assert [cached for _, cached in expected[1]] == [96] * 6
+    small = engine_with(model_dir, model, num_kv_blocks=16, host_kv_gb=0.01)
+    assert small.host_tier is not None and small.host_tier.tensor.is_pinned()
+    for rnd in range(2):  # the second round finds every prompt evicted from the device
+        for i, prompt in enumerate(prompts):
+            assert run(small, f"s{rnd}-{i}", prompt) == expected[rnd][i]
+    load = small.load()
+    assert load.host_tier is not None and load.host_tier.num_onboarded >= 6 * 6
+    assert small.block_pool.num_free == small.block_pool.num_blocks
