@@ -31,6 +31,9 @@ class SeqChunk:
     """The chunk is one token whose value the previous step is still sampling (overlap
     scheduling): token_ids holds 0 in its place and the runner takes the token from that
     step's sampled ids on the device (`ModelRunner.keep_sampled`)."""
+    lora_slot: int = -1
+    """The LoRA device slot every token of the chunk reads (`LoraCache.acquire`), or -1 for
+    the base model."""
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,11 @@ its graph-mode decode wrapper of size B (outside the graph, in place). Nothing h
 the device, but the mirror and the plan's pinned buffers are rewritten only once the previous
 step's copies out of them have run (an event recorded after each plan).
 
+With LoRA weights (engine/lora_apply.py) every size is captured twice: the base graph, as
+above, and a LoRA graph whose region has a seventh row field, each row's LoRA slot (-1: base;
+padding rows -1), read by the graph's LoRA kernel. `run` replays the base graph when no row
+reads a slot, so a step without adapters costs what it did without LoRA.
+
 Invariant: capture runs the model eagerly once per size to warm up, which writes into slot 0
 of block 0; capture before any sequence holds KV.
 """
@@ -30,9 +35,11 @@ from engine.attention.base import AttentionBackend
 from engine.attention.step import BatchLayout, StepInputs, build_layout
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.layer_ops import TORCH_OPS, LayerOps
+from engine.lora_apply import LoraWeights, graph_step
 from engine.model import LlamaModel
 
 _NUM_ROW_FIELDS = 6  # ids, positions, slot blocks, slot offsets, write rows, sample rows
+_LORA_FIELD = 6  # with LoRA: each row's LoRA slot, after the six above
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -82,20 +89,25 @@ class DecodeGraphs:
         max_batch: int,
         max_pages_per_seq: int,
         ops: LayerOps = TORCH_OPS,
+        lora: LoraWeights | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.ops = ops
+        self.lora = lora
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_pages = self.max_batch * max_pages_per_seq
         device = backend.kv_cache.device
-        region = _NUM_ROW_FIELDS * self.max_batch + self.max_pages
+        self._num_fields = _NUM_ROW_FIELDS + (lora is not None)
+        region = self._num_fields * self.max_batch + self.max_pages
         self._dev = torch.zeros(region, dtype=torch.int32, device=device)
         self._host = torch.zeros(region, dtype=torch.int32, pin_memory=True)
         self._copied: torch.cuda.Event | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._lora_logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         backend.init_decode_graphs(self.max_batch, self.max_pages)
 
@@ -109,10 +121,14 @@ class DecodeGraphs:
             return None
         return size
 
-    def _stage(self, layout: BatchLayout, size: int) -> StepInputs:
+    def _stage(
+        self, layout: BatchLayout, size: int, lora_slots: np.ndarray | None = None
+    ) -> StepInputs:
+        """Stage a decode layout padded to `size`; with `lora_slots` (one per sequence) also
+        the LoRA field (padding rows -1)."""
         padded, rows = pad_decode_layout(layout, size)
         m = self.max_batch
-        fields = (
+        fields: tuple[np.ndarray, ...] = (
             padded.input_ids,
             padded.positions,
             padded.slot_blocks,
@@ -120,12 +136,15 @@ class DecodeGraphs:
             rows,
             padded.sample_rows,
         )
+        if lora_slots is not None:
+            pad = np.full(size - lora_slots.shape[0], -1, dtype=np.int32)
+            fields = (*fields, np.concatenate([lora_slots, pad]))
         if self._copied is not None:  # the previous step's copies out of the pinned buffers
             self._copied.synchronize()
         host = self._host.numpy()
         for i, arr in enumerate(fields):
             host[i * m : i * m + arr.shape[0]] = arr
-        base, num_pages = _NUM_ROW_FIELDS * m, padded.num_pages
+        base, num_pages = self._num_fields * m, padded.num_pages
         host[base : base + num_pages] = padded.page_indices
         used = base + num_pages
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
@@ -147,36 +166,57 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def _body(self, step: StepInputs) -> torch.Tensor:
-        hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.ops)
+    def _lora_slots(self, size: int) -> torch.Tensor:
+        """The LoRA field of a staged step of `size` rows (device int32)."""
+        m = self.max_batch
+        return self._dev[_LORA_FIELD * m : _LORA_FIELD * m + size]
+
+    def _body(self, step: StepInputs, with_lora: bool = False) -> torch.Tensor:
+        lora = None
+        if with_lora:
+            assert self.lora is not None
+            lora = graph_step(self.lora, self._lora_slots(step.input_ids.shape[0]))
+        hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.ops, lora)
         return self.model.compute_logits(hidden, self.ops)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one shared memory pool."""
+        """Capture every size, largest first, into one shared memory pool (with LoRA weights,
+        each size's LoRA graph too)."""
         warm = ScheduledBatch(
             (SeqChunk("cuda-graph-warmup", (0,), start_pos=0, block_ids=(0,), sample=True),)
         )
         layout = build_layout(warm, self.backend.block_size)
+        no_adapter = None if self.lora is None else np.full(1, -1, dtype=np.int32)
         pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.lora is not None else (False,)
         for size in reversed(self.sizes):
-            step = self._stage(layout, size)
-            self._plan(step, size)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body(step)  # JIT, lazily built buffers: never inside a capture
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._body(step)
-            self._graphs[size] = graph
+            for with_lora in variants:
+                step = self._stage(layout, size, no_adapter)
+                self._plan(step, size)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._body(step, with_lora)  # JIT, lazy buffers: never inside a capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._body(step, with_lora)
+                graphs, outputs = self._variant(with_lora)
+                graphs[size], outputs[size] = graph, logits
         torch.cuda.synchronize()
 
-    def replay(self, size: int) -> None:
-        """Replay graph `size` on the inputs staged last (`run`; alone: a benchmark's pure
-        device time of a decode step)."""
-        self._graphs[size].replay()
+    def _variant(
+        self, with_lora: bool
+    ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+        if with_lora:
+            return self._lora_graphs, self._lora_logits
+        return self._graphs, self._logits
+
+    def replay(self, size: int, with_lora: bool = False) -> None:
+        """Replay graph `size` (the LoRA one with `with_lora`) on the inputs staged last
+        (`run`; alone: a benchmark's pure device time of a decode step)."""
+        self._variant(with_lora)[0][size].replay()
         self.num_replays += 1
 
     def run(
@@ -184,15 +224,21 @@ class DecodeGraphs:
         layout: BatchLayout,
         size: int,
         fill: Callable[[torch.Tensor], None] | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Float32 logits of the sampled rows of a decode-only layout (replays graph `size`;
-        queued, no host sync). `fill` writes placeholder ids into the staged input ids."""
-        step = self._stage(layout, size)
+        queued, no host sync). `fill` writes placeholder ids into the staged input ids;
+        `lora_slots` (one per sequence, -1 for base; None: every row is base) picks the
+        LoRA graph."""
+        with_lora = lora_slots is not None
+        if with_lora and self.lora is None:
+            raise ValueError("LoRA slots for decode graphs captured without LoRA weights")
+        step = self._stage(layout, size, lora_slots)
         if fill is not None:
             fill(step.input_ids)
         self._plan(step, size)
-        self.replay(size)
-        logits = self._logits[size]
+        self.replay(size, with_lora)
+        logits = self._variant(with_lora)[1][size]
         if layout.samples_every_row:
             return logits[: layout.num_seqs].clone()
         return logits.index_select(0, step.sample_rows)

@@ -24,13 +24,20 @@ kernels on the GPU. The residual stream r is carried between layers next to the 
 
 With TorchOps this is the same arithmetic in the same order as a plain residual stream
 (x + f(norm(x)) per sublayer), so results are bit-for-bit those of the unfused form.
+
+LoRA adapters (engine/lora_apply.py) ride on the same projections: `forward` takes a
+`LoraStep` (None: the base model, and nothing below changes) that adds each token's adapter
+delta to the projection outputs it targets. An adapted FP8 projection takes its input in the
+activation dtype (the op before it does not write e4m3 then; `Fp8Linear` quantizes with the
+same static scale), so the delta is computed from the unquantized input and added to the FP8
+GEMM's output in the activation dtype.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +46,9 @@ from torch import nn
 from engine.fp8 import Fp8Linear
 from engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
 from engine.model_config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+    from engine.lora_apply import LoraStep
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]."""
@@ -137,10 +147,11 @@ class DecoderLayer(nn.Module):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             setattr(self, name, nn.Parameter(empty, requires_grad=False))
 
-    def _static_scale(self, name: str) -> torch.Tensor | None:
+    def _static_scale(self, name: str, lora: LoraStep | None = None) -> torch.Tensor | None:
         """The static input scale of FP8 projection `name` (the op before it then writes
-        e4m3 itself), or None (dense, or FP8 with dynamic input scales)."""
-        if self.fp8 is None:
+        e4m3 itself), or None (dense, FP8 with dynamic input scales, or adapted by `lora`:
+        the adapter reads the input in the activation dtype)."""
+        if self.fp8 is None or (lora is not None and name in lora.projections):
             return None
         return cast(Fp8Linear, self.fp8[name]).input_scale
 
@@ -153,6 +164,21 @@ class DecoderLayer(nn.Module):
             return out
         return F.linear(x, weight, bias)
 
+    def _project(
+        self,
+        layer: int,
+        name: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora: LoraStep | None,
+    ) -> torch.Tensor:
+        """`_linear`, plus the adapters' deltas of `lora` (None: none)."""
+        out = self._linear(name, x, weight, bias)
+        if lora is not None:
+            lora.add(layer, name, x, out)
+        return out
+
     def _norm_into(
         self,
         name: str,
@@ -160,11 +186,12 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         weight: torch.Tensor,
+        lora: LoraStep | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the input of projection `name`: rmsnorm of x (+ residual), residual stream);
         e4m3 when that projection's input scale is static."""
         eps = self.cfg.rms_norm_eps
-        scale = self._static_scale(name)
+        scale = self._static_scale(name, lora)
         if residual is None:
             if scale is not None:
                 return ops.rms_norm_quant(x, weight, eps, scale), x
@@ -182,13 +209,16 @@ class DecoderLayer(nn.Module):
         rotary: Rotary,
         attend: Attend,
         ops: LayerOps,
+        lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it) for the previous layer's pair (x, residual);
         layer 0 gets (embeddings, None). x and residual may be overwritten (see LayerOps)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        h, residual = self._norm_into("qkv_proj", ops, x, residual, self.input_layernorm.weight)
-        qkv = self._linear("qkv_proj", h, self.qkv_proj, self.qkv_bias)
+        h, residual = self._norm_into(
+            "qkv_proj", ops, x, residual, self.input_layernorm.weight, lora
+        )
+        qkv = self._project(layer, "qkv_proj", h, self.qkv_proj, self.qkv_bias, lora)
         t = qkv.shape[0]
         # views into qkv (no copies); RoPE may rotate q and k in place there
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
@@ -199,20 +229,20 @@ class DecoderLayer(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, eps)
         q, k = ops.rope(positions, q, k, rotary)
         attn = attend(layer, q, k, v).reshape(t, cfg.q_size)
-        o_scale = self._static_scale("o_proj")
+        o_scale = self._static_scale("o_proj", lora)
         if o_scale is not None:
             attn = ops.quantize(attn, o_scale)
-        h = self._linear("o_proj", attn, self.o_proj, self.o_bias)
+        h = self._project(layer, "o_proj", attn, self.o_proj, self.o_bias, lora)
         h, residual = self._norm_into(
-            "gate_up_proj", ops, h, residual, self.post_attention_layernorm.weight
+            "gate_up_proj", ops, h, residual, self.post_attention_layernorm.weight, lora
         )
-        gate_up = self._linear("gate_up_proj", h, self.gate_up_proj, None)
-        down_scale = self._static_scale("down_proj")
+        gate_up = self._project(layer, "gate_up_proj", h, self.gate_up_proj, None, lora)
+        down_scale = self._static_scale("down_proj", lora)
         if down_scale is not None:
             h = ops.silu_and_mul_quant(gate_up, down_scale)
         else:
             h = ops.silu_and_mul(gate_up)
-        return self._linear("down_proj", h, self.down_proj, None), residual
+        return self._project(layer, "down_proj", h, self.down_proj, None, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -244,12 +274,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attend: Attend,
         ops: LayerOps = TORCH_OPS,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] (before the final norm) for flat `input_ids` [T]."""
+        """Hidden states [T, hidden] (before the final norm) for flat `input_ids` [T];
+        `lora`: the step's adapters (None: the base model)."""
         h = F.embedding(input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(i, h, residual, positions, self.rotary, attend, ops)
+            h, residual = layer(i, h, residual, positions, self.rotary, attend, ops, lora)
         return h if residual is None else residual + h
 
     def quantize_fp8(self) -> None:

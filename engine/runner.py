@@ -13,6 +13,12 @@ sampled id, which the engine hands over with `keep_sampled` after sampling each 
 a step's attention plan rewrites a pinned buffer that the previous plan's copy may not have
 read yet, the runner waits for that copy (an event, not a device drain).
 
+LoRA (engine/lora_apply.py): with `lora_weights` (the adapter cache's device slots) each chunk
+reads the slot its `lora_slot` names (-1: the base model), expanded here to one slot per
+token. A step in which no chunk reads a slot runs exactly the base path (no LoRA work, the
+base CUDA graphs); otherwise eager steps add the deltas grouped by slot, and decode steps
+replay a second set of CUDA graphs whose inputs carry the per-token slots.
+
 The layer ops (torch math or flashinfer's fused kernels, engine/layer_ops.py) are chosen once,
 at construction, by `create_layer_ops` (which self-checks the fused ones); if capturing the
 CUDA graphs with fused ops fails, the runner falls back to torch ops and captures again.
@@ -24,6 +30,7 @@ import functools
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.attention import BatchLayout, StepStager, build_layout, check_bounds, create_backend
@@ -34,6 +41,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, torch_dtype
 from engine.layer_ops import TORCH_OPS, LayerOps
 from engine.layer_ops_select import create_layer_ops
+from engine.lora_apply import LoraWeights, eager_step
 from engine.model import LlamaModel
 from engine.overlap import to_device
 
@@ -71,10 +79,20 @@ class ModelRunner:
     - within a step no two chunks write the same slot, and no chunk writes a block another
       sequence reads as a shared (prefix-cached) block;
     - multi-token chunks come before single-token ones (any order is correct; this one lets
-      flashinfer run decodes with its decode kernel).
+      flashinfer run decodes with its decode kernel);
+    - a chunk's lora_slot is -1 or a slot of `lora_weights` that the chunk's request holds
+      (`LoraCache.acquire`), so the slot's weights stay put until the step has run.
     """
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        config: EngineConfig,
+        lora_weights: LoraWeights | None = None,
+    ) -> None:
+        """`lora_weights`: the adapter cache's device slots (`LoraCache.weights`), made before
+        this runner (its CUDA graphs hold their addresses); None serves the base model only."""
         if kv_cache.spec.block_size != config.block_size:
             raise ValueError(
                 f"KV cache block size {kv_cache.spec.block_size} != config {config.block_size}"
@@ -91,6 +109,7 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         self.device = kv_cache.device
+        self.lora = lora_weights
         self.backend = create_backend(config.attention_backend, model.cfg, kv_cache, model.dtype)
         self.layer_ops: LayerOps = create_layer_ops(config.layer_ops, model)
         self._stager = StepStager(self.device)
@@ -103,21 +122,35 @@ class ModelRunner:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             self.graphs = self._capture_graphs(max_batch, cdiv(max_len, self.block_size))
 
+    def _decode_graphs(self, max_batch: int, pages_per_seq: int, ops: LayerOps) -> DecodeGraphs:
+        if self.lora is None:
+            return DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, ops)
+        return DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, ops, self.lora)
+
     def _capture_graphs(self, max_batch: int, pages_per_seq: int) -> DecodeGraphs:
-        graphs = DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, self.layer_ops)
+        graphs = self._decode_graphs(max_batch, pages_per_seq, self.layer_ops)
         try:
             graphs.capture()
+            return graphs
         except Exception:
-            if self.layer_ops is TORCH_OPS or self.config.layer_ops != "auto":
+            fallback = self._graph_fallback()
+            if fallback is None:
                 raise
             log.warning(
-                "CUDA-graph capture with fused layer ops failed; capturing with torch ops",
-                exc_info=True,
+                "CUDA-graph capture with %s failed; capturing with %s", *fallback, exc_info=True
             )
+        return self._capture_graphs(max_batch, pages_per_seq)
+
+    def _graph_fallback(self) -> tuple[str, str] | None:
+        """After a failed capture: switch one chosen (not requested) kernel to torch, the
+        LoRA kernel first; (what failed, what replaces it), or None when nothing is left."""
+        if self.lora is not None and self.lora.kernel == "flashinfer" and self.lora.may_fall_back:
+            self.lora.use_torch_kernel()
+            return "flashinfer's segment GEMM (LoRA)", "the torch LoRA kernel"
+        if self.layer_ops is not TORCH_OPS and self.config.layer_ops == "auto":
             self.layer_ops = TORCH_OPS
-            graphs = DecodeGraphs(self.model, self.backend, max_batch, pages_per_seq, TORCH_OPS)
-            graphs.capture()
-        return graphs
+            return "fused layer ops", "torch ops"
+        return None
 
     @property
     def attention_backend(self) -> str:
@@ -141,10 +174,16 @@ class ModelRunner:
             layout, self.kv_cache.spec.num_blocks, cfg.vocab_size, cfg.max_position_embeddings
         )
         fill = self._placeholder_fill(batch, layout)
+        seq_slots = self._lora_slots(batch)
         if self.graphs is not None and batch.is_decode_only:
             size = self.graphs.batch_size_for(layout)
             if size is not None:
-                return self.graphs.run(layout, size, fill)
+                return self.graphs.run(layout, size, fill, seq_slots)
+        lora = None
+        if seq_slots is not None:
+            assert self.lora is not None
+            token_slots = np.repeat(seq_slots, np.diff(layout.qo_indptr))
+            lora = eager_step(self.lora, token_slots, self.device)
         step = self._stager.stage(layout)
         if fill is not None:
             fill(step.input_ids)
@@ -154,7 +193,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._planned = torch.cuda.Event()
             self._planned.record()
-        hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.layer_ops)
+        hidden = self.model(
+            step.input_ids, step.positions, self.backend.forward, self.layer_ops, lora
+        )
         if batch.num_sampled == 0:
             # Only mid-prompt chunks (a prompt longer than the step's token budget): the KV is
             # written, nothing is sampled. No head matmul, and no empty tensor for a kernel
@@ -163,6 +204,21 @@ class ModelRunner:
         if not layout.samples_every_row:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden, self.layer_ops)
+
+    def _lora_slots(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """Each chunk's LoRA slot (int32), or None when no chunk reads one (the base path).
+        Raises ValueError for a slot this runner does not have."""
+        if not any(c.lora_slot >= 0 for c in batch.chunks):
+            return None
+        num_slots = 0 if self.lora is None else self.lora.num_slots
+        slots = np.fromiter((c.lora_slot for c in batch.chunks), np.int32, len(batch.chunks))
+        if int(slots.max()) >= num_slots:
+            bad = next(c for c in batch.chunks if c.lora_slot >= num_slots)
+            raise ValueError(
+                f"request {bad.request_id}: LoRA slot {bad.lora_slot} out of range "
+                f"(the runner has {num_slots} slots)"
+            )
+        return slots
 
     def _placeholder_fill(
         self, batch: ScheduledBatch, layout: BatchLayout

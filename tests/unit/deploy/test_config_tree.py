@@ -223,7 +223,9 @@ def test_each_flag_sets_the_field_it_names_with_its_type_and_default(flag: Any) 
     if shown:
         as_shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
         assert shown == [as_shown]
-    value = flag.choices[-1] if flag.choices else {bool: True, int: 7, float: 2.5, str: "x"}[flag.type]
+    value = (
+        flag.choices[-1] if flag.choices else {bool: True, int: 7, float: 2.5, str: "x"}[flag.type]
+    )
     tree = effective_config(config_input({}, {flag.name: value}))
     for key in flag.path.split("."):
         tree = getattr(tree, key)

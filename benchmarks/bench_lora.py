@@ -1,0 +1,314 @@
+"""Multi-LoRA decode and adapter loads: a decode step with 1, 4 and 16 distinct adapters against
+the base model, in one run; adapter load time from the host cache and from disk.
+
+GPU (one H200, the default): a Llama-3-8B-shaped model with random bf16 weights
+(benchmarks/bench_engine.py builds it), a KV pool of random values, flashinfer attention and
+CUDA graphs. Random rank-16 PEFT adapters on all seven projections (q/k/v/o/gate/up/down) are
+written to a temporary folder and served by the adapter cache (engine/lora_cache.py, one slot
+per adapter, slots padded to `--max-rank`). For each graph LoRA kernel (`--kernels`: torch's
+dense-over-slots, flashinfer's segment GEMM) one runner captures the base and the LoRA decode
+graphs; then, side by side at batch B (64) with `--context` tokens per sequence:
+- base: every row the base model (the base graph);
+- N adapters: row i reads adapter i % N (the LoRA graph), for N in `--adapters` (1, 4, 16);
+each as `ModelRunner.execute` (staging, plan, replay) and as a pure replay of the graph, with
+its ratio to base (goal: <= 1.15x at 4 adapters).
+Loads: an adapter from disk (register, then acquire until resident: read, pin, upload; the
+OS page cache may hold the file, it was just written) and from the host cache (evicted from
+its slot, read back), each over `--load-repeats` adapters.
+
+CPU (`--smoke`): the same on the tiny shape with dummy weights, eager steps (no graphs), to
+check that the script runs.
+
+    python benchmarks/bench_lora.py [--batch 64] [--adapters 1,4,16] [--kernels torch,flashinfer]
+    python benchmarks/bench_lora.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import ROWS, print_table, step
+
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.block_pool import cdiv
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.kv_sizing import kv_cache_spec
+from engine.lora import LORA_MODULES, module_shape, tensor_name
+from engine.lora_cache import LoraCache, LoraCacheConfig
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner
+
+RESULTS: dict[str, Any] = {}
+
+
+def write_adapter(root: Path, name: str, cfg: ModelConfig, rank: int, seed: int) -> Path:
+    """A random PEFT adapter (bf16) of `rank` on every projection, in peft's file layout."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(cfg.num_layers):
+        for module in LORA_MODULES:
+            fan_in, fan_out = module_shape(cfg, module)
+            a = torch.randn(rank, fan_in, generator=gen) * fan_in**-0.5
+            tensors[tensor_name(layer, module, "A")] = a.bfloat16()
+            tensors[tensor_name(layer, module, "B")] = (
+                torch.randn(fan_out, rank, generator=gen) * 0.01
+            ).bfloat16()
+    out = root / name
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "bias": "none",
+        "target_modules": list(LORA_MODULES),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def decode_batch(batch: int, context: int, block_size: int, slots: list[int]) -> ScheduledBatch:
+    """`batch` single-token decodes over `context` tokens each; row i reads slots[i]."""
+    pages = cdiv(context, block_size)
+    return ScheduledBatch(
+        tuple(
+            SeqChunk(
+                f"seq{i}",
+                (i % 1000 + 1,),
+                context - 1,
+                tuple(range(i * pages, (i + 1) * pages)),
+                sample=True,
+                lora_slot=slots[i],
+            )
+            for i in range(batch)
+        )
+    )
+
+
+def acquire_blocking(cache: LoraCache, name: str) -> int:
+    """Acquire `name`, asking again every 0.5 ms (as a waiting request does each step)."""
+    while True:
+        slot = cache.acquire(name)
+        if slot is not None:
+            return slot
+        time.sleep(5e-4)
+
+
+def build(smoke: bool) -> tuple[LlamaModel, torch.device]:
+    if smoke:
+        from deploy.make_model import PRESETS, hf_config
+        from engine.dummy_weights import dummy_model
+
+        cfg = ModelConfig.from_dict(hf_config(PRESETS["tiny"], 0, 1))
+        return dummy_model(cfg, torch.float32, "cpu").eval(), torch.device("cpu")
+    from bench_engine import random_llama3_8b
+
+    return random_llama3_8b(), torch.device("cuda", torch.cuda.current_device())
+
+
+def bench_decode(
+    args: argparse.Namespace,
+    model: LlamaModel,
+    kv: KVCache,
+    adapters: list[Path],
+    kernel: str,
+) -> dict[str, float]:
+    """Decode step times of base and N adapters with one runner (one graph kernel)."""
+    device = kv.device
+    cuda = device.type == "cuda"
+    config = LoraCacheConfig(
+        max_loras=len(adapters),
+        max_cpu_loras=len(adapters),
+        max_lora_rank=args.max_rank,
+        kernel=kernel,
+    )
+    cache = LoraCache(model.cfg, config, model.dtype, device)
+    for i, path in enumerate(adapters):
+        cache.register(f"a{i}", path)
+    slots = [acquire_blocking(cache, f"a{i}") for i in range(len(adapters))]
+    print(f"   {len(adapters)} adapters resident, slots {cache.weights.nbytes / 2**30:.2f} GiB")
+    engine_config = EngineConfig(
+        model_dir="random",
+        block_size=args.block_size,
+        attention_backend="flashinfer" if cuda else "torch",
+        cuda_graphs=cuda,
+        cuda_graph_max_batch=args.batch,
+        max_num_seqs=args.batch,
+    )
+    runner = ModelRunner(model, kv, engine_config, lora_weights=cache.weights)
+    out: dict[str, float] = {}
+    b = args.batch
+    cases = [("base", [-1] * b)] + [
+        (f"{n} adapters", [slots[i % n] for i in range(b)]) for n in args.adapters
+    ]
+    for label, row_slots in cases:
+        batch = decode_batch(b, args.context, args.block_size, row_slots)
+        run = functools.partial(runner.execute, batch)
+        sec = step(
+            f"{kernel}: decode B={b} {label}", lambda r=run: seconds_per_call(r, device, args.iters)
+        )
+        if sec is None:
+            continue
+        out[label] = sec
+        if runner.graphs is not None:
+            runner.execute(batch)  # stage this batch, then replay alone: device time only
+            with_lora = label != "base"
+            replay = functools.partial(runner.graphs.replay, b, with_lora)
+            out[f"{label} replay"] = seconds_per_call(replay, device, args.iters)
+    for label, sec in out.items():
+        ref = out.get("base replay" if label.endswith("replay") else "base")
+        ratio = f"{sec / ref:.3f}x" if ref else ""
+        ROWS.append((f"{kernel}: decode B={b} {label}", f"{sec * 1e3:.3f} ms", "base", ratio))
+    runner.graphs = None  # free the captured graphs before the next runner captures
+    cache.close()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_loads(args: argparse.Namespace, model: LlamaModel, root: Path) -> dict[str, float]:
+    """Seconds from the first acquire to a resident slot: from disk, and from the host cache."""
+    device = model.device
+    config = LoraCacheConfig(
+        max_loras=1,
+        max_cpu_loras=args.load_repeats + 1,
+        max_lora_rank=args.max_rank,
+        kernel="torch",
+    )
+    cache = LoraCache(model.cfg, config, model.dtype, device)
+    paths = [
+        write_adapter(root, f"load{i}", model.cfg, args.rank, 100 + i)
+        for i in range(args.load_repeats)
+    ]
+    disk, host = [], []
+    for i, path in enumerate(paths):
+        cache.register(f"l{i}", path)
+        t0 = time.perf_counter()
+        acquire_blocking(cache, f"l{i}")
+        disk.append(time.perf_counter() - t0)
+        cache.release(f"l{i}")
+    for i in range(len(paths)):  # each evicts the one before from the single slot
+        t0 = time.perf_counter()
+        acquire_blocking(cache, f"l{i}")
+        host.append(time.perf_counter() - t0)
+        cache.release(f"l{i}")
+    stats = cache.stats
+    cache.close()
+    nbytes = sum(p.stat().st_size for p in (q / "adapter_model.safetensors" for q in paths))
+    out = {
+        "disk_s": sum(disk) / len(disk),
+        "disk_read_s": stats.disk_load_seconds / max(stats.num_disk_loads, 1),
+        "host_s": sum(host) / len(host),
+        "adapter_bytes": nbytes / len(paths),
+    }
+    mb = out["adapter_bytes"] / 2**20
+    ROWS.append(
+        (
+            "adapter load from disk (read+pin+upload)",
+            f"{out['disk_s'] * 1e3:.1f} ms",
+            f"{mb:.0f} MiB file",
+            f"read {out['disk_read_s'] * 1e3:.1f} ms",
+        )
+    )
+    ROWS.append(
+        (
+            "adapter load from host cache (upload)",
+            f"{out['host_s'] * 1e3:.1f} ms",
+            f"{stats.num_host_loads} host loads",
+            "",
+        )
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, eager steps")
+    parser.add_argument("--batch", type=int, default=0, help="decode batch (64; smoke 8)")
+    parser.add_argument("--adapters", default="", help="distinct adapters (1,4,16; smoke 1,2,4)")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-rank", type=int, default=16, help="slot rank (max_lora_rank)")
+    parser.add_argument("--context", type=int, default=0, help="tokens per sequence (2048)")
+    parser.add_argument("--kernels", default="", help="graph LoRA kernels (torch,flashinfer)")
+    parser.add_argument("--iters", type=int, default=0)
+    parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    smoke = args.smoke
+    args.batch = args.batch or (8 if smoke else 64)
+    args.adapters = [int(n) for n in (args.adapters or ("1,2,4" if smoke else "1,4,16")).split(",")]
+    args.context = args.context or (64 if smoke else 2048)
+    args.iters = args.iters or (5 if smoke else 50)
+    kernels = (args.kernels or ("torch" if smoke else "torch,flashinfer")).split(",")
+    t_start = time.perf_counter()
+    model_and_device = step("build the model (random weights)", functools.partial(build, smoke))
+    if model_and_device is None:
+        print_table()
+        return
+    model, device = model_and_device
+    pages = args.batch * cdiv(args.context, args.block_size)
+    kv = KVCache(kv_cache_spec(model.cfg, args.block_size, model.dtype, pages + 8), device)
+    kv.tensor.normal_()
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        root = Path(tmp)
+        adapters = step(
+            f"write {max(args.adapters)} random rank-{args.rank} adapters",
+            lambda: [
+                write_adapter(root, f"a{i}", model.cfg, args.rank, i)
+                for i in range(max(args.adapters))
+            ],
+        )
+        for kernel in kernels if adapters is not None else []:
+            run = functools.partial(bench_decode, args, model, kv, adapters, kernel)
+            decode = step(f"{kernel}: adapter cache, runner, graphs and decode steps", run)
+            if decode is not None:
+                RESULTS[f"decode_{kernel}"] = decode
+        loads = step("adapter loads", functools.partial(bench_loads, args, model, root))
+        if loads is not None:
+            RESULTS["loads"] = loads
+    RESULTS["config"] = {
+        "batch": args.batch,
+        "context": args.context,
+        "rank": args.rank,
+        "max_rank": args.max_rank,
+        "device": str(device),
+    }
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    print_table()
+    print(json.dumps(RESULTS, indent=2))
+
+
+if __name__ == "__main__":
+    main()

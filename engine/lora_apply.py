@@ -1,0 +1,366 @@
+"""Batched LoRA on the fused projections: one step mixes adapters and the base model.
+
+Every token of a step reads one device slot (`LoraWeights`) or none (-1: the base model). For
+each fused projection an adapter targets (qkv, o, gate_up, down) the model adds, per token t
+with slot s,
+
+    out[t, part] += (x[t] @ A[s, part]^T) @ B[s, part]        (B holds the scaling already)
+
+to the base projection's output, part by part (q, k, v of qkv; gate, up of gate_up). Three
+ways to compute it, all behind `LoraStep.add`:
+
+- grouped (`eager_step`): the runner knows the slots on the host, so it loops over the
+  distinct slots of the step (a slice when a slot's tokens are one run, else an index
+  gather/scatter) at each adapter's own rank and only over the modules it targets; base
+  tokens cost nothing. Any device; every eager step (prefill, mixed steps), and the
+  reference the other two are tested against.
+- dense (`graph_step`, kernel "torch"): shapes that do not depend on the slots, for CUDA
+  graphs: x times every slot's A at once (one matmul), zeroed outside each token's slot by a
+  one-hot mask, then one matmul per part into its output columns (`addmm_`, no copies). It
+  reads every slot's weights once per step whatever the batch (max_loras x max_lora_rank x
+  (in + out) per projection), never a per-token copy of them. It relies on every slot holding
+  finite values (checked when an adapter is read), so that masked-out slots, including one
+  an upload is rewriting, add exact zeros.
+- segment (`graph_step`, kernel "flashinfer"): flashinfer's segment GEMM
+  (`SegmentGEMMWrapper`), one segment per token with its slot as the weight index (base
+  tokens read the zero row), a shrink and an expand per part. fp16/bf16 on CUDA.
+
+`LoraWeights` are allocated once, before CUDA graphs are captured, and never reallocated (the
+graphs hold their addresses); the cache (engine/lora_cache.py) fills and clears slots.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.lora import FUSED_TARGETS, LoraAdapter, module_shape
+from engine.model_config import ModelConfig
+
+LORA_KERNELS = ("auto", "torch", "flashinfer")
+"""Choices of the CUDA-graph LoRA kernel (eager steps always run grouped)."""
+RANK_ALIGN = 16
+"""Slots are padded to a multiple of this rank (the segment GEMM's alignment)."""
+SELF_CHECK_TOLERANCE = 2e-2
+"""Largest relative error the segment GEMM may show against torch (bf16 rounding ~4e-3)."""
+_SEGMENT_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProjectionParts:
+    """How PEFT modules sit in one fused projection's output columns."""
+
+    fan_in: int
+    modules: tuple[str, ...]
+    columns: tuple[tuple[int, int], ...]
+    """[start, end) of each module's output in the fused output, in `modules` order."""
+
+
+def projection_parts(cfg: ModelConfig) -> dict[str, ProjectionParts]:
+    """Fused projection → its parts (engine/weights.py's fusion order)."""
+    out: dict[str, ProjectionParts] = {}
+    for module, (proj, _) in FUSED_TARGETS.items():
+        fan_in, fan_out = module_shape(cfg, module)
+        prev = out.get(proj)
+        start = prev.columns[-1][1] if prev else 0
+        modules = (*prev.modules, module) if prev else (module,)
+        columns = (*prev.columns, (start, start + fan_out)) if prev else ((start, fan_out),)
+        out[proj] = ProjectionParts(fan_in, modules, columns)
+    return out
+
+
+def lora_kernel_unavailable_reason(
+    kernel: str, device: torch.device, dtype: torch.dtype
+) -> str | None:
+    """Why a graph kernel cannot run here, or None when it can."""
+    if kernel not in LORA_KERNELS:
+        return f"lora kernel: one of {', '.join(LORA_KERNELS)}, got {kernel!r}"
+    if kernel != "flashinfer":
+        return None
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return f"flashinfer's segment GEMM runs fp16/bf16 on CUDA (got {dtype} on {device})"
+    try:
+        _segment_gemm_class()
+    except Exception as e:  # an optional extra: any import failure means "not here"
+        return f"flashinfer's SegmentGEMMWrapper does not import: {e}"
+    return None
+
+
+def select_lora_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """ "torch" or "flashinfer" for a request ("auto": flashinfer where it runs and passes
+    `check_segment_gemm`, else torch); ValueError when an explicit request cannot run here."""
+    if requested == "auto":
+        if lora_kernel_unavailable_reason("flashinfer", device, dtype) is not None:
+            return "torch"
+        try:
+            err = check_segment_gemm(device, dtype)
+        except Exception:
+            log.warning("flashinfer's segment GEMM failed its self-check", exc_info=True)
+            return "torch"
+        if err > SELF_CHECK_TOLERANCE:
+            log.warning("flashinfer's segment GEMM is off by %.2e: torch LoRA kernel", err)
+            return "torch"
+        return "flashinfer"
+    reason = lora_kernel_unavailable_reason(requested, device, dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    return requested
+
+
+def check_segment_gemm(device: torch.device, dtype: torch.dtype) -> float:
+    """The worst relative error of flashinfer's segment GEMM against torch on a small problem
+    shaped like the LoRA kernel's (per-token segments and weight indices; the shrink's
+    column-major and the expand's row-major weights)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+    x, a, b = randn(7, 256), randn(3, 16, 256), randn(3, 16, 128)
+    index = torch.tensor([2, 0, 1, 1, 2, 0, 2], dtype=torch.int64, device=device)
+    indptr = torch.arange(8, dtype=torch.int64, device=device)
+    workspace = torch.empty(_SEGMENT_WORKSPACE_BYTES, dtype=torch.int8, device=device)
+    run = _segment_gemm_class()(workspace).run
+    shrunk = run(x, a, 7, True, seg_indptr=indptr, weight_indices=index)
+    out = run(shrunk.contiguous(), b, 7, False, seg_indptr=indptr, weight_indices=index)
+    want_shrunk = torch.einsum("ti,toi->to", x.float(), a[index].float())
+    want_out = torch.einsum("tr,tro->to", shrunk.float(), b[index].float())
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+    return max(rel(shrunk, want_shrunk), rel(out, want_out))
+
+
+def _segment_gemm_class() -> Any:
+    gemm = importlib.import_module("flashinfer.gemm")
+    return (
+        getattr(gemm, "SegmentGEMMWrapper", None)
+        or importlib.import_module("flashinfer").SegmentGEMMWrapper
+    )
+
+
+class LoraWeights:
+    """Every device slot's A and B, per fused projection, stacked over layers.
+
+    a[proj]: [layers, parts, rows, rank, in]; b[proj][part]: [layers, rows, rank, out], with
+    rows = num_slots, plus one all-zero row (index num_slots) that base tokens of the segment
+    kernel read. This layout keeps every kernel's operand a view: the dense kernel's
+    [parts * rows * rank, in] and [rows * rank, out] matrices, the segment kernel's
+    [rows, rank, in] stacks, a slot's [rank, in] matrix. A slot holds an adapter's rank r in
+    ranks [0, r) and zeros elsewhere (a module it does not target is all zero);
+    `slot_modules[s]` and `slot_ranks[s]` say what slot s holds.
+
+    Size: layers x rows x rank x (sum of in + out over the seven modules) elements (Llama-3-8B,
+    16 slots of rank 16 in bf16: 1.3 GiB). The dense kernel reads all of it every LoRA decode
+    step, so max_loras and max_lora_rank should be what is served, not more.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: str = "torch",
+        may_fall_back: bool = False,
+    ) -> None:
+        """`kernel`: the CUDA-graph kernel ("torch" or "flashinfer"); `may_fall_back`: it was
+        chosen, not requested, so the runner may switch it to torch (`use_torch_kernel`) if
+        capturing graphs with it fails."""
+        self.cfg = cfg
+        self.num_slots = num_slots
+        self.rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+        self.dtype = dtype
+        self.device = device
+        self.kernel = kernel
+        self.may_fall_back = may_fall_back
+        self.parts = projection_parts(cfg)
+        layers, r = cfg.num_layers, self.rank
+        rows = num_slots + (kernel == "flashinfer")
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, tuple[torch.Tensor, ...]] = {}
+        for proj, parts in self.parts.items():
+            shape = (layers, len(parts.modules), rows, r, parts.fan_in)
+            self.a[proj] = torch.zeros(shape, dtype=dtype, device=device)
+            self.b[proj] = tuple(
+                torch.zeros((layers, rows, r, hi - lo), dtype=dtype, device=device)
+                for lo, hi in parts.columns
+            )
+        self.slot_modules: list[frozenset[str]] = [frozenset()] * num_slots
+        self.slot_ranks = [0] * num_slots
+        self.segment_gemm: Any = None
+        if kernel == "flashinfer":
+            workspace = torch.empty(_SEGMENT_WORKSPACE_BYTES, dtype=torch.int8, device=device)
+            self.segment_gemm = _segment_gemm_class()(workspace)
+
+    def use_torch_kernel(self) -> None:
+        """Graph steps made from now on use the dense torch kernel (it reads the zero row
+        the segment kernel kept, as a slot no token matches)."""
+        self.kernel, self.segment_gemm, self.may_fall_back = "torch", None, False
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.a.values(), *(t for parts in self.b.values() for t in parts)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def fill(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter into `slot` on the current stream (non-blocking from pinned host
+        memory; the caller orders it after the steps that read the slot's last occupant)."""
+        self.clear(slot)
+        r = adapter.spec.rank
+        for module in adapter.spec.modules:
+            proj, part = FUSED_TARGETS[module]
+            self.a[proj][:, part, slot, :r].copy_(adapter.a[module], non_blocking=True)
+            self.b[proj][part][:, slot, :r].copy_(adapter.b[module], non_blocking=True)
+        self.slot_modules[slot] = frozenset(adapter.spec.modules)
+        self.slot_ranks[slot] = r
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot` (on the current stream)."""
+        for proj, a in self.a.items():
+            a[:, :, slot].zero_()
+            for b in self.b[proj]:
+                b[:, slot].zero_()
+        self.slot_modules[slot] = frozenset()
+        self.slot_ranks[slot] = 0
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """The tokens of one step that read one slot: rows [start, end), or `index` (device
+    int64) when they are not one run."""
+
+    slot: int
+    start: int
+    end: int
+    index: torch.Tensor | None = None
+
+
+class LoraStep:
+    """One step's LoRA: which slot each token reads, and the kernel that adds the deltas.
+    Made by `eager_step` or `graph_step`; valid for one forward pass."""
+
+    def __init__(
+        self,
+        weights: LoraWeights,
+        projections: frozenset[str],
+        groups: tuple[SlotRows, ...] | None = None,
+        token_slots: torch.Tensor | None = None,
+        kernel: str = "torch",
+    ) -> None:
+        self.weights = weights
+        self.projections = projections
+        """The fused projections some token of the step adapts (the rest run as the base)."""
+        self._groups = groups
+        self._kernel = kernel
+        self._onehot: torch.Tensor | None = None
+        self._indices: torch.Tensor | None = None
+        self._indptr: torch.Tensor | None = None
+        if groups is None:
+            assert token_slots is not None
+            self._prepare_graph(token_slots.long())
+
+    def _prepare_graph(self, slots: torch.Tensor) -> None:
+        """Per-step tensors of the graph kernels, made once before the first layer."""
+        n = self.weights.num_slots
+        if self._kernel == "flashinfer":  # base tokens read the zero row
+            self._indices = torch.where(slots < 0, torch.full_like(slots, n), slots)
+            self._indptr = torch.arange(slots.shape[0] + 1, dtype=torch.int64, device=slots.device)
+        else:  # one column per row of the weights; base tokens match none
+            ids = torch.arange(self.weights.a["o_proj"].shape[2], device=slots.device)
+            self._onehot = (slots[:, None] == ids[None, :]).to(self.weights.dtype)
+
+    def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the LoRA delta of projection `proj` of `layer` for input x (in place)."""
+        if proj not in self.projections:
+            return
+        if self._groups is not None:
+            self._add_grouped(layer, proj, x, out)
+        elif self._onehot is not None:
+            self._add_dense(layer, proj, x, out)
+        else:
+            self._add_segment(layer, proj, x, out)
+
+    def _add_grouped(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        w = self.weights
+        parts = w.parts[proj]
+        assert self._groups is not None
+        for g in self._groups:
+            r, targeted = w.slot_ranks[g.slot], w.slot_modules[g.slot]
+            xs = x[g.start : g.end] if g.index is None else x.index_select(0, g.index)
+            for p, module in enumerate(parts.modules):
+                if module not in targeted:
+                    continue
+                shrunk = F.linear(xs, w.a[proj][layer, p, g.slot, :r])
+                b = w.b[proj][p][layer, g.slot, :r]
+                lo, hi = parts.columns[p]
+                if g.index is None:
+                    out[g.start : g.end, lo:hi].addmm_(shrunk, b)
+                else:
+                    out[:, lo:hi].index_add_(0, g.index, shrunk @ b)
+
+    def _add_dense(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        # shrink against every row of every part at once, zero what is not the token's slot,
+        # then one matmul per part straight into its columns of out
+        a = self.weights.a[proj][layer]  # [parts, rows, rank, in]
+        num_parts, rows, r, fan_in = a.shape
+        t = x.shape[0]
+        assert self._onehot is not None
+        shrunk = F.linear(x, a.reshape(-1, fan_in)).view(t, num_parts, rows, r)
+        shrunk.mul_(self._onehot[:, None, :, None])
+        shrunk = shrunk.view(t, num_parts, rows * r)
+        for p, (lo, hi) in enumerate(self.weights.parts[proj].columns):
+            b = self.weights.b[proj][p][layer].reshape(rows * r, hi - lo)
+            out[:, lo:hi].addmm_(shrunk[:, p], b)
+
+    def _add_segment(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        w = self.weights
+        run, t, x = w.segment_gemm.run, x.shape[0], x.contiguous()
+        common = {"seg_indptr": self._indptr, "weight_indices": self._indices}
+        for p, (lo, hi) in enumerate(w.parts[proj].columns):
+            shrunk = run(x, w.a[proj][layer, p], t, True, **common)  # [t, rank]
+            out[:, lo:hi].add_(run(shrunk, w.b[proj][p][layer], t, False, **common))
+
+
+def _projections_of(weights: LoraWeights, slots: set[int]) -> frozenset[str]:
+    return frozenset(FUSED_TARGETS[m][0] for s in slots for m in weights.slot_modules[s])
+
+
+def eager_step(
+    weights: LoraWeights, token_slots: np.ndarray, device: torch.device
+) -> LoraStep | None:
+    """The grouped LoraStep of a step whose token t reads slot token_slots[t] (-1: base), or
+    None when no token reads an adapter (the step runs as the base model). Index tensors of
+    slots whose tokens are not one run are copied to the device here (non-blocking)."""
+    from engine.overlap import to_device
+
+    used = sorted({int(s) for s in np.unique(token_slots) if s >= 0})
+    if not used:
+        return None
+    groups: list[SlotRows] = []
+    for slot in used:
+        rows = np.flatnonzero(token_slots == slot)
+        start, end = int(rows[0]), int(rows[-1]) + 1
+        index = (
+            None if end - start == rows.shape[0] else to_device(rows.tolist(), torch.long, device)
+        )
+        groups.append(SlotRows(slot, start, end, index))
+    return LoraStep(weights, _projections_of(weights, set(used)), groups=tuple(groups))
+
+
+def graph_step(weights: LoraWeights, token_slots: torch.Tensor) -> LoraStep:
+    """The LoraStep of a CUDA-graph body: token t reads slot token_slots[t] (a device tensor
+    of the graph's inputs; -1: base); shapes fixed, every projection adapted."""
+    return LoraStep(
+        weights, frozenset(weights.parts), token_slots=token_slots, kernel=weights.kernel
+    )
