@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash
-from engine.host_tier import HostTier
 from engine.kv_events import KVEvent, KVEventKind
+
+if TYPE_CHECKING:  # engine.host_tier imports torch; the router imports this module without it
+    from engine.host_tier import HostTier
 
 
 def cdiv(a: int, b: int) -> int:
