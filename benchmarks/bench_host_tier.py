@@ -127,6 +127,15 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
 # ---- chat -----------------------------------------------------------------------------------
 
 
+def chat_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The planned requests of the chat run (the same for tier off and on, and the working set)."""
+    from loadtests.workload import generate, load_profile
+
+    return generate(
+        load_profile(args.profile), rate=args.rate, duration_s=args.duration, seed=args.seed
+    )
+
+
 def chat_options(args: argparse.Namespace, host_kv_gb: float):  # type: ignore[no-untyped-def]
     from admission.config import AdmissionConfig, AdmissionThresholds
     from deploy.config import LaunchConfig, PdserveConfig
@@ -174,9 +183,7 @@ def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  #
     from loadtests.records import write_records
     from loadtests.workload import generate, load_profile
 
-    planned = generate(
-        load_profile(args.profile), rate=args.rate, duration_s=args.duration, seed=args.seed
-    )
+    planned = chat_workload(args)
     warm = generate(load_profile("synthetic"), rate=4.0, duration_s=1.0, seed=99)
     label = "on" if host_kv_gb else "off"
     with Cluster(chat_options(args, host_kv_gb)) as cluster:
@@ -229,11 +236,7 @@ def working_set(args: argparse.Namespace) -> dict[str, float]:
     """Distinct history tokens of the workload's sessions vs the device pool's tokens."""
     from collections import defaultdict
 
-    from loadtests.workload import generate, load_profile
-
-    planned = generate(
-        load_profile(args.profile), rate=args.rate, duration_s=args.duration, seed=args.seed
-    )
+    planned = chat_workload(args)
     longest: dict[int, int] = defaultdict(int)
     for p in planned:
         key = p.conversation if p.conversation is not None else -p.index - 1
