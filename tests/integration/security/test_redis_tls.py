@@ -18,7 +18,7 @@ import redis
 from certs import Certs, make_certs
 
 from engine.block_hash import hash_chain, hash_extra
-from engine.kv_events import KVEvent, KVEventKind
+from engine.kv_events import CacheSnapshot, KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from prefix_index.publisher import KVEventPublisher
@@ -91,7 +91,8 @@ def test_index_and_publisher_work_over_rediss_with_a_password(rediss_url: str) -
     config = PrefixIndexConfig(heartbeat_interval_s=0.1, socket_timeout_s=2.0,
                                connect_timeout_s=2.0)  # fmt: skip
     cached: list[KVEvent] = [KVEvent(0, KVEventKind.STORED, tuple(hashes))]
-    publisher = KVEventPublisher(rediss_url, "tls-model", "w1", lambda: (0, list(hashes)), config)
+    snapshot = CacheSnapshot(0, tuple(hashes))
+    publisher = KVEventPublisher(rediss_url, "tls-model", "w1", lambda: snapshot, config)
     index = PrefixIndex(rediss_url, "tls-model", config)
     try:
         publisher.start()
