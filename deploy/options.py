@@ -194,7 +194,7 @@ FLAGS: tuple[Flag, ...] = (
          "dummy (random, made on the device from config.json) [auto].", choices=LOAD_FORMATS),
     Flag("host_kv_gb", "workers.engine.host_kv_gb", float, "Host-memory KV tier per worker, "
          "GiB: evicted prefix blocks kept in (pinned) RAM and onboarded on a hit; -1: a tenth "
-         "of free RAM, 0: off [0.0]."),
+         "of available RAM (at most 64 GiB, 8 device pools), 0: off [-1.0]."),
     Flag("migration_limit", "router.orchestrator.migration_limit", int, "Times a running "
          "request moves to other workers when its decode worker fails [3]; 0: never."),
     Flag("admin_host", "router.admin_host", str, "Address the admin plane (status, drain, "

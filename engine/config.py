@@ -72,7 +72,7 @@ class EngineConfig:
     """Split long prompts into chunks that fit the step's token budget."""
     enable_prefix_caching: bool = True
     """Reuse cached full blocks of earlier prompts with the same hash chain."""
-    host_kv_gb: float = 0.0
+    host_kv_gb: float = -1.0
     """Host-memory KV tier (engine/host_tier.py): GiB of host RAM (pinned on GPU) holding prefix
     blocks the device pool evicts, onboarded again on a hit instead of recomputed. -1 = auto
     (a tenth of the host's available RAM, at most 64 GiB and at most 8 times the device pool);

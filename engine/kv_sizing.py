@@ -107,12 +107,24 @@ HOST_KV_AUTO_MAX_GIB = 64.0
 HOST_KV_AUTO_MAX_POOLS = 8
 
 
+def host_available_bytes() -> int:
+    """RAM the host can give without swapping (MemAvailable: free plus reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def decide_num_host_blocks(config: EngineConfig, block_nbytes: int, num_device_blocks: int) -> int:
     """Blocks of the host tier (EngineConfig.host_kv_gb; 0: no tier)."""
     if config.host_kv_gb == 0 or not config.enable_prefix_caching:
         return 0
     if config.host_kv_gb > 0:
         return max(1, int(config.host_kv_gb * 2**30 // block_nbytes))
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = host_available_bytes()
     nbytes = min(HOST_KV_AUTO_FRACTION * available, HOST_KV_AUTO_MAX_GIB * 2**30)
     return max(0, min(int(nbytes // block_nbytes), HOST_KV_AUTO_MAX_POOLS * num_device_blocks))
