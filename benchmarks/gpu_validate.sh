@@ -25,6 +25,8 @@
 #   hosttier the host KV tier: its GPU tests, benchmarks/bench_host_tier.py copy (onboard/offload
 #            GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B shape with dummy
 #            weights, one colocated worker, a 1536-block device pool: tier off vs on)
+#   lora     the LoRA GPU tests (CUDA-graph decode with adapters vs eager), then
+#            benchmarks/bench_lora.py (decode step at B=64 with 1/4/16 adapters vs base; loads)
 #   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
 #            GPU, two rates: client TPOT vs engine step
 set -u
@@ -100,6 +102,8 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --modes colocated \
     --colocated-workers 1 --workloads balanced --rates "balanced=1,2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e70.tgz" -C /tmp e2e70 ;;
+  lora) step lora_tests 200 python -m pytest tests/unit/engine/test_lora.py -q -rA -p no:cacheprovider
+    TAILN=${TAILN:-60} step bench_lora 300 python benchmarks/bench_lora.py ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
     step host_tier_copy 90 python benchmarks/bench_host_tier.py copy --blocks 1024 --out /tmp/ht
