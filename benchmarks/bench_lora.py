@@ -6,8 +6,9 @@ GPU (one H200, the default): a Llama-3-8B-shaped model with random bf16 weights
 CUDA graphs. Random rank-16 PEFT adapters on all seven projections (q/k/v/o/gate/up/down) are
 written to a temporary folder and served by the adapter cache (engine/lora_cache.py, one slot
 per adapter, slots padded to `--max-rank`). For each graph LoRA kernel (`--kernels`: torch's
-dense-over-slots, flashinfer's segment GEMM) one runner captures the base and the LoRA decode
-graphs; then, side by side at batch B (64) with `--context` tokens per sequence:
+dense-over-slots, flashinfer's segment GEMM, the triton BGMV kernel of engine/lora_triton.py)
+one runner captures the base and the LoRA decode graphs; then, side by side at batch B (64)
+with `--context` tokens per sequence:
 - base: every row the base model (the base graph);
 - N adapters: row i reads adapter i % N (the LoRA graph), for N in `--adapters` (1, 4, 16);
 each as `ModelRunner.execute` (staging, plan, replay) and as a pure replay of the graph, with
@@ -19,7 +20,8 @@ its slot, read back), each over `--load-repeats` adapters.
 CPU (`--smoke`): the same on the tiny shape with dummy weights, eager steps (no graphs), to
 check that the script runs.
 
-    python benchmarks/bench_lora.py [--batch 64] [--adapters 1,4,16] [--kernels torch,flashinfer]
+    python benchmarks/bench_lora.py [--batch 64] [--adapters 1,4,16]
+        [--kernels torch,flashinfer,triton]
     python benchmarks/bench_lora.py --smoke
 """
 
@@ -261,7 +263,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-rank", type=int, default=16, help="slot rank (max_lora_rank)")
     parser.add_argument("--context", type=int, default=0, help="tokens per sequence (2048)")
-    parser.add_argument("--kernels", default="", help="graph LoRA kernels (torch,flashinfer)")
+    parser.add_argument(
+        "--kernels", default="", help="graph LoRA kernels (torch,flashinfer,triton)"
+    )
     parser.add_argument("--iters", type=int, default=0)
     parser.add_argument("--load-repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
@@ -271,7 +275,7 @@ def main() -> None:
     args.adapters = [int(n) for n in (args.adapters or ("1,2,4" if smoke else "1,4,16")).split(",")]
     args.context = args.context or (64 if smoke else 2048)
     args.iters = args.iters or (5 if smoke else 50)
-    kernels = (args.kernels or ("torch" if smoke else "torch,flashinfer")).split(",")
+    kernels = (args.kernels or ("torch" if smoke else "torch,flashinfer,triton")).split(",")
     t_start = time.perf_counter()
     model_and_device = step("build the model (random weights)", functools.partial(build, smoke))
     if model_and_device is None:

@@ -2,10 +2,11 @@
 
     h_i = H(h_{i-1} || tokens of full block i || extra)
 
-`extra` binds the hash to the model and to the request's cache salt, which carries its
-tenant (`scoped_salt`): two requests share cached blocks only when the model id, the tenant,
-the client's cache salt and every token of every block up to that point are equal. Only full
-blocks are hashed; the trailing partial block of a prompt has no hash and is never shared.
+`extra` binds the hash to the model, to the request's cache salt, which carries its tenant
+(`scoped_salt`), and to its LoRA adapter (`hash_extra`): two requests share cached blocks
+only when the model id, the tenant, the client's cache salt, the adapter and every token of
+every block up to that point are equal. Only full blocks are hashed; the trailing partial
+block of a prompt has no hash and is never shared.
 
 `H` is one of two algorithms (`HashAlgorithm`), the same in every process and on every
 machine (never Python's salted `hash`):
@@ -49,6 +50,7 @@ BLOCK_HASH_ENV = "PDSERVE_BLOCK_HASH"
 _SEED = 0x7064_7365_7276_6531  # "pdservE1": part of the on-wire format, never change
 _ROOT = b"\x00" * 32
 _SALT_SEPARATOR = "\x1e"  # neither a tenant name nor a validated cache salt may contain it
+_LORA_SEPARATOR = "\x1d"  # nor this (nor a LoRA name: engine.config.check_lora_name)
 
 
 def _from_env() -> HashAlgorithm:
@@ -81,9 +83,15 @@ def scoped_salt(tenant: str, cache_salt: str = "") -> str:
     return f"{tenant}{_SALT_SEPARATOR}{cache_salt}" if tenant else cache_salt
 
 
-def hash_extra(model_id: str, cache_salt: str = "") -> bytes:
-    """The `extra` bytes of every block of a request: model id and (scoped) cache salt."""
-    return f"{model_id}\x1f{cache_salt}".encode()
+def hash_extra(model_id: str, cache_salt: str = "", lora_name: str = "") -> bytes:
+    """The `extra` bytes of every block of a request: model id, (scoped) cache salt and LoRA
+    adapter. The base model ("") hashes exactly as before adapters existed; an adapter's name
+    follows its own separator, so no adapter shares a block with the base model or with
+    another adapter (a validated salt or adapter name never holds a control character)."""
+    extra = f"{model_id}\x1f{cache_salt}"
+    if lora_name:
+        extra += f"{_LORA_SEPARATOR}{lora_name}"
+    return extra.encode()
 
 
 def _xxh3(parent: bytes, tokens: bytes, extra: bytes) -> BlockHash:

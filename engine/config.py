@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 
@@ -27,6 +28,27 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 """Choices of EngineConfig.kv_cache_dtype."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
+LORA_KERNELS = ("auto", "torch", "flashinfer", "triton")
+"""Choices of EngineConfig.lora_kernel: the CUDA-graph LoRA kernel (eager steps always run
+grouped; engine/lora_apply.py)."""
+LORA_NAME_CHARS = "A-Z a-z 0-9 and . _ - : / + = @ ~"
+MAX_LORA_NAME_CHARS = 128
+_LORA_NAME_RE = re.compile(r"[A-Za-z0-9._\-:/+=@~]+")
+
+
+def check_lora_name(name: str) -> None:
+    """A LoRA adapter's name: 1 to MAX_LORA_NAME_CHARS characters of LORA_NAME_CHARS (the
+    router's rule for ids; no whitespace or control characters, so the name can never
+    collide with the separators of `engine.block_hash.hash_extra`). ValueError if not."""
+    if not name:
+        raise ValueError("lora name: must not be empty")
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise ValueError(f"lora name {name!r}: longer than {MAX_LORA_NAME_CHARS} characters")
+    if not _LORA_NAME_RE.fullmatch(name):
+        bad = next(c for c in name if not _LORA_NAME_RE.fullmatch(c))
+        raise ValueError(
+            f"lora name {name!r}: character {bad!r} is not allowed ({LORA_NAME_CHARS})"
+        )
 
 
 @dataclass(frozen=True)
@@ -99,3 +121,50 @@ class EngineConfig:
     the next is scheduled (same outputs; for comparison)."""
     seed: int = 0
     """Seed of the default sampling generator (requests may carry their own)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (engine/lora_cache.py): requests name one in `lora_name`, and
+    adapters are registered at run time (`LLMEngine.load_lora`). On with any `loras`."""
+    max_loras: int = 4
+    """LoRA device slots: the most distinct adapters one step mixes (more wait for a slot)."""
+    max_cpu_loras: int = 8
+    """LoRA adapters kept in host memory (LRU) so that a slot is refilled without a disk
+    read; at least max_loras."""
+    max_lora_rank: int = 64
+    """Largest LoRA rank served (a higher one is refused at registration); every slot is
+    sized for it."""
+    lora_kernel: str = "auto"
+    """LoRA kernel of CUDA-graph decode steps: auto (triton where it runs and passes its
+    self-check, else torch), torch (dense over the slots), flashinfer, triton."""
+    loras: tuple[tuple[str, str], ...] = ()
+    """(name, path) of the LoRA adapters registered at start (PEFT folders on local disk);
+    any turns LoRA on. A name is 1 to 128 characters of A-Z a-z 0-9 . _ - : / + = @ ~ and
+    is given once; a folder the engine cannot serve fails start-up, naming it."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"
+            )
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.lora_kernel not in LORA_KERNELS:
+            choices = ", ".join(LORA_KERNELS)
+            raise ValueError(f"lora_kernel: one of {choices}, got {self.lora_kernel!r}")
+        seen: set[str] = set()
+        for pair in self.loras:
+            if len(pair) != 2 or not all(isinstance(v, str) for v in pair):
+                raise ValueError(f"loras: each entry is (name, path), got {pair!r}")
+            name, path = pair
+            check_lora_name(name)
+            if name in seen:
+                raise ValueError(f"loras: adapter {name!r} is given twice")
+            if not path:
+                raise ValueError(f"loras: adapter {name!r} has no path")
+            seen.add(name)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA is served (`enable_lora`, or adapters given in `loras`)."""
+        return self.enable_lora or bool(self.loras)

@@ -8,6 +8,12 @@ command and runs between two steps. The thread loops:
     → publish a load snapshot → `on_tick` (e.g. forward KV events) → when idle, sleep
     until a command arrives (or `idle_wait_s` passes)
 
+A step that found nothing to run (`LLMEngine.last_step_idle`: the work left waits on a LoRA
+adapter's disk read, or on blocks a hand-off holds) is followed by a short wait
+(`IDLE_STEP_WAIT_S`, cut short by a command) instead of the next step at once: a loop that
+spins on empty steps holds the GIL the adapter cache's loader thread needs (a 6 ms read
+took 1.4 s so, on the tiny model).
+
 With overlap scheduling (engine/overlap.py) the device may still run the latest step while
 commands run; that is safe for every command (an abort discards the token computed for the
 request, a transfer reservation first waits for a step that may write a block given back),
@@ -45,6 +51,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Command = Callable[["LLMEngine"], object]
+IDLE_STEP_WAIT_S = 0.002
+"""How long the loop waits after a step that found nothing to run (see the module docstring)."""
 
 
 class LoopState(enum.Enum):
@@ -212,6 +220,9 @@ class EngineDriver:
                 if outputs:
                     self._on_outputs(outputs)
                 self._tick()
+                if engine.last_step_idle:
+                    self._wake.wait(IDLE_STEP_WAIT_S)
+                    self._wake.clear()
                 self._progress_at = time.monotonic()
                 continue
             self._load = engine.load()

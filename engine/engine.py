@@ -24,6 +24,10 @@ Every mode accepts `add_request` (a decode-only worker prefills short prompts it
 conditional disaggregation); the mode only decides whether a request stops after its first
 token (prefill-only) or runs to completion.
 
+LoRA (engine/lora_registry.py): a request's `lora_name` is part of its block hashes and must
+be registered (else LoraNotFound, before anything is queued); it runs only while it holds
+the adapter's device slot (engine/scheduler.py). `load_lora` / `unload_lora` at run time.
+
 Not thread-safe: every method must be called from one thread; `engine.driver.EngineDriver`
 runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
 """
@@ -45,9 +49,10 @@ from engine.host_tier import HostTier
 from engine.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
 from engine.kv_events import CacheSnapshot, KVEvent
 from engine.kv_sizing import decide_num_host_blocks, decide_num_kv_blocks, kv_cache_spec
+from engine.lora_registry import LoraRegistry
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
-from engine.outputs import EngineLoad, KVHandoff, RequestOutput, TransferAllocation
+from engine.outputs import EngineLoad, KVHandoff, LoraInfo, RequestOutput, TransferAllocation
 from engine.overlap import InflightStep
 from engine.request import FINISH_REASONS, NO_PRIOR, PriorOutput, Request, RequestStatus
 from engine.runner import ModelRunner, resolve_device, resolve_dtype
@@ -76,6 +81,9 @@ class LLMEngine:
         self.model_id = config.model_id or Path(config.model_dir).name
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        # Adapters first: a bad one fails before the model loads, and the slots' memory is
+        # spent before the KV pool is sized from what is left.
+        self.loras = LoraRegistry.from_config(config, self.model_config, dtype, device)
         if model is None:  # FP8 (configured, or the checkpoint's own) is made while loading
             model = load_model(
                 config.model_dir, dtype, device, quantization=config.quantization,
@@ -99,7 +107,7 @@ class LLMEngine:
         )
         spec = kv_cache_spec(self.model_config, config.block_size, kv_dtype, num_blocks, kv_scales)
         self.kv_cache = KVCache(spec, device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config)
+        self.runner = ModelRunner(self.model, self.kv_cache, config, self.loras.weights)
         num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
         self.host_tier = (
             HostTier(num_host, self.kv_cache.tensor, config.host_kv_max_blocks_per_step)
@@ -118,6 +126,7 @@ class LLMEngine:
             keep_blocks_on_prefill_finish=config.mode is EngineMode.PREFILL_ONLY,
             max_model_len=self.max_model_len,
             finish_after_first_token=config.mode is EngineMode.PREFILL_ONLY,
+            adapters=self.loras.cache,
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
         self._checkers: dict[str, StopChecker] = {}
@@ -125,6 +134,9 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
         self._inflight: InflightStep | None = None  # launched, tokens not read yet
         self.step_meter = StepMeter()
+        self.last_step_idle = False
+        """The latest `step()` launched nothing and read nothing: what is unfinished waits on
+        something outside the loop (an adapter's disk read, blocks a hand-off holds)."""
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -135,18 +147,24 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         *,
         cache_salt: str = "",
+        lora_name: str = "",
         arrival_time: float | None = None,
         prior: PriorOutput | None = None,
     ) -> None:
-        """Queue a request (prefilled here). Raises ValueError naming the bad field.
+        """Queue a request (prefilled here) on LoRA adapter `lora_name` ("": base model).
+        Raises ValueError naming the bad field, LoraNotFound / LoraLoadError for an adapter
+        not registered here / whose read failed.
 
         With `prior` (a migrated request) its tokens are prefilled after the prompt and
         sampling goes on after them: the outputs are those of one undisturbed run."""
         params = sampling_params or SamplingParams()
         self._validate_prompt(prompt_token_ids, params)
+        self.loras.check(lora_name)
         prior = prior or NO_PRIOR
         self._validate_prior(prompt_token_ids, params, prior)
-        request = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+        request = self._new_request(
+            request_id, prompt_token_ids, params, cache_salt, lora_name, arrival_time
+        )
         for token_id in prior.token_ids:
             request.append_output(token_id, None)
         self.scheduler.add_request(request)
@@ -181,10 +199,8 @@ class LLMEngine:
         previous, self._inflight = self._inflight, None
         decision = self.scheduler.schedule()
         shape = self._batch_shape(decision.batch)
-        for request in decision.finished:  # ended by the scheduler (LENGTH: pool too small)
-            text = self._checkers[request.request_id].take_text_delta(request, finished=True)
-            outputs.append(self._output(request, 0, text))
-            self._stop_tracking(request.request_id)
+        for request in decision.finished:  # ended by the scheduler (pool too small; adapter)
+            outputs.append(self._final_output(request))
         launched = self._launch(decision.batch, previous) if decision.batch.chunks else None
         if previous is not None:
             outputs += self._complete(previous)
@@ -195,6 +211,7 @@ class LLMEngine:
                 outputs += self._complete(launched)
         if decision.batch.chunks:
             self.step_meter.record(*shape, time.perf_counter() - started)
+        self.last_step_idle = launched is None and previous is None and not outputs
         return outputs
 
     def _batch_shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
@@ -297,7 +314,14 @@ class LLMEngine:
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             timings=request.timings(),
             kv_handoff=handoff,
+            abort_reason=request.abort_reason,
         )
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        """The last output of a request ended outside a sample; stops tracking it."""
+        text = self._checkers[request.request_id].take_text_delta(request, finished=True)
+        self._stop_tracking(request.request_id)
+        return self._output(request, 0, text)
 
     # ---- hand-off: prefill side -----------------------------------------------------------
 
@@ -318,17 +342,20 @@ class LLMEngine:
         block_hashes: Sequence[BlockHash],
         *,
         cache_salt: str = "",
+        lora_name: str = "",
     ) -> TransferAllocation:
         """Reserve local blocks for a prompt's KV (block_hashes: its full blocks' hashes, as
-        the prefill side reported them). Raises NoFreeBlocksError when the pool is short."""
+        the prefill side reported them, with LoRA adapter `lora_name`, whose read starts
+        now if needed). Raises NoFreeBlocksError when the pool is short, and as add_request."""
         self._validate_prompt(prompt_token_ids, None)
+        self.loras.check(lora_name)
         if self._inflight is not None and self._inflight.released_blocks():
             # The transfer writes the pool from outside the device stream, and the step in
             # flight may still write a block one of its requests gave back: let it finish.
             self._inflight.wait_device()
-        extra = hash_extra(self.model_id, cache_salt)
+        extra = hash_extra(self.model_id, cache_salt, lora_name)
         reserved = self.scheduler.reserve_transfer(
-            request_id, prompt_token_ids, block_hashes, extra
+            request_id, prompt_token_ids, block_hashes, extra, lora_name
         )
         return TransferAllocation(request_id, reserved.block_ids, reserved.num_cached_blocks)
 
@@ -358,6 +385,7 @@ class LLMEngine:
         With `prior` (a migrated request) the reserved KV is the prompt's and then the prior
         tokens', `first_token_id` is the last token the client has (not sampled by the
         prefill side), and the text sent is `prior.text_chars` characters up to and with it.
+        It runs on its transfer's LoRA adapter once it holds the adapter's slot.
         """
         reserved = self.scheduler.transferring.get(request_id)
         if reserved is None:
@@ -376,6 +404,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             # (a prior's tokens hash as they are appended)
             block_hashes=[] if n_prior else list(reserved.block_hashes),
+            lora_name=reserved.lora_name,
         )
         self._validate_prior(request.prompt_token_ids, sampling_params, prior, with_next=True)
         for token_id in prior.token_ids:
@@ -398,6 +427,30 @@ class LLMEngine:
             self._stop_tracking(request_id)
             self._ready.append(self._output(request, 0, ""))
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT folder at `path` as adapter `name` (checked now, read at its first
+        request); a no-op for the same name and folder. ValueError naming the adapter when
+        it cannot be served here (engine/lora_registry.py)."""
+        self.loras.register(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Stop serving adapter `name` (False if it is not registered); new requests on it
+        raise LoraNotFound. Requests holding its slot finish normally (its weights go with
+        the last); those on it that hold none end now (`Scheduler.abort_without_slot`),
+        reported by the next `step()`."""
+        if not self.loras.unregister(name):
+            return False
+        reason = f"lora adapter {name!r} was unloaded before it ran"
+        for request in self.scheduler.abort_without_slot(name, reason):
+            self._ready.append(self._final_output(request))
+        return True
+
+    def list_loras(self) -> tuple[LoraInfo, ...]:
+        """The adapters registered here, in registration order (none when LoRA is off)."""
+        return self.loras.infos()
+
     # ---- observability --------------------------------------------------------------------
 
     def load(self) -> EngineLoad:
@@ -416,6 +469,7 @@ class LLMEngine:
             num_host_hit_tokens=s.num_host_hit_tokens,
             host_tier=self.host_tier.stats() if self.host_tier is not None else None,
             steps=self.step_meter.snapshot(),
+            loras=self.loras.held(),
         )
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -437,12 +491,16 @@ class LLMEngine:
     # ---- convenience ----------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | None = None,
+        lora_name: str = "",
     ) -> list[list[int]]:
-        """Run prompts to completion (all added at once); output token ids per prompt."""
+        """Run prompts to completion (all added at once, on adapter `lora_name`); output token
+        ids per prompt."""
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts, strict=True):
-            self.add_request(request_id, prompt, sampling_params)
+            self.add_request(request_id, prompt, sampling_params, lora_name=lora_name)
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished():
             for out in self.step():
@@ -507,6 +565,7 @@ class LLMEngine:
         prompt: Sequence[int],
         params: SamplingParams,
         cache_salt: str,
+        lora_name: str,
         arrival_time: float | None,
     ) -> Request:
         return Request(
@@ -514,8 +573,9 @@ class LLMEngine:
             prompt_token_ids=tuple(prompt),
             sampling_params=params,
             block_size=self.config.block_size,
-            hash_extra=hash_extra(self.model_id, cache_salt),
+            hash_extra=hash_extra(self.model_id, cache_salt, lora_name),
             arrival_time=arrival_time if arrival_time is not None else time.time(),
+            lora_name=lora_name,
         )
 
     def _start_tracking(

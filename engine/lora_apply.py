@@ -6,24 +6,35 @@ with slot s,
 
     out[t, part] += (x[t] @ A[s, part]^T) @ B[s, part]        (B holds the scaling already)
 
-to the base projection's output, part by part (q, k, v of qkv; gate, up of gate_up). Three
+to the base projection's output, part by part (q, k, v of qkv; gate, up of gate_up). Four
 ways to compute it, all behind `LoraStep.add`:
 
 - grouped (`eager_step`): the runner knows the slots on the host, so it loops over the
   distinct slots of the step (a slice when a slot's tokens are one run, else an index
   gather/scatter) at each adapter's own rank and only over the modules it targets; base
   tokens cost nothing. Any device; every eager step (prefill, mixed steps), and the
-  reference the other two are tested against.
+  reference the other three are tested against.
+- BGMV (`graph_step`, kernel "triton", engine/lora_triton.py): per token, that token's slot,
+  in two Triton launches per fused projection covering all its parts (a shrink into fp32
+  partial sums, an expand adding in place into the base output): 8 launches a layer, no
+  mask, and base tokens read no weights (nor does a slot no token reads, so an upload in
+  flight is never seen). Shapes fixed by the batch and the model, so CUDA graphs hold for
+  any slots. CUDA (or Triton's interpreter on CPU, for tests); "auto" picks it on CUDA in
+  fp16/bf16 where it passes `check_graph_kernel`.
 - dense (`graph_step`, kernel "torch"): shapes that do not depend on the slots, for CUDA
   graphs: x times every slot's A at once (one matmul), zeroed outside each token's slot by a
   one-hot mask, then one matmul per part into its output columns (`addmm_`, no copies). It
   reads every slot's weights once per step whatever the batch (max_loras x max_lora_rank x
   (in + out) per projection), never a per-token copy of them. It relies on every slot holding
   finite values (checked when an adapter is read), so that masked-out slots, including one
-  an upload is rewriting, add exact zeros.
+  an upload is rewriting, add exact zeros. 15 small kernels a layer: on the H200
+  (benchmarks/bench_lora.py, Llama-3-8B, B=64 decode at context 2048, rank 16 on all seven
+  projections, 16 slots, CUDA graphs) 12.3 ms a step against 9.9 ms for the base model
+  (1.245x) at 1, 4 and 16 adapters alike: bound by kernel count, not by the slots.
 - segment (`graph_step`, kernel "flashinfer"): flashinfer's segment GEMM
   (`SegmentGEMMWrapper`), one segment per token with its slot as the weight index (base
-  tokens read the zero row), a shrink and an expand per part. fp16/bf16 on CUDA.
+  tokens read the zero row), a shrink and an expand per part. fp16/bf16 on CUDA; an explicit
+  choice only (48 ms, 4.9x the base step, in the same benchmark).
 
 `LoraWeights` are allocated once, before CUDA graphs are captured, and never reallocated (the
 graphs hold their addresses); the cache (engine/lora_cache.py) fills and clears slots.
@@ -40,15 +51,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.config import LORA_KERNELS
 from engine.lora import FUSED_TARGETS, LoraAdapter, module_shape
 from engine.model_config import ModelConfig
 
-LORA_KERNELS = ("auto", "torch", "flashinfer")
-"""Choices of the CUDA-graph LoRA kernel (eager steps always run grouped)."""
 RANK_ALIGN = 16
 """Slots are padded to a multiple of this rank (the segment GEMM's alignment)."""
 SELF_CHECK_TOLERANCE = 2e-2
-"""Largest relative error the segment GEMM may show against torch (bf16 rounding ~4e-3)."""
+"""Largest relative error a graph kernel may show against fp32 torch in `check_graph_kernel`
+(bf16 rounding ~4e-3)."""
 _SEGMENT_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 log = logging.getLogger(__name__)
@@ -83,53 +94,98 @@ def lora_kernel_unavailable_reason(
     """Why a graph kernel cannot run here, or None when it can."""
     if kernel not in LORA_KERNELS:
         return f"lora kernel: one of {', '.join(LORA_KERNELS)}, got {kernel!r}"
-    if kernel != "flashinfer":
-        return None
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return f"flashinfer's segment GEMM runs fp16/bf16 on CUDA (got {dtype} on {device})"
-    try:
-        _segment_gemm_class()
-    except Exception as e:  # an optional extra: any import failure means "not here"
-        return f"flashinfer's SegmentGEMMWrapper does not import: {e}"
+    if kernel == "flashinfer":
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return f"flashinfer's segment GEMM runs fp16/bf16 on CUDA (got {dtype} on {device})"
+        try:
+            _segment_gemm_class()
+        except Exception as e:  # an optional extra: any import failure means "not here"
+            return f"flashinfer's SegmentGEMMWrapper does not import: {e}"
+    if kernel == "triton":
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"the triton LoRA kernel runs fp16/bf16/fp32 (got {dtype})"
+        try:
+            import triton
+
+            from engine import lora_triton  # noqa: F401  (its kernels compile at first use)
+        except Exception as e:  # an optional dependency: any import failure means "not here"
+            return f"the triton LoRA kernel needs triton, which does not import: {e}"
+        interpreted = device.type == "cpu" and triton.knobs.runtime.interpret
+        if device.type != "cuda" and not interpreted:
+            return f"the triton LoRA kernel runs on CUDA (or with TRITON_INTERPRET=1), not {device}"
     return None
 
 
 def select_lora_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "torch" or "flashinfer" for a request ("auto": torch: on the H200 the segment GEMM
-    with one segment per token made a Llama-3-8B decode step at B=64 4.9x the base step
-    against 1.24x for the dense kernel, benchmarks/bench_lora.py); ValueError when an explicit
-    request cannot run here."""
+    """The graph kernel for a request; ValueError when an explicit request cannot run here.
+
+    "auto": triton on CUDA in fp16/bf16 where it imports and passes `check_graph_kernel`,
+    else torch (the dense kernel is 1.245x the base decode step on the H200 whatever the
+    number of adapters, benchmarks/bench_lora.py; flashinfer's segment GEMM with one segment
+    per token was 4.9x, so auto never picks it)."""
     if requested == "auto":
-        return "torch"
+        half = dtype in (torch.float16, torch.bfloat16)
+        if device.type != "cuda" or not half:
+            return "torch"
+        reason = lora_kernel_unavailable_reason("triton", device, dtype)
+        if reason is not None:
+            log.info("%s: torch LoRA kernel", reason)
+            return "torch"
+        try:
+            err = check_graph_kernel("triton", device, dtype)
+        except Exception:
+            log.warning("the triton LoRA kernel failed its self-check", exc_info=True)
+            return "torch"
+        if err > SELF_CHECK_TOLERANCE:
+            log.warning("the triton LoRA kernel is off by %.2e: torch LoRA kernel", err)
+            return "torch"
+        return "triton"
     reason = lora_kernel_unavailable_reason(requested, device, dtype)
     if reason is not None:
         raise ValueError(reason)
     return requested
 
 
-def check_segment_gemm(device: torch.device, dtype: torch.dtype) -> float:
-    """The worst relative error of flashinfer's segment GEMM against torch on a small problem
-    shaped like the LoRA kernel's (per-token segments and weight indices; the shrink's
-    column-major and the expand's row-major weights)."""
+def check_graph_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> float:
+    """The worst relative error of a graph kernel's LoRA delta against fp32 torch on a small
+    model shape (one layer, every projection, three slots of rank 16 and base tokens, widths
+    that are no multiple of the kernels' tiles)."""
+    cfg = ModelConfig.from_dict(
+        {
+            "vocab_size": 16,
+            "hidden_size": 320,
+            "intermediate_size": 704,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 5,
+            "num_key_value_heads": 1,
+        }
+    )
+    weights = LoraWeights(cfg, 3, RANK_ALIGN, dtype, device, kernel)
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=device).to(dtype)
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
 
-    x, a, b = randn(7, 256), randn(3, 16, 256), randn(3, 16, 128)
-    index = torch.tensor([2, 0, 1, 1, 2, 0, 2], dtype=torch.int64, device=device)
-    indptr = torch.arange(8, dtype=torch.int64, device=device)
-    workspace = torch.empty(_SEGMENT_WORKSPACE_BYTES, dtype=torch.int8, device=device)
-    run = _segment_gemm_class()(workspace).run
-    shrunk = run(x, a, 7, True, seg_indptr=indptr, weight_indices=index)
-    out = run(shrunk.contiguous(), b, 7, False, seg_indptr=indptr, weight_indices=index)
-    want_shrunk = torch.einsum("ti,toi->to", x.float(), a[index].float())
-    want_out = torch.einsum("tr,tro->to", shrunk.float(), b[index].float())
-
-    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-        return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
-
-    return max(rel(shrunk, want_shrunk), rel(out, want_out))
+    for proj, a in weights.a.items():
+        a.copy_(randn(*a.shape, scale=a.shape[-1] ** -0.5))
+        for b in weights.b[proj]:
+            b.copy_(randn(*b.shape))
+    slots = [2, 0, -1, 1, 1, 2, -1]
+    step = graph_step(weights, torch.tensor(slots, dtype=torch.int32, device=device))
+    worst = 0.0
+    for proj, parts in weights.parts.items():
+        x = randn(len(slots), parts.fan_in)
+        got = torch.zeros((len(slots), parts.columns[-1][1]), dtype=dtype, device=device)
+        step.add(0, proj, x, got)
+        want = torch.zeros_like(got, dtype=torch.float32)
+        for t, s in enumerate(slots):
+            for p, (lo, hi) in enumerate(parts.columns):
+                if s >= 0:
+                    shrunk = weights.a[proj][0, p, s].float() @ x[t].float()
+                    want[t, lo:hi] = shrunk @ weights.b[proj][p][0, s].float()
+        err = (got.float() - want).norm() / want.norm().clamp_min(1e-30)
+        worst = max(worst, float(err))
+    return worst
 
 
 def _segment_gemm_class() -> Any:
@@ -147,7 +203,8 @@ class LoraWeights:
     rows = num_slots, plus one all-zero row (index num_slots) that base tokens of the segment
     kernel read. This layout keeps every kernel's operand a view: the dense kernel's
     [parts * rows * rank, in] and [rows * rank, out] matrices, the segment kernel's
-    [rows, rank, in] stacks, a slot's [rank, in] matrix. A slot holds an adapter's rank r in
+    [rows, rank, in] stacks, the triton kernel's [parts, rows, rank, in] layer, a slot's
+    [rank, in] matrix. A slot holds an adapter's rank r in
     ranks [0, r) and zeros elsewhere (a module it does not target is all zero);
     `slot_modules[s]` and `slot_ranks[s]` say what slot s holds.
 
@@ -166,9 +223,9 @@ class LoraWeights:
         kernel: str = "torch",
         may_fall_back: bool = False,
     ) -> None:
-        """`kernel`: the CUDA-graph kernel ("torch" or "flashinfer"); `may_fall_back`: it was
-        chosen, not requested, so the runner may switch it to torch (`use_torch_kernel`) if
-        capturing graphs with it fails."""
+        """`kernel`: the CUDA-graph kernel ("torch", "flashinfer" or "triton"); `may_fall_back`:
+        it was chosen, not requested, so the runner may switch it to torch (`use_torch_kernel`)
+        if capturing graphs with it fails."""
         self.cfg = cfg
         self.num_slots = num_slots
         self.rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
@@ -196,8 +253,8 @@ class LoraWeights:
             self.segment_gemm = _segment_gemm_class()(workspace)
 
     def use_torch_kernel(self) -> None:
-        """Graph steps made from now on use the dense torch kernel (it reads the zero row
-        the segment kernel kept, as a slot no token matches)."""
+        """Graph steps made from now on use the dense torch kernel, whatever kernel the slots
+        were made for (the segment kernel's zero row, if any, is a slot no token matches)."""
         self.kernel, self.segment_gemm, self.may_fall_back = "torch", None, False
 
     @property
@@ -258,13 +315,19 @@ class LoraStep:
         self._onehot: torch.Tensor | None = None
         self._indices: torch.Tensor | None = None
         self._indptr: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
         if groups is None:
             assert token_slots is not None
-            self._prepare_graph(token_slots.long())
+            self._prepare_graph(token_slots)
 
     def _prepare_graph(self, slots: torch.Tensor) -> None:
         """Per-step tensors of the graph kernels, made once before the first layer."""
         n = self.weights.num_slots
+        if self._kernel == "triton":  # reads the graph's slots as they are (int32)
+            ok = slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
+            self._slots = slots if ok else slots.int().contiguous()
+            return
+        slots = slots.long()
         if self._kernel == "flashinfer":  # base tokens read the zero row
             self._indices = torch.where(slots < 0, torch.full_like(slots, n), slots)
             self._indptr = torch.arange(slots.shape[0] + 1, dtype=torch.int64, device=slots.device)
@@ -278,6 +341,8 @@ class LoraStep:
             return
         if self._groups is not None:
             self._add_grouped(layer, proj, x, out)
+        elif self._slots is not None:
+            self._add_triton(layer, proj, x, out)
         elif self._onehot is not None:
             self._add_dense(layer, proj, x, out)
         else:
@@ -314,6 +379,14 @@ class LoraStep:
         for p, (lo, hi) in enumerate(self.weights.parts[proj].columns):
             b = self.weights.b[proj][p][layer].reshape(rows * r, hi - lo)
             out[:, lo:hi].addmm_(shrunk[:, p], b)
+
+    def _add_triton(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        from engine.lora_triton import add_lora
+
+        w = self.weights
+        assert self._slots is not None
+        b = [part[layer] for part in w.b[proj]]
+        add_lora(x, out, self._slots, w.a[proj][layer], b, w.parts[proj].columns)
 
     def _add_segment(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         w = self.weights

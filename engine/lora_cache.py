@@ -86,8 +86,8 @@ class LoraCacheConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     """Largest adapter rank served; slots are padded to it (rounded up to 16)."""
     kernel: str = "auto"
-    """LoRA kernel of CUDA-graph decode steps: auto (flashinfer's segment GEMM when it runs
-    here, else torch), torch (dense over the slots), flashinfer."""
+    """LoRA kernel of CUDA-graph decode steps: auto (the Triton BGMV kernels when they pass
+    their self-check here, else torch), torch (dense over the slots), triton, flashinfer."""
     hold_seconds: float = 2.0
     """How long a slot uploaded for a waiting request is kept for it after its latest
     acquire (then it is evictable like any unheld slot)."""
@@ -217,6 +217,15 @@ class LoraCache:
             return AdapterState.HOST
         return AdapterState.LOADING if entry.future is not None else AdapterState.REGISTERED
 
+    def load_error(self, name: str) -> LoraLoadError | None:
+        """Why reading `name` from disk failed (FAILED: until it is registered again), or
+        None."""
+        entry = self._entry(name)
+        self._collect()
+        if entry.error is None:
+            return None
+        return LoraLoadError(f"LoRA adapter {name!r} ({entry.spec.path}): {entry.error}")
+
     def slot_of(self, name: str) -> int | None:
         """The device slot `name` occupies (resident or uploading), or None."""
         return self._entry(name).slot
@@ -233,9 +242,9 @@ class LoraCache:
         resident yet: what is missing has been started; ask again later). Never waits.
         LoraNotFound for an unknown adapter, LoraLoadError when its disk read failed."""
         entry = self._entry(name)
-        self._collect()
-        if entry.error is not None:
-            raise LoraLoadError(f"LoRA adapter {name!r} ({entry.spec.path}): {entry.error}")
+        error = self.load_error(name)
+        if error is not None:
+            raise error
         now = self._clock()
         entry.last_used = now
         if name in self._host:

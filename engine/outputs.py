@@ -64,6 +64,9 @@ class RequestOutput:
     timings: RequestTimings
     kv_handoff: KVHandoff | None = None
     """Prefill-only: set on the finishing output when the blocks are held for hand-off."""
+    abort_reason: str = ""
+    """With finish_reason ABORT: why the engine itself ended the request (its LoRA adapter
+    was unloaded before it ran, or could not be loaded); "" for a caller's abort."""
 
     @property
     def finished(self) -> bool:
@@ -113,3 +116,19 @@ class EngineLoad:
     """The host KV tier's counters (None: no tier)."""
     steps: StepStats = field(default_factory=StepStats)
     """Step time and batch shape since start (engine/step_stats.py)."""
+    loras: tuple[str, ...] = ()
+    """Registered LoRA adapters whose weights this engine holds (a device slot or the host
+    cache): a request on one starts without a disk read."""
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """One LoRA adapter registered on an engine (`LLMEngine.list_loras`)."""
+
+    name: str
+    path: str
+    """The PEFT folder it was registered from."""
+    rank: int
+    state: str
+    """Where its weights are: a value of engine.lora_cache.AdapterState (registered,
+    loading, host, uploading, resident, failed)."""

@@ -13,6 +13,11 @@ Lifecycle (`RequestStatus`; the scheduler makes every transition):
 
 A transferred request (decode-only hand-off) is created RUNNING with its prompt KV present.
 
+A request on a LoRA adapter (`lora_name`) holds the adapter's device slot (`lora_slot`) while
+it computes: from admission (WAITING/PREEMPTED → RUNNING; until the adapter is resident it
+waits, without holding up the requests behind it) to its finish or preemption. A transferred
+one may sit RUNNING without a slot, unscheduled, until the scheduler gets one.
+
 Progress uses one counter for prefill, recompute and decode alike (as vLLM v1 does): the
 tokens are `prompt + outputs`, `num_computed_tokens` of them have KV in the cache, and a step
 computes the next `num_tokens - num_computed_tokens` (capped by the token budget). When that
@@ -137,6 +142,14 @@ class Request:
     finished_time: float | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if one did."""
+    lora_name: str = ""
+    """The LoRA adapter it runs with ("": the base model); part of `hash_extra`."""
+    lora_slot: int = -1
+    """The adapter's device slot while the request holds it (the scheduler acquires it at
+    admission and releases it when the request stops computing); -1: none held."""
+    abort_reason: str = ""
+    """Why the engine itself aborted the request (its adapter was unloaded before it got a
+    slot, or could not be loaded); "" otherwise."""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

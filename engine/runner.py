@@ -144,9 +144,10 @@ class ModelRunner:
     def _graph_fallback(self) -> tuple[str, str] | None:
         """After a failed capture: switch one chosen (not requested) kernel to torch, the
         LoRA kernel first; (what failed, what replaces it), or None when nothing is left."""
-        if self.lora is not None and self.lora.kernel == "flashinfer" and self.lora.may_fall_back:
+        if self.lora is not None and self.lora.kernel != "torch" and self.lora.may_fall_back:
+            failed = f"the {self.lora.kernel} LoRA kernel"
             self.lora.use_torch_kernel()
-            return "flashinfer's segment GEMM (LoRA)", "the torch LoRA kernel"
+            return failed, "the torch LoRA kernel"
         if self.layer_ops is not TORCH_OPS and self.config.layer_ops == "auto":
             self.layer_ops = TORCH_OPS
             return "fused layer ops", "torch ops"

@@ -11,7 +11,8 @@ Policy (vLLM v1's): running requests first, then waiting ones, under one token b
 2. If nobody was preempted, waiting requests are admitted in FCFS order (preempted ones sit
    at the head): the longest cached prefix of full blocks is reused (at most all but the last
    token, which must be computed to sample), the rest is prefilled in chunks of the budget
-   left. The first request that does not fit stops admission for this step (no reordering).
+   left. The first request that does not fit stops admission for this step (no reordering;
+   a request whose LoRA adapter is still loading is passed over, see below).
    Prefix blocks found only in the host tier are onboarded into fresh device blocks (copies
    queued before the step), at most the host tier's `max_blocks_per_step` per step (a request
    needing more than is left waits for the next step; alone, it may take more).
@@ -32,6 +33,22 @@ the engine discards its token and `finish` frees its blocks as usual.
 Hand-off states outside the two queues: `handed_off` (prefill-only requests finished with
 their blocks kept until `release`) and `transferring` (decode-side blocks reserved for KV
 that is being pulled, until `add_transferred` or `free_transfer`).
+
+LoRA (`AdapterSlots`, the adapter cache): a request on an adapter computes only while it
+holds the adapter's device slot, so a step never mixes more adapters than there are slots.
+- Admission acquires the slot first, once per admission (a request that then does not fit
+  gives it back, and FCFS stops there as usual). An adapter that is not resident yet (its
+  load is started, never waited for) leaves its request waiting in place, and admission
+  goes on with the requests behind it: one adapter's load never holds up the base model or
+  resident adapters.
+- The slot is released exactly once when the request stops computing: finish (a
+  prefill-only request's kept blocks do not need it), abort, preemption (re-acquired at
+  re-admission), and `free_transfer`.
+- A transfer acquires at `reserve_transfer` (the disk read overlaps the KV pull); a
+  transferred request that has no slot yet sits in `running` unscheduled (not blocking
+  others) until an acquire succeeds.
+- An adapter that can never run (unregistered, its read failed) ends its request with
+  FINISHED_ABORTED and an `abort_reason`, reported in `SchedulerOutput.finished`.
 """
 
 from __future__ import annotations
@@ -40,6 +57,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_hash import BlockHash
@@ -51,6 +69,19 @@ class UnknownRequestError(KeyError):
     """No request (or hand-off, or transfer) with this id is held here."""
 
 
+class AdapterSlots(Protocol):
+    """The LoRA device slots requests hold while they compute (engine.lora_cache.LoraCache).
+
+    `acquire(name)` answers the slot, now held by the caller until `release(name)`, or None
+    when the adapter is not resident yet (its load is started; ask again next step); it never
+    waits. It raises LookupError (the adapter is not registered) or RuntimeError (it cannot
+    be loaded) when the request can never run here."""
+
+    def acquire(self, name: str) -> int | None: ...
+
+    def release(self, name: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One step's decision: the batch to run, and requests it preempted or ended."""
@@ -58,7 +89,8 @@ class SchedulerOutput:
     batch: ScheduledBatch
     preempted: tuple[str, ...] = ()
     finished: tuple[Request, ...] = ()
-    """Requests the scheduler ended itself (FINISHED_LENGTH: more KV than the whole pool)."""
+    """Requests the scheduler ended itself (FINISHED_LENGTH: more KV than the whole pool;
+    FINISHED_ABORTED: a LoRA adapter that can never run here, with its `abort_reason`)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +103,11 @@ class ReservedTransfer:
     num_cached_blocks: int
     """Leading blocks that were already cached here, in either tier (not transferred)."""
     hash_extra: bytes
+    lora_name: str = ""
+    """The LoRA adapter the KV was computed with ("": the base model)."""
+    lora_slot: int = -1
+    """The adapter's device slot, held for the request since the reservation (-1: none yet;
+    acquired again once it runs)."""
 
 
 class Scheduler:
@@ -86,9 +123,11 @@ class Scheduler:
         keep_blocks_on_prefill_finish: bool = False,
         max_model_len: int = 0,
         finish_after_first_token: bool = False,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         """`max_model_len` (0: none) and `finish_after_first_token` (prefill-only) say when a
-        sample still in flight certainly ends its request (see the module docstring)."""
+        sample still in flight certainly ends its request (see the module docstring);
+        `adapters`: the LoRA slots (None: LoRA off, every request runs the base model)."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -97,6 +136,7 @@ class Scheduler:
         self.keep_blocks_on_prefill_finish = keep_blocks_on_prefill_finish
         self.max_model_len = max_model_len
         self.finish_after_first_token = finish_after_first_token
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.handed_off: dict[str, Request] = {}
@@ -160,6 +200,10 @@ class Scheduler:
             if num_new == 0 or (num_new < pending and not self.enable_chunked_prefill):
                 i += 1
                 continue
+            if not self._hold_adapter(request, finished):
+                if not request.is_finished:  # a transferred request waiting for its slot
+                    i += 1
+                continue
             if request.num_output_placeholders and self._exceeds_pool(request, num_new):
                 # Its token in flight may have stopped it; once read, the next step ends it
                 # with LENGTH if not (never preempted for a recompute that cannot fit).
@@ -172,17 +216,29 @@ class Scheduler:
             # else: the request itself left `running` (preempted or finished); the requests
             # after it, if any, certainly finish with a sample in flight (never victims).
 
-        while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            num_new = self._admit(request, budget, now)
-            if num_new == 0:
-                break
-            self.waiting.popleft()
-            self.running.append(request)
-            scheduled.append((request, num_new))
-            budget -= num_new
+        waiting_for_adapter: list[Request] = []  # passed over this step, in queue order
+        try:
+            while (
+                not preempted
+                and self.waiting
+                and budget > 0
+                and len(self.running) < self.max_num_seqs
+            ):
+                request = self.waiting[0]
+                if not self._hold_adapter(request, finished):
+                    if not request.is_finished:  # (else `finish` took it off `waiting`)
+                        waiting_for_adapter.append(self.waiting.popleft())
+                    continue
+                num_new = self._admit(request, budget, now)
+                if num_new == 0:
+                    self._release_adapter(request)
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                scheduled.append((request, num_new))
+                budget -= num_new
+        finally:
+            self.waiting.extendleft(reversed(waiting_for_adapter))
 
         chunks = [self._chunk(request, num_new) for request, num_new in scheduled]
         chunks.sort(key=lambda c: c.num_tokens == 1)  # stable: prefill chunks first
@@ -279,6 +335,37 @@ class Scheduler:
         onboarded = iter(self.block_pool.onboard(missing))
         return [b if b is not None else next(onboarded) for b in hits]
 
+    def _hold_adapter(self, request: Request, finished: list[Request]) -> bool:
+        """Whether the request may compute now: it runs the base model, or holds its adapter's
+        slot (acquired here). False while the adapter is not resident yet, and when it can
+        never run here: then the request is ended (ABORTED, with its `abort_reason`) and
+        added to `finished`."""
+        if not request.lora_name or request.lora_slot >= 0:
+            return True
+        slot, reason = None, f"lora adapter {request.lora_name!r}: LoRA is not enabled"
+        if self.adapters is not None:
+            try:
+                slot, reason = self.adapters.acquire(request.lora_name), ""
+            except (LookupError, RuntimeError) as e:  # unregistered; its read failed
+                reason = str(e)  # (the cache's errors name the adapter)
+        if reason:
+            request.abort_reason = reason
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            finished.append(request)
+            return False
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _release_adapter(self, request: Request) -> None:
+        """Give back the adapter slot the request holds, if any (it stops computing)."""
+        if request.lora_slot < 0:
+            return
+        request.lora_slot = -1
+        assert self.adapters is not None
+        self.adapters.release(request.lora_name)
+
     def _onboard_budget(self) -> int:
         tier = self.block_pool.host_tier
         return tier.max_blocks_per_step if tier is not None else 0
@@ -297,6 +384,7 @@ class Scheduler:
             block_ids=tuple(request.block_ids),
             sample=sample,
             placeholder=len(known) < num_new,
+            lora_slot=request.lora_slot,
         )
 
     def _blocks_needed(self, request: Request, num_new: int) -> int:
@@ -306,6 +394,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         # A placeholder stays: the token in flight is appended when read (then recomputed).
         self.running.remove(request)
+        self._release_adapter(request)
         self.block_pool.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
@@ -328,8 +417,9 @@ class Scheduler:
             request.num_cached_blocks = num_full
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request. Its blocks are freed, except FINISHED_PREFILLED ones when the
-        scheduler keeps blocks for hand-off (prefill-only): those wait for `release`."""
+        """End a request. Its adapter slot is released and its blocks are freed, except
+        FINISHED_PREFILLED ones when the scheduler keeps blocks for hand-off (prefill-only):
+        those wait for `release`."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         if request.status is RequestStatus.RUNNING:
@@ -337,6 +427,7 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         del self.requests[request.request_id]
+        self._release_adapter(request)
         request.status = status
         request.finished_time = time.time()
         if status is RequestStatus.FINISHED_PREFILLED and self.keep_blocks_on_prefill_finish:
@@ -352,6 +443,16 @@ class Scheduler:
             return False
         self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def abort_without_slot(self, lora_name: str, reason: str) -> list[Request]:
+        """Abort (with `reason`) the unfinished requests on adapter `lora_name` that hold no
+        slot of it (waiting, preempted, transferred and not run yet): it was unregistered,
+        so they can never get one. Those holding a slot are left to finish."""
+        ended = [r for r in self.requests.values() if r.lora_name == lora_name and r.lora_slot < 0]
+        for request in ended:
+            request.abort_reason = reason
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return ended
 
     # ---- hand-off -------------------------------------------------------------------------
 
@@ -379,9 +480,12 @@ class Scheduler:
         prompt_token_ids: Sequence[int],
         block_hashes: Sequence[BlockHash],
         hash_extra: bytes,
+        lora_name: str = "",
     ) -> ReservedTransfer:
         """Reserve blocks for a prompt's incoming KV, reusing blocks cached here for its
-        leading full blocks. Raises NoFreeBlocksError when the pool is short."""
+        leading full blocks, and acquire its LoRA adapter's slot (the load starts now if it
+        is not resident; the request gets the slot later then). Raises NoFreeBlocksError
+        when the pool is short, and what `AdapterSlots.acquire` raises (nothing reserved)."""
         if request_id in self.transferring or request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         num_tokens = len(prompt_token_ids)
@@ -397,6 +501,12 @@ class Scheduler:
                 f"{cdiv(num_tokens, self.block_size)} blocks needed for the transfer of "
                 f"{request_id!r}, {self.block_pool.num_free} free"
             )
+        lora_slot = -1
+        if lora_name:
+            if self.adapters is None:
+                raise ValueError(f"lora_name: {lora_name!r}, but LoRA is not enabled")
+            slot = self.adapters.acquire(lora_name)
+            lora_slot = -1 if slot is None else slot
         hits = self.block_pool.match_prefix_tiers(block_hashes)
         block_ids = self._take_hits(block_hashes, hits)
         block_ids += self.block_pool.allocate(cdiv(num_tokens, self.block_size) - len(hits))
@@ -406,6 +516,8 @@ class Scheduler:
             block_hashes=tuple(block_hashes),
             num_cached_blocks=len(hits),
             hash_extra=hash_extra,
+            lora_name=lora_name,
+            lora_slot=lora_slot,
         )
         self.transferring[request_id] = reserved
         return reserved
@@ -416,6 +528,9 @@ class Scheduler:
         if transfer is None:
             raise UnknownRequestError(request_id)
         self.block_pool.free(transfer.block_ids)
+        if transfer.lora_slot >= 0:
+            assert self.adapters is not None
+            self.adapters.release(transfer.lora_name)
 
     def num_transfer_blocks(self) -> int:
         return sum(len(t.block_ids) for t in self.transferring.values())
@@ -423,10 +538,11 @@ class Scheduler:
     def add_transferred(self, request: Request) -> None:
         """Start decoding a request whose prompt KV landed in its reserved blocks.
 
-        Build `request` from `transferring[request_id]` (its prompt and block hashes) with the
-        first token appended. The prompt's full blocks become prefix-cache entries here. The
-        request joins `running` even past `max_num_seqs` (its blocks are already spent;
-        admission bounds how many arrive).
+        Build `request` from `transferring[request_id]` (its prompt, block hashes and LoRA
+        adapter) with the first token appended. The prompt's full blocks become prefix-cache
+        entries here. The request joins `running` even past `max_num_seqs` (its blocks are
+        already spent; admission bounds how many arrive), with the adapter slot the transfer
+        holds (none yet: `schedule` acquires it before the request runs).
         """
         transfer = self.transferring.get(request.request_id)
         if transfer is None:
@@ -437,7 +553,12 @@ class Scheduler:
             request.num_tokens != num_tokens + 1
         ):
             raise ValueError("prompt_token_ids: differ from those the transfer reserved for")
+        if request.lora_name != transfer.lora_name:
+            raise ValueError(
+                f"lora_name: {request.lora_name!r}, the transfer is for {transfer.lora_name!r}"
+            )
         del self.transferring[request.request_id]
+        request.lora_slot = transfer.lora_slot
         request.block_ids = list(transfer.block_ids)
         request.num_computed_tokens = num_tokens
         request.num_cached_prompt_tokens = request.num_prompt_tokens

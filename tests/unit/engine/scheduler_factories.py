@@ -1,13 +1,16 @@
-"""Small factories for scheduler tests: requests over a 4-token block size, a scheduler, and
-a fake step that "runs" a batch by appending a fixed token to every sampled request."""
+"""Small factories for scheduler tests: requests over a 4-token block size, a scheduler, a
+fake step that "runs" a batch by appending a fixed token to every sampled request, and LoRA
+slots whose adapters become resident when a test says so."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from engine.block_hash import hash_extra
 from engine.block_pool import BlockPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import AdapterSlots, Scheduler, SchedulerOutput
 
 BLOCK_SIZE = 4
 EXTRA = hash_extra("tiny")
@@ -19,11 +22,14 @@ def make_request(
     *,
     first_token: int = 100,
     max_tokens: int = 16,
+    lora_name: str = "",
 ) -> Request:
     """A request whose prompt is first_token, first_token + 1, ... (distinct per request
-    when first_token differs by more than the prompt length)."""
+    when first_token differs by more than the prompt length), on adapter `lora_name`."""
     prompt = tuple(range(first_token, first_token + prompt_len))
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), BLOCK_SIZE, EXTRA)
+    params = SamplingParams(max_tokens=max_tokens)
+    extra = hash_extra("tiny", "", lora_name)
+    return Request(request_id, prompt, params, BLOCK_SIZE, extra, lora_name=lora_name)
 
 
 def make_scheduler(
@@ -34,6 +40,7 @@ def make_scheduler(
     chunked: bool = True,
     keep: bool = False,
     caching: bool = True,
+    adapters: AdapterSlots | None = None,
 ) -> Scheduler:
     return Scheduler(
         BlockPool(num_blocks, enable_caching=caching),
@@ -42,7 +49,36 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         keep_blocks_on_prefill_finish=keep,
+        adapters=adapters,
     )
+
+
+class FakeSlots:
+    """`AdapterSlots` over a fixed name → slot table: an adapter is resident once the test
+    puts it in `resident`; `errors` make its acquire raise. Counts acquires and holders."""
+
+    def __init__(self, slots: dict[str, int]) -> None:
+        self.slots = slots
+        self.resident: set[str] = set()
+        self.errors: dict[str, Exception] = {}
+        self.num_acquires: Counter[str] = Counter()
+        self.refs: Counter[str] = Counter()
+
+    def acquire(self, name: str) -> int | None:
+        if name in self.errors:
+            raise self.errors[name]
+        self.num_acquires[name] += 1
+        if name not in self.resident:
+            return None
+        self.refs[name] += 1
+        return self.slots[name]
+
+    def release(self, name: str) -> None:
+        assert self.refs[name] > 0, f"{name} released more often than acquired"
+        self.refs[name] -= 1
+
+    def held(self) -> dict[str, int]:
+        return {name: n for name, n in self.refs.items() if n}
 
 
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:

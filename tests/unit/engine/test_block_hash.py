@@ -64,3 +64,12 @@ def test_tenants_never_share_a_chain_and_a_tenant_shares_its_own(
                                           ("acme", "x"), ("", "acme"), ("", "x")]}  # fmt: skip
     assert len(firsts) == 6
     assert scoped_salt("", "s") == "s"  # the default tenant hashes as before
+
+
+def test_the_base_model_hashes_as_before_and_every_lora_adapter_apart() -> None:
+    assert hash_extra("tiny", "s") == hash_extra("tiny", "s", "") == b"tiny\x1fs"
+    loras = ("", "sql", "chat", "s")
+    extras = {hash_extra("tiny", salt, lora) for salt in ("", "s") for lora in loras}
+    assert len(extras) == 8  # (salt "s" with no adapter is not adapter "s" with no salt)
+    firsts = {hash_chain(TOKENS, 16, hash_extra("tiny", "", lora))[0] for lora in loras}
+    assert len(firsts) == 4

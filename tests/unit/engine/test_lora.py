@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+from lora_reference import ATTENTION, MLP, hf_base, make_adapter, peft_model
 from runner_factories import corpus_tokens, make_pool, prompt_tokens, scattered_blocks
 
 from engine.batch import ScheduledBatch, SeqChunk
@@ -37,29 +38,11 @@ from engine.runner import ModelRunner
 from engine.weights import load_model
 
 RTOL, ATOL = 1e-5, 1e-4
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
 ADAPTERS: dict[str, dict[str, object]] = {
     "qv8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
     "mlp4": {"r": 4, "lora_alpha": 8, "target_modules": MLP, "use_rslora": True},
     "all16": {"r": 16, "lora_alpha": 32, "target_modules": ATTENTION + MLP},
 }
-
-
-def hf_base(model_dir: Path) -> Any:
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def make_adapter(model_dir: Path, out: Path, seed: int, **lora: object) -> Path:
-    """A random PEFT adapter (B nonzero) on the tiny model, saved to `out`."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora)  # type: ignore[arg-type]
-    get_peft_model(hf_base(model_dir), config).save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +57,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def peft_models(tiny_model_dir: Path, adapters: dict[str, Path]) -> dict[str, Any]:
     """name → peft's PeftModel of that adapter; "base" → the plain transformers model."""
-    from peft import PeftModel
-
-    out = {
-        n: PeftModel.from_pretrained(hf_base(tiny_model_dir), str(p)).eval()
-        for n, p in adapters.items()
-    }
+    out = {n: peft_model(tiny_model_dir, p) for n, p in adapters.items()}
     out["base"] = hf_base(tiny_model_dir)
     return out
 
