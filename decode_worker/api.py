@@ -24,6 +24,9 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str = ""
+    lora: str = ""
+    """The LoRA adapter it runs with ("": the base model); the KV in `handle` was computed
+    with it."""
     handle: KVHandle | None = None
     first_token_id: int | None = None
     first_logprob: float | None = None

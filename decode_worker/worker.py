@@ -152,7 +152,11 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             try:
                 return await self.runtime.call(
                     lambda e: e.allocate_for_transfer(
-                        rid, req.kv_token_ids, handle.block_hashes, cache_salt=req.cache_salt
+                        rid,
+                        req.kv_token_ids,
+                        handle.block_hashes,
+                        cache_salt=req.cache_salt,
+                        lora_name=req.lora,
                     )
                 )
             except NoFreeBlocksError as e:
@@ -319,6 +323,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                         req.prompt_token_ids,
                         req.sampling,
                         cache_salt=req.cache_salt,
+                        lora_name=req.lora,
                         arrival_time=req.arrival_time or None,
                         prior=req.prior,
                     )
@@ -405,6 +410,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             index_publish_errors=rt.index_publish_errors,
             transfer_stats=self._endpoint.stats() if self.endpoint is not None else None,
             index=rt.index_stats(),
+            loras=rt.lora_names,
             transfer=self._endpoint.load() if self.endpoint is not None else TransferLoad(),
             timestamp=time.time(),
         )

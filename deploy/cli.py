@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from deploy import cli_inspect
+from deploy import cli_inspect, cli_lora
 from deploy.cli_support import checked_options, console, fail, router_for
 from deploy.options import (
     ConfigArgs,
     check_count,
+    check_loras,
     check_model_dir,
     check_seconds,
     config_options,
@@ -171,6 +172,10 @@ def up(
         tree = effective_config(given)
         dummy = tree.workers.engine.load_format == "dummy"  # weights made on the device
         check_model_dir(tree.model, given.where("model"), weights=not dummy)
+        engine = tree.workers.engine
+        check_loras(
+            engine.loras, tree.model, engine.max_lora_rank, given.where("workers.engine.loras")
+        )
         _check_access(tree)
     if detach:
         log_path = daemon.state_path().parent / "pdserve-up.log"
@@ -186,6 +191,7 @@ def up(
 
 config_app = typer.Typer(help="The config tree that `up` runs with.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+app.add_typer(cli_lora.app, name="lora")
 
 
 @config_app.command("show")

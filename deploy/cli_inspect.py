@@ -33,6 +33,9 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Per-request seed.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Generate past end-of-sequence.")] = False,
+    lora: Annotated[
+        str, typer.Option(help="LoRA adapter to generate with (`pdserve lora list`).")
+    ] = "",
     target: Annotated[
         str | None, typer.Option(help="HOST:PORT (default: running cluster).")
     ] = None,
@@ -63,6 +66,7 @@ def generate(
         top_k=top_k,
         stop=stop or [],
         ignore_eos=ignore_eos,
+        lora=lora,
     )
     if seed is not None:
         request.seed = seed

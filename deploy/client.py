@@ -450,6 +450,21 @@ def rebalance(
         )
 
 
+def load_lora(target: Target | str, name: str, path: str, timeout_s: float) -> pb.LoraStatus:
+    with admin(target) as stub:
+        return stub.LoadLora(pb.LoadLoraRequest(name=name, path=path), timeout=timeout_s)
+
+
+def unload_lora(target: Target | str, name: str, timeout_s: float) -> pb.LoraStatus:
+    with admin(target) as stub:
+        return stub.UnloadLora(pb.UnloadLoraRequest(name=name), timeout=timeout_s)
+
+
+def list_loras(target: Target | str, timeout_s: float) -> pb.LoraStatus:
+    with admin(target) as stub:
+        return stub.ListLoras(pb.ListLorasRequest(), timeout=timeout_s)
+
+
 def thresholds(
     target: Target | str, changes: dict[str, float], timeout_s: float = 10.0
 ) -> dict[str, float]:

@@ -40,6 +40,7 @@ from typing import Any, cast
 
 import ray
 
+from deploy import lora_admin
 from deploy.metrics import ControllerMetrics
 from deploy.spec import ClusterSpec
 from deploy.workers import (
@@ -55,7 +56,7 @@ from planner.loop import (
     planner_role,
 )
 from prefix_index.index import PrefixIndex
-from router.control import DrainRefused, DrainReport
+from router.control import DrainRefused, DrainReport, LoraEntry
 from router.server import RouterSignals
 from worker_runtime.api import (
     ACTOR_NAME_PREFIX,
@@ -107,6 +108,7 @@ class Controller:
         self._health_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = asyncio.Lock()
+        self._lora_lock = asyncio.Lock()
         self._event_seq = itertools.count()
         self.events: deque[tuple[int, str]] = deque(maxlen=1000)
         self.routers: list[Any] = []
@@ -302,7 +304,57 @@ class Controller:
         w.info, w.state, w.ready_at = info, WorkerState.READY, time.time()
         self.metrics.started.labels(role.value).inc()
         self._log(f"worker {worker_id} ({role.value}) ready on {info.device}, node {info.node}")
+        if self._lora_enabled:
+            await self._sync_loras(w)
         return info
+
+    async def _sync_loras(self, w: _Worker) -> None:
+        """The adapter set may have changed while `w` started: bring it in line. A worker
+        that cannot take an adapter serves on without it (placement sends it no request
+        naming it: it does not report it registered)."""
+        try:
+            async with self._lora_lock:
+                done = await lora_admin.sync_worker(w.handle, dict(self.spec.engine.loras))
+        except Exception as e:
+            self._log(f"worker {w.worker_id}: adapters not brought up to date: {e}")
+            return
+        if done:
+            self._log(f"worker {w.worker_id}: adapters brought up to date ({done})")
+
+    # ---- LoRA adapters (deploy/lora_admin.py) -------------------------------------------------
+
+    @property
+    def _lora_enabled(self) -> bool:
+        return self.spec.engine.enable_lora or bool(self.spec.engine.loras)
+
+    def _listed_handles(self) -> dict[str, Any]:
+        return {w.worker_id: w.handle for w in self.workers.values() if w.state in _LISTED_STATES}
+
+    def _set_loras(self, loras: dict[str, str]) -> None:
+        self.spec = replace(self.spec, engine=replace(self.spec.engine, loras=tuple(loras.items())))
+
+    async def load_lora(self, name: str, path: str) -> list[LoraEntry]:
+        """Serve a PEFT adapter folder as `name` on every worker, now and started later."""
+        async with self._lora_lock:
+            loras = dict(self.spec.engine.loras)
+            await lora_admin.register_everywhere(self._listed_handles(), loras, name, path)
+            self._set_loras({**loras, name: path})
+            self._log(f"lora {name} loaded from {path}")
+        return await self.list_loras()
+
+    async def unload_lora(self, name: str) -> list[LoraEntry]:
+        """Stop serving adapter `name` (requests running on it finish)."""
+        async with self._lora_lock:
+            loras = dict(self.spec.engine.loras)
+            self._set_loras({n: p for n, p in loras.items() if n != name})
+            await lora_admin.unregister_everywhere(self._listed_handles(), loras, name)
+            self._log(f"lora {name} unloaded")
+        return await self.list_loras()
+
+    async def list_loras(self) -> list[LoraEntry]:
+        return await lora_admin.list_everywhere(
+            self._listed_handles(), dict(self.spec.engine.loras)
+        )
 
     async def add_worker(self, role: str) -> WorkerInfo:
         return await self._start_worker(WorkerRole(role))

@@ -135,6 +135,27 @@ def check_model_dir(model_dir: str | None, where: str = "--model", weights: bool
         raise typer.BadParameter(f"{where}: {model_dir} has no tokenizer.json")
 
 
+def check_loras(
+    loras: tuple[tuple[str, str], ...], model_dir: str | None, max_rank: int, where: str
+) -> None:
+    """Refuse, before anything starts, a LoRA adapter folder the engine would refuse: it must
+    be a PEFT folder whose tensors fit the model (checked against `model_dir`'s config.json;
+    for the tiny model, written on demand, only that the folder exists)."""
+    from engine.lora import read_adapter_spec
+    from engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(Path(model_dir)) if model_dir is not None else None
+    for name, path in loras:
+        if not Path(path).is_dir():
+            raise typer.BadParameter(f"{where} {name}: {path} is not a folder (a PEFT adapter)")
+        if cfg is None:
+            continue
+        try:
+            read_adapter_spec(path, cfg, max_rank)
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"{where} {name}: {e}") from e
+
+
 # ---- flags ----------------------------------------------------------------------------------
 
 
@@ -154,6 +175,14 @@ class Flag:
     """A bool flag's declaration: "--on" (given or not) or "--on/--off"."""
     choices: tuple[str, ...] = ()
     """The values a str flag takes (checked, from the flag or the file); empty: any."""
+    repeated: bool = False
+    """A str flag given any number of times as NAME=VALUE, setting a mapping field
+    (`tuple[tuple[str, str], ...]`); the file's entries stay, the flag's win by name."""
+
+    @property
+    def option_type(self) -> Any:
+        """The type typer parses the option's values into (a list of them when repeated)."""
+        return list[self.type] if self.repeated else self.type  # type: ignore[name-defined]
 
     @property
     def option(self) -> str:
@@ -161,6 +190,8 @@ class Flag:
 
     def argv(self, value: Any) -> list[str]:
         """The flag with `value` as command-line arguments again."""
+        if self.repeated:
+            return [arg for item in value for arg in (self.option, item)]
         if self.type is bool:
             on, _, off = (self.switch or self.option).partition("/")
             return [on if value else off]
@@ -209,6 +240,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tls_key", "router.tls.key_file", str, "PEM private key of --tls-cert."),
     Flag("tls_client_ca", "router.tls.client_ca_file", str, "PEM CA of client certificates "
          "(mutual TLS)."),
+    Flag("enable_lora", "workers.engine.enable_lora", bool, "Serve LoRA adapters (on with any "
+         "--lora; `pdserve lora load` needs it) [off].", "--enable-lora/--no-enable-lora"),
+    Flag("lora", "workers.engine.loras", str, "A LoRA adapter to serve, NAME=PATH (a PEFT "
+         "folder on the workers' disk); repeat for more. Requests name it in `lora` (gRPC) or "
+         "`model` (HTTP).", repeated=True),
+    Flag("max_loras", "workers.engine.max_loras", int, "LoRA adapters one engine step mixes "
+         "(device slots per worker) [4]."),
+    Flag("max_cpu_loras", "workers.engine.max_cpu_loras", int, "LoRA adapters each worker "
+         "keeps in host memory (LRU) [8]."),
+    Flag("max_lora_rank", "workers.engine.max_lora_rank", int, "Largest LoRA rank served "
+         "[64]."),
     Flag("block_hash", "cluster.block_hash", str, "Prefix-cache block hash: xxh3, sha256, or auto "
          "(sha256 beyond loopback) [auto].", choices=("auto", *HASH_ALGORITHMS)),
 )  # fmt: skip
@@ -268,7 +310,8 @@ def config_options(command: Callable[..., None]) -> Callable[..., None]:
             inspect.Parameter(
                 f.name, keyword, default=None,
                 annotation=Annotated[
-                    f.type | None, typer.Option(*filter(None, [f.switch]), help=f.help)
+                    f.option_type | None,
+                    typer.Option(*filter(None, [f.switch]), help=f.help),
                 ],
             )
             for f in FLAGS
@@ -279,7 +322,7 @@ def config_options(command: Callable[..., None]) -> Callable[..., None]:
     def run(**kwargs: Any) -> None:
         file = kwargs.pop("config")
         given = {f.name: kwargs.pop(f.name) for f in FLAGS}
-        flags = {name: value for name, value in given.items() if value is not None}
+        flags = {name: value for name, value in given.items() if value not in (None, [])}
         command(config=ConfigArgs(file, flags), **kwargs)
 
     params = [*added, *own]
@@ -340,7 +383,10 @@ def config_input(raw: dict[str, Any], flags: Mapping[str, Any]) -> ConfigInput:
     set_by_flag = {}
     for f in FLAGS:
         if f.name in flags:
-            _put(data, f.path, flags[f.name], f.option, replace=True)
+            value = flags[f.name]
+            if f.repeated:
+                value = _merged_pairs(f, data, value)
+            _put(data, f.path, value, f.option, replace=True)
             set_by_flag[f.path] = f.option
     return ConfigInput(data, set_by_flag, file_keys)
 
@@ -393,6 +439,20 @@ def _nested_planner(planner: dict[str, Any]) -> dict[str, Any]:
     core = nested.get("config")
     nested["config"] = {**(core if isinstance(core, dict) else {}), **{k: planner[k] for k in flat}}
     return nested
+
+
+def _merged_pairs(flag: Flag, data: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """A repeated NAME=VALUE flag's items over the mapping the file gave at its path."""
+    node: Any = data
+    for key in flag.path.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    merged = dict(node) if isinstance(node, dict) else {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise typer.BadParameter(f"{flag.option}: expected NAME=PATH, got {item!r}")
+        merged[name.strip()] = str(Path(value.strip()).expanduser().absolute())
+    return merged
 
 
 def _put(data: dict[str, Any], path: str, value: Any, source: str, *, replace: bool) -> None:

@@ -19,6 +19,8 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str = ""
+    lora: str = ""
+    """The LoRA adapter it runs with ("": the base model)."""
     arrival_time: float = 0.0
     deadline: float | None = None
     """Wall-clock time after which the worker gives up on the request."""

@@ -104,6 +104,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
                     req.prompt_token_ids,
                     req.sampling,
                     cache_salt=req.cache_salt,
+                    lora_name=req.lora,
                     arrival_time=req.arrival_time or None,
                 )
             )
@@ -186,6 +187,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             requests_done=rt.requests_done,
             index_publish_errors=rt.index_publish_errors,
             index=rt.index_stats(),
+            loras=rt.lora_names,
             leased_blocks=leases.pinned_blocks if leases else 0,
             leases_held=leases.held if leases else 0,
             leases_expired=leases.expired if leases else 0,

@@ -326,26 +326,46 @@ class ClusterView:
             return e.info.block_size
         return 16
 
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters some live worker has registered."""
+        return frozenset(
+            name
+            for e in self.entries.values()
+            if e.alive and e.load is not None
+            for name in e.load.loras
+        )
+
+    def serves_lora(self, lora: str) -> bool:
+        """Some live worker has the adapter registered (placement then picks among those
+        that serve it)."""
+        return any(
+            e.alive and e.load is not None and lora in e.load.loras for e in self.entries.values()
+        )
+
     def prefill_candidates(
-        self, match: PrefixMatch, exclude: frozenset[str] = frozenset()
+        self, match: PrefixMatch, lora: str = "", exclude: frozenset[str] = frozenset()
     ) -> list[PrefillCandidate]:
+        """Serving prefill workers not in `exclude` (and, for a LoRA request, with `lora`
+        registered)."""
         return [
             PrefillCandidate(
                 e.worker_id,
                 match.blocks_cached(e.worker_id),
                 e.queued_prefill_tokens,
                 match.host_blocks(e.worker_id),
+                cold_lora=_cold(e, lora),
             )
             for e in self.prefill_workers()
-            if e.worker_id not in exclude
+            if e.worker_id not in exclude and _registers(e, lora)
         ]
 
     def decode_candidates(
-        self, match: PrefixMatch, exclude: frozenset[str] = frozenset()
+        self, match: PrefixMatch, lora: str = "", exclude: frozenset[str] = frozenset()
     ) -> list[DecodeCandidate]:
+        """As `prefill_candidates`, for the decode role."""
         out = []
         for e in self.decode_workers():
-            if e.worker_id in exclude or e.load is None:
+            if e.worker_id in exclude or e.load is None or not _registers(e, lora):
                 continue
             eng = e.load.engine
             out.append(
@@ -357,6 +377,7 @@ class ClusterView:
                     + e.reserved_decode_blocks,
                     inflight_transfer_blocks=e.load.transfer.pending_blocks,
                     free_kv_blocks=eng.num_free_blocks,
+                    cold_lora=_cold(e, lora),
                 )
             )
         return out
@@ -389,3 +410,12 @@ class ClusterView:
             router_inflight_requests=router_inflight,
             block_size=self.block_size(),
         )
+
+
+def _registers(entry: WorkerEntry, lora: str) -> bool:
+    return not lora or (entry.load is not None and lora in entry.load.loras)
+
+
+def _cold(entry: WorkerEntry, lora: str) -> bool:
+    """A LoRA request's adapter is not in the worker's adapter cache (a disk read first)."""
+    return bool(lora) and entry.load is not None and lora not in entry.load.engine.loras

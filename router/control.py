@@ -30,6 +30,29 @@ class DrainReport:
     stopped: bool
 
 
+class LoraRefused(Exception):
+    """A LoRA load or unload that cannot be done as asked (an adapter a worker cannot serve,
+    LoRA off, an unknown name); `not_found` for an unload of a name nobody has. Nothing was
+    changed: a load that failed on one worker is undone on the others."""
+
+    def __init__(self, message: str, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
+
+
+@dataclass(frozen=True)
+class LoraEntry:
+    """One adapter the cluster serves, as `pdserve lora list` shows it."""
+
+    name: str
+    path: str
+    rank: int
+    workers: tuple[str, ...]
+    """Workers that have it registered."""
+    loaded_on: tuple[str, ...]
+    """Of those, the ones whose adapter cache holds its weights (device or host memory)."""
+
+
 class ClusterControl(Protocol):
     """The control plane as the admin service sees it; each call raises `DrainRefused`
     (possibly wrapped by Ray) for what cannot be done as asked."""
@@ -43,3 +66,9 @@ class ClusterControl(Protocol):
     async def rebalance(
         self, prefill: int, decode: int, timeout_s: float
     ) -> tuple[list[str], list[str], str]: ...
+
+    async def load_lora(self, name: str, path: str) -> list[LoraEntry]: ...
+
+    async def unload_lora(self, name: str) -> list[LoraEntry]: ...
+
+    async def list_loras(self) -> list[LoraEntry]: ...

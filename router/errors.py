@@ -1,6 +1,7 @@
 """Every failure of a request mapped to one gRPC status, in one place.
 
     InvalidRequest / SamplingParamsError      INVALID_ARGUMENT (message names the field)
+    UnknownLora                               NOT_FOUND (names the adapter)
     AdmissionRejected                         RESOURCE_EXHAUSTED + `retry-after-ms` trailer,
                                               except NO_LIVE_WORKER -> UNAVAILABLE,
                                               REQUEST_TOO_LARGE -> INVALID_ARGUMENT,
@@ -33,7 +34,7 @@ from admission.decision import AdmissionRejected, Reason
 from engine.sampling_params import SamplingParamsError
 from kv_transfer.errors import TransferError
 from router.placement import NoWorkerError
-from router.validation import InvalidRequest
+from router.validation import InvalidRequest, UnknownLora
 from worker_runtime.api import (
     RequestAborted,
     RequestDeadlineExceeded,
@@ -102,6 +103,8 @@ def to_grpc_failure(exc: BaseException) -> GrpcFailure:
     code = grpc.StatusCode
     if isinstance(exc, (InvalidRequest, SamplingParamsError)):
         return GrpcFailure(code.INVALID_ARGUMENT, str(exc), outcome="invalid")
+    if isinstance(exc, UnknownLora):
+        return GrpcFailure(code.NOT_FOUND, str(exc), outcome="invalid")
     if isinstance(exc, AdmissionRejected):
         if exc.reason is Reason.NO_LIVE_WORKER:
             return GrpcFailure(code.UNAVAILABLE, exc.message, outcome="unavailable")

@@ -74,7 +74,7 @@ from router.recovery import (
     decide,
     failure_of,
 )
-from router.validation import ValidRequest
+from router.validation import UnknownLora, ValidRequest
 from router.worker_calls import cancel_remote, fire, within
 from router.worker_requests import (
     handoff_request,
@@ -97,6 +97,9 @@ class OrchestratorConfig:
     """Placement: cost of one uncached prompt block vs one block of queued prefill work."""
     host_block_weight: float = 0.25
     """Placement: cost of one prompt block a worker holds in its host KV tier (an onboard)."""
+    cold_lora_weight: float = 16.0
+    """Placement: the cost (in blocks) of a worker that must first read the request's LoRA
+    adapter into its cache (router/placement.py)."""
     max_handoff_retries: int = 1
     """Fresh prefills after a failed hand-off (before the first decoded token)."""
     max_prefill_attempts: int = 3
@@ -175,6 +178,8 @@ class Orchestrator:
         admitted: Admission | None = None
         outcome = "error"
         try:
+            if req.lora and not self.view.serves_lora(req.lora):
+                raise UnknownLora(req.lora)
             admitted = await self._admit(areq, progress, trace)
             async for delta in self._serve(req, match, areq, progress, deadline, trace):
                 yield delta
@@ -200,7 +205,7 @@ class Orchestrator:
         worker thread (`asyncio.to_thread`) would add two thread hand-offs, each dearer on a
         busy machine than this call, which rarely blocks (docs/benchmarks.md, "Router
         overhead (CPU)")."""
-        extra = hash_extra(self.model_id, req.cache_salt)
+        extra = hash_extra(self.model_id, req.cache_salt, req.lora)
         hashes = hash_chain(req.prompt_token_ids, self.view.block_size(), extra)
         if self.index is None or not hashes:
             return PrefixMatch(chain_length=len(hashes), available=self.index is not None)
@@ -263,7 +268,9 @@ class Orchestrator:
             lease: PrefillResult | None = None
             try:
                 with trace.span(tracing.PLACEMENT) as span:
-                    placement = self._place(attempt, match, block_size, decode_blocks, progress)
+                    placement = self._place(
+                        attempt, match, req.lora, block_size, decode_blocks, progress
+                    )
                     tracing.placed(span, placement, n)
                 progress.placed(placement)
                 # Counted on the decode worker until its load reports show the request (its
@@ -296,7 +303,9 @@ class Orchestrator:
                 if lease is not None:
                     self._abort_prefill(lease)
                 failure = failure_of(e, placement, lease is not None, progress.decoded_tokens > 0)
-                decision, attempt = self._recover(failure, attempt, placement, match, progress)
+                decision, attempt = self._recover(
+                    failure, attempt, placement, match, req.lora, progress
+                )
                 if isinstance(decision, Fail):
                     if decision.error is failure.error:
                         raise
@@ -311,12 +320,13 @@ class Orchestrator:
         attempt: Attempt,
         placement: Placement | None,
         match: PrefixMatch,
+        lora: str,
         progress: RequestProgress,
     ) -> tuple[Decision, Attempt]:
         """The recovery policy's decision on a failed attempt, and the attempt it makes next."""
         if failure.stage is Stage.PREFILL and failure.worker_id is not None:
             attempt = attempt.excluding_prefill(failure.worker_id)
-        prefill_left = self.view.prefill_candidates(match, attempt.excluded_prefill)
+        prefill_left = self.view.prefill_candidates(match, lora, attempt.excluded_prefill)
         snapshot = attempt.snapshot(progress.sent_any, len(prefill_left))
         limits = RecoveryLimits(
             self.config.max_handoff_retries,
@@ -333,7 +343,7 @@ class Orchestrator:
                 replace(placement, prefill_worker_id=worker)
             )
         excluded = attempt.excluded_decode | {placement.decode_worker_id}
-        if not self.view.decode_candidates(match, excluded):
+        if not self.view.decode_candidates(match, lora, excluded):
             excluded = frozenset()  # the only decode worker: try it again
         resume = isinstance(decision, Resume)
         migration = failure.stage in (Stage.DECODE, Stage.LOCAL)
@@ -355,6 +365,7 @@ class Orchestrator:
         self,
         attempt: Attempt,
         match: PrefixMatch,
+        lora: str,
         block_size: int,
         decode_blocks: int,
         progress: RequestProgress,
@@ -366,16 +377,19 @@ class Orchestrator:
             return attempt.placement
         first_out = progress.sent_any
         prefill = [] if attempt.resume else self.view.prefill_candidates(
-            match, attempt.excluded_prefill
+            match, lora, attempt.excluded_prefill
         )  # fmt: skip
         threshold = -1 if first_out else self.admission.thresholds.local_prefill_threshold_tokens
         return place(
             progress.prompt_tokens,
             block_size,
             prefill,
-            self.view.decode_candidates(match, attempt.excluded_decode),
+            self.view.decode_candidates(match, lora, attempt.excluded_decode),
             PlacementConfig(
-                self.config.uncached_block_weight, threshold, self.config.host_block_weight
+                self.config.uncached_block_weight,
+                threshold,
+                self.config.host_block_weight,
+                self.config.cold_lora_weight,
             ),
             needed_decode_blocks=decode_blocks,
         )

@@ -3,8 +3,8 @@
 Pure functions over candidate snapshots (the Place step of router/orchestrator.py):
 
     prefill cost = w * uncached_prompt_blocks + w_host * host_tier_blocks
-                   + queued_prefill_tokens / block_size
-    decode cost  = active KV blocks + in-flight transfer blocks
+                   + queued_prefill_tokens / block_size + w_lora * [adapter not held]
+    decode cost  = active KV blocks + in-flight transfer blocks + w_lora * [adapter not held]
 
 The decode worker is chosen first (least cost; ties go to the longer cached prefix, then to
 the id for determinism). Conditional disaggregation: when the part of the prompt the chosen
@@ -14,6 +14,9 @@ is chosen, so a worker that already holds a long prefix wins unless it is much b
 prefix block a worker holds only in its host tier costs `w_host` (an onboard: a host→device
 copy, far cheaper than computing it, dearer than a device hit), so a host-tier holder beats a
 cold worker and loses to one that has the block on its device.
+A request on a LoRA adapter goes only to workers that have the adapter registered (the router
+filters the candidates); one whose adapter cache does not hold it yet (a read from disk before
+the request runs) costs `w_lora` more, so the workers already holding it are preferred.
 With no live prefill worker the decode worker prefills locally (degraded, not failed).
 """
 
@@ -31,6 +34,8 @@ class PrefillCandidate:
     queued_prefill_tokens: int
     host_blocks: int = 0
     """Of `cached_blocks`, those in its host tier only (onboarded before use)."""
+    cold_lora: bool = False
+    """The request's LoRA adapter is registered here but not in the adapter cache."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class DecodeCandidate:
     active_kv_blocks: int
     inflight_transfer_blocks: int
     free_kv_blocks: int
+    cold_lora: bool = False
+    """The request's LoRA adapter is registered here but not in the adapter cache."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class PlacementConfig:
     """Uncached prompt tokens at or below which the decode worker prefills locally (0: never)."""
     host_block_weight: float = 0.25
     """w_host: the cost of one host-tier prompt block (its onboard) on the same scale."""
+    cold_lora_weight: float = 16.0
+    """w_lora: the cost of a worker that must read the request's adapter first."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +85,21 @@ class NoWorkerError(Exception):
 
 
 def prefill_cost(
-    c: PrefillCandidate, prompt_blocks: int, block_size: int, w: float, w_host: float = 0.0
+    c: PrefillCandidate,
+    prompt_blocks: int,
+    block_size: int,
+    w: float,
+    w_host: float = 0.0,
+    w_lora: float = 0.0,
 ) -> float:
     cached = min(c.cached_blocks, prompt_blocks)
     host = min(c.host_blocks, cached)
-    return w * (prompt_blocks - cached) + w_host * host + c.queued_prefill_tokens / block_size
+    queued = c.queued_prefill_tokens / block_size
+    return w * (prompt_blocks - cached) + w_host * host + queued + w_lora * c.cold_lora
 
 
-def decode_cost(c: DecodeCandidate) -> float:
-    return float(c.active_kv_blocks + c.inflight_transfer_blocks)
+def decode_cost(c: DecodeCandidate, w_lora: float = 0.0) -> float:
+    return float(c.active_kv_blocks + c.inflight_transfer_blocks) + w_lora * c.cold_lora
 
 
 def place(
@@ -104,7 +119,8 @@ def place(
     if not decode:
         raise NoWorkerError("decode")
     roomy = [d for d in decode if d.free_kv_blocks >= needed_decode_blocks] or list(decode)
-    dec = min(roomy, key=lambda d: (decode_cost(d), -d.cached_blocks, d.worker_id))
+    w_lora = config.cold_lora_weight
+    dec = min(roomy, key=lambda d: (decode_cost(d, w_lora), -d.cached_blocks, d.worker_id))
     full_blocks = prompt_tokens // block_size
     local_cached = min(dec.cached_blocks, full_blocks)
     local_uncached = prompt_tokens - local_cached * block_size
@@ -117,7 +133,12 @@ def place(
         prefill,
         key=lambda p: (
             prefill_cost(
-                p, full_blocks, block_size, config.uncached_block_weight, config.host_block_weight
+                p,
+                full_blocks,
+                block_size,
+                config.uncached_block_weight,
+                config.host_block_weight,
+                w_lora,
             ),
             p.worker_id,
         ),

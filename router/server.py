@@ -42,7 +42,7 @@ from router.cluster_view import (
     ControllerDirectory,
     WorkerDirectory,
 )
-from router.control import ClusterControl, DrainReport
+from router.control import ClusterControl, DrainReport, LoraEntry
 from router.metrics import RecentSamples, RouterMetrics, SloTargets
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.servicer import AdminServicer, GenerationServicer, generation_handler
@@ -296,7 +296,11 @@ class RouterServer:
 
         template = await asyncio.to_thread(ChatTemplate.from_model_dir, self.config.model_dir)
         translator = Translator(
-            self.config.resolved_model_id, self.tokenizer, template, lambda: self.limits
+            self.config.resolved_model_id,
+            self.tokenizer,
+            template,
+            lambda: self.limits,
+            self.view.lora_names,
         )
         limits = self.config.limits
         door = OpenAIDoor(
@@ -473,6 +477,15 @@ class ControllerControl:
         self, prefill: int, decode: int, timeout_s: float
     ) -> tuple[list[str], list[str], str]:
         return tuple(await self.controller.rebalance.remote(prefill, decode, timeout_s))
+
+    async def load_lora(self, name: str, path: str) -> list[LoraEntry]:
+        return list(await self.controller.load_lora.remote(name, path))
+
+    async def unload_lora(self, name: str) -> list[LoraEntry]:
+        return list(await self.controller.unload_lora.remote(name))
+
+    async def list_loras(self) -> list[LoraEntry]:
+        return list(await self.controller.list_loras.remote())
 
 
 class RouterActor:

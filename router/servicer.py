@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +34,19 @@ from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.auth import AuthFailure, KeyTable, redact_workers, sees_workers
 from router.cluster_view import ClusterView
-from router.control import ClusterControl
+from router.control import ClusterControl, LoraEntry, LoraRefused
 from router.errors import DEFAULT_RETRY_AFTER_MS, RETRY_AFTER_KEY, to_grpc_failure, unwrap
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamDelta
 from router.tracing import grpc_caller_context
-from router.validation import ValidationLimits, find_invalid_utf8_field, validate
+from router.validation import (
+    MAX_LORA_NAME_CHARS,
+    InvalidRequest,
+    ValidationLimits,
+    check_name,
+    find_invalid_utf8_field,
+    validate,
+)
 from worker_runtime.api import WorkerLoad, WorkerState
 
 log = logging.getLogger(__name__)
@@ -355,3 +362,56 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(unwrap(e)))
         await self.view.refresh_registry()
         return pb.RebalanceResponse(started=started, stopped=stopped, message=message)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Any) -> pb.LoraStatus:
+        control = await self._control(context)
+        await self._check_lora_name(request.name, context)
+        if not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path: must not be empty")
+        entries = await self._lora_call(context, control.load_lora(request.name, request.path))
+        await self.view.poll_loads()  # requests naming it pass validation from now on
+        return _lora_status(entries, f"loaded {request.name!r} from {request.path}")
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Any) -> pb.LoraStatus:
+        control = await self._control(context)
+        await self._check_lora_name(request.name, context)
+        entries = await self._lora_call(context, control.unload_lora(request.name))
+        await self.view.poll_loads()
+        return _lora_status(entries, f"unloaded {request.name!r}")
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Any) -> pb.LoraStatus:
+        control = await self._control(context)
+        return _lora_status(await self._lora_call(context, control.list_loras()), "")
+
+    async def _check_lora_name(self, name: str, context: Any) -> None:
+        try:
+            check_name("name", name, MAX_LORA_NAME_CHARS)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _lora_call(self, context: Any, call: Awaitable[list[LoraEntry]]) -> list[LoraEntry]:
+        try:
+            return await call
+        except Exception as e:
+            cause = unwrap(e)
+            if not isinstance(cause, LoraRefused):
+                raise
+            code = (
+                grpc.StatusCode.NOT_FOUND if cause.not_found else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, str(cause))
+            raise  # (abort raises)
+
+
+def _lora_status(entries: list[LoraEntry], message: str) -> pb.LoraStatus:
+    return pb.LoraStatus(
+        adapters=[
+            pb.LoraAdapter(
+                name=e.name, path=e.path, rank=e.rank, workers=e.workers, loaded_on=e.loaded_on
+            )
+            for e in entries
+        ],
+        message=message,
+    )

@@ -21,6 +21,7 @@ from worker_runtime.tracing import TraceContext
 MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 64
 MAX_CACHE_SALT_CHARS = 256
+MAX_LORA_NAME_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -44,6 +45,17 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
+class UnknownLora(LookupError):
+    """A request names a LoRA adapter no serving worker has loaded; maps to NOT_FOUND."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"lora: adapter {name!r} is not loaded (load it with `pdserve lora load {name} "
+            "PATH`; `pdserve lora list` shows what is)"
+        )
+        self.name = name
+
+
 @dataclass(frozen=True)
 class ValidRequest:
     """A request that passed validation; what the orchestrator works on."""
@@ -57,6 +69,9 @@ class ValidRequest:
     cache_salt: str
     """The salt that scopes its prefix-cache entries: the tenant and the request's own
     `cache_salt` (`engine.block_hash.scoped_salt`), so no two tenants share a cached block."""
+    lora: str = ""
+    """The LoRA adapter to generate with ("": the base model); part of its prefix-cache
+    identity (`engine.block_hash.hash_extra`)."""
     trace: TraceContext | None = None
     """The caller's W3C trace context (a `traceparent` in the call's metadata or headers),
     which the request's trace continues; None: none given, or this router does not trace."""
@@ -96,6 +111,8 @@ def validate(
         if limits.tenants and tenant not in limits.tenants:
             raise InvalidRequest("tenant", f"unknown tenant {tenant!r}")
     _check_text("cache_salt", req.cache_salt, MAX_CACHE_SALT_CHARS)
+    if req.lora:
+        check_name("lora", req.lora, MAX_LORA_NAME_CHARS)
     stops = tuple(req.stop)
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
@@ -176,6 +193,7 @@ def validate(
         tenant=tenant,
         priority=int(req.priority),
         cache_salt=scoped_salt(tenant, req.cache_salt),
+        lora=req.lora,
         trace=trace,
     )
 
@@ -230,7 +248,9 @@ _FLOAT_FIELDS = (
 )  # fmt: skip
 
 # Top-level string fields of GenerateRequest, by field number (for the UTF-8 check below).
-_STRING_FIELDS = {1: "request_id", 2: "prompt", 13: "stop", 17: "tenant", 19: "cache_salt"}
+_STRING_FIELDS = {
+    1: "request_id", 2: "prompt", 13: "stop", 17: "tenant", 19: "cache_salt", 20: "lora",
+}  # fmt: skip
 
 
 def find_invalid_utf8_field(data: bytes) -> str | None:

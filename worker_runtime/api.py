@@ -85,6 +85,8 @@ class WorkerLoad:
     transfer endpoint."""
     index: PublisherStats | None = None
     """The KV-event publisher's state (connected to Redis, resyncs); None without one."""
+    loras: tuple[str, ...] = ()
+    """LoRA adapters registered on the worker (`engine.loras`: those whose weights it holds)."""
 
     def held(self) -> str:
         """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use

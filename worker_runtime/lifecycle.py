@@ -23,6 +23,7 @@ from typing import Generic, Protocol, TypeVar
 
 from engine.driver import LoopProgress
 from engine.engine import LLMEngine
+from engine.outputs import LoraInfo
 from kv_transfer.config import KVTransferConfig
 from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
 from worker_runtime.runtime import WorkerConfig, WorkerRuntime
@@ -131,6 +132,21 @@ class WorkerLifecycle(Generic[E]):
         self.runtime.stop()
         self._closing()
         await asyncio.to_thread(shutdown_tracing)  # what is left goes to the exporter
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoraInfo:
+        """Register a PEFT adapter folder under `name` (idempotent for the same path; its
+        weights are read on first use). Raises ValueError naming what is wrong with it, or
+        that LoRA is off on this worker."""
+        return await self.runtime.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unregister an adapter (False: not registered); requests running on it finish."""
+        return await self.runtime.unload_lora(name)
+
+    async def list_loras(self) -> tuple[LoraInfo, ...]:
+        return await self.runtime.call(lambda e: e.list_loras())
 
     def finished_spans(self, clear: bool = False) -> list[FinishedSpan]:
         """The spans this worker exported to the `pdserve_memory` exporter (tests and

@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
 from engine.engine import LLMEngine
 from engine.kv_events import CacheSnapshot
-from engine.outputs import RequestOutput
+from engine.outputs import LoraInfo, RequestOutput
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.publisher import KVEventPublisher
 from prefix_index.types import PublisherStats
@@ -124,6 +124,8 @@ class WorkerRuntime:
         self._driver: EngineDriver | None = None
         self._publisher: KVEventPublisher | None = None
         self._probes: dict[str, ProgressProbe] = {}
+        self.lora_names: tuple[str, ...] = tuple(name for name, _ in config.engine.loras)
+        """Adapters registered on the engine (reported in the worker's load)."""
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -248,6 +250,26 @@ class WorkerRuntime:
         if self._driver is None:
             raise RuntimeError("worker not started")
         return self._driver
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoraInfo:
+        def load(engine: LLMEngine) -> tuple[LoraInfo, tuple[LoraInfo, ...]]:
+            engine.load_lora(name, path)
+            infos = engine.list_loras()
+            return next(i for i in infos if i.name == name), infos
+
+        info, infos = await self.call(load)
+        self.lora_names = tuple(i.name for i in infos)
+        return info
+
+    async def unload_lora(self, name: str) -> bool:
+        def unload(engine: LLMEngine) -> tuple[bool, tuple[LoraInfo, ...]]:
+            return engine.unload_lora(name), engine.list_loras()
+
+        found, infos = await self.call(unload)
+        self.lora_names = tuple(i.name for i in infos)
+        return found
 
     # ---- output streams ---------------------------------------------------------------------
 

@@ -99,14 +99,17 @@ class OpenAIDoor:
 
         @app.get("/v1/models")
         async def models() -> Response:
-            return _json({"object": "list", "data": [self._model()]})
+            adapters = [self._model(name) for name in self.view.lora_names()]
+            return _json({"object": "list", "data": [self._model(), *adapters]})
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str) -> Response:
-            if model != self.translator.model_id:
-                return _error(failure(404, f"model: the model {model!r} does not exist",
-                                      "model", "model_not_found"))  # fmt: skip
-            return _json(self._model())
+            if model == self.translator.model_id:
+                return _json(self._model())
+            if model in self.view.lora_names():
+                return _json(self._model(model))
+            return _error(failure(404, f"model: the model {model!r} does not exist",
+                                  "model", "model_not_found"))  # fmt: skip
 
         @app.get("/health")
         async def health() -> Response:
@@ -131,10 +134,15 @@ class OpenAIDoor:
         limited = _BodyLimit(app, self.max_body_bytes)
         return _Authenticated(limited, self.keys) if self.keys.enabled else limited
 
-    def _model(self) -> dict[str, Any]:
-        return {"id": self.translator.model_id, "object": "model", "created": self.created,
-                "owned_by": "pdserve",
-                "max_model_len": self.translator.limits().max_model_len}  # fmt: skip
+    def _model(self, lora: str = "") -> dict[str, Any]:
+        """The served model, or (`lora`) one of its adapters (`parent`: the model)."""
+        base = self.translator.model_id
+        entry = {"id": lora or base, "object": "model", "created": self.created,
+                 "owned_by": "pdserve",
+                 "max_model_len": self.translator.limits().max_model_len}  # fmt: skip
+        if lora:
+            entry |= {"root": lora, "parent": base}
+        return entry
 
     # ---- one request --------------------------------------------------------------------------
 
@@ -155,7 +163,9 @@ class OpenAIDoor:
                 f"(max_concurrent_requests {self.max_concurrent_requests}); retry later",
                 code="rate_limit_exceeded", retry_after_ms=DEFAULT_RETRY_AFTER_MS,
             ))  # fmt: skip
-        writer = ResponseWriter(plan, self.translator.model_id, self.translator.tokenizer)
+        writer = ResponseWriter(
+            plan, plan.model or self.translator.model_id, self.translator.tokenizer
+        )
         if not plan.stream:
             return await self._whole(request, plan, writer, redact)
         if len(plan.choices) == 1:

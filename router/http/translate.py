@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -111,6 +111,8 @@ class GenerationPlan:
     return_token_ids: bool
     timeout_s: float | None
     """From the timeout header; None: the router's default request deadline."""
+    model: str = ""
+    """The body's `model`: the served model's id, or a LoRA adapter's name."""
 
     @property
     def response_id(self) -> str:
@@ -127,11 +129,14 @@ class Translator:
         tokenizer: Any,
         chat_template: ChatTemplate | None,
         limits: Callable[[], ValidationLimits],
+        loras: Callable[[], Collection[str]] = tuple,
     ) -> None:
+        """`loras`: the LoRA adapters the cluster serves now (each a `model` of its own)."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
+        self.loras = loras
 
     def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], tenant: str | None = None
@@ -199,10 +204,11 @@ class Translator:
 
     def _common(self, body: GenerationBody) -> None:
         """The model, and the fields no value of which pdserve can honour."""
-        if body.model != self.model_id:
+        if body.model != self.model_id and body.model not in self.loras():
             raise ApiError(failure(
                 404, f"model: the model {body.model!r} does not exist; this server serves "
-                f"{self.model_id!r} (GET /v1/models)", "model", "model_not_found",
+                f"{self.model_id!r} and its LoRA adapters (GET /v1/models)", "model",
+                "model_not_found",
             ))  # fmt: skip
         for name, value in (body.model_extra or {}).items():
             refused = _REFUSED.get(name)
@@ -233,6 +239,7 @@ class Translator:
             ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs,
             cache_salt=body.cache_salt or "",
+            lora="" if body.model == self.model_id else body.model,
         )  # fmt: skip
         if body.priority is not None:
             if not -10 <= body.priority <= 10:
@@ -288,6 +295,7 @@ class Translator:
             logprobs=logprobs,
             return_token_ids=bool(body.return_token_ids),
             timeout_s=_timeout(headers.get(TIMEOUT_HEADER)),
+            model=body.model,
         )
 
 

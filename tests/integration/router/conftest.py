@@ -20,9 +20,11 @@ from router_harness import (
     KV_BLOCKS,
     MAX_MESSAGE_BYTES,
     MAX_MODEL_LEN,
+    SERVED_LORA,
     STALL_TIMEOUT_S,
     TENANTS,
     TOKEN_GAP_S,
+    LoraAdapters,
     Reference,
     RouterCluster,
 )
@@ -32,8 +34,23 @@ from engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoraAdapters:
+    """Two random PEFT adapters on the tiny model: "tiny-sql" (served from the start) and
+    "tiny-chat" (loaded at run time by test_router_lora)."""
+    from lora_reference import ATTENTION, MLP, make_adapter
+
+    root = tmp_path_factory.mktemp("router-lora")
+    return LoraAdapters(
+        sql=make_adapter(tiny_model_dir, root / "sql", 1, r=8, lora_alpha=16,
+                         target_modules=ATTENTION + MLP),
+        chat=make_adapter(tiny_model_dir, root / "chat", 2, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "v_proj", "down_proj"]),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def router_cluster(
-    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot
+    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot, lora_adapters: LoraAdapters
 ) -> Iterator[RouterCluster]:
     import ray
 
@@ -43,7 +60,12 @@ def router_cluster(
     from router.orchestrator import OrchestratorConfig
     from router.server import RouterConfig, RouterLimits
 
-    engine = cpu_engine(tiny_model_dir, num_kv_blocks=KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
+    engine = cpu_engine(
+        tiny_model_dir,
+        num_kv_blocks=KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        loras=((SERVED_LORA, str(lora_adapters.sql)),),  # test_router_lora
+    )
     router = RouterConfig(
         grpc_port=0,
         metrics_port=0,

@@ -23,6 +23,16 @@ TOKEN_GAP_S = 10.0
 STALL_TIMEOUT_S = 5.0
 
 Reference = Callable[[list[int], int], list[int]]
+SERVED_LORA = "tiny-sql"
+"""The LoRA adapter the shared cluster serves from the start (test_router_lora)."""
+
+
+@dataclass(frozen=True)
+class LoraAdapters:
+    """PEFT adapter folders made for the router tests (conftest `lora_adapters`)."""
+
+    sql: Path
+    chat: Path
 
 
 @dataclass

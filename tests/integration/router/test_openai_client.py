@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 from router_client import generate, greedy_request
-from router_harness import RouterCluster
+from router_harness import SERVED_LORA, RouterCluster
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
@@ -47,7 +47,9 @@ def _extra(choice: Any, name: str) -> Any:
 
 
 def test_models_health_and_ready(router_cluster: RouterCluster, client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == [router_cluster.model_id]
+    # the base model, then the adapters the cluster serves (test_router_lora owns the others)
+    models = [m.id for m in client.models.list()]
+    assert models[0] == router_cluster.model_id and SERVED_LORA in models[1:]
     assert client.models.retrieve(router_cluster.model_id).id == router_cluster.model_id
     base = http_url(router_cluster)
     with urllib.request.urlopen(base + "/health", timeout=10) as r:

@@ -53,6 +53,18 @@ class ScriptedAdmin(pb_grpc.AdminServicer):
     def Rebalance(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self._answer("Rebalance", request, context, pb.RebalanceResponse(message="ok"))
 
+    def LoadLora(self, request: Any, context: grpc.ServicerContext) -> Any:
+        adapter = pb.LoraAdapter(name=request.name, path=request.path, rank=8,
+                                 workers=["d0", "p0"], loaded_on=["p0"])  # fmt: skip
+        default = pb.LoraStatus(adapters=[adapter], message=f"loaded {request.name!r}")
+        return self._answer("LoadLora", request, context, default)
+
+    def UnloadLora(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._answer("UnloadLora", request, context, pb.LoraStatus(message="unloaded"))
+
+    def ListLoras(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._answer("ListLoras", request, context, pb.LoraStatus())
+
 
 def abort(code: grpc.StatusCode, details: str) -> Reply:
     def reply(request: Any, context: grpc.ServicerContext) -> Any:
@@ -324,3 +336,25 @@ def test_an_unavailable_the_router_sends_is_its_own_not_no_router(
         1,
         "error: UNAVAILABLE: no decode worker is ready\n",
     )
+
+
+def test_lora_load_list_and_unload_send_what_they_say(
+    admin: tuple[ScriptedAdmin, str], tmp_path: Any
+) -> None:
+    servicer, target = admin
+    result = cli(target, "lora", "load", "sql", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    method, request = servicer.requests[-1]
+    assert (method, request.name, request.path) == ("LoadLora", "sql", str(tmp_path))
+    assert "loaded 'sql'" in result.output and "d0, p0" in result.output
+    servicer.replies["ListLoras"] = lambda request, context: pb.LoraStatus(
+        adapters=[pb.LoraAdapter(name="sql", path="/a", rank=8, workers=["p0"])]
+    )
+    listed = cli(target, "lora", "list", "--json")
+    assert json.loads(listed.output) == [
+        {"name": "sql", "path": "/a", "rank": 8, "workers": ["p0"], "loaded_on": []}
+    ]
+    servicer.replies["UnloadLora"] = abort(grpc.StatusCode.NOT_FOUND, "name: no adapter 'x'")
+    gone = cli(target, "lora", "unload", "x")
+    assert gone.exit_code == 1
+    assert "no adapter 'x'" in gone.output

@@ -215,6 +215,13 @@ def test_the_codec_refuses_a_type_it_cannot_write() -> None:
 
 @pytest.mark.parametrize("flag", FLAGS, ids=lambda f: f.name)
 def test_each_flag_sets_the_field_it_names_with_its_type_and_default(flag: Any) -> None:
+    if flag.repeated:  # NAME=VALUE items of a mapping
+        assert type_at(PdserveConfig, flag.path) == tuple[tuple[str, flag.type], ...]
+        tree = effective_config(config_input({}, {flag.name: ["a=/x", "b=/y", "a=/z"]}))
+        for key in flag.path.split("."):
+            tree = getattr(tree, key)
+        assert tree == (("a", "/z"), ("b", "/y"))
+        return
     assert type_at(PdserveConfig, flag.path) is flag.type
     default: Any = PdserveConfig()
     for key in flag.path.split("."):
@@ -282,3 +289,11 @@ def test_up_reads_the_ray_address_before_building_the_tree() -> None:
 def test_refusals_from_the_file_are_typer_bad_parameters() -> None:
     with pytest.raises(typer.BadParameter, match=r"^config engine\.seed: expected a whole"):
         effective_config(config_input({"engine": {"seed": 1.5}}, {}))
+
+
+def test_a_repeated_flag_adds_to_the_files_mapping_and_refuses_a_bad_item() -> None:
+    raw = {"workers": {"engine": {"loras": {"a": "/file/a", "b": "/file/b"}}}}
+    tree = effective_config(config_input(raw, {"lora": ["b=/flag/b", "c=/flag/c"]}))
+    assert tree.workers.engine.loras == (("a", "/file/a"), ("b", "/flag/b"), ("c", "/flag/c"))
+    with pytest.raises(typer.BadParameter, match="--lora: expected NAME=PATH, got 'nopath'"):
+        config_input({}, {"lora": ["nopath"]})

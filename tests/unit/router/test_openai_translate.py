@@ -193,6 +193,17 @@ def test_an_unknown_model_is_404() -> None:
     assert (f.status, f.param, f.code) == (404, "model", "model_not_found")
 
 
+def test_an_adapters_name_as_the_model_generates_with_it_and_the_base_name_without() -> None:
+    t = Translator(MODEL, CharTokenizer(), None, lambda: LIMITS, lambda: {"sql"})  # type: ignore[arg-type]
+    plan = t.completion(CompletionRequest.model_validate({"model": "sql", "prompt": "a"}), {})
+    assert (plan.model, plan.choices[0].request.lora) == ("sql", "sql")
+    plan = t.completion(CompletionRequest.model_validate({"model": MODEL, "prompt": "a"}), {})
+    assert (plan.model, plan.choices[0].request.lora) == (MODEL, "")
+    with pytest.raises(ApiError) as err:
+        t.completion(CompletionRequest.model_validate({"model": "sq", "prompt": "a"}), {})
+    assert (err.value.failure.status, err.value.failure.code) == (404, "model_not_found")
+
+
 def test_chat_messages_reach_the_template_and_the_prompt_is_not_given_a_second_bos() -> None:
     template = Template()
     plan = chat(template, messages=[

@@ -104,3 +104,20 @@ def test_host_tier_holder_beats_a_cold_worker_and_loses_to_a_device_holder() -> 
     # onboarding 30 blocks (30 * 0.25 = 7.5) is worth less than a queue of 16 blocks of work
     busy_device = PrefillCandidate("p-dev", 30, queued_prefill_tokens=16 * 16)
     assert place(640, BS, [host, busy_device], [dec("d0")], cfg).prefill_worker_id == "p-host"
+
+
+def test_a_worker_that_holds_the_adapter_beats_one_that_must_read_it() -> None:
+    warm = PrefillCandidate("p-warm", 0, queued_prefill_tokens=0)
+    cold = PrefillCandidate("p-cold", 0, queued_prefill_tokens=0, cold_lora=True)
+    cfg = PlacementConfig(cold_lora_weight=16.0)
+    # "p-cold" sorts first by id: only the adapter cost puts "p-warm" ahead
+    assert place(640, BS, [cold, warm], [dec("d0")], cfg).prefill_worker_id == "p-warm"
+    # a queue of more than 16 blocks of work outweighs the read
+    busy = PrefillCandidate("p-warm", 0, queued_prefill_tokens=17 * BS)
+    assert place(640, BS, [cold, busy], [dec("d0")], cfg).prefill_worker_id == "p-cold"
+    d_cold = DecodeCandidate("d-a", 0, 0, 0, 1000, cold_lora=True)
+    d_warm = DecodeCandidate("d-b", 0, 10, 0, 1000)
+    assert place(640, BS, [warm], [d_cold, d_warm], cfg).decode_worker_id == "d-b"
+    assert place(640, BS, [warm], [d_cold, d_warm], PlacementConfig()).decode_worker_id == "d-b"
+    no_weight = PlacementConfig(cold_lora_weight=0.0)
+    assert place(640, BS, [warm], [d_cold, d_warm], no_weight).decode_worker_id == "d-a"

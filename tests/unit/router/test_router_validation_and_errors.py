@@ -15,6 +15,7 @@ from router.placement import NoWorkerError
 from router.server import _ReflectionPool
 from router.validation import (
     InvalidRequest,
+    UnknownLora,
     ValidationLimits,
     ValidRequest,
     find_invalid_utf8_field,
@@ -81,7 +82,7 @@ def _raw(number: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize(
     ("number", "field"), [(1, "request_id"), (2, "prompt"), (13, "stop"), (17, "tenant"),
-                          (19, "cache_salt")],
+                          (19, "cache_salt"), (20, "lora")],
 )  # fmt: skip
 def test_invalid_utf8_is_found_in_its_field(number: int, field: str) -> None:
     assert find_invalid_utf8_field(_raw(number, b"ok\xff")) == field
@@ -133,3 +134,15 @@ def test_reflection_pool_resolves_method_symbols_to_their_file() -> None:
         with pytest.raises(KeyError):
             pool.FindFileContainingSymbol(missing)
     assert pool.FindFileByName(want).name == want  # everything else passes through
+
+
+def test_a_lora_name_is_checked_and_an_unknown_adapter_is_not_found() -> None:
+    assert _validate(token_ids=[1], max_tokens=1, lora="acme/sql-v2").lora == "acme/sql-v2"
+    assert _validate(token_ids=[1], max_tokens=1).lora == ""
+    with pytest.raises(InvalidRequest, match="lora: character ' ' is not allowed"):
+        _validate(token_ids=[1], max_tokens=1, lora="a b")
+    with pytest.raises(InvalidRequest, match="lora: must be at most 128 characters"):
+        _validate(token_ids=[1], max_tokens=1, lora="x" * 129)
+    f = to_grpc_failure(UnknownLora("sql"))
+    assert f.code is grpc.StatusCode.NOT_FOUND
+    assert f.message.startswith("lora: adapter 'sql' is not loaded")
