@@ -102,7 +102,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --modes colocated \
     --colocated-workers 1 --workloads balanced --rates "balanced=1,2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e70.tgz" -C /tmp e2e70 ;;
-  lora) step lora_tests 200 python -m pytest tests/unit/engine/test_lora.py -q -rA -p no:cacheprovider
+  lora) step lora_tests 300 python -m pytest tests/unit/engine/test_lora.py tests/unit/engine/test_lora_triton.py -q -rA -p no:cacheprovider
     TAILN=${TAILN:-60} step bench_lora 300 python benchmarks/bench_lora.py ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
