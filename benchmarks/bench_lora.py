@@ -6,7 +6,8 @@ GPU (one H200, the default): a Llama-3-8B-shaped model with random bf16 weights
 CUDA graphs. Random rank-16 PEFT adapters on all seven projections (q/k/v/o/gate/up/down) are
 written to a temporary folder and served by the adapter cache (engine/lora_cache.py, one slot
 per adapter, slots padded to `--max-rank`). For each graph LoRA kernel (`--kernels`: torch's
-dense-over-slots, flashinfer's segment GEMM, the triton BGMV kernel of engine/lora_triton.py)
+dense-over-slots; engine/lora_triton.py's Triton expand after its dense shrink (cuBLAS, every
+slot) or its BGMV shrink (a program per token); flashinfer's segment GEMM)
 one runner captures the base and the LoRA decode graphs; then, side by side at batch B (64)
 with `--context` tokens per sequence:
 - base: every row the base model (the base graph);
@@ -21,7 +22,7 @@ CPU (`--smoke`): the same on the tiny shape with dummy weights, eager steps (no 
 check that the script runs.
 
     python benchmarks/bench_lora.py [--batch 64] [--adapters 1,4,16]
-        [--kernels torch,flashinfer,triton]
+        [--kernels torch,triton-dense,triton-bgmv,flashinfer]
     python benchmarks/bench_lora.py --smoke
 """
 
@@ -147,14 +148,20 @@ def bench_decode(
     adapters: list[Path],
     kernel: str,
 ) -> dict[str, float]:
-    """Decode step times of base and N adapters with one runner (one graph kernel)."""
+    """Decode step times of base and N adapters with one runner (one graph kernel; a
+    "triton-SHRINK" kernel runs triton with that shrink of engine/lora_triton.SHRINKS)."""
     device = kv.device
     cuda = device.type == "cuda"
+    name, _, shrink = kernel.partition("-")
+    if shrink:
+        import engine.lora_triton as lora_triton
+
+        lora_triton.DEFAULT_SHRINK = shrink  # read at each launch; graphs capture it
     config = LoraCacheConfig(
         max_loras=len(adapters),
         max_cpu_loras=len(adapters),
         max_lora_rank=args.max_rank,
-        kernel=kernel,
+        kernel=name,
     )
     cache = LoraCache(model.cfg, config, model.dtype, device)
     for i, path in enumerate(adapters):
@@ -264,7 +271,7 @@ def main() -> None:
     parser.add_argument("--max-rank", type=int, default=16, help="slot rank (max_lora_rank)")
     parser.add_argument("--context", type=int, default=0, help="tokens per sequence (2048)")
     parser.add_argument(
-        "--kernels", default="", help="graph LoRA kernels (torch,flashinfer,triton)"
+        "--kernels", default="", help="graph LoRA kernels (torch,triton-dense,triton-bgmv,flashinfer)"
     )
     parser.add_argument("--iters", type=int, default=0)
     parser.add_argument("--load-repeats", type=int, default=3)
@@ -275,7 +282,8 @@ def main() -> None:
     args.adapters = [int(n) for n in (args.adapters or ("1,2,4" if smoke else "1,4,16")).split(",")]
     args.context = args.context or (64 if smoke else 2048)
     args.iters = args.iters or (5 if smoke else 50)
-    kernels = (args.kernels or ("torch" if smoke else "torch,flashinfer,triton")).split(",")
+    default_kernels = "torch" if smoke else "torch,triton-dense,triton-bgmv,flashinfer"
+    kernels = (args.kernels or default_kernels).split(",")
     t_start = time.perf_counter()
     model_and_device = step("build the model (random weights)", functools.partial(build, smoke))
     if model_and_device is None:

@@ -103,7 +103,10 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --colocated-workers 1 --workloads balanced --rates "balanced=1,2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e70.tgz" -C /tmp e2e70 ;;
   lora) step lora_tests 300 python -m pytest tests/unit/engine/test_lora.py tests/unit/engine/test_lora_triton.py -q -rA -p no:cacheprovider
-    TAILN=${TAILN:-60} step bench_lora 300 python benchmarks/bench_lora.py ;;
+    TAILN=${TAILN:-60} step bench_lora 300 python benchmarks/bench_lora.py
+    # four slots (a cluster serving four adapters): the dense kernels read every slot
+    TAILN=${TAILN:-30} step bench_lora4 200 python benchmarks/bench_lora.py --adapters 1,4 \
+    --kernels torch,triton-dense ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
     step host_tier_copy 90 python benchmarks/bench_host_tier.py copy --blocks 1024 --out /tmp/ht

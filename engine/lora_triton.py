@@ -79,6 +79,16 @@ def fan_in_split(num_tokens: int, num_parts: int, fan_in: int, tiles: Tiles) -> 
     return FanInSplit(k_steps, triton.cdiv(blocks, k_steps))
 
 
+SHRINKS = ("dense", "bgmv")
+"""How `add_lora` shrinks: "dense", one matmul of x against every slot's A at once (the
+expand then reads only the token's own slot's columns: no mask); "bgmv", a Triton program
+per token reading only its slot's A."""
+DEFAULT_SHRINK = "dense"
+"""H200, benchmarks/bench_lora.py (Llama-3-8B, B=64 decode, rank 16 on all seven
+projections, 16 slots, CUDA graphs): the BGMV shrink made the step 1.46x the base model's;
+see docs/benchmarks.md for the dense shrink's figure."""
+
+
 def add_lora(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -87,32 +97,42 @@ def add_lora(
     b: Sequence[torch.Tensor],
     columns: Sequence[tuple[int, int]],
     tiles: Tiles | None = None,
+    shrink: str | None = None,
 ) -> None:
     """out[t, lo_p:hi_p] += (x[t] @ a[p, slots[t]]^T) @ b[p][slots[t]] for every part p and
     every token t with slots[t] >= 0 (in place; other rows untouched). Two launches.
 
     x: [tokens, in]; out: [tokens, >= hi of the last part]; slots: [tokens] int32/int64;
     a: [parts, rows, rank, in]; b[p]: [rows, rank, hi_p - lo_p] (last dim contiguous);
-    columns[p]: (lo_p, hi_p).
+    columns[p]: (lo_p, hi_p); shrink: one of `SHRINKS` (None: `DEFAULT_SHRINK`).
     """
-    num_parts, _, rank, fan_in = a.shape
+    shrink = shrink or DEFAULT_SHRINK
+    num_parts, rows, rank, fan_in = a.shape
     if not 1 <= num_parts <= MAX_PARTS or len(b) != num_parts or len(columns) != num_parts:
         raise ValueError(f"1 to {MAX_PARTS} parts with one B and one column range each")
     if any(bp.stride(2) != 1 for bp in b) or slots.dim() != 1 or not slots.is_contiguous():
         raise ValueError("B's columns and the slots must be contiguous")
+    if shrink not in SHRINKS:
+        raise ValueError(f"shrink: one of {', '.join(SHRINKS)}, got {shrink!r}")
     t = x.shape[0]
     if t == 0:
         return
     tiles = tiles or default_tiles(rank)
-    split = fan_in_split(t, num_parts, fan_in, tiles)
-    h = torch.empty((split.splits, t, num_parts, rank), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(t, num_parts, split.splits)](
-        x, a, h, slots, fan_in, rank,
-        x.stride(0), x.stride(1),
-        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        h.stride(0), h.stride(1), h.stride(2),
-        BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, K_STEPS=split.k_steps,
-    )  # fmt: skip
+    if shrink == "dense":  # h[0, t, p, slot * rank + r]: every slot's, the expand picks one
+        dense = torch.nn.functional.linear(x, a.reshape(-1, fan_in))
+        h = dense.view(1, t, num_parts, rows * rank)
+        splits, slot_stride = 1, rank
+    else:
+        split = fan_in_split(t, num_parts, fan_in, tiles)
+        splits, slot_stride = split.splits, 0
+        h = torch.empty((splits, t, num_parts, rank), dtype=torch.float32, device=x.device)
+        _shrink_kernel[(t, num_parts, splits)](
+            x, a, h, slots, fan_in, rank,
+            x.stride(0), x.stride(1),
+            a.stride(0), a.stride(1), a.stride(2), a.stride(3),
+            h.stride(0), h.stride(1), h.stride(2),
+            BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, K_STEPS=split.k_steps,
+        )  # fmt: skip
     widths = [hi - lo for lo, hi in columns]
     blocks = [triton.cdiv(w, tiles.block_n) for w in widths]
     pad = MAX_PARTS - num_parts
@@ -123,9 +143,9 @@ def add_lora(
         h, out, slots, *bs, *los, *widths, blocks[0], blocks[1] if num_parts > 1 else 0,
         bs[0].stride(0), bs[0].stride(1), bs[1].stride(0), bs[1].stride(1),
         bs[2].stride(0), bs[2].stride(1),
-        rank, split.splits, h.stride(0), h.stride(1), h.stride(2), out.stride(0), out.stride(1),
-        BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n,
-        BLOCK_S=triton.next_power_of_2(split.splits),
+        rank, splits, h.stride(0), h.stride(1), h.stride(2), slot_stride,
+        out.stride(0), out.stride(1),
+        BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, BLOCK_S=triton.next_power_of_2(splits),
     )  # fmt: skip
 
 
@@ -174,7 +194,7 @@ def _expand_part(
         mask=(s[:, None] < splits) & in_r[None, :],
         other=0.0,
     )
-    h = tl.sum(partial, axis=0)
+    h = tl.sum(partial.to(tl.float32), axis=0)
     n = col0 + tl.arange(0, BLOCK_N)
     in_n = n < width
     bv = tl.load(
@@ -193,14 +213,14 @@ def _expand_kernel(
     h_ptr, out_ptr, slots_ptr, b0_ptr, b1_ptr, b2_ptr, lo0, lo1, lo2, n0, n1, n2,
     blocks0, blocks1,
     stride_b0s, stride_b0r, stride_b1s, stride_b1r, stride_b2s, stride_b2r,
-    rank, splits, stride_hs, stride_ht, stride_hp, stride_ot, stride_on,
+    rank, splits, stride_hs, stride_ht, stride_hp, stride_hq, stride_ot, stride_on,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     j = tl.program_id(1)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot >= 0:
-        h_row = h_ptr + t * stride_ht
+        h_row = h_ptr + t * stride_ht + slot * stride_hq
         out_row = out_ptr + t * stride_ot
         if j < blocks0:
             _expand_part(

@@ -7,8 +7,9 @@ hold the compiled ones (the GPU tests), so interpreted launches run in a subproc
 kernel (through a `LoraStep` of real `LoraWeights`, or `add_lora` with small tiles). Mixed
 slots with base tokens, one slot for every token, an all-base batch, ranks 4 to 64 in slots
 padded to 16, 48 (masked to a 64-wide tile) and 64, parts whose widths are no multiple of the
-tiles, fan-ins split over many programs; a slot no token reads holds NaN throughout (an upload
-in flight: the kernel must not read it).
+tiles, fan-ins split over many programs; each with both shrinks (dense over the slots, BGMV);
+a slot no token reads holds NaN throughout (an upload in flight: what the kernel adds must
+not depend on it; the dense shrink reads it, the expand never does).
 
 GPU: compiled, in bf16 at the Llama-3 8B and 70B shapes (one layer), inside a CUDA graph
 replayed after its slot tensor changes in place, the start-up self-check, and a ModelRunner
@@ -41,7 +42,14 @@ from engine.config import EngineConfig
 from engine.lora import LORA_MODULES, LoraAdapter, LoraSpec, module_shape
 from engine.lora_apply import LoraWeights, eager_step, graph_step
 from engine.lora_cache import LoraCache, LoraCacheConfig
-from engine.lora_triton import MAX_K_STEPS, Tiles, add_lora, fan_in_split
+from engine.lora_triton import (
+    DEFAULT_SHRINK,
+    MAX_K_STEPS,
+    SHRINKS,
+    Tiles,
+    add_lora,
+    fan_in_split,
+)
 from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
@@ -112,19 +120,24 @@ class Launch:
     b: tuple[torch.Tensor, ...] = ()
     columns: tuple[tuple[int, int], ...] = ()
     tiles: Tiles | None = None
+    shrink: str = DEFAULT_SHRINK
+    """The shrink `add_lora` runs (through a `LoraStep`: its default, set for the launch)."""
 
 
 def run_interpreted(inputs: str, outputs: str) -> None:
     """The subprocess's side of `interpret`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    import engine.lora_triton as lora_triton
+
     launches: list[Launch] = torch.load(inputs, weights_only=False)
     for launch in launches:
+        lora_triton.DEFAULT_SHRINK = launch.shrink
         if launch.weights is not None:
             step = graph_step(launch.weights, launch.slots)
             step.add(launch.layer, launch.proj, launch.x, launch.out)
         else:
             assert launch.a is not None
-            args = (launch.a, launch.b, launch.columns, launch.tiles)
+            args = (launch.a, launch.b, launch.columns, launch.tiles, launch.shrink)
             add_lora(launch.x, launch.out, launch.slots, *args)
     torch.save([launch.out for launch in launches], outputs)
 
@@ -151,8 +164,8 @@ def interpret(launches: list[Launch], tmp_path: Path) -> list[torch.Tensor]:
 def check_against_grouped(
     weights: LoraWeights, token_slots: list[int], tmp_path: Path, layers: tuple[int, ...] = (0, 3)
 ) -> None:
-    """Every projection of `layers`: the interpreted kernel adds what the grouped one adds,
-    and leaves base rows bit-identical."""
+    """Every projection of `layers`, with each shrink: the interpreted kernel adds what the
+    grouped one adds, and leaves base rows bit-identical."""
     slots = np.array(token_slots, dtype=np.int32)
     gen = torch.Generator().manual_seed(len(token_slots))
     launches, wants = [], []
@@ -164,8 +177,14 @@ def check_against_grouped(
             want = base.clone()
             if grouped is not None:
                 grouped.add(layer, proj, x, want)
-            wants.append((want, base))
-            launches.append(Launch(x, base.clone(), torch.from_numpy(slots), weights, layer, proj))
+            for shrink in SHRINKS:
+                wants.append((want, base))
+                launches.append(
+                    Launch(
+                        x, base.clone(), torch.from_numpy(slots), weights, layer, proj,
+                        shrink=shrink,
+                    )
+                )  # fmt: skip
     for got, (want, base) in zip(interpret(launches, tmp_path), wants, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got[slots < 0], base[slots < 0])
@@ -208,6 +227,7 @@ def bgmv_reference(
     return want
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize(
     ("widths", "fan_in", "rank", "tiles", "dtype"),
     [
@@ -224,6 +244,7 @@ def test_interpreted_kernel_tiles_parts_of_any_width_and_split_fan_ins(
     rank: int,
     tiles: Tiles | None,
     dtype: torch.dtype,
+    shrink: str,
     tmp_path: Path,
 ) -> None:
     gen = torch.Generator().manual_seed(fan_in)
@@ -235,7 +256,9 @@ def test_interpreted_kernel_tiles_parts_of_any_width_and_split_fan_ins(
     x = wide[:, 1 : fan_in + 1]  # rows strided wider than the fan-in
     base = torch.randn(len(slots), sum(widths) + 5, generator=gen).to(dtype)  # and spare columns
     slot_tensor = torch.tensor(slots, dtype=torch.int64)
-    launch = Launch(x, base.clone(), slot_tensor, a=a, b=b, columns=columns, tiles=tiles)
+    launch = Launch(
+        x, base.clone(), slot_tensor, a=a, b=b, columns=columns, tiles=tiles, shrink=shrink
+    )
     (got,) = interpret([launch], tmp_path)
     want = bgmv_reference(x, base, slots, a, b, columns)
     if dtype == torch.float32:
@@ -393,12 +416,21 @@ def mixed_slots(tokens: int, num_slots: int) -> np.ndarray:
     return np.array([(7 * i) % (num_slots + 1) - 1 for i in range(tokens)], dtype=np.int32)
 
 
+@pytest.fixture(params=SHRINKS)
+def each_shrink(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs once with each shrink as `add_lora`'s default."""
+    import engine.lora_triton as lora_triton
+
+    monkeypatch.setattr(lora_triton, "DEFAULT_SHRINK", request.param)
+    return cast(str, request.param)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("preset", "max_rank"), [("llama3-8b", 16), ("llama3-8b", 64), ("llama3-70b", 16)]
 )
 def test_triton_kernel_adds_what_the_grouped_kernel_adds_in_bf16(
-    preset: str, max_rank: int
+    preset: str, max_rank: int, each_shrink: str
 ) -> None:
     weights = cuda_weights(preset, max_rank)
     slots = mixed_slots(64, weights.num_slots)
@@ -410,7 +442,7 @@ def test_triton_kernel_adds_what_the_grouped_kernel_adds_in_bf16(
 
 
 @pytest.mark.gpu
-def test_triton_kernel_in_a_cuda_graph_follows_slots_changed_in_place() -> None:
+def test_triton_kernel_in_a_cuda_graph_follows_slots_changed_in_place(each_shrink: str) -> None:
     weights = cuda_weights("llama3-8b", 16)
     tokens = 64
     inputs = cuda_inputs(weights, tokens)
