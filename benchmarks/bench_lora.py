@@ -196,6 +196,10 @@ def bench_decode(
             with_lora = label != "base"
             replay = functools.partial(runner.graphs.replay, b, with_lora)
             out[f"{label} replay"] = seconds_per_call(replay, device, args.iters)
+            if label == f"{args.profile} adapters":
+                from bench_fp8 import kernel_profile
+
+                step(f"{kernel}: profile {label}", functools.partial(kernel_profile, replay))
     for label, sec in out.items():
         ref = out.get("base replay" if label.endswith("replay") else "base")
         ratio = f"{sec / ref:.3f}x" if ref else ""
@@ -271,9 +275,15 @@ def main() -> None:
     parser.add_argument("--max-rank", type=int, default=16, help="slot rank (max_lora_rank)")
     parser.add_argument("--context", type=int, default=0, help="tokens per sequence (2048)")
     parser.add_argument(
-        "--kernels", default="", help="graph LoRA kernels (torch,triton-dense,triton-bgmv,flashinfer)"
+        "--kernels",
+        default="",
+        help="graph LoRA kernels: torch,triton-dense,triton-bgmv,flashinfer",
     )
     parser.add_argument("--iters", type=int, default=0)
+    parser.add_argument(
+        "--profile", type=int, default=0,
+        help="also print the CUDA time per kernel of the graph replay with this many adapters",
+    )  # fmt: skip
     parser.add_argument("--load-repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
