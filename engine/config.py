@@ -139,8 +139,33 @@ class EngineConfig:
     """(name, path) of the LoRA adapters registered at start (PEFT folders on local disk);
     any turns LoRA on. A name is 1 to 128 characters of A-Z a-z 0-9 . _ - : / + = @ ~ and
     is given once; a folder the engine cannot serve fails start-up, naming it."""
+    tensor_parallel_size: int = 1
+    """Ranks (devices) one engine's model is split over, Megatron-style (engine/tp_shard.py):
+    rank 0 runs this engine (scheduler, sampler), the others follow it step by step
+    (engine/tp_runner.py). Must divide the attention heads and the intermediate size, and
+    divide the KV heads or be a multiple of them. Not with LoRA; the host KV tier is off."""
+    tp_timeout_s: float = 60.0
+    """Tensor parallelism: the deadline of every wait on another rank (a step's message, its
+    all-reduces, the ranks' agreement that it ran); a rank that misses it fails the step on
+    every rank and breaks the group (the worker must be replaced)."""
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            if self.lora_enabled:
+                raise ValueError(
+                    "tensor_parallel_size: LoRA with tensor parallelism is not supported yet "
+                    f"(tensor_parallel_size={self.tensor_parallel_size} with enable_lora or "
+                    "loras)"
+                )
+            if self.host_kv_gb > 0:
+                raise ValueError(
+                    "host_kv_gb: the host KV tier with tensor parallelism is not supported yet "
+                    f"(tensor_parallel_size={self.tensor_parallel_size}); use 0 or -1 (off)"
+                )
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
         if self.max_cpu_loras < self.max_loras:

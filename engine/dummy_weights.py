@@ -12,6 +12,10 @@ drawn in float32, quantized (`quantize_per_tensor`, as `quantize_fp8` would) and
 before the next, so the device never holds more than one projection in float32 beside the
 FP8 weights (for Llama-3-70B ~72 GB in all, 1.9 GB the largest float32 projection). The
 values are those of the dense dummy model quantized: same seed, same draws.
+
+With a `shard` (tensor parallelism, engine/tp_shard.py) every projection is still drawn whole,
+in the same order, and only the rank's part kept: a rank's weights are those parts of the
+whole dummy model of the same seed, whatever the TP size.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from engine.fp8 import Fp8Linear, quantize_per_tensor
 from engine.model import DecoderLayer, LlamaModel, RMSNorm
 from engine.model_config import ModelConfig
+from engine.tp_shard import TPShard, local_config, shard_fused
 from engine.weights import PROJECTIONS, empty_model, projection_shapes
 
 INIT_STD = 0.02
@@ -37,11 +42,15 @@ def dummy_model(
     *,
     fp8: bool = False,
     seed: int = 0,
+    shard: TPShard | None = None,
 ) -> LlamaModel:
     """A model of `cfg` with random weights (see the module docstring); FP8 projections
-    (`model.quantization == "fp8"`) with `fp8`."""
+    (`model.quantization == "fp8"`) with `fp8`; only rank `shard.rank`'s part with `shard`."""
     device = torch.device(device)
-    model = empty_model(cfg, dtype, device) if fp8 else LlamaModel(cfg, dtype, device)
+    if shard is not None and shard.size == 1:
+        shard = None
+    local = cfg if shard is None else local_config(cfg, shard)
+    model = empty_model(local, dtype, device) if fp8 else LlamaModel(local, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape: tuple[int, ...]) -> torch.Tensor:
@@ -62,6 +71,8 @@ def dummy_model(
         linears: dict[str, Fp8Linear] = {}
         for name in PROJECTIONS:
             weight = normal(shapes[name])
+            if shard is not None:
+                weight = shard_fused(name, weight, cfg, shard)
             if fp8:
                 bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(name)
                 linears[name] = Fp8Linear(*quantize_per_tensor(weight), bias)
@@ -75,4 +86,5 @@ def dummy_model(
         model.lm_head.copy_(normal(tuple(model.lm_head.shape)))
     if fp8:
         model.quantization = "fp8"
+    model.tp_shard = shard
     return model

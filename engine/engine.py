@@ -28,6 +28,9 @@ LoRA (engine/lora_registry.py): a request's `lora_name` is part of its block has
 be registered (else LoraNotFound, before anything is queued); it runs only while it holds
 the adapter's device slot (engine/scheduler.py). `load_lora` / `unload_lora` at run time.
 
+Tensor parallelism (engine/tp_runner.py): this engine is rank 0 (it schedules and samples);
+`step_runner`, a `TPLeader`, runs each step on the follower ranks too; `close()` ends them.
+
 Not thread-safe: every method must be called from one thread; `engine.driver.EngineDriver`
 runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
 """
@@ -44,16 +47,15 @@ from engine.batch import ScheduledBatch
 from engine.block_hash import BlockHash, hash_extra
 from engine.block_pool import BlockPool, cdiv
 from engine.config import EngineConfig, EngineMode
-from engine.fp8_calibration import prepare_fp8
 from engine.host_tier import HostTier
-from engine.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
 from engine.kv_events import CacheSnapshot, KVEvent
-from engine.kv_sizing import decide_num_host_blocks, decide_num_kv_blocks, kv_cache_spec
+from engine.kv_sizing import decide_num_host_blocks
 from engine.lora_registry import LoraRegistry
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 from engine.outputs import EngineLoad, KVHandoff, LoraInfo, RequestOutput, TransferAllocation
 from engine.overlap import InflightStep
+from engine.rank_setup import build_rank, serving_max_model_len
 from engine.request import FINISH_REASONS, NO_PRIOR, PriorOutput, Request, RequestStatus
 from engine.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sampler import Sampler, SamplingRow
@@ -61,8 +63,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_stats import StepMeter
 from engine.stop_checker import StopChecker
+from engine.tensor_parallel import TPGroup
 from engine.tokenizer import Tokenizer
-from engine.weights import load_model
+from engine.tp_runner import TPLeader
 
 
 class LLMEngine:
@@ -73,9 +76,11 @@ class LLMEngine:
         config: EngineConfig,
         model: LlamaModel | None = None,
         tokenizer: Tokenizer | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         """`model`/`tokenizer` may be passed to share one loaded copy between engines
-        (tests); the model must already be on the configured device and dtype."""
+        (tests); the model must already be on the configured device and dtype. `tp`: rank
+        0's TP group when `config.tensor_parallel_size` > 1 (engine/tp_runner.py)."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model_dir)
         self.model_id = config.model_id or Path(config.model_dir).name
@@ -84,31 +89,20 @@ class LLMEngine:
         # Adapters first: a bad one fails before the model loads, and the slots' memory is
         # spent before the KV pool is sized from what is left.
         self.loras = LoraRegistry.from_config(config, self.model_config, dtype, device)
-        if model is None:  # FP8 (configured, or the checkpoint's own) is made while loading
-            model = load_model(
-                config.model_dir, dtype, device, quantization=config.quantization,
-                load_format=config.load_format, seed=config.seed,
-            )  # fmt: skip
-        self.model = model
         self.tokenizer = tokenizer or Tokenizer.from_model_dir(config.model_dir)
         self.eos_token_ids = tuple(
             dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
         )
-        model_len = self.model_config.max_model_len
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
-        # FP8 weights and scales before sizing the KV pool: it gets the memory freed
-        kv_scales = prepare_fp8(
-            self.model, self.tokenizer.encode, config.quantization, config.kv_cache_dtype,
-            self.max_model_len,
+        self.max_model_len = serving_max_model_len(config, self.model_config)
+        parts = build_rank(
+            config, self.model_config, device, dtype, self.tokenizer, tp=tp, model=model,
+            lora_weights=self.loras.weights,
         )  # fmt: skip
-        kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
-        num_blocks = decide_num_kv_blocks(
-            config, self.model_config, device, kv_dtype, self.model, kv_scales
-        )
-        spec = kv_cache_spec(self.model_config, config.block_size, kv_dtype, num_blocks, kv_scales)
-        self.kv_cache = KVCache(spec, device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config, self.loras.weights)
-        num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
+        self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
+        self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
+        self.step_runner: ModelRunner | TPLeader = self.tp_leader or self.runner
+        num_blocks = self.kv_cache.spec.num_blocks
+        num_host = decide_num_host_blocks(config, self.kv_cache.spec.block_nbytes, num_blocks)
         self.host_tier = (
             HostTier(num_host, self.kv_cache.tensor, config.host_kv_max_blocks_per_step)
             if num_host
@@ -229,7 +223,7 @@ class LLMEngine:
         Placeholder inputs and pending outputs (penalties) come from `previous`'s tokens."""
         requests = tuple(self.scheduler.requests[c.request_id] for c in batch.chunks)
         self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
-        logits = self.runner.execute(batch)
+        logits = self.step_runner.execute(batch)
         sampled: list[Request] = []
         rows: list[SamplingRow] = []
         for request, chunk in zip(requests, batch.chunks, strict=True):
@@ -253,7 +247,7 @@ class LLMEngine:
             )
         previous_ids = previous.tokens.token_ids if previous is not None else None
         tokens = self.sampler.sample(logits, rows, previous_ids)
-        self.runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
+        self.step_runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
         return InflightStep(requests, tuple(sampled), tokens)
 
     def _complete(self, step: InflightStep) -> list[RequestOutput]:
@@ -487,6 +481,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Tell a TP engine's follower ranks to return (their group stays the caller's to
+        close); nothing to do with one rank."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     # ---- convenience ----------------------------------------------------------------------
 

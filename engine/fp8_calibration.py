@@ -17,6 +17,11 @@ a decode worker must agree on them). e4m3's precision is relative (3 mantissa bi
 to 448), so headroom above the observed amax costs only values 2^-15 below it, while an
 activation beyond the scale's range saturates: the headroom guards against prompts whose
 activations run hotter than the calibration text's.
+
+Tensor parallelism: each rank observes its part (its heads, its intermediate rows) and the
+ranks agree on the max of every amax (`agree_max`), so every rank gets the scales a whole
+model would (the amax over all heads is the max over the parts) and all ranks' KV pools have
+the same scales, as the transfer handshake needs.
 """
 
 from __future__ import annotations
@@ -94,6 +99,18 @@ def observe(model: LlamaModel, token_ids: Sequence[int]) -> Observed:
     return Observed(activations=acts, kv=tuple(kv))
 
 
+def agreed(observed: Observed, agree_max: Callable[[list[float]], list[float]]) -> Observed:
+    """`observed` with every amax replaced by `agree_max`'s (the max over the TP ranks; every
+    rank observes the same projections, so the sorted names line up)."""
+    names = sorted(observed.activations)
+    flat = [observed.activations[n] for n in names] + [a for pair in observed.kv for a in pair]
+    out = agree_max(flat)
+    acts = dict(zip(names, out[: len(names)], strict=True))
+    rest = out[len(names) :]
+    kv = tuple((rest[2 * i], rest[2 * i + 1]) for i in range(len(observed.kv)))
+    return Observed(activations=acts, kv=kv)
+
+
 def _amax(t: torch.Tensor) -> float:
     return float(t.detach().abs().amax().float())
 
@@ -121,12 +138,14 @@ def prepare_fp8(
     quantization: str,
     kv_cache_dtype: str,
     max_tokens: int,
+    agree_max: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[float, ...]:
     """Make a loaded model serve as configured (EngineConfig.quantization, kv_cache_dtype):
     quantize its projections (unless the checkpoint already was FP8), calibrate static input
     scales on the calibration text (tokenized with `encode`, at most `max_tokens`; only when
     something needs calibrating), and return the KV scales of an e4m3 pool (empty for a
-    float pool). Raises ValueError naming a bad setting."""
+    float pool). `agree_max`: a TP rank's element-wise max over the ranks (module
+    docstring). Raises ValueError naming a bad setting."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -139,6 +158,8 @@ def prepare_fp8(
     if model.quantization != "fp8" and kv_cache_dtype != "fp8":
         return ()
     observed = observe(model, calibration_ids(encode, model.cfg.vocab_size, max_tokens))
+    if agree_max is not None:
+        observed = agreed(observed, agree_max)
     if model.quantization == "fp8":
         calibrate_activations(model, observed)
     return kv_scales(observed) if kv_cache_dtype == "fp8" else ()

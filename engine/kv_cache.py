@@ -9,6 +9,11 @@ block size 16), and adjacent blocks coalesce further. Attention kernels take the
 per-layer view `tensor[:, layer]` ([num_blocks, 2, block_size, kv_heads, head_dim],
 flashinfer's NHD paged layout) at no cost. Both measured on the H200: docs/benchmarks.md
 ("GPU: KV transfer", "GPU: engine").
+
+Tensor parallelism (engine/tp_shard.py): each rank has a pool of its own holding only its KV
+heads (`num_kv_heads` is the rank's count), with the same block ids on every rank. The TP
+size is part of what a block means, so it enters the transfer handshake's compatibility
+fields (kv_transfer/types.py): a hand-off between different TP layouts is refused.
 """
 
 from __future__ import annotations
@@ -57,8 +62,13 @@ class KVCacheSpec:
     scales: tuple[float, ...] = ()
     """An e4m3 pool's per-layer scales (k0, v0, k1, v1, ...): stored value = K / k_scale.
     Empty for a pool in the model's float dtype."""
+    tp_size: int = 1
+    """Tensor-parallel ranks of the worker; the pool holds rank `tp_rank`'s KV heads."""
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KV pool of TP rank {self.tp_rank} of size {self.tp_size}")
         quantized = self.dtype == FP8_KV_DTYPE
         if quantized != bool(self.scales) or (
             quantized and len(self.scales) != 2 * self.num_layers
@@ -121,7 +131,9 @@ class KVCache:
         self, src: KVCache, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> None:
         """Copy whole blocks from another cache (an in-process hand-off, for tests)."""
-        same = (src.spec.dtype, src.spec.scales) == (self.spec.dtype, self.spec.scales)
+        same = (src.spec.dtype, src.spec.scales, src.spec.tp_size) == (
+            self.spec.dtype, self.spec.scales, self.spec.tp_size
+        )  # fmt: skip
         if src.spec.shape[1:] != self.spec.shape[1:] or not same:
             raise ValueError(f"incompatible KV caches: {src.spec} vs {self.spec}")
         if len(src_block_ids) != len(dst_block_ids):

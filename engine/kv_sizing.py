@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, dtype_name
 from engine.model import LlamaModel, causal_attend
 from engine.model_config import ModelConfig
+from engine.tp_shard import TPShard
 
 CPU_DEFAULT_KV_BLOCKS = 4096
 
@@ -29,9 +30,12 @@ def kv_cache_spec(
     dtype: torch.dtype,
     num_blocks: int,
     scales: tuple[float, ...] = (),
+    shard: TPShard | None = None,
 ) -> KVCacheSpec:
     """The pool spec of this model at this block size and dtype (an e4m3 pool: with its
-    per-layer scales, engine/fp8_calibration.py)."""
+    per-layer scales, engine/fp8_calibration.py); a TP rank's pool with `shard` (then
+    `model_cfg` is the rank's part, engine/tp_shard.py `local_config`)."""
+    tp = shard or TPShard(1, 0)
     return KVCacheSpec(
         num_blocks=num_blocks,
         num_layers=model_cfg.num_layers,
@@ -40,6 +44,8 @@ def kv_cache_spec(
         head_dim=model_cfg.head_dim,
         dtype=dtype_name(dtype),
         scales=scales,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
     )
 
 
@@ -120,8 +126,11 @@ def host_available_bytes() -> int:
 
 
 def decide_num_host_blocks(config: EngineConfig, block_nbytes: int, num_device_blocks: int) -> int:
-    """Blocks of the host tier (EngineConfig.host_kv_gb; 0: no tier)."""
+    """Blocks of the host tier (EngineConfig.host_kv_gb; 0: no tier, and always with tensor
+    parallelism, which does not mirror the tier's copies on the follower ranks yet)."""
     if config.host_kv_gb == 0 or not config.enable_prefix_caching:
+        return 0
+    if config.tensor_parallel_size > 1:
         return 0
     if config.host_kv_gb > 0:
         return max(1, int(config.host_kv_gb * 2**30 // block_nbytes))

@@ -31,6 +31,11 @@ delta to the projection outputs it targets. An adapted FP8 projection takes its 
 activation dtype (the op before it does not write e4m3 then; `Fp8Linear` quantizes with the
 same static scale), so the delta is computed from the unquantized input and added to the FP8
 GEMM's output in the activation dtype.
+
+Tensor parallelism (engine/tp_shard.py): a rank's model is built from its part's config (its
+heads and intermediate rows) and given the group's all-reduce (`use_all_reduce`), which sums
+the partial outputs of the two row-parallel projections, o_proj and down_proj, in place; a
+whole model (no all-reduce) runs exactly the code above.
 """
 
 from __future__ import annotations
@@ -49,9 +54,12 @@ from engine.model_config import ModelConfig, RopeConfig
 
 if TYPE_CHECKING:
     from engine.lora_apply import LoraStep
+    from engine.tp_shard import TPShard
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]."""
+AllReduce = Callable[[torch.Tensor], None]
+"""Sums a tensor in place over the tensor-parallel ranks (engine/tensor_parallel.py)."""
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -131,6 +139,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param((h, cfg.intermediate_size), dtype, device)
         self.fp8: nn.ModuleDict | None = None
         """The four projections in FP8 (`quantize_fp8`); then the dense ones are dropped."""
+        self.all_reduce: AllReduce | None = None
+        """A tensor-parallel shard's sum of the row-parallel outputs (None: a whole model)."""
 
     def quantize_fp8(self) -> None:
         """Replace qkv, o, gate/up and down by FP8 copies (engine/fp8.py), freeing the dense
@@ -233,6 +243,8 @@ class DecoderLayer(nn.Module):
         if o_scale is not None:
             attn = ops.quantize(attn, o_scale)
         h = self._project(layer, "o_proj", attn, self.o_proj, self.o_bias, lora)
+        if self.all_reduce is not None:
+            self.all_reduce(h)
         h, residual = self._norm_into(
             "gate_up_proj", ops, h, residual, self.post_attention_layernorm.weight, lora
         )
@@ -242,7 +254,10 @@ class DecoderLayer(nn.Module):
             h = ops.silu_and_mul_quant(gate_up, down_scale)
         else:
             h = ops.silu_and_mul(gate_up)
-        return self._project(layer, "down_proj", h, self.down_proj, None, lora), residual
+        out = self._project(layer, "down_proj", h, self.down_proj, None, lora)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -267,6 +282,15 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, device)
         self.quantization = "none"
         """How the projections are stored: none (the model dtype) or fp8."""
+        self.tp_shard: TPShard | None = None
+        """The tensor-parallel part this model holds (`cfg` is then that part's config,
+        engine/tp_shard.py); None: the whole model."""
+
+    def use_all_reduce(self, all_reduce: AllReduce) -> None:
+        """Sum o_proj's and down_proj's partial outputs over the TP ranks with `all_reduce`
+        (a shard's model, `tp_shard`), from the next forward on."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).all_reduce = all_reduce
 
     def forward(
         self,

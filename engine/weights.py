@@ -17,6 +17,10 @@ missing or unexpected tensor is an error that names it.
 
 The FP8 ways build the model with `empty_model` (its projections allocated by nobody but
 the loader) and set `model.quantization = "fp8"`.
+
+With a `TPShard` of size > 1 every way builds that rank's part (engine/tp_shard.py): a model
+of the part's config, each checkpoint tensor read only as far as the part needs (safetensors
+slices), dummy weights drawn whole and cut, so each rank's part is the same whatever the size.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 from engine.config import LOAD_FORMATS, QUANTIZATIONS
 from engine.model import DecoderLayer, LlamaModel, Rotary
 from engine.model_config import ModelConfig
+from engine.tp_shard import WHOLE, TPShard, check_tp_size, local_config, tensor_slice
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +158,28 @@ def expected_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a checkpoint, one tensor in memory at a time."""
+def iter_checkpoint(
+    model_dir: str | Path, cfg: ModelConfig | None = None, shard: TPShard | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a checkpoint, one tensor in memory at a time; with `shard`
+    (and the whole model's `cfg`) only that rank's part of each tensor is read."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if shard is None or shard.size == 1:
+                    yield name, f.get_tensor(name)
+                    continue
+                assert cfg is not None, "a sharded read needs the model's config"
+                view = f.get_slice(name)
+                part = tensor_slice(name, tuple(view.get_shape()), cfg, shard)
+                if part.zeros:
+                    yield name, torch.zeros_like(f.get_tensor(name))
+                elif part == WHOLE:
+                    yield name, f.get_tensor(name)
+                elif part.dim == 0:
+                    yield name, view[part.start : part.stop]
+                else:
+                    yield name, view[:, part.start : part.stop]
 
 
 def copy_tensor(model: LlamaModel, name: str, tensor: torch.Tensor) -> str | None:
@@ -224,9 +245,11 @@ def load_model(
     quantization: str = "none",
     load_format: str = "auto",
     seed: int = 0,
+    shard: TPShard | None = None,
 ) -> LlamaModel:
     """Build a LlamaModel from a Hugging Face checkpoint folder on local disk (the ways in:
-    see the module docstring). `seed` seeds dummy weights."""
+    see the module docstring). `seed` seeds dummy weights; `shard`: the tensor-parallel
+    rank's part only (`model.tp_shard`; ValueError for a TP size that does not split it)."""
     from engine.fp8_checkpoint import load_fp8_weights, read_fp8_scheme
 
     if quantization not in QUANTIZATIONS:
@@ -238,6 +261,11 @@ def load_model(
         raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint folder")
     raw = json.loads(path.read_text())
     cfg = ModelConfig.from_dict(raw)
+    if shard is not None and shard.size == 1:
+        shard = None
+    if shard is not None:
+        check_tp_size(cfg, shard.size)
+    local = cfg if shard is None else local_config(cfg, shard)
     scheme = read_fp8_scheme(raw)
     if scheme is not None and quantization != "fp8":
         log.info("%s is an FP8 checkpoint (%s): loading FP8 weights", model_dir, scheme)
@@ -245,13 +273,14 @@ def load_model(
     if load_format == "dummy":
         from engine.dummy_weights import dummy_model
 
-        return dummy_model(cfg, dtype, device, fp8=fp8, seed=seed).eval()
+        return dummy_model(cfg, dtype, device, fp8=fp8, seed=seed, shard=shard).eval()
     if fp8:
-        model = empty_model(cfg, dtype, device)
-        load_fp8_weights(model, iter_checkpoint(model_dir), scheme)
+        model = empty_model(local, dtype, device)
+        load_fp8_weights(model, iter_checkpoint(model_dir, cfg, shard), scheme)
     else:
-        model = LlamaModel(cfg, dtype=dtype, device=device)
-        load_weights(model, iter_checkpoint(model_dir))
+        model = LlamaModel(local, dtype=dtype, device=device)
+        load_weights(model, iter_checkpoint(model_dir, cfg, shard))
+    model.tp_shard = shard
     return model.eval()
 
 

@@ -46,6 +46,10 @@ class HandshakeInfo:
     region: MemoryRegion
 
 
+_FIELD_DEFAULTS = {"tp_size": "1"}
+"""Compatibility fields a pool leaves out at their default (`compat_fields`)."""
+
+
 def check_handshake(
     remote: HandshakeInfo, local_compat_hash: str, local_compat_fields: str, block_nbytes: int
 ) -> None:
@@ -56,8 +60,8 @@ def check_handshake(
             f"v{remote.protocol_version}, this worker v{PROTOCOL_VERSION}"
         )
     if remote.compat_hash != local_compat_hash:
-        mine = dict(kv.split("=", 1) for kv in local_compat_fields.split(";"))
-        theirs = dict(kv.split("=", 1) for kv in remote.compat_fields.split(";"))
+        mine = _FIELD_DEFAULTS | dict(kv.split("=", 1) for kv in local_compat_fields.split(";"))
+        theirs = _FIELD_DEFAULTS | dict(kv.split("=", 1) for kv in remote.compat_fields.split(";"))
         diffs = [
             f"{k}: peer {theirs.get(k, '?')} vs local {mine.get(k, '?')}"
             for k in sorted(set(mine) | set(theirs))

@@ -25,7 +25,11 @@ if TYPE_CHECKING:  # engine.kv_cache imports torch; the router imports this modu
 def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
     """The human-readable text that `compat_hash` hashes: `key=value` pairs joined by `;`.
 
-    The pool's `num_blocks` is not part of it: two workers may have pools of any size.
+    The pool's `num_blocks` is not part of it: two workers may have pools of any size. A
+    tensor-parallel pool adds its TP size (its `num_kv_heads` are one rank's): a hand-off
+    between TP layouts is refused until cross-layout pulls exist; the rank is not part of it
+    (a worker has one hash, rank r pulls from rank r). A pool of one rank has no `tp_size`
+    field, so its hash is what it was before tensor parallelism.
     """
     return ";".join(
         [
@@ -37,6 +41,7 @@ def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
             f"num_kv_heads={spec.num_kv_heads}",
             f"head_dim={spec.head_dim}",
             *([f"kv_scales={_digest(spec.scales)}"] if spec.scales else []),
+            *([f"tp_size={spec.tp_size}"] if spec.tp_size > 1 else []),
         ]
     )
 
@@ -47,8 +52,8 @@ def _digest(scales: tuple[float, ...]) -> str:
 
 
 def compat_hash(spec: KVCacheSpec, model_id: str) -> str:
-    """32 hex digits over model, dtype, layout, block size, layers, kv heads, head dim and an
-    e4m3 pool's scales."""
+    """32 hex digits over model, dtype, layout, block size, layers, kv heads, head dim, an
+    e4m3 pool's scales and a TP pool's TP size."""
     return hashlib.sha256(compat_fields(spec, model_id).encode()).hexdigest()[:32]
 
 

@@ -1,0 +1,120 @@
+"""Tensor-parallel settings and their checks, without a process group: EngineConfig refuses
+what TP does not support yet, an engine refuses a TP size that does not split its model
+before loading it, a TP rank's KV pool holds its heads and its TP size enters the transfer
+handshake, and FP8 calibration agrees on the max over the ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from cpu_engine import cpu_engine
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.fp8_calibration import Observed, agreed
+from engine.kv_cache import KVCacheSpec
+from engine.kv_sizing import decide_num_host_blocks, kv_cache_spec
+from engine.model_config import ModelConfig
+from engine.tensor_parallel import TPGroup, TPGroupError, TPGroupState
+from engine.tp_shard import TPShard, local_config
+from kv_transfer.backend import MemoryRegion
+from kv_transfer.errors import HandshakeError
+from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, check_handshake
+from kv_transfer.types import compat_fields, compat_hash
+
+
+def test_engine_config_refuses_lora_and_an_explicit_host_tier_with_tp() -> None:
+    EngineConfig("m", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA with tensor parallelism is not supported yet"):
+        EngineConfig("m", tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="LoRA with tensor parallelism is not supported yet"):
+        EngineConfig("m", tensor_parallel_size=2, loras=(("a", "/x"),))
+    with pytest.raises(ValueError, match="host KV tier with tensor parallelism"):
+        EngineConfig("m", tensor_parallel_size=2, host_kv_gb=1.0)
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be >= 1, got 0"):
+        EngineConfig("m", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tp_timeout_s: must be > 0"):
+        EngineConfig("m", tp_timeout_s=0)
+    auto = EngineConfig("m", tensor_parallel_size=2)  # host_kv_gb -1 (auto): off with TP
+    assert decide_num_host_blocks(auto, 1 << 20, 64) == 0
+
+
+def stub_group(size: int, rank: int = 0) -> TPGroup:
+    """A group that never reaches a collective (the engine refuses before)."""
+    return TPGroup(TPShard(size, rank), None, None, 1.0)
+
+
+def test_an_engine_refuses_a_tp_size_that_does_not_split_its_model(tiny_model_dir: Path) -> None:
+    config = cpu_engine(tiny_model_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="4 attention heads are not divisible by 3"):
+        LLMEngine(config, tp=stub_group(3))
+    with pytest.raises(ValueError, match="needs this rank's TP group"):
+        LLMEngine(config)
+    with pytest.raises(ValueError, match="the TP group has 2 ranks"):
+        LLMEngine(config, tp=stub_group(2))
+
+
+def test_a_broken_group_refuses_every_call_naming_why() -> None:
+    group = stub_group(2)
+    with pytest.raises(TPGroupError, match="rank 0: a peer hung"):
+        raise group.fail("a peer hung")
+    assert group.state is TPGroupState.BROKEN
+    for call in (lambda: group.send("x"), lambda: group.agree(None), lambda: group.reduce_min(1)):
+        with pytest.raises(TPGroupError, match="is broken: rank 0: a peer hung"):
+            call()
+    group.close()
+    assert group.state is TPGroupState.CLOSED
+
+
+def test_a_tp_ranks_pool_holds_its_kv_heads_and_the_tp_size_enters_the_handshake(
+    tiny_model_dir: Path,
+) -> None:
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)  # 2 KV heads
+    one = kv_cache_spec(cfg, 16, torch.float32, 8)
+    two = kv_cache_spec(local_config(cfg, TPShard(2, 1)), 16, torch.float32, 8, (), TPShard(2, 1))
+    four = kv_cache_spec(local_config(cfg, TPShard(4, 3)), 16, torch.float32, 8, (), TPShard(4, 3))
+    assert (one.num_kv_heads, two.num_kv_heads, four.num_kv_heads) == (2, 1, 1)
+    assert two.block_nbytes * 2 == one.block_nbytes and (two.tp_size, two.tp_rank) == (2, 1)
+    assert "tp_size" not in compat_fields(one, "m")  # one rank: the hash it always had
+    assert compat_fields(two, "m").endswith(";tp_size=2")
+    rank0 = dataclasses.replace(two, tp_rank=0)
+    assert compat_hash(rank0, "m") == compat_hash(two, "m")  # one hash per worker
+    check_handshake(_info(rank0), compat_hash(two, "m"), compat_fields(two, "m"), two.block_nbytes)
+    with pytest.raises(HandshakeError, match="tp_size: peer 2 vs local 1"):
+        check_handshake(
+            _info(two), compat_hash(one, "m"), compat_fields(one, "m"), one.block_nbytes
+        )
+    with pytest.raises(HandshakeError, match="tp_size: peer 2 vs local 4"):
+        check_handshake(_info(two), compat_hash(four, "m"), compat_fields(four, "m"), 0)
+    with pytest.raises(ValueError, match="TP rank 2 of size 2"):
+        dataclasses.replace(two, tp_rank=2)
+
+
+def _info(spec: KVCacheSpec) -> HandshakeInfo:
+    return HandshakeInfo(
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash=compat_hash(spec, "m"),
+        compat_fields=compat_fields(spec, "m"),
+        worker_id="p0",
+        agent_name="P",
+        agent_metadata=b"",
+        region=MemoryRegion("DRAM", 0, spec.nbytes, spec.block_nbytes, spec.num_blocks),
+    )
+
+
+def test_fp8_calibration_agrees_on_the_max_of_every_amax_over_the_ranks() -> None:
+    """Rank 1's amaxes against rank 0's: every rank ends with the element-wise max, which is
+    what a whole model observes (its heads' amax is the max over the parts)."""
+    mine = Observed({"layers.0.fp8.o_proj": 1.0, "layers.0.fp8.down_proj": 5.0}, ((2.0, 3.0),))
+    theirs = {"layers.0.fp8.down_proj": 4.0, "layers.0.fp8.o_proj": 7.0, "kv": (2.5, 1.0)}
+    peer = [theirs["layers.0.fp8.down_proj"], theirs["layers.0.fp8.o_proj"], *theirs["kv"]]
+
+    def agree_max(values: list[float]) -> list[float]:  # sorted names, then k0, v0
+        return [max(a, b) for a, b in zip(values, peer, strict=True)]
+
+    out = agreed(mine, agree_max)
+    assert out.activations == {"layers.0.fp8.o_proj": 7.0, "layers.0.fp8.down_proj": 5.0}
+    assert out.kv == ((2.5, 3.0),)
