@@ -53,15 +53,7 @@ from engine.lora import (
 )
 from engine.lora_apply import LoraWeights, select_lora_kernel
 from engine.model_config import ModelConfig
-
-
-class LoraNotFound(LookupError):
-    """The adapter is not registered (or is being unregistered)."""
-
-
-class LoraLoadError(RuntimeError):
-    """Reading the adapter from disk failed; it stays failed until unregistered and
-    registered again."""
+from engine.outputs import LoraLoadError, LoraNotFound
 
 
 class AdapterState(enum.Enum):

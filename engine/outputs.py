@@ -132,3 +132,13 @@ class LoraInfo:
     state: str
     """Where its weights are: a value of engine.lora_cache.AdapterState (registered,
     loading, host, uploading, resident, failed)."""
+
+
+class LoraNotFound(LookupError):
+    """The adapter is not registered (or is being unregistered). Here, torch-free, so that
+    the router can map it (to NOT_FOUND) when a worker raises it."""
+
+
+class LoraLoadError(RuntimeError):
+    """Reading the adapter from disk failed; it stays failed until unregistered and
+    registered again."""

@@ -1,7 +1,8 @@
 """Every failure of a request mapped to one gRPC status, in one place.
 
     InvalidRequest / SamplingParamsError      INVALID_ARGUMENT (message names the field)
-    UnknownLora                               NOT_FOUND (names the adapter)
+    UnknownLora, LoraNotFound (a worker's)    NOT_FOUND (names the adapter)
+    LoraLoadError (a worker could not read it) FAILED_PRECONDITION
     AdmissionRejected                         RESOURCE_EXHAUSTED + `retry-after-ms` trailer,
                                               except NO_LIVE_WORKER -> UNAVAILABLE,
                                               REQUEST_TOO_LARGE -> INVALID_ARGUMENT,
@@ -31,6 +32,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from admission.decision import AdmissionRejected, Reason
+from engine.outputs import LoraLoadError, LoraNotFound
 from engine.sampling_params import SamplingParamsError
 from kv_transfer.errors import TransferError
 from router.placement import NoWorkerError
@@ -103,8 +105,10 @@ def to_grpc_failure(exc: BaseException) -> GrpcFailure:
     code = grpc.StatusCode
     if isinstance(exc, (InvalidRequest, SamplingParamsError)):
         return GrpcFailure(code.INVALID_ARGUMENT, str(exc), outcome="invalid")
-    if isinstance(exc, UnknownLora):
+    if isinstance(exc, (UnknownLora, LoraNotFound)):
         return GrpcFailure(code.NOT_FOUND, str(exc), outcome="invalid")
+    if isinstance(exc, LoraLoadError):
+        return GrpcFailure(code.FAILED_PRECONDITION, str(exc), outcome="invalid")
     if isinstance(exc, AdmissionRejected):
         if exc.reason is Reason.NO_LIVE_WORKER:
             return GrpcFailure(code.UNAVAILABLE, exc.message, outcome="unavailable")

@@ -8,6 +8,7 @@ door maps that status on, through one table, so both doors end a request the sam
     UNAUTHENTICATED      401   invalid_request_error   invalid_api_key (+ WWW-Authenticate)
     PERMISSION_DENIED    403   invalid_request_error   permission_denied
     NOT_FOUND            404   invalid_request_error   model_not_found (the HTTP door's own)
+    FAILED_PRECONDITION  424   server_error            adapter_load_failed (a LoRA's files)
     RESOURCE_EXHAUSTED   429   rate_limit_error        rate_limit_exceeded, + Retry-After
     CANCELLED            503   server_error            request_aborted (a worker aborted it)
     UNAVAILABLE          503   server_error            service_unavailable
@@ -37,6 +38,7 @@ _BY_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error", "permission_denied"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.FAILED_PRECONDITION: (424, "server_error", "adapter_load_failed"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.CANCELLED: (503, "server_error", "request_aborted"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),

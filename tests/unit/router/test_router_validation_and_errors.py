@@ -146,3 +146,12 @@ def test_a_lora_name_is_checked_and_an_unknown_adapter_is_not_found() -> None:
     f = to_grpc_failure(UnknownLora("sql"))
     assert f.code is grpc.StatusCode.NOT_FOUND
     assert f.message.startswith("lora: adapter 'sql' is not loaded")
+    # a worker's own refusals (an adapter unloaded between placement and the call)
+    from engine.outputs import LoraLoadError, LoraNotFound
+
+    f = to_grpc_failure(LoraNotFound("lora adapter 'sql' is not loaded on this worker"))
+    assert (f.code, f.message) == (
+        grpc.StatusCode.NOT_FOUND, "lora adapter 'sql' is not loaded on this worker"
+    )  # fmt: skip
+    f = to_grpc_failure(LoraLoadError("LoRA adapter 'sql' (/x): holds non-finite values"))
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION and "'sql'" in f.message
