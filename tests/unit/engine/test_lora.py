@@ -563,7 +563,7 @@ def write_random_adapter(out: Path, cfg: ModelConfig, rank: int, modules: list[s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["torch", "flashinfer"])
+@pytest.mark.parametrize("kernel", ["torch", "triton", "flashinfer"])
 def test_graph_decode_with_adapters_equals_eager(tmp_path: Path, kernel: str) -> None:
     """head_dim 64 (flashinfer attention, CUDA graphs), random weights and adapters."""
     from deploy.make_model import PRESETS, hf_config
