@@ -158,7 +158,7 @@ def test_an_e4m3_spec_needs_one_scale_per_layer_for_k_and_v() -> None:
     assert KVCache(fp8).tensor.dtype == FP8_DTYPE
 
 
-def _info(spec: KVCacheSpec) -> HandshakeInfo:
+def handshake_info(spec: KVCacheSpec) -> HandshakeInfo:
     return HandshakeInfo(
         protocol_version=PROTOCOL_VERSION,
         compat_hash=compat_hash(spec, "m"),
@@ -173,12 +173,17 @@ def _info(spec: KVCacheSpec) -> HandshakeInfo:
 def test_the_handshake_refuses_a_peer_whose_kv_dtype_or_scales_differ() -> None:
     fp8 = dataclasses.replace(SPEC, dtype=FP8_KV_DTYPE, scales=(1.0, 2.0, 4.0, 8.0))
     other_scales = dataclasses.replace(fp8, scales=(1.0, 2.0, 4.0, 16.0))
-    check_handshake(_info(fp8), compat_hash(fp8, "m"), compat_fields(fp8, "m"), fp8.block_nbytes)
+    check_handshake(
+        handshake_info(fp8), compat_hash(fp8, "m"), compat_fields(fp8, "m"), fp8.block_nbytes
+    )
     with pytest.raises(HandshakeError, match="dtype: peer float8_e4m3fn vs local float32"):
         check_handshake(
-            _info(fp8), compat_hash(SPEC, "m"), compat_fields(SPEC, "m"), SPEC.block_nbytes
+            handshake_info(fp8), compat_hash(SPEC, "m"), compat_fields(SPEC, "m"), SPEC.block_nbytes
         )
     with pytest.raises(HandshakeError, match="kv_scales: peer"):
         check_handshake(
-            _info(other_scales), compat_hash(fp8, "m"), compat_fields(fp8, "m"), fp8.block_nbytes
+            handshake_info(other_scales),
+            compat_hash(fp8, "m"),
+            compat_fields(fp8, "m"),
+            fp8.block_nbytes,
         )

@@ -11,18 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_engine import cpu_engine
+from test_fp8_calibration import handshake_info
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.fp8_calibration import Observed, agreed
-from engine.kv_cache import KVCacheSpec
 from engine.kv_sizing import decide_num_host_blocks, kv_cache_spec
 from engine.model_config import ModelConfig
 from engine.tensor_parallel import TPGroup, TPGroupError, TPGroupState
 from engine.tp_shard import TPShard, local_config
-from kv_transfer.backend import MemoryRegion
 from kv_transfer.errors import HandshakeError
-from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, check_handshake
+from kv_transfer.protocol import check_handshake
 from kv_transfer.types import compat_fields, compat_hash
 
 
@@ -82,27 +81,17 @@ def test_a_tp_ranks_pool_holds_its_kv_heads_and_the_tp_size_enters_the_handshake
     assert compat_fields(two, "m").endswith(";tp_size=2")
     rank0 = dataclasses.replace(two, tp_rank=0)
     assert compat_hash(rank0, "m") == compat_hash(two, "m")  # one hash per worker
-    check_handshake(_info(rank0), compat_hash(two, "m"), compat_fields(two, "m"), two.block_nbytes)
+    check_handshake(
+        handshake_info(rank0), compat_hash(two, "m"), compat_fields(two, "m"), two.block_nbytes
+    )
     with pytest.raises(HandshakeError, match="tp_size: peer 2 vs local 1"):
         check_handshake(
-            _info(two), compat_hash(one, "m"), compat_fields(one, "m"), one.block_nbytes
+            handshake_info(two), compat_hash(one, "m"), compat_fields(one, "m"), one.block_nbytes
         )
     with pytest.raises(HandshakeError, match="tp_size: peer 2 vs local 4"):
-        check_handshake(_info(two), compat_hash(four, "m"), compat_fields(four, "m"), 0)
+        check_handshake(handshake_info(two), compat_hash(four, "m"), compat_fields(four, "m"), 0)
     with pytest.raises(ValueError, match="TP rank 2 of size 2"):
         dataclasses.replace(two, tp_rank=2)
-
-
-def _info(spec: KVCacheSpec) -> HandshakeInfo:
-    return HandshakeInfo(
-        protocol_version=PROTOCOL_VERSION,
-        compat_hash=compat_hash(spec, "m"),
-        compat_fields=compat_fields(spec, "m"),
-        worker_id="p0",
-        agent_name="P",
-        agent_metadata=b"",
-        region=MemoryRegion("DRAM", 0, spec.nbytes, spec.block_nbytes, spec.num_blocks),
-    )
 
 
 def test_fp8_calibration_agrees_on_the_max_of_every_amax_over_the_ranks() -> None:

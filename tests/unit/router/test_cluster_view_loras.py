@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+
+from router_fakes import Method
 
 from engine.outputs import EngineLoad
 from prefix_index.types import PrefixMatch
 from router.cluster_view import ClusterView, StaticDirectory
 from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
-
-
-class _Method:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def options(self, **_: Any) -> _Method:
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
 
 
 class Worker:
@@ -34,7 +24,7 @@ class Worker:
         self.answer = WorkerLoad(
             info.worker_id, info.role, WorkerState.READY, engine, 0, 0, loras=registered
         )
-        self.load = _Method(self._load)
+        self.load = Method(self._load)
 
     async def _load(self) -> WorkerLoad:
         return self.answer
