@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine.block_hash import scoped_salt
+from engine.config import MAX_LORA_NAME_CHARS
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
@@ -21,7 +22,6 @@ from worker_runtime.tracing import TraceContext
 MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 64
 MAX_CACHE_SALT_CHARS = 256
-MAX_LORA_NAME_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
