@@ -24,7 +24,8 @@
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
 #   hosttier the host KV tier: its GPU tests, benchmarks/bench_host_tier.py copy (onboard/offload
 #            GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B shape with dummy
-#            weights, one colocated worker, a 1536-block device pool: tier off vs on)
+#            weights, one colocated worker, a 1536-block device pool, 24 closed sessions:
+#            tier off, then on, each its own cluster)
 #   lora     the LoRA GPU tests (CUDA-graph decode with adapters vs eager), then
 #            benchmarks/bench_lora.py (decode step at B=64 with 1/4/16 adapters vs base; loads)
 #   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
@@ -110,8 +111,8 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
     step host_tier_copy 90 python benchmarks/bench_host_tier.py copy --blocks 1024 --out /tmp/ht
-    step host_tier_chat 480 python benchmarks/bench_host_tier.py chat --model /tmp/cfg-llama3-8b \
-    --load-format dummy --num-kv-blocks 1536 --host-kv-gb 24 --rate 3 --duration 60 --out /tmp/ht
+    for t in off on; do step host_tier_chat_$t 300 python benchmarks/bench_host_tier.py chat \
+      --model /tmp/cfg-llama3-8b --load-format dummy --tiers $t --out /tmp/ht; done
     tar czf "$OUT/host_tier.tgz" -C /tmp ht ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac

@@ -9,7 +9,10 @@ only appends requests).
 
 Kinds: `synthetic` (independent prompts), `shared_prefix` (a few system prompts shared by many
 requests), `multi_turn` (each turn's prompt is the previous prompt + a reply + a new user
-message; a turn is sent `think_s` after the previous one completes). Arrivals: `poisson`,
+message; a turn is sent `think_s` after the previous one completes). Conversations are open
+(new sessions keep starting over the whole window) or closed (`conversation.sessions`: a fixed
+set of sessions that start in the first seconds and keep coming back, so every one of them is
+alive at once: the working set the host KV tier is measured on). Arrivals: `poisson`,
 `gamma` (burstiness < 1 is burstier, as in vLLM's benchmark), or `on_off` bursts.
 """
 
@@ -97,9 +100,27 @@ class Conversation:
     user_tokens: LengthDist = LengthDist(median=64, sigma=0.5, min=4, max=512)
     """New user message appended at each turn after the first."""
     think_time_s: float = 2.0
-    """Mean (exponential) pause between a reply and the next turn."""
+    """Mean pause between a reply and the next turn (open sessions; closed ones pause
+    `sessions / rate` on average, so that `rate` stays the offered requests/s)."""
+    think_time_min_s: float = 0.0
+    """Shortest pause: each pause is this plus an exponential draw (whose mean makes up the
+    rest of the mean). A floor keeps a session from coming back before the others ran."""
     max_prompt_tokens: int = 3072
     """A conversation ends before a turn whose prompt would exceed this."""
+    sessions: int = 0
+    """0: open sessions, started by the arrival process at rate / mean turns over the whole
+    window. N: closed, exactly N sessions, started evenly over the first `start_window_s`
+    (the arrival process is not used), each coming back until its turns or the window end."""
+    start_window_s: float = 10.0
+    """Closed sessions: the seconds over which their first turns are spread."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.turns_min <= self.turns_max:
+            raise ProfileError("conversation: need 1 <= turns_min <= turns_max")
+        if self.think_time_s <= 0 or not 0 <= self.think_time_min_s < self.think_time_s:
+            raise ProfileError("conversation: need 0 <= think_time_min_s < think_time_s")
+        if self.sessions < 0 or self.start_window_s < 0:
+            raise ProfileError("conversation: sessions and start_window_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -337,7 +358,14 @@ def _conversations(
     assert conv is not None
     mean_turns = (conv.turns_min + conv.turns_max) / 2
     planned: list[PlannedRequest] = []
-    starts = arrival_times(profile.arrival, rate / mean_turns, duration_s, arrivals_rng)
+    if conv.sessions:  # closed: N sessions, all alive at once
+        starts = [i * conv.start_window_s / conv.sessions for i in range(conv.sessions)]
+        mean_think = conv.sessions / rate
+    else:
+        starts = arrival_times(profile.arrival, rate / mean_turns, duration_s, arrivals_rng)
+        mean_think = conv.think_time_s
+    floor = conv.think_time_min_s
+    rest = mean_think - floor  # the exponential part's mean (none when the floor is longer)
     for number, start in enumerate(starts):
         turns = conv.turns_min + int(lengths_rng.random() * (conv.turns_max - conv.turns_min + 1))
         prompt = tokens(profile.prompt_tokens.draw(lengths_rng))
@@ -367,6 +395,6 @@ def _conversations(
             # the server caches the real one, so the cache hit is this turn's prompt.
             reply = tokens(out)
             prompt = prompt + reply + tokens(conv.user_tokens.draw(lengths_rng))
-            think = arrivals_rng.expovariate(1.0 / conv.think_time_s)
+            think = floor + (arrivals_rng.expovariate(1.0 / rest) if rest > 0 else 0.0)
             at = at + think
     return planned

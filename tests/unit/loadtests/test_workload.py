@@ -221,6 +221,43 @@ def test_conversations_stop_before_the_prompt_limit() -> None:
     assert max(r.turn for r in requests) < 9
 
 
+def test_closed_sessions_start_in_their_window_and_come_back_after_the_floor() -> None:
+    data = small_profile(
+        kind="multi_turn",
+        conversation={
+            "sessions": 6, "start_window_s": 3.0, "turns_min": 50, "turns_max": 50,
+            "think_time_s": 1.0, "think_time_min_s": 0.5, "max_prompt_tokens": 100_000,
+        },
+    )  # fmt: skip
+    requests = generate(profile_from_dict(data), rate=4.0, duration_s=60.0, seed=0)
+    firsts = sorted(r.send_at_s for r in requests if r.turn == 0)
+    assert firsts == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]  # evenly over the start window
+    assert {r.conversation for r in requests} == set(range(6))
+    pauses = [r.think_s for r in requests if r.turn > 0]
+    assert min(pauses) >= 0.5
+    # closed: a session's mean pause is sessions / rate (so `rate` stays requests/s)
+    assert statistics.mean(pauses) == pytest.approx(6 / 4.0, rel=0.15)
+    assert all(r.send_at_s < 60.0 for r in requests)
+
+
+def test_a_think_floor_holds_every_pause_of_open_sessions() -> None:
+    profile = load_profile("multi_turn")
+    assert profile.conversation is not None and profile.conversation.think_time_min_s == 0
+    floored = replace(profile, conversation=replace(profile.conversation, think_time_min_s=0.5))
+    plain = generate(profile, rate=3.0, duration_s=20.0, seed=1)
+    held = generate(floored, rate=3.0, duration_s=20.0, seed=1)
+    assert any(r.think_s < 0.5 for r in plain if r.turn > 0)
+    assert all(r.think_s >= 0.5 for r in held if r.turn > 0)
+
+
+def test_the_host_tier_profile_keeps_every_session_alive_at_once() -> None:
+    requests = generate(load_profile("multi_turn_long"))
+    sessions = {r.conversation for r in requests}
+    assert len(sessions) == 24
+    assert max(r.send_at_s for r in requests if r.turn == 0) < 8.0
+    assert sum(r.turn > 0 for r in requests) > 4 * sum(r.turn == 0 for r in requests)
+
+
 # -- profile errors ----------------------------------------------------------------------------
 
 
@@ -236,6 +273,8 @@ def test_conversations_stop_before_the_prompt_limit() -> None:
         ({"vocab": {"low": 9, "high": 9}}, "vocab"),
         ({"kind": "shared_prefix"}, "shared_prefix: required"),
         ({"kind": "multi_turn"}, "conversation: required"),
+        ({"kind": "multi_turn", "conversation": {"think_time_min_s": 3.0}}, "think_time_min_s"),
+        ({"kind": "multi_turn", "conversation": {"sessions": -1}}, "sessions"),
         ({"colour": "blue"}, "profile"),
     ],
 )
