@@ -26,6 +26,8 @@ QUANTIZATIONS = ("none", "fp8")
 """Choices of EngineConfig.quantization."""
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Choices of EngineConfig.kv_cache_dtype."""
+KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major")
+"""Choices of EngineConfig.kv_layout (engine/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
 LORA_KERNELS = ("auto", "torch", "flashinfer", "triton")
@@ -73,6 +75,13 @@ class EngineConfig:
     """KV pool element type: auto (the dtype above) or fp8 (e4m3 with one static scale per
     layer for K and one for V, calibrated at load; halves KV bytes per block and per
     hand-off). Prefill and decode workers must agree (the transfer handshake refuses)."""
+    kv_layout: str = "auto"
+    """KV pool layout inside a block (engine/kv_cache.py): block_major (every layer's K and V
+    of all heads per token; a block and runs of blocks are one transfer descriptor),
+    head_major (each KV head's layers contiguous: a decode rank of another tensor-parallel
+    size reads just its heads, one descriptor per block), or auto (block_major; a cluster
+    whose prefill and decode TP sizes differ picks head_major for every worker). Prefill and
+    decode workers must agree (the transfer handshake refuses)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device from
     config.json alone, for measuring shapes whose checkpoint is not on disk; seeded by `seed`;
@@ -164,6 +173,9 @@ class EngineConfig:
                     "host_kv_gb: the host KV tier with tensor parallelism is not supported yet "
                     f"(tensor_parallel_size={self.tensor_parallel_size}); use 0 or -1 (off)"
                 )
+        if self.kv_layout not in KV_LAYOUT_CHOICES:
+            choices = ", ".join(KV_LAYOUT_CHOICES)
+            raise ValueError(f"kv_layout: one of {choices}, got {self.kv_layout!r}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.max_loras < 1:

@@ -1,19 +1,31 @@
 """The paged KV memory of one worker: allocated once, addressable per block.
 
-Layout (`block_major_v1`): one tensor of shape
-    [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
-so a block holds every layer's K and V contiguously. Why: NIXL has a fixed cost per
-descriptor and moves small descriptors far below the link rate (one page of one layer of
-Llama-3-8B is 64 KiB); block-major makes one block one descriptor (2 MiB for Llama-3-8B at
-block size 16), and adjacent blocks coalesce further. Attention kernels take the strided
-per-layer view `tensor[:, layer]` ([num_blocks, 2, block_size, kv_heads, head_dim],
-flashinfer's NHD paged layout) at no cost. Both measured on the H200: docs/benchmarks.md
-("GPU: KV transfer", "GPU: engine").
+Two layouts, both block-first (a block is one contiguous region of `block_nbytes`):
+
+- `block_major_v1` (the default): [num_blocks, num_layers, 2 (K, V), block_size,
+  num_kv_heads, head_dim]. Why: NIXL has a fixed cost per descriptor and moves small
+  descriptors far below the link rate (one page of one layer of Llama-3-8B is 64 KiB);
+  block-major makes one block one descriptor (2 MiB for Llama-3-8B at block size 16), and
+  adjacent blocks coalesce further.
+- `head_major_v1`: [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]. A block is
+  still one region, and inside it each KV head's part (all layers' K and V of that head) is
+  one contiguous region of `head_nbytes`, so a contiguous range of heads is one region too.
+  That is what a hand-off between different tensor-parallel layouts reads (a decode rank
+  pulls only the heads it owns, kv_transfer/tp_plan.py): one descriptor per block, where
+  block-major would need one per layer, K/V and token (1024 a block for Llama-3-8B).
+
+`layer(i)` gives attention the same logical per-layer view for both, [num_blocks, 2,
+block_size, kv_heads, head_dim] (flashinfer's NHD paged layout): `tensor[:, i]` for
+block-major, a strided permutation of `tensor[:, :, i]` for head-major. Kernels that read
+strides take either (the torch backend; flashinfer reads page, token and head strides);
+one that assumes a token's heads are adjacent (the fused e4m3 KV store,
+engine/fp8_kernels.py) runs on block-major only, and head-major writes through the view.
+The host tier copies whole blocks and does not care. Measured on the H200 for block-major:
+docs/benchmarks.md ("GPU: KV transfer", "GPU: engine").
 
 Tensor parallelism (engine/tp_shard.py): each rank has a pool of its own holding only its KV
-heads (`num_kv_heads` is the rank's count), with the same block ids on every rank. The TP
-size is part of what a block means, so it enters the transfer handshake's compatibility
-fields (kv_transfer/types.py): a hand-off between different TP layouts is refused.
+heads (`num_kv_heads` is the rank's count, `model_kv_heads` the model's), with the same
+block ids on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-KV_LAYOUT = "block_major_v1"
+BLOCK_MAJOR = "block_major_v1"
+HEAD_MAJOR = "head_major_v1"
+KV_LAYOUT = BLOCK_MAJOR
+"""The default layout."""
+KV_LAYOUTS = (BLOCK_MAJOR, HEAD_MAJOR)
+LAYOUT_NAMES = {"block_major": BLOCK_MAJOR, "head_major": HEAD_MAJOR}
+"""EngineConfig.kv_layout's explicit choices → the layout they build."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -65,10 +83,20 @@ class KVCacheSpec:
     tp_size: int = 1
     """Tensor-parallel ranks of the worker; the pool holds rank `tp_rank`'s KV heads."""
     tp_rank: int = 0
+    model_kv_heads: int = 0
+    """The model's KV heads (over every rank); 0: `num_kv_heads` (one rank holds them all)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"KV pool of TP rank {self.tp_rank} of size {self.tp_size}")
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"KV layout {self.layout!r}: one of {', '.join(KV_LAYOUTS)}")
+        one_rank_short = self.tp_size == 1 and self.total_kv_heads != self.num_kv_heads
+        if self.model_kv_heads < 0 or one_rank_short:
+            raise ValueError(
+                f"KV pool of {self.tp_size} rank(s) holding {self.num_kv_heads} KV heads "
+                f"of a model with {self.model_kv_heads}"
+            )
         quantized = self.dtype == FP8_KV_DTYPE
         if quantized != bool(self.scales) or (
             quantized and len(self.scales) != 2 * self.num_layers
@@ -85,15 +113,19 @@ class KVCacheSpec:
         return self.scales[2 * layer], self.scales[2 * layer + 1]
 
     @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads (this pool holds `num_kv_heads` of them)."""
+        return self.model_kv_heads or self.num_kv_heads
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (
-            self.num_blocks,
-            self.num_layers,
-            2,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
+        """The pool tensor's shape (module docstring)."""
+        n, layers, page, heads, dim = (
+            self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
+        )  # fmt: skip
+        if self.layout == HEAD_MAJOR:
+            return (n, heads, layers, 2, page, dim)
+        return (n, layers, 2, page, heads, dim)
 
     @property
     def element_size(self) -> int:
@@ -105,6 +137,12 @@ class KVCacheSpec:
         return (
             self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
         ) * self.element_size
+
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of one KV head's part of a block (all layers, K and V): in a head-major
+        block, head h is the region [h * head_nbytes, (h + 1) * head_nbytes)."""
+        return self.block_nbytes // self.num_kv_heads
 
     @property
     def nbytes(self) -> int:
@@ -124,15 +162,18 @@ class KVCache:
         self.tensor = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
 
     def layer(self, layer: int) -> torch.Tensor:
-        """Per-layer strided view [num_blocks, 2, block_size, kv_heads, head_dim]."""
+        """Per-layer strided view [num_blocks, 2, block_size, kv_heads, head_dim], whatever
+        the layout (writes through it land in the pool)."""
+        if self.spec.layout == HEAD_MAJOR:  # [blocks, heads, 2, page, dim] → NHD order
+            return self.tensor[:, :, layer].permute(0, 2, 3, 1, 4)
         return self.tensor[:, layer]
 
     def copy_blocks_from(
         self, src: KVCache, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> None:
         """Copy whole blocks from another cache (an in-process hand-off, for tests)."""
-        same = (src.spec.dtype, src.spec.scales, src.spec.tp_size) == (
-            self.spec.dtype, self.spec.scales, self.spec.tp_size
+        same = (src.spec.dtype, src.spec.scales, src.spec.tp_size, src.spec.layout) == (
+            self.spec.dtype, self.spec.scales, self.spec.tp_size, self.spec.layout
         )  # fmt: skip
         if src.spec.shape[1:] != self.spec.shape[1:] or not same:
             raise ValueError(f"incompatible KV caches: {src.spec} vs {self.spec}")

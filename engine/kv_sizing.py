@@ -16,7 +16,7 @@ import torch
 
 from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheSpec, dtype_name
+from engine.kv_cache import KV_LAYOUT, LAYOUT_NAMES, KVCacheSpec, dtype_name
 from engine.model import LlamaModel, causal_attend
 from engine.model_config import ModelConfig
 from engine.tp_shard import TPShard
@@ -31,10 +31,13 @@ def kv_cache_spec(
     num_blocks: int,
     scales: tuple[float, ...] = (),
     shard: TPShard | None = None,
+    layout: str = KV_LAYOUT,
+    model_kv_heads: int = 0,
 ) -> KVCacheSpec:
     """The pool spec of this model at this block size and dtype (an e4m3 pool: with its
     per-layer scales, engine/fp8_calibration.py); a TP rank's pool with `shard` (then
-    `model_cfg` is the rank's part, engine/tp_shard.py `local_config`)."""
+    `model_cfg` is the rank's part, engine/tp_shard.py `local_config`, and `model_kv_heads`
+    the whole model's KV heads); `layout`: engine/kv_cache.py's."""
     tp = shard or TPShard(1, 0)
     return KVCacheSpec(
         num_blocks=num_blocks,
@@ -46,7 +49,14 @@ def kv_cache_spec(
         scales=scales,
         tp_size=tp.size,
         tp_rank=tp.rank,
+        layout=layout,
+        model_kv_heads=model_kv_heads if tp.size > 1 else 0,
     )
+
+
+def kv_layout(config: EngineConfig) -> str:
+    """The pool layout `config.kv_layout` asks for (auto: block-major)."""
+    return LAYOUT_NAMES.get(config.kv_layout, KV_LAYOUT)
 
 
 @torch.inference_mode()

@@ -7,8 +7,8 @@ the same order:
     load the model (a TP rank: its part, engine/tp_shard.py) → attach the group's all-reduce
     → FP8 quantization and calibration (a forward pass: all-reduces; the ranks agree on the
     max of every amax) → size the KV pool (the ranks agree on the smallest block count, the
-    block ids being the same on every rank) → allocate it → the runner (CUDA-graph capture:
-    more forwards, on every rank)
+    block ids being the same on every rank) → allocate it (in `EngineConfig.kv_layout`) →
+    the runner (CUDA-graph capture: more forwards, on every rank)
 
 With one rank and no group this is exactly the engine's single-device start-up.
 """
@@ -22,7 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.fp8_calibration import prepare_fp8
 from engine.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
-from engine.kv_sizing import decide_num_kv_blocks, kv_cache_spec
+from engine.kv_sizing import decide_num_kv_blocks, kv_cache_spec, kv_layout
 from engine.lora_apply import LoraWeights
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
@@ -101,7 +101,10 @@ def build_rank(
     num_blocks = decide_num_kv_blocks(config, cfg, device, kv_dtype, model, kv_scales)
     if tp is not None:
         num_blocks = tp.reduce_min(num_blocks)
-    spec = kv_cache_spec(cfg, config.block_size, kv_dtype, num_blocks, kv_scales, shard)
+    spec = kv_cache_spec(
+        cfg, config.block_size, kv_dtype, num_blocks, kv_scales, shard,
+        layout=kv_layout(config), model_kv_heads=model_config.num_kv_heads,
+    )  # fmt: skip
     kv_cache = KVCache(spec, device)
     runner = ModelRunner(model, kv_cache, config, lora_weights)
     return RankParts(model, kv_cache, runner)

@@ -80,7 +80,7 @@ def test_compat_hash_covers_layout_fields_but_not_pool_size() -> None:
         dataclasses.replace(SPEC, num_layers=2),
         dataclasses.replace(SPEC, num_kv_heads=2),
         dataclasses.replace(SPEC, head_dim=8),
-        dataclasses.replace(SPEC, layout="layer_major"),
+        dataclasses.replace(SPEC, layout="head_major_v1"),
     ]
     hashes = {compat_hash(s, MODEL) for s in changed} | {compat_hash(SPEC, "other-model")}
     assert len(hashes) == 7 and COMPAT not in hashes
