@@ -13,6 +13,11 @@ A decode worker's view of one request:
    when the destination blocks are free to reuse. Every transfer has a deadline (default
    `transfer_timeout_s`), so an outcome always comes.
 
+Tensor parallelism (either side): the handshake plans which heads each decode rank reads from
+which prefill rank (kv_transfer/tp_plan.py), and every pull carries those reads (`SliceRead`s);
+this endpoint is then rank 0's, its backend drives every rank's reads
+(kv_transfer/tp_backend.py), and one pull is done when all are.
+
 Callbacks run on the transfer thread: they must be quick and must not wait on the endpoint
 (route them into the engine thread). `load()`, `stats()`, `has_peer()` and `progress()` read
 snapshots and never block. Every NIXL call happens on the endpoint's own thread (`AgentLoop`).
@@ -20,6 +25,7 @@ snapshots and never block. Every NIXL call happens on the endpoint's own thread 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,9 +39,19 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import HandshakeError, TransferError, UnknownPeer
 from kv_transfer.manager import OutcomeCallback, TransferManager, TransferState
 from kv_transfer.metrics import TransferStats
-from kv_transfer.plan import plan_transfer
+from kv_transfer.plan import plan_transfer, slice_reads
 from kv_transfer.protocol import HandshakeInfo, check_handshake, new_agent_name
-from kv_transfer.types import KVHandle, TransferLoad, TransferPlan, compat_fields, compat_hash
+from kv_transfer.types import (
+    KVHandle,
+    SliceRead,
+    TransferLoad,
+    TransferPlan,
+    compat_fields,
+    compat_hash,
+    kv_split,
+)
+
+log = logging.getLogger(__name__)
 
 
 def _default_factory() -> BackendFactory:
@@ -73,6 +89,9 @@ class DecodeEndpoint:
         self._lock = threading.Lock()
         self._pending: dict[str, Candidate] = {}  # submitted, not yet seen by the loop
         self._peers: frozenset[str] = frozenset()
+        self._reads: dict[str, tuple[tuple[str, ...], tuple[SliceRead, ...]]] = {}
+        """Per peer (its rank 0 agent): its ranks' agents and the reads of every pull from it
+        (no reads: whole blocks, both workers of one rank)."""
         self._load = TransferLoad(
             max_inflight_blocks=self.config.budget.max_inflight_blocks,
             max_inflight_bytes=self.config.budget.max_inflight_bytes,
@@ -102,11 +121,20 @@ class DecodeEndpoint:
 
     def add_peer(self, info: HandshakeInfo) -> None:
         """Accept a prefill peer's handshake (idempotent). Raises `HandshakeError`."""
-        check_handshake(info, self.compat_hash, self.compat_fields, self.cache.spec.block_nbytes)
+        spec = self.cache.spec
+        plan = check_handshake(
+            info, self.compat_hash, self.compat_fields, kv_split(spec), spec.head_nbytes
+        )
+        agents = tuple(r.agent_name for r in info.ranks)
+        one_rank = plan.prefill.tp_size == plan.decode.tp_size == 1
+        reads = () if one_rank else slice_reads(plan, agents, spec.head_nbytes)
 
         def run() -> None:
             assert self._backend is not None and self._manager is not None
-            self._backend.add_peer(info.agent_name, info.agent_metadata, info.region)
+            for rank in info.ranks:  # rank 0 first: it takes the notices
+                self._backend.add_peer(rank.agent_name, rank.agent_metadata, rank.region)
+            with self._lock:
+                self._reads[info.agent_name] = (agents, reads)
             self._manager.add_peer(info.agent_name)
             self._publish()
 
@@ -132,7 +160,16 @@ class DecodeEndpoint:
         incompatible handle, an unknown peer or a closed endpoint; otherwise exactly one of
         `on_done` / `on_failed` follows.
         """
-        plan = plan_transfer(handle, local_block_ids, self.cache.spec.block_nbytes, num_reused)
+        with self._lock:
+            agents, reads = self._reads.get(handle.agent_name, (handle.agents, ()))
+        if handle.agents != agents:
+            raise UnknownPeer(
+                f"request {handle.request_id}: its rank agents {handle.agents} are not those "
+                f"of the handshake with {handle.agent_name} ({agents})"
+            )
+        plan = plan_transfer(
+            handle, local_block_ids, self.cache.spec.block_nbytes, num_reused, reads
+        )
         if plan.local_block_ids and max(plan.local_block_ids) >= self.cache.spec.num_blocks:
             raise ValueError(f"request {handle.request_id}: destination block outside the pool")
         if handle.compat_hash != self.compat_hash:
@@ -236,6 +273,18 @@ class DecodeEndpoint:
         with self._lock:
             self._load, self._stats = load, stats
             self._peers = frozenset(self._manager.peers)
+            lost = [p for p in self._reads if p not in self._peers]
+            gone = [self._reads.pop(p)[0][1:] for p in lost]
+        for agents in gone:  # a lost peer's other ranks (the manager removed rank 0's)
+            for agent in agents:
+                self._forget_agent(agent)
+
+    def _forget_agent(self, agent: str) -> None:
+        assert self._backend is not None
+        try:
+            self._backend.remove_peer(agent)
+        except Exception as e:  # forgotten here either way
+            log.warning("removing agent %s of a lost peer: %s: %s", agent, type(e).__name__, e)
 
     def close(self) -> None:
         """Cancel every transfer (outcomes still arrive), then free the agent."""

@@ -13,12 +13,21 @@ over freshly built lists costs more with every descriptor; prepping is paid once
 "KV transfer and Redis index (CPU)"); `DescriptorMode.COALESCED` and `PER_BLOCK` remain for
 that comparison. On GPU, do not set UCX_TLS: UCX picks cuda_ipc between two GPUs of one host
 by itself.
+
+Head slices (a plan's `SliceRead`s, between tensor-parallel workers): each slice is a read of
+its own (NIXL reads one remote agent at a time); a whole-block slice goes through the
+per-block dlists as above, a partial one (a head range of every block of a head-major pool)
+through dlists of that byte range of every block, prepared once per (agent, range) at first
+use. A read of several slices is DONE when all are; its notice is sent on its own after
+that (never attached to one slice: the lease must outlive every slice), and when one slice
+fails the others are cancelled before the read reports FAILED.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +37,7 @@ from engine.kv_cache import KVCache
 from kv_transfer.backend import DescriptorMode, MemoryRegion, Notification, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import BackendError
-from kv_transfer.types import TransferPlan
+from kv_transfer.types import SliceRead, TransferPlan
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +79,36 @@ def _run_descs(region: MemoryRegion, starts: list[int], counts: list[int]) -> np
     return descs
 
 
+def _range_descs(region: MemoryRegion, blocks: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    """Bytes [offset, offset + nbytes) of each of `blocks`, one descriptor each."""
+    descs = np.empty((len(blocks), 3), dtype=np.uint64)
+    descs[:, 0] = region.base_address + blocks.astype(np.uint64) * np.uint64(region.block_nbytes)
+    descs[:, 0] += np.uint64(offset)
+    descs[:, 1] = nbytes
+    descs[:, 2] = region.device_id
+    return descs
+
+
 @dataclass
 class _Peer:
     region: MemoryRegion
     metadata: bytes
     prepped: Any  # nixl_prepped_dlist_handle over the peer's blocks
+    ranges: dict[tuple[int, int], Any]  # (offset, nbytes) -> prepped dlist of that range
+
+
+@dataclass
+class _Part:
+    handle: Any  # nixl_xfer_handle
+    posted: str  # status returned by the post: "DONE" or "PROC"
+    done: bool = False
 
 
 @dataclass
 class _Read:
-    handle: Any  # nixl_xfer_handle
-    posted: str  # status returned by the post: "DONE" or "PROC"
+    parts: list[_Part]
+    notify: tuple[str, bytes] | None = None  # (agent, notice) to send once every part is DONE
+    failed: str = ""  # a part failed: the rest are being cancelled
 
 
 class NixlBackend:
@@ -132,6 +160,7 @@ class NixlBackend:
         except Exception as e:
             raise _backend_error(f"registering {self._region.mem_type} KV memory", e) from e
         self._peers: dict[str, _Peer] = {}
+        self._local_ranges: dict[tuple[int, int], Any] = {}
         self._reads: dict[XferId, _Read] = {}
         self._next_id = 0
 
@@ -157,28 +186,57 @@ class NixlBackend:
             raise
         except Exception as e:
             raise _backend_error(f"loading peer {agent_name}", e) from e
-        self._peers[agent_name] = _Peer(region, agent_metadata, prepped)
+        self._peers[agent_name] = _Peer(region, agent_metadata, prepped, {})
 
     def remove_peer(self, agent_name: str) -> None:
         peer = self._peers.pop(agent_name, None)
         if peer is None:
             return
         try:
+            for dlist in peer.ranges.values():
+                dlist.release()
             peer.prepped.release()
             self._agent.remove_remote_agent(agent_name)
         except Exception as e:
             raise _backend_error(f"removing peer {agent_name}", e) from e
 
     def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
-        peer = self._peers.get(plan.peer)
+        if plan.slices:
+            return self._start_slices(plan, notif)
+        peer = self._checked_peer(plan, plan.peer)
+        part = self._post(plan, self._make_read, plan, peer, notif)
+        self._next_id += 1
+        self._reads[self._next_id] = _Read([part])
+        return self._next_id
+
+    def _start_slices(self, plan: TransferPlan, notif: bytes) -> XferId:
+        parts: list[_Part] = []
+        try:
+            for s in plan.slices:
+                peer = self._checked_peer(plan, s.peer)
+                parts.append(self._post(plan, self._make_slice_read, plan, s, peer))
+        except BaseException:
+            for part in parts:
+                self._release_quietly(part.handle)
+            raise
+        self._next_id += 1
+        self._reads[self._next_id] = _Read(parts, (plan.peer, notif) if notif else None)
+        return self._next_id
+
+    def _checked_peer(self, plan: TransferPlan, agent: str) -> _Peer:
+        peer = self._peers.get(agent)
         if peer is None:
-            raise BackendError(f"no handshake with {plan.peer}")
+            raise BackendError(f"no handshake with {agent}")
         if max(plan.remote_block_ids) >= peer.region.num_blocks or min(plan.remote_block_ids) < 0:
-            raise BackendError(f"{plan.request_id}: remote block id outside {plan.peer}'s pool")
+            raise BackendError(f"{plan.request_id}: remote block id outside {agent}'s pool")
         if max(plan.local_block_ids) >= self._region.num_blocks:
             raise BackendError(f"{plan.request_id}: local block id outside this pool")
+        return peer
+
+    def _post(self, plan: TransferPlan, make: Callable[..., Any], *args: Any) -> _Part:
+        """Prepare a read with `make(*args)` and post it."""
         try:
-            handle = self._make_read(plan, peer, notif)
+            handle = make(*args)
         except Exception as e:
             raise _backend_error(f"preparing read {plan.request_id}", e) from e
         try:
@@ -189,9 +247,7 @@ class NixlBackend:
         if status == "ERR":
             self._release_quietly(handle)
             raise BackendError(f"posting read {plan.request_id} returned ERR")
-        self._next_id += 1
-        self._reads[self._next_id] = _Read(handle, status)
-        return self._next_id
+        return _Part(handle, status)
 
     def _make_read(self, plan: TransferPlan, peer: _Peer, notif: bytes) -> Any:
         if self.mode is DescriptorMode.PREPPED:
@@ -212,42 +268,118 @@ class NixlBackend:
         remote_x = self._agent.get_xfer_descs(remote_d, peer.region.mem_type)
         return self._agent.initialize_xfer("READ", local_x, remote_x, plan.peer, notif)
 
+    def _make_slice_read(self, plan: TransferPlan, s: SliceRead, peer: _Peer) -> Any:
+        if s.whole:  # whole blocks of that rank: the per-block path, adjacent blocks merge
+            return self._make_read(replace(plan, peer=s.peer, slices=()), peer, b"")
+        local_ids = np.asarray(plan.local_block_ids, dtype=np.int32)
+        remote_ids = np.asarray(plan.remote_block_ids, dtype=np.int32)
+        if self.mode is DescriptorMode.PREPPED:
+            local = self._range_dlist(self._local_ranges, "NIXL_INIT_AGENT", self._region,
+                                      s.dst_offset, s.nbytes)  # fmt: skip
+            remote = self._range_dlist(peer.ranges, s.peer, peer.region, s.src_offset, s.nbytes)
+            return self._agent.make_prepped_xfer("READ", local, local_ids, remote, remote_ids, b"")
+        local_d = _range_descs(self._region, local_ids, s.dst_offset, s.nbytes)
+        remote_d = _range_descs(peer.region, remote_ids, s.src_offset, s.nbytes)
+        local_x = self._agent.get_xfer_descs(local_d, self._region.mem_type)
+        remote_x = self._agent.get_xfer_descs(remote_d, peer.region.mem_type)
+        return self._agent.initialize_xfer("READ", local_x, remote_x, s.peer, b"")
+
+    def _range_dlist(
+        self,
+        cache: dict[tuple[int, int], Any],
+        agent: str,
+        region: MemoryRegion,
+        offset: int,
+        nbytes: int,
+    ) -> Any:
+        """The prepped dlist of bytes [offset, offset + nbytes) of every block of `region`."""
+        key = (offset, nbytes)
+        if key not in cache:
+            blocks = np.arange(region.num_blocks, dtype=np.uint64)
+            cache[key] = self._agent.prep_xfer_dlist(
+                agent, _range_descs(region, blocks, offset, nbytes), region.mem_type
+            )
+        return cache[key]
+
     def poll(self, xfer: XferId) -> XferStatus:
         read = self._reads[xfer]
-        if read.posted == "DONE":
-            return XferStatus.DONE
-        try:
-            status = self._agent.check_xfer_state(read.handle)
-        except Exception as e:
-            raise _backend_error("polling a read", e) from e
-        if status == "DONE":
-            return XferStatus.DONE
-        return XferStatus.IN_PROGRESS if status == "PROC" else XferStatus.FAILED
+        for part in read.parts:
+            if part.done or read.failed:
+                continue
+            if part.posted == "DONE":
+                part.done = True
+                continue
+            try:
+                status = self._agent.check_xfer_state(part.handle)
+            except Exception as e:
+                if len(read.parts) == 1:
+                    raise _backend_error("polling a read", e) from e
+                read.failed = f"polling a slice: {type(e).__name__}: {e}"
+                continue
+            if status == "DONE":
+                part.done = True
+            elif status != "PROC":
+                read.failed = f"a slice's read reported {status}"
+        if read.failed:  # the other slices may still write: cancel them before reporting
+            return XferStatus.FAILED if self._cancel_parts(read) else XferStatus.IN_PROGRESS
+        if not all(part.done for part in read.parts):
+            return XferStatus.IN_PROGRESS
+        if read.notify is not None:
+            agent, message = read.notify
+            read.notify = None
+            try:  # best effort: the bytes are in; without it the lease expires instead
+                self.send_notif(agent, message)
+            except BackendError as e:
+                log.warning("completion notice to %s failed: %s", agent, e)
+        return XferStatus.DONE
+
+    def _cancel_parts(self, read: _Read) -> bool:
+        """Cancel every unfinished part of `read`; True once none can write any more."""
+        safe = True
+        for part in read.parts:
+            if part.done or part.handle is None:
+                continue
+            try:
+                part.handle.release()  # NIXL cancels an active request, or raises if it cannot
+                part.handle = None
+            except Exception as e:
+                log.warning("cancelling a slice's read: %s: %s", type(e).__name__, e)
+                safe = False
+        return safe
 
     def descriptor_count(self, xfer: XferId) -> int | None:
         if not self._telemetry:
             return None
         try:
-            return int(self._agent.get_xfer_telemetry(self._reads[xfer].handle).descCount)
+            return sum(
+                int(self._agent.get_xfer_telemetry(p.handle).descCount)
+                for p in self._reads[xfer].parts
+            )
         except Exception:
             return None
 
     def release(self, xfer: XferId) -> None:
         read = self._reads.pop(xfer, None)
         if read is not None:
-            self._release_quietly(read.handle)
+            for part in read.parts:
+                if part.handle is not None:
+                    self._release_quietly(part.handle)
 
     def abort(self, xfer: XferId) -> bool:
         read = self._reads.get(xfer)
         if read is None:
             return True
-        try:
-            read.handle.release()  # NIXL cancels an active request, or raises if it cannot
-            del self._reads[xfer]
-            return True
-        except Exception as e:
-            log.warning("aborting a read: %s: %s", type(e).__name__, e)
-            return False
+        for part in read.parts:
+            if part.handle is None:
+                continue
+            try:
+                part.handle.release()  # NIXL cancels an active request, or raises if it cannot
+                part.handle = None
+            except Exception as e:
+                log.warning("aborting a read: %s: %s", type(e).__name__, e)
+                return False
+        del self._reads[xfer]
+        return True
 
     def _release_quietly(self, handle: Any) -> None:
         try:
@@ -282,6 +414,8 @@ class NixlBackend:
             except BackendError as e:
                 log.warning("%s", e)
         try:
+            for dlist in self._local_ranges.values():
+                dlist.release()
             self._local.release()
             self._agent.deregister_memory(self._registered)
         except Exception as e:

@@ -3,14 +3,17 @@
 Coalescing: a descriptor covers a run of blocks whose ids are consecutive on both sides, so a
 request whose blocks were allocated contiguously on both workers moves in one descriptor (each
 descriptor has a fixed cost in NIXL; engine/kv_cache.py says why a block is one contiguous
-region).
+region). Between tensor-parallel workers, `slice_reads` turns the heads each decode rank reads
+(kv_transfer/tp_plan.py) into byte ranges of a block: a whole block coalesces as above, a head
+range of a head-major block is one descriptor per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_transfer.types import DescriptorRun, KVHandle, TransferPlan
+from kv_transfer.tp_plan import HeadPlan
+from kv_transfer.types import DescriptorRun, KVHandle, SliceRead, TransferPlan
 
 
 def coalesce_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> tuple[DescriptorRun, ...]:
@@ -31,16 +34,39 @@ def coalesce_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> tuple[
     return tuple(runs)
 
 
+def slice_reads(plan: HeadPlan, agents: Sequence[str], head_nbytes: int) -> tuple[SliceRead, ...]:
+    """Every decode rank's reads of a hand-off planned as `plan` from a prefill worker whose
+    rank r's agent is `agents[r]`; `head_nbytes`: one KV head's part of a block (the same on
+    both sides: the compatibility hash covers layers, block size, head dim and dtype)."""
+    if len(agents) != plan.prefill.tp_size:
+        raise ValueError(f"{len(agents)} prefill agents for TP size {plan.prefill.tp_size}")
+    return tuple(
+        SliceRead(
+            decode_rank=d,
+            peer=agents[s.prefill_rank],
+            src_offset=s.src_head * head_nbytes,
+            dst_offset=s.dst_head * head_nbytes,
+            nbytes=s.num_heads * head_nbytes,
+            whole=plan.is_whole(s),
+        )
+        for d, rank_reads in enumerate(plan.reads)
+        for s in rank_reads
+    )
+
+
 def plan_transfer(
     handle: KVHandle,
     local_block_ids: Sequence[int],
     block_nbytes: int,
     num_reused: int = 0,
+    slices: tuple[SliceRead, ...] = (),
 ) -> TransferPlan:
     """Plan the pull of `handle.block_ids[num_reused:]` into `local_block_ids`.
 
     `num_reused` leading blocks are already on the decode worker (found by hash); only full
-    blocks can be reused, so it may not exceed `len(handle.block_hashes)`.
+    blocks can be reused, so it may not exceed `len(handle.block_hashes)`. `slices`: the
+    decode ranks' reads between tensor-parallel workers (`slice_reads`); empty for whole
+    blocks between two workers of one rank.
     """
     if not 0 <= num_reused <= len(handle.block_hashes):
         raise ValueError(
@@ -65,4 +91,5 @@ def plan_transfer(
         num_reused=num_reused,
         runs=coalesce_runs(remote, local),
         block_nbytes=block_nbytes,
+        slices=slices,
     )

@@ -13,6 +13,10 @@ A prefill worker's view of one request:
 
 Decode heartbeats extend leases of transfers still queued there. `release_blocks` must be
 quick and must not wait on the endpoint: route it into the engine thread.
+
+A tensor-parallel worker: this endpoint is rank 0's (leases, notices); the other ranks'
+agents (`followers`, kv_transfer/rank_endpoint.py) only expose their pools, and the
+handshake and every handle list them, so a decode worker reads each rank's heads.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from kv_transfer.protocol import (
     PROTOCOL_VERSION,
     HandshakeInfo,
     NoticeKind,
+    RankAgent,
     decode_notice,
     new_agent_name,
 )
-from kv_transfer.types import KVHandle, compat_fields, compat_hash
+from kv_transfer.types import KVHandle, compat_fields, compat_hash, kv_split
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +66,15 @@ class PrefillEndpoint:
         config: KVTransferConfig | None = None,
         backend_factory: BackendFactory | None = None,
         clock: Callable[[], float] = time.time,
+        followers: Sequence[RankAgent] = (),
     ) -> None:
+        """`followers`: the agents of ranks 1.. of a tensor-parallel worker (this is rank 0)."""
         self.cache = cache
+        self.followers = tuple(followers)
+        if len(self.followers) + 1 != cache.spec.tp_size:
+            raise ValueError(
+                f"{len(self.followers)} follower agents for a pool of TP size {cache.spec.tp_size}"
+            )
         self.model_id = model_id
         self.worker_id = worker_id
         self.config = config or KVTransferConfig()
@@ -97,6 +109,8 @@ class PrefillEndpoint:
             agent_name=self.agent_name,
             agent_metadata=self._backend.agent_metadata(),
             region=self._backend.memory_region(),
+            split=kv_split(self.cache.spec),
+            followers=self.followers,
         )
         return self._handshake
 
@@ -136,6 +150,9 @@ class PrefillEndpoint:
             num_tokens=num_tokens,
             lease_deadline=lease.deadline,
             compat_hash=self.compat_hash,
+            rank_agents=(
+                (self.agent_name, *(f.agent_name for f in self.followers)) if self.followers else ()
+            ),
         )
 
     def cancel(self, request_id: str) -> None:

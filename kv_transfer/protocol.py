@@ -4,6 +4,9 @@ Handshake (out of band; the workers carry it over Ray): the prefill endpoint pro
 `HandshakeInfo`, the decode endpoint consumes it with `add_peer`, which calls
 `check_handshake` first. Only the decode side loads the other's metadata (it initiates every
 read and every notice; NIXL delivers notices to an agent that never loaded the sender's).
+A tensor-parallel worker has one agent per rank (`followers` beside rank 0's), and says how
+its KV heads are split (`KVSplit`); the check plans the pulls between the two splits
+(kv_transfer/tp_plan.py) and refuses, naming both sides, a pair it cannot serve.
 
 Notices (decode → prefill, NIXL notifications, one line each):
 
@@ -26,11 +29,21 @@ from dataclasses import dataclass
 
 from kv_transfer.backend import MemoryRegion
 from kv_transfer.errors import HandshakeError
+from kv_transfer.tp_plan import HeadPlan, KVSplit, UnsupportedSplit, plan_split
 
 PROTOCOL_VERSION = 1
 _MAGIC = b"pdkv1"
 _SEP = b"\x1f"
 MAX_IDS_PER_HEARTBEAT = 256
+
+
+@dataclass(frozen=True)
+class RankAgent:
+    """The transfer agent of one tensor-parallel rank: what a peer loads to read its pool."""
+
+    agent_name: str
+    agent_metadata: bytes
+    region: MemoryRegion
 
 
 @dataclass(frozen=True)
@@ -44,40 +57,63 @@ class HandshakeInfo:
     agent_name: str
     agent_metadata: bytes
     region: MemoryRegion
+    split: KVSplit
+    """How the worker's KV heads are split over its ranks, and its pool layout."""
+    followers: tuple[RankAgent, ...] = ()
+    """Ranks 1.. of a tensor-parallel worker (rank 0 is the agent above)."""
 
-
-_FIELD_DEFAULTS = {"tp_size": "1"}
-"""Compatibility fields a pool leaves out at their default (`compat_fields`)."""
+    @property
+    def ranks(self) -> tuple[RankAgent, ...]:
+        """Every rank's agent, rank 0 first."""
+        return (RankAgent(self.agent_name, self.agent_metadata, self.region), *self.followers)
 
 
 def check_handshake(
-    remote: HandshakeInfo, local_compat_hash: str, local_compat_fields: str, block_nbytes: int
-) -> None:
-    """Refuse a peer we cannot exchange blocks with, naming what differs."""
+    remote: HandshakeInfo,
+    local_compat_hash: str,
+    local_compat_fields: str,
+    local_split: KVSplit,
+    head_nbytes: int,
+) -> HeadPlan:
+    """The plan of this worker's pulls from `remote` (kv_transfer/tp_plan.py); raises
+    HandshakeError naming what differs when it cannot exchange blocks with it. `head_nbytes`:
+    one KV head's part of a local block."""
+    peer = f"peer {remote.agent_name} (worker {remote.worker_id})"
     if remote.protocol_version != PROTOCOL_VERSION:
         raise HandshakeError(
-            f"peer {remote.agent_name} (worker {remote.worker_id}) speaks kv_transfer protocol "
+            f"{peer} speaks kv_transfer protocol "
             f"v{remote.protocol_version}, this worker v{PROTOCOL_VERSION}"
         )
+    if len(remote.ranks) != remote.split.tp_size:
+        raise HandshakeError(
+            f"{peer} has {len(remote.ranks)} rank agents for TP size {remote.split.tp_size}"
+        )
+    try:
+        plan = plan_split(remote.split, local_split)
+    except UnsupportedSplit as e:
+        raise HandshakeError(f"{peer} cannot hand KV to this worker: {e}") from None
     if remote.compat_hash != local_compat_hash:
-        mine = _FIELD_DEFAULTS | dict(kv.split("=", 1) for kv in local_compat_fields.split(";"))
-        theirs = _FIELD_DEFAULTS | dict(kv.split("=", 1) for kv in remote.compat_fields.split(";"))
+        mine = dict(kv.split("=", 1) for kv in local_compat_fields.split(";"))
+        theirs = dict(kv.split("=", 1) for kv in remote.compat_fields.split(";"))
         diffs = [
             f"{k}: peer {theirs.get(k, '?')} vs local {mine.get(k, '?')}"
             for k in sorted(set(mine) | set(theirs))
             if mine.get(k) != theirs.get(k)
         ] or ["(fields equal; hash computed differently)"]
         raise HandshakeError(
-            f"peer {remote.agent_name} (worker {remote.worker_id}) has an incompatible KV cache "
+            f"{peer} has an incompatible KV cache "
             f"(compat hash {remote.compat_hash} vs {local_compat_hash}): " + "; ".join(diffs)
         )
-    if remote.region.block_nbytes != block_nbytes:
-        raise HandshakeError(
-            f"peer {remote.agent_name}: block of {remote.region.block_nbytes} bytes "
-            f"vs {block_nbytes} here, with equal compat hashes"
-        )
-    if remote.region.num_blocks <= 0:
-        raise HandshakeError(f"peer {remote.agent_name} registered no blocks")
+    local_heads = remote.split.local_heads
+    for rank, agent in enumerate(remote.ranks):
+        if agent.region.block_nbytes != head_nbytes * local_heads:
+            raise HandshakeError(
+                f"{peer}: rank {rank}'s block of {agent.region.block_nbytes} bytes holds "
+                f"{local_heads} KV heads, {head_nbytes} bytes each here, with equal compat hashes"
+            )
+        if agent.region.num_blocks <= 0:
+            raise HandshakeError(f"{peer}: rank {rank} registered no blocks")
+    return plan
 
 
 def new_agent_name(worker_id: str, role: str) -> str:

@@ -1,9 +1,11 @@
 """Values that cross the kv_transfer boundary (frozen; safe to pickle through Ray).
 
-- `KVHandle`: what a prefill worker returns with the first token: where the prompt's KV lives,
-  for how long it is leased, and which layout it has.
+- `KVHandle`: what a prefill worker returns with the first token: where the prompt's KV lives
+  (one agent per tensor-parallel rank, the same block ids on each), for how long it is
+  leased, and which layout it has.
 - `TransferPlan`: what a decode worker will pull for one handle (remote ids → local ids, after
-  skipping the blocks it reuses, coalesced into descriptor runs).
+  skipping the blocks it reuses, coalesced into descriptor runs; between TP workers, which
+  byte range of each block every decode rank reads from which prefill rank: `SliceRead`).
 - `PrefixMatch`: per live worker, how many leading blocks of a prompt it has cached.
 - `TransferLoad`: a decode endpoint's transfer load, for admission and placement.
 - `compat_hash`: the fingerprint of everything two pools must agree on to exchange blocks.
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash
+from kv_transfer.tp_plan import KVSplit
 
 if TYPE_CHECKING:  # engine.kv_cache imports torch; the router imports this module without it
     from engine.kv_cache import KVCacheSpec
@@ -25,11 +28,11 @@ if TYPE_CHECKING:  # engine.kv_cache imports torch; the router imports this modu
 def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
     """The human-readable text that `compat_hash` hashes: `key=value` pairs joined by `;`.
 
-    The pool's `num_blocks` is not part of it: two workers may have pools of any size. A
-    tensor-parallel pool adds its TP size (its `num_kv_heads` are one rank's): a hand-off
-    between TP layouts is refused until cross-layout pulls exist; the rank is not part of it
-    (a worker has one hash, rank r pulls from rank r). A pool of one rank has no `tp_size`
-    field, so its hash is what it was before tensor parallelism.
+    The pool's `num_blocks` is not part of it: two workers may have pools of any size. Nor is
+    the tensor-parallel split: `num_kv_heads` is the model's (every rank's), and which heads
+    a rank holds is the handshake's `KVSplit`, which both sides check against a plan of the
+    pulls (kv_transfer/tp_plan.py), so pools of different TP sizes may exchange blocks. A pool
+    of one rank hashes as it did before tensor parallelism.
     """
     return ";".join(
         [
@@ -38,12 +41,16 @@ def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
             f"layout={spec.layout}",
             f"block_size={spec.block_size}",
             f"num_layers={spec.num_layers}",
-            f"num_kv_heads={spec.num_kv_heads}",
+            f"num_kv_heads={spec.total_kv_heads}",
             f"head_dim={spec.head_dim}",
             *([f"kv_scales={_digest(spec.scales)}"] if spec.scales else []),
-            *([f"tp_size={spec.tp_size}"] if spec.tp_size > 1 else []),
         ]
     )
+
+
+def kv_split(spec: KVCacheSpec) -> KVSplit:
+    """How a worker whose rank pools are specified as `spec` holds the model's KV heads."""
+    return KVSplit(spec.tp_size, spec.total_kv_heads, spec.layout)
 
 
 def _digest(scales: tuple[float, ...]) -> str:
@@ -52,8 +59,8 @@ def _digest(scales: tuple[float, ...]) -> str:
 
 
 def compat_hash(spec: KVCacheSpec, model_id: str) -> str:
-    """32 hex digits over model, dtype, layout, block size, layers, kv heads, head dim, an
-    e4m3 pool's scales and a TP pool's TP size."""
+    """32 hex digits over model, dtype, layout, block size, layers, the model's KV heads,
+    head dim and an e4m3 pool's scales."""
     return hashlib.sha256(compat_fields(spec, model_id).encode()).hexdigest()[:32]
 
 
@@ -75,8 +82,13 @@ class KVHandle:
     num_tokens: int
     lease_deadline: float
     compat_hash: str
+    rank_agents: tuple[str, ...] = ()
+    """The agent of each tensor-parallel rank of the prefill worker, rank 0 (`agent_name`,
+    which holds the lease and takes the notices) first; empty for a worker of one rank."""
 
     def __post_init__(self) -> None:
+        if self.rank_agents and self.rank_agents[0] != self.agent_name:
+            raise ValueError("KVHandle rank_agents must start with agent_name (rank 0)")
         if not self.block_ids:
             raise ValueError("KVHandle needs at least one block")
         if len(self.block_hashes) > len(self.block_ids):
@@ -89,6 +101,27 @@ class KVHandle:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """The agent of every prefill rank, rank 0 first."""
+        return self.rank_agents or (self.agent_name,)
+
+
+@dataclass(frozen=True)
+class SliceRead:
+    """One decode rank's read, for every block of a plan, of `nbytes` at `src_offset` in the
+    block of prefill agent `peer` into `dst_offset` of its own block (kv_transfer/tp_plan.py
+    says which heads that is). `whole`: the range is the whole block on both sides, so
+    blocks adjacent on both sides share a descriptor (`TransferPlan.runs`); a partial range
+    is one descriptor per block."""
+
+    decode_rank: int
+    peer: str
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+    whole: bool
 
 
 @dataclass(frozen=True)
@@ -107,6 +140,10 @@ class TransferPlan:
     `remote_block_ids[i]` is read into `local_block_ids[i]`; the first `num_reused` blocks of
     the handle are not transferred (the decode worker already holds them). `runs` is the same
     mapping coalesced into descriptors: adjacent ids on both sides share one descriptor.
+
+    `slices` empty: whole blocks of `peer` into this worker's one pool (both of one rank).
+    Otherwise every read of every decode rank, over the same block ids (`SliceRead`); `peer`
+    stays the prefill worker's rank 0 agent (its lease, notices and budget).
     """
 
     request_id: str
@@ -116,6 +153,7 @@ class TransferPlan:
     num_reused: int
     runs: tuple[DescriptorRun, ...]
     block_nbytes: int
+    slices: tuple[SliceRead, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -123,11 +161,21 @@ class TransferPlan:
 
     @property
     def nbytes(self) -> int:
+        """Bytes read, over every decode rank."""
+        if self.slices:
+            return self.num_blocks * sum(s.nbytes for s in self.slices)
         return self.num_blocks * self.block_nbytes
 
     @property
     def num_descriptors(self) -> int:
+        """Descriptors posted, over every decode rank."""
+        if self.slices:
+            return sum(len(self.runs) if s.whole else self.num_blocks for s in self.slices)
         return len(self.runs)
+
+    def for_rank(self, rank: int) -> TransferPlan:
+        """The part of this plan decode rank `rank` reads (its slices only)."""
+        return replace(self, slices=tuple(s for s in self.slices if s.decode_rank == rank))
 
 
 @dataclass(frozen=True)

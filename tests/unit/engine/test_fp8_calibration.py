@@ -27,8 +27,9 @@ from engine.model import LlamaModel
 from engine.weights import load_model
 from kv_transfer.backend import MemoryRegion
 from kv_transfer.errors import HandshakeError
-from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, check_handshake
-from kv_transfer.types import compat_fields, compat_hash
+from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, RankAgent, check_handshake
+from kv_transfer.tp_plan import KVSplit
+from kv_transfer.types import compat_fields, compat_hash, kv_split
 
 
 @pytest.fixture()
@@ -158,7 +159,9 @@ def test_an_e4m3_spec_needs_one_scale_per_layer_for_k_and_v() -> None:
     assert KVCache(fp8).tensor.dtype == FP8_DTYPE
 
 
-def handshake_info(spec: KVCacheSpec) -> HandshakeInfo:
+def handshake_info(spec: KVCacheSpec, followers: int = 0) -> HandshakeInfo:
+    """A prefill worker's handshake over pools of `spec` (`followers`: ranks beyond 0)."""
+    region = MemoryRegion("DRAM", 0, spec.nbytes, spec.block_nbytes, spec.num_blocks)
     return HandshakeInfo(
         protocol_version=PROTOCOL_VERSION,
         compat_hash=compat_hash(spec, "m"),
@@ -166,24 +169,22 @@ def handshake_info(spec: KVCacheSpec) -> HandshakeInfo:
         worker_id="p0",
         agent_name="P",
         agent_metadata=b"",
-        region=MemoryRegion("DRAM", 0, spec.nbytes, spec.block_nbytes, spec.num_blocks),
+        region=region,
+        split=kv_split(spec),
+        followers=tuple(RankAgent(f"P{r}", b"", region) for r in range(1, followers + 1)),
     )
+
+
+def local_side(spec: KVCacheSpec) -> tuple[str, str, KVSplit, int]:
+    """What `check_handshake` takes of the local pool."""
+    return compat_hash(spec, "m"), compat_fields(spec, "m"), kv_split(spec), spec.head_nbytes
 
 
 def test_the_handshake_refuses_a_peer_whose_kv_dtype_or_scales_differ() -> None:
     fp8 = dataclasses.replace(SPEC, dtype=FP8_KV_DTYPE, scales=(1.0, 2.0, 4.0, 8.0))
     other_scales = dataclasses.replace(fp8, scales=(1.0, 2.0, 4.0, 16.0))
-    check_handshake(
-        handshake_info(fp8), compat_hash(fp8, "m"), compat_fields(fp8, "m"), fp8.block_nbytes
-    )
+    check_handshake(handshake_info(fp8), *local_side(fp8))
     with pytest.raises(HandshakeError, match="dtype: peer float8_e4m3fn vs local float32"):
-        check_handshake(
-            handshake_info(fp8), compat_hash(SPEC, "m"), compat_fields(SPEC, "m"), SPEC.block_nbytes
-        )
+        check_handshake(handshake_info(fp8), *local_side(SPEC))
     with pytest.raises(HandshakeError, match="kv_scales: peer"):
-        check_handshake(
-            handshake_info(other_scales),
-            compat_hash(fp8, "m"),
-            compat_fields(fp8, "m"),
-            fp8.block_nbytes,
-        )
+        check_handshake(handshake_info(other_scales), *local_side(fp8))

@@ -11,18 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_engine import cpu_engine
-from test_fp8_calibration import handshake_info
+from test_fp8_calibration import handshake_info, local_side
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.fp8_calibration import Observed, agreed
+from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, KVCacheSpec
 from engine.kv_sizing import decide_num_host_blocks, kv_cache_spec
 from engine.model_config import ModelConfig
 from engine.tensor_parallel import TPGroup, TPGroupError, TPGroupState
 from engine.tp_shard import TPShard, local_config
 from kv_transfer.errors import HandshakeError
 from kv_transfer.protocol import check_handshake
-from kv_transfer.types import compat_fields, compat_hash
+from kv_transfer.tp_plan import HeadSlice
+from kv_transfer.types import compat_hash
 
 
 def test_engine_config_refuses_lora_and_an_explicit_host_tier_with_tp() -> None:
@@ -68,28 +70,32 @@ def test_a_broken_group_refuses_every_call_naming_why() -> None:
     assert group.state is TPGroupState.CLOSED
 
 
-def test_a_tp_ranks_pool_holds_its_kv_heads_and_the_tp_size_enters_the_handshake(
+def test_a_tp_ranks_pool_holds_its_kv_heads_and_the_handshake_plans_between_tp_sizes(
     tiny_model_dir: Path,
 ) -> None:
     cfg = ModelConfig.from_pretrained(tiny_model_dir)  # 2 KV heads
-    one = kv_cache_spec(cfg, 16, torch.float32, 8)
-    two = kv_cache_spec(local_config(cfg, TPShard(2, 1)), 16, torch.float32, 8, (), TPShard(2, 1))
-    four = kv_cache_spec(local_config(cfg, TPShard(4, 3)), 16, torch.float32, 8, (), TPShard(4, 3))
+
+    def rank_spec(size: int, rank: int, layout: str = BLOCK_MAJOR) -> KVCacheSpec:
+        shard = TPShard(size, rank)
+        part = local_config(cfg, shard) if size > 1 else cfg
+        return kv_cache_spec(part, 16, torch.float32, 8, (), shard, layout, cfg.num_kv_heads)
+
+    one, two, four = rank_spec(1, 0), rank_spec(2, 1), rank_spec(4, 3)
     assert (one.num_kv_heads, two.num_kv_heads, four.num_kv_heads) == (2, 1, 1)
     assert two.block_nbytes * 2 == one.block_nbytes and (two.tp_size, two.tp_rank) == (2, 1)
-    assert "tp_size" not in compat_fields(one, "m")  # one rank: the hash it always had
-    assert compat_fields(two, "m").endswith(";tp_size=2")
+    assert two.total_kv_heads == four.total_kv_heads == 2
+    # one hash per model: the split is the handshake's KVSplit, checked against a plan
+    assert compat_hash(one, "m") == compat_hash(two, "m") == compat_hash(four, "m")
     rank0 = dataclasses.replace(two, tp_rank=0)
-    assert compat_hash(rank0, "m") == compat_hash(two, "m")  # one hash per worker
-    check_handshake(
-        handshake_info(rank0), compat_hash(two, "m"), compat_fields(two, "m"), two.block_nbytes
-    )
-    with pytest.raises(HandshakeError, match="tp_size: peer 2 vs local 1"):
-        check_handshake(
-            handshake_info(two), compat_hash(one, "m"), compat_fields(one, "m"), one.block_nbytes
-        )
-    with pytest.raises(HandshakeError, match="tp_size: peer 2 vs local 4"):
-        check_handshake(handshake_info(two), compat_hash(four, "m"), compat_fields(four, "m"), 0)
+    check_handshake(handshake_info(rank0, followers=1), *local_side(two))
+    # 2 -> 4 over 2 KV heads: every decode rank reads one whole block (any layout)
+    check_handshake(handshake_info(rank0, followers=1), *local_side(four))
+    with pytest.raises(HandshakeError, match="one region per block only in head_major_v1"):
+        check_handshake(handshake_info(rank0, followers=1), *local_side(one))
+    hm_two = dataclasses.replace(rank0, layout=HEAD_MAJOR)
+    hm_one = rank_spec(1, 0, HEAD_MAJOR)
+    plan = check_handshake(handshake_info(hm_two, followers=1), *local_side(hm_one))
+    assert plan.reads == ((HeadSlice(0, 0, 0, 1), HeadSlice(1, 0, 1, 1)),)
     with pytest.raises(ValueError, match="TP rank 2 of size 2"):
         dataclasses.replace(two, tp_rank=2)
 

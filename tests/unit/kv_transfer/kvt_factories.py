@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.block_hash import BlockHash
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.backend import BackendFactory, MemoryRegion, Notification, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import BackendError
-from kv_transfer.types import KVHandle, TransferPlan, compat_hash
+from kv_transfer.types import KVHandle, SliceRead, TransferPlan, compat_hash
 
 MODEL = "tiny-test"
 SPEC = KVCacheSpec(
@@ -124,9 +126,10 @@ class LoopbackBackend:
 
     def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
         self.fabric.trip("start_read", plan.request_id)
-        self._check_alive(plan.peer)
-        if plan.peer not in self.peers:
-            raise BackendError(f"no handshake with {plan.peer}")
+        for agent in {plan.peer, *(s.peer for s in plan.slices)}:
+            self._check_alive(agent)
+            if agent not in self.peers:
+                raise BackendError(f"no handshake with {agent}")
         self._next += 1
         read = _Read(plan, notif, self.fabric.agents[plan.peer])
         self.reads[self._next] = read
@@ -136,9 +139,13 @@ class LoopbackBackend:
 
     def finish(self, read: _Read) -> None:
         p = read.plan
-        self.cache.copy_blocks_from(
-            read.source.cache, list(p.remote_block_ids), list(p.local_block_ids)
-        )
+        if p.slices:  # byte ranges of every block, each from its own agent
+            for s in p.slices:
+                copy_range(self.fabric.agents[s.peer].cache, self.cache, p, s)
+        else:
+            self.cache.copy_blocks_from(
+                read.source.cache, list(p.remote_block_ids), list(p.local_block_ids)
+            )
         read.status = XferStatus.DONE
         if read.notif and not self.fabric.drop_notifs:
             read.source.inbox.append(Notification(self.agent_name, read.notif))
@@ -179,6 +186,20 @@ class LoopbackBackend:
         self.fabric.agents.pop(self.agent_name, None)
 
 
+def block_bytes(cache: KVCache) -> torch.Tensor:
+    """The pool as [num_blocks, block_nbytes] bytes (a view)."""
+    return cache.tensor.view(cache.spec.num_blocks, -1).view(torch.uint8)
+
+
+def copy_range(src: KVCache, dst: KVCache, plan: TransferPlan, s: SliceRead) -> None:
+    """What a `SliceRead` of `plan` moves: bytes of every remote block into the local one."""
+    remote = torch.tensor(plan.remote_block_ids, dtype=torch.long)
+    local = torch.tensor(plan.local_block_ids, dtype=torch.long)
+    block_bytes(dst)[local, s.dst_offset : s.dst_offset + s.nbytes] = block_bytes(src)[
+        remote, s.src_offset : s.src_offset + s.nbytes
+    ]
+
+
 def loopback_factory(fabric: LoopbackFabric, name: str | None = None) -> BackendFactory:
     """A `BackendFactory` building loopback agents on `fabric` (optionally renamed)."""
 
@@ -190,8 +211,6 @@ def loopback_factory(fabric: LoopbackFabric, name: str | None = None) -> Backend
 
 def filled_cache(seed: int = 0, spec: KVCacheSpec = SPEC) -> KVCache:
     """A cache whose block b holds values seed*1e6 + b*1e3 + offset (every block distinct)."""
-    import torch
-
     cache = KVCache(spec)
     per_block = cache.tensor[0].numel()
     values = torch.arange(spec.num_blocks * per_block, dtype=torch.float32)

@@ -24,7 +24,7 @@ from kv_transfer.protocol import (
     encode_done,
     encode_heartbeats,
 )
-from kv_transfer.types import DescriptorRun, compat_fields, compat_hash
+from kv_transfer.types import DescriptorRun, compat_fields, compat_hash, kv_split
 from prefix_index.types import PrefixMatch, WorkerPrefix
 
 
@@ -99,21 +99,23 @@ def _info(
         agent_name="P",
         agent_metadata=b"md",
         region=region,
+        split=kv_split(spec),
     )
 
 
 def test_handshake_accepts_an_equal_peer_and_names_what_differs_otherwise() -> None:
     fields = compat_fields(SPEC, MODEL)
-    check_handshake(_info(), COMPAT, fields, SPEC.block_nbytes)
+    mine = (COMPAT, fields, kv_split(SPEC), SPEC.head_nbytes)
+    check_handshake(_info(), *mine)
     other = dataclasses.replace(SPEC, block_size=8, dtype="bfloat16")
     with pytest.raises(HandshakeError) as err:
-        check_handshake(_info(other), COMPAT, fields, SPEC.block_nbytes)
+        check_handshake(_info(other), *mine)
     assert "block_size: peer 8 vs local 4" in str(err.value)
     assert "dtype: peer bfloat16 vs local float32" in str(err.value)
     with pytest.raises(HandshakeError, match="protocol v99, this worker v1"):
-        check_handshake(_info(version=99), COMPAT, fields, SPEC.block_nbytes)
+        check_handshake(_info(version=99), *mine)
     with pytest.raises(HandshakeError, match="block of 7 bytes"):
-        check_handshake(_info(block_nbytes=7), COMPAT, fields, SPEC.block_nbytes)
+        check_handshake(_info(block_nbytes=7), *mine)
 
 
 def test_notices_round_trip_and_garbage_is_ignored() -> None:
