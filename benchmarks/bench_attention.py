@@ -1,25 +1,47 @@
-"""flashinfer paged decode attention on one GPU, kernel by kernel, against its KV-read floor.
+"""Paged decode attention on one GPU, kernel by kernel, against its KV-read floor.
 
-The engine's decode attention (engine/attention/flashinfer_backend.py) plans
-`BatchDecodeWithPagedKVCacheWrapper` with tensor cores (flashinfer then runs its prefill
-kernel on one query row per sequence). This times that kernel and the CUDA-core decode kernel
-(`use_tensor_cores=False`) side by side in one run, for bf16 and e4m3 KV and the Llama-3-8B
-(32 query / 8 KV heads) and Llama-3-70B (64 / 8) head layouts, over the strided per-layer view
-of a block-major pool as the engine lays it out ([blocks, layers, 2, page, kv_heads, 128]),
-each layer's KV (256-512 MiB at B=64 x 2048) far larger than the 50 MB L2. The floor is the
-KV bytes read over the HBM copy bandwidth measured in the same run.
+The engine's decode attention plans flashinfer's `BatchDecodeWithPagedKVCacheWrapper` with
+tensor cores (flashinfer then runs its prefill kernel on one query row per sequence), or runs
+the Triton split-KV kernel of engine/attention/triton_decode.py. This times, side by side in
+one run, for bf16 and e4m3 KV and the Llama-3-8B (32 query / 8 KV heads) and Llama-3-70B
+(64 / 8) head layouts, over the strided per-layer view of a block-major pool as the engine lays
+it out ([blocks, layers, 2, page, kv_heads, 128], pages in random order), each layer's KV
+(256-512 MiB at B=64 x 2048) far larger than the 50 MB L2:
+- flashinfer, tensor cores (the engine's flashinfer choice) and its CUDA-core decode kernel;
+- flashinfer's XQA decode, where this flashinfer has it;
+- the Triton kernel over a sweep of tiles and split counts (best per shape, and the table);
+- every output checked against a float32 reference (worst absolute error).
+Times are CUDA-graph replays of 16 calls that alternate between layers. The floor is the KV
+bytes read over the HBM copy bandwidth measured in the same run.
 
-    python benchmarks/bench_attention.py [--batch 64] [--context 2048] [--page 16]
+`--layouts` adds the head-major pool ([blocks, kv_heads, layers, 2, page, 128], the layout
+cross-TP hand-offs slice by head): flashinfer's decode and prefill on its permuted per-layer
+view, compared bit for bit with the block-major view holding the same KV.
+
+    python benchmarks/bench_attention.py [--batch 64] [--context 2048] [--page 16] [--layouts]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
+from collections.abc import Callable
 
 import torch
 
+from engine.attention.triton_decode import (
+    DecodeTiles,
+    PagedDecode,
+    max_abs_error,
+    reference_decode,
+)
+
 LAYERS = 2
-"""Layers in the pool: runs alternate between them, so no run reads what the last one did."""
+"""Layers in the pool: calls alternate between them, so no call reads what the last one did."""
+KV_HEADS, DIM = 8, 128
+CALLS = 16
+"""Calls per timed CUDA-graph replay."""
 
 
 def hbm_gbps() -> float:
@@ -36,46 +58,256 @@ def hbm_gbps() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def time_decode(
-    qo_heads: int, kv_dtype: torch.dtype, tensor_cores: bool, args: argparse.Namespace
-) -> float:
-    """Seconds per decode attention call (one layer) at args.batch x args.context."""
-    import flashinfer
+class Case:
+    """One batch of sequences over a random pool: the page arrays flashinfer and the Triton
+    kernel take, and the dense page table XQA takes."""
 
-    kv_heads, dim, page = 8, 128, args.page
-    pages_per_seq = -(-args.context // page)
-    blocks = args.batch * pages_per_seq
-    pool = torch.empty(blocks, LAYERS, 2, page, kv_heads, dim, dtype=kv_dtype, device="cuda")
-    for i in range(0, blocks, 1024):  # random KV, a slice at a time
-        part = pool[i : i + 1024]
-        part.copy_(torch.randn(part.shape, device="cuda").clamp(-4, 4))
-    indptr = torch.arange(0, blocks + 1, pages_per_seq, dtype=torch.int32)
-    indices = torch.randperm(blocks, dtype=torch.int32, device="cuda")
-    last = torch.full((args.batch,), args.context - (pages_per_seq - 1) * page, dtype=torch.int32)
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
-    )
-    wrapper.plan(
-        indptr, indices, last, qo_heads, kv_heads, dim, page,
-        q_data_type=torch.bfloat16, kv_data_type=kv_dtype, sm_scale=dim**-0.5,
-    )  # fmt: skip
-    q = torch.randn(args.batch, qo_heads, dim, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    scales = {"k_scale": 0.05, "v_scale": 0.05} if kv_dtype != torch.bfloat16 else {}
+    def __init__(self, args: argparse.Namespace, qo_heads: int, kv_dtype: torch.dtype) -> None:
+        page = args.page
+        self.qo_heads, self.kv_dtype, self.page = qo_heads, kv_dtype, page
+        pages_per_seq = -(-args.context // page)
+        self.blocks = args.batch * pages_per_seq
+        shape = (self.blocks, LAYERS, 2, page, KV_HEADS, DIM)
+        self.pool = torch.empty(shape, dtype=kv_dtype, device="cuda")
+        for i in range(0, self.blocks, 1024):  # random KV, a slice at a time
+            part = self.pool[i : i + 1024]
+            part.copy_(torch.randn(part.shape, device="cuda").clamp(-4, 4))
+        self.indptr = torch.arange(0, self.blocks + 1, pages_per_seq, dtype=torch.int32)
+        self.indices = torch.randperm(self.blocks, dtype=torch.int32, device="cuda")
+        last = args.context - (pages_per_seq - 1) * page
+        self.last = torch.full((args.batch,), last, dtype=torch.int32)
+        self.seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
+        self.table = self.indices.view(args.batch, pages_per_seq)
+        self.q = torch.randn(args.batch, qo_heads, DIM, dtype=torch.bfloat16, device="cuda")
+        fp8 = kv_dtype == torch.float8_e4m3fn
+        self.k_scale, self.v_scale = (0.05, 0.05) if fp8 else (1.0, 1.0)
+        self.floor_bytes = args.batch * args.context * 2 * KV_HEADS * DIM * kv_dtype.itemsize
+        self.dev_indptr, self.dev_last = self.indptr.cuda(), self.last.cuda()
 
-    def run(layer: int) -> None:
-        wrapper.run(q, pool[:, layer], out=out, **scales)
+        self.head_major: torch.Tensor | None = None
 
-    for i in range(5):
-        run(i % LAYERS)
+    def use_head_major(self) -> None:
+        """Keep the same KV in the head-major layout ([blocks, kv_heads, layers, 2, page, D]);
+        `layer` then returns its permuted per-layer view."""
+        self.head_major = self.pool.permute(0, 4, 1, 2, 3, 5).contiguous()
+        self.pool = self.pool[:0]
+        torch.cuda.empty_cache()
+
+    def layer(self, i: int) -> torch.Tensor:
+        if self.head_major is not None:
+            return self.head_major[:, :, i].permute(0, 2, 3, 1, 4)
+        return self.pool[:, i]
+
+    def reference(self, layer: int) -> torch.Tensor:
+        return reference_decode(
+            self.q, self.layer(layer), self.indices, self.indptr, self.last, DIM**-0.5,
+            self.k_scale, self.v_scale,
+        )  # fmt: skip
+
+
+def graph_time(call: Callable[[int], object], iters: int) -> float:
+    """Seconds per call, from CUDA-graph replays of CALLS calls alternating layers."""
+    for i in range(3):
+        call(i % LAYERS)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(CALLS):
+            call(i % LAYERS)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for i in range(args.iters):
-        run(i % LAYERS)
+    for _ in range(iters):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / args.iters
+    return start.elapsed_time(end) / 1e3 / (iters * CALLS)
+
+
+def flashinfer_decode(case: Case, tensor_cores: bool, view: Callable[[int], torch.Tensor]):
+    import flashinfer
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    b = case.q.shape[0]
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+        paged_kv_indptr_buffer=case.dev_indptr, paged_kv_indices_buffer=case.indices,
+        paged_kv_last_page_len_buffer=case.dev_last, backend="fa2",
+    )  # fmt: skip
+    wrapper.plan(
+        case.indptr, case.indices, case.last, case.qo_heads, KV_HEADS, DIM, case.page,
+        q_data_type=torch.bfloat16, kv_data_type=case.kv_dtype, sm_scale=DIM**-0.5,
+    )  # fmt: skip
+    out = torch.empty(b, case.qo_heads, DIM, dtype=torch.bfloat16, device="cuda")
+    scales = {"k_scale": case.k_scale, "v_scale": case.v_scale} if case.k_scale != 1 else {}
+
+    def call(layer: int) -> torch.Tensor:
+        return wrapper.run(case.q, view(layer), out=out, **scales)
+
+    return call, out
+
+
+def xqa_decode(case: Case):
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(case.q)
+    max_len = int(case.seq_lens.max())
+
+    def call(layer: int) -> torch.Tensor:
+        return xqa_batch_decode_with_kv_cache(
+            case.q, case.layer(layer), workspace, case.table, case.seq_lens, max_len,
+            bmm1_scale=DIM**-0.5 * case.k_scale, bmm2_scale=case.v_scale, out=out,
+            kv_layout="NHD",
+        )  # fmt: skip
+
+    return call, out
+
+
+def triton_decode(case: Case, splits: int, tiles: DecodeTiles):
+    b = case.q.shape[0]
+    kernel = PagedDecode(b, case.qo_heads, KV_HEADS, DIM, case.page, case.q.device, splits, tiles)
+    out = torch.empty_like(case.q)
+
+    def call(layer: int) -> torch.Tensor:
+        return kernel.run(
+            case.q, case.layer(layer), case.indices, case.dev_indptr, case.dev_last,
+            DIM**-0.5, case.k_scale, case.v_scale, out=out,
+        )  # fmt: skip
+
+    return call, out, kernel
+
+
+def report(name: str, case: Case, sec: float, err: float, gbps: float) -> None:
+    floor = case.floor_bytes / (gbps * 1e9)
+    dtype = "bf16" if case.kv_dtype == torch.bfloat16 else "e4m3"
+    print(
+        f"{case.qo_heads}/{KV_HEADS:<6}{dtype:<6}{name:<34}{sec * 1e6:>8.1f} us"
+        f"{floor * 1e6:>7.1f} us{sec / floor:>7.2f}x   err {err:.2e}",
+        flush=True,
+    )
+
+
+def measure(name: str, case: Case, make: Callable[[], tuple], ref: torch.Tensor, args, gbps):
+    try:
+        call, out = make()
+        call(0)
+        torch.cuda.synchronize()
+        err = max_abs_error(out, ref)
+        sec = graph_time(call, args.iters)
+    except Exception as e:  # a kernel this build lacks, or one that refuses the shape
+        print(f"{case.qo_heads}/{KV_HEADS} {case.kv_dtype} {name}: {e!r}"[:300], flush=True)
+        return None
+    report(name, case, sec, err, gbps)
+    return sec
+
+
+def sweep_triton(case: Case, ref: torch.Tensor, args, gbps, layout: str = "block") -> None:
+    best: tuple[float, str] | None = None
+    for block_n, warps, stages, splits, kv_first, prefetch in itertools.product(
+        args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch
+    ):
+        tiles = DecodeTiles(block_n, warps, stages, bool(kv_first), bool(prefetch))
+        name = (
+            f"triton {layout} n{block_n} w{warps} s{stages} split{splits}"
+            f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}"
+        )
+        holder: dict[str, PagedDecode] = {}
+
+        def make(t: DecodeTiles = tiles, s: int = splits, h: dict = holder) -> tuple:
+            call, out, kernel = triton_decode(case, s, t)
+            h["kernel"] = kernel
+            return call, out
+
+        sec = measure(name, case, make, ref, args, gbps)
+        launch = getattr(holder.get("kernel"), "last_launch", None)
+        if launch is not None:
+            regs, shared = getattr(launch, "n_regs", "?"), getattr(launch.metadata, "shared", "?")
+            print(f"    registers {regs}, shared memory {shared} B", flush=True)
+        if sec is not None and (best is None or sec < best[0]):
+            best = (sec, name)
+    if best is not None:
+        report(f"BEST {best[1]}", case, best[0], 0.0, gbps)
+
+
+def head_major_check(args: argparse.Namespace) -> None:
+    """flashinfer on the head-major pool's permuted per-layer view vs the block-major view
+    of the same KV: decode (tensor cores) and prefill (fa2), bit for bit, and decode time."""
+    import flashinfer
+
+    gbps = hbm_gbps()
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        case = Case(args, 32, kv_dtype)
+        # [blocks, layers, 2, page, H, D] -> [blocks, H, layers, 2, page, D]
+        head_major = case.pool.permute(0, 4, 1, 2, 3, 5).contiguous()
+        del case.pool
+        torch.cuda.empty_cache()
+        block_major = head_major.permute(0, 2, 3, 4, 1, 5)  # the same values, block-major view
+
+        def hm_view(layer: int, hm: torch.Tensor = head_major) -> torch.Tensor:
+            return hm[:, :, layer].permute(0, 2, 3, 1, 4)  # [blocks, 2, page, H, D]
+
+        bm_pool = block_major.contiguous()
+
+        def bm_view(layer: int, bm: torch.Tensor = bm_pool) -> torch.Tensor:
+            return bm[:, layer]
+
+        outs = {}
+        for label, view in (("block-major", bm_view), ("head-major", hm_view)):
+            call, out = flashinfer_decode(case, True, view)
+            call(0)
+            torch.cuda.synchronize()
+            outs[label] = out.clone()
+            sec = graph_time(call, args.iters)
+            report(f"flashinfer tc decode, {label}", case, sec, 0.0, gbps)
+        same = torch.equal(outs["block-major"], outs["head-major"])
+        print(f"decode head-major == block-major bit for bit: {same}", flush=True)
+        # prefill: 4 sequences of 128 new tokens at the end of their pages
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+        pre = {}
+        for label, view in (("block-major", bm_view), ("head-major", hm_view)):
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+            n, new = 4, 128
+            qo = torch.arange(0, n * new + 1, new, dtype=torch.int32)
+            w.plan(
+                qo, case.indptr[: n + 1], case.indices[: int(case.indptr[n])], case.last[:n],
+                32, KV_HEADS, DIM, case.page, causal=True, q_data_type=torch.bfloat16,
+                kv_data_type=kv_dtype, sm_scale=DIM**-0.5,
+            )  # fmt: skip
+            q = torch.randn(n * new, 32, DIM, dtype=torch.bfloat16, device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1))  # fmt: skip
+            scales = {"k_scale": 0.05, "v_scale": 0.05} if kv_dtype != torch.bfloat16 else {}
+            pre[label] = w.run(q, view(1), **scales)
+        same = torch.equal(pre["block-major"], pre["head-major"])
+        print(f"prefill head-major == block-major bit for bit: {same}", flush=True)
+        del head_major, bm_pool, block_major
+        torch.cuda.empty_cache()
+
+
+def run_case(case: Case, kernels: set[str], args: argparse.Namespace, gbps: float) -> None:
+    """Every kernel of `kernels` on one case, checked against the float32 reference."""
+    ref = case.reference(0)
+    if "fi-tc" in kernels:
+        make = functools.partial(flashinfer_decode, case, True, case.layer)
+        measure("flashinfer tensor cores", case, make, ref, args, gbps)
+    if "fi-cc" in kernels:
+        make = functools.partial(flashinfer_decode, case, False, case.layer)
+        measure("flashinfer CUDA-core decode", case, make, ref, args, gbps)
+    if "xqa" in kernels:
+        measure("flashinfer xqa", case, functools.partial(xqa_decode, case), ref, args, gbps)
+    if "triton" in kernels:
+        sweep_triton(case, ref, args, gbps)
+    if "triton-head" in kernels:
+        case.use_head_major()
+        sweep_triton(case, ref, args, gbps, "head")
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
@@ -83,26 +315,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--page", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--heads", type=ints, default=[32, 64], help="query heads (8 KV heads)")
+    parser.add_argument("--kernels", default="fi-tc,fi-cc,xqa,triton")
+    parser.add_argument("--block-n", type=ints, default=[32, 64, 128])
+    parser.add_argument("--warps", type=ints, default=[4, 8])
+    parser.add_argument("--stages", type=ints, default=[2, 3])
+    parser.add_argument("--splits", type=ints, default=[1, 2, 4])
+    parser.add_argument("--kv-first", type=ints, default=[0], help="0,1: V loaded with K")
+    parser.add_argument("--prefetch", type=ints, default=[0], help="0,1: page ids a step ahead")
+    parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
+    parser.add_argument("--dtypes", default="bf16,e4m3")
     args = parser.parse_args()
+    kernels = set(args.kernels.split(","))
     gbps = hbm_gbps()
     print(f"HBM copy {gbps:.0f} GB/s; B={args.batch} x {args.context} tokens, page {args.page}")
-    print(f"{'heads q/kv':<11}{'KV':<7}{'kernel':<22}{'per layer':>11}{'floor':>9}{'ratio':>8}")
-    for qo_heads in (32, 64):
-        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            kv_bytes = args.batch * args.context * 2 * 8 * 128 * kv_dtype.itemsize
-            floor = kv_bytes / (gbps * 1e9)
-            for tensor_cores in (True, False):
-                try:
-                    sec = time_decode(qo_heads, kv_dtype, tensor_cores, args)
-                    torch.cuda.empty_cache()  # the pool of the last call
-                except Exception as e:  # a kernel flashinfer does not build for this shape
-                    print(f"{qo_heads}/8 {kv_dtype} tensor_cores={tensor_cores}: {e!r}"[:200])
-                    continue
-                name = "tensor cores (prefill)" if tensor_cores else "CUDA-core decode"
-                dtype = "bf16" if kv_dtype == torch.bfloat16 else "e4m3"
-                print(f"{qo_heads}/8{'':<7}{dtype:<7}{name:<22}{sec * 1e6:>8.1f} us"
-                      f"{floor * 1e6:>6.1f} us{sec / floor:>7.2f}x")  # fmt: skip
+    dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+    for qo_heads in args.heads:
+        for dname in args.dtypes.split(","):
+            run_case(Case(args, qo_heads, dtypes[dname]), kernels, args, gbps)
+            torch.cuda.empty_cache()
+    if args.layouts:
+        head_major_check(args)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major")
 """Choices of EngineConfig.kv_layout (engine/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
+DECODE_ATTENTION_CHOICES = ("auto", "flashinfer", "triton")
+"""Choices of EngineConfig.decode_attention."""
 LORA_KERNELS = ("auto", "torch", "flashinfer", "triton")
 """Choices of EngineConfig.lora_kernel: the CUDA-graph LoRA kernel (eager steps always run
 grouped; engine/lora_apply.py)."""
@@ -111,10 +113,19 @@ class EngineConfig:
     host_kv_max_blocks_per_step: int = 256
     """The host tier's budget per step: blocks copied out (offload) and blocks onboarded at most
     per engine step; more wait for the next step."""
+    host_kv_handoff: bool = True
+    """A prefill-only worker hands off a prompt's blocks that its host tier also holds from
+    there (the decode worker reads them from pinned host memory over NIXL) and gives their
+    device blocks back to its pool at once; off: every block is handed off from the device."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's context length."""
     attention_backend: str = "auto"
     """auto (flashinfer on GPU when installed, else torch), torch, flashinfer."""
+    decode_attention: str = "auto"
+    """The flashinfer backend's single-token decode kernel: auto (the Triton split-KV kernel
+    of engine/attention/triton_decode.py for an e4m3 KV pool, where it measured 1.55x its KV
+    floor against flashinfer's 1.83x on the H200; flashinfer's tensor-core decode for a float
+    pool), flashinfer, triton."""
     layer_ops: str = "auto"
     """Norm / residual / RoPE / SiLU ops of each layer: auto (flashinfer's fused kernels for a
     CUDA fp16/bf16 model when flashinfer imports and they pass a start-up self-check against
@@ -186,6 +197,9 @@ class EngineConfig:
             )
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
+            choices = ", ".join(DECODE_ATTENTION_CHOICES)
+            raise ValueError(f"decode_attention: one of {choices}, got {self.decode_attention!r}")
         if self.lora_kernel not in LORA_KERNELS:
             choices = ", ".join(LORA_KERNELS)
             raise ValueError(f"lora_kernel: one of {choices}, got {self.lora_kernel!r}")

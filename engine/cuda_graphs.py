@@ -100,7 +100,8 @@ class DecodeGraphs:
         self.max_pages = self.max_batch * max_pages_per_seq
         device = backend.kv_cache.device
         self._num_fields = _NUM_ROW_FIELDS + (lora is not None)
-        region = self._num_fields * self.max_batch + self.max_pages
+        # row fields, then each sequence's last page length and KV indptr, then the pages
+        region = (self._num_fields + 2) * self.max_batch + 1 + self.max_pages
         self._dev = torch.zeros(region, dtype=torch.int32, device=device)
         self._host = torch.zeros(region, dtype=torch.int32, pin_memory=True)
         self._copied: torch.cuda.Event | None = None
@@ -144,12 +145,18 @@ class DecodeGraphs:
         host = self._host.numpy()
         for i, arr in enumerate(fields):
             host[i * m : i * m + arr.shape[0]] = arr
-        base, num_pages = self._num_fields * m, padded.num_pages
+        lens_at = self._num_fields * m
+        indptr_at = lens_at + m
+        host[lens_at : lens_at + size] = padded.kv_last_page_len
+        host[indptr_at : indptr_at + size + 1] = padded.kv_indptr
+        base, num_pages = indptr_at + m + 1, padded.num_pages
         host[base : base + num_pages] = padded.page_indices
         used = base + num_pages
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
         d = self._dev
         return StepInputs(
+            kv_last_page_len=d[lens_at : lens_at + size],
+            kv_indptr=d[indptr_at : indptr_at + size + 1],
             layout=padded,
             input_ids=d[0:size],
             positions=d[m : m + size],

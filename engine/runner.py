@@ -110,7 +110,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = kv_cache.device
         self.lora = lora_weights
-        self.backend = create_backend(config.attention_backend, model.cfg, kv_cache, model.dtype)
+        self.backend = create_backend(
+            config.attention_backend, model.cfg, kv_cache, model.dtype, config.decode_attention
+        )
         self.layer_ops: LayerOps = create_layer_ops(config.layer_ops, model)
         self._stager = StepStager(self.device)
         self._planned: torch.cuda.Event | None = None  # the last eager plan's copies queued

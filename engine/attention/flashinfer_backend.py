@@ -11,6 +11,11 @@ Both read `kv_cache.layer(i)` ([blocks, 2, block_size, Hkv, D], flashinfer's NHD
 layout; K and V share strides, so the standard kernels apply). KV is written with an
 index_put on that view before attention.
 
+Single-token decodes over an e4m3 pool go to the Triton split-KV kernel instead
+(engine/attention/triton_decode.py, `EngineConfig.decode_attention`): it reads the staged
+device page arrays directly (no host plan) and measured 1.55x its KV-read floor on the H200
+where flashinfer's e4m3 decode ran at 1.83x (benchmarks/bench_attention.py).
+
 Kernel choice is pinned to fa2: "auto" may pick fa3 (a 100 s JIT on the H200), cuDNN or XQA
 routes whose constraints differ. Plans take host (CPU) copies of the small indptr arrays
 (flashinfer schedules on the host) and the device page list staged by the runner.
@@ -22,7 +27,7 @@ time) and, with the eager wrappers, one float workspace (runs never overlap: one
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,13 +35,40 @@ import torch
 from engine.attention.base import AttentionBackend, BackendUnavailable
 from engine.attention.registry import flashinfer_unavailable_reason
 from engine.attention.step import StepInputs
-from engine.kv_cache import KVCache
+from engine.kv_cache import FP8_KV_DTYPE, KVCache
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.attention.triton_decode import PagedDecode
 
 WORKSPACE_BYTES = 256 << 20
 """flashinfer's float workspace (split-KV partial outputs); 128 MiB is its recommendation."""
 
 KERNEL_BACKEND = "fa2"
+
+
+def select_decode_kernel(requested: str, kv_dtype: str, device: torch.device) -> str:
+    """The decode kernel for `requested` ("auto", "flashinfer", "triton"): auto takes Triton
+    for an e4m3 pool (when triton imports) and flashinfer's otherwise."""
+    if requested == "flashinfer":
+        return requested
+    if requested not in ("auto", "triton"):
+        raise ValueError(f"decode_attention: auto, flashinfer or triton, got {requested!r}")
+    if requested == "auto" and kv_dtype != FP8_KV_DTYPE:
+        return "flashinfer"
+    reason = None
+    if device.type != "cuda":
+        reason = f"the Triton decode kernel runs on CUDA (got {device})"
+    else:
+        try:
+            import engine.attention.triton_decode  # noqa: F401  (compiles at first use)
+        except Exception as e:  # an optional dependency: any import failure means "not here"
+            reason = f"the Triton decode kernel needs triton, which does not import: {e}"
+    if reason is None:
+        return "triton"
+    if requested == "triton":
+        raise BackendUnavailable(reason)
+    return "flashinfer"
 
 
 def _host(values: np.ndarray) -> torch.Tensor:
@@ -51,7 +83,11 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(
-        self, model_cfg: ModelConfig, kv_cache: KVCache, compute_dtype: torch.dtype | None = None
+        self,
+        model_cfg: ModelConfig,
+        kv_cache: KVCache,
+        compute_dtype: torch.dtype | None = None,
+        decode_attention: str = "auto",
     ) -> None:
         super().__init__(model_cfg, kv_cache, compute_dtype)
         reason = flashinfer_unavailable_reason(model_cfg, kv_cache.device, self.dtype)
@@ -68,6 +104,11 @@ class FlashInferBackend(AttentionBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=True, backend=KERNEL_BACKEND
         )
+        self.decode_kernel = select_decode_kernel(
+            decode_attention, kv_cache.spec.dtype, kv_cache.device
+        )
+        self._triton: dict[tuple[int, bool], PagedDecode] = {}
+        """(batch, for a graph) → the Triton decode launch of that batch size."""
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_batch: int | None = None
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -104,7 +145,7 @@ class FlashInferBackend(AttentionBackend):
                 causal=True,
                 **self._plan_kwargs(),
             )
-        if self._has_decode:
+        if self._has_decode and self.decode_kernel == "flashinfer":
             first_page = int(lay.kv_indptr[npf])
             self._decode.plan(
                 _host(lay.kv_indptr[npf:] - first_page),
@@ -123,16 +164,54 @@ class FlashInferBackend(AttentionBackend):
         q = q.contiguous()
         scales = self._scales(layer)
         if self._graph_batch is not None:
+            if self.decode_kernel == "triton":
+                return self._graph_triton_decode(layer, q, pool)
             return self._graph_wrappers[self._graph_batch].run(q, pool, **scales)
         if not self._has_decode:
             return self._prefill.run(q, pool, **scales)
-        if not self._has_prefill:
-            return self._decode.run(q, pool, **scales)
         out = torch.empty_like(q)
         t = self._split
-        self._prefill.run(q[:t], pool, out=out[:t], **scales)
-        self._decode.run(q[t:], pool, out=out[t:], **scales)
+        if self._has_prefill:
+            self._prefill.run(q[:t], pool, out=out[:t], **scales)
+        if self.decode_kernel == "triton":
+            self._triton_decode(layer, q[t:], pool, out[t:])
+        else:
+            self._decode.run(q[t:], pool, out=out[t:], **scales)
         return out
+
+    def _triton_kernel(self, batch: int, graph: bool) -> PagedDecode:
+        from engine.attention.triton_decode import PagedDecode, splits_for
+
+        kernel = self._triton.get((batch, graph))
+        if kernel is None:
+            heads = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+            splits = splits_for(batch, self.num_kv_heads, self.device)
+            kernel = PagedDecode(batch, *heads, self.device, splits)
+            self._triton[(batch, graph)] = kernel
+        return kernel
+
+    def _triton_decode(
+        self, layer: int, q: torch.Tensor, pool: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """The decodes of an eager step: sequences [num_prefill_seqs, n) of the staged page
+        arrays (absolute page offsets, so the full page list is passed)."""
+        assert self._step is not None
+        step, npf = self._step, self._step.layout.num_prefill_seqs
+        assert step.kv_indptr is not None and step.kv_last_page_len is not None
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+        self._triton_kernel(q.shape[0], False).run(
+            q, pool, step.page_indices, step.kv_indptr[npf:], step.kv_last_page_len[npf:],
+            self.scale, k_scale, v_scale, out=out,
+        )  # fmt: skip
+
+    def _graph_triton_decode(self, layer: int, q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        assert self._graph_buffers is not None and self._graph_batch is not None
+        indptr, last, pages = self._graph_buffers
+        batch = self._graph_batch
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+        return self._triton_kernel(batch, True).run(
+            q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale
+        )
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:
         dev = self.device
@@ -148,6 +227,14 @@ class FlashInferBackend(AttentionBackend):
         lay = step.layout
         if lay.num_seqs != batch_size or lay.num_tokens != batch_size:
             raise ValueError(f"a graph step of size {batch_size} got {lay.num_seqs} sequences")
+        if self.decode_kernel == "triton":  # the graph reads these buffers (device copies)
+            assert step.kv_indptr is not None and step.kv_last_page_len is not None
+            indptr, last, pages = self._graph_buffers
+            indptr[: batch_size + 1].copy_(step.kv_indptr)
+            last[:batch_size].copy_(step.kv_last_page_len)
+            pages[: lay.num_pages].copy_(step.page_indices)
+            self._step, self._graph_batch = step, batch_size
+            return
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
             indptr, last, pages = self._graph_buffers

@@ -81,9 +81,15 @@ def create_backend(
     model_cfg: ModelConfig,
     kv_cache: KVCache,
     compute_dtype: torch.dtype | None = None,
+    decode_attention: str = "auto",
 ) -> AttentionBackend:
     """Build the backend `requested` ("auto", "torch", "flashinfer") for this model and pool;
-    `compute_dtype` is the model's (q's), default the pool's."""
+    `compute_dtype` is the model's (q's), default the pool's; `decode_attention` picks the
+    flashinfer backend's decode kernel (EngineConfig.decode_attention)."""
     dtype = compute_dtype or kv_cache.tensor.dtype
     name = resolve_backend_name(requested, model_cfg, kv_cache.device, dtype)
+    if name == "flashinfer":
+        from engine.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(model_cfg, kv_cache, compute_dtype, decode_attention)
     return backend_class(name)(model_cfg, kv_cache, compute_dtype)

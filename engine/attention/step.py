@@ -165,12 +165,23 @@ class StepInputs:
     slot_offsets: torch.Tensor  # [T]
     sample_rows: torch.Tensor  # [N]
     page_indices: torch.Tensor  # [P]
+    kv_indptr: torch.Tensor | None = None  # [S + 1]
+    kv_last_page_len: torch.Tensor | None = None  # [S]
     write_rows: torch.Tensor | None = None
     """CUDA-graph steps only: row of k/v written to each token's slot. Padding rows repeat
     row 0 and its slot, so their (identical) writes never touch another sequence's KV."""
 
 
-_FIELDS = ("input_ids", "positions", "slot_blocks", "slot_offsets", "sample_rows", "page_indices")
+_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_blocks",
+    "slot_offsets",
+    "sample_rows",
+    "page_indices",
+    "kv_indptr",
+    "kv_last_page_len",
+)
 
 
 class StepStager:

@@ -99,12 +99,14 @@ def _fp8_pool(model: LlamaModel) -> KVCache:
     return KVCache(kv_cache_spec(model.cfg, BS, FP8_DTYPE, 64, scales), "cuda")
 
 
+@pytest.mark.parametrize("decode", ["flashinfer", "triton"])
 def test_flashinfer_attention_over_an_e4m3_pool_equals_torch_over_the_same_pool(
-    model: LlamaModel,
+    model: LlamaModel, decode: str
 ) -> None:
     cfg = model.cfg
     fi_pool, ref_pool = _fp8_pool(model), _fp8_pool(model)
-    fi = create_backend("flashinfer", cfg, fi_pool, torch.bfloat16)
+    fi = create_backend("flashinfer", cfg, fi_pool, torch.bfloat16, decode_attention=decode)
+    assert getattr(fi, "decode_kernel", None) == decode
     ref = create_backend("torch", cfg, ref_pool, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -169,5 +171,6 @@ def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
     )
     assert fp8.kv_cache.tensor.dtype == FP8_DTYPE
     assert fp8.runner.graphs is not None  # the CUDA-graph decode path serves it
+    assert getattr(fp8.runner.backend, "decode_kernel", None) == "triton"  # auto, e4m3
     prompts = [dense.tokenizer.encode(text) for text in GPU_TEXTS]
     assert greedy_margin_check(dense, fp8, prompts, GPU_GREEDY, inclusive=True).exact >= 1

@@ -1,0 +1,274 @@
+"""Paged decode attention in Triton that reads e4m3 (or float) KV pages as they are stored.
+
+Why: flashinfer 0.7.4's decode over an e4m3 pool runs at ~1.9x its KV-read floor on the H200
+(118 µs a layer at B=64 x 2048, Llama-3-70B heads) where its bf16 decode runs at 1.05x, so an
+e4m3 pool saved only 11% of attention time (docs/benchmarks.md, "FP8, 2026-12-03"). This
+kernel converts each e4m3 tile in registers right before the tensor-core dot and keeps the
+per-layer K/V scales out of the inner loop (one multiply of the scores, one of the output).
+
+Two launches, flash-decoding style (split-KV):
+
+- `_split_kernel`, grid (sequences, KV heads, splits): program (b, h, s) loads the GROUP
+  query heads that share KV head h (padded to 16 rows for the dot), walks its split's share
+  of sequence b's tokens BLOCK_N at a time through the page list, gathering each token's K
+  and V row of head h from its page, and keeps an online softmax (base 2). It writes its
+  partial output (normalized by its own sum), its running max and its log-sum; with one
+  split it writes the final output instead and there is no second launch.
+- `_merge_kernel`, grid (sequences, query heads): combines the splits' partials.
+
+Inputs are those flashinfer's plan takes, already on the device: `kv_indptr` (sequence b's
+pages are page_indices[kv_indptr[b]:kv_indptr[b+1]]) and `last_page_len`. Nothing is planned
+on the host and nothing syncs: grid and buffers depend only on the batch size and the split
+count, so a CUDA graph captured once replays for any lengths and page lists.
+
+The pool is the strided per-layer view `[blocks, 2, page, kv_heads, head_dim]` of any pool
+layout: every stride is read from the tensor (only head_dim must be contiguous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_ROWS = 16
+"""Rows of the query tile: tensor-core dots need 16; a GQA group of 4 or 8 is padded."""
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shape of the split kernel."""
+
+    block_n: int = 64
+    """Tokens per inner step (a multiple of the page size or a divisor of it)."""
+    num_warps: int = 4
+    num_stages: int = 2
+    kv_first: bool = False
+    """Issue the V load with the K load, before the scores (more bytes in flight)."""
+    prefetch: bool = False
+    """Load the next tile's page ids in this step, so a tile's K/V addresses are known
+    before its step starts (no load waits on another load)."""
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, kv_ptr, page_ptr, indptr_ptr, last_ptr, out_ptr, part_ptr, stat_ptr,
+    sq_b, sq_h, s_blk, s_kv, s_tok, s_head, so_b, so_h,
+    num_splits, scale_log2, v_scale,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    first_page = tl.load(indptr_ptr + b)
+    num_pages = tl.load(indptr_ptr + b + 1) - first_page
+    seq_len = tl.maximum(num_pages - 1, 0) * PAGE + tl.where(
+        num_pages > 0, tl.load(last_ptr + b), 0
+    )
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = s * per_split
+    hi = tl.minimum(seq_len, lo + per_split)
+
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = h * GROUP + rows
+    row_ok = rows < GROUP
+    q = tl.load(
+        q_ptr + b * sq_b + heads[:, None] * sq_h + dims[None, :], mask=row_ok[:, None], other=0.0
+    ).to(tl.float16)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    page_ids = page_ptr + first_page
+    next_page = tl.load(page_ids + (lo + cols) // PAGE, mask=lo + cols < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + cols
+        tok_ok = tok < hi
+        if PREFETCH:
+            page = next_page
+        else:
+            page = tl.load(page_ids + tok // PAGE, mask=tok_ok, other=0)
+        row = page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + h * s_head
+        ptrs = kv_ptr + row[:, None] + dims[None, :]
+        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+        if KV_FIRST:
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        if PREFETCH:
+            after = tok + BLOCK_N
+            next_page = tl.load(page_ids + after // PAGE, mask=after < hi, other=0)
+        qk = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if not KV_FIRST:
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+
+    has = l_i > 0
+    safe_l = tl.where(has, l_i, 1.0)
+    part = acc / safe_l[:, None]
+    if SINGLE:
+        o = out_ptr + b * so_b + heads[:, None] * so_h + dims[None, :]
+        tl.store(o, (part * v_scale).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        qh = b * (tl.num_programs(1) * GROUP) + heads  # flat (sequence, query head)
+        slot = qh * num_splits + s
+        tl.store(part_ptr + slot[:, None] * HEAD_DIM + dims[None, :], part, mask=row_ok[:, None])
+        # log-sum in base 2 (-inf for an empty split)
+        lse = tl.where(has, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(stat_ptr + slot, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, stat_ptr, out_ptr, num_heads, so_b, so_h, v_scale,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    qh = b * num_heads + h
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(stat_ptr + qh * SPLITS + splits)
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    part = tl.load(part_ptr + (qh * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :])
+    total = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * so_b + h * so_h + dims, (o * v_scale).to(out_ptr.dtype.element_ty))
+
+
+def default_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) so that a launch has ~4 programs per SM: a power of two,
+    1 once the batch alone fills the GPU."""
+    want = max(1, (4 * num_sms) // max(1, batch * num_kv_heads))
+    return min(64, 1 << (want.bit_length() - 1))
+
+
+class PagedDecode:
+    """One decode attention launch shape: a batch size and split count, with the buffers the
+    split kernel writes (fixed, so CUDA graphs can capture `run`)."""
+
+    def __init__(
+        self,
+        batch: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        device: torch.device,
+        num_splits: int,
+        tiles: DecodeTiles | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"head_dim {head_dim} is not a power of two >= 16")
+        if num_splits < 1 or num_splits & (num_splits - 1):
+            raise ValueError(f"num_splits {num_splits} is not a power of two")
+        self.batch, self.num_heads, self.num_kv_heads = batch, num_heads, num_kv_heads
+        self.head_dim, self.page_size, self.num_splits = head_dim, page_size, num_splits
+        self.group = num_heads // num_kv_heads
+        self.rows = max(MIN_ROWS, triton.next_power_of_2(self.group))
+        self.tiles = tiles or DecodeTiles()
+        self.last_launch: object = None
+        """The split kernel's last compiled launch (registers, shared memory: benchmarks)."""
+        n = batch * num_heads * num_splits
+        split = num_splits > 1
+        self._part = torch.empty(n * head_dim if split else 1, dtype=torch.float32, device=device)
+        self._stat = torch.empty(n if split else 1, dtype=torch.float32, device=device)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        page_indices: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        last_page_len: torch.Tensor,
+        sm_scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of `q` [batch, heads, dim] over the pages of each sequence in `kv`
+        ([blocks, 2, page, kv_heads, dim], any strides but a contiguous head_dim). The int32
+        page arrays are on q's device. Returns `out` ([batch, heads, dim], q's dtype)."""
+        batch, heads, dim = q.shape
+        if (batch, heads, dim) != (self.batch, self.num_heads, self.head_dim):
+            raise ValueError(
+                f"q {tuple(q.shape)} is not ({self.batch}, {self.num_heads}, {self.head_dim})"
+            )
+        if kv.stride(-1) != 1 or q.stride(-1) != 1:
+            raise ValueError("the head dimension of q and the KV pool must be contiguous")
+        if out is None:
+            out = torch.empty_like(q)
+        single = self.num_splits == 1
+        t = self.tiles
+        launched = _split_kernel[(batch, self.num_kv_heads, self.num_splits)](
+            q, kv, page_indices, kv_indptr, last_page_len, out, self._part, self._stat,
+            q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            out.stride(0), out.stride(1),
+            self.num_splits, sm_scale * k_scale * LOG2E, v_scale,
+            GROUP=self.group, ROWS=self.rows, HEAD_DIM=dim, PAGE=self.page_size,
+            BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, PREFETCH=t.prefetch,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
+        self.last_launch = launched
+        if not single:
+            _merge_kernel[(batch, heads)](
+                self._part, self._stat, out, heads, out.stride(0), out.stride(1), v_scale,
+                SPLITS=self.num_splits, HEAD_DIM=dim, num_warps=4,
+            )  # fmt: skip
+        return out
+
+
+def reference_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    page_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    last_page_len: torch.Tensor,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """The same attention in float32 torch, one sequence at a time (tests and self-checks)."""
+    indptr, last = kv_indptr.tolist(), last_page_len.tolist()
+    page = kv.shape[2]
+    group = q.shape[1] // kv.shape[3]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        pages = page_indices[indptr[b] : indptr[b + 1]].long()
+        n = (len(pages) - 1) * page + last[b]
+        seq = kv[pages].float()  # [pages, 2, page, kv_heads, dim]
+        k = seq[:, 0].reshape(-1, *seq.shape[-2:])[:n] * k_scale
+        v = seq[:, 1].reshape(-1, *seq.shape[-2:])[:n] * v_scale
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """`default_splits` for the device's SM count (132 on an H200; 4 off CUDA)."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
+    return default_splits(batch, num_kv_heads, sms)

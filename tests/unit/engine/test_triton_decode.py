@@ -1,0 +1,157 @@
+"""The Triton split-KV decode kernel (engine/attention/triton_decode.py) against a float32 torch
+reference, in Triton's interpreter on CPU (GPU: tests/gpu/test_fp8_fused_gpu.py).
+
+Whether a kernel is interpreted is fixed when Triton defines it (TRITON_INTERPRET at import),
+so the launches run in a subprocess; the inputs and the reference are made here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+
+from engine.attention.flashinfer_backend import select_decode_kernel
+from engine.attention.triton_decode import DecodeTiles, default_splits, reference_decode
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launch: a pool (any layout's per-layer view), page arrays and the kernel's shape."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    pages: torch.Tensor
+    indptr: torch.Tensor
+    last: torch.Tensor
+    splits: int
+    tiles: DecodeTiles
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def run_interpreted(inputs: str, outputs: str) -> None:
+    """The subprocess's side of `interpret`."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from engine.attention.triton_decode import PagedDecode
+
+    cases: list[Case] = torch.load(inputs, weights_only=False)
+    outs = []
+    for c in cases:
+        b, heads, dim = c.q.shape
+        kernel = PagedDecode(
+            b, heads, c.kv.shape[3], dim, c.kv.shape[2], c.q.device, c.splits, c.tiles
+        )
+        scale = dim**-0.5
+        outs.append(kernel.run(c.q, c.kv, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale))
+    torch.save(outs, outputs)
+
+
+def interpret(cases: list[Case], tmp_path: Path) -> list[torch.Tensor]:
+    inputs, outputs = tmp_path / "cases.pt", tmp_path / "outs.pt"
+    torch.save(cases, inputs)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    code = "import sys, test_triton_decode as t; t.run_interpreted(sys.argv[1], sys.argv[2])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(inputs), str(outputs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cast(list[torch.Tensor], torch.load(outputs, weights_only=False))
+
+
+def make_case(
+    lens: list[int],
+    heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    splits: int,
+    tiles: DecodeTiles,
+    head_major: bool = False,
+    page: int = 4,
+    dim: int = 32,
+    seed: int = 0,
+) -> Case:
+    """Sequences of `lens` tokens over pages in random order of a 3-layer pool (layer 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = [-(-n // page) for n in lens]
+    blocks = sum(num_pages) + 3
+    pool = torch.randn(blocks, 3, 2, page, kv_heads, dim, generator=gen).clamp(-3, 3).to(dtype)
+    if head_major:  # [blocks, kv_heads, layers, 2, page, dim], the same per-layer view
+        kv = pool.permute(0, 4, 1, 2, 3, 5).contiguous()[:, :, 1].permute(0, 2, 3, 1, 4)
+    else:
+        kv = pool[:, 1]
+    order = torch.randperm(blocks, generator=gen)[: sum(num_pages)].int()
+    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    scales = (0.5, 0.25) if dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    return Case(q, kv, order, indptr, last.int(), splits, tiles, *scales)
+
+
+def check(cases: list[Case], tmp_path: Path) -> None:
+    for c, got in zip(cases, interpret(cases, tmp_path), strict=True):
+        dim = c.q.shape[-1]
+        want = reference_decode(
+            c.q, c.kv, c.pages, c.indptr, c.last, dim**-0.5, c.k_scale, c.v_scale
+        )
+        # q and the KV tiles enter the dots in float16: ~1e-3 relative
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_interpreted_kernel_equals_the_reference_for_every_split_and_tile(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    lens = [1, 4, 9, 37, 70]  # one token, one full page, partial pages, many pages
+    cases = [
+        make_case(lens, 8, 2, dtype, splits, DecodeTiles(block_n, 4, 2, kv_first, prefetch))
+        for splits in (1, 2, 8)  # 8 splits: some are empty for the short sequences
+        for block_n, kv_first, prefetch in ((16, False, False), (32, True, True), (4, True, False))
+    ]
+    check(cases, tmp_path)
+
+
+def test_interpreted_kernel_groups_query_heads_and_reads_the_head_major_view(
+    tmp_path: Path,
+) -> None:
+    tiles = DecodeTiles(16, 4, 2, True, True)
+    cases = [
+        make_case([5, 23], heads, kv_heads, torch.float8_e4m3fn, 2, tiles, head_major, seed=3)
+        for heads, kv_heads in ((4, 4), (8, 2), (16, 2), (8, 1))  # groups of 1, 4, 8, 8
+        for head_major in (False, True)
+    ]
+    check(cases, tmp_path)
+
+
+def test_auto_takes_triton_for_an_e4m3_pool_on_cuda_only() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert select_decode_kernel("auto", "bfloat16", cuda) == "flashinfer"
+    assert select_decode_kernel("flashinfer", "float8_e4m3fn", cuda) == "flashinfer"
+    assert select_decode_kernel("auto", "float8_e4m3fn", cpu) == "flashinfer"
+    with pytest.raises(Exception, match="runs on CUDA"):
+        select_decode_kernel("triton", "float8_e4m3fn", cpu)
+    with pytest.raises(ValueError, match="decode_attention"):
+        select_decode_kernel("xqa", "float8_e4m3fn", cuda)
+
+
+def test_splits_fill_the_gpu_and_stop_at_one_once_the_batch_does() -> None:
+    assert default_splits(1, 8, 132) == 64  # 8 programs: as many splits as allowed
+    assert default_splits(16, 8, 132) == 4
+    assert default_splits(64, 8, 132) == 1
+    assert default_splits(256, 8, 132) == 1
+    for batch in (1, 3, 7, 33):
+        splits = default_splits(batch, 8, 132)
+        assert splits & (splits - 1) == 0 and batch * 8 * splits <= 4 * 132 * 2
