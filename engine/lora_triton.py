@@ -82,9 +82,10 @@ def fan_in_split(num_tokens: int, num_parts: int, fan_in: int, tiles: Tiles) -> 
 SHRINKS = ("dense", "bgmv", "dot")
 """How `add_lora` shrinks and expands: "dense", one matmul of x against every slot's A at once
 (the expand then reads only the token's own slot's columns: no mask); "bgmv", a Triton program
-per token reading only its slot's A; "dot", the dense shrink and a tensor-core expand that
-reads every slot's B once for a tile of tokens, masking each token's other slots in registers
-(`_expand_dot_kernel`: the per-token expands re-read B for every token)."""
+per token reading only its slot's A; "dot", engine/lora_dot.py: a split-K tensor-core shrink
+against every slot's A that reduces its own splits, then a tensor-core expand that reads every
+slot's B once per tile of tokens, masking each token's other slots in registers (the
+per-token expands re-read B for every token)."""
 DEFAULT_SHRINK = "dense"
 """H200, benchmarks/bench_lora.py (Llama-3-8B, B=64 decode, rank 16 on all seven
 projections, 16 slots, CUDA graphs): the BGMV shrink made the step 1.46x the base model's;
@@ -121,8 +122,9 @@ def add_lora(
         return
     tiles = tiles or default_tiles(rank)
     if shrink == "dot":
-        dense = torch.nn.functional.linear(x, a.reshape(-1, fan_in)).view(t, -1)
-        _expand_dot(dense, out, slots, b, columns, num_parts, rows * rank, rank)
+        from engine.lora_dot import add_lora_dot
+
+        add_lora_dot(x, out, slots, a, b, columns)
         return
     if shrink == "dense":  # h[0, t, p, slot * rank + r]: every slot's, the expand picks one
         dense = torch.nn.functional.linear(x, a.reshape(-1, fan_in))
@@ -245,76 +247,3 @@ def _expand_kernel(
                 rank, out_row, stride_on, lo2, n2, (j - blocks0 - blocks1) * BLOCK_N,
                 BLOCK_R, BLOCK_N, BLOCK_S,
             )  # fmt: skip
-
-
-DOT_BLOCK_N = 128
-DOT_BLOCK_K = 64
-DOT_MAX_BLOCK_T = 64
-
-
-def _expand_dot(
-    h: torch.Tensor,
-    out: torch.Tensor,
-    slots: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    columns: Sequence[tuple[int, int]],
-    num_parts: int,
-    width: int,
-    rank: int,
-) -> None:
-    """out[t, lo_p:hi_p] += h[t, p, own slot's rank columns] @ b[p][own slot] for every part,
-    in one launch over (column blocks of every part, token tiles)."""
-    t = h.shape[0]
-    if any(bp.stride(0) != rank * bp.stride(1) for bp in b):
-        raise ValueError("each B's (slot, rank) rows must be evenly strided")
-    block_t = max(16, min(DOT_MAX_BLOCK_T, triton.next_power_of_2(t)))
-    block_k = min(DOT_BLOCK_K, triton.next_power_of_2(width))
-    widths = [hi - lo for lo, hi in columns]
-    blocks = [triton.cdiv(w, DOT_BLOCK_N) for w in widths]
-    pad = MAX_PARTS - num_parts
-    bs = [*b, *[b[0]] * pad]
-    los = [lo for lo, _ in columns] + [0] * pad
-    widths += [0] * pad
-    _expand_dot_kernel[(sum(blocks), triton.cdiv(t, block_t))](
-        h, out, slots, *bs, *los, *widths, blocks[0], blocks[1] if num_parts > 1 else 0,
-        bs[0].stride(1), bs[1].stride(1), bs[2].stride(1), t, h.stride(0), width,
-        out.stride(0), out.stride(1),
-        RANK=rank, ROWS=width, BLOCK_T=block_t, BLOCK_N=DOT_BLOCK_N, BLOCK_K=block_k,
-    )  # fmt: skip
-
-
-@triton.jit
-def _expand_dot_kernel(
-    h_ptr, out_ptr, slots_ptr, b0_ptr, b1_ptr, b2_ptr, lo0, lo1, lo2, n0, n1, n2,
-    blocks0, blocks1, stride_b0, stride_b1, stride_b2, num_tokens, stride_ht, stride_hp,
-    stride_ot, stride_on,
-    RANK: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    j = tl.program_id(0)
-    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tokens < num_tokens
-    slot = tl.load(slots_ptr + tokens, mask=t_ok, other=-1)
-    if j < blocks0:
-        b_ptr, stride_b, lo, width, col0, part = b0_ptr, stride_b0, lo0, n0, j, 0
-    elif j < blocks0 + blocks1:
-        b_ptr, stride_b, lo, width, col0, part = b1_ptr, stride_b1, lo1, n1, j - blocks0, 1
-    else:
-        b_ptr, stride_b, lo = b2_ptr, stride_b2, lo2
-        width, col0, part = n2, j - blocks0 - blocks1, 2
-    n = col0 * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < width
-    h_rows = h_ptr + tokens[:, None] * stride_ht + part * stride_hp
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, ROWS, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < ROWS
-        mine = (k[None, :] // RANK == slot[:, None]) & t_ok[:, None] & k_ok[None, :]  # own slot
-        hv = tl.load(h_rows + k[None, :], mask=mine, other=0.0)
-        b_ok = k_ok[:, None] & n_ok[None, :]
-        bv = tl.load(b_ptr + k[:, None] * stride_b + n[None, :], mask=b_ok, other=0.0)
-        acc += tl.dot(hv, bv)
-    o = out_ptr + tokens[:, None] * stride_ot + (lo + n)[None, :] * stride_on
-    m = t_ok[:, None] & n_ok[None, :]
-    base = tl.load(o, mask=m, other=0.0).to(tl.float32)
-    tl.store(o, (base + acc).to(out_ptr.dtype.element_ty), mask=m)

@@ -479,3 +479,14 @@ def test_the_triton_kernel_passes_its_self_check_on_this_gpu() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     assert la.check_graph_kernel("triton", device, torch.bfloat16) < la.SELF_CHECK_TOLERANCE
     assert la.select_lora_kernel("triton", device, torch.bfloat16) == "triton"
+
+
+def test_dot_shrink_splits_cover_the_fan_in_within_the_bounds() -> None:
+    from engine import lora_dot
+
+    for fan_in in (64, 200, 4096, 8500, 14336, 28672, 65536):
+        for tiles in (1, 3, 6, 24, 200):
+            k_steps, splits = lora_dot.shrink_split(fan_in, tiles)
+            blocks = -(-fan_in // lora_dot.BLOCK_K)
+            assert k_steps & (k_steps - 1) == 0 and 1 <= splits <= lora_dot.MAX_SPLITS
+            assert (splits - 1) * k_steps < blocks <= splits * k_steps  # no empty split
