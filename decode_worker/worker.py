@@ -34,7 +34,7 @@ import asyncio
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, DecodeRequest, TokenChunk
@@ -75,9 +75,13 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
     """Ray actor class (wrap with `ray.remote(...)`); also serves the colocated role."""
 
     def __init__(
-        self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
+        self,
+        config: WorkerConfig,
+        transfer: KVTransferConfig,
+        actor_name: str = "",
+        followers: Sequence[Any] = (),
     ) -> None:
-        super().__init__(config, transfer, actor_name)
+        super().__init__(config, transfer, actor_name, followers)
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
@@ -100,6 +104,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             on_done=self._on_outcome,
             on_failed=self._on_outcome,
             config=self.transfer_config,
+            backend_factory=tp.backend_factory() if (tp := self.runtime.tp) is not None else None,
         )
 
     def _closing(self) -> None:

@@ -240,7 +240,7 @@ def _refuse_unplaceable(spec: ClusterSpec) -> None:
     them until its start timeout)."""
     import ray
 
-    wanted = [(role.value, spec.placement_for(role)) for role in spec.initial_roles()]
+    wanted = [(role.value, spec.worker_asks(role)) for role in spec.initial_roles()]
     why = capacity_shortfall(wanted, ray.cluster_resources())
     if why is not None:
         raise ClusterError(why)

@@ -47,8 +47,8 @@ from deploy.workers import (
     ActorPlacement,
     create_worker,
     rebalance_shortfall,
+    stop_worker,
 )
-from engine.config import EngineMode
 from planner.loop import (
     PlannerLoop,
     ResourceRequester,
@@ -177,12 +177,11 @@ class Controller:
                 load = ray.get(handle.load.remote(), timeout=ADOPT_TIMEOUT_S)
             except Exception as e:
                 self._log(f"controller restart: worker {worker_id} did not answer ({e}); killed")
-                with contextlib.suppress(Exception):
-                    ray.kill(handle)
+                stop_worker(worker_id, handle)
                 with contextlib.suppress(ValueError):
                     lost.append(WorkerRole(role_name))
                 continue
-            placement = self.spec.placement_for(info.role)
+            placement = self.spec.worker_asks(info.role)
             w = _Worker(info, info.role, worker_id, handle, placement, state=load.state)
             w.ready_at = time.time()
             self.workers[worker_id] = w
@@ -265,11 +264,10 @@ class Controller:
         self.events.append((next(self._event_seq), f"{time.strftime('%H:%M:%S')} {message}"))
 
     def _worker_config(self, role: WorkerRole, worker_id: str) -> WorkerConfig:
-        mode = EngineMode.PREFILL_ONLY if role is WorkerRole.PREFILL else EngineMode.COLOCATED
         return WorkerConfig(
             worker_id=worker_id,
             role=role,
-            engine=replace(self.spec.engine, mode=mode),
+            engine=self.spec.engine_for(role),
             redis_url=self.spec.redis_url,
             index=self.spec.index,
             torch_threads=self.spec.torch_threads,
@@ -279,11 +277,11 @@ class Controller:
     def _create_worker(self, role: WorkerRole) -> _Worker:
         """Create the actor and register it as starting (its start() is not awaited yet)."""
         worker_id = f"{role.value}-{next(self._ids)}"
-        placement = self.spec.placement_for(role)
+        placement = self.spec.placement_for(role)  # each rank's (a TP worker: N ranks)
         handle = create_worker(
             self._worker_config(role, worker_id), self.spec.transfer, placement, detached=True
         )
-        w = _Worker(None, role, worker_id, handle, placement)
+        w = _Worker(None, role, worker_id, handle, self.spec.worker_asks(role))
         self.workers[worker_id] = w
         return w
 
@@ -296,8 +294,7 @@ class Controller:
             info: WorkerInfo = await wait_within(handle.start.remote(), self.spec.start_timeout_s)
         except BaseException as e:
             self.workers.pop(worker_id, None)
-            with contextlib.suppress(Exception):
-                ray.kill(handle)
+            stop_worker(worker_id, handle)
             self.metrics.removed.labels(role.value, "start_failed").inc()
             self._log(f"worker {worker_id} failed to start: {e}")
             raise
@@ -393,8 +390,7 @@ class Controller:
             reason = "unhealthy" if why.startswith("unhealthy") else "dead"
             self.metrics.removed.labels(w.role.value, reason).inc()
             self._log(f"worker {w.worker_id} is {why}; removed from placement")
-            with contextlib.suppress(Exception):
-                ray.kill(w.handle)
+            stop_worker(w.worker_id, w.handle)
             self._spawn(self._purge_index(w.worker_id))
             if self.spec.replace_dead and w.state is WorkerState.READY:
                 self._spawn(self._replace(w.role))
@@ -606,7 +602,7 @@ class Controller:
         starting = []
         for role, n in targets.items():
             have = sum(1 for w in staying if w.role is role and w.state in _WANTED_STATES)
-            starting += [(role.value, self.spec.placement_for(role))] * max(n - have, 0)
+            starting += [(role.value, self.spec.worker_asks(role))] * max(n - have, 0)
         why = rebalance_shortfall(
             [(w.role.value, w.placement) for w in staying], starting, ray.cluster_resources()
         )
@@ -618,8 +614,7 @@ class Controller:
             self.metrics.removed.labels(w.role.value, "stopped").inc()
         with contextlib.suppress(Exception):
             await wait_within(w.handle.shutdown.remote(), 30)
-        with contextlib.suppress(Exception):
-            ray.kill(w.handle)
+        stop_worker(w.worker_id, w.handle)
         w.state = WorkerState.STOPPED
         self._log(f"worker {w.worker_id} stopped")
         await self._purge_index(w.worker_id)

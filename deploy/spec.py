@@ -4,10 +4,10 @@ they are placed, checked and replaced. In a cluster's config tree (deploy/config
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deploy.workers import ActorPlacement, default_placement
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineMode
 from kv_transfer.config import KVTransferConfig
 from planner.loop import PlannerSettings
 from prefix_index.config import PrefixIndexConfig
@@ -38,6 +38,13 @@ class ClusterSpec:
     """Decode workers started with the cluster (at least 1)."""
     colocated: bool = False
     """Baseline mode: decode workers get the COLOCATED role and no prefill workers run."""
+    prefill_tp: int = 1
+    """Tensor-parallel ranks (devices) of each prefill worker: N ranks on one node, one
+    worker to the router, controller, admission and status (engine.tensor_parallel_size)."""
+    decode_tp: int = 1
+    """Tensor-parallel ranks of each decode (or colocated) worker. When it differs from
+    prefill_tp, engine.kv_layout auto becomes head_major on every worker (each decode rank
+    reads its KV heads of a block in one piece; engine/kv_cache.py)."""
     redis_url: str | None = None
     """The prefix index's Redis; None: no index (placement on load alone)."""
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -66,6 +73,39 @@ class ClusterSpec:
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     """The planner loop (off by default)."""
 
+    def __post_init__(self) -> None:
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.engine.tensor_parallel_size != 1:
+            raise ValueError(
+                "engine.tensor_parallel_size: set prefill_tp / decode_tp (--prefill-tp, "
+                "--decode-tp) for a cluster's workers"
+            )
+
+    def tp_for(self, role: WorkerRole) -> int:
+        """Tensor-parallel ranks of a worker of `role`."""
+        return self.prefill_tp if role is WorkerRole.PREFILL else self.decode_tp
+
+    @property
+    def kv_layout(self) -> str:
+        """The KV layout every worker uses: engine.kv_layout, with auto resolved (module
+        docstring of engine/kv_cache.py; head_major when prefill and decode TP differ in a
+        disaggregated cluster)."""
+        layout = self.engine.kv_layout
+        if layout != "auto":
+            return layout
+        crossed = not self.colocated and self.prefill_tp != self.decode_tp
+        return "head_major" if crossed else "block_major"
+
+    def engine_for(self, role: WorkerRole) -> EngineConfig:
+        """The engine of a worker of `role`: its mode, TP size and the cluster's KV layout."""
+        mode = EngineMode.PREFILL_ONLY if role is WorkerRole.PREFILL else EngineMode.COLOCATED
+        return replace(
+            self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
+            kv_layout=self.kv_layout,
+        )  # fmt: skip
+
     def initial_roles(self) -> list[WorkerRole]:
         """The role of each worker `Controller.start` starts."""
         roles = [WorkerRole.PREFILL] * (0 if self.colocated else self.num_prefill)
@@ -78,3 +118,7 @@ class ClusterSpec:
         p = self.placement
         specific = p.prefill if role is WorkerRole.PREFILL else p.decode
         return specific or p.default or default_placement()
+
+    def worker_asks(self, role: WorkerRole) -> ActorPlacement:
+        """What one worker of `role` holds on Ray: its rank's placement, once per TP rank."""
+        return self.placement_for(role).times(self.tp_for(role))

@@ -3,10 +3,19 @@
 One actor per GPU (`num_gpus=1`) where the cluster has GPUs, else a fractional CPU slot. The
 actor is named `pdserve-worker-{id}` in the cluster's namespace (decode workers find prefill
 peers by that name for the KV handshake).
+
+A tensor-parallel worker of N ranks is N actors on one node: a placement group of N bundles
+(STRICT_PACK; each bundle one rank's placement), named `pdserve-tp-{id}`, with the worker's
+actor (rank 0) in bundle 0 and a follower actor (worker_runtime/tp_follower.py, named
+`pdserve-tp-rank{r}-{id}`, outside the workers' name prefix) in bundle r. `stop_worker`
+kills the worker's actor and removes its group, which ends the followers too: nothing of a
+stopped or dead TP worker is left on Ray. It asks N times a rank's placement
+(`ActorPlacement.times`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +38,21 @@ class ActorPlacement:
     """Custom resources (e.g. ("prefill", 1)) for node groups of an autoscaling cluster."""
     max_restarts: int = 0
     """Ray restarts of a crashed actor; 0 lets the controller replace it with a fresh one."""
+
+    def times(self, n: int) -> ActorPlacement:
+        """What `n` actors of this placement ask for together (a TP worker of `n` ranks)."""
+        return ActorPlacement(
+            self.num_gpus * n,
+            self.num_cpus * n,
+            tuple((name, amount * n) for name, amount in self.resources),
+            self.max_restarts,
+        )
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle (a bundle must ask for something: a sliver of
+        CPU when the placement asks for nothing)."""
+        asks = {"GPU": self.num_gpus, "CPU": self.num_cpus, **dict(self.resources)}
+        return {k: v for k, v in asks.items() if v > 0} or {"CPU": 0.001}
 
 
 def default_placement() -> ActorPlacement:
@@ -118,6 +142,16 @@ def actor_class(role: WorkerRole) -> type:
     return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
 
 
+def tp_group_name(worker_id: str) -> str:
+    """The placement group of a TP worker's ranks."""
+    return f"pdserve-tp-{worker_id}"
+
+
+def follower_name(worker_id: str, rank: int) -> str:
+    """The actor name of TP rank `rank` (> 0) of a worker."""
+    return f"pdserve-tp-rank{rank}-{worker_id}"
+
+
 def create_worker(
     config: WorkerConfig,
     transfer: KVTransferConfig,
@@ -125,22 +159,65 @@ def create_worker(
     detached: bool = False,
 ) -> Any:
     """Create (not start) the actor; call `.start.remote()` on the handle and await it.
+    `placement`: each rank's (a TP worker's N ranks ask N times it, in one placement group).
 
     `detached`: the actor outlives its creator (the controller's workers: a controller that
     dies and restarts adopts them; whoever stops the cluster kills them)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from worker_runtime.tp_follower import TPFollower
+
     placement = placement or default_placement()
     name = actor_name_for(config.worker_id)
-    remote_cls: Any = ray.remote(actor_class(config.role))
     lifetime = {"lifetime": "detached"} if detached else {}
-    return remote_cls.options(
-        name=name,
-        num_gpus=placement.num_gpus,
-        num_cpus=placement.num_cpus,
-        resources=dict(placement.resources),
-        max_restarts=placement.max_restarts,
-        max_concurrency=4096,
+    options: dict[str, Any] = {
+        "num_gpus": placement.num_gpus,
+        "num_cpus": placement.num_cpus,
+        "resources": dict(placement.resources),
+        "max_concurrency": 4096,
         **lifetime,
-    ).remote(config, transfer, name)
+    }
+    size = config.engine.tensor_parallel_size
+    followers: list[Any] = []
+    if size > 1:
+        group = placement_group(
+            [placement.bundle()] * size, strategy="STRICT_PACK",
+            name=tp_group_name(config.worker_id), **lifetime,
+        )  # fmt: skip
+
+        def in_bundle(rank: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+
+        follower_cls: Any = ray.remote(TPFollower)
+        followers = [
+            follower_cls.options(
+                name=follower_name(config.worker_id, rank),
+                scheduling_strategy=in_bundle(rank),
+                **options,
+            ).remote(config, transfer, rank)
+            for rank in range(1, size)
+        ]
+        options["scheduling_strategy"] = in_bundle(0)
+    remote_cls: Any = ray.remote(actor_class(config.role))
+    return remote_cls.options(name=name, max_restarts=placement.max_restarts, **options).remote(
+        config, transfer, name, tuple(followers)
+    )
+
+
+def stop_worker(worker_id: str, handle: Any) -> None:
+    """Kill a worker's actor and, for a TP worker, remove its placement group (which ends its
+    follower ranks); quiet about what is already gone."""
+    from ray.util import get_placement_group, remove_placement_group
+
+    with contextlib.suppress(Exception):
+        ray.kill(handle)
+    try:
+        group = get_placement_group(tp_group_name(worker_id))
+    except ValueError:  # no such group: a worker of one rank, or removed already
+        return
+    with contextlib.suppress(Exception):
+        remove_placement_group(group)
 
 
 def start_worker_sync(

@@ -142,17 +142,31 @@ def run_follower(
     stop: Callable[[], bool] | None = None,
 ) -> int:
     """Serve TP rank `group.rank` (> 0) of an engine of `config` until rank 0 closes (or
-    `stop()` is true); returns the steps run. Builds this rank's parts as rank 0 does, so it
-    must start while rank 0 builds its `LLMEngine`. Raises `TPGroupError` when the group
-    breaks (rank 0 died, a deadline passed); the caller then exits (and closes `group`)."""
+    `stop()` is true); returns the steps run: `prepare_follower`, then `serve_follower`."""
+    return serve_follower(group, prepare_follower(config, group), stop)
+
+
+def prepare_follower(config: EngineConfig, group: TPGroup) -> ModelRunner:
+    """Build TP rank `group.rank`'s (> 0) part of an engine of `config` as rank 0 builds its
+    own (engine/rank_setup.py: the start-up collectives), so it must run while rank 0 builds
+    its `LLMEngine`; the runner holds the rank's model and KV pool (`runner.kv_cache`)."""
     if group.rank == 0:
-        raise ValueError("run_follower runs on TP ranks > 0; rank 0 runs LLMEngine")
+        raise ValueError("followers are TP ranks > 0; rank 0 runs LLMEngine")
     model_config = ModelConfig.from_pretrained(config.model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = Tokenizer.from_model_dir(Path(config.model_dir))
     runner = build_rank(config, model_config, device, dtype, tokenizer, tp=group).runner
     log.info("TP rank %d of %d: ready", group.rank, group.size)
+    return runner
+
+
+def serve_follower(
+    group: TPGroup, runner: ModelRunner, stop: Callable[[], bool] | None = None
+) -> int:
+    """Run rank 0's steps on this rank's `runner` until rank 0 closes (or `stop()` is
+    true); returns the steps run. Raises `TPGroupError` when the group breaks (rank 0
+    died, a deadline passed); the caller then exits (and closes `group`)."""
     steps = 0
     while True:
         message = group.receive(stop)

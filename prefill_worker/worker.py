@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -51,9 +53,13 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
     """Ray actor class (wrap with `ray.remote(...)`; deploy/workers.py creates it)."""
 
     def __init__(
-        self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
+        self,
+        config: WorkerConfig,
+        transfer: KVTransferConfig,
+        actor_name: str = "",
+        followers: Sequence[Any] = (),
     ) -> None:
-        super().__init__(config, transfer, actor_name)
+        super().__init__(config, transfer, actor_name, followers)
         self._tokens_per_s = 0.0
         self._aborted: set[str] = set()  # calls that `abort` ended (they raise RequestAborted)
 
@@ -64,6 +70,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             self.runtime.config.worker_id,
             release_blocks=self._release_blocks,
             config=self.transfer_config,
+            followers=self.runtime.tp.agents if self.runtime.tp is not None else (),
         )
 
     def _holds_work(self) -> bool:

@@ -55,7 +55,11 @@ class WorkerInfo:
     kv_cache_dtype: str = ""
     """Element type of the KV pool (e.g. bfloat16, float8_e4m3fn)."""
     kv_cache_bytes: int = 0
-    """Bytes of the KV pool."""
+    """Bytes of the KV pool (rank 0's, with tensor parallelism: each rank has one)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (devices) of the worker; it is one worker all the same."""
+    kv_layout: str = ""
+    """Layout of the KV pool (engine/kv_cache.py)."""
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ States (`WorkerState`, as the worker reports it in `load()`):
     STARTING ──start()──► READY ──drain()──► DRAINING ──undrain()──► READY
     any ──shutdown()──► STOPPED
 
-`start` loads the model and starts the engine thread (`WorkerRuntime`), then the role's KV
-endpoint (`_make_endpoint`), whose thread the health check watches too. `admit` is the check
+`start` loads the model and starts the engine thread (`WorkerRuntime`; a tensor-parallel
+worker's follower ranks with it), then the role's KV endpoint (`_make_endpoint`), whose
+thread the health check watches too. `admit` is the check
 every new request passes (READY, and room for one more). `drain` stops admitting and waits
 until the role holds nothing (`_holds_work`: a decode worker's streams, a prefill worker's
 requests and leases); `ping` is the controller's health check (health means progress:
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine.driver import LoopProgress
 from engine.engine import LLMEngine
@@ -52,9 +54,14 @@ class WorkerLifecycle(Generic[E]):
     a role subclasses it with its endpoint type and its requests."""
 
     def __init__(
-        self, config: WorkerConfig, transfer: KVTransferConfig, actor_name: str = ""
+        self,
+        config: WorkerConfig,
+        transfer: KVTransferConfig,
+        actor_name: str = "",
+        followers: Sequence[Any] = (),
     ) -> None:
-        self.runtime = WorkerRuntime(config, actor_name or config.worker_id)
+        """`followers`: a tensor-parallel worker's rank 1.. actors (deploy/workers.py)."""
+        self.runtime = WorkerRuntime(config, actor_name or config.worker_id, followers, transfer)
         self.transfer_config = transfer
         self.endpoint: E | None = None
         configure_tracing(config.role.value)  # from OTEL_*: off unless an exporter is named
@@ -130,6 +137,7 @@ class WorkerLifecycle(Generic[E]):
         if self.endpoint is not None:
             await asyncio.to_thread(self.endpoint.close)
         self.runtime.stop()
+        await self.runtime.stop_ranks()
         self._closing()
         await asyncio.to_thread(shutdown_tracing)  # what is left goes to the exporter
 

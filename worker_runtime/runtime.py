@@ -12,6 +12,11 @@ Health means progress: `check_health` (the actor's `ping`) reads each watched th
 `LoopProgress` (the engine thread always; the worker adds its KV-transfer thread with
 `watch`) and raises `WorkerUnhealthy` when one has died, or has had work pending without
 completing an iteration for `stall_timeout_s`; the asyncio loop answering is not enough.
+
+Tensor parallelism: with follower actors (`followers`, one per rank 1..N-1), this worker is
+rank 0: `start` starts them and builds its engine in their group (worker_runtime/tp_ranks.py),
+and the ranks are watched too (a follower that died, or a broken group, makes the worker
+unhealthy); `stop` ends them.
 """
 
 from __future__ import annotations
@@ -20,15 +25,17 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.config import EngineConfig
 from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
 from engine.engine import LLMEngine
 from engine.kv_events import CacheSnapshot
 from engine.outputs import LoraInfo, RequestOutput
+from engine.tensor_parallel import TPGroup
+from kv_transfer.config import KVTransferConfig
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.publisher import KVEventPublisher
 from prefix_index.types import PublisherStats
@@ -41,6 +48,7 @@ from worker_runtime.api import (
     WorkerStopped,
     WorkerUnhealthy,
 )
+from worker_runtime.tp_ranks import TPRanks
 from worker_runtime.waits import wait_within
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,10 @@ T = TypeVar("T")
 
 ENGINE_LOOP = "engine thread"
 """The name `check_health` gives the engine driver's loop (always watched)."""
+TP_RANKS = "TP ranks"
+"""The name `check_health` gives a TP worker's follower ranks."""
+START_TIMEOUT_S = 600.0
+"""Longest a TP worker waits for its followers to start once its own engine is built."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +124,26 @@ def stall_reason(name: str, progress: LoopProgress, stall_timeout_s: float) -> s
 class WorkerRuntime:
     """Engine thread + asyncio bridge + KV-event publisher of one worker."""
 
-    def __init__(self, config: WorkerConfig, actor_name: str) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        actor_name: str,
+        followers: Sequence[Any] = (),
+        transfer: KVTransferConfig | None = None,
+    ) -> None:
+        """`followers`: the actors of TP ranks 1.. (worker_runtime/tp_follower.py), as many
+        as `config.engine.tensor_parallel_size` - 1."""
+        size = config.engine.tensor_parallel_size
+        if len(followers) != size - 1:
+            raise ValueError(f"tensor_parallel_size={size} needs {size - 1} follower actors")
         self.config = config
         self.actor_name = actor_name
+        self.tp = (
+            TPRanks(followers, config.worker_id, transfer or KVTransferConfig())
+            if followers
+            else None
+        )
+        """The TP worker's followers (None with one rank)."""
         self.state = WorkerState.STARTING
         self.engine: LLMEngine | None = None
         self.info: WorkerInfo | None = None
@@ -132,7 +161,14 @@ class WorkerRuntime:
     async def start(self) -> WorkerInfo:
         """Load the model (off the event loop), start the engine thread and the publisher."""
         self._loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(self._build_engine)
+        if self.tp is not None:
+            engine_config = self.config.engine
+            self.engine = await self.tp.start(
+                self._build_engine, engine_config.tp_timeout_s, START_TIMEOUT_S
+            )
+            self.watch(TP_RANKS, self.tp.probe)
+        else:
+            self.engine = await asyncio.to_thread(self._build_engine)
         driver = EngineDriver(
             self.engine,
             on_outputs=self._on_outputs,
@@ -169,19 +205,22 @@ class WorkerRuntime:
             weight_bytes=engine.model.weight_bytes,
             kv_cache_dtype=engine.kv_cache.spec.dtype,
             kv_cache_bytes=engine.kv_cache.spec.nbytes,
+            tp_size=engine.config.tensor_parallel_size,
+            kv_layout=engine.kv_cache.spec.layout,
         )
         self.state = WorkerState.READY
         return self.info
 
-    def _build_engine(self) -> LLMEngine:
+    def _build_engine(self, tp: TPGroup | None = None) -> LLMEngine:
         import torch
 
         if self.config.engine.device in ("cpu", "auto") and not torch.cuda.is_available():
             torch.set_num_threads(max(1, self.config.torch_threads))
-        return LLMEngine(self.config.engine)
+        return LLMEngine(self.config.engine, tp=tp)
 
     def stop(self) -> None:
-        """Fail every open stream with `WorkerStopped`, stop the publisher and the engine."""
+        """Fail every open stream with `WorkerStopped`, stop the publisher and the engine
+        (a TP engine's followers are told to return: `stop_ranks` ends their actors)."""
         self.state = WorkerState.STOPPED
         for q in self._streams.values():
             q.put_nowait(WorkerStopped(f"worker {self.config.worker_id} stopped"))
@@ -189,6 +228,18 @@ class WorkerRuntime:
             self._publisher.close()
         if self._driver is not None:
             self._driver.stop()
+        if self.tp is not None and self.engine is not None:
+            try:  # the engine thread has stopped: this thread may touch the engine
+                self.engine.close()
+            except Exception as e:  # a broken group has nobody to tell
+                log.warning("closing the TP engine: %s: %s", type(e).__name__, e)
+            if self.tp.group is not None:
+                self.tp.group.close()
+
+    async def stop_ranks(self) -> None:
+        """After `stop`: end the follower actors' work (best effort)."""
+        if self.tp is not None:
+            await self.tp.stop()
 
     @property
     def index_publish_errors(self) -> int:
