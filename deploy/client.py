@@ -332,7 +332,7 @@ def status_table(st: pb.ClusterStatus) -> Table:
             w.role,
             f"[{style}]{state}[/{style}]" if style else state,
             w.node[:8],
-            w.device,
+            f"{w.device} x{w.tp_size}" if w.tp_size > 1 else w.device,  # TP ranks, one worker
             _stored(
                 w.quantization if w.quantization not in ("", "none") else w.weights_dtype,
                 w.weight_bytes,

@@ -31,7 +31,7 @@ import typer
 import yaml
 
 from engine.block_hash import ALGORITHMS as HASH_ALGORITHMS
-from engine.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
+from engine.config import KV_CACHE_DTYPES, KV_LAYOUT_CHOICES, LOAD_FORMATS, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from deploy.config import PdserveConfig
@@ -64,6 +64,23 @@ def check_count(value: Any, where: str, minimum: int = 0) -> int:
     if value < minimum:
         raise typer.BadParameter(f"{where}: must be >= {minimum}, got {value}")
     return value
+
+
+def check_tp(config: PdserveConfig, given: ConfigInput) -> None:
+    """Refuse TP sizes that cannot serve the model (deploy/spec.py `tp_refusal`), naming the
+    flag or key at fault, before anything starts (the tiny model is written now if it is not
+    there yet)."""
+    from deploy.make_model import cached_tiny_model
+    from engine.model_config import ModelConfig
+
+    workers = config.workers
+    if workers.prefill_tp == workers.decode_tp == 1:
+        return
+    model = ModelConfig.from_pretrained(config.model or cached_tiny_model())
+    refusal = workers.tp_refusal(model)
+    if refusal is not None:
+        field, why = refusal
+        raise typer.BadParameter(f"{given.where('workers.' + field)}: {why}")
 
 
 def check_port(value: Any, where: str, replicas: int = 1) -> int:
@@ -203,6 +220,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("prefill", "workers.num_prefill", int, "Prefill workers [1]."),
     Flag("decode", "workers.num_decode", int, "Decode workers [1]."),
     Flag("colocated", "workers.colocated", bool, "Baseline: no disaggregation.", "--colocated"),
+    Flag("prefill_tp", "workers.prefill_tp", int, "Tensor-parallel ranks (devices, on one "
+         "node) of each prefill worker [1]."),
+    Flag("decode_tp", "workers.decode_tp", int, "Tensor-parallel ranks of each decode worker "
+         "[1]; one that differs from --prefill-tp makes every worker's KV pool head-major."),
+    Flag("kv_layout", "workers.engine.kv_layout", str, "KV pool layout: block_major, "
+         "head_major, or auto (head_major when prefill and decode TP differ) [auto].",
+         choices=KV_LAYOUT_CHOICES),
     Flag("grpc_port", "router.grpc_port", int, "gRPC port [50051]; 0: a free one."),
     Flag("metrics_port", "router.metrics_port", int, "Prometheus port [9464]; 0: a free one."),
     Flag("http_port", "router.http_port", int, "OpenAI-compatible HTTP API port [8000]; 0: a "
@@ -260,6 +284,8 @@ FLAT_KEYS: dict[str, str] = {
     "prefill": "workers.num_prefill",
     "decode": "workers.num_decode",
     "colocated": "workers.colocated",
+    "prefill_tp": "workers.prefill_tp",
+    "decode_tp": "workers.decode_tp",
     "engine": "workers.engine",
     "placement": "workers.placement",
     "planner": "workers.planner",  # with PlannerConfig's fields beside the loop's
@@ -410,6 +436,8 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
         check_port(config.router.http_port, given.where("router.http_port"), routers)
     check_count(config.workers.num_prefill, given.where("workers.num_prefill"))
     check_count(config.workers.num_decode, given.where("workers.num_decode"), 1)
+    check_count(config.workers.prefill_tp, given.where("workers.prefill_tp"), 1)
+    check_count(config.workers.decode_tp, given.where("workers.decode_tp"), 1)
     for f in FLAGS:
         if f.choices:
             value: Any = config

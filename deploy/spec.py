@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from deploy.workers import ActorPlacement, default_placement
 from engine.config import EngineConfig, EngineMode
+from engine.model_config import ModelConfig
 from kv_transfer.config import KVTransferConfig
 from planner.loop import PlannerSettings
 from prefix_index.config import PrefixIndexConfig
@@ -74,9 +75,6 @@ class ClusterSpec:
     """The planner loop (off by default)."""
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tp", "decode_tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.engine.tensor_parallel_size != 1:
             raise ValueError(
                 "engine.tensor_parallel_size: set prefill_tp / decode_tp (--prefill-tp, "
@@ -105,6 +103,32 @@ class ClusterSpec:
             self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
             kv_layout=self.kv_layout,
         )  # fmt: skip
+
+    def tp_refusal(self, model: ModelConfig) -> tuple[str, str] | None:
+        """(the field at fault, why) when these TP sizes cannot serve `model` (a size that
+        does not split it, or a prefill/decode pair no hand-off plan serves in the KV layout
+        asked for); None when they can."""
+        from engine.kv_cache import LAYOUT_NAMES
+        from engine.tp_shard import check_tp_size
+        from kv_transfer.tp_plan import KVSplit, UnsupportedSplit, plan_split
+
+        sizes = [("decode_tp", self.decode_tp)]
+        if not self.colocated:
+            sizes.insert(0, ("prefill_tp", self.prefill_tp))
+        for name, size in sizes:
+            try:
+                check_tp_size(model, size)
+            except ValueError as e:
+                return name, str(e)
+        if self.colocated:
+            return None
+        layout = LAYOUT_NAMES[self.kv_layout]
+        k = model.num_kv_heads
+        try:
+            plan_split(KVSplit(self.prefill_tp, k, layout), KVSplit(self.decode_tp, k, layout))
+        except UnsupportedSplit as e:
+            return "engine.kv_layout", str(e)
+        return None
 
     def initial_roles(self) -> list[WorkerRole]:
         """The role of each worker `Controller.start` starts."""
