@@ -8,6 +8,7 @@ on the session's Ray with the real controller, router, Redis and NIXL (the tiny 
 - killing its follower rank takes the whole worker out of placement: requests in flight end
   cleanly (served, or a clean status), the controller replaces it (both ranks, a new
   placement group; the old one removed), no block stays held, and the cluster serves again;
+- a rebalance starts and drains a TP worker as one worker (its ranks go with it);
 - stopping the cluster leaves no rank actor or placement group behind.
 """
 
@@ -198,6 +199,17 @@ def assert_only_live_ranks(c: TPCluster) -> None:
     live = [w for w, (info, _) in workers(c).items() if info.tp_size > 1]
     want = {follower_name(w, 1) for w in live} | {tp_group_name(w) for w in live}
     wait(lambda: rank_actors() == want, f"only {sorted(want)} on Ray ({sorted(rank_actors())})", 30)
+
+
+def test_rebalance_starts_and_drains_a_tp_worker_as_one_worker(tp_cluster: TPCluster) -> None:
+    controller = tp_cluster.cluster.controller
+    started, stopped, _ = ray.get(controller.rebalance.remote(2, 1, 60.0), timeout=240)
+    assert len(started) == 1 and stopped == []
+    assert len(prefill_ids(tp_cluster)) == 2  # two workers, four prefill ranks
+    assert_only_live_ranks(tp_cluster)
+    started, stopped, _ = ray.get(controller.rebalance.remote(1, 1, 60.0), timeout=240)
+    assert started == [] and len(stopped) == 1
+    assert_only_live_ranks(tp_cluster)  # the stopped worker's rank and group are gone
 
 
 def test_stopping_the_cluster_leaves_no_rank_or_placement_group(tp_cluster: TPCluster) -> None:
