@@ -19,8 +19,11 @@ ways to compute it, all behind `LoraStep.add`:
   partial sums, an expand adding in place into the base output): 8 launches a layer, no
   mask, and base tokens read no weights (nor does a slot no token reads, so an upload in
   flight is never seen). Shapes fixed by the batch and the model, so CUDA graphs hold for
-  any slots. CUDA (or Triton's interpreter on CPU, for tests); an explicit choice only
-  (1.46x the base step in the benchmark below: its expand is not tuned yet).
+  any slots. CUDA (or Triton's interpreter on CPU, for tests). Its default path is "dot"
+  (engine/lora_dot.py: the dense cuBLAS shrink, then one tensor-core expand per projection
+  that reads every slot's B once per tile of tokens and masks the token's other slots in
+  registers), which "auto" picks on CUDA: 1.155x the base step at 4 adapters in 4 slots on
+  the H200 (the per-token BGMV expands: 1.46x).
 - dense (`graph_step`, kernel "torch"): shapes that do not depend on the slots, for CUDA
   graphs: x times every slot's A at once (one matmul), zeroed outside each token's slot by a
   one-hot mask, then one matmul per part into its output columns (`addmm_`, no copies). It
@@ -119,12 +122,27 @@ def lora_kernel_unavailable_reason(
 def select_lora_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The graph kernel for a request; ValueError when an explicit request cannot run here.
 
-    "auto": torch, the fastest measured (H200, benchmarks/bench_lora.py, Llama-3-8B B=64
-    decode at context 2048, rank 16 on all seven projections, CUDA graphs: the dense kernel
-    1.22x the base step, the triton kernel 1.46x with either shrink (its expand launches take
-    29 us each: untuned), flashinfer's segment GEMM 4.9x)."""
+    "auto": triton (its "dot" path, engine/lora_dot.py) on CUDA in fp16/bf16 where it imports
+    and passes `check_graph_kernel`, else torch. H200, benchmarks/bench_lora.py (Llama-3-8B B=64
+    decode at context 2048, rank 16 on all seven projections, CUDA graphs): dot 1.155x the
+    base step with 4 slots and 1.218x with 16, the dense torch kernel 1.223x / 1.247x; the
+    per-token (BGMV) triton expands 1.46x; flashinfer's segment GEMM 4.9x."""
     if requested == "auto":
-        return "torch"
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return "torch"
+        reason = lora_kernel_unavailable_reason("triton", device, dtype)
+        if reason is not None:
+            log.info("%s: torch LoRA kernel", reason)
+            return "torch"
+        try:
+            err = check_graph_kernel("triton", device, dtype)
+        except Exception:
+            log.warning("the triton LoRA kernel failed its self-check", exc_info=True)
+            return "torch"
+        if err > SELF_CHECK_TOLERANCE:
+            log.warning("the triton LoRA kernel is off by %.2e: torch LoRA kernel", err)
+            return "torch"
+        return "triton"
     reason = lora_kernel_unavailable_reason(requested, device, dtype)
     if reason is not None:
         raise ValueError(reason)

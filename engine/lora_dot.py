@@ -1,4 +1,4 @@
-"""The "dot" LoRA graph kernel: dense over the slots, two tensor-core launches per projection.
+"""The "dot" LoRA graph kernel: dense over the slots, two launches per projection.
 
 For one fused projection (q/k/v of qkv, gate/up of gate_up) and every token t with slot s,
 
@@ -6,16 +6,15 @@ For one fused projection (q/k/v of qkv, gate/up of gate_up) and every token t wi
 
 is computed as
 
-1. shrink (`_shrink_kernel`): h = x @ A_all^T against every slot's A at once ([tokens,
-   parts * slots * rank], fp32). The fan-in (4096-14336) is long and the output narrow, so
-   the fan-in is split over programs (split-K) to fill the GPU; each program writes its
-   partial sum, and the last of a tile's splits to finish (an atomic counter) adds them in
-   split order and writes h: deterministic, with no zeroing launch and no separate reduce
-   (the counter is reset by that program, so the buffer is always zero between launches).
+1. shrink: h = x @ A_all^T against every slot's A at once (one cuBLAS matmul, [tokens,
+   parts * slots * rank]). A Triton split-K shrink whose last split reduced the partials
+   (deterministic, no reduce launch) measured slower on the H200 (bench_lora B=64, 4 slots:
+   1.200x the base step against 1.155x with cuBLAS), so cuBLAS it is.
 2. expand (`_expand_kernel`): per column block of every part, over a tile of tokens, one
    tensor-core dot of h (each token's other slots' columns masked to zero in registers) with
    every slot's B for those columns, added into out in place. B is read once per tile of
-   tokens, not once per token as in a per-token (BGMV) expand.
+   tokens, not once per token as in a per-token (BGMV) expand, and the mask costs no launch
+   (the dense torch kernel multiplies h by a one-hot mask, then adds part by part).
 
 Like the dense torch kernel it reads every slot's weights each step (max_loras x rank), so
 its cost does not depend on how many adapters the batch uses, and it needs every slot's
@@ -34,40 +33,9 @@ import triton.language as tl
 
 MAX_PARTS = 3
 BLOCK_K = 64
-"""Fan-in columns per shrink step."""
-SHRINK_BLOCK_N = 32
-"""h columns per shrink program: narrow, so a projection has several column blocks."""
-MAX_SPLITS = 16
-"""Fan-in splits per shrink tile at most (the last split's program adds this many partials)."""
-MAX_K_STEPS = 16
-"""BLOCK_K steps of one shrink program at most (unrolled)."""
-TARGET_PROGRAMS = 96
-"""Shrink programs a launch aims at."""
+"""h columns per expand step."""
 EXPAND_BLOCK_N = 128
 MAX_BLOCK_T = 64
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 14
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The shrink's per-tile arrival counters on `device` (zero between launches)."""
-    found = _COUNTERS.get(device)
-    if found is None:
-        found = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return found
-
-
-def shrink_split(fan_in: int, tiles: int) -> tuple[int, int]:
-    """(k_steps, splits) of a shrink over `fan_in` columns with `tiles` output tiles: enough
-    splits to reach TARGET_PROGRAMS programs, at most MAX_SPLITS, steps a power of two."""
-    k_blocks = triton.cdiv(fan_in, BLOCK_K)
-    want = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // max(1, tiles)))
-    k_steps = min(MAX_K_STEPS, triton.next_power_of_2(triton.cdiv(k_blocks, want)))
-    splits = triton.cdiv(k_blocks, k_steps)
-    while splits > MAX_SPLITS:  # a fan-in too long for MAX_K_STEPS x MAX_SPLITS blocks
-        k_steps *= 2
-        splits = triton.cdiv(k_blocks, k_steps)
-    return k_steps, splits
 
 
 def add_lora_dot(
@@ -79,7 +47,8 @@ def add_lora_dot(
     columns: Sequence[tuple[int, int]],
 ) -> None:
     """out[t, lo_p:hi_p] += (x[t] @ a[p, slots[t]]^T) @ b[p][slots[t]] for every part p and
-    every token t with slots[t] >= 0 (in place; other rows untouched). Two launches.
+    every token t with slots[t] >= 0 (in place; other rows untouched). Two launches (cuBLAS
+    may split the shrink's long fan-in and add a reduction).
 
     x: [tokens, in]; out: [tokens, >= hi of the last part]; slots: [tokens] int32/int64,
     contiguous; a: [parts, rows, rank, in]; b[p]: [rows, rank, hi_p - lo_p] with evenly
@@ -94,23 +63,9 @@ def add_lora_dot(
     if any(bp.stride(2) != 1 or bp.stride(0) != rank * bp.stride(1) for bp in b):
         raise ValueError("each B's (slot, rank) rows must be evenly strided, columns contiguous")
     width = rows * rank  # h columns of one part
-    a2 = a.reshape(num_parts * width, fan_in)
+    h = torch.nn.functional.linear(x, a.reshape(num_parts * width, fan_in))
     block_t = max(16, min(MAX_BLOCK_T, triton.next_power_of_2(t)))
     t_blocks = triton.cdiv(t, block_t)
-    n_blocks = triton.cdiv(num_parts * width, SHRINK_BLOCK_N)
-    k_steps, splits = shrink_split(fan_in, n_blocks * t_blocks)
-    h = torch.empty((t, num_parts * width), dtype=torch.float32, device=x.device)
-    part = (
-        h if splits == 1 else torch.empty((splits, *h.shape), dtype=torch.float32, device=x.device)
-    )
-    counters = _counters(x.device)
-    if n_blocks * t_blocks > counters.numel():
-        raise ValueError(f"{n_blocks * t_blocks} shrink tiles exceed {counters.numel()} counters")
-    _shrink_kernel[(n_blocks, splits, t_blocks)](
-        x, a2, part, h, counters, t, num_parts * width, fan_in,
-        x.stride(0), x.stride(1), a2.stride(0), a2.stride(1),
-        SPLITS=splits, K_STEPS=k_steps, BLOCK_T=block_t, BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
     widths = [hi - lo for lo, hi in columns]
     blocks = [triton.cdiv(w, EXPAND_BLOCK_N) for w in widths]
     pad = MAX_PARTS - num_parts
@@ -124,56 +79,6 @@ def add_lora_dot(
         RANK=rank, ROWS=width, BLOCK_T=block_t, BLOCK_N=EXPAND_BLOCK_N,
         BLOCK_K=min(BLOCK_K, triton.next_power_of_2(width)),
     )  # fmt: skip
-
-
-@triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, num_tokens, width, fan_in,
-    stride_xt, stride_xk, stride_an, stride_ak,
-    SPLITS: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    nb = tl.program_id(0)
-    s = tl.program_id(1)
-    tb = tl.program_id(2)
-    tokens = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_ok = tokens < num_tokens
-    n_ok = n < width
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    k_lo = s * (K_STEPS * BLOCK_K)
-    for step in tl.static_range(K_STEPS):  # the last split may end past the fan-in
-        k = k_lo + step * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = k < fan_in
-        xv = tl.load(
-            x_ptr + tokens[:, None] * stride_xt + k[None, :] * stride_xk,
-            mask=t_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        av = tl.load(
-            a_ptr + n[:, None] * stride_an + k[None, :] * stride_ak,
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(xv, tl.trans(av))
-    m = t_ok[:, None] & n_ok[None, :]
-    cell = tokens[:, None] * width + n[None, :]
-    if SPLITS == 1:
-        tl.store(h_ptr + cell, acc, mask=m)
-    else:
-        plane = num_tokens * width
-        tl.store(part_ptr + s * plane + cell, acc, mask=m)
-        tl.debug_barrier()  # every thread's partial is written before the arrival counts
-        tile = tb * tl.num_programs(0) + nb
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:  # the last split of this tile: add them all, in order
-            total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(SPLITS):
-                total += tl.load(
-                    part_ptr + j * plane + cell, mask=m, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(h_ptr + cell, total, mask=m)
-            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit

@@ -82,14 +82,13 @@ def fan_in_split(num_tokens: int, num_parts: int, fan_in: int, tiles: Tiles) -> 
 SHRINKS = ("dense", "bgmv", "dot")
 """How `add_lora` shrinks and expands: "dense", one matmul of x against every slot's A at once
 (the expand then reads only the token's own slot's columns: no mask); "bgmv", a Triton program
-per token reading only its slot's A; "dot", engine/lora_dot.py: a split-K tensor-core shrink
-against every slot's A that reduces its own splits, then a tensor-core expand that reads every
-slot's B once per tile of tokens, masking each token's other slots in registers (the
-per-token expands re-read B for every token)."""
-DEFAULT_SHRINK = "dense"
+per token reading only its slot's A; "dot", engine/lora_dot.py: the dense shrink, then a
+tensor-core expand that reads every slot's B once per tile of tokens, masking each token's
+other slots in registers (the per-token expands re-read B for every token)."""
+DEFAULT_SHRINK = "dot"
 """H200, benchmarks/bench_lora.py (Llama-3-8B, B=64 decode, rank 16 on all seven
-projections, 16 slots, CUDA graphs): the BGMV shrink made the step 1.46x the base model's;
-see docs/benchmarks.md for the dense shrink's figure."""
+projections, CUDA graphs): "dot" made the step 1.218x the base model's with 16 slots and
+1.155x with 4; the per-token expands after either other shrink 1.46-1.49x."""
 
 
 def add_lora(
