@@ -28,6 +28,8 @@
 #            tier off, then on, each its own cluster)
 #   lora     the LoRA GPU tests (CUDA-graph decode with adapters vs eager), then
 #            benchmarks/bench_lora.py (decode step at B=64 with 1/4/16 adapters vs base; loads)
+#   attention benchmarks/bench_attention.py: paged decode attention kernels (flashinfer, Triton
+#            tile sweep) over e4m3 and bf16 pools against their KV-read floor
 #   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
 #            GPU, two rates: client TPOT vs engine step
 set -u
@@ -72,6 +74,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   enginestep) TAILN=${TAILN:-40} step bench_engine_step 300 python benchmarks/bench_engine.py --engine-step ;;
   fp8) step fp8_tests 200 python -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_gpu.py -q -rA -p no:cacheprovider
     step bench_fp8 400 python benchmarks/bench_fp8.py ;;
+  attention) step bench_attention 240 python benchmarks/bench_attention.py --dtypes e4m3,bf16 \
+    --kernels fi-tc,triton --block-n 64,128 --stages 2,3 --warps 4 --splits 1,2 \
+    --kv-first 0,1 --prefetch 0,1 ;;
   fp8big) step bench_fp8_70b 300 python benchmarks/bench_fp8.py --shape llama3-70b --iters 15 ;;
   kv) step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis ;;
   router) step bench_router 170 python benchmarks/bench_router.py --rates 2,5,10 --requests 120 \
