@@ -104,6 +104,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             on_done=self._on_outcome,
             on_failed=self._on_outcome,
             config=self.transfer_config,
+            budget=self.budget,
             backend_factory=tp.backend_factory() if (tp := self.runtime.tp) is not None else None,
         )
 

@@ -15,7 +15,9 @@ reference until it releases). The pool only does bookkeeping; it never touches t
 With a host tier (engine/host_tier.py) a cached block that becomes evictable is offered to
 it (copied to host memory at the next flush), and an evicted block whose hash lives on in
 the host tier leaves as OFFLOADED rather than REMOVED; `match_prefix_tiers` walks both tiers
-and `onboard` brings host-tier blocks back into fresh device blocks.
+and `onboard` brings host-tier blocks back into fresh device blocks. A hand-off may hold
+host-tier copies instead of device blocks (`lend_host_copies`: pinned host slots, read by the
+decode worker from host memory), so its device blocks return to the pool at once.
 
 Every change of the set of cached hashes leaves as a `KVEvent` with a sequence number that
 grows by one per event (`take_events`); `cached_hashes` is the snapshot for a full resync.
@@ -236,6 +238,34 @@ class BlockPool:
         if self.host_tier is None:
             return []
         return [h for h in self.host_tier.take_dropped() if h not in self._cached]
+
+    def lend_host_copies(
+        self, block_ids: list[int], block_hashes: Sequence[BlockHash]
+    ) -> dict[int, int]:
+        """Swap a holder's references on the first `len(block_hashes)` blocks of `block_ids`
+        for pins on their host-tier copies, where the tier holds one that is complete: the
+        device blocks go back to the pool (evictable, still cached), the host slots stay
+        pinned (never reused by the LRU) until `return_host_copies`. Returns {position: host
+        slot}; those positions of `block_ids` become -1 (no device reference held)."""
+        tier = self.host_tier
+        if tier is None:
+            return {}
+        lent: dict[int, int] = {}
+        for i, block_hash in enumerate(block_hashes):
+            slot = tier.lookup(block_hash)
+            if slot is not None and block_ids[i] >= 0 and tier.is_complete(slot):
+                lent[i] = slot
+        tier.pin(list(lent.values()))
+        self.free([block_ids[i] for i in sorted(lent)])
+        for i in lent:
+            block_ids[i] = -1
+        return lent
+
+    def return_host_copies(self, slots: Sequence[int]) -> None:
+        """End the pins `lend_host_copies` took (the slots go back to the host LRU)."""
+        if slots:
+            assert self.host_tier is not None
+            self.host_tier.unpin(slots)
 
     def host_only_hashes(self) -> tuple[BlockHash, ...]:
         """Hashes held in the host tier and not cached in the device pool (for a resync)."""

@@ -45,15 +45,15 @@ import torch
 
 from engine.batch import ScheduledBatch
 from engine.block_hash import BlockHash, hash_extra
-from engine.block_pool import BlockPool, cdiv
+from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineMode
-from engine.host_tier import HostTier
+from engine.host_tier import CopyBudget, HostTier
 from engine.kv_events import CacheSnapshot, KVEvent
 from engine.kv_sizing import decide_num_host_blocks
 from engine.lora_registry import LoraRegistry
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
-from engine.outputs import EngineLoad, KVHandoff, LoraInfo, RequestOutput, TransferAllocation
+from engine.outputs import EngineLoad, LoraInfo, RequestOutput, TransferAllocation
 from engine.overlap import InflightStep
 from engine.rank_setup import build_rank, serving_max_model_len
 from engine.request import FINISH_REASONS, NO_PRIOR, PriorOutput, Request, RequestStatus
@@ -121,6 +121,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             finish_after_first_token=config.mode is EngineMode.PREFILL_ONLY,
             adapters=self.loras.cache,
+            lend_host_copies=config.host_kv_handoff and self.host_tier is not None,
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
         self._checkers: dict[str, StopChecker] = {}
@@ -282,16 +283,7 @@ class LLMEngine:
         return self._output(request, 1, text)
 
     def _output(self, request: Request, num_new: int, text: str) -> RequestOutput:
-        handoff = None
-        if request.status is RequestStatus.FINISHED_PREFILLED and request.block_ids:
-            num_tokens = request.num_prompt_tokens
-            handoff = KVHandoff(
-                request_id=request.request_id,
-                block_ids=tuple(request.block_ids[: cdiv(num_tokens, self.config.block_size)]),
-                block_hashes=tuple(request.block_hashes[: num_tokens // self.config.block_size]),
-                num_tokens=num_tokens,
-                first_token_id=request.output_token_ids[0],
-            )
+        handoff = self.scheduler.handoffs.kv_handoff(request)
         new_ids = tuple(request.output_token_ids[len(request.output_token_ids) - num_new :])
         logprobs = None
         if request.sampling_params.logprobs:
@@ -481,6 +473,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
+
+    def use_copy_budget(self, budget: CopyBudget) -> None:
+        """Budget the host tier's copies with the worker's KV transfers (engine/host_tier.py)."""
+        if self.host_tier is not None:
+            self.host_tier.budget = budget
 
     def close(self) -> None:
         """Tell a TP engine's follower ranks to return (their group stays the caller's to

@@ -25,17 +25,66 @@ methods; the copies are queued by the engine (`flush` before each launch, `onboa
 scheduling), in stream order with the steps. On CPU copies are synchronous and `fence` is a
 no-op; the logic is the same. A disk tier would sit behind this one with the same interface
 (`HostTier.lookup` / `take` / `offer`), holding what the host LRU drops (not built).
+
+Budget (`CopyBudget`, the worker's kv_transfer/budget.py `InFlightBudget`, shared with its KV
+transfers): every copy is a move that holds budget from the moment it is decided until its
+copies are known complete on the device (`_reap`, at the next decision; at once on CPU).
+The decisions never wait: an onboard the budget refuses (`try_onboard`) leaves its request
+in the waiting queue for the next step (engine/scheduler.py), a flush it refuses leaves the
+offers for the next step; an eviction's copy cannot wait and is counted past the limits
+(`force_move`). Without a budget (an engine outside a worker) every move is allowed; the
+per-step cap `max_blocks_per_step` holds either way (it bounds what one step waits for).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engine.block_hash import BlockHash
-from engine.outputs import HostTierStats
+from engine.kv_events import TierMove
+from engine.outputs import HostTierStats, TierMoveStats
+
+HEAD_RENEW_S = 0.5
+"""An onboard refused by the budget counts as queued until its request asks again this late."""
+
+
+class CopyBudget(Protocol):
+    """The in-flight budget a host tier's copies go through (kv_transfer/budget.py
+    `InFlightBudget` implements it): `try_move` starts a move if the budget allows (`wait`:
+    a refused move keeps its place at the head of the line, asked again by `key`),
+    `force_move` counts one that cannot wait, `end_move` gives a move's budget back."""
+
+    def try_move(
+        self, move: TierMove, key: str, num_blocks: int, nbytes: int, wait: bool = True
+    ) -> bool: ...
+
+    def force_move(self, move: TierMove, num_blocks: int, nbytes: int) -> None: ...
+
+    def end_move(self, move: TierMove, num_blocks: int, nbytes: int) -> None: ...
+
+
+@dataclass
+class _Ticket:
+    """A move holding budget: complete once `event` is (None: queued in no stream yet, or
+    copied synchronously)."""
+
+    move: TierMove
+    num_blocks: int
+    event: torch.cuda.Event | None = None
+
+
+@dataclass
+class _MoveCounters:
+    wait_s: float = 0.0
+    deferred: int = 0
+    waiting: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Refused onboards by request: (blocks, first refused, last asked)."""
 
 
 class HostTier:
@@ -61,8 +110,14 @@ class HostTier:
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._pins = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        # Offers: device blocks (by hash) that became evictable and are not here yet.
-        self._offers: OrderedDict[BlockHash, int] = OrderedDict()
+        # Offers: device blocks (by hash) that became evictable and are not here yet, with
+        # when they were offered.
+        self._offers: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
+        self.budget: CopyBudget | None = None
+        """The worker's in-flight budget (set by the worker; None: every move is allowed)."""
+        self._tickets: list[_Ticket] = []
+        self._pending_onboard: _Ticket | None = None  # granted by `try_onboard`, not copied
+        self._counters = {move: _MoveCounters() for move in TierMove}
         self._stream = torch.cuda.Stream(device_kv.device) if cuda else None
         # Side-stream offloads not known complete: by device block (a step overwriting the
         # block waits: `fence`) and by host slot (an onboard reading the slot waits).
@@ -90,7 +145,7 @@ class HostTier:
         if block_hash in self._slots:
             self._slots.move_to_end(block_hash)
         else:
-            self._offers[block_hash] = block_id
+            self._offers[block_hash] = (block_id, time.monotonic())
 
     def withdraw(self, block_hash: BlockHash) -> None:
         """The device block was taken again (a hit) before its copy was made: not needed."""
@@ -105,7 +160,8 @@ class HostTier:
         """
         if block_hash in self._offers:
             del self._offers[block_hash]
-            return self._copy_out([(block_id, block_hash)], side_stream=False) > 0
+            ticket = self._force(TierMove.OFFLOAD, 1)
+            return self._copy_out([(block_id, block_hash)], ticket, side_stream=False) > 0
         event = self._copy_events.pop(block_id, None)
         if event is not None and not event.query():
             self._needs_fence.append(event)
@@ -126,6 +182,12 @@ class HostTier:
         """The host slot holding this hash, or None."""
         return self._slots.get(block_hash)
 
+    def is_complete(self, slot: int) -> bool:
+        """Whether the slot's data is in place (no offload into it still in flight): a reader
+        outside the device streams (a NIXL transfer) may read it."""
+        event = self._slot_events.get(slot)
+        return event is None or bool(event.query())
+
     def pin(self, slots: Sequence[int]) -> None:
         """Keep slots out of LRU reuse while something outside reads them (a transfer)."""
         for slot in slots:
@@ -139,9 +201,38 @@ class HostTier:
             if self._pins[slot] == 0 and self._hash_of[slot] is None:
                 self._free.append(slot)
 
+    def try_onboard(self, key: str, num_blocks: int, wait: bool = True) -> bool:
+        """Whether an onboard of `num_blocks` for request `key` may be made now (then `onboard`
+        it at once: the budget is held from here). Refused, the request waits (`wait`: it
+        keeps its place at the head of the budget's line and counts as queued)."""
+        self._pending_onboard = None  # one granted and never copied is complete: given back
+        self._reap()
+        counters = self._counters[TierMove.ONBOARD]
+        nbytes = num_blocks * self.block_nbytes
+        now = time.monotonic()
+        if self.budget is not None and not self.budget.try_move(
+            TierMove.ONBOARD, key, num_blocks, nbytes, wait
+        ):
+            if wait:
+                first = counters.waiting.get(key, (0, now, now))[1]
+                if key not in counters.waiting:
+                    counters.deferred += 1
+                counters.waiting[key] = (num_blocks, first, now)
+            return False
+        waited = counters.waiting.pop(key, None)
+        if waited is not None:
+            counters.wait_s += now - waited[1]
+        self._pending_onboard = _Ticket(TierMove.ONBOARD, num_blocks)
+        self._tickets.append(self._pending_onboard)
+        return True
+
     def onboard(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy host slots into device blocks: `(slot, device_block_id)` pairs. Queued on the
-        current (step) stream, so the step that reads the blocks runs after the copy."""
+        current (step) stream, so the step that reads the blocks runs after the copy. The
+        budget `try_onboard` granted covers it (none granted: counted as a forced move)."""
+        ticket, self._pending_onboard = self._pending_onboard, None
+        if ticket is None:
+            ticket = self._force(TierMove.ONBOARD, len(pairs))
         if self._slot_events:
             stream = torch.cuda.current_stream(self.device_kv.device)
             for slot, _ in pairs:
@@ -152,6 +243,7 @@ class HostTier:
             self.device_kv[block_id : block_id + n].copy_(
                 self.tensor[slot : slot + n], non_blocking=True
             )
+        ticket.event = self._record(None)
         for slot, _ in pairs:
             block_hash = self._hash_of[slot]
             if block_hash is not None:
@@ -162,14 +254,27 @@ class HostTier:
 
     def flush(self) -> None:
         """Copy up to `max_blocks_per_step` offered blocks out (side stream); called before a
-        step is launched. Offers beyond the budget wait for the next step."""
+        step is launched. Offers beyond that, or all of them when the budget refuses the
+        move, wait for the next step."""
+        self._reap()
         if not self._offers:
             return
+        n = min(len(self._offers), self.max_blocks_per_step)
+        counters = self._counters[TierMove.OFFLOAD]
+        if self.budget is not None and not self.budget.try_move(
+            TierMove.OFFLOAD, "offload", n, n * self.block_nbytes
+        ):
+            counters.deferred += 1
+            return
+        ticket = _Ticket(TierMove.OFFLOAD, n)
+        self._tickets.append(ticket)
+        now = time.monotonic()
         batch: list[tuple[int, BlockHash]] = []
-        while self._offers and len(batch) < self.max_blocks_per_step:
-            block_hash, block_id = self._offers.popitem(last=False)
+        while len(batch) < n:
+            block_hash, (block_id, offered) = self._offers.popitem(last=False)
+            counters.wait_s += now - offered
             batch.append((block_id, block_hash))
-        self._copy_out(batch, side_stream=True)
+        self._copy_out(batch, ticket, side_stream=True)
 
     def fence(self) -> None:
         """Make the step about to launch wait (on the device) for offloads of blocks it may
@@ -182,8 +287,11 @@ class HostTier:
         self.num_fenced += 1
         self._needs_fence.clear()
 
-    def _copy_out(self, batch: Sequence[tuple[int, BlockHash]], side_stream: bool) -> int:
-        """Copy device blocks into fresh host slots (LRU reuse when full); blocks copied."""
+    def _copy_out(
+        self, batch: Sequence[tuple[int, BlockHash]], ticket: _Ticket, side_stream: bool
+    ) -> int:
+        """Copy device blocks into fresh host slots (LRU reuse when full); blocks copied.
+        `ticket` (the move's budget) completes with the copies."""
         pairs: list[tuple[int, int]] = []
         for block_id, block_hash in batch:
             slot = self._take_slot()
@@ -194,6 +302,7 @@ class HostTier:
             pairs.append((block_id, slot))
         if self._stream is None or not side_stream:
             self._copy_runs(pairs)
+            ticket.event = self._record(None)
         else:
             main = torch.cuda.current_stream(self.device_kv.device)
             self._stream.wait_stream(main)  # after every step queued so far wrote the blocks
@@ -201,6 +310,7 @@ class HostTier:
                 self._copy_runs(pairs)
                 event = torch.cuda.Event()
                 event.record(self._stream)
+            ticket.event = event
             self._forget_completed()
             for block_id, slot in pairs:
                 self._copy_events[block_id] = event
@@ -227,6 +337,58 @@ class HostTier:
             if event is not None:
                 event.synchronize()
 
+    # ---- budget ---------------------------------------------------------------------------
+
+    def _force(self, move: TierMove, num_blocks: int) -> _Ticket:
+        """A move that cannot wait: counted in the budget past its limits."""
+        self._reap()
+        if self.budget is not None:
+            self.budget.force_move(move, num_blocks, num_blocks * self.block_nbytes)
+        ticket = _Ticket(move, num_blocks)
+        self._tickets.append(ticket)
+        return ticket
+
+    def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """An event after the copies just queued on `stream` (None: the current one); None
+        on CPU, where they are complete already."""
+        if self.device_kv.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(stream or torch.cuda.current_stream(self.device_kv.device))
+        return event
+
+    def _reap(self) -> None:
+        """Give back the budget of every move whose copies are complete."""
+        if not self._tickets:
+            return
+        left: list[_Ticket] = []
+        for t in self._tickets:
+            if t is self._pending_onboard or (t.event is not None and not t.event.query()):
+                left.append(t)
+            elif self.budget is not None:
+                self.budget.end_move(t.move, t.num_blocks, t.num_blocks * self.block_nbytes)
+        self._tickets = left
+
+    def _move_stats(self, move: TierMove) -> TierMoveStats:
+        c = self._counters[move]
+        if move is TierMove.ONBOARD:
+            now = time.monotonic()
+            for key, (_, _, asked) in list(c.waiting.items()):
+                if now - asked > HEAD_RENEW_S:  # its request left the queue another way
+                    del c.waiting[key]
+            queued = sum(n for n, _, _ in c.waiting.values())
+        else:
+            queued = len(self._offers)
+        done = self.num_onboarded if move is TierMove.ONBOARD else self.num_offloaded
+        return TierMoveStats(
+            queued_blocks=queued,
+            inflight_blocks=sum(t.num_blocks for t in self._tickets if t.move is move),
+            done_blocks=done,
+            done_bytes=done * self.block_nbytes,
+            wait_s=c.wait_s,
+            deferred=c.deferred,
+        )
+
     def stats(self) -> HostTierStats:
         return HostTierStats(
             num_blocks=self.num_blocks,
@@ -237,6 +399,9 @@ class HostTier:
             num_fenced=self.num_fenced,
             offload_bytes=self.num_offloaded * self.block_nbytes,
             onboard_bytes=self.num_onboarded * self.block_nbytes,
+            num_pinned=sum(1 for pins in self._pins if pins),
+            onboard=self._move_stats(TierMove.ONBOARD),
+            offload=self._move_stats(TierMove.OFFLOAD),
         )
 
     def take_dropped(self) -> list[BlockHash]:

@@ -22,8 +22,21 @@ class KVEventKind(enum.Enum):
     CLEARED = "cleared"  # the whole prefix cache was dropped (no hashes listed)
 
 
-HOST_TIER = "host"
-DEVICE_TIER = "device"
+class KVTier(enum.Enum):
+    """Where a worker holds a block. DISK is reserved for a tier behind the host one (NIXL's
+    POSIX/GDS backends; not built): the events, the index, `KVHandle` regions and the
+    transfer plan already name a block's tier, so it adds a tier value, not a new path."""
+
+    DEVICE = "device"  # the KV pool the model reads (VRAM on GPU)
+    HOST = "host"  # the host tier (pinned RAM, engine/host_tier.py)
+    DISK = "disk"  # reserved
+
+
+class TierMove(enum.Enum):
+    """A copy between a worker's own tiers (budgeted with KV transfers, kv_transfer/budget.py)."""
+
+    ONBOARD = "onboard"  # host tier → device pool (a prefix hit found in the host tier)
+    OFFLOAD = "offload"  # device pool → host tier (a cached block became evictable)
 
 
 @dataclass(frozen=True)
@@ -33,11 +46,11 @@ class KVEvent:
     block_hashes: tuple[BlockHash, ...] = ()
 
     @property
-    def tier(self) -> str | None:
+    def tier(self) -> KVTier | None:
         """The tier the blocks are in after the event (None: held nowhere)."""
         if self.kind is KVEventKind.STORED:
-            return DEVICE_TIER
-        return HOST_TIER if self.kind is KVEventKind.OFFLOADED else None
+            return KVTier.DEVICE
+        return KVTier.HOST if self.kind is KVEventKind.OFFLOADED else None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
+from engine.kv_events import KVTier
 from engine.request import FinishReason, RequestTimings
 from engine.step_stats import StepStats
 
@@ -24,6 +25,9 @@ class KVHandoff:
     block_hashes: tuple[BlockHash, ...]
     num_tokens: int
     first_token_id: int
+    block_tiers: tuple[KVTier, ...] = ()
+    """Per block, the tier whose id `block_ids` holds (a device block, or a host-tier slot
+    lent instead: EngineConfig.host_kv_handoff); empty: every block is a device block."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,25 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class TierMoveStats:
+    """One direction of a host tier's copies as the in-flight budget saw them
+    (kv_transfer/budget.py; gauges `queued_blocks` and `inflight_blocks`, the rest monotonic)."""
+
+    queued_blocks: int = 0
+    """Waiting for budget: an onboard's blocks (the request waits in the queue), or blocks
+    offered for offload and not copied yet."""
+    inflight_blocks: int = 0
+    """Copies queued on the device and not known complete (their budget is held)."""
+    done_blocks: int = 0
+    done_bytes: int = 0
+    wait_s: float = 0.0
+    """Seconds moves waited before they started (onboard: a request's wait for budget;
+    offload: from the offer to the copy), summed."""
+    deferred: int = 0
+    """Onboards the budget held back at least once (requests); offload flushes it refused."""
+
+
+@dataclass(frozen=True)
 class HostTierStats:
     """Counters of one host tier (monotonic, except the gauges `num_cached`/`num_blocks`)."""
 
@@ -89,6 +112,10 @@ class HostTierStats:
     """Steps that waited on the device for an offload still in flight (an evicted block)."""
     offload_bytes: int
     onboard_bytes: int
+    num_pinned: int = 0
+    """Slots pinned now (hand-offs lending them, onboards under way): the LRU skips them."""
+    onboard: TierMoveStats = TierMoveStats()
+    offload: TierMoveStats = TierMoveStats()
 
 
 @dataclass(frozen=True)

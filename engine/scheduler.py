@@ -15,7 +15,10 @@ Policy (vLLM v1's): running requests first, then waiting ones, under one token b
    a request whose LoRA adapter is still loading is passed over, see below).
    Prefix blocks found only in the host tier are onboarded into fresh device blocks (copies
    queued before the step), at most the host tier's `max_blocks_per_step` per step (a request
-   needing more than is left waits for the next step; alone, it may take more).
+   needing more than is left waits for the next step; alone, it may take more) and only when
+   the worker's in-flight budget, shared with its KV transfers, has room (else it waits in
+   the queue, FCFS; engine/host_tier.py `try_onboard`). A transfer reservation whose host-tier
+   blocks the budget cannot onboard now pulls them instead.
 
 So decodes are never starved by long prompts, and a long prompt advances by whatever budget
 the decodes leave. The scheduler owns block bookkeeping and never touches tensors; its
@@ -31,8 +34,9 @@ hand-off). A request that turns out to have stopped had one decode computed for 
 the engine discards its token and `finish` frees its blocks as usual.
 
 Hand-off states outside the two queues: `handed_off` (prefill-only requests finished with
-their blocks kept until `release`) and `transferring` (decode-side blocks reserved for KV
-that is being pulled, until `add_transferred` or `free_transfer`).
+their blocks kept until `release`, engine/handoffs.py: with `lend_host_copies`, the copies
+the host tier holds instead of their device blocks) and `transferring` (decode-side blocks
+reserved for KV that is being pulled, until `add_transferred` or `free_transfer`).
 
 LoRA (`AdapterSlots`, the adapter cache): a request on an adapter computes only while it
 holds the adapter's device slot, so a step never mixes more adapters than there are slots.
@@ -62,6 +66,7 @@ from typing import Protocol
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
+from engine.handoffs import Handoffs
 from engine.request import Request, RequestStatus
 
 
@@ -124,10 +129,12 @@ class Scheduler:
         max_model_len: int = 0,
         finish_after_first_token: bool = False,
         adapters: AdapterSlots | None = None,
+        lend_host_copies: bool = False,
     ) -> None:
         """`max_model_len` (0: none) and `finish_after_first_token` (prefill-only) say when a
         sample still in flight certainly ends its request (see the module docstring);
-        `adapters`: the LoRA slots (None: LoRA off, every request runs the base model)."""
+        `adapters`: the LoRA slots (None: LoRA off, every request runs the base model);
+        `lend_host_copies`: hand-offs hold host-tier copies where there are (docstring)."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -139,7 +146,8 @@ class Scheduler:
         self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.handed_off: dict[str, Request] = {}
+        self.handoffs = Handoffs(block_pool, block_size, lend_host_copies)
+        self.handed_off = self.handoffs.requests
         self.transferring: dict[str, ReservedTransfer] = {}
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting or running) by id."""
@@ -311,6 +319,8 @@ class Scheduler:
             num_new_blocks + num_onboard + self.block_pool.num_evictable_among(on_device)
         ):
             return 0
+        if num_onboard and not self._start_onboard(request.request_id, num_onboard):
+            return 0  # the in-flight budget holds it back: next step (FCFS holds)
         request.block_ids = self._take_hits(request.block_hashes, hits)
         request.block_ids += self.block_pool.allocate(num_new_blocks)
         self._onboard_left = max(0, self._onboard_left - num_onboard)
@@ -365,6 +375,12 @@ class Scheduler:
         request.lora_slot = -1
         assert self.adapters is not None
         self.adapters.release(request.lora_name)
+
+    def _start_onboard(self, request_id: str, num_blocks: int, wait: bool = True) -> bool:
+        """Whether the host tier may onboard `num_blocks` for the request now (its copies are
+        made by `_take_hits` right after; the budget is held from here)."""
+        tier = self.block_pool.host_tier
+        return tier is None or tier.try_onboard(request_id, num_blocks, wait)
 
     def _onboard_budget(self) -> int:
         tier = self.block_pool.host_tier
@@ -431,7 +447,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.time()
         if status is RequestStatus.FINISHED_PREFILLED and self.keep_blocks_on_prefill_finish:
-            self.handed_off[request.request_id] = request
+            self.handoffs.keep(request)
         else:
             self.block_pool.free(request.block_ids)
             request.block_ids = []
@@ -458,14 +474,11 @@ class Scheduler:
 
     def release(self, request_id: str) -> None:
         """Free the blocks a prefill-only request kept for hand-off."""
-        request = self.handed_off.pop(request_id, None)
-        if request is None:
+        if not self.handoffs.release(request_id):
             raise UnknownRequestError(request_id)
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
 
     def num_handoff_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self.handed_off.values())
+        return self.handoffs.num_device_blocks()
 
     def can_reserve_transfer(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> bool:
         """Whether `reserve_transfer` would succeed now."""
@@ -508,6 +521,8 @@ class Scheduler:
             slot = self.adapters.acquire(lora_name)
             lora_slot = -1 if slot is None else slot
         hits = self.block_pool.match_prefix_tiers(block_hashes)
+        if None in hits and not self._start_onboard(request_id, hits.count(None), wait=False):
+            hits = hits[: hits.index(None)]  # no budget to onboard them now: pulled instead
         block_ids = self._take_hits(block_hashes, hits)
         block_ids += self.block_pool.allocate(cdiv(num_tokens, self.block_size) - len(hits))
         reserved = ReservedTransfer(

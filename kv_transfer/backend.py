@@ -16,13 +16,16 @@ not to write into the destination blocks any more (then they may be reused).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from engine.kv_events import KVTier
 from kv_transfer.types import TransferPlan
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.kv_cache import KVCache
     from kv_transfer.config import KVTransferConfig
 
@@ -43,10 +46,13 @@ class DescriptorMode(enum.Enum):
 
 @dataclass(frozen=True)
 class MemoryRegion:
-    """The registered KV pool of an agent: `num_blocks` blocks of `block_nbytes` from `base`.
+    """A registered KV region of an agent: `num_blocks` blocks of `block_nbytes` from `base`.
 
     This is the compact form of the agent's descriptor list: block `i` is the descriptor
     `(base_address + i * block_nbytes, block_nbytes, device_id)` of memory type `mem_type`.
+    `tier` says which of the worker's tiers it is: its KV pool (DEVICE), or its host tier
+    (HOST: pinned host memory the decode side reads directly; a DISK region would be a NIXL
+    POSIX/GDS file region, not built).
     """
 
     mem_type: str  # "DRAM" (host) or "VRAM" (GPU)
@@ -54,6 +60,7 @@ class MemoryRegion:
     base_address: int
     block_nbytes: int
     num_blocks: int
+    tier: KVTier = KVTier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,20 @@ class TransferBackend(Protocol):
 
     def memory_region(self) -> MemoryRegion: ...
 
-    def add_peer(self, agent_name: str, agent_metadata: bytes, region: MemoryRegion) -> None:
-        """Load a peer's metadata so reads from its pool can start (idempotent)."""
+    def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
+        """Register another tier's blocks (`tensor`: [num_blocks, *block], host memory for
+        HOST) so peers can read them; once, before the handshake is published."""
+        ...
+
+    def add_peer(
+        self,
+        agent_name: str,
+        agent_metadata: bytes,
+        region: MemoryRegion,
+        tier_regions: Sequence[MemoryRegion] = (),
+    ) -> None:
+        """Load a peer's metadata so reads from its pool (and its other tiers' regions) can
+        start (idempotent)."""
         ...
 
     def remove_peer(self, agent_name: str) -> None: ...

@@ -34,7 +34,7 @@ from engine.driver import LoopProgress
 from engine.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, TransferBackend
-from kv_transfer.budget import Candidate
+from kv_transfer.budget import Candidate, InFlightBudget
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import HandshakeError, TransferError, UnknownPeer
 from kv_transfer.manager import OutcomeCallback, TransferManager, TransferState
@@ -73,9 +73,13 @@ class DecodeEndpoint:
         config: KVTransferConfig | None = None,
         backend_factory: BackendFactory | None = None,
         clock: Callable[[], float] = time.time,
+        budget: InFlightBudget | None = None,
     ) -> None:
+        """`budget`: the worker's in-flight budget, shared with its engine's host tier
+        (kv_transfer/budget.py); None: the endpoint's own."""
         self.cache = cache
         self.worker_id = worker_id
+        self.budget = budget
         self.config = config or KVTransferConfig()
         self.compat_hash = compat_hash(cache.spec, model_id)
         self.compat_fields = compat_fields(cache.spec, model_id)
@@ -115,6 +119,7 @@ class DecodeEndpoint:
             self._on_done,
             self._on_failed,
             self._clock,
+            self.budget,
         )
 
     # ---- peers ----------------------------------------------------------------------------
@@ -132,7 +137,12 @@ class DecodeEndpoint:
         def run() -> None:
             assert self._backend is not None and self._manager is not None
             for rank in info.ranks:  # rank 0 first: it takes the notices
-                self._backend.add_peer(rank.agent_name, rank.agent_metadata, rank.region)
+                # (rank 0's other tiers, its host tier: handles may name blocks there)
+                tiers = info.tier_regions if rank.agent_name == info.agent_name else ()
+                if tiers:
+                    self._backend.add_peer(rank.agent_name, rank.agent_metadata, rank.region, tiers)
+                else:
+                    self._backend.add_peer(rank.agent_name, rank.agent_metadata, rank.region)
             with self._lock:
                 self._reads[info.agent_name] = (agents, reads)
             self._manager.add_peer(info.agent_name)

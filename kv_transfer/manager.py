@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kv_transfer.backend import TransferBackend, XferId, XferStatus
-from kv_transfer.budget import Candidate, InFlightBudget
+from kv_transfer.budget import HOST_LANES, TRANSFERS, Candidate, InFlightBudget
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import (
     BackendError,
@@ -113,6 +113,7 @@ class _Transfer:
     state: TransferState = TransferState.QUEUED
     started_at: float = 0.0
     xfer: XferId | None = None  # set exactly when the state is TRANSFERRING
+    holds_budget: bool = False  # admitted by the budget, not yet given back
     deferred: bool = False
     abort_result: tuple[TransferState, TransferError] | None = None  # abort not confirmed yet
 
@@ -137,14 +138,17 @@ class TransferManager:
         on_done: OutcomeCallback,
         on_failed: OutcomeCallback,
         clock: Clock,
+        budget: InFlightBudget | None = None,
     ) -> None:
+        """`budget`: the worker's in-flight budget, shared with its engine's host tier
+        (kv_transfer/budget.py); None: one of its own."""
         self.backend = backend
         self.config = config
         self.compat_hash = compat_hash
         self._on_done = on_done
         self._on_failed = on_failed
         self._clock = clock
-        self.budget = InFlightBudget(config.budget)
+        self.budget = budget if budget is not None else InFlightBudget(config.budget)
         self.metrics = TransferMetrics()
         self.peers: set[str] = set()
         self._queued: dict[str, _Transfer] = {}  # insertion order is FCFS order
@@ -298,12 +302,15 @@ class TransferManager:
                 self._end(t, TransferState.EXPIRED, LeaseExpired(msg))
 
     def _start_admitted(self) -> None:
-        if not self._queued:
+        queued = [t.candidate for t in self._queued.values()]
+        if not queued and self.budget.head_of(TRANSFERS) is None:
             return
-        for c in self.budget.select([t.candidate for t in self._queued.values()]):
+        for c in self.budget.take(queued):  # (an empty queue clears this side's head)
             t = self._queued.get(c.request_id)
             if t is None:  # failed meanwhile (its peer was lost by an earlier start)
+                self.budget.release(c)
                 continue
+            t.holds_budget = True  # given back when it ends (`_finish`), started or not
             with self._isolated(t, "starting its read"):
                 self._start(t)
         if self._queued:
@@ -325,7 +332,6 @@ class TransferManager:
             return
         del self._queued[rid]
         t.state, t.xfer, t.started_at = TransferState.TRANSFERRING, xfer, self._clock()
-        self.budget.acquire(t.candidate)
         self._transferring[rid] = t
         self.version += 1
         if self.budget.is_oversized(t.candidate):
@@ -423,7 +429,9 @@ class TransferManager:
             return
         self.version += 1
         self._queued.pop(rid, None)
-        if self._transferring.pop(rid, None) is not None:
+        self._transferring.pop(rid, None)
+        if t.holds_budget:
+            t.holds_budget = False
             self.budget.release(t.candidate)
         now = self._clock()
         started = t.started_at if t.started_at else now
@@ -501,18 +509,22 @@ class TransferManager:
         return bool(self._queued or self._transferring)
 
     def load(self) -> TransferLoad:
+        """This endpoint's pulls (the host tier's moves in the shared budget are not counted
+        here; the engine reports them)."""
         queued = [t.candidate for t in self._queued.values()]
+        flying = [t.candidate for t in self._transferring.values()]
         cfg = self.config.budget
+        lanes = self.budget.peer_loads(queued)
         return TransferLoad(
-            in_flight_transfers=self.budget.num_transfers,
-            in_flight_blocks=self.budget.num_blocks,
-            in_flight_bytes=self.budget.nbytes,
+            in_flight_transfers=len(flying),
+            in_flight_blocks=sum(c.num_blocks for c in flying),
+            in_flight_bytes=sum(c.nbytes for c in flying),
             queued_transfers=len(queued),
             queued_blocks=sum(c.num_blocks for c in queued),
             queued_bytes=sum(c.nbytes for c in queued),
             max_inflight_blocks=cfg.max_inflight_blocks,
             max_inflight_bytes=cfg.max_inflight_bytes,
-            per_peer=self.budget.peer_loads(queued),
+            per_peer=tuple(p for p in lanes if p.peer not in HOST_LANES),
         )
 
     def stats(self) -> TransferStats:

@@ -14,6 +14,12 @@ over freshly built lists costs more with every descriptor; prepping is paid once
 that comparison. On GPU, do not set UCX_TLS: UCX picks cuda_ipc between two GPUs of one host
 by itself.
 
+Tier regions: a prefill agent also registers its host tier (`register_tier`: pinned host
+memory on GPU, one registration, like the pool) and publishes it in the handshake; a decode
+agent preps one per-block dlist per region of the peer in `add_peer`. A plan whose blocks sit
+in more than one region (`TransferPlan.remote_tiers`) posts one read per region, and its
+notice is sent once all are DONE, as for slices below.
+
 Head slices (a plan's `SliceRead`s, between tensor-parallel workers): each slice is a read of
 its own (NIXL reads one remote agent at a time); a whole-block slice goes through the
 per-block dlists as above, a partial one (a head range of every block of a head-major pool)
@@ -26,14 +32,15 @@ fails the others are cancelled before the read reports FAILED.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
+from engine.kv_events import KVTier
 from kv_transfer.backend import DescriptorMode, MemoryRegion, Notification, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import BackendError
@@ -95,6 +102,8 @@ class _Peer:
     metadata: bytes
     prepped: Any  # nixl_prepped_dlist_handle over the peer's blocks
     ranges: dict[tuple[int, int], Any]  # (offset, nbytes) -> prepped dlist of that range
+    tiers: dict[KVTier, _Peer] = field(default_factory=dict)
+    """The peer's other tiers' regions (its host tier), each with its prepped dlist."""
 
 
 @dataclass
@@ -160,6 +169,7 @@ class NixlBackend:
         except Exception as e:
             raise _backend_error(f"registering {self._region.mem_type} KV memory", e) from e
         self._peers: dict[str, _Peer] = {}
+        self._tier_regions: list[tuple[MemoryRegion, Any]] = []  # (region, registration)
         self._local_ranges: dict[tuple[int, int], Any] = {}
         self._reads: dict[XferId, _Read] = {}
         self._next_id = 0
@@ -170,7 +180,30 @@ class NixlBackend:
     def memory_region(self) -> MemoryRegion:
         return self._region
 
-    def add_peer(self, agent_name: str, agent_metadata: bytes, region: MemoryRegion) -> None:
+    def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
+        """Register another tier's blocks (the host tier: pinned host memory on GPU) once, so
+        peers read them where they are, with no copy through the device pool."""
+        region = MemoryRegion(
+            mem_type="VRAM" if tensor.device.type == "cuda" else "DRAM",
+            device_id=tensor.device.index or 0,
+            base_address=tensor.data_ptr(),
+            block_nbytes=tensor[0].numel() * tensor.element_size(),
+            num_blocks=tensor.shape[0],
+            tier=tier,
+        )
+        try:
+            self._tier_regions.append((region, self._agent.register_memory(tensor)))
+        except Exception as e:
+            raise _backend_error(f"registering the {tier.value} tier's memory", e) from e
+        return region
+
+    def add_peer(
+        self,
+        agent_name: str,
+        agent_metadata: bytes,
+        region: MemoryRegion,
+        tier_regions: Sequence[MemoryRegion] = (),
+    ) -> None:
         known = self._peers.get(agent_name)
         if known is not None and known.metadata == agent_metadata:
             return
@@ -182,11 +215,15 @@ class NixlBackend:
             if loaded != agent_name:
                 raise BackendError(f"metadata names agent {loaded!r}, expected {agent_name!r}")
             prepped = self._agent.prep_xfer_dlist(agent_name, _block_descs(region), region.mem_type)
+            peer = _Peer(region, agent_metadata, prepped, {})
+            for r in tier_regions:  # one prepped dlist per region, like the KV pool's
+                dlist = self._agent.prep_xfer_dlist(agent_name, _block_descs(r), r.mem_type)
+                peer.tiers[r.tier] = _Peer(r, agent_metadata, dlist, {})
         except BackendError:
             raise
         except Exception as e:
             raise _backend_error(f"loading peer {agent_name}", e) from e
-        self._peers[agent_name] = _Peer(region, agent_metadata, prepped, {})
+        self._peers[agent_name] = peer
 
     def remove_peer(self, agent_name: str) -> None:
         peer = self._peers.pop(agent_name, None)
@@ -195,6 +232,8 @@ class NixlBackend:
         try:
             for dlist in peer.ranges.values():
                 dlist.release()
+            for tier in peer.tiers.values():
+                tier.prepped.release()
             peer.prepped.release()
             self._agent.remove_remote_agent(agent_name)
         except Exception as e:
@@ -203,10 +242,31 @@ class NixlBackend:
     def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
         if plan.slices:
             return self._start_slices(plan, notif)
+        if plan.remote_tiers:
+            return self._start_tiers(plan, notif)
         peer = self._checked_peer(plan, plan.peer)
         part = self._post(plan, self._make_read, plan, peer, notif)
         self._next_id += 1
         self._reads[self._next_id] = _Read([part])
+        return self._next_id
+
+    def _start_tiers(self, plan: TransferPlan, notif: bytes) -> XferId:
+        """One read per region of the peer the plan's blocks are in (its KV pool, its host
+        tier); with more than one, the notice goes once all are DONE (as for slices)."""
+        pieces = plan.by_tier()
+        parts: list[_Part] = []
+        try:
+            for tier, piece in pieces:
+                peer = self._checked_peer(piece, plan.peer, tier)
+                attached = notif if len(pieces) == 1 else b""
+                parts.append(self._post(plan, self._make_read, piece, peer, attached))
+        except BaseException:
+            for part in parts:
+                self._release_quietly(part.handle)
+            raise
+        self._next_id += 1
+        notify = (plan.peer, notif) if notif and len(pieces) > 1 else None
+        self._reads[self._next_id] = _Read(parts, notify)
         return self._next_id
 
     def _start_slices(self, plan: TransferPlan, notif: bytes) -> XferId:
@@ -223,10 +283,14 @@ class NixlBackend:
         self._reads[self._next_id] = _Read(parts, (plan.peer, notif) if notif else None)
         return self._next_id
 
-    def _checked_peer(self, plan: TransferPlan, agent: str) -> _Peer:
+    def _checked_peer(self, plan: TransferPlan, agent: str, tier: KVTier = KVTier.DEVICE) -> _Peer:
         peer = self._peers.get(agent)
         if peer is None:
             raise BackendError(f"no handshake with {agent}")
+        if tier is not KVTier.DEVICE:
+            if tier not in peer.tiers:
+                raise BackendError(f"{plan.request_id}: {agent} registered no {tier.value} tier")
+            peer = peer.tiers[tier]
         if max(plan.remote_block_ids) >= peer.region.num_blocks or min(plan.remote_block_ids) < 0:
             raise BackendError(f"{plan.request_id}: remote block id outside {agent}'s pool")
         if max(plan.local_block_ids) >= self._region.num_blocks:
@@ -417,6 +481,8 @@ class NixlBackend:
             for dlist in self._local_ranges.values():
                 dlist.release()
             self._local.release()
+            for _, registered in self._tier_regions:
+                self._agent.deregister_memory(registered)
             self._agent.deregister_memory(self._registered)
         except Exception as e:
             log.warning("closing NIXL agent %s: %s: %s", self.agent_name, type(e).__name__, e)

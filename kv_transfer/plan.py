@@ -5,21 +5,28 @@ request whose blocks were allocated contiguously on both workers moves in one de
 descriptor has a fixed cost in NIXL; engine/kv_cache.py says why a block is one contiguous
 region). Between tensor-parallel workers, `slice_reads` turns the heads each decode rank reads
 (kv_transfer/tp_plan.py) into byte ranges of a block: a whole block coalesces as above, a head
-range of a head-major block is one descriptor per block.
+range of a head-major block is one descriptor per block. A handle may name blocks in more
+than one region of its prefill agent (its KV pool, its host tier: `KVHandle.block_tiers`);
+runs never cross regions, and the backend posts one read per region.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.kv_events import KVTier
 from kv_transfer.tp_plan import HeadPlan
 from kv_transfer.types import DescriptorRun, KVHandle, SliceRead, TransferPlan
 
 
-def coalesce_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> tuple[DescriptorRun, ...]:
-    """Group `remote_ids[i] -> local_ids[i]` into maximal runs adjacent on both sides."""
+def coalesce_runs(
+    remote_ids: Sequence[int], local_ids: Sequence[int], remote_tiers: Sequence[KVTier] = ()
+) -> tuple[DescriptorRun, ...]:
+    """Group `remote_ids[i] -> local_ids[i]` into maximal runs adjacent on both sides and
+    within one peer region (`remote_tiers[i]`; empty: all in its KV pool)."""
     if len(remote_ids) != len(local_ids):
         raise ValueError(f"{len(remote_ids)} remote ids but {len(local_ids)} local ids")
+    tiers = remote_tiers or (KVTier.DEVICE,) * len(remote_ids)
     runs: list[DescriptorRun] = []
     start = 0
     for i in range(1, len(remote_ids) + 1):
@@ -27,9 +34,11 @@ def coalesce_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> tuple[
             i == len(remote_ids)
             or remote_ids[i] != remote_ids[i - 1] + 1
             or local_ids[i] != local_ids[i - 1] + 1
+            or tiers[i] is not tiers[i - 1]
         ):
             if i > start:
-                runs.append(DescriptorRun(remote_ids[start], local_ids[start], i - start))
+                run = DescriptorRun(remote_ids[start], local_ids[start], i - start, tiers[start])
+                runs.append(run)
             start = i
     return tuple(runs)
 
@@ -73,6 +82,14 @@ def plan_transfer(
             f"num_reused={num_reused} must be within 0..{len(handle.block_hashes)} (full blocks)"
         )
     remote = tuple(handle.block_ids[num_reused:])
+    tiers = tuple(handle.block_tiers[num_reused:])
+    if all(t is KVTier.DEVICE for t in tiers):
+        tiers = ()
+    if tiers and slices:
+        raise ValueError(
+            f"request {handle.request_id}: host-tier blocks between tensor-parallel workers "
+            "are not supported (a TP worker has no host tier)"
+        )
     local = tuple(int(b) for b in local_block_ids)
     if len(local) != len(remote):
         raise ValueError(
@@ -89,7 +106,8 @@ def plan_transfer(
         remote_block_ids=remote,
         local_block_ids=local,
         num_reused=num_reused,
-        runs=coalesce_runs(remote, local),
+        runs=coalesce_runs(remote, local, tiers),
         block_nbytes=block_nbytes,
         slices=slices,
+        remote_tiers=tiers,
     )

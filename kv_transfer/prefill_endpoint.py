@@ -14,6 +14,11 @@ A prefill worker's view of one request:
 Decode heartbeats extend leases of transfers still queued there. `release_blocks` must be
 quick and must not wait on the endpoint: route it into the engine thread.
 
+A worker with a host KV tier registers it too (`tiers`, one registration like the pool's),
+and a hand-off may name blocks there (`block_tiers`: engine/handoffs.py lends the host-tier
+copies of a prompt's blocks instead of device blocks): the decode worker reads them from host
+memory, and the worker holds them pinned until `release_blocks`, exactly like pool blocks.
+
 A tensor-parallel worker: this endpoint is rank 0's (leases, notices); the other ranks'
 agents (`followers`, kv_transfer/rank_endpoint.py) only expose their pools, and the
 handshake and every handle list them, so a decode worker reads each rank's heads.
@@ -23,11 +28,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
 
 from engine.block_hash import BlockHash
 from engine.driver import LoopProgress
 from engine.kv_cache import KVCache
+from engine.kv_events import KVTier
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, TransferBackend
 from kv_transfer.config import KVTransferConfig
@@ -67,9 +75,13 @@ class PrefillEndpoint:
         backend_factory: BackendFactory | None = None,
         clock: Callable[[], float] = time.time,
         followers: Sequence[RankAgent] = (),
+        tiers: Mapping[KVTier, torch.Tensor] | None = None,
     ) -> None:
-        """`followers`: the agents of ranks 1.. of a tensor-parallel worker (this is rank 0)."""
+        """`followers`: the agents of ranks 1.. of a tensor-parallel worker (this is rank 0).
+        `tiers`: the worker's other KV tiers' blocks (its host tier's tensor), registered for
+        decode workers to read hand-offs' blocks there (`hand_off`'s `block_tiers`)."""
         self.cache = cache
+        self.tiers = dict(tiers or {})
         self.followers = tuple(followers)
         if len(self.followers) + 1 != cache.spec.tp_size:
             raise ValueError(
@@ -101,6 +113,10 @@ class PrefillEndpoint:
 
     def _setup(self) -> HandshakeInfo:
         self._backend = self._factory(self.agent_name, self.cache, self.config)
+        # registered before the metadata is taken: it describes every registered region
+        tier_regions = tuple(
+            self._backend.register_tier(tensor, tier) for tier, tensor in self.tiers.items()
+        )
         self._handshake = HandshakeInfo(
             protocol_version=PROTOCOL_VERSION,
             compat_hash=self.compat_hash,
@@ -111,6 +127,7 @@ class PrefillEndpoint:
             region=self._backend.memory_region(),
             split=kv_split(self.cache.spec),
             followers=self.followers,
+            tier_regions=tier_regions,
         )
         return self._handshake
 
@@ -128,24 +145,34 @@ class PrefillEndpoint:
         block_hashes: Sequence[BlockHash],
         num_tokens: int,
         lease_s: float | None = None,
+        block_tiers: Sequence[KVTier] = (),
     ) -> KVHandle:
-        """Pin `block_ids` under a new lease and describe them for a decode worker."""
+        """Pin `block_ids` under a new lease and describe them for a decode worker.
+        `block_tiers`: per block, the tier its id is in (empty: all in the KV pool); the
+        worker holds host-tier blocks pinned there until `release_blocks`, like the pool's
+        (the lease pins the pool's block ids)."""
         spec = self.cache.spec
         if self._handshake is None or not self._loop.running:
             raise TransferError("PrefillEndpoint is not running (start() not run, or closed)")
-        if any(not 0 <= b < spec.num_blocks for b in block_ids):
-            raise ValueError(f"request {request_id}: block id outside the pool")
+        tiers = tuple(block_tiers) or (KVTier.DEVICE,) * len(block_ids)
+        if len(tiers) != len(block_ids):
+            raise ValueError(f"request {request_id}: {len(tiers)} tiers, {len(block_ids)} blocks")
+        sizes = {KVTier.DEVICE: spec.num_blocks} | {t: x.shape[0] for t, x in self.tiers.items()}
+        if any(not 0 <= b < sizes.get(t, 0) for b, t in zip(block_ids, tiers, strict=True)):
+            raise ValueError(f"request {request_id}: block id outside its tier's region")
         if len(block_ids) * spec.block_size < num_tokens:
             raise ValueError(
                 f"request {request_id}: {len(block_ids)} blocks cannot hold {num_tokens} tokens"
             )
-        lease = self.leases.grant(request_id, block_ids, lease_s)
+        pool_ids = [b for b, t in zip(block_ids, tiers, strict=True) if t is KVTier.DEVICE]
+        lease = self.leases.grant(request_id, pool_ids, lease_s)
         self._loop.wake()
         return KVHandle(
             request_id=request_id,
             worker_id=self.worker_id,
             agent_name=self.agent_name,
-            block_ids=lease.block_ids,
+            block_ids=tuple(int(b) for b in block_ids),
+            block_tiers=tuple(block_tiers) if KVTier.HOST in tiers else (),
             block_hashes=tuple(block_hashes),
             num_tokens=num_tokens,
             lease_deadline=lease.deadline,

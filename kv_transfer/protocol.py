@@ -61,6 +61,9 @@ class HandshakeInfo:
     """How the worker's KV heads are split over its ranks, and its pool layout."""
     followers: tuple[RankAgent, ...] = ()
     """Ranks 1.. of a tensor-parallel worker (rank 0 is the agent above)."""
+    tier_regions: tuple[MemoryRegion, ...] = ()
+    """Rank 0's regions of its other tiers (its host tier: `MemoryRegion.tier`), which
+    handles may name blocks in (`KVHandle.block_tiers`)."""
 
     @property
     def ranks(self) -> tuple[RankAgent, ...]:
@@ -113,6 +116,12 @@ def check_handshake(
             )
         if agent.region.num_blocks <= 0:
             raise HandshakeError(f"{peer}: rank {rank} registered no blocks")
+    for region in remote.tier_regions:
+        if region.block_nbytes != remote.region.block_nbytes or region.num_blocks <= 0:
+            raise HandshakeError(
+                f"{peer}: its {region.tier.value} tier region has {region.num_blocks} blocks of "
+                f"{region.block_nbytes} bytes (its KV pool's are {remote.region.block_nbytes})"
+            )
     return plan
 
 

@@ -25,12 +25,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from engine.kv_events import KVTier
 from kv_transfer.backend import MemoryRegion, Notification, TransferBackend, XferId, XferStatus
 from kv_transfer.errors import BackendError
 from kv_transfer.protocol import RankAgent
 from kv_transfer.types import TransferPlan
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,18 @@ class TPBackend:
     def memory_region(self) -> MemoryRegion:
         return self.ranks[0].memory_region()
 
-    def add_peer(self, agent_name: str, agent_metadata: bytes, region: MemoryRegion) -> None:
+    def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
+        raise BackendError(f"a tensor-parallel worker has no {tier.value} tier to register")
+
+    def add_peer(
+        self,
+        agent_name: str,
+        agent_metadata: bytes,
+        region: MemoryRegion,
+        tier_regions: Sequence[MemoryRegion] = (),
+    ) -> None:
+        """(A peer's host-tier regions are not loaded: a TP pull reads KV pools only, and
+        plan_transfer refuses a handle with host-tier blocks here.)"""
         for backend in self.ranks:
             backend.add_peer(agent_name, agent_metadata, region)
 
@@ -230,7 +245,16 @@ class FollowerBackend:
     def memory_region(self) -> MemoryRegion:
         return self.agent.region
 
-    def add_peer(self, agent_name: str, agent_metadata: bytes, region: MemoryRegion) -> None:
+    def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
+        raise BackendError(f"a tensor-parallel worker has no {tier.value} tier to register")
+
+    def add_peer(
+        self,
+        agent_name: str,
+        agent_metadata: bytes,
+        region: MemoryRegion,
+        tier_regions: Sequence[MemoryRegion] = (),
+    ) -> None:
         try:
             self.link.add_peer(agent_name, agent_metadata, region)
         except BackendError:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash
+from engine.kv_events import KVTier
 from kv_transfer.tp_plan import KVSplit
 
 if TYPE_CHECKING:  # engine.kv_cache imports torch; the router imports this module without it
@@ -85,6 +86,10 @@ class KVHandle:
     rank_agents: tuple[str, ...] = ()
     """The agent of each tensor-parallel rank of the prefill worker, rank 0 (`agent_name`,
     which holds the lease and takes the notices) first; empty for a worker of one rank."""
+    block_tiers: tuple[KVTier, ...] = ()
+    """Per block, the tier (the region of the prefill agent) its id indexes: its KV pool, or
+    its host tier (a copy the lease holds there instead of a device block); empty: every
+    block is in the KV pool."""
 
     def __post_init__(self) -> None:
         if self.rank_agents and self.rank_agents[0] != self.agent_name:
@@ -95,8 +100,17 @@ class KVHandle:
             raise ValueError(
                 f"KVHandle has {len(self.block_hashes)} hashes for {len(self.block_ids)} blocks"
             )
-        if len(set(self.block_ids)) != len(self.block_ids):
+        if self.block_tiers and len(self.block_tiers) != len(self.block_ids):
+            raise ValueError(
+                f"KVHandle has {len(self.block_tiers)} tiers for {len(self.block_ids)} blocks"
+            )
+        if len(set(zip(self.tiers, self.block_ids, strict=True))) != len(self.block_ids):
             raise ValueError("KVHandle block_ids contain duplicates")
+
+    @property
+    def tiers(self) -> tuple[KVTier, ...]:
+        """The tier of every block (`block_tiers`, or all DEVICE)."""
+        return self.block_tiers or (KVTier.DEVICE,) * len(self.block_ids)
 
     @property
     def num_blocks(self) -> int:
@@ -126,11 +140,12 @@ class SliceRead:
 
 @dataclass(frozen=True)
 class DescriptorRun:
-    """`num_blocks` consecutive blocks on both sides: one transfer descriptor."""
+    """`num_blocks` consecutive blocks on both sides (in one peer region): one descriptor."""
 
     remote_start: int
     local_start: int
     num_blocks: int
+    remote_tier: KVTier = KVTier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -154,10 +169,34 @@ class TransferPlan:
     runs: tuple[DescriptorRun, ...]
     block_nbytes: int
     slices: tuple[SliceRead, ...] = ()
+    remote_tiers: tuple[KVTier, ...] = ()
+    """Per remote block, the region of the peer it is read from (the handle's
+    `block_tiers`); empty: all from its KV pool. `runs` never cross from one to another."""
 
     @property
     def num_blocks(self) -> int:
         return len(self.remote_block_ids)
+
+    def by_tier(self) -> tuple[tuple[KVTier, TransferPlan], ...]:
+        """The plan split by the peer region its blocks are read from (one read each)."""
+        if not self.remote_tiers or len(set(self.remote_tiers)) == 1:
+            tier = self.remote_tiers[0] if self.remote_tiers else KVTier.DEVICE
+            return ((tier, replace(self, remote_tiers=())),)
+        parts = []
+        for tier in sorted(set(self.remote_tiers), key=lambda t: t.value):
+            pairs = [
+                (r, loc)
+                for r, loc, t in zip(
+                    self.remote_block_ids, self.local_block_ids, self.remote_tiers, strict=True
+                )
+                if t is tier
+            ]
+            remote, local = (tuple(x) for x in zip(*pairs, strict=True))
+            runs = tuple(r for r in self.runs if r.remote_tier is tier)
+            part = replace(self, remote_block_ids=remote, local_block_ids=local, runs=runs,
+                           remote_tiers=())  # fmt: skip
+            parts.append((tier, part))
+        return tuple(parts)
 
     @property
     def nbytes(self) -> int:

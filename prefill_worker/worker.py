@@ -10,8 +10,10 @@ Lifecycle of a request in this worker (the router's Prefill step, router/orchest
 3. The blocks are pinned under a lease (`PrefillEndpoint.hand_off`) and the first token plus
    a `KVHandle` go back to the caller. A request that ended on its first token (eos,
    max_tokens=1) holds nothing and returns no handle.
-4. A decode worker pulls the blocks over NIXL and notifies; the lease ends and the blocks
-   go back to the pool as evictable prefix-cache entries. If no notice comes, the lease
+4. A decode worker pulls the blocks over NIXL (those the engine holds as host-tier copies,
+   EngineConfig.host_kv_handoff, straight from the host tier's registered memory) and
+   notifies; the lease ends and the blocks go back to the pool (or the host tier's LRU) as
+   evictable prefix-cache entries. If no notice comes, the lease
    expires (reaper on a timer) with the same effect.
 
 Aborts: before step 3 the engine aborts the request (blocks freed at once); after it,
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.engine import LLMEngine
+from engine.kv_events import KVTier
 from engine.outputs import RequestOutput
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.prefill_endpoint import PrefillEndpoint
@@ -71,6 +74,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             release_blocks=self._release_blocks,
             config=self.transfer_config,
             followers=self.runtime.tp.agents if self.runtime.tp is not None else (),
+            tiers={KVTier.HOST: engine.host_tier.tensor} if engine.host_tier is not None else None,
         )
 
     def _holds_work(self) -> bool:
@@ -144,7 +148,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
         if out.kv_handoff is not None:
             h = out.kv_handoff
             handle = self._endpoint.hand_off(
-                h.request_id, h.block_ids, h.block_hashes, h.num_tokens
+                h.request_id, h.block_ids, h.block_hashes, h.num_tokens, block_tiers=h.block_tiers
             )
         return PrefillResult(
             request_id=out.request_id,

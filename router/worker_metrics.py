@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -30,6 +31,7 @@ from engine.step_stats import BATCH_REQUESTS_BUCKETS, STEP_SECONDS_BUCKETS
 from worker_runtime.api import WorkerLoad, WorkerState
 
 LABELS = ["worker", "role"]
+F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
 _STATES = tuple(s.value for s in WorkerState if s is not WorkerState.DRAINED)
 """States a worker reports itself (DRAINED is the controller's name, deploy/controller.py)."""
 
@@ -122,6 +124,33 @@ class _Families:
             labels=[*LABELS, "direction"],
         )
         self._all.append(self.host_moved)
+        self.host_moved_bytes = self._by_direction(
+            CounterMetricFamily, "pdserve_worker_host_kv_bytes_moved",
+            "Bytes copied between the device pool and the host KV tier",
+        )  # fmt: skip
+        self.host_queued = self._by_direction(
+            GaugeMetricFamily, "pdserve_worker_host_kv_queued_blocks",
+            "Host KV tier copies waiting for the in-flight budget (onboard: a request's "
+            "blocks; offload: blocks offered, not copied yet)",
+        )  # fmt: skip
+        self.host_inflight = self._by_direction(
+            GaugeMetricFamily, "pdserve_worker_host_kv_inflight_blocks",
+            "Host KV tier copies queued on the device and holding in-flight budget",
+        )  # fmt: skip
+        self.host_wait = self._by_direction(
+            CounterMetricFamily, "pdserve_worker_host_kv_wait_seconds",
+            "Seconds host KV tier copies waited before they started (onboard: for budget; "
+            "offload: from the offer)",
+        )  # fmt: skip
+        self.host_deferred = self._by_direction(
+            CounterMetricFamily, "pdserve_worker_host_kv_deferred",
+            "Host KV tier copies the in-flight budget held back (onboard: requests; "
+            "offload: flushes)",
+        )  # fmt: skip
+        self.host_pinned = g(
+            "pdserve_worker_host_kv_pinned_blocks",
+            "Host KV tier blocks pinned (hand-offs lending them, onboards under way)",
+        )
         self.host_evicted = c(
             "pdserve_worker_host_kv_evicted_blocks", "Host KV tier blocks reused for newer ones"
         )
@@ -203,6 +232,11 @@ class _Families:
         self._all.append(family)
         return family
 
+    def _by_direction(self, kind: type[F], name: str, doc: str) -> F:
+        family = kind(name, doc, labels=[*LABELS, "direction"])
+        self._all.append(family)
+        return family
+
     def _histogram(self, name: str, doc: str) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, doc, labels=LABELS)
         self._all.append(family)
@@ -264,6 +298,14 @@ class _Families:
         self.host_moved.add_metric([*labels, "offload"], tier.num_offloaded)
         self.host_moved.add_metric([*labels, "onboard"], tier.num_onboarded)
         self.host_evicted.add_metric(labels, tier.num_evicted)
+        self.host_pinned.add_metric(labels, tier.num_pinned)
+        for direction, moves in (("onboard", tier.onboard), ("offload", tier.offload)):
+            by = [*labels, direction]
+            self.host_moved_bytes.add_metric(by, moves.done_bytes)
+            self.host_queued.add_metric(by, moves.queued_blocks)
+            self.host_inflight.add_metric(by, moves.inflight_blocks)
+            self.host_wait.add_metric(by, moves.wait_s)
+            self.host_deferred.add_metric(by, moves.deferred)
 
     def _add_transfer(self, labels: list[str], load: WorkerLoad) -> None:
         stats = load.transfer_stats

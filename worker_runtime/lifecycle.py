@@ -7,7 +7,9 @@ States (`WorkerState`, as the worker reports it in `load()`):
 
 `start` loads the model and starts the engine thread (`WorkerRuntime`; a tensor-parallel
 worker's follower ranks with it), then the role's KV endpoint (`_make_endpoint`), whose
-thread the health check watches too. `admit` is the check
+thread the health check watches too. One in-flight budget
+(`budget`, kv_transfer/budget.py) covers the worker's KV pulls and its engine's host-tier
+copies. `admit` is the check
 every new request passes (READY, and room for one more). `drain` stops admitting and waits
 until the role holds nothing (`_holds_work`: a decode worker's streams, a prefill worker's
 requests and leases); `ping` is the controller's health check (health means progress:
@@ -26,6 +28,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from engine.driver import LoopProgress
 from engine.engine import LLMEngine
 from engine.outputs import LoraInfo
+from kv_transfer.budget import InFlightBudget
 from kv_transfer.config import KVTransferConfig
 from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
 from worker_runtime.runtime import WorkerConfig, WorkerRuntime
@@ -63,6 +66,8 @@ class WorkerLifecycle(Generic[E]):
         """`followers`: a tensor-parallel worker's rank 1.. actors (deploy/workers.py)."""
         self.runtime = WorkerRuntime(config, actor_name or config.worker_id, followers, transfer)
         self.transfer_config = transfer
+        self.budget = InFlightBudget(transfer.budget)
+        """What this worker moves at once: its KV pulls and its host tier's copies."""
         self.endpoint: E | None = None
         configure_tracing(config.role.value)  # from OTEL_*: off unless an exporter is named
 
@@ -86,6 +91,7 @@ class WorkerLifecycle(Generic[E]):
         info = await self.runtime.start()
         engine = self.runtime.engine
         assert engine is not None
+        await self.runtime.call(lambda e: e.use_copy_budget(self.budget))
         endpoint = self._make_endpoint(engine)
         await asyncio.to_thread(endpoint.start)
         self.endpoint = endpoint

@@ -7,6 +7,7 @@ read what happened, and kill the peer with SIGKILL mid-transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -21,6 +22,7 @@ import torch
 
 from engine.block_hash import BlockHash
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_events import KVTier
 from kv_transfer.backend import XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.nixl_backend import NixlBackend
@@ -34,6 +36,10 @@ SMALL = KVCacheSpec(
 LARGE = KVCacheSpec(
     num_blocks=256, num_layers=1, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32"
 )
+
+
+HOST_BLOCKS = 32
+"""The prefill peer's host tier: blocks filled from seed 2 (its pool's from seed 1)."""
 
 
 def fill(cache: KVCache, seed: int) -> None:
@@ -102,6 +108,8 @@ def prefill_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) 
 
     cache = KVCache(spec)
     fill(cache, seed=1)
+    host = KVCache(dataclasses.replace(spec, num_blocks=HOST_BLOCKS))  # the host tier's blocks
+    fill(host, seed=2)
     released: list[Released] = []
     lock = threading.Lock()
 
@@ -109,16 +117,16 @@ def prefill_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) 
         with lock:
             released.append(Released(rid, blocks, time.time()))
 
-    endpoint = PrefillEndpoint(cache, MODEL, "p0", release, config)
+    tiers = {KVTier.HOST: host.tensor}
+    endpoint = PrefillEndpoint(cache, MODEL, "p0", release, config, tiers=tiers)
     conn.send(endpoint.start())
     while True:
         cmd, *args = conn.recv()
-        if cmd == "hand_off":
-            rid, blocks, lease_s = args
+        if cmd == "hand_off":  # rid, blocks, lease_s[, block tiers]
+            rid, blocks, lease_s, *more = args
             hashes = [BlockHash(b.to_bytes(16, "little")) for b in blocks]  # all blocks full
-            conn.send(
-                endpoint.hand_off(rid, blocks, hashes, len(blocks) * spec.block_size, lease_s)
-            )
+            n = len(blocks) * spec.block_size
+            conn.send(endpoint.hand_off(rid, blocks, hashes, n, lease_s, *more))
         elif cmd == "released":
             with lock:
                 conn.send(list(released))

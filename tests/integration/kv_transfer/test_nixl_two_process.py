@@ -13,10 +13,21 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from kvt_peer import LARGE, MODEL, SMALL, Peer, Released, backend_factory, decode_main, fill
+from kvt_peer import (
+    HOST_BLOCKS,
+    LARGE,
+    MODEL,
+    SMALL,
+    Peer,
+    Released,
+    backend_factory,
+    decode_main,
+    fill,
+)
 from kvt_peer import prefill_main as prefill_peer_main
 
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_events import KVTier
 from kv_transfer.config import BudgetConfig, KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
 from kv_transfer.errors import HandshakeError, PeerLost, TransferError, TransferTimeout
@@ -31,9 +42,10 @@ PREFILL_CONFIG = KVTransferConfig(reaper_interval_s=0.05, lease_s=10.0)
 DECODE_CONFIG = KVTransferConfig(capture_telemetry=True, idle_tick_s=0.02)
 
 
-def expected_blocks(spec: KVCacheSpec, block_ids: list[int]) -> torch.Tensor:
+def expected_blocks(spec: KVCacheSpec, block_ids: list[int], seed: int = 1) -> torch.Tensor:
+    """The peer's pool blocks (seed 1), or its host tier's (seed 2)."""
     cache = KVCache(dataclasses.replace(spec, num_blocks=max(block_ids) + 1))
-    fill(cache, seed=1)
+    fill(cache, seed=seed)
     return cache.tensor[block_ids]
 
 
@@ -146,6 +158,29 @@ def test_two_processes_pull_blocks_over_nixl_and_bytes_match(
     wait_for(lambda: {"contig", "scatter", "reuse"} <= set(released_ids(peer)), timeout_s=5)
     stats = d.endpoint.stats()
     assert (stats.transfers_done, stats.blocks_transferred, stats.descriptors) == (3, 10, 5)
+
+
+def test_blocks_in_the_prefill_host_tier_are_read_from_its_registered_host_memory(
+    prefill: tuple[Peer, HandshakeInfo], decoder: Callable[..., Decoder]
+) -> None:
+    peer, info = prefill
+    assert [(r.tier, r.mem_type, r.num_blocks) for r in info.tier_regions] == [
+        (KVTier.HOST, "DRAM", HOST_BLOCKS)
+    ]
+    d = decoder(SMALL)
+    d.endpoint.add_peer(info)
+    host, dev = KVTier.HOST, KVTier.DEVICE
+    # a prefix lent from the host tier (slots 6, 7, 8), the rest from the pool (blocks 6, 7)
+    handle: KVHandle = peer.ask("hand_off", "tiers", [6, 7, 8, 6, 7], None,
+                                [host, host, host, dev, dev])  # fmt: skip
+    plan = d.endpoint.submit(handle, [0, 1, 2, 3, 4])
+    assert plan.num_descriptors == 2  # one run per region, however adjacent the ids
+    [outcome] = d.wait(1, timeout_s=20)
+    assert outcome.state is TransferState.DONE, outcome.error
+    assert outcome.posted_descriptors == 2
+    assert torch.equal(d.cache.tensor[[0, 1, 2]], expected_blocks(SMALL, [6, 7, 8], seed=2))
+    assert torch.equal(d.cache.tensor[[3, 4]], expected_blocks(SMALL, [6, 7]))
+    wait_for(lambda: "tiers" in released_ids(peer), timeout_s=5)  # once both reads are done
 
 
 def test_incompatible_peer_is_refused_with_a_clear_error(

@@ -10,12 +10,14 @@ never used in production.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_hash import BlockHash
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_events import KVTier
 from kv_transfer.backend import BackendFactory, MemoryRegion, Notification, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import BackendError
@@ -100,6 +102,8 @@ class LoopbackBackend:
         self.reads: dict[XferId, _Read] = {}
         self.inbox: list[Notification] = []
         self.sent: list[tuple[str, bytes]] = []
+        self.tiers: dict[KVTier, torch.Tensor] = {}  # registered other tiers (register_tier)
+        self.peer_tiers: dict[str, tuple[KVTier, ...]] = {}
         self._next = 0
         fabric.agents[agent_name] = self
 
@@ -112,10 +116,22 @@ class LoopbackBackend:
             "DRAM", 0, self.cache.tensor.data_ptr(), spec.block_nbytes, spec.num_blocks
         )
 
-    def add_peer(self, agent_name: str, agent_metadata: bytes, region: MemoryRegion) -> None:
+    def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
+        self.tiers[tier] = tensor
+        nbytes = tensor[0].numel() * tensor.element_size()
+        return MemoryRegion("DRAM", 0, tensor.data_ptr(), nbytes, tensor.shape[0], tier)
+
+    def add_peer(
+        self,
+        agent_name: str,
+        agent_metadata: bytes,
+        region: MemoryRegion,
+        tier_regions: Sequence[MemoryRegion] = (),
+    ) -> None:
         if agent_name not in self.fabric.agents or agent_name in self.fabric.dead:
             raise BackendError(f"no agent {agent_name}", peer_lost=True)
         self.peers.add(agent_name)
+        self.peer_tiers[agent_name] = tuple(r.tier for r in tier_regions)
 
     def remove_peer(self, agent_name: str) -> None:
         self.peers.discard(agent_name)
@@ -130,6 +146,9 @@ class LoopbackBackend:
             self._check_alive(agent)
             if agent not in self.peers:
                 raise BackendError(f"no handshake with {agent}")
+        missing = set(plan.remote_tiers) - {KVTier.DEVICE, *self.peer_tiers.get(plan.peer, ())}
+        if missing:
+            raise BackendError(f"{plan.peer} registered no {sorted(t.value for t in missing)}")
         self._next += 1
         read = _Read(plan, notif, self.fabric.agents[plan.peer])
         self.reads[self._next] = read
@@ -143,9 +162,12 @@ class LoopbackBackend:
             for s in p.slices:
                 copy_range(self.fabric.agents[s.peer].cache, self.cache, p, s)
         else:
-            self.cache.copy_blocks_from(
-                read.source.cache, list(p.remote_block_ids), list(p.local_block_ids)
-            )
+            for tier, part in p.by_tier():  # from each region of the peer its blocks are in
+                src, dst = list(part.remote_block_ids), list(part.local_block_ids)
+                if tier is KVTier.DEVICE:
+                    self.cache.copy_blocks_from(read.source.cache, src, dst)
+                else:
+                    self.cache.tensor[dst] = read.source.tiers[tier][src]
         read.status = XferStatus.DONE
         if read.notif and not self.fabric.drop_notifs:
             read.source.inbox.append(Notification(self.agent_name, read.notif))

@@ -7,6 +7,7 @@ Real time, short timers: these check that the reaper and the deadlines run on th
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ import torch
 from kvt_factories import MODEL, SPEC, LoopbackFabric, filled_cache, loopback_factory
 
 from engine.kv_cache import KVCache
+from engine.kv_events import KVTier
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
 from kv_transfer.errors import HandshakeError, TransferTimeout, UnknownPeer
@@ -31,7 +33,13 @@ FAST = KVTransferConfig(
 
 
 class Pair:
-    def __init__(self, fabric: LoopbackFabric, config: KVTransferConfig = FAST) -> None:
+    def __init__(
+        self,
+        fabric: LoopbackFabric,
+        config: KVTransferConfig = FAST,
+        host: torch.Tensor | None = None,
+    ) -> None:
+        """`host`: the prefill worker's host tier ([blocks, *block]), registered as a region."""
         self.released: queue.Queue[tuple[str, tuple[int, ...], float]] = queue.Queue()
         self.outcomes: queue.Queue[TransferOutcome] = queue.Queue()
         self.callback_threads: list[str] = []
@@ -43,6 +51,7 @@ class Pair:
             lambda rid, blocks: self.released.put((rid, blocks, time.monotonic())),
             config,
             loopback_factory(fabric),
+            tiers={KVTier.HOST: host} if host is not None else None,
         )
         self.decode_cache = KVCache(SPEC)
         self.decode = DecodeEndpoint(
@@ -148,3 +157,56 @@ def test_close_releases_every_held_lease_and_fails_pending_pulls(fabric: Loopbac
     p.close()
     assert p.outcomes.get(timeout=5).state is TransferState.FAILED
     assert sorted(p.released.get(timeout=5)[0] for _ in range(2)) == ["r1", "r2"]
+
+
+# -- a hand-off whose blocks are partly in the prefill worker's host tier ---------------------
+
+
+@pytest.fixture()
+def tiered(fabric: LoopbackFabric) -> Iterator[Pair]:
+    host = -torch.arange(16 * math.prod(SPEC.shape[1:]), dtype=torch.float32)
+    p = Pair(fabric, host=host.reshape(16, *SPEC.shape[1:]))
+    yield p
+    p.close()
+
+
+def test_host_tier_blocks_are_read_from_the_prefill_workers_host_region(tiered: Pair) -> None:
+    info = tiered.info
+    assert [r.tier for r in info.tier_regions] == [KVTier.HOST]
+    tiered.decode.add_peer(info)
+    host, dev = KVTier.HOST, KVTier.DEVICE
+    # host slots 4, 5 (a prefix lent from the host tier), then device blocks 7, 4: the same
+    # id in two regions is two blocks
+    handle = tiered.prefill.hand_off(
+        "r1", [4, 5, 7, 4], [b"a" * 16, b"b" * 16, b"c" * 16], num_tokens=15,
+        block_tiers=[host, host, dev, dev],
+    )  # fmt: skip
+    assert tiered.prefill.pinned_block_ids() == frozenset({7, 4})  # the pool's, by the lease
+    plan = tiered.decode.submit(handle, [20, 21, 22, 30])
+    assert [(r.remote_tier, r.remote_start, r.num_blocks) for r in plan.runs] == [
+        (host, 4, 2), (dev, 7, 1), (dev, 4, 1)
+    ]  # fmt: skip
+    assert tiered.outcomes.get(timeout=5).state is TransferState.DONE
+    host_kv = tiered.prefill.tiers[KVTier.HOST]
+    assert torch.equal(tiered.decode_cache.tensor[[20, 21]], host_kv[[4, 5]])
+    assert torch.equal(tiered.decode_cache.tensor[[22, 30]], tiered.prefill_cache.tensor[[7, 4]])
+    rid, _, _ = tiered.released.get(timeout=5)  # one notice, after every region's read
+    assert rid == "r1" and tiered.prefill.pinned_block_ids() == frozenset()
+
+
+def test_reused_blocks_skip_their_host_tier_part_too(tiered: Pair) -> None:
+    tiered.decode.add_peer(tiered.info)
+    handle = tiered.prefill.hand_off(
+        "r1", [4, 9], [b"a" * 16], num_tokens=6, block_tiers=[KVTier.HOST, KVTier.DEVICE]
+    )
+    plan = tiered.decode.submit(handle, [31], num_reused=1)
+    assert plan.remote_tiers == () and plan.remote_block_ids == (9,)  # from the pool only
+    assert tiered.outcomes.get(timeout=5).state is TransferState.DONE
+
+
+def test_a_hand_off_names_blocks_only_within_its_tiers_regions(pair: Pair, tiered: Pair) -> None:
+    with pytest.raises(ValueError, match="outside its tier"):
+        pair.prefill.hand_off("r1", [1], [], num_tokens=4, block_tiers=[KVTier.HOST])
+    with pytest.raises(ValueError, match="outside its tier"):
+        tiered.prefill.hand_off("r2", [16], [], num_tokens=4, block_tiers=[KVTier.HOST])
+    assert pair.prefill.stats().granted == tiered.prefill.stats().granted == 0

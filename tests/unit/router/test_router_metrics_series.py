@@ -13,7 +13,7 @@ from router_fakes import make_load
 
 from admission.decision import Reason
 from engine.block_hash import BlockHash
-from engine.outputs import HostTierStats
+from engine.outputs import HostTierStats, TierMoveStats
 from engine.step_stats import StepMeter
 from kv_transfer.metrics import TransferStats
 from kv_transfer.types import TransferLoad
@@ -40,7 +40,11 @@ def decode_load() -> WorkerLoad:
     load = make_load("decode-1", WorkerRole.DECODE, used_blocks=30)
     tier = HostTierStats(num_blocks=512, num_cached=40, num_offloaded=70, num_onboarded=12,
                          num_evicted=3, num_fenced=0, offload_bytes=70 << 10,
-                         onboard_bytes=12 << 10)  # fmt: skip
+                         onboard_bytes=12 << 10, num_pinned=5,
+                         onboard=TierMoveStats(queued_blocks=9, inflight_blocks=4, done_blocks=12,
+                                               done_bytes=12 << 10, wait_s=0.25, deferred=2),
+                         offload=TierMoveStats(queued_blocks=30, done_bytes=70 << 10,
+                                               wait_s=1.5))  # fmt: skip
     engine = replace(load.engine, num_cache_query_tokens=64, num_cache_hit_tokens=48,
                      num_waiting=3, steps=meter.snapshot(), num_host_hit_tokens=32,
                      host_tier=tier)  # fmt: skip
@@ -79,6 +83,15 @@ def test_worker_series_come_from_the_latest_load_report() -> None:
     assert at("pdserve_worker_host_kv_blocks_moved_total", ("direction", "offload")) == 70
     assert at("pdserve_worker_host_kv_blocks_moved_total", ("direction", "onboard")) == 12
     assert at("pdserve_worker_host_kv_evicted_blocks_total") == 3
+    assert at("pdserve_worker_host_kv_pinned_blocks") == 5
+    onboard, offload = ("direction", "onboard"), ("direction", "offload")
+    assert at("pdserve_worker_host_kv_bytes_moved_total", onboard) == 12 << 10
+    assert at("pdserve_worker_host_kv_bytes_moved_total", offload) == 70 << 10
+    assert at("pdserve_worker_host_kv_queued_blocks", onboard) == 9
+    assert at("pdserve_worker_host_kv_queued_blocks", offload) == 30
+    assert at("pdserve_worker_host_kv_inflight_blocks", onboard) == 4
+    assert at("pdserve_worker_host_kv_wait_seconds_total", offload) == 1.5
+    assert at("pdserve_worker_host_kv_deferred_total", onboard) == 2
     assert at("pdserve_worker_engine_step_seconds_count") == 2
     assert at("pdserve_worker_engine_step_seconds_bucket", ("le", "0.0005")) == 1
     assert at("pdserve_worker_engine_step_seconds_bucket", ("le", "0.0025")) == 1
