@@ -22,7 +22,6 @@ Aborts: before step 3 the engine aborts the request (blocks freed at once); afte
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -100,8 +99,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
                     quietly(_traced, span, result)
                 return result
         finally:
-            if spans.spans:
-                asyncio.get_running_loop().call_later(SPAN_AFTER_REPLY_S, spans.flush)
+            spans.flush_later(SPAN_AFTER_REPLY_S)
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         self.admit()

@@ -52,6 +52,10 @@ KV_HANDOFF = "pdserve.kv_handoff"
 LOCAL_PREFILL = "pdserve.local_prefill"
 DECODE_STREAM = "pdserve.decode_stream"
 
+FLUSH_AFTER_S = 0.005
+"""How long after a request finishes its spans are made in the SDK (benchmarks/bench_tracing.py:
+made at once, they were on the stream's end-to-end time)."""
+
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 
@@ -72,11 +76,12 @@ class RequestTrace:
         return open_span(name, self.root, kind, deferred=self.deferred)
 
     def finish(self, outcome: str, record: RequestRecord, progress: RequestProgress) -> None:
-        """Make the stage spans, then end the root with what the request did; its status is
-        an error unless ok."""
+        """End the root with what the request did (its status is an error unless ok), then
+        make the spans in the SDK `FLUSH_AFTER_S` later, once the stream's end has gone out
+        (the orchestrator finishes a request before the servicer sends its status)."""
         if self.root.recording:
             quietly(self._finish, outcome, record, progress)
-            self.deferred.flush()
+            self.deferred.flush_later(FLUSH_AFTER_S)
 
     def _finish(self, outcome: str, record: RequestRecord, progress: RequestProgress) -> None:
         root = self.root

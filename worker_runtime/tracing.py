@@ -26,6 +26,7 @@ operation that raises is logged and dropped.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import os
@@ -359,6 +360,18 @@ class DeferredSpans:
 
     def __init__(self) -> None:
         self.spans: list[_Deferred] = []
+
+    def flush_later(self, delay_s: float) -> None:
+        """`flush` `delay_s` from now on the running event loop, so what the caller is about
+        to send (a reply, a stream's end) goes first; at once when no loop runs here."""
+        if not self.spans:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        loop.call_later(delay_s, self.flush)
 
     def flush(self) -> None:
         """Make every span recorded so far (one still open ends now); never raises."""
