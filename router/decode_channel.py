@@ -9,14 +9,29 @@ worker, renewed every quarter of it while the channel is open: if this router di
 worker closes the channel and aborts its requests once the lease runs out (Ray itself keeps
 an actor's streaming call running after its caller is gone).
 
+A subscription is not kept forever: once it has carried `resubscribe_after` batches, the
+next request opens a fresh one (under a new channel id) and the old one drains, serving the
+requests it holds until the last of them ends, and is then cancelled. Each request stays on
+the subscription it was opened on. Why: Ray keeps a record of every item a streaming call
+has yielded until the call ends, on both sides (the caller's ObjectRefStream keeps each
+item's id in a hash set, the executing worker each item's id in a vector; ~40 bytes an item
+each), so one subscription for the life of the cluster grew the router's and the decode
+worker's memory by tens of MB an hour under load (benchmarks/soak.py), and Ray fails a
+streaming call past 1e8 items.
+
 States (`ChannelState`):
 
     IDLE --open_request--> OPEN          (subscribes under a fresh channel id, starts the reader)
-    OPEN --subscription ends or fails--> BROKEN   (every open request gets a WorkerLost; an
-                                                   actor death also marks the worker dead)
+    OPEN --open_request, `resubscribe_after` batches read--> OPEN   (a fresh subscription for
+                                          new requests; the old one drains)
+    OPEN --subscription ends or fails--> BROKEN   (every request open on it gets a WorkerLost;
+                                                   an actor death also marks the worker dead)
     BROKEN --open_request--> OPEN        (subscribes again, under a new id)
     any --close--> CLOSED                (the worker left the registry, or the router stops;
                                           open requests get a WorkerLost)
+
+A draining subscription that ends or fails gives its own requests a WorkerLost (an actor
+death also marks the worker dead) and leaves the channel's state as it is.
 """
 
 from __future__ import annotations
@@ -38,6 +53,11 @@ log = logging.getLogger(__name__)
 CHANNEL_LEASE_S = 10.0
 """How long a decode worker keeps this router's channel without hearing from it."""
 
+RESUBSCRIBE_AFTER = 10_000
+"""Batches one subscription carries before new requests go to a fresh one (see the module
+docstring): Ray's record of a subscription's items stays under ~0.5 MB on each side, and a
+fresh subscription (one Ray call) every 10,000 engine steps costs nothing measurable."""
+
 
 class ChannelState(enum.Enum):
     IDLE = "idle"
@@ -49,15 +69,16 @@ class ChannelState(enum.Enum):
 class RequestStream:
     """One request's chunks from its decode worker (what the orchestrator reads)."""
 
-    def __init__(self, channel: DecodeChannel, request_id: str) -> None:
+    def __init__(self, channel: DecodeChannel, subscription: Subscription, request_id: str) -> None:
         self.channel = channel
+        self.subscription = subscription
         self.request_id = request_id
         self._queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
         self._closed = False
 
     async def submit(self, req: DecodeRequest) -> None:
         """Hand the request to the worker; raises what the worker refused it with."""
-        await self.channel.handle.submit.remote(req, self.channel.channel_id)
+        await self.channel.handle.submit.remote(req, self.subscription.channel_id)
 
     async def next(self) -> TokenChunk:
         """The request's next chunk; raises its error (the worker's, or WorkerLost)."""
@@ -76,6 +97,27 @@ class RequestStream:
             self.channel.release(self)
 
 
+class Subscription:
+    """One `subscribe` call on the decode worker (under its own channel id), the requests
+    opened on it, and the tasks that read it and renew its lease."""
+
+    def __init__(self, channel_id: str, call: Any) -> None:
+        self.channel_id = channel_id
+        self.call = call
+        """The Ray streaming call (an ObjectRefGenerator)."""
+        self.streams: dict[str, RequestStream] = {}
+        self.num_batches = 0
+        self.reader: asyncio.Task[None] | None = None
+        self.renewer: asyncio.Task[None] | None = None
+
+    def stop(self) -> None:
+        """Cancel the reader, the renewals and the call (idempotent)."""
+        for task in (self.renewer, self.reader):
+            if task is not None and not task.done():
+                task.cancel()
+        cancel_remote(self.call)
+
+
 class DecodeChannel:
     """This router's requests on one decode worker (see the module docstring)."""
 
@@ -86,70 +128,115 @@ class DecodeChannel:
         id_prefix: str,
         on_worker_death: Callable[[], None] | None = None,
         lease_s: float = CHANNEL_LEASE_S,
+        resubscribe_after: int = RESUBSCRIBE_AFTER,
     ) -> None:
         self.worker_id = worker_id
         self.handle = handle
         self.state = ChannelState.IDLE
         self.channel_id = ""
+        """The id of the latest subscription (the one new requests open on while OPEN)."""
         self._id_prefix = f"{id_prefix}/{worker_id}/"
         self._seq = itertools.count()
         self._on_worker_death = on_worker_death
-        self._streams: dict[str, RequestStream] = {}
         self.lease_s = lease_s
-        self._reader: asyncio.Task[None] | None = None
-        self._renewer: asyncio.Task[None] | None = None
-        self._subscription: Any = None
+        self.resubscribe_after = resubscribe_after
+        self._current: Subscription | None = None
+        """The subscription new requests open on (None: idle, broken or closed)."""
+        self._draining: list[Subscription] = []
+        """Older subscriptions, until their last request ends."""
+        self._stopped: list[asyncio.Task[None]] = []
+        """Tasks of stopped subscriptions that may still be finishing (`wait_closed`)."""
         self.num_batches = 0
         """Batches received so far (over every subscription)."""
+        self.num_subscriptions = 0
+        """Subscriptions made so far (the first, rotations, and after each break)."""
 
     @property
     def num_open(self) -> int:
-        return len(self._streams)
+        return sum(len(sub.streams) for sub in self._subscriptions())
+
+    @property
+    def num_draining(self) -> int:
+        """Older subscriptions still serving the requests opened on them."""
+        return len(self._draining)
 
     def open_request(self, request_id: str) -> RequestStream:
         """Register a request (subscribing first if needed); submit it with the stream."""
         if self.state is ChannelState.CLOSED:
             raise WorkerLost(f"decode worker {self.worker_id} left the cluster")
-        if request_id in self._streams:
+        if any(request_id in sub.streams for sub in self._subscriptions()):
             raise ValueError(f"request_id: {request_id!r} is already open on this channel")
-        if self.state is not ChannelState.OPEN:
-            self._subscribe()
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = stream
+        sub = self._current
+        if sub is None or self.state is not ChannelState.OPEN:
+            sub = self._subscribe()
+        elif sub.num_batches >= self.resubscribe_after:
+            self._retire(sub)
+            sub = self._subscribe()
+        stream = RequestStream(self, sub, request_id)
+        sub.streams[request_id] = stream
         return stream
 
     def release(self, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
+        sub = stream.subscription
+        if sub.streams.get(stream.request_id) is stream:
+            del sub.streams[stream.request_id]
+            if not sub.streams and sub in self._draining:
+                self._draining.remove(sub)
+                self._stop(sub)
 
     def close(self, reason: str = "") -> None:
-        """End the subscription; open requests fail with WorkerLost."""
+        """End the subscriptions; open requests fail with WorkerLost."""
         if self.state is ChannelState.CLOSED:
             return
         self.state = ChannelState.CLOSED
-        self._stop_reader()
-        self._fail_all(reason or f"decode worker {self.worker_id}: token channel closed")
+        subs = self._subscriptions()
+        self._current, self._draining = None, []
+        for sub in subs:
+            self._stop(sub)
+            self._fail(sub, reason or f"decode worker {self.worker_id}: token channel closed")
 
     async def wait_closed(self) -> None:
-        """After `close`: wait until the reader and renewal tasks have ended."""
-        for task in (self._reader, self._renewer):
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        """After `close`: wait until the readers and renewal tasks have ended."""
+        for task in self._stopped:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-    # ---- the subscription -------------------------------------------------------------------
+    # ---- the subscriptions ------------------------------------------------------------------
 
-    def _subscribe(self) -> None:
-        self._stop_reader()
-        self.channel_id = f"{self._id_prefix}{next(self._seq)}"
-        gen = self.handle.subscribe.options(num_returns="streaming").remote(
-            self.channel_id, self.lease_s
+    def _subscriptions(self) -> list[Subscription]:
+        current = [self._current] if self._current is not None else []
+        return current + self._draining
+
+    def _subscribe(self) -> Subscription:
+        """A fresh subscription for new requests (an old current one is stopped: broken)."""
+        if self._current is not None:
+            self._stop(self._current)
+        channel_id = f"{self._id_prefix}{next(self._seq)}"
+        self.channel_id = channel_id
+        call = self.handle.subscribe.options(num_returns="streaming").remote(
+            channel_id, self.lease_s
         )
-        self._subscription = gen
+        sub = Subscription(channel_id, call)
         loop = asyncio.get_running_loop()
-        self._reader = loop.create_task(self._read(gen), name=f"token-channel-{self.channel_id}")
-        self._renewer = loop.create_task(self._renew(self.channel_id))
+        sub.reader = loop.create_task(self._read(sub), name=f"token-channel-{channel_id}")
+        sub.renewer = loop.create_task(self._renew(channel_id))
+        self._current = sub
+        self.num_subscriptions += 1
         self.state = ChannelState.OPEN
+        return sub
+
+    def _retire(self, sub: Subscription) -> None:
+        """`sub` takes no new requests: it drains (or stops now, holding none)."""
+        self._current = None
+        if sub.streams:
+            self._draining.append(sub)
+        else:
+            self._stop(sub)
+
+    def _stop(self, sub: Subscription) -> None:
+        sub.stop()
+        self._stopped = [t for t in self._stopped if not t.done()]
+        self._stopped.extend(t for t in (sub.reader, sub.renewer) if t is not None)
 
     async def _renew(self, channel_id: str) -> None:
         while True:
@@ -157,39 +244,35 @@ class DecodeChannel:
             # Fire and forget: a worker that is gone fails the subscription, not this.
             self.handle.renew.remote(channel_id)
 
-    def _stop_reader(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
-        if self._subscription is not None:
-            cancel_remote(self._subscription)
-            self._subscription = None
-
-    async def _read(self, subscription: Any) -> None:
+    async def _read(self, sub: Subscription) -> None:
         try:
-            async for ref in subscription:
+            async for ref in sub.call:
                 batch: list[ChannelItem] = await ref
+                sub.num_batches += 1
                 self.num_batches += 1
-                self._route(batch)
-            reason = f"decode worker {self.worker_id} ended token channel {self.channel_id}"
+                self._route(sub.streams, batch)
+            reason = f"decode worker {self.worker_id} ended token channel {sub.channel_id}"
         except asyncio.CancelledError:
-            raise  # closed, or replaced by a new subscription: whoever cancelled handles it
+            raise  # stopped: whoever stopped it handles its requests
         except Exception as e:
             cause = unwrap(e)
             if is_actor_death(cause) and self._on_worker_death is not None:
                 self._on_worker_death()
             reason = f"decode worker {self.worker_id} lost: {type(cause).__name__}: {cause}"
-        if self._subscription is subscription:  # still ours: nobody closed or replaced it
-            log.warning("%s; failing its %d open requests", reason, len(self._streams))
-            self._subscription = None
-            if self._renewer is not None:
-                self._renewer.cancel()
+        if sub.renewer is not None:
+            sub.renewer.cancel()
+        if sub is self._current:  # nobody closed or replaced it
+            log.warning("%s; failing its %d open requests", reason, len(sub.streams))
+            self._current = None
             self.state = ChannelState.BROKEN
-            self._fail_all(reason)
+            self._fail(sub, reason)
+        elif sub in self._draining:
+            log.warning("%s (draining); failing its %d open requests", reason, len(sub.streams))
+            self._draining.remove(sub)
+            self._fail(sub, reason)
 
-    def _route(self, batch: list[ChannelItem]) -> None:
-        streams = self._streams
+    @staticmethod
+    def _route(streams: dict[str, RequestStream], batch: list[ChannelItem]) -> None:
         for item in batch:
             if isinstance(item, ChunkError):
                 stream = streams.get(item.request_id)
@@ -200,7 +283,8 @@ class DecodeChannel:
                 if stream is not None:
                     stream.put(item[1])
 
-    def _fail_all(self, reason: str) -> None:
-        streams, self._streams = self._streams, {}
+    @staticmethod
+    def _fail(sub: Subscription, reason: str) -> None:
+        streams, sub.streams = sub.streams, {}
         for stream in streams.values():
             stream.put(WorkerLost(reason))

@@ -1,6 +1,7 @@
 """The router's token channel against a fake decode actor (no Ray): items reach their own
 request, typed worker errors come out as raised, a broken subscription fails every open
-request and the next request subscribes again, and nothing is left registered after."""
+request and the next request subscribes again, a subscription that carried enough batches
+hands new requests to a fresh one and drains, and nothing is left registered after."""
 
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ class FakeDecodeActor:
 
         return stream()
 
-    def send(self, item: list[ChannelItem] | BaseException | None) -> None:
-        self._feeds[-1].put_nowait(item)
+    def send(self, item: list[ChannelItem] | BaseException | None, to: int = -1) -> None:
+        """Into subscription number `to` (the latest by default)."""
+        self._feeds[to].put_nowait(item)
 
 
 def request(rid: str) -> DecodeRequest:
@@ -185,5 +187,99 @@ def test_the_subscription_lease_is_renewed_while_the_channel_is_open() -> None:
         renewed = len(actor.renewals)
         await asyncio.sleep(0.05)
         assert len(actor.renewals) == renewed  # none after the close
+
+    run(body)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_after_enough_batches_new_requests_go_to_a_fresh_subscription_and_the_old_drains() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r", resubscribe_after=2)
+        a = ch.open_request("a")
+        await a.submit(request("a"))
+        actor.send([("a", chunk(1))])
+        actor.send([("a", chunk(2))])
+        assert [(await a.next()).token_ids for _ in range(2)] == [(1,), (2,)]
+        b = ch.open_request("b")  # the first subscription carried 2 batches: a fresh one
+        await b.submit(request("b"))
+        assert actor.subscriptions == ["r/d0/0", "r/d0/1"]
+        assert actor.submitted == [("a", "r/d0/0"), ("b", "r/d0/1")]
+        assert ch.channel_id == "r/d0/1" and ch.num_draining == 1 and ch.num_open == 2
+        # Each request stays on its own subscription: a's tokens still come on the first.
+        actor.send([("a", chunk(3, finish=FinishReason.LENGTH)), ("b", chunk(8))], to=0)
+        actor.send([("b", chunk(4)), ("a", chunk(9))], to=1)
+        assert (await a.next()).token_ids == (3,)
+        assert (await b.next()).token_ids == (4,)
+        assert ch.state is ChannelState.OPEN and ch.num_batches == 4
+        a.close()  # the draining subscription's last request: it is stopped
+        assert ch.num_draining == 0 and ch.num_open == 1
+        actor.send([("b", chunk(5, finish=FinishReason.LENGTH))])
+        assert (await b.next()).token_ids == (5,)
+        b.close()
+        ch.close()
+        await ch.wait_closed()
+        assert ch.num_subscriptions == 2
+
+    run(body)
+
+
+def test_a_subscription_with_no_request_open_is_replaced_at_once_not_drained() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r", resubscribe_after=1)
+        a = ch.open_request("a")
+        actor.send([("a", chunk(1, finish=FinishReason.LENGTH))])
+        assert (await a.next()).finish_reason is FinishReason.LENGTH
+        a.close()
+        ch.open_request("b")
+        assert actor.subscriptions == ["r/d0/0", "r/d0/1"] and ch.num_draining == 0
+        ch.close()
+        await ch.wait_closed()
+
+    run(body)
+
+
+def test_a_draining_subscription_that_fails_fails_only_its_own_requests() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r", resubscribe_after=1)
+        a = ch.open_request("a")
+        actor.send([("a", chunk(1))])
+        assert (await a.next()).token_ids == (1,)
+        b = ch.open_request("b")
+        actor.send(RuntimeError("stream reset"), to=0)
+        with pytest.raises(WorkerLost, match="lost: RuntimeError: stream reset"):
+            await asyncio.wait_for(a.next(), 1)
+        await _settle()
+        assert ch.state is ChannelState.OPEN and ch.num_draining == 0 and ch.num_open == 1
+        actor.send([("b", chunk(2))])
+        assert (await b.next()).token_ids == (2,)
+        ch.close()
+        with pytest.raises(WorkerLost):
+            await b.next()
+
+    run(body)
+
+
+def test_close_fails_the_requests_of_draining_subscriptions_too() -> None:
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r", resubscribe_after=1)
+        a = ch.open_request("a")
+        actor.send([("a", chunk(1))])
+        assert (await a.next()).token_ids == (1,)
+        b = ch.open_request("b")
+        assert ch.num_draining == 1
+        ch.close("decode worker d0 left the cluster")
+        await ch.wait_closed()
+        for s in (a, b):
+            with pytest.raises(WorkerLost, match="left the cluster"):
+                await s.next()
+        assert ch.num_open == 0 and ch.num_draining == 0
 
     run(body)
