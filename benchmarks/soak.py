@@ -3,15 +3,24 @@
 A 1P1D cluster (tiny model, CPU; every prompt handed off) serves `--concurrency` closed-loop
 clients for `--minutes`: prompts of random tokens under cache salts from a small set (so the
 prefix cache fills, hits and evicts), random lengths, a share of the streams cancelled after
-a few tokens. Every `--sample-s` the resident set size of each process of the cluster (the
-controller, the routers, the workers, the embedded redis-server) is read with psutil.
+a few tokens. Every `--sample-s` each process of the cluster (the controller, the routers,
+the workers, the embedded redis-server) is sampled: its RSS by kind of mapping and thread
+count (benchmarks/proc_memory.py) and, inside the Ray actors, glibc malloc's account
+(`mallinfo2`: heap got from the system, in use, free).
 
-Memory is flat when, after the warm-up (the first fifth of the run), no process's RSS grows
-by more than `--max-growth-mb` (default 32 MB) from its warm-up sample to the mean of its last
-three samples; each process's least-squares slope (MB/hour) is reported too.
+Flat, per process: the least-squares slope of its RSS over the run after the warm-up (the
+first third) is at most `--max-slope-mb-h` (MB/hour). A leak grows linearly for as long as
+the load runs; what an allocator keeps settles, so its slope after the warm-up is ~0.
 
     python benchmarks/soak.py --minutes 30 --out soak.json
-    python benchmarks/soak.py --minutes 2 --sample-s 10         # a quick look
+    python benchmarks/soak.py --minutes 6 --sample-s 15          # a quick look
+    python benchmarks/soak.py --minutes 6 --env MALLOC_ARENA_MAX=8 # an allocator experiment
+
+`--env K=V` adds to (or overrides) what the cluster puts in its actors' environment;
+`--trim-at-end` calls `malloc_trim(0)` in every actor once the load stops and reports what
+that handed back (free memory malloc held, not a leak); `--objects` counts the Python
+objects of each actor by type at the end of the warm-up and at the end, and reports the
+types whose count grew most.
 """
 
 from __future__ import annotations
@@ -22,43 +31,101 @@ import json
 import random
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
-import psutil
+import proc_memory
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 
 
-def processes(cluster: Any) -> dict[str, int]:
-    """name -> pid of every process of the cluster."""
+class Process:
+    """One process of the cluster: its pid and, for a Ray actor, its handle."""
+
+    def __init__(self, pid: int, actor: Any = None) -> None:
+        self.pid = pid
+        self.actor = actor
+
+    def call(self, fn: Any, timeout: float = 60.0) -> Any:
+        import ray
+
+        return ray.get(self.actor.__ray_call__.remote(lambda _: fn()), timeout=timeout)
+
+
+def processes(cluster: Any) -> dict[str, Process]:
+    """name -> Process of every process of the cluster."""
+    import os
+
     import ray
 
-    def pid_of(actor: Any) -> int:
-        return int(ray.get(actor.__ray_call__.remote(lambda _: __import__("os").getpid())))
+    def of(actor: Any) -> Process:
+        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+        return Process(int(pid), actor)
 
-    out = {"controller": pid_of(cluster.controller)}
+    out = {"controller": of(cluster.controller)}
     for i, router in enumerate(cluster.routers):
-        out[f"router-{i}"] = pid_of(router)
-    for info, handle in ray.get(cluster.controller.list_workers.remote()):
-        out[info.worker_id] = pid_of(handle)
+        out[f"router-{i}"] = of(router)
+    for info, handle in ray.get(cluster.controller.list_workers.remote(), timeout=60):
+        out[info.worker_id] = of(handle)
     if cluster.redis is not None and cluster.redis.process is not None:
-        out["redis-server"] = cluster.redis.process.pid
+        out["redis-server"] = Process(cluster.redis.process.pid)
     return out
 
 
-def rss_mb(pids: dict[str, int]) -> dict[str, float]:
-    out = {}
-    for name, pid in pids.items():
+def sample(procs: dict[str, Process]) -> dict[str, dict[str, Any]]:
+    """name -> memory breakdown (+ malloc's account for actors) of every process now."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in procs.items():
         try:
-            out[name] = psutil.Process(pid).memory_info().rss / 2**20
-        except psutil.NoSuchProcess:
-            out[name] = float("nan")
+            row: dict[str, Any] = asdict(proc_memory.breakdown(p.pid))
+        except (FileNotFoundError, ProcessLookupError):
+            out[name] = {"rss_mb": float("nan")}
+            continue
+        if p.actor is not None:
+            row["malloc"] = p.call(proc_memory.malloc_stats)
+        out[name] = row
     return out
+
+
+def start_tracemalloc() -> None:
+    import tracemalloc
+
+    tracemalloc.start(8)
+
+
+def traced_growth(top: int = 8) -> list[str]:
+    """What Python allocated since `start_tracemalloc` and still holds, by where (the
+    innermost frames of pdserve's code first), largest first."""
+    import tracemalloc
+
+    snap = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    stats = snap.statistics("traceback")
+    total = sum(s.size for s in stats) / 2**20
+    out = [f"total {total:.2f} MB in {sum(s.count for s in stats)} blocks"]
+    for s in stats[:top]:
+        frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback]
+        innermost = frames[::-1][:6]  # a Traceback iterates from its oldest frame
+        out.append(f"{s.size / 2**20:.2f} MB {s.count} blocks: " + " < ".join(innermost))
+    return out
+
+
+def object_counts() -> dict[str, int]:
+    """Live Python objects of this process by type name (gc-tracked ones)."""
+    import gc
+
+    gc.collect()
+    counts: dict[str, int] = {}
+    for obj in gc.get_objects():
+        name = type(obj).__qualname__
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 async def load(target: str, concurrency: int, end: float, seed: int) -> dict[str, int]:
@@ -101,61 +168,176 @@ def slope_mb_per_h(times: list[float], values: list[float]) -> float:
     return sum((t - mt) * (v - mv) for t, v in zip(times, values, strict=True)) / den * 3600
 
 
+def grown_mappings(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                   top: int = 6) -> list[str]:  # fmt: skip
+    """The mappings whose resident size grew most (new ones included), as text."""
+    deltas = []
+    for key, (size, res) in after.items():
+        grew = res - before.get(key, (0.0, 0.0))[1]
+        if grew >= 0.5:
+            deltas.append((grew, f"{key or '?'} size {size:.0f} MB: +{grew:.1f} MB"))
+    gone = sum(res for key, (_, res) in before.items() if key not in after)
+    out = [text for _, text in sorted(deltas, reverse=True)[:top]]
+    if gone >= 0.5:
+        out.append(f"(mappings gone since: -{gone:.1f} MB)")
+    return out
+
+
+def grown_objects(before: dict[str, int], after: dict[str, int], top: int = 8) -> list[str]:
+    deltas = sorted(((n - before.get(k, 0), k) for k, n in after.items()), reverse=True)
+    return [f"{k} +{d}" for d, k in deltas[:top] if d > 0]
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--env wants KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=30.0)
-    ap.add_argument("--max-growth-mb", type=float, default=32.0)
+    ap.add_argument("--max-slope-mb-h", type=float, default=4.0)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--trim-at-end", action="store_true")
+    ap.add_argument("--objects", action="store_true")
+    ap.add_argument("--tracemalloc", action="store_true")
+    ap.add_argument("--heap-profile", type=Path, default=None, metavar="DIR")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    extra_env = parse_env(args.env)
+    if args.heap_profile is not None:
+        args.heap_profile.mkdir(parents=True, exist_ok=True)
+        prefix = str(args.heap_profile.resolve() / "auto")
+        extra_env = {**proc_memory.jemalloc_profile_env(prefix), **extra_env}
 
+    import ray
     from bench_cluster import tiny_disaggregated
 
+    import deploy.cluster
     from deploy.cluster import Cluster
     from deploy.local_ray import loopback_env
 
+    ray.cloudpickle.register_pickle_by_value(proc_memory)
+    if extra_env:
+        base_env = deploy.cluster.tracing_env
+        deploy.cluster.tracing_env = lambda: {**base_env(), **extra_env}  # type: ignore[assignment,misc]
     loopback_env()
     config = tiny_disaggregated(num_kv_blocks=256, worker_cpus=0, ray_cpus=None)
+    warm = args.minutes * 60 / 3
+    samples: list[tuple[float, dict[str, dict[str, Any]]]] = []
+    maps_warm: dict[str, dict[str, tuple[float, float]]] = {}
+    maps_end: dict[str, dict[str, tuple[float, float]]] = {}
+    objs_warm: dict[str, dict[str, int]] = {}
+    objs_end: dict[str, dict[str, int]] = {}
+    trimmed: dict[str, dict[str, float]] = {}
+    traced: dict[str, list[str]] = {}
     with Cluster(config) as cluster:
         assert cluster.endpoint is not None
-        pids = processes(cluster)
+        target = cluster.endpoint.target
+        procs = processes(cluster)
+        actors = {n: p for n, p in procs.items() if p.actor is not None}
+        print("pids: " + " ".join(f"{n}={p.pid}" for n, p in procs.items()), flush=True)
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
-        samples: list[tuple[float, dict[str, float]]] = []
+
+        def snapshot(maps: dict[str, Any], objs: dict[str, Any]) -> None:
+            for name, p in procs.items():
+                maps[name] = proc_memory.mappings(p.pid)
+            if args.objects:
+                for name, p in actors.items():
+                    objs[name] = p.call(object_counts, timeout=120)
+            if args.heap_profile is not None:
+                stage = "warm" if objs is objs_warm else "end"
+                for name, p in actors.items():
+                    path = str(args.heap_profile.resolve() / f"{name}.{stage}.heap")
+                    if not p.call(lambda path=path: proc_memory.heap_dump(path)):
+                        print(f"{name}: no jemalloc heap profile (is jemalloc preloaded?)")
+            if args.tracemalloc:
+                for name, p in actors.items():
+                    if objs is objs_warm:
+                        p.call(start_tracemalloc)
+                    else:
+                        traced[name] = p.call(traced_growth, timeout=300)
 
         async def run() -> dict[str, int]:
-            task = asyncio.create_task(load(cluster.endpoint.target, args.concurrency, end,
+            task = asyncio.create_task(load(target, args.concurrency, end,
                                             args.seed))  # fmt: skip
             while not task.done():
-                samples.append((time.monotonic() - t0, rss_mb(pids)))
-                print(f"{samples[-1][0]:7.0f}s " + " ".join(
-                    f"{k}={v:.0f}" for k, v in samples[-1][1].items()), flush=True)  # fmt: skip
+                now = time.monotonic() - t0
+                if not maps_warm and now >= warm:
+                    snapshot(maps_warm, objs_warm)
+                samples.append((now, sample(procs)))
+                print(f"{now:7.0f}s " + " ".join(
+                    f"{k}={v['rss_mb']:.1f}/{v.get('threads', 0)}t"
+                    + (f"(inuse {v['malloc'].get('in_use', 0):.0f} free "
+                       f"{v['malloc'].get('free', 0):.0f})" if v.get("malloc") else "")
+                    for k, v in samples[-1][1].items()), flush=True)  # fmt: skip
                 await asyncio.wait([task], timeout=args.sample_s)
             return task.result()
 
         counts = asyncio.run(run())
-        samples.append((time.monotonic() - t0, rss_mb(pids)))
-    warm = args.minutes * 60 / 5
-    report: dict[str, Any] = {"minutes": args.minutes, "requests": counts, "processes": {}}
+        samples.append((time.monotonic() - t0, sample(procs)))
+        snapshot(maps_end, objs_end)
+        if args.trim_at_end:
+            for name, p in actors.items():
+                before = proc_memory.breakdown(p.pid).rss_mb
+                p.call(proc_memory.trim)
+                trimmed[name] = {"rss_before_mb": before,
+                                 "rss_after_mb": proc_memory.breakdown(p.pid).rss_mb}  # fmt: skip
+
+    report: dict[str, Any] = {
+        "minutes": args.minutes,
+        "env": extra_env,
+        "requests": counts,
+        "requests_total": sum(counts.values()),
+        "max_slope_mb_h": args.max_slope_mb_h,
+        "processes": {},
+    }
     flat = True
-    for name in pids:
+    for name in procs:
         after = [(t, s[name]) for t, s in samples if t >= warm]
         if len(after) < 4:
             raise SystemExit("too few samples after the warm-up: run longer or sample more often")
-        start = after[0][1]
-        final = sum(v for _, v in after[-3:]) / 3
-        growth = final - start
-        slope = slope_mb_per_h([t for t, _ in after], [v for _, v in after])
-        flat &= growth <= args.max_growth_mb
-        report["processes"][name] = {
-            "rss_warm_mb": round(start, 1), "rss_end_mb": round(final, 1),
-            "growth_mb": round(growth, 1), "slope_mb_per_h": round(slope, 1),
-        }  # fmt: skip
+        times = [t for t, _ in after]
+        first, last = after[0][1], after[-1][1]
+        row: dict[str, Any] = {
+            "rss_start_mb": samples[0][1][name]["rss_mb"],
+            "rss_warm_mb": first["rss_mb"],
+            "rss_end_mb": last["rss_mb"],
+        }
+        for key in ("rss_mb", "anon_mb", "heap_mb", "anon_maps_mb", "file_mb"):
+            row[f"slope_{key.removesuffix('_mb')}_mb_h"] = round(
+                slope_mb_per_h(times, [s[key] for _, s in after]), 1
+            )
+        row["threads"] = [first.get("threads"), last.get("threads")]
+        if first.get("malloc") and last.get("malloc"):
+            row["malloc_warm"], row["malloc_end"] = first["malloc"], last["malloc"]
+            row["slope_malloc_in_use_mb_h"] = round(
+                slope_mb_per_h(times, [s["malloc"]["in_use"] for _, s in after]), 1
+            )
+        if name in maps_warm:
+            row["grown_mappings"] = grown_mappings(maps_warm[name], maps_end[name])
+        if name in objs_warm:
+            row["grown_objects"] = grown_objects(objs_warm[name], objs_end[name])
+        if name in traced:
+            row["tracemalloc_growth"] = traced[name]
+        if name in trimmed:
+            row["malloc_trim"] = trimmed[name]
+        row["flat"] = row["slope_rss_mb_h"] <= args.max_slope_mb_h
+        flat &= row["flat"]
+        report["processes"][name] = row
     report["flat"] = flat
+    report["samples"] = [(round(t, 1), {k: v["rss_mb"] for k, v in s.items()}) for t, s in samples]
     text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
     if args.out is not None:
         args.out.write_text(text)
     raise SystemExit(0 if flat else 1)
