@@ -256,6 +256,7 @@ class BlockPool:
             if slot is not None and block_ids[i] >= 0 and tier.is_complete(slot):
                 lent[i] = slot
         tier.pin(list(lent.values()))
+        tier.num_lent += len(lent)
         self.free([block_ids[i] for i in sorted(lent)])
         for i in lent:
             block_ids[i] = -1

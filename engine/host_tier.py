@@ -126,6 +126,8 @@ class HostTier:
         self._needs_fence: list[torch.cuda.Event] = []
         self._dropped: list[BlockHash] = []
         self.num_offloaded = self.num_onboarded = self.num_evicted = self.num_fenced = 0
+        self.num_lent = 0
+        """Blocks handed off from here (engine/handoffs.py), not from the device pool."""
 
     # ---- bookkeeping (the block pool's side) ------------------------------------------------
 
@@ -390,6 +392,10 @@ class HostTier:
         )
 
     def stats(self) -> HostTierStats:
+        """The tier's counters. Also gives back the budget of moves complete by now: the
+        engine's driver reads its load after every step and while idle, so an idle engine
+        holds no budget for copies that are done."""
+        self._reap()
         return HostTierStats(
             num_blocks=self.num_blocks,
             num_cached=len(self._slots),
@@ -400,6 +406,7 @@ class HostTier:
             offload_bytes=self.num_offloaded * self.block_nbytes,
             onboard_bytes=self.num_onboarded * self.block_nbytes,
             num_pinned=sum(1 for pins in self._pins if pins),
+            num_lent=self.num_lent,
             onboard=self._move_stats(TierMove.ONBOARD),
             offload=self._move_stats(TierMove.OFFLOAD),
         )

@@ -114,6 +114,8 @@ class HostTierStats:
     onboard_bytes: int
     num_pinned: int = 0
     """Slots pinned now (hand-offs lending them, onboards under way): the LRU skips them."""
+    num_lent: int = 0
+    """Blocks hand-offs lent from here (read by a decode worker from host memory)."""
     onboard: TierMoveStats = TierMoveStats()
     offload: TierMoveStats = TierMoveStats()
 

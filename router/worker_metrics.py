@@ -147,6 +147,10 @@ class _Families:
             "Host KV tier copies the in-flight budget held back (onboard: requests; "
             "offload: flushes)",
         )  # fmt: skip
+        self.host_lent = c(
+            "pdserve_worker_host_kv_handoff_blocks",
+            "Hand-off blocks lent from the host KV tier (read by decode from host memory)",
+        )
         self.host_pinned = g(
             "pdserve_worker_host_kv_pinned_blocks",
             "Host KV tier blocks pinned (hand-offs lending them, onboards under way)",
@@ -299,6 +303,7 @@ class _Families:
         self.host_moved.add_metric([*labels, "onboard"], tier.num_onboarded)
         self.host_evicted.add_metric(labels, tier.num_evicted)
         self.host_pinned.add_metric(labels, tier.num_pinned)
+        self.host_lent.add_metric(labels, tier.num_lent)
         for direction, moves in (("onboard", tier.onboard), ("offload", tier.offload)):
             by = [*labels, direction]
             self.host_moved_bytes.add_metric(by, moves.done_bytes)

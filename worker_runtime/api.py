@@ -95,7 +95,8 @@ class WorkerLoad:
     def held(self) -> str:
         """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use
         (evictable prefix-cache blocks count as free), requests queued, running or in
-        flight, blocks held for a hand-off, reserved for or being pulled, leases."""
+        flight, blocks held for a hand-off, reserved for or being pulled, leases, host-tier
+        slots pinned (lent to a hand-off, read by an onboard) and copies holding budget."""
         e = self.engine
         parts = {
             "kv_used": e.num_total_blocks - e.num_free_blocks,
@@ -107,6 +108,12 @@ class WorkerLoad:
             "leased_blocks": self.leased_blocks,
             "leases": self.leases_held,
             "pulling_blocks": self.transfer.pending_blocks,
+            "host_pinned": e.host_tier.num_pinned if e.host_tier is not None else 0,
+            "host_copies": (
+                e.host_tier.onboard.inflight_blocks + e.host_tier.offload.inflight_blocks
+                if e.host_tier is not None
+                else 0
+            ),
         }
         return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
 

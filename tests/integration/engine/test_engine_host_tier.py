@@ -244,7 +244,7 @@ def test_a_handoff_lends_its_host_tier_copies_and_gives_the_device_blocks_back(
     lent = [b for b, t in zip(handoff.block_ids, tiers, strict=True) if t is KVTier.HOST]
     assert engine.load().num_handoff_blocks == tiers.count(KVTier.DEVICE)
     tier = engine.host_tier
-    assert tier is not None and tier.stats().num_pinned == len(lent)
+    assert tier is not None and tier.stats().num_pinned == tier.num_lent == len(lent)
     # the host copies hold the prompt's KV: as a fresh engine without a tier computes it
     plain = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer, host_kv_gb=0,
                         mode=EngineMode.PREFILL_ONLY, num_kv_blocks=DEVICE_BLOCKS)  # fmt: skip

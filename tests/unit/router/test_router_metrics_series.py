@@ -40,7 +40,7 @@ def decode_load() -> WorkerLoad:
     load = make_load("decode-1", WorkerRole.DECODE, used_blocks=30)
     tier = HostTierStats(num_blocks=512, num_cached=40, num_offloaded=70, num_onboarded=12,
                          num_evicted=3, num_fenced=0, offload_bytes=70 << 10,
-                         onboard_bytes=12 << 10, num_pinned=5,
+                         onboard_bytes=12 << 10, num_pinned=5, num_lent=7,
                          onboard=TierMoveStats(queued_blocks=9, inflight_blocks=4, done_blocks=12,
                                                done_bytes=12 << 10, wait_s=0.25, deferred=2),
                          offload=TierMoveStats(queued_blocks=30, done_bytes=70 << 10,
@@ -84,6 +84,7 @@ def test_worker_series_come_from_the_latest_load_report() -> None:
     assert at("pdserve_worker_host_kv_blocks_moved_total", ("direction", "onboard")) == 12
     assert at("pdserve_worker_host_kv_evicted_blocks_total") == 3
     assert at("pdserve_worker_host_kv_pinned_blocks") == 5
+    assert at("pdserve_worker_host_kv_handoff_blocks_total") == 7
     onboard, offload = ("direction", "onboard"), ("direction", "offload")
     assert at("pdserve_worker_host_kv_bytes_moved_total", onboard) == 12 << 10
     assert at("pdserve_worker_host_kv_bytes_moved_total", offload) == 70 << 10
