@@ -103,3 +103,54 @@ def test_a_cycled_device_pool_onboards_and_gives_the_tokens_of_one_that_never_ev
     load = small.load()
     assert load.host_tier is not None and load.host_tier.num_onboarded >= 6 * 6
     assert small.block_pool.num_free == small.block_pool.num_blocks
+
+
+def test_a_decode_pool_on_the_gpu_reads_hand_off_blocks_from_pinned_host_memory() -> None:
+    """NIXL (UCX) from a prefill agent's registered host tier (pinned DRAM) and its VRAM pool
+    into a decode agent's VRAM pool, two agents of one process: one read per region, bytes
+    exact; prints the host-region read rate (compare with the pinned copy, bench_host_tier)."""
+    import queue
+    import time as clock
+
+    from engine.kv_cache import KVCache, KVCacheSpec
+    from engine.kv_events import KVTier
+    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.decode_endpoint import DecodeEndpoint
+    from kv_transfer.manager import TransferOutcome, TransferState
+    from kv_transfer.prefill_endpoint import PrefillEndpoint
+
+    # Llama-3-8B block shape (2 MiB a block), 512 blocks a side
+    spec = KVCacheSpec(num_blocks=512, num_layers=32, block_size=16, num_kv_heads=8,
+                       head_dim=128, dtype="bfloat16")  # fmt: skip
+    pool = KVCache(spec, "cuda")
+    pool.tensor.normal_()
+    host = torch.randn((512, *spec.shape[1:]), dtype=torch.bfloat16).pin_memory()
+    config = KVTransferConfig(idle_tick_s=0.01)
+    released: queue.Queue[str] = queue.Queue()
+    prefill = PrefillEndpoint(pool, "m", "p0", lambda rid, _: released.put(rid), config,
+                              tiers={KVTier.HOST: host})  # fmt: skip
+    decode_pool = KVCache(spec, "cuda")
+    outcomes: queue.Queue[TransferOutcome] = queue.Queue()
+    decode = DecodeEndpoint(decode_pool, "m", "d0", outcomes.put, outcomes.put, config)
+    try:
+        info = prefill.start()
+        decode.start()
+        decode.add_peer(info)
+        n = 256  # 512 MiB from host memory, then 16 blocks from the pool
+        ids = list(range(n)) + list(range(16))
+        tiers = [KVTier.HOST] * n + [KVTier.DEVICE] * 16
+        handle = prefill.hand_off("r", ids, [b"%015d!" % i for i in range(n + 15)],
+                                  (n + 16) * 16, block_tiers=tiers)  # fmt: skip
+        t0 = clock.perf_counter()
+        decode.submit(handle, list(range(n + 16)))
+        outcome = outcomes.get(timeout=60)
+        seconds = clock.perf_counter() - t0
+        assert outcome.state is TransferState.DONE, outcome.error
+        assert torch.equal(decode_pool.tensor[:n].cpu(), host[:n])
+        assert torch.equal(decode_pool.tensor[n : n + 16], pool.tensor[:16])
+        assert released.get(timeout=10) == "r"
+        print(f"host tier -> remote VRAM over NIXL: {outcome.plan.nbytes / seconds / 1e9:.1f} GB/s "
+              f"({outcome.plan.nbytes >> 20} MiB in {seconds * 1000:.1f} ms)")  # fmt: skip
+    finally:
+        decode.close()
+        prefill.close()
