@@ -1,0 +1,342 @@
+"""The decode part of benchmarks/bench_tp_gpu.py: one process per TP rank, as a TP worker runs
+its ranks (engine/tp_runner.py).
+
+Rank r of TP=N, in its own process on device cuda:r (the CPU in a `--cpu` run):
+1. measures its device's copy bandwidth (read + write counted: the floor's denominator);
+2. joins the group (NCCL on GPUs, gloo on CPU) and times one all-reduce of [B, hidden] per
+   batch size B, eagerly (a decode step does 2 per layer, replayed inside its CUDA graph);
+3. rank 0 builds `LLMEngine(config, tp=group)` (dummy weights made on the device from
+   config.json, CUDA graphs captured with the all-reduces inside) while each follower builds
+   its part (`prepare_follower`) and then serves rank 0's steps (`serve_follower`);
+4. every rank fills its KV pool with random values; rank 0 runs one fixed prompt (a prefill
+   and one decode step, in blocks of their own) and keeps the decode step's logits for the
+   driver to compare across TP sizes (the dummy weights of a seed are the same model at any
+   TP size, engine/dummy_weights.py);
+5. rank 0 times `engine.step_runner.execute` on decode batches of B sequences of `context`
+   tokens each (TP=1: the runner; TP=N: the `TPLeader`, so the step message, every rank's
+   graph replay and the ranks' agreement are all in the time), counting graph replays.
+
+`run_decode` starts the ranks and collects what they report, every wait bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from engine.batch import ScheduledBatch, SeqChunk
+from engine.block_pool import cdiv
+from engine.config import EngineConfig
+from engine.model import LlamaModel
+
+CHECK_TOKENS = 40
+"""Tokens of the fixed prompt whose next-token logits are compared across TP sizes."""
+CHECK_BLOCKS = 4
+ALL_REDUCE_ITERS = 50
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What every rank of one decode run builds and measures."""
+
+    model_dir: str
+    cuda: bool
+    batches: tuple[int, ...]
+    context: int
+    block_size: int
+    iters: int
+    kv_layout: str
+    copy_mib: int
+    timeout_s: float
+
+    @property
+    def decode_blocks(self) -> int:
+        """Blocks the largest decode batch reads (the check's blocks come after them)."""
+        return max(self.batches) * cdiv(self.context, self.block_size)
+
+    def engine_config(self, tp_size: int) -> EngineConfig:
+        max_batch = max(self.batches)
+        return EngineConfig(
+            model_dir=self.model_dir,
+            device="cuda" if self.cuda else "cpu",
+            dtype="bfloat16" if self.cuda else "float32",
+            load_format="dummy",
+            attention_backend="flashinfer" if self.cuda else "torch",
+            cuda_graphs=self.cuda,
+            cuda_graph_max_batch=max_batch,
+            max_num_seqs=max_batch,
+            max_model_len=max(self.context, CHECK_TOKENS + 1),
+            num_kv_blocks=self.decode_blocks + CHECK_BLOCKS + 8,
+            kv_layout=self.kv_layout,
+            host_kv_gb=0,
+            tensor_parallel_size=tp_size,
+            tp_timeout_s=self.timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's device, copy bandwidth and the weight bytes its decode step reads."""
+
+    rank: int
+    device: str
+    copy_bytes_per_s: float
+    weight_bytes: int
+    """Its model (part)'s parameters, less the embedding table where the head is separate
+    (the table is only gathered): what `rank_step_bytes(...).weights` must equal."""
+    kv_bytes_per_token: int
+    """Its KV pool's bytes per token (its KV heads, every layer, K and V)."""
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    batch: int
+    step_s: float
+    """Mean seconds of one decode step over the timed steps (synchronized at both ends)."""
+    graph_replays: int
+    """CUDA-graph replays during the warm-up and timed steps (0: it ran eagerly)."""
+    steps: int
+    """Warm-up and timed steps run."""
+    all_reduce_s: float
+    """One eager all-reduce of [B, hidden] in the model dtype (0 with one rank)."""
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """What rank 0 of a TP=`tp_size` run reports."""
+
+    tp_size: int
+    ranks: tuple[RankReport, ...]
+    timings: tuple[BatchTiming, ...]
+    check_logits: np.ndarray
+    """Float32 logits [vocab] of the fixed prompt's decode step (numpy: a torch tensor would
+    travel through shared memory its sender may no longer hold)."""
+    attention: str
+    layer_ops: str
+    graph_sizes: tuple[int, ...]
+
+
+def measure_copy(device: torch.device, mib: int) -> float:
+    """Bytes/s of a same-device copy of `mib` MiB, read and write counted."""
+    n = mib << 20
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(3)
+    dst = torch.empty_like(src)
+    sec = time_calls(lambda: dst.copy_(src), iters=20, warmup=3, cuda=device.type == "cuda")
+    return 2 * n / sec
+
+
+def time_calls(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
+    """Mean seconds per call, the device synchronized before and after the timed calls."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def read_weight_bytes(model: LlamaModel) -> int:
+    """The weight bytes a decode step of `model` reads (`RankReport.weight_bytes`)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return total
+
+
+def decode_batch(batch: int, context: int, block_size: int) -> ScheduledBatch:
+    """`batch` one-token decodes, each at position context - 1 over its own blocks."""
+    pages = cdiv(context, block_size)
+    return ScheduledBatch(
+        tuple(
+            SeqChunk(
+                f"seq{i}",
+                (i % 1000 + 1,),
+                context - 1,
+                tuple(range(i * pages, (i + 1) * pages)),
+                sample=True,
+            )
+            for i in range(batch)
+        )
+    )
+
+
+def check_logits(
+    execute: Callable[[ScheduledBatch], torch.Tensor], setup: DecodeSetup, vocab: int
+) -> np.ndarray:
+    """Logits [vocab] of one decode step after a fixed prompt (module docstring, 4)."""
+    ids = tuple((7 * i) % (vocab - 2) + 1 for i in range(CHECK_TOKENS))
+    first = setup.decode_blocks
+    blocks = tuple(range(first, first + cdiv(CHECK_TOKENS + 1, setup.block_size)))
+    execute(ScheduledBatch((SeqChunk("check", ids, 0, blocks, sample=True),)))
+    step = SeqChunk("check", (ids[-1],), CHECK_TOKENS, blocks, sample=True)
+    return execute(ScheduledBatch((step,)))[0].float().cpu().numpy()
+
+
+def _time_all_reduces(
+    group: Any, setup: DecodeSetup, hidden: int, device: torch.device, dtype: torch.dtype
+) -> dict[int, float]:
+    out = {}
+    for b in setup.batches:
+        x = torch.ones(b, hidden, dtype=dtype, device=device)
+        out[b] = time_calls(functools.partial(group.all_reduce, x), ALL_REDUCE_ITERS, 5, setup.cuda)
+    return out
+
+
+def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Connection) -> None:
+    """One rank's process (module docstring); reports ("report" | "run" | "error", ...)."""
+    from engine.engine import LLMEngine
+    from engine.model_config import ModelConfig
+    from engine.tensor_parallel import init_tp_group
+    from engine.tp_runner import prepare_follower, serve_follower
+
+    try:
+        if setup.cuda:
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            torch.set_num_threads(1)
+            device = torch.device("cpu")
+        copy_bw = measure_copy(device, setup.copy_mib)
+        cfg = ModelConfig.from_pretrained(setup.model_dir)
+        config = setup.engine_config(size)
+        dtype = torch.bfloat16 if setup.cuda else torch.float32
+        group = None
+        reduces: dict[int, float] = {}
+        if size > 1:
+            group = init_tp_group(rank, size, "127.0.0.1", port, timeout_s=setup.timeout_s)
+            reduces = _time_all_reduces(group, setup, cfg.hidden_size, device, dtype)
+
+        def report(model: LlamaModel, kv_per_token: int) -> RankReport:
+            weights = read_weight_bytes(model)
+            return RankReport(rank, str(device), copy_bw, weights, kv_per_token)
+
+        if rank > 0:
+            assert group is not None
+            runner = prepare_follower(config, group)
+            runner.kv_cache.tensor.normal_()
+            spec = runner.kv_cache.spec
+            conn.send(("report", report(runner.model, spec.block_nbytes // spec.block_size)))
+            steps = serve_follower(group, runner)
+            group.close()
+            conn.send(("done", steps))
+            return
+        engine = LLMEngine(config, tp=group)
+        engine.kv_cache.tensor.normal_()
+        execute = engine.step_runner.execute
+        logits = check_logits(execute, setup, cfg.vocab_size)
+        graphs = engine.runner.graphs
+        timings = []
+        for b in setup.batches:
+            batch = decode_batch(b, setup.context, setup.block_size)
+            before = graphs.num_replays if graphs is not None else 0
+            warmup = 3
+            sec = time_calls(functools.partial(execute, batch), setup.iters, warmup, setup.cuda)
+            replays = (graphs.num_replays if graphs is not None else 0) - before
+            timings.append(BatchTiming(b, sec, replays, warmup + setup.iters, reduces.get(b, 0.0)))
+        spec = engine.kv_cache.spec
+        own = report(engine.model, spec.block_nbytes // spec.block_size)
+        run = DecodeRun(
+            size,
+            (own,),
+            tuple(timings),
+            logits,
+            engine.runner.attention_backend,
+            engine.runner.layer_ops.name,
+            graphs.sizes if graphs is not None else (),
+        )
+        engine.close()
+        if group is not None:
+            group.close()
+        conn.send(("run", run))
+    except BaseException as e:
+        conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_decode(setup: DecodeSetup, tp_size: int, timeout_s: float) -> DecodeRun:
+    """Start TP=`tp_size` ranks (rank r on device r), wait for rank 0's run and every
+    follower's report; raises RuntimeError naming the rank that failed or went silent."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(tp_size):
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(
+            target=decode_rank,
+            args=(rank, tp_size, port, setup, theirs),
+            name=f"tp{tp_size}-rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        theirs.close()
+        pipes.append(ours)
+        procs.append(p)
+    deadline = time.monotonic() + timeout_s
+    failed = True
+    try:
+        got = _collect(pipes, procs, deadline)
+        run = got[0]
+        assert isinstance(run, DecodeRun)
+        reports = tuple(got[r] for r in range(1, tp_size))
+        failed = False
+        return DecodeRun(
+            run.tp_size,
+            (*run.ranks, *reports),
+            run.timings,
+            run.check_logits,
+            run.attention,
+            run.layer_ops,
+            run.graph_sizes,
+        )
+    finally:  # after a failure the others may wait in a collective: end them soon
+        for p in procs:
+            p.join(2.0 if failed else max(1.0, min(30.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+
+
+def _collect(pipes: list[Connection], procs: list[Any], deadline: float) -> dict[int, Any]:
+    """Rank 0's "run" and each follower's "report", whichever comes first; RuntimeError at
+    the first error any rank sends, when one dies without a word, or at the deadline."""
+    want = {rank: "run" if rank == 0 else "report" for rank in range(len(pipes))}
+    got: dict[int, Any] = {}
+    while want:
+        waiting = {pipes[rank]: rank for rank in want}
+        for conn in wait(list(waiting), timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            rank = waiting[cast(Connection, conn)]
+            try:
+                kind, value = pipes[rank].recv()
+            except EOFError:
+                raise RuntimeError(f"rank {rank} exited without a report") from None
+            if kind == "error":
+                raise RuntimeError(value)
+            if kind == want[rank]:
+                got[rank] = value
+                del want[rank]
+        for rank in want:
+            if not procs[rank].is_alive() and not pipes[rank].poll():
+                code = procs[rank].exitcode
+                raise RuntimeError(f"rank {rank} exited (code {code}) without a report")
+        if want and time.monotonic() >= deadline:
+            raise RuntimeError(f"ranks {sorted(want)} reported nothing before the part's deadline")
+    return got

@@ -1,0 +1,63 @@
+"""benchmarks/bench_tp_gpu.py's command line: with no CUDA GPU it runs nothing, says so and
+exits 2; bad arguments exit 2 naming the argument; the `--cpu` defaults are the small ones."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+from bench_tp_gpu import parse_args
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_without_a_gpu_it_says_so_and_exits_2() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_tp_gpu.py")],
+        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA GPU here, nothing run" in done.stdout
+    assert "nvidia-h200-x2" in done.stdout
+    assert "==" not in done.stdout  # no part started
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--parts", "decode,nope"], "unknown part 'nope'"),
+        (["--pairs", "2"], "PREFILL_TP-DECODE_TP"),
+        (["--batches", "1,0"], "positive integers"),
+        (["--iters", "0"], "--iters: must be >= 1"),
+        (["--placement", "everywhere"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_defaults_gpu_and_cpu() -> None:
+    gpu = parse_args([])
+    assert (gpu.parts, gpu.tp, gpu.batches, gpu.context, gpu.iters) == (
+        ("decode", "handoff"), 2, (1, 16, 64), 2048, 30,
+    )  # fmt: skip
+    assert gpu.pairs == ((1, 1), (1, 2), (2, 1), (2, 2))
+    assert (gpu.prompt_tokens, gpu.repeats, gpu.placement) == (2048, 10, "auto")
+    cpu = parse_args(["--cpu"])
+    assert (cpu.batches, cpu.context, cpu.iters, cpu.repeats) == ((1, 4), 256, 3, 3)
+    asked = parse_args(["--cpu", "--batches", "8", "--context", "512"])
+    assert (asked.batches, asked.context) == ((8,), 512)
