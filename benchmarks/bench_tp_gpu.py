@@ -245,8 +245,9 @@ def _print_decode_table(
         return
     sizes = sorted(runs)
     print(
-        f"\ndecode step, ctx {args.context}, {args.kv_layout}, mean of {args.iters} steps "
-        "(floor: one rank's weight + KV bytes over its GPU's copy bandwidth)"
+        f"\ndecode step, ctx {args.context}, {args.kv_layout}, mean of {args.iters} steps; floor: "
+        "one rank's weight + KV bytes over its GPU's copy bandwidth; AR us: one eager all-reduce "
+        "of [B, hidden] (a step runs 2 a layer, inside its graph); graphs: replays per TP size"
     )
     head = f"{'B':>4}" + "".join(
         f" {'TP=' + str(s) + ' ms':>10} {'floor':>7} {'x':>6}" for s in sizes

@@ -32,6 +32,12 @@
 #            tile sweep) over e4m3 and bf16 pools against their KV-read floor
 #   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
 #            GPU, two rates: client TPOT vs engine step
+#   tp       NEEDS 2 GPUS (device kind nvidia-h200-x2; on fewer it skips what it cannot run and
+#            says why): benchmarks/bench_tp_gpu.py --parts handoff (hand-off GB/s per TP pair
+#            1->1, 1->2, 2->1, 2->2 between VRAM pools over NIXL), tests/gpu/test_tp_gpu.py (NCCL,
+#            CUDA graphs with the all-reduces inside), then bench_tp_gpu.py --parts decode (TP=1
+#            vs TP=2 decode step of the Llama-3-8B shape vs its HBM floor). ~6 min on a warm
+#            machine: on a fresh one run `jit` in a call of its own first
 set -u
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT" /tmp/site
@@ -119,6 +125,12 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     for t in off on; do step host_tier_chat_$t 300 python benchmarks/bench_host_tier.py chat \
       --model /tmp/cfg-llama3-8b --load-format dummy --tiers $t --out /tmp/ht; done
     tar czf "$OUT/host_tier.tgz" -C /tmp ht ;;
+  tp) config_model llama3-8b  # the bench's exit: 0 ran (or skipped), 1 a check failed, 2 no GPU
+    TAILN=${TAILN:-30} step tp_handoff 240 python benchmarks/bench_tp_gpu.py --parts handoff \
+    --model /tmp/cfg-llama3-8b --part-timeout 100
+    step tp_tests 200 python -m pytest tests/gpu/test_tp_gpu.py -q -rA -p no:cacheprovider
+    TAILN=${TAILN:-30} step tp_decode 420 python benchmarks/bench_tp_gpu.py --parts decode \
+    --model /tmp/cfg-llama3-8b --part-timeout 200 ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
 done
