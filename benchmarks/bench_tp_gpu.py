@@ -21,7 +21,8 @@ a plain copy of the same bytes between the same two GPUs in the same run; every 
 checks that each head it holds arrived intact. Placement (`--placement`): spread (each rank
 its own GPU: a pair needs P + D GPUs), packed (prefill ranks on GPU 0, decode ranks on GPU 1:
 every byte crosses the same link, so the pairs differ only by descriptors and ranks), auto
-(spread when every pair fits, else packed).
+(spread when every pair fits, else packed), single (every rank on GPU 0: on a one-GPU machine,
+a check of the VRAM path whose GB/s are a copy inside one GPU; only when asked for).
 
 A part the machine has too few GPUs for prints what it skips and why. Exit status: 0 when
 every part that could run ran and passed its checks; 1 when one failed (the others still
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 PARTS = ("decode", "handoff")
-PLACEMENTS = ("auto", "spread", "packed")
+PLACEMENTS = ("auto", "spread", "packed", "single")
 CPU_DEVICES = 8
 """Ranks a `--cpu` run may place (all on the host)."""
 NO_GPU = (

@@ -106,12 +106,20 @@ def plan_decode(tp_size: int, num_devices: int) -> tuple[list[int], list[Skip]]:
 def plan_pairs(
     pairs: Sequence[tuple[int, int]], num_devices: int, placement: str
 ) -> tuple[dict[tuple[int, int], PairPlacement], list[Skip]]:
-    """Where each pair's ranks go (module docstring, placement), and the pairs skipped."""
+    """Where each pair's ranks go, and the pairs skipped. `placement`: spread (each rank its
+    own GPU: P + D of them), packed (prefill ranks on GPU 0, decode ranks on GPU 1), auto
+    (spread when every pair fits, else packed), single (every rank on GPU 0: a check of the
+    VRAM path on one GPU, whose GB/s are a copy inside one GPU, not over a link; only when
+    asked for)."""
+    if placement == "single" and num_devices >= 1:
+        return {(p, d): PairPlacement((0,) * p, (0,) * d, "single") for p, d in pairs}, []
     if num_devices < 2:
         why = (
             f"needs 2 GPUs (the prefill pool and the decode pool on different GPUs), "
             f"this machine has {num_devices}"
         )
+        if num_devices == 1:
+            why += " (--placement single runs it inside the one GPU: a check, not the figure)"
         return {}, [Skip(f"hand-off {p}->{d}", why) for p, d in pairs]
     mode = placement
     if mode == "auto":

@@ -117,6 +117,19 @@ def test_pairs_need_two_gpus() -> None:
     assert all("needs 2 GPUs" in s.why and "has 1" in s.why for s in skips)
 
 
+def test_one_gpu_runs_pairs_inside_it_only_when_asked() -> None:
+    placed, skips = plan_pairs(PAIRS, 1, "auto")
+    assert placed == {} and len(skips) == 4
+    assert all("--placement single runs it inside the one GPU" in s.why for s in skips)
+    for num_devices in (1, 2):
+        placed, skips = plan_pairs(PAIRS, num_devices, "single")
+        assert skips == []
+        assert placed[(2, 2)] == PairPlacement((0, 0), (0, 0), "single")
+        assert placed[(1, 2)] == PairPlacement((0,), (0, 0), "single")
+    placed, skips = plan_pairs(PAIRS, 0, "single")
+    assert placed == {} and all("has 0" in s.why for s in skips)
+
+
 def test_two_gpus_pack_every_pair_across_the_one_link() -> None:
     for placement in ("auto", "packed"):
         placed, skips = plan_pairs(PAIRS, 2, placement)
