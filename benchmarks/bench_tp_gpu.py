@@ -364,7 +364,9 @@ def _print_handoff_table(
         return
     print(
         f"\nhand-off of a {args.prompt_tokens}-token prompt, head-major, median / best of "
-        f"{args.repeats} pulls (transfer: read start to done; wall: submit to outcome)"
+        f"{args.repeats} pulls (ms, GB/s: the read's start to done; wall: submit to outcome; "
+        f"the transfer loops poll every {args.busy_poll_us:g} us, which each may add; copy: a "
+        "plain copy of the same bytes from prefill rank 0's GPU to decode rank 0's)"
     )
     print(
         f"{'P->D':>5} {'GPUs P/D':>10} {'MiB':>6} {'descriptors':>15} {'posted':>6} "
