@@ -15,11 +15,14 @@ Every pool holds a pattern of (block, model KV head, offset) (`fill_pattern`), s
 pulls each decode rank checks that each head it holds of each pulled block has the bytes of
 that head and block (`count_mismatches`). Per pair: one warm-up pull (NIXL preps its
 descriptor lists on first use), then `repeats` pulls of the same blocks: prefill rank 0
-`hand_off` → decode rank 0 `submit` → the outcome (`transfer_s`: from the read's start to
-the poll that saw every rank's part done: the manager's own figure) → the lease released
-(the completion notice arrived) before the next. Last, one plain copy of the same bytes
-from prefill rank 0's device to decode rank 0's, timed in decode rank 0's process: the
-reference the GB/s are read against.
+`hand_off` → decode rank 0 `submit` → the outcome → the lease released (the completion
+notice arrived) before the next. A pull's time is from the manager's call of `start_read`
+(which posts every rank's part) to the outcome (`Pull.read_s`), stamped here around the
+backend: the manager's own `transfer_s` starts once `start_read` has returned, which leaves
+out whatever the post does itself (a host-memory read over cma is done inside it: 0.7 ms
+"transfer" for 512 MiB read at 6 GB/s on the CPU; on GPUs, the post's own cost).
+Last, one plain copy of the same bytes from prefill rank 0's device to decode rank 0's, timed
+in decode rank 0's process: the reference the GB/s are read against.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from rank_rpc import Caller, Child, RemoteError, start_child
 
 from engine.kv_cache import HEAD_MAJOR, KVCache, KVCacheSpec
-from kv_transfer.backend import MemoryRegion, TransferBackend, XferStatus
+from kv_transfer.backend import MemoryRegion, TransferBackend, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
 from kv_transfer.manager import TransferOutcome, TransferState
@@ -242,9 +246,29 @@ class Pull:
     rank_descriptors: tuple[int, ...]
     posted: int | None
     """Descriptors NIXL reports posted (telemetry), when decode rank 0 is the only rank."""
+    read_s: float
+    """From the manager's call of the backend's `start_read` (the post of every rank's part)
+    to the outcome callback (the poll that saw every part done, the notice sent)."""
     transfer_s: float
+    """The manager's own figure (`TransferOutcome.transfer_s`): it starts its clock once
+    `start_read` has returned, so a post that does the work itself is left out."""
     wall_s: float
     """From `submit` to the outcome callback."""
+
+
+class _StampedBackend:
+    """A transfer backend that records when each read was handed to it (else `inner`'s)."""
+
+    def __init__(self, inner: TransferBackend, started: dict[str, float]) -> None:
+        self._inner = inner
+        self._started = started
+
+    def start_read(self, plan: TransferPlan, notif: bytes) -> XferId:
+        self._started[plan.request_id] = time.perf_counter()
+        return self._inner.start_read(plan, notif)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class DecodeRank0:
@@ -271,9 +295,12 @@ class DecodeRank0:
             for r, (agent, c) in enumerate(zip(agents, callers or [], strict=True), 1)
         ]
 
+        self._started: dict[str, float] = {}
+
         def factory(name: str, cache: KVCache, cfg: KVTransferConfig) -> TransferBackend:
             rank0 = NixlBackend(name, cache, capture_telemetry=True)
-            return TPBackend([rank0, *links]) if links else rank0
+            inner = TPBackend([rank0, *links]) if links else rank0
+            return cast(TransferBackend, _StampedBackend(inner, self._started))
 
         self.endpoint = DecodeEndpoint(
             self.cache, MODEL_ID, "d0", self._outcome, self._outcome, config, factory
@@ -305,6 +332,7 @@ class DecodeRank0:
                 for r in ranks
             ),
             outcome.posted_descriptors,
+            done_at - self._started.pop(handle.request_id),
             outcome.transfer_s,
             done_at - t0,
         )
