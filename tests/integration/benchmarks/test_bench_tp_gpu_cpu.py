@@ -20,18 +20,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_cpu_run_of_both_parts_passes_its_checks() -> None:
+def run_bench(args: str) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"UCX_TLS": "shm,tcp", "UCX_NET_DEVICES": "lo"}
-    args = "--cpu --batches 1,2 --context 64 --iters 2 --pairs 1-2,2-1 --repeats 2"
-    args += " --prompt-tokens 256 --part-timeout 300"
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_tp_gpu.py"), *args.split()],
         capture_output=True, text=True, timeout=640, env=env, cwd=ROOT,
     )  # fmt: skip
+
+
+def test_cpu_run_of_both_parts_passes_its_checks() -> None:
+    args = "--cpu --batches 1,2 --context 64 --iters 2 --pairs 1-2,2-1 --repeats 2"
+    done = run_bench(args + " --prompt-tokens 256 --part-timeout 300")
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-4000:]
-    assert "all run parts passed their checks" in out
-    assert "FAILED" not in out and "skipped" not in out
+    assert "every part that ran passed its checks (0 skipped)" in out
+    assert "FAILED" not in out and "-- skipped" not in out
     assert re.search(r"TP=2 vs TP=1: \|\|diff\|\| / \|\|TP=1\|\| = [0-9.]+ \(agree", out)
     decode = re.findall(r"^ +(\d+) +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ ", out,
                         re.M)  # fmt: skip
@@ -39,3 +42,13 @@ def test_cpu_run_of_both_parts_passes_its_checks() -> None:
     # 256 tokens = 16 blocks; head-major: one descriptor per block per decode rank's slice
     assert re.search(r"^1->2 +cpu +[0-9.]+ +32 \(16/16\) +- .* yes$", out, re.M), out
     assert re.search(r"^2->1 +cpu +[0-9.]+ +32 \(32\) +32 .* yes$", out, re.M), out
+
+
+def test_one_device_runs_tp1_and_skips_tp2_saying_why() -> None:
+    done = run_bench("--cpu --cpu-devices 1 --parts decode --batches 1 --context 32 --iters 1")
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-4000:]
+    assert "skipped decode TP=2: needs 2 GPUs (one per rank), this machine has 1" in out
+    assert "every part that ran passed its checks (1 skipped)" in out
+    assert "== decode TP=1" in out and "== decode TP=2" not in out
+    assert re.search(r"^ +B +TP=1 ms +floor +x +graphs$", out, re.M), out

@@ -31,6 +31,20 @@ def test_without_a_gpu_it_says_so_and_exits_2() -> None:
     assert "==" not in done.stdout  # no part started
 
 
+def test_fewer_devices_than_a_part_needs_skip_it_saying_why_and_exit_0() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_tp_gpu.py"), "--cpu", "--cpu-devices",
+         "1", "--parts", "handoff"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = done.stdout.split("======== summary")[1]
+    for pair in ("1->1", "1->2", "2->1", "2->2"):
+        assert f"skipped hand-off {pair}: needs 2 GPUs" in summary
+    assert "every part that ran passed its checks (4 skipped)" in summary
+    assert "FAILED" not in done.stdout and "== hand-off" not in done.stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -39,6 +53,7 @@ def test_without_a_gpu_it_says_so_and_exits_2() -> None:
         (["--batches", "1,0"], "positive integers"),
         (["--iters", "0"], "--iters: must be >= 1"),
         (["--placement", "everywhere"], "invalid choice"),
+        (["--cpu", "--cpu-devices", "-1"], "--cpu-devices: must be >= 0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_them(
