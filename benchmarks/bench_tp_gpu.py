@@ -8,9 +8,10 @@ default 2) on GPUs 0..N-1, one process per rank as a TP worker runs them (NCCL, 
 attention, CUDA graphs with the all-reduces inside); the decode step at B = 1 / 16 / 64 with
 2048 tokens of context, each against its HBM floor: the weight and KV bytes one rank reads
 (`rank_step_bytes`) over the copy bandwidth measured on that rank's GPU in the same run (the
-slowest rank's). Also one eager all-reduce of [B, hidden], and the logits of a fixed prompt at
-TP=N against TP=1 (the same dummy weights: they agree to bf16 rounding, or the part fails:
-its times would be of a model that computes something else).
+slowest rank's). Also one eager all-reduce of [B, hidden], and the logits of one check step
+(a decode over KV written the same for each model KV head) at TP=N against TP=1 (the same
+dummy weights: they agree to bf16 rounding, or the part fails: its times would be of a model
+that computes something else).
 
 handoff (benchmarks/tp_gpu_handoff.py): one hand-off of a 2048-token prompt of the same shape
 per prefill → decode TP pair (1→1 the reference, 1→2, 2→1, 2→2), head-major pools in VRAM,
@@ -239,7 +240,7 @@ def decode_part(
         same = int(runs[args.tp].check_logits.argmax()) == int(runs[1].check_logits.argmax())
         verdict = "agree" if rel <= LOGITS_REL_TOL else "DISAGREE"
         print(
-            f"\n   fixed prompt's logits, TP={args.tp} vs TP=1: ||diff|| / ||TP=1|| = {rel:.4f} "
+            f"\n   the check step's logits, TP={args.tp} vs TP=1: ||diff|| / ||TP=1|| = {rel:.4f} "
             f"({verdict}, tolerance {LOGITS_REL_TOL}); same argmax: {same}"
         )
         if rel > LOGITS_REL_TOL:

@@ -8,10 +8,11 @@ Rank r of TP=N, in its own process on device cuda:r (the CPU in a `--cpu` run):
 3. rank 0 builds `LLMEngine(config, tp=group)` (dummy weights made on the device from
    config.json, CUDA graphs captured with the all-reduces inside) while each follower builds
    its part (`prepare_follower`) and then serves rank 0's steps (`serve_follower`);
-4. every rank fills its KV pool with random values; rank 0 runs one fixed prompt (a prefill
-   and one decode step, in blocks of their own) and keeps the decode step's logits for the
-   driver to compare across TP sizes (the dummy weights of a seed are the same model at any
-   TP size, engine/dummy_weights.py);
+4. every rank fills its KV pool with random values, and the check's blocks with the same
+   values for each model KV head at any TP size (`fill_check_kv`); rank 0 runs one decode
+   step of one sequence over those blocks and keeps its logits for the driver to compare
+   across TP sizes (the dummy weights of a seed are the same model at any TP size,
+   engine/dummy_weights.py; a prefill would build a prefill kernel for nothing else);
 5. rank 0 times `engine.step_runner.execute` on decode batches of B sequences of `context`
    tokens each (TP=1: the runner; TP=N: the `TPLeader`, so the step message, every rank's
    graph replay and the ranks' agreement are all in the time), counting graph replays.
@@ -37,11 +38,15 @@ import torch
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_pool import cdiv
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache
 from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from kv_transfer.tp_plan import kv_heads_of
 
 CHECK_TOKENS = 40
-"""Tokens of the fixed prompt whose next-token logits are compared across TP sizes."""
+"""Context tokens of the check's decode step, whose logits are compared across TP sizes."""
 CHECK_BLOCKS = 4
+"""Blocks of the check's context (after the decode batches' blocks)."""
 ALL_REDUCE_ITERS = 50
 
 
@@ -75,7 +80,7 @@ class DecodeSetup:
             cuda_graphs=self.cuda,
             cuda_graph_max_batch=max_batch,
             max_num_seqs=max_batch,
-            max_model_len=max(self.context, CHECK_TOKENS + 1),
+            max_model_len=max(self.context, CHECK_BLOCKS * self.block_size),
             num_kv_blocks=self.decode_blocks + CHECK_BLOCKS + 8,
             kv_layout=self.kv_layout,
             host_kv_gb=0,
@@ -119,7 +124,7 @@ class DecodeRun:
     ranks: tuple[RankReport, ...]
     timings: tuple[BatchTiming, ...]
     check_logits: np.ndarray
-    """Float32 logits [vocab] of the fixed prompt's decode step (numpy: a torch tensor would
+    """Float32 logits [vocab] of the check's decode step (numpy: a torch tensor would
     travel through shared memory its sender may no longer hold)."""
     attention: str
     layer_ops: str
@@ -174,15 +179,28 @@ def decode_batch(batch: int, context: int, block_size: int) -> ScheduledBatch:
     )
 
 
+def fill_check_kv(kv_cache: KVCache, cfg: ModelConfig, setup: DecodeSetup) -> None:
+    """Write the check's KV (module docstring, 4) into this rank's pool: the same values for
+    a model KV head on every TP size (drawn whole on the host, this rank's heads kept)."""
+    spec = kv_cache.spec
+    gen = torch.Generator().manual_seed(1234)
+    shape = (CHECK_BLOCKS, 2, setup.block_size, cfg.num_kv_heads, cfg.head_dim)
+    heads = kv_heads_of(cfg.num_kv_heads, spec.tp_size, spec.tp_rank)
+    first = setup.decode_blocks
+    for layer in range(spec.num_layers):
+        whole = torch.randn(shape, generator=gen)
+        part = whole[:, :, :, heads.start : heads.stop].to(kv_cache.tensor.dtype)
+        kv_cache.layer(layer)[first : first + CHECK_BLOCKS].copy_(part)
+
+
 def check_logits(
-    execute: Callable[[ScheduledBatch], torch.Tensor], setup: DecodeSetup, vocab: int
+    execute: Callable[[ScheduledBatch], torch.Tensor], setup: DecodeSetup
 ) -> np.ndarray:
-    """Logits [vocab] of one decode step after a fixed prompt (module docstring, 4)."""
-    ids = tuple((7 * i) % (vocab - 2) + 1 for i in range(CHECK_TOKENS))
+    """Logits [vocab] of one decode step at position CHECK_TOKENS over `fill_check_kv`'s
+    blocks (module docstring, 4): no prefill, so no prefill kernel to build."""
     first = setup.decode_blocks
     blocks = tuple(range(first, first + cdiv(CHECK_TOKENS + 1, setup.block_size)))
-    execute(ScheduledBatch((SeqChunk("check", ids, 0, blocks, sample=True),)))
-    step = SeqChunk("check", (ids[-1],), CHECK_TOKENS, blocks, sample=True)
+    step = SeqChunk("check", (17,), CHECK_TOKENS, blocks, sample=True)
     return execute(ScheduledBatch((step,)))[0].float().cpu().numpy()
 
 
@@ -199,7 +217,6 @@ def _time_all_reduces(
 def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Connection) -> None:
     """One rank's process (module docstring); reports ("report" | "run" | "error", ...)."""
     from engine.engine import LLMEngine
-    from engine.model_config import ModelConfig
     from engine.tensor_parallel import init_tp_group
     from engine.tp_runner import prepare_follower, serve_follower
 
@@ -228,6 +245,7 @@ def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Conne
             assert group is not None
             runner = prepare_follower(config, group)
             runner.kv_cache.tensor.normal_()
+            fill_check_kv(runner.kv_cache, cfg, setup)
             spec = runner.kv_cache.spec
             conn.send(("report", report(runner.model, spec.block_nbytes // spec.block_size)))
             steps = serve_follower(group, runner)
@@ -236,8 +254,9 @@ def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Conne
             return
         engine = LLMEngine(config, tp=group)
         engine.kv_cache.tensor.normal_()
+        fill_check_kv(engine.kv_cache, cfg, setup)
         execute = engine.step_runner.execute
-        logits = check_logits(execute, setup, cfg.vocab_size)
+        logits = check_logits(execute, setup)
         graphs = engine.runner.graphs
         timings = []
         for b in setup.batches:
