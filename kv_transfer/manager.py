@@ -323,6 +323,7 @@ class TransferManager:
     def _start(self, t: _Transfer) -> None:
         """Start the read of a queued transfer; it stays QUEUED until the backend took it."""
         rid = t.plan.request_id
+        started = self._clock()  # before the post: a backend may move bytes inside it
         try:
             xfer = self.backend.start_read(t.plan, encode_done(rid))
         except BackendError as e:
@@ -331,7 +332,7 @@ class TransferManager:
                 self.peer_lost(t.plan.peer, str(e))
             return
         del self._queued[rid]
-        t.state, t.xfer, t.started_at = TransferState.TRANSFERRING, xfer, self._clock()
+        t.state, t.xfer, t.started_at = TransferState.TRANSFERRING, xfer, started
         self._transferring[rid] = t
         self.version += 1
         if self.budget.is_oversized(t.candidate):

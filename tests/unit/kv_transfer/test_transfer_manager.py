@@ -319,3 +319,23 @@ def test_step_asks_for_busy_polling_only_while_reads_are_in_flight(queued: int) 
     for i in range(queued):
         h.submit(h.handle(f"q{i}", (5 + i,)), [20 + i])
     assert h.manager.step() == CONFIG.busy_poll_s
+
+
+def test_transfer_time_counts_the_post_itself() -> None:
+    # a backend may move bytes inside start_read (NIXL posts, a synchronous copy): that time
+    # is transfer time, not queue wait
+    h = Harness()
+    start_read = h.decode.start_read
+
+    def slow_post(plan, notif):  # type: ignore[no-untyped-def]
+        h.clock.advance(0.5)
+        return start_read(plan, notif)
+
+    h.decode.start_read = slow_post  # type: ignore[method-assign]
+    h.submit(h.handle("r", (5, 6)), [20, 21])
+    h.manager.step()
+    h.clock.advance(0.25)
+    assert h.fabric.complete("r")
+    h.manager.step()
+    out = h.outcomes[0]
+    assert (out.transfer_s, out.queue_wait_s) == (0.75, 0.0)
