@@ -31,22 +31,21 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import ray
 
-from deploy import lora_admin
+from deploy import lora_admin, rebalance
 from deploy.metrics import ControllerMetrics
+from deploy.registry import LISTED_STATES, WANTED_STATES, Registered
 from deploy.spec import ClusterSpec
 from deploy.workers import (
     ActorPlacement,
     create_worker,
-    rebalance_shortfall,
     stop_worker,
 )
 from planner.loop import (
@@ -77,33 +76,12 @@ ADOPT_TIMEOUT_S = 10.0
 """How long a restarted controller waits for each worker it finds to say who it is."""
 
 
-@dataclass
-class _Worker:
-    info: WorkerInfo | None
-    role: WorkerRole
-    worker_id: str
-    handle: Any
-    placement: ActorPlacement
-    state: WorkerState = WorkerState.STARTING
-    failures: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-    """Wall-clock time start() returned."""
-    state_since: float = field(default_factory=time.monotonic)
-    """Monotonic time `state` last changed (kept by `__setattr__`; for the metrics)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "state" and getattr(self, "state", None) is not value:
-            object.__setattr__(self, "state_since", time.monotonic())
-        object.__setattr__(self, name, value)
-
-
 class Controller:
     """Ray actor class (create with `ray.remote(Controller).options(name=..., lifetime=...)`)."""
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.workers: dict[str, _Worker] = {}
+        self.workers: dict[str, Registered] = {}
         self._ids = itertools.count()
         self._health_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -182,7 +160,7 @@ class Controller:
                     lost.append(WorkerRole(role_name))
                 continue
             placement = self.spec.worker_asks(info.role)
-            w = _Worker(info, info.role, worker_id, handle, placement, state=load.state)
+            w = Registered(info, info.role, worker_id, handle, placement, state=load.state)
             w.ready_at = time.time()
             self.workers[worker_id] = w
         self._ids = itertools.count(highest + 1)
@@ -226,9 +204,7 @@ class Controller:
         """Workers routers keep in view: ready ones, and draining or drained ones (their
         running streams must go on; placement skips them by their reported state)."""
         return [
-            (w.info, w.handle)
-            for w in self.workers.values()
-            if w.info and w.state in _LISTED_STATES
+            (w.info, w.handle) for w in self.workers.values() if w.info and w.state in LISTED_STATES
         ]
 
     def describe(self) -> list[dict[str, Any]]:
@@ -274,21 +250,21 @@ class Controller:
             stall_timeout_s=self.spec.stall_timeout_s,
         )
 
-    def _create_worker(self, role: WorkerRole) -> _Worker:
+    def _create_worker(self, role: WorkerRole) -> Registered:
         """Create the actor and register it as starting (its start() is not awaited yet)."""
         worker_id = f"{role.value}-{next(self._ids)}"
         placement = self.spec.placement_for(role)  # each rank's (a TP worker: N ranks)
         handle = create_worker(
             self._worker_config(role, worker_id), self.spec.transfer, placement, detached=True
         )
-        w = _Worker(None, role, worker_id, handle, self.spec.worker_asks(role))
+        w = Registered(None, role, worker_id, handle, self.spec.worker_asks(role))
         self.workers[worker_id] = w
         return w
 
     async def _start_worker(self, role: WorkerRole) -> WorkerInfo:
         return await self._await_ready(self._create_worker(role))
 
-    async def _await_ready(self, w: _Worker) -> WorkerInfo:
+    async def _await_ready(self, w: Registered) -> WorkerInfo:
         worker_id, handle, role = w.worker_id, w.handle, w.role
         try:
             info: WorkerInfo = await wait_within(handle.start.remote(), self.spec.start_timeout_s)
@@ -305,7 +281,7 @@ class Controller:
             await self._sync_loras(w)
         return info
 
-    async def _sync_loras(self, w: _Worker) -> None:
+    async def _sync_loras(self, w: Registered) -> None:
         """The adapter set may have changed while `w` started: bring it in line. A worker
         that cannot take an adapter serves on without it (placement sends it no request
         naming it: it does not report it registered)."""
@@ -325,7 +301,7 @@ class Controller:
         return self.spec.engine.enable_lora or bool(self.spec.engine.loras)
 
     def _listed_handles(self) -> dict[str, Any]:
-        return {w.worker_id: w.handle for w in self.workers.values() if w.state in _LISTED_STATES}
+        return {w.worker_id: w.handle for w in self.workers.values() if w.state in LISTED_STATES}
 
     def _set_loras(self, loras: dict[str, str]) -> None:
         self.spec = replace(self.spec, engine=replace(self.spec.engine, loras=tuple(loras.items())))
@@ -368,12 +344,12 @@ class Controller:
 
     async def check_health(self) -> list[str]:
         """Ping every ready worker; returns the ids found dead (and removed) this round."""
-        ready = [w for w in self.workers.values() if w.state in _LISTED_STATES]
+        ready = [w for w in self.workers.values() if w.state in LISTED_STATES]
         results = await asyncio.gather(
             *(wait_within(w.handle.ping.remote(), 2.0) for w in ready),
             return_exceptions=True,
         )
-        dead: list[tuple[_Worker, str]] = []
+        dead: list[tuple[Registered, str]] = []
         for w, r in zip(ready, results, strict=True):
             if not isinstance(r, BaseException):
                 w.failures = 0
@@ -441,7 +417,7 @@ class Controller:
     async def worker_snapshots(self) -> list[WorkerSnapshot]:
         """Every registered worker with its load (starting ones, and failed calls, without)."""
         workers = list(self.workers.values())
-        polled = [w for w in workers if w.state in _LISTED_STATES]
+        polled = [w for w in workers if w.state in LISTED_STATES]
         loads = await asyncio.gather(
             *(wait_within(w.handle.load.remote(), 2.0) for w in polled),
             return_exceptions=True,
@@ -505,65 +481,16 @@ class Controller:
 
     def wanted_placements(self) -> list[ActorPlacement]:
         """Placements of the workers that should have room: starting and ready ones."""
-        return [w.placement for w in self.workers.values() if w.state in _WANTED_STATES]
+        return [w.placement for w in self.workers.values() if w.state in WANTED_STATES]
 
-    # ---- drain and rebalance ----------------------------------------------------------------
+    # ---- drain and rebalance (deploy/rebalance.py) ------------------------------------------
 
     async def drain(
         self, worker_id: str, stop: bool, timeout_s: float, force: bool = False
     ) -> DrainReport:
         """Stop admitting on a worker and let its running requests finish (up to
-        `timeout_s`); with `stop`, stop it then (past the timeout that cuts what still runs:
-        those streams end with UNAVAILABLE). Refuses, unless `force`, a drain that would
-        leave the worker's role with no ready worker."""
-        w = self.workers.get(worker_id)
-        if w is None:
-            raise DrainRefused(f"unknown worker {worker_id!r}")
-        if not math.isfinite(timeout_s) or timeout_s < 0:
-            raise DrainRefused(f"timeout_s: must be a finite number >= 0, got {timeout_s}")
-        if w.state not in _LISTED_STATES:
-            raise DrainRefused(
-                f"{worker_id} is {w.state.value}: only a ready worker can be drained"
-            )
-        if w.state is WorkerState.READY and not force:
-            others = [
-                o for o in self.workers.values()
-                if o is not w and o.state is WorkerState.READY and _same_role(o.role, w.role)
-            ]  # fmt: skip
-            if not others:
-                raise DrainRefused(
-                    f"draining {worker_id} would leave no ready {w.role.value} worker "
-                    "(requests would fail); add one first, or pass force to drain anyway"
-                )
-        at_start = await self._inflight(w)
-        w.state = WorkerState.DRAINING
-        self._log(f"draining {worker_id} ({at_start} requests in flight, {timeout_s:g}s)")
-        drained = bool(await w.handle.drain.remote(timeout_s))
-        left = 0 if drained else await self._inflight(w)
-        if drained and not stop:
-            w.state = WorkerState.DRAINED
-            msg = (
-                f"{worker_id} drained ({at_start} requests finished); idle and not admitting "
-                f"(`pdserve undrain {worker_id}` puts it back)"
-            )
-        elif drained:
-            await self._stop(w)
-            msg = f"{worker_id} drained ({at_start} requests finished) and stopped"
-        elif stop:
-            await self._stop(w)
-            msg = (
-                f"{worker_id}: {left} of {at_start} requests were still running after "
-                f"{timeout_s:g}s and were ended (UNAVAILABLE); stopped"
-            )
-        else:
-            msg = (
-                f"{worker_id} still has {left} requests in flight after {timeout_s:g}s; "
-                "it stays draining (not admitting)"
-            )
-        self._log(msg)
-        return DrainReport(
-            drained, msg, at_start, left if stop else 0, stop and w.state is WorkerState.STOPPED
-        )
+        `timeout_s`); with `stop`, stop it then. See `rebalance.drain`."""
+        return await rebalance.drain(self, worker_id, stop, timeout_s, force)
 
     async def undrain(self, worker_id: str) -> str:
         """Put a draining or drained (not stopped) worker back into service."""
@@ -577,39 +504,7 @@ class Controller:
         self._log(f"{worker_id} undrained: admitting again")
         return f"{worker_id} is ready again"
 
-    async def _inflight(self, w: _Worker) -> int:
-        try:
-            load = await wait_within(w.handle.load.remote(), 2.0)
-        except Exception:
-            return 0
-        return int(load.inflight_requests + load.leases_held)
-
-    def _youngest_ready(self, role: WorkerRole, keep: int) -> list[_Worker]:
-        """The ready workers of `role` beyond the first `keep`, youngest first (least prefix
-        cache to lose; ids sort as strings, "prefill-10" < "prefill-9", so by creation)."""
-        current = [
-            w for w in self.workers.values() if w.role is role and w.state is WorkerState.READY
-        ]
-        ordered = sorted(current, key=lambda w: w.started_at, reverse=True)
-        return ordered[: max(len(current) - keep, 0)]
-
-    def _refuse_unplaceable(
-        self, targets: dict[WorkerRole, int], to_stop: dict[WorkerRole, list[_Worker]]
-    ) -> None:
-        """Raise DrainRefused when the new workers could never be placed on this Ray."""
-        leaving = {w.worker_id for ws in to_stop.values() for w in ws}
-        staying = [w for w in self.workers.values() if w.worker_id not in leaving]
-        starting = []
-        for role, n in targets.items():
-            have = sum(1 for w in staying if w.role is role and w.state in _WANTED_STATES)
-            starting += [(role.value, self.spec.worker_asks(role))] * max(n - have, 0)
-        why = rebalance_shortfall(
-            [(w.role.value, w.placement) for w in staying], starting, ray.cluster_resources()
-        )
-        if why is not None:
-            raise DrainRefused(why)
-
-    async def _stop(self, w: _Worker) -> None:
+    async def _stop(self, w: Registered) -> None:
         if self.workers.pop(w.worker_id, None) is not None:
             self.metrics.removed.labels(w.role.value, "stopped").inc()
         with contextlib.suppress(Exception):
@@ -622,61 +517,9 @@ class Controller:
     async def rebalance(
         self, prefill: int, decode: int, timeout_s: float
     ) -> tuple[list[str], list[str], str]:
-        """Reach `prefill` prefill and `decode` decode workers, draining before stopping.
-
-        Shrinking roles are drained and stopped first (freeing their devices), then growing
-        roles start new workers; a worker is never stopped with requests in flight.
-        """
-        async with self._lock:
-            decode_role = WorkerRole.COLOCATED if self.spec.colocated else WorkerRole.DECODE
-            targets = {WorkerRole.PREFILL: prefill, decode_role: decode}
-            to_stop = {role: self._youngest_ready(role, n) for role, n in targets.items()}
-            if self.spec.fixed_capacity:
-                self._refuse_unplaceable(targets, to_stop)
-            stopped: list[str] = []
-            started: list[str] = []
-            for role in targets:
-                for w in to_stop[role]:
-                    # Not cut: a worker whose requests outlast the timeout goes back to work
-                    # and the rebalance stops there ("no request is lost").
-                    report = await self.drain(w.worker_id, stop=False, timeout_s=timeout_s,
-                                              force=True)  # fmt: skip
-                    if not report.drained:
-                        with contextlib.suppress(Exception):
-                            await w.handle.undrain.remote()
-                        w.state = WorkerState.READY
-                        left = await self._inflight(w)
-                        msg = (
-                            f"rebalance stopped: {w.worker_id} still had {left} requests in "
-                            f"flight after {timeout_s:g}s; it is back in service"
-                        )
-                        return started, stopped, msg
-                    await self._stop(w)
-                    stopped.append(w.worker_id)
-            new: list[_Worker] = []
-            for role, n in targets.items():
-                have = sum(
-                    1 for w in self.workers.values() if w.role is role and w.state in _WANTED_STATES
-                )
-                new += [self._create_worker(role) for _ in range(max(n - have, 0))]
-            if self.planner is not None:  # room for the new workers on an autoscaling cluster
-                self.planner.actuator.sync_resources()
-            infos = await asyncio.gather(*(self._await_ready(w) for w in new))
-            started += [i.worker_id for i in infos]
-            msg = f"now {prefill} prefill + {decode} {decode_role.value}"
-            self._log(f"rebalance: {msg} (started {started}, stopped {stopped})")
-            return started, stopped, msg
-
-
-_LISTED_STATES = (WorkerState.READY, WorkerState.DRAINING, WorkerState.DRAINED)
-"""Workers routers keep in view (and the health check pings)."""
-_WANTED_STATES = (WorkerState.STARTING, WorkerState.READY)
-"""Workers that count towards a role's size."""
-
-
-def _same_role(a: WorkerRole, b: WorkerRole) -> bool:
-    decode_capable = (WorkerRole.DECODE, WorkerRole.COLOCATED)
-    return a is b or (a in decode_capable and b in decode_capable)
+        """Reach `prefill` prefill and `decode` decode workers, draining before stopping
+        (`rebalance.rebalance`)."""
+        return await rebalance.rebalance(self, prefill, decode, timeout_s)
 
 
 def _log_to_stderr() -> None:

@@ -33,7 +33,7 @@ REMOVAL_REASONS = ("stopped", "dead", "unhealthy", "start_failed")
 
 
 class RegisteredWorker(Protocol):
-    """What the collector reads of a registry entry (deploy/controller.py `_Worker`)."""
+    """What the collector reads of a registry entry (deploy/registry.py `Registered`)."""
 
     worker_id: str
     role: WorkerRole

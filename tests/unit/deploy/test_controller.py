@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from deploy.controller import Controller, _Worker
+from deploy.controller import Controller
+from deploy.registry import Registered as _Worker
 from deploy.spec import ClusterSpec, WorkerPlacement
 from deploy.workers import ActorPlacement
 from engine.config import EngineConfig

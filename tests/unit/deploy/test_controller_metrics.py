@@ -7,8 +7,8 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from deploy.controller import _Worker
 from deploy.metrics import ControllerMetrics
+from deploy.registry import Registered as _Worker
 from deploy.workers import ActorPlacement
 from worker_runtime.api import WorkerRole, WorkerState
 
