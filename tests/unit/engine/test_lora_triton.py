@@ -19,8 +19,6 @@ test_graph_decode_with_adapters_equals_eager runs a ModelRunner decode graph wit
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
@@ -28,6 +26,7 @@ from typing import cast
 import numpy as np
 import pytest
 import torch
+import triton_interpret
 
 pytest.importorskip(
     "triton", reason="the triton LoRA kernel needs triton (pdserve[test])", exc_type=ImportError
@@ -51,7 +50,6 @@ from engine.lora_triton import (
 from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
-HERE = Path(__file__).resolve().parent
 CPU = torch.device("cpu")
 ALL = ATTENTION + MLP
 MIXED = [2, 2, -1, 0, 1, 1, -1, 3, 0, 2, 1, 3]  # slots twice and not adjacent, base rows
@@ -142,21 +140,7 @@ def run_interpreted(inputs: str, outputs: str) -> None:
 
 def interpret(launches: list[Launch], tmp_path: Path) -> list[torch.Tensor]:
     """Each launch's `out` after its add, run by Triton's interpreter in a subprocess."""
-    inputs, outputs = tmp_path / "launches.pt", tmp_path / "outs.pt"
-    torch.save(launches, inputs)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    tests = HERE.parents[1]  # test_lora imports the shared helpers there (lora_reference)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(tests), env.get("PYTHONPATH", "")])
-    code = "import sys, test_lora_triton as t; t.run_interpreted(sys.argv[1], sys.argv[2])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(inputs), str(outputs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return cast(list[torch.Tensor], torch.load(outputs, weights_only=False))
+    return cast(list[torch.Tensor], triton_interpret.interpret(__file__, launches, tmp_path))
 
 
 OWN_SLOT_SHRINKS = ("dense", "bgmv")

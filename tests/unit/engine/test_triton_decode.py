@@ -8,19 +8,16 @@ so the launches run in a subprocess; the inputs and the reference are made here.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import pytest
 import torch
+import triton_interpret
 
 from engine.attention.flashinfer_backend import select_decode_kernel
 from engine.attention.triton_decode import DecodeTiles, default_splits, reference_decode
-
-HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -56,20 +53,7 @@ def run_interpreted(inputs: str, outputs: str) -> None:
 
 
 def interpret(cases: list[Case], tmp_path: Path) -> list[torch.Tensor]:
-    inputs, outputs = tmp_path / "cases.pt", tmp_path / "outs.pt"
-    torch.save(cases, inputs)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    code = "import sys, test_triton_decode as t; t.run_interpreted(sys.argv[1], sys.argv[2])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(inputs), str(outputs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return cast(list[torch.Tensor], torch.load(outputs, weights_only=False))
+    return cast(list[torch.Tensor], triton_interpret.interpret(__file__, cases, tmp_path))
 
 
 def make_case(
