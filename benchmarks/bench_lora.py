@@ -22,7 +22,7 @@ CPU (`--smoke`): the same on the tiny shape with dummy weights, eager steps (no 
 check that the script runs.
 
     python benchmarks/bench_lora.py [--batch 64] [--adapters 1,4,16]
-        [--kernels torch,triton-dense,triton-bgmv,flashinfer]
+        [--kernels torch,triton-dot,triton-dot-serial,triton-dense,triton-bgmv,flashinfer]
     python benchmarks/bench_lora.py --smoke
 """
 
@@ -149,14 +149,18 @@ def bench_decode(
     kernel: str,
 ) -> dict[str, float]:
     """Decode step times of base and N adapters with one runner (one graph kernel; a
-    "triton-SHRINK" kernel runs triton with that shrink of engine/lora_triton.SHRINKS)."""
+    "triton-SHRINK" kernel runs triton with that shrink of engine/lora_triton.SHRINKS, and
+    "triton-dot-serial" the dot shrink in line after the base GEMM instead of beside it)."""
     device = kv.device
     cuda = device.type == "cuda"
     name, _, shrink = kernel.partition("-")
+    shrink, _, mode = shrink.partition("-")
     if shrink:
+        import engine.lora_apply as lora_apply
         import engine.lora_triton as lora_triton
 
         lora_triton.DEFAULT_SHRINK = shrink  # read at each launch; graphs capture it
+        lora_apply.OVERLAP_SHRINK = mode != "serial"  # read when a step is made
     config = LoraCacheConfig(
         max_loras=len(adapters),
         max_cpu_loras=len(adapters),
@@ -277,7 +281,8 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="",
-        help="graph LoRA kernels: torch,triton-dense,triton-bgmv,flashinfer",
+        help="graph LoRA kernels: torch,triton-dot,triton-dot-serial,triton-dense,triton-bgmv,"
+        "flashinfer",
     )
     parser.add_argument("--iters", type=int, default=0)
     parser.add_argument(
@@ -292,7 +297,7 @@ def main() -> None:
     args.adapters = [int(n) for n in (args.adapters or ("1,2,4" if smoke else "1,4,16")).split(",")]
     args.context = args.context or (64 if smoke else 2048)
     args.iters = args.iters or (5 if smoke else 50)
-    default_kernels = "torch" if smoke else "torch,triton-dense,triton-bgmv,flashinfer"
+    default_kernels = "torch" if smoke else "torch,triton-dot,triton-dot-serial,flashinfer"
     kernels = (args.kernels or default_kernels).split(",")
     t_start = time.perf_counter()
     model_and_device = step("build the model (random weights)", functools.partial(build, smoke))

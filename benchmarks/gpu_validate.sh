@@ -118,7 +118,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     TAILN=${TAILN:-60} step bench_lora 300 python benchmarks/bench_lora.py
     # four slots (a cluster serving four adapters): the dense kernels read every slot
     TAILN=${TAILN:-30} step bench_lora4 200 python benchmarks/bench_lora.py --adapters 1,4 \
-    --kernels torch,triton-dense ;;
+    --kernels triton-dot,triton-dot-serial,torch ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
     step host_tier_copy 90 python benchmarks/bench_host_tier.py copy --blocks 1024 --out /tmp/ht

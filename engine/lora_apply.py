@@ -22,8 +22,10 @@ ways to compute it, all behind `LoraStep.add`:
   any slots. CUDA (or Triton's interpreter on CPU, for tests). Its default path is "dot"
   (engine/lora_dot.py: the dense cuBLAS shrink, then one tensor-core expand per projection
   that reads every slot's B once per tile of tokens and masks the token's other slots in
-  registers), which "auto" picks on CUDA: 1.155x the base step at 4 adapters in 4 slots on
-  the H200 (the per-token BGMV expands: 1.46x).
+  registers), which "auto" picks on CUDA. On CUDA its shrink runs on a side stream beside
+  the base projection (`LoraStep.begin`; a parallel branch in a CUDA graph): 1.065x the base
+  step at 4 adapters in 4 slots on the H200, 1.159x with the shrink in line (the per-token
+  BGMV expands: 1.46x).
 - dense (`graph_step`, kernel "torch"): shapes that do not depend on the slots, for CUDA
   graphs: x times every slot's A at once (one matmul), zeroed outside each token's slot by a
   one-hot mask, then one matmul per part into its output columns (`addmm_`, no copies). It
@@ -58,6 +60,9 @@ from engine.config import LORA_KERNELS
 from engine.lora import FUSED_TARGETS, LoraAdapter, module_shape
 from engine.model_config import ModelConfig
 
+OVERLAP_SHRINK = True
+"""The "dot" kernel's shrink runs on a side stream beside the base projection (`LoraStep.begin`)
+on CUDA; False: in line after it (benchmarks compare the two)."""
 RANK_ALIGN = 16
 """Slots are padded to a multiple of this rank (the segment GEMM's alignment)."""
 SELF_CHECK_TOLERANCE = 2e-2
@@ -124,8 +129,9 @@ def select_lora_kernel(requested: str, device: torch.device, dtype: torch.dtype)
 
     "auto": triton (its "dot" path, engine/lora_dot.py) on CUDA in fp16/bf16 where it imports
     and passes `check_graph_kernel`, else torch. H200, benchmarks/bench_lora.py (Llama-3-8B B=64
-    decode at context 2048, rank 16 on all seven projections, CUDA graphs): dot 1.155x the
-    base step with 4 slots and 1.218x with 16, the dense torch kernel 1.223x / 1.247x; the
+    decode at context 2048, rank 16 on all seven projections, CUDA graphs): dot (its shrink
+    beside the base GEMM) 1.065x the base step with 4 slots and 1.120x with 16, the dense
+    torch kernel 1.223x / 1.247x; the
     per-token (BGMV) triton expands 1.46x; flashinfer's segment GEMM 4.9x."""
     if requested == "auto":
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
@@ -251,6 +257,7 @@ class LoraWeights:
         self.slot_modules: list[frozenset[str]] = [frozenset()] * num_slots
         self.slot_ranks = [0] * num_slots
         self.segment_gemm: Any = None
+        self._side_stream: torch.cuda.Stream | None = None
         if kernel == "flashinfer":
             workspace = torch.empty(_SEGMENT_WORKSPACE_BYTES, dtype=torch.int8, device=device)
             self.segment_gemm = _segment_gemm_class()(workspace)
@@ -259,6 +266,12 @@ class LoraWeights:
         """Graph steps made from now on use the dense torch kernel, whatever kernel the slots
         were made for (the segment kernel's zero row, if any, is a slot no token matches)."""
         self.kernel, self.segment_gemm, self.may_fall_back = "torch", None, False
+
+    def side_stream(self) -> torch.cuda.Stream:
+        """The stream LoRA shrinks overlap the base projections on (made at first use; CUDA)."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
 
     @property
     def nbytes(self) -> int:
@@ -319,6 +332,7 @@ class LoraStep:
         self._indices: torch.Tensor | None = None
         self._indptr: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
+        self._side: torch.cuda.Stream | None = None
         if groups is None:
             assert token_slots is not None
             self._prepare_graph(token_slots)
@@ -329,6 +343,11 @@ class LoraStep:
         if self._kernel == "triton":  # reads the graph's slots as they are (int32)
             ok = slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
             self._slots = slots if ok else slots.int().contiguous()
+            from engine import lora_triton
+
+            dot = lora_triton.DEFAULT_SHRINK == "dot"
+            if dot and OVERLAP_SHRINK and slots.device.type == "cuda":
+                self._side = self.weights.side_stream()
             return
         slots = slots.long()
         if self._kernel == "flashinfer":  # base tokens read the zero row
@@ -338,14 +357,41 @@ class LoraStep:
             ids = torch.arange(self.weights.a["o_proj"].shape[2], device=slots.device)
             self._onehot = (slots[:, None] == ids[None, :]).to(self.weights.dtype)
 
-    def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += the LoRA delta of projection `proj` of `layer` for input x (in place)."""
+    def begin(self, layer: int, proj: str, x: torch.Tensor) -> torch.Tensor | None:
+        """Before the base projection `proj` of x: with the "dot" kernel on CUDA, start its
+        shrink on the side stream (it reads only x and the slots' A, so it runs beside the
+        base GEMM, which leaves SMs idle at decode batch sizes, instead of after it: in a CUDA
+        graph the two become parallel branches) and return its output for `add`; else None
+        (`add` does all the work)."""
+        if self._side is None or proj not in self.projections:
+            return None
+        from engine.lora_dot import shrink_dot
+
+        a = self.weights.a[proj][layer]
+        h = torch.empty((x.shape[0], a[..., 0].numel()), dtype=x.dtype, device=x.device)
+        # h is allocated on the main stream, which waits for the side stream in `add` before
+        # it reads h or frees it: no cross-stream reuse of its memory
+        self._side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self._side):
+            shrink_dot(x, a, h)
+        return h
+
+    def add(
+        self,
+        layer: int,
+        proj: str,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        begun: torch.Tensor | None = None,
+    ) -> None:
+        """out += the LoRA delta of projection `proj` of `layer` for input x (in place);
+        `begun`: what `begin` returned for this projection."""
         if proj not in self.projections:
             return
         if self._groups is not None:
             self._add_grouped(layer, proj, x, out)
         elif self._slots is not None:
-            self._add_triton(layer, proj, x, out)
+            self._add_triton(layer, proj, x, out, begun)
         elif self._onehot is not None:
             self._add_dense(layer, proj, x, out)
         else:
@@ -383,13 +429,28 @@ class LoraStep:
             b = self.weights.b[proj][p][layer].reshape(rows * r, hi - lo)
             out[:, lo:hi].addmm_(shrunk[:, p], b)
 
-    def _add_triton(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _add_triton(
+        self,
+        layer: int,
+        proj: str,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        begun: torch.Tensor | None,
+    ) -> None:
         from engine.lora_triton import add_lora
 
         w = self.weights
         assert self._slots is not None
         b = [part[layer] for part in w.b[proj]]
-        add_lora(x, out, self._slots, w.a[proj][layer], b, w.parts[proj].columns)
+        a = w.a[proj][layer]
+        if begun is None:
+            add_lora(x, out, self._slots, a, b, w.parts[proj].columns)
+            return
+        from engine.lora_dot import expand_dot
+
+        assert self._side is not None
+        torch.cuda.current_stream(x.device).wait_stream(self._side)
+        expand_dot(begun, out, self._slots, a.shape, b, w.parts[proj].columns)
 
     def _add_segment(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         w = self.weights

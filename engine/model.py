@@ -184,9 +184,10 @@ class DecoderLayer(nn.Module):
         lora: LoraStep | None,
     ) -> torch.Tensor:
         """`_linear`, plus the adapters' deltas of `lora` (None: none)."""
+        begun = lora.begin(layer, name, x) if lora is not None else None
         out = self._linear(name, x, weight, bias)
         if lora is not None:
-            lora.add(layer, name, x, out)
+            lora.add(layer, name, x, out, begun)
         return out
 
     def _norm_into(

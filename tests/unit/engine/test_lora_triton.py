@@ -427,8 +427,9 @@ def test_triton_kernel_adds_what_the_grouped_kernel_adds_in_bf16(
     slots = mixed_slots(64, weights.num_slots)
     step = graph_step(weights, torch.from_numpy(slots).cuda())
     for proj, (x, base) in cuda_inputs(weights, len(slots)).items():
+        begun = step.begin(0, proj, x)  # the dot shrink: on the side stream, as the model runs it
         got = base.clone()
-        step.add(0, proj, x, got)
+        step.add(0, proj, x, got, begun)
         assert_adds_like_grouped(got, x, base, weights, slots, proj)
 
 
@@ -443,8 +444,9 @@ def test_triton_kernel_in_a_cuda_graph_follows_slots_changed_in_place(each_shrin
     def body() -> None:
         step = graph_step(weights, slots)
         for proj, (x, base) in inputs.items():
-            outs[proj].copy_(base)
-            step.add(0, proj, x, outs[proj])
+            begun = step.begin(0, proj, x)  # a parallel branch of the graph (dot shrink)
+            outs[proj].copy_(base)  # the base projection's place
+            step.add(0, proj, x, outs[proj], begun)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -465,6 +467,29 @@ def test_triton_kernel_in_a_cuda_graph_follows_slots_changed_in_place(each_shrin
         graph.replay()
         for proj, (x, base) in inputs.items():
             assert_adds_like_grouped(outs[proj], x, base, weights, pattern, proj)
+
+
+@pytest.mark.gpu
+def test_the_dot_shrink_overlaps_on_a_side_stream_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import engine.lora_triton as lora_triton
+
+    monkeypatch.setattr(lora_triton, "DEFAULT_SHRINK", "dot")
+    weights = cuda_weights("llama3-8b", 16)
+    slots = torch.from_numpy(mixed_slots(16, weights.num_slots)).cuda()
+    (x, base) = cuda_inputs(weights, 16)["qkv_proj"]
+    overlapped = graph_step(weights, slots)
+    begun = overlapped.begin(0, "qkv_proj", x)
+    assert begun is not None
+    got = base.clone()
+    overlapped.add(0, "qkv_proj", x, got, begun)
+    monkeypatch.setattr(la, "OVERLAP_SHRINK", False)
+    serial = graph_step(weights, slots)
+    assert serial.begin(0, "qkv_proj", x) is None
+    want = base.clone()
+    serial.add(0, "qkv_proj", x, want)
+    assert torch.equal(got, want)  # the same two kernels, on two streams
 
 
 @pytest.mark.gpu
