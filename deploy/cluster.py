@@ -31,7 +31,7 @@ from deploy.security import (
     resolve_block_hash,
 )
 from deploy.spec import ClusterSpec
-from deploy.workers import capacity_shortfall
+from deploy.workers import NO_TASK_EVENTS, capacity_shortfall
 from engine.block_hash import BLOCK_HASH_ENV
 from router.server import RouterActor
 from worker_runtime.tracing import tracing_env
@@ -133,6 +133,7 @@ class Cluster:
                         num_cpus=0,
                         resources=dict(launch.router_resources),
                         runtime_env=runtime_env,
+                        **NO_TASK_EVENTS,
                     )
                     .remote(
                         cfg.replica_config(i, model_dir, redis_url, self.access.keys, block_hash),

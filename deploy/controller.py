@@ -44,6 +44,7 @@ from deploy.metrics import ControllerMetrics
 from deploy.registry import LISTED_STATES, WANTED_STATES, Registered
 from deploy.spec import ClusterSpec
 from deploy.workers import (
+    NO_TASK_EVENTS,
     ActorPlacement,
     create_worker,
     stop_worker,
@@ -553,6 +554,7 @@ def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
         "max_concurrency": 1000,
         # A controller that dies comes back and adopts the workers and routers (`_adopt`).
         "max_restarts": -1,
+        **NO_TASK_EVENTS,
     }
     if detached:
         opts["lifetime"] = "detached"

@@ -147,6 +147,13 @@ def tp_group_name(worker_id: str) -> str:
     return f"pdserve-tp-{worker_id}"
 
 
+NO_TASK_EVENTS: dict[str, Any] = {"enable_task_events": False}
+"""Options of every pdserve actor: Ray records no task events for their method calls. By
+default each call (every generate stream, health probe and token-channel batch) leaves an
+event in the GCS, which keeps up to 100,000 of them: a 30-minute soak grew Ray's gcs_server by
+~1.4 GB/hour with them (benchmarks/soak.py). Ray Serve turns them off for its replicas too."""
+
+
 def follower_name(worker_id: str, rank: int) -> str:
     """The actor name of TP rank `rank` (> 0) of a worker."""
     return f"pdserve-tp-rank{rank}-{worker_id}"
@@ -176,6 +183,7 @@ def create_worker(
         "num_cpus": placement.num_cpus,
         "resources": dict(placement.resources),
         "max_concurrency": 4096,
+        **NO_TASK_EVENTS,
         **lifetime,
     }
     size = config.engine.tensor_parallel_size
