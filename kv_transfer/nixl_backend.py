@@ -132,7 +132,7 @@ class NixlBackend:
         progress_thread: bool = False,
     ) -> None:
         if cache.device.type == "cuda":  # UCX needs the device's context current on this thread
-            torch.cuda.set_device(cache.device)
+            torch.cuda.set_device(cache.tensor.device)  # indexed, even for a pool on "cuda"
         nixl_agent, nixl_agent_config = import_nixl()
         self.agent_name = agent_name
         self.mode = mode
