@@ -179,6 +179,11 @@ def _read_dataclass(cls: type, value: Any, default: Any, skip: frozenset[str], p
     try:
         return dataclasses.replace(default, **changes) if default is not None else cls(**changes)
     except (ValueError, TypeError) as e:  # the dataclass's own validation
+        # "field: problem" names one field: the error's path goes down to it (so a flag that
+        # set it is what the refusal names)
+        field, sep, problem = str(e).partition(": ")
+        if sep and field in {f.name for f in dataclasses.fields(cls)}:
+            raise ConfigError(_join(path, field), problem) from e
         raise ConfigError(path, str(e)) from e
 
 

@@ -169,7 +169,7 @@ def test_the_controller_and_each_router_get_the_running_clusters_facts() -> None
          "config workers.transfer.descriptor_mode: expected one of prepped, coalesced, "
          "per_block, got 'fast'"),
         ("router: {admission: {tenant_limits: [{tenant: a, tokens_per_s: 1}]}}\n",
-         "config router.admission.tenant_limits[0]: burst_tokens: must be set with tokens_per_s"),
+         "config router.admission.tenant_limits[0].burst_tokens: must be set with tokens_per_s"),
         ("placement: {default: {resources: {gpu-node: many}}}\n",
          "config placement.default.resources.gpu-node: expected a number, got 'many'"),
         ("router: {tenants: abc}\n", "config router.tenants: expected a list, got 'abc'"),
@@ -177,7 +177,7 @@ def test_the_controller_and_each_router_get_the_running_clusters_facts() -> None
         ("prefill: 2\nworkers: {num_prefill: 3}\n",
          "config prefill: given twice, also as workers.num_prefill"),
         ("thresholds: {max_inflight_requests: 0}\n",
-         "config thresholds: max_inflight_requests: must be >= 1, got 0"),
+         "config thresholds.max_inflight_requests: must be >= 1, got 0"),
         ("cluster: {routers: 0}\n", "config cluster.routers: must be >= 1, got 0"),
         ("workers: {num_decode: 0}\n", "config workers.num_decode: must be >= 1, got 0"),
     ],

@@ -88,8 +88,8 @@ def test_config_show_carries_the_tp_flags(tmp_path: Path) -> None:
          "part of a block's KV heads, which is one region per block only in head_major_v1 on "
          "both sides (kv_layout head_major; `pdserve up` picks it when prefill and decode TP "
          "sizes differ)"),
-        (["--kv-layout", "nhd"],  # the engine's own check (as for its other fields)
-         "config workers.engine: kv_layout: one of auto, block_major, head_major, got 'nhd'"),
+        (["--kv-layout", "nhd"],  # the engine's own check, named by the flag that set it
+         "--kv-layout: one of auto, block_major, head_major, got 'nhd'"),
     ],
 )  # fmt: skip
 def test_up_refuses_tp_sizes_or_a_layout_that_cannot_serve_the_model(
