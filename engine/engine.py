@@ -53,7 +53,7 @@ from engine.kv_sizing import decide_num_host_blocks
 from engine.lora_registry import LoraRegistry
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
-from engine.outputs import EngineLoad, LoraInfo, RequestOutput, TransferAllocation
+from engine.outputs import EngineLoad, LoraInfo, LoraNotFound, RequestOutput, TransferAllocation
 from engine.overlap import InflightStep
 from engine.rank_setup import build_rank, serving_max_model_len
 from engine.request import FINISH_REASONS, NO_PRIOR, PriorOutput, Request, RequestStatus
@@ -300,7 +300,7 @@ class LLMEngine:
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             timings=request.timings(),
             kv_handoff=handoff,
-            abort_reason=request.abort_reason,
+            abort_error=request.abort_error,
         )
 
     def _final_output(self, request: Request) -> RequestOutput:
@@ -428,7 +428,7 @@ class LLMEngine:
         reported by the next `step()`."""
         if not self.loras.unregister(name):
             return False
-        reason = f"lora adapter {name!r} was unloaded before it ran"
+        reason = LoraNotFound(f"lora adapter {name!r} was unloaded before it ran")
         for request in self.scheduler.abort_without_slot(name, reason):
             self._ready.append(self._final_output(request))
         return True

@@ -9,14 +9,16 @@ is computed as
 1. shrink (`shrink_dot`): h = x @ A_all^T against every slot's A at once (one cuBLAS
    matmul, [tokens, parts * slots * rank]). It reads only x and A, so the model starts it on
    a side stream before the base projection (`LoraStep.begin`): 1.065x the base step at 4
-   slots on the H200 against 1.155x with it in line. A Triton split-K shrink whose last split reduced the partials
-   (deterministic, no reduce launch) measured slower on the H200 (bench_lora B=64, 4 slots:
-   1.200x the base step against 1.155x with cuBLAS), so cuBLAS it is.
-2. expand (`expand_dot`, `_expand_kernel`): per column block of every part, over a tile of tokens, one
-   tensor-core dot of h (each token's other slots' columns masked to zero in registers) with
-   every slot's B for those columns, added into out in place. B is read once per tile of
-   tokens, not once per token as in a per-token (BGMV) expand, and the mask costs no launch
-   (the dense torch kernel multiplies h by a one-hot mask, then adds part by part).
+   slots on the H200 against 1.155x with it in line. A Triton split-K shrink whose last
+   split reduced the partials (deterministic, no reduce launch) measured slower on the H200
+   (bench_lora B=64, 4 slots: 1.200x the base step against 1.155x with cuBLAS), so cuBLAS
+   it is.
+2. expand (`expand_dot`, `_expand_kernel`): per column block of every part, over a tile of
+   tokens, one tensor-core dot of h (each token's other slots' columns masked to zero in
+   registers) with every slot's B for those columns, added into out in place. B is read
+   once per tile of tokens, not once per token as in a per-token (BGMV) expand, and the
+   mask costs no launch (the dense torch kernel multiplies h by a one-hot mask, then adds
+   part by part).
 
 Like the dense torch kernel it reads every slot's weights each step (max_loras x rank), so
 its cost does not depend on how many adapters the batch uses, and it needs every slot's

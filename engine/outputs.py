@@ -68,13 +68,20 @@ class RequestOutput:
     timings: RequestTimings
     kv_handoff: KVHandoff | None = None
     """Prefill-only: set on the finishing output when the blocks are held for hand-off."""
-    abort_reason: str = ""
+    abort_error: LoraNotFound | LoraLoadError | None = None
     """With finish_reason ABORT: why the engine itself ended the request (its LoRA adapter
-    was unloaded before it ran, or could not be loaded); "" for a caller's abort."""
+    was unloaded before it ran, or could not be loaded); None for a caller's abort. A worker
+    hands it to the request's reader as the request's error (worker_runtime/runtime.py), so
+    the caller gets NOT_FOUND / FAILED_PRECONDITION naming the adapter."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def abort_reason(self) -> str:
+        """`abort_error`'s message ("" when there is none)."""
+        return "" if self.abort_error is None else str(self.abort_error)
 
 
 @dataclass(frozen=True)

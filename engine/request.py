@@ -34,9 +34,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_chain
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # engine.outputs imports this module
+    from engine.outputs import LoraLoadError, LoraNotFound
 
 
 class RequestStatus(enum.Enum):
@@ -147,9 +151,9 @@ class Request:
     lora_slot: int = -1
     """The adapter's device slot while the request holds it (the scheduler acquires it at
     admission and releases it when the request stops computing); -1: none held."""
-    abort_reason: str = ""
+    abort_error: LoraNotFound | LoraLoadError | None = None
     """Why the engine itself aborted the request (its adapter was unloaded before it got a
-    slot, or could not be loaded); "" otherwise."""
+    slot, or could not be loaded); None otherwise."""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -52,7 +52,7 @@ holds the adapter's device slot, so a step never mixes more adapters than there 
   transferred request that has no slot yet sits in `running` unscheduled (not blocking
   others) until an acquire succeeds.
 - An adapter that can never run (unregistered, its read failed) ends its request with
-  FINISHED_ABORTED and an `abort_reason`, reported in `SchedulerOutput.finished`.
+  FINISHED_ABORTED and an `abort_error`, reported in `SchedulerOutput.finished`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, NoFreeBlocksError, cdiv
 from engine.handoffs import Handoffs
+from engine.outputs import LoraLoadError, LoraNotFound
 from engine.request import Request, RequestStatus
 
 
@@ -95,7 +96,7 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     finished: tuple[Request, ...] = ()
     """Requests the scheduler ended itself (FINISHED_LENGTH: more KV than the whole pool;
-    FINISHED_ABORTED: a LoRA adapter that can never run here, with its `abort_reason`)."""
+    FINISHED_ABORTED: a LoRA adapter that can never run here, with its `abort_error`)."""
 
 
 @dataclass(frozen=True)
@@ -348,18 +349,21 @@ class Scheduler:
     def _hold_adapter(self, request: Request, finished: list[Request]) -> bool:
         """Whether the request may compute now: it runs the base model, or holds its adapter's
         slot (acquired here). False while the adapter is not resident yet, and when it can
-        never run here: then the request is ended (ABORTED, with its `abort_reason`) and
+        never run here: then the request is ended (ABORTED, with its `abort_error`) and
         added to `finished`."""
         if not request.lora_name or request.lora_slot >= 0:
             return True
-        slot, reason = None, f"lora adapter {request.lora_name!r}: LoRA is not enabled"
+        slot = None
+        error: LoraNotFound | LoraLoadError | None = LoraNotFound(
+            f"lora adapter {request.lora_name!r}: LoRA is not enabled"
+        )
         if self.adapters is not None:
             try:
-                slot, reason = self.adapters.acquire(request.lora_name), ""
-            except (LookupError, RuntimeError) as e:  # unregistered; its read failed
-                reason = str(e)  # (the cache's errors name the adapter)
-        if reason:
-            request.abort_reason = reason
+                slot, error = self.adapters.acquire(request.lora_name), None
+            except (LoraNotFound, LoraLoadError) as e:  # unregistered; its read failed
+                error = e  # (the cache's errors name the adapter)
+        if error is not None:
+            request.abort_error = error
             self.finish(request, RequestStatus.FINISHED_ABORTED)
             finished.append(request)
             return False
@@ -460,13 +464,13 @@ class Scheduler:
         self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
 
-    def abort_without_slot(self, lora_name: str, reason: str) -> list[Request]:
+    def abort_without_slot(self, lora_name: str, reason: LoraNotFound) -> list[Request]:
         """Abort (with `reason`) the unfinished requests on adapter `lora_name` that hold no
         slot of it (waiting, preempted, transferred and not run yet): it was unregistered,
         so they can never get one. Those holding a slot are left to finish."""
         ended = [r for r in self.requests.values() if r.lora_name == lora_name and r.lora_slot < 0]
         for request in ended:
-            request.abort_reason = reason
+            request.abort_error = reason
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return ended
 

@@ -361,6 +361,8 @@ class WorkerRuntime:
             payload: RequestOutput | BaseException
             if isinstance(item, tuple):
                 rid, payload = item
+            elif item.abort_error is not None:  # the engine ended it (its adapter is gone)
+                rid, payload = item.request_id, item.abort_error
             else:
                 rid, payload = item.request_id, item
             q = self._streams.get(rid)

@@ -285,6 +285,7 @@ def test_unloading_an_adapter_ends_the_requests_waiting_for_it(
     [ended] = outputs["cold"]
     assert ended.finish_reason is FinishReason.ABORT and ended.new_token_ids == ()
     assert ended.abort_reason == "lora adapter 'qv8' was unloaded before it ran"
+    assert isinstance(ended.abort_error, LoraNotFound)  # a worker's reader raises it: NOT_FOUND
     assert tokens_of(outputs["base"]) and outputs["base"][-1].abort_reason == ""
     assert_no_slot_held(engine)
 
@@ -302,6 +303,7 @@ def test_an_adapter_whose_read_fails_ends_its_requests_with_the_reason(
     [ended] = outputs["r"]
     assert ended.finish_reason is FinishReason.ABORT
     assert ended.abort_reason.startswith(f"LoRA adapter 'gone' ({folder}): ")
+    assert isinstance(ended.abort_error, LoraLoadError)
     assert len(tokens_of(outputs["base"])) == 4
     assert [(i.name, i.state) for i in engine.list_loras()] == [("gone", "failed")]
     with pytest.raises(LoraLoadError, match="'gone'"):

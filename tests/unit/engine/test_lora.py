@@ -10,7 +10,10 @@ unregister, failed reads).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +38,7 @@ from engine.lora_cache import (
 from engine.model import DecoderLayer, LlamaModel
 from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
 from engine.weights import load_model
 
 RTOL, ATOL = 1e-5, 1e-4
@@ -601,3 +605,42 @@ def test_graph_decode_with_adapters_equals_eager(tmp_path: Path, kernel: str) ->
     assert float((got - want).norm() / want.norm()) < 2e-2
     base = eager.execute(ScheduledBatch(tuple(replace(c, lora_slot=-1) for c in step.chunks)))
     assert float((want - base).norm() / base.norm()) > 5e-2  # the adapters do matter
+
+
+# ---- a worker's reader gets the engine's own abort as the request's error --------------------
+
+
+def test_a_worker_stream_raises_the_adapter_error_when_the_engine_ends_the_request(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The adapter's read fails after registration: the engine ends the request (ABORT with
+    a LoraLoadError), and the worker hands that error to the request's reader (which raises
+    it to the router: FAILED_PRECONDITION naming the adapter), not an output without tokens.
+    A request on the base model beside it is served."""
+    from worker_runtime.api import WorkerRole
+    from worker_runtime.runtime import WorkerConfig, WorkerRuntime, next_output
+
+    folder = tmp_path / "gone"
+    shutil.copytree(next(iter(adapters.values())), folder)
+    engine = EngineConfig(
+        str(tiny_model_dir), device="cpu", num_kv_blocks=64, cuda_graphs=False,
+        loras=(("gone", str(folder)),),
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def serve() -> None:
+        rt = WorkerRuntime(WorkerConfig("w0", WorkerRole.PREFILL, engine), "w0")
+        await rt.start()
+        try:
+            (folder / WEIGHTS_FILE).unlink()  # after the check at registration
+            lost, base = rt.open_stream("lost"), rt.open_stream("base")
+            await rt.call(lambda e: e.add_request("lost", [5, 6, 7], greedy, lora_name="gone"))
+            await rt.call(lambda e: e.add_request("base", [5, 6, 7], greedy))
+            with pytest.raises(LoraLoadError, match="'gone'"):
+                await next_output(lost, time.time() + 30, "lost")
+            out = await next_output(base, time.time() + 30, "base")
+            assert out.new_token_ids
+        finally:
+            rt.stop()
+
+    asyncio.run(serve())
