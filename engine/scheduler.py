@@ -362,6 +362,8 @@ class Scheduler:
                 slot, error = self.adapters.acquire(request.lora_name), None
             except (LoraNotFound, LoraLoadError) as e:  # unregistered; its read failed
                 error = e  # (the cache's errors name the adapter)
+            except (LookupError, RuntimeError) as e:  # anything else ends this request only
+                error = LoraLoadError(f"lora adapter {request.lora_name!r}: {e}")
         if error is not None:
             request.abort_error = error
             self.finish(request, RequestStatus.FINISHED_ABORTED)

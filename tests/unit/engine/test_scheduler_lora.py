@@ -79,6 +79,18 @@ def test_an_adapter_that_can_never_run_ends_its_request_with_the_reason() -> Non
     assert set(s.requests) == {"r3"} and not s.waiting
 
 
+def test_any_other_acquire_failure_ends_only_its_request_as_a_load_error() -> None:
+    s, slots = lora_scheduler()
+    slots.errors = {"a": RuntimeError("CUDA error: the upload failed")}
+    s.add_request(make_request("r1", lora_name="a"))
+    s.add_request(make_request("r2", first_token=300))
+    out = s.schedule()
+    assert [c.request_id for c in out.batch.chunks] == ["r2"]
+    [ended] = out.finished
+    assert isinstance(ended.abort_error, LoraLoadError)
+    assert str(ended.abort_error) == "lora adapter 'a': CUDA error: the upload failed"
+
+
 def test_a_transfer_holds_its_slot_and_a_cold_one_runs_once_it_gets_one() -> None:
     s, slots = lora_scheduler()
     slots.resident = {"b"}
