@@ -58,7 +58,15 @@ from worker_runtime.api import (
 )
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, within_deadline
-from worker_runtime.tracing import NO_SPAN, Span, SpanKind, open_span, quietly
+from worker_runtime.tracing import (
+    FLUSH_AFTER_S,
+    NO_SPAN,
+    DeferredSpans,
+    Span,
+    SpanKind,
+    open_span,
+    quietly,
+)
 
 log = logging.getLogger(__name__)
 
@@ -319,9 +327,12 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         finished = False
         in_engine = False
         span = NO_SPAN  # the decode span, once the request is in the engine
+        # Deferred (worker_runtime/tracing.py): made in the SDK after the stream's end, so no
+        # span work competes with the first token or the stream (prefill worker: the same).
+        spans = DeferredSpans()
         try:
             if req.handle is None:
-                span = self._decode_span(req)
+                span = self._decode_span(req, spans)
                 in_engine = True
                 await rt.call(
                     lambda e: e.add_request(
@@ -335,11 +346,11 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                     )
                 )
             else:
-                with open_span(KV_PULL_SPAN, req.trace, SpanKind.SERVER) as pulled:
+                with open_span(KV_PULL_SPAN, req.trace, SpanKind.SERVER, deferred=spans) as pulled:
                     got = await self._pull(req, req.handle, pulled)
                 sink.num_transferred_tokens, sink.transfer_s = got
                 in_engine = True  # from here the engine holds the blocks (abort frees them)
-                span = self._decode_span(req)
+                span = self._decode_span(req, spans)
                 self._raise_if_aborted(rid)
                 await rt.call(
                     lambda e: e.add_transferred_request(
@@ -374,11 +385,12 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             rt.requests_done += 1
             if in_engine and not finished:
                 rt.post(lambda e: e.abort_request(rid))
+            spans.flush_later(FLUSH_AFTER_S)
 
-    def _decode_span(self, req: DecodeRequest) -> Span:
+    def _decode_span(self, req: DecodeRequest, spans: DeferredSpans) -> Span:
         """The span of a traced request in this worker's engine (a local prefill's included),
-        until its last token."""
-        span = open_span(DECODE_SPAN, req.trace, SpanKind.SERVER)
+        until its last token (deferred into `spans`)."""
+        span = open_span(DECODE_SPAN, req.trace, SpanKind.SERVER, deferred=spans)
         if span.recording:
             span.set("pdserve.request_id", req.request_id)
             span.set("pdserve.worker_id", self.runtime.config.worker_id)

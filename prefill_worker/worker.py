@@ -40,15 +40,20 @@ from worker_runtime.api import (
 )
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, next_output
-from worker_runtime.tracing import DeferredSpans, Span, SpanKind, open_span, quietly
+from worker_runtime.tracing import (
+    FLUSH_AFTER_S,
+    DeferredSpans,
+    Span,
+    SpanKind,
+    open_span,
+    quietly,
+)
 
 log = logging.getLogger(__name__)
 
 _EWMA = 0.2
 PREFILL_SPAN = "pdserve.prefill_worker.prefill"
 """This worker's span of a traced `prefill` call (router/tracing.py draws the tree)."""
-SPAN_AFTER_REPLY_S = 0.005
-"""How long after a traced `prefill` returns its span is made (Ray sends the reply first)."""
 
 
 class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
@@ -99,7 +104,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
                     quietly(_traced, span, result)
                 return result
         finally:
-            spans.flush_later(SPAN_AFTER_REPLY_S)
+            spans.flush_later(FLUSH_AFTER_S)
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         self.admit()

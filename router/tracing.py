@@ -32,6 +32,7 @@ from router.placement import Placement
 from router.progress import RequestProgress, RequestRecord
 from router.validation import ValidRequest
 from worker_runtime.tracing import (
+    FLUSH_AFTER_S,
     NO_SPAN,
     DeferredSpans,
     Span,
@@ -51,10 +52,6 @@ DECODE = "pdserve.decode"
 KV_HANDOFF = "pdserve.kv_handoff"
 LOCAL_PREFILL = "pdserve.local_prefill"
 DECODE_STREAM = "pdserve.decode_stream"
-
-FLUSH_AFTER_S = 0.005
-"""How long after a request finishes its spans are made in the SDK (benchmarks/bench_tracing.py:
-made at once, they were on the stream's end-to-end time)."""
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"

@@ -355,6 +355,12 @@ def _parent_of(parent: Span | TraceContext) -> _Parent | None:
     return None
 
 
+FLUSH_AFTER_S = 0.005
+"""How long after a traced call replies (or a stream ends) its deferred spans are made in the
+SDK, so the reply goes out first (benchmarks/bench_tracing.py: made at once, they were on the
+request's latency)."""
+
+
 class DeferredSpans:
     """The deferred spans of one request (or one worker call), made in the SDK by `flush`."""
 
