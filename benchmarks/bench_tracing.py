@@ -25,6 +25,10 @@ by +0.85 ms p50 on this 2-core machine, more than tracing costs.
 
     python benchmarks/bench_tracing.py [--rounds 400] [--prompt-tokens 64] [--max-tokens 4]
     python benchmarks/bench_tracing.py --aa      # paused for both: the method's own spread
+    python benchmarks/bench_tracing.py --workers-untraced  # the router's part alone
+
+`--workers-untraced` pauses the workers' tracing for the whole run (the router still sends the
+context, which they then ignore): "on" then costs only what the router adds.
 """
 
 from __future__ import annotations
@@ -91,6 +95,22 @@ async def run_rounds(
     return samples
 
 
+def _pause_here() -> bool:
+    from worker_runtime.tracing import pause_tracing
+
+    return pause_tracing(True)
+
+
+def pause_workers_tracing(cluster: Any) -> None:
+    """Pause tracing in every worker actor of the cluster (it opens no span for any request)."""
+    import ray
+
+    workers = ray.get(cluster.controller.list_workers.remote(), timeout=30)
+    assert workers
+    for _info, actor in workers:
+        assert ray.get(actor.__ray_call__.remote(lambda _self: _pause_here()), timeout=30) is False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=400, help="measured rounds (one per router)")
@@ -106,6 +126,10 @@ def main() -> None:
     ap.add_argument(
         "--aa", action="store_true", help="an A/A run: tracing paused for both variants (the "
         "method's own spread)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--workers-untraced", action="store_true", help="the workers' tracing paused for the "
+        "whole run: what the router alone adds",
     )  # fmt: skip
     args = ap.parse_args()
 
@@ -123,6 +147,8 @@ def main() -> None:
         ep = cluster.endpoint
         assert ep is not None
         router = cluster.routers[0]
+        if args.workers_untraced:
+            pause_workers_tracing(cluster)
 
         async def run() -> dict[str, list[tuple[float, float]]]:
             client = Client("router", ep.target)
