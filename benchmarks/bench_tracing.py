@@ -13,7 +13,7 @@ context, so the workers open none either: the two requests differ by exactly wha
 adds (7 spans on the router, 3 on the workers, the context in two Ray calls). TTFT is
 measured here from the send to the first message with tokens. After each request the client
 waits `--gap-ms` (20): a traced request's spans are made in the SDK 5 ms after it ends, on the
-router and the prefill worker (~0.1 ms of CPU on the router, measured in-process), which is
+router and both workers (~0.1 ms of CPU on the router, measured in-process), which is
 tracing's cost in throughput, not in the traced request's TTFT; without the gap it would fall
 on whichever request came next.
 
@@ -113,14 +113,16 @@ def pause_workers_tracing(cluster: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=400, help="measured rounds (one per router)")
+    ap.add_argument(
+        "--rounds", type=int, default=400, help="measured rounds (each: one request a variant)"
+    )
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--gap-ms", type=float, default=20.0, help="pause after each request: a traced "
-        "request's spans are made in the SDK 5 ms after it ends (router and prefill worker), "
+        "request's spans are made in the SDK 5 ms after it ends (router and workers), "
         "so without a gap that work lands on the next request, whichever variant it is",
     )  # fmt: skip
     ap.add_argument(

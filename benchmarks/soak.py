@@ -205,7 +205,7 @@ def slope_stderr_mb_per_h(times: list[float], values: list[float]) -> float:
         return float("nan")
     mt, mv = sum(times) / n, sum(values) / n
     den = sum((t - mt) ** 2 for t in times) or 1.0
-    b = sum((t - mt) * (v - mv) for t, v in zip(times, values, strict=True)) / den
+    b = slope_mb_per_h(times, values) / 3600
     resid = sum((v - mv - b * (t - mt)) ** 2 for t, v in zip(times, values, strict=True))
     return (resid / (n - 2) / den) ** 0.5 * 3600
 

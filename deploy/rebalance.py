@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import ray
@@ -91,6 +92,11 @@ async def inflight(ctl: Controller, w: Registered) -> int:
     return int(load.inflight_requests + load.leases_held)
 
 
+def num_wanted(workers: Iterable[Registered], role: WorkerRole) -> int:
+    """How many of `workers` count towards `role`'s size (starting or ready)."""
+    return sum(1 for w in workers if w.role is role and w.state in WANTED_STATES)
+
+
 def youngest_ready(ctl: Controller, role: WorkerRole, keep: int) -> list[Registered]:
     """The ready workers of `role` beyond the first `keep`, youngest first (least prefix
     cache to lose; ids sort as strings, "prefill-10" < "prefill-9", so by creation)."""
@@ -107,7 +113,7 @@ def refuse_unplaceable(
     staying = [w for w in ctl.workers.values() if w.worker_id not in leaving]
     starting = []
     for role, n in targets.items():
-        have = sum(1 for w in staying if w.role is role and w.state in WANTED_STATES)
+        have = num_wanted(staying, role)
         starting += [(role.value, ctl.spec.worker_asks(role))] * max(n - have, 0)
     why = rebalance_shortfall(
         [(w.role.value, w.placement) for w in staying], starting, ray.cluster_resources()
@@ -152,9 +158,7 @@ async def rebalance(
                 stopped.append(w.worker_id)
         new: list[Registered] = []
         for role, n in targets.items():
-            have = sum(
-                1 for w in ctl.workers.values() if w.role is role and w.state in WANTED_STATES
-            )
+            have = num_wanted(ctl.workers.values(), role)
             new += [ctl._create_worker(role) for _ in range(max(n - have, 0))]
         if ctl.planner is not None:  # room for the new workers on an autoscaling cluster
             ctl.planner.actuator.sync_resources()
