@@ -30,10 +30,10 @@ import asyncio
 import enum
 import logging
 import os
-import random
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from random import getrandbits
+from time import time_ns
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class Span:
     method does nothing. `end` (or leaving a `with` block) ends it once; an error ends it
     with an error status naming the exception."""
 
+    __slots__ = ()
     recording = False
 
     def set(self, key: str, value: AttributeValue) -> None:
@@ -324,35 +325,18 @@ class _Ids:
         return True
 
 
-@dataclass(frozen=True)
-class _Parent:
-    """Where a deferred span hangs: its trace, its parent's span id (0: it starts the
-    trace), the trace flags."""
-
-    trace_id: int
-    span_id: int
-    flags: int
-    state: str = ""
-
-
-def _parent_of(parent: Span | TraceContext) -> _Parent | None:
-    if isinstance(parent, _Deferred):
-        return _Parent(parent.parent.trace_id, parent.span_id, parent.parent.flags)
-    if isinstance(parent, _Recording):
-        ctx = parent.span.get_span_context()
-        return _Parent(ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
-    if isinstance(parent, TraceContext):
-        parts = parent.traceparent.strip().split("-")
-        if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
-            return None
-        try:
-            trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
-        except ValueError:
-            return None
-        if not trace_id or not span_id:
-            return None
-        return _Parent(trace_id, span_id, flags, parent.tracestate)
-    return None
+def _remote_parent(context: TraceContext) -> tuple[int, int, int] | None:
+    """(trace id, span id, flags) of a valid `traceparent`, else None."""
+    parts = context.traceparent.strip().split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, flags
 
 
 FLUSH_AFTER_S = 0.005
@@ -412,49 +396,72 @@ def open_request_span(
     except Exception as e:
         log.warning("span %s not opened: %s", name, e)
         return NO_SPAN
-    span = _Deferred(name, _Parent(trace_id, 0, 1), kind, sink)
-    sink.spans.append(span)
-    return span
+    return _Deferred(name, kind, sink, trace_id, 0, 1, "")
 
 
 def _deferred_span(
     name: str, parent: Span | TraceContext, kind: SpanKind, sink: DeferredSpans
 ) -> Span:
-    where = _parent_of(parent)
-    if where is None or not where.flags & 1:  # no valid context, or not sampled upstream
+    if isinstance(parent, _Deferred):
+        return _Deferred(
+            name, kind, sink, parent.trace_id, parent.span_id, parent.flags, parent.state
+        )
+    where: tuple[int, int, int] | None
+    if isinstance(parent, _Recording):
+        ctx = parent.span.get_span_context()
+        where = (ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
+        state = ctx.trace_state.to_header() if ctx.trace_state else ""
+    elif isinstance(parent, TraceContext):
+        where, state = _remote_parent(parent), parent.tracestate
+    else:
         return NO_SPAN
-    span = _Deferred(name, where, kind, sink)
-    sink.spans.append(span)
-    return span
+    if where is None or not where[2] & 1:  # no valid context, or not sampled upstream
+        return NO_SPAN
+    return _Deferred(name, kind, sink, *where, state)
 
 
 class _Deferred(Span):
-    """A span recorded in plain values (see `open_span`'s `deferred`)."""
+    """A span recorded in plain values (see `open_span`'s `deferred`); it joins its sink's
+    list as it opens. Opening one is on a request's latency path: a few attribute stores
+    (benchmarks/bench_tracing.py)."""
 
+    __slots__ = (
+        "attributes", "end_ns", "error", "flags", "kind", "name", "parent_id", "sink", "span_id",
+        "start_ns", "state", "trace_id",
+    )  # fmt: skip
     recording = True
 
-    def __init__(self, name: str, parent: _Parent, kind: SpanKind, sink: DeferredSpans) -> None:
+    def __init__(
+        self, name: str, kind: SpanKind, sink: DeferredSpans,
+        trace_id: int, parent_id: int, flags: int, state: str,
+    ) -> None:  # fmt: skip
         self.name = name
-        self.parent = parent
         self.kind = kind
         self.sink = sink
-        self.span_id = random.getrandbits(64) or 1
-        self.start_ns = time.time_ns()
+        self.trace_id = trace_id
+        self.parent_id = parent_id
+        """0: this span starts the trace."""
+        self.flags = flags
+        self.state = state
+        self.span_id = getrandbits(64) or 1
+        self.start_ns = time_ns()
         self.end_ns = 0
         self.attributes: dict[str, AttributeValue] = {}
         self.error = ""
+        sink.spans.append(self)
 
     def set(self, key: str, value: AttributeValue) -> None:
         self.attributes[key] = value
 
     def carrier(self) -> TraceContext | None:
-        p = self.parent
-        return TraceContext(f"00-{p.trace_id:032x}-{self.span_id:016x}-{p.flags:02x}", p.state)
+        return TraceContext(
+            f"00-{self.trace_id:032x}-{self.span_id:016x}-{self.flags:02x}", self.state
+        )
 
     def end(self, error: BaseException | None = None) -> None:
         if self.end_ns:
             return
-        self.end_ns = time.time_ns()
+        self.end_ns = time_ns()
         if error is not None:
             what = "cancelled" if _is_cancel(error) else f"{type(error).__name__}: {error}"
             self.error, self.attributes["pdserve.error"] = what, type(error).__name__
@@ -462,20 +469,20 @@ class _Deferred(Span):
     def make(self, t: _Tracing) -> None:
         from opentelemetry import trace
 
-        p = self.parent
         context = None  # a trace's first span: its trace id is the one chosen up front
-        if p.span_id:
+        if self.parent_id:
             context = trace.set_span_in_context(
                 trace.NonRecordingSpan(
                     trace.SpanContext(
-                        p.trace_id, p.span_id, is_remote=True,
-                        trace_flags=trace.TraceFlags(p.flags),
-                        trace_state=trace.TraceState.from_header([p.state]) if p.state else None,
+                        self.trace_id, self.parent_id, is_remote=True,
+                        trace_flags=trace.TraceFlags(self.flags),
+                        trace_state=trace.TraceState.from_header([self.state])
+                        if self.state else None,
                     )
                 )
             )  # fmt: skip
         else:
-            t.ids.forced_trace = p.trace_id
+            t.ids.forced_trace = self.trace_id
         t.ids.forced = self.span_id
         try:
             span = t.tracer.start_span(
@@ -486,7 +493,7 @@ class _Deferred(Span):
             t.ids.forced = t.ids.forced_trace = None
         if self.error:
             span.set_status(trace.Status(trace.StatusCode.ERROR, self.error))
-        span.end(end_time=self.end_ns or time.time_ns())
+        span.end(end_time=self.end_ns or time_ns())
 
 
 def quietly(fn: Callable[..., None], *args: object) -> None:

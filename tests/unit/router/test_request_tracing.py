@@ -157,6 +157,8 @@ def test_a_deferred_span_is_made_at_flush_with_the_span_id_its_carrier_named(
     span.set("pdserve.request_id", "r1")
     carrier = span.carrier()
     assert carrier is not None and carrier.tracestate == "a=1"
+    inner = child.carrier()  # the caller's tracestate travels on through the children
+    assert inner is not None and inner.tracestate == "a=1"
     _, trace_id, span_id, flags = carrier.traceparent.split("-")
     assert trace_id == CALLER.split("-")[1] and flags == "01"
     child.end()
