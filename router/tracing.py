@@ -132,7 +132,7 @@ def grpc_caller_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> T
             parent = value if isinstance(value, str) else value.decode(errors="replace")
         elif key == TRACESTATE:
             state = value if isinstance(value, str) else value.decode(errors="replace")
-    return TraceContext(parent, state) if parent else None
+    return (parent, state) if parent else None
 
 
 def http_caller_context(headers: Mapping[str, str]) -> TraceContext | None:
@@ -140,7 +140,7 @@ def http_caller_context(headers: Mapping[str, str]) -> TraceContext | None:
     if not tracing_enabled():
         return None
     parent = headers.get(TRACEPARENT)
-    return TraceContext(parent, headers.get(TRACESTATE, "")) if parent else None
+    return (parent, headers.get(TRACESTATE, "")) if parent else None
 
 
 # ---- what the stage spans say -----------------------------------------------------------------

@@ -52,13 +52,13 @@ MEMORY_EXPORTER = "pdserve_memory"
 AttributeValue = str | int | float | bool
 
 
-@dataclass(frozen=True)
-class TraceContext:
-    """A span's W3C trace context (https://www.w3.org/TR/trace-context/) as it travels with a
-    request to another process: the `traceparent` and `tracestate` header values."""
+TraceContext = tuple[str, str]
+"""A span's W3C trace context (https://www.w3.org/TR/trace-context/) as it travels with a
+request to another process: the `traceparent` and `tracestate` header values ("": none).
 
-    traceparent: str
-    tracestate: str = ""
+A plain tuple, not a class: Ray pickles builtins natively, where a frozen dataclass of these
+two strings cost 10-20 µs more per Ray call (a request makes two traced calls;
+benchmarks/bench_ray_payload.py)."""
 
 
 class SpanKind(enum.Enum):
@@ -250,10 +250,10 @@ def open_span(
     try:
         if isinstance(parent, _Recording):
             context = t.in_context(parent.span)
-        elif isinstance(parent, TraceContext):
-            headers = {"traceparent": parent.traceparent}
-            if parent.tracestate:
-                headers["tracestate"] = parent.tracestate
+        elif isinstance(parent, tuple):
+            headers = {"traceparent": parent[0]}
+            if parent[1]:
+                headers["tracestate"] = parent[1]
             context = t.propagator.extract(headers)
         else:
             context = None
@@ -284,7 +284,7 @@ class _Recording(Span):
             log.warning("no trace context for a worker call: %s", e)
         if "traceparent" not in headers:
             return None
-        return TraceContext(headers["traceparent"], headers.get("tracestate", ""))
+        return headers["traceparent"], headers.get("tracestate", "")
 
     def end(self, error: BaseException | None = None) -> None:
         if self._ended:
@@ -325,9 +325,9 @@ class _Ids:
         return True
 
 
-def _remote_parent(context: TraceContext) -> tuple[int, int, int] | None:
+def _remote_parent(traceparent: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) of a valid `traceparent`, else None."""
-    parts = context.traceparent.strip().split("-")
+    parts = traceparent.strip().split("-")
     if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
         return None
     try:
@@ -411,8 +411,8 @@ def _deferred_span(
         ctx = parent.span.get_span_context()
         where = (ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
         state = ctx.trace_state.to_header() if ctx.trace_state else ""
-    elif isinstance(parent, TraceContext):
-        where, state = _remote_parent(parent), parent.tracestate
+    elif isinstance(parent, tuple):
+        where, state = _remote_parent(parent[0]), parent[1]
     else:
         return NO_SPAN
     if where is None or not where[2] & 1:  # no valid context, or not sampled upstream
@@ -454,9 +454,7 @@ class _Deferred(Span):
         self.attributes[key] = value
 
     def carrier(self) -> TraceContext | None:
-        return TraceContext(
-            f"00-{self.trace_id:032x}-{self.span_id:016x}-{self.flags:02x}", self.state
-        )
+        return f"00-{self.trace_id:032x}-{self.span_id:016x}-{self.flags:02x}", self.state
 
     def end(self, error: BaseException | None = None) -> None:
         if self.end_ns:
