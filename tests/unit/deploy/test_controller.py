@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deploy.controller import Controller
-from deploy.registry import Registered as _Worker
+from deploy.registry import Registered
 from deploy.spec import ClusterSpec, WorkerPlacement
 from deploy.workers import ActorPlacement
 from engine.config import EngineConfig
@@ -72,7 +72,7 @@ def controller(*workers: tuple[str, WorkerRole, int]) -> Controller:
     c = Controller(ClusterSpec(engine=EngineConfig(model_dir="unused")))
     for i, (worker_id, role, inflight) in enumerate(workers):
         placement = PREFILL if role is WorkerRole.PREFILL else DECODE
-        w = _Worker(None, role, worker_id, FakeHandle(worker_id, role, inflight), placement)
+        w = Registered(None, role, worker_id, FakeHandle(worker_id, role, inflight), placement)
         w.state, w.started_at, w.ready_at = WorkerState.READY, float(i), 1000.0 + i
         c.workers[worker_id] = w
     return c
