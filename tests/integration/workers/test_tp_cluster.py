@@ -8,7 +8,10 @@ on the session's Ray with the real controller, router, Redis and NIXL (the tiny 
 - killing its follower rank takes the whole worker out of placement: requests in flight end
   cleanly (served, or a clean status), the controller replaces it (both ranks, a new
   placement group; the old one removed), no block stays held, and the cluster serves again;
-- a rebalance starts and drains a TP worker as one worker (its ranks go with it);
+- a controller that dies and comes back adopts the TP worker with its follower rank and
+  placement group (none started again), and it goes on serving;
+- a rebalance starts and drains a TP worker as one worker (its ranks go with it), through
+  that restarted controller;
 - stopping the cluster leaves no rank actor or placement group behind.
 """
 
@@ -199,6 +202,37 @@ def assert_only_live_ranks(c: TPCluster) -> None:
     live = [w for w, (info, _) in workers(c).items() if info.tp_size > 1]
     want = {follower_name(w, 1) for w in live} | {tp_group_name(w) for w in live}
     wait(lambda: rank_actors() == want, f"only {sorted(want)} on Ray ({sorted(rank_actors())})", 30)
+
+
+def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
+    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy: Reference
+) -> None:
+    controller = tp_cluster.cluster.controller
+    before = workers(tp_cluster)
+    tp_id = prefill_id(tp_cluster)
+    ranks = rank_actors()
+    assert {follower_name(tp_id, 1), tp_group_name(tp_id)} <= ranks
+    ray.kill(controller, no_restart=False)  # dies; Ray makes it again from the same spec
+
+    def restarted() -> bool:
+        try:
+            events = ray.get(controller.recent_events.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        return any("controller restarted" in e for e in events)
+
+    wait(restarted, "the controller back", 120)
+    after = workers(tp_cluster)
+    assert sorted(after) == sorted(before)  # adopted: none started again, none orphaned
+    assert after[tp_id][0].tp_size == 2
+    assert rank_actors() == ranks  # the follower rank and the group stay the worker's
+    assert ray.get(ray.get_actor(follower_name(tp_id, 1)).ping.remote(), timeout=30) == "serving"
+    status = tp_cluster.admin.Status(pb.StatusRequest(), timeout=30)
+    by_role = {w.role: w for w in status.workers}
+    assert (by_role["prefill"].worker_id, by_role["prefill"].tp_size) == (tp_id, 2)
+    for prompt in corpus_prompts[17:20]:
+        assert generate(tp_cluster, prompt) == hf_greedy(prompt, MAX_TOKENS)
+    # the tests after this one rebalance and stop the cluster through the restarted controller
 
 
 def test_rebalance_starts_and_drains_a_tp_worker_as_one_worker(tp_cluster: TPCluster) -> None:
