@@ -224,6 +224,8 @@ def stop_worker(worker_id: str, handle: Any) -> None:
         group = get_placement_group(tp_group_name(worker_id))
     except ValueError:  # no such group: a worker of one rank, or removed already
         return
+    except ray.exceptions.RaySystemError:  # no Ray here (any more): nothing of it is left
+        return
     with contextlib.suppress(Exception):
         remove_placement_group(group)
 

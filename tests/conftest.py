@@ -18,6 +18,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No Ray of its own behind a test's back: a unit test whose code path touches a Ray API (a
+# fake call cancelled with `ray.cancel`) would otherwise start a default local Ray, slow and
+# not on loopback, and the session's `ray_cluster` could not start after it.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 
 def _has_cuda() -> bool:
