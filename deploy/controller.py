@@ -95,8 +95,9 @@ class Controller:
         self._planner_task: asyncio.Task[None] | None = None
         self._prefix_index: PrefixIndex | None = None
         decode_role = WorkerRole.COLOCATED if spec.colocated else WorkerRole.DECODE
-        roles = (WorkerRole.PREFILL.value, decode_role.value)
-        self.metrics = ControllerMetrics(lambda: list(self.workers.values()), roles)
+        self._roles = (WorkerRole.PREFILL.value, decode_role.value)
+        """The roles of this controller's workers (ids are `<role>-<n>`)."""
+        self.metrics = ControllerMetrics(lambda: list(self.workers.values()), self._roles)
         if ray.is_initialized():  # an actor (not a unit test's bare instance)
             self.metrics.serve(ray.util.get_node_ip_address())
         _log_to_stderr()
@@ -134,13 +135,16 @@ class Controller:
         """After a restart (the actor died and Ray made it again from the same spec): take
         back the workers and routers that outlived it (workers are detached actors), so none
         is orphaned, and check them again. A worker that cannot say who it is (it was still
-        starting) is killed and replaced."""
+        starting) is killed and replaced. Only ids as this controller gives them out
+        (`<role>-<n>`, its roles) are its own: a worker actor some other code started in the
+        namespace is left alone (adopted, the cluster's stop would kill it)."""
         # Workers are named in the job's namespace (the controller's creator's), routers in
         # the cluster's (deploy.cluster.NAMESPACE, which names this actor too).
         namespace = ray.get_runtime_context().namespace
         named = [(a["name"], a.get("namespace")) for a in ray.util.list_named_actors(True)]
         highest = -1
         lost: list[WorkerRole] = []
+        foreign: list[str] = []
         for name, ns in sorted(named):
             if name.startswith("pdserve-router-") and ns in (namespace, ROUTER_NAMESPACE):
                 self.routers.append(ray.get_actor(name, namespace=ns))
@@ -149,7 +153,10 @@ class Controller:
                 continue
             worker_id = name[len(ACTOR_NAME_PREFIX) :]
             role_name, _, number = worker_id.rpartition("-")
-            highest = max(highest, int(number)) if number.isdigit() else highest
+            if role_name not in self._roles or not number.isdigit():
+                foreign.append(worker_id)  # a worker some other code named: not ours to stop
+                continue
+            highest = max(highest, int(number))
             handle = ray.get_actor(name, namespace=namespace)
             try:
                 info = cast(WorkerInfo, ray.get(handle.info.remote(), timeout=ADOPT_TIMEOUT_S))
@@ -171,7 +178,9 @@ class Controller:
         self._log(
             f"controller restarted: adopted {len(self.workers)} workers "
             f"({', '.join(sorted(self.workers)) or 'none'}) and {len(self.routers)} routers"
-        )
+            + (f"; left alone: {', '.join(foreign)} (not named as this controller names)"
+               if foreign else "")
+        )  # fmt: skip
 
     async def shutdown(self) -> None:
         """Stop the loops and every worker; release the autoscaler request."""

@@ -9,7 +9,8 @@ on the session's Ray with the real controller, router, Redis and NIXL (the tiny 
   cleanly (served, or a clean status), the controller replaces it (both ranks, a new
   placement group; the old one removed), no block stays held, and the cluster serves again;
 - a controller that dies and comes back adopts the TP worker with its follower rank and
-  placement group (none started again), and it goes on serving;
+  placement group (none started again), and it goes on serving; a worker-named actor that
+  is not the cluster's is left alone;
 - a rebalance starts and drains a TP worker as one worker (its ranks go with it), through
   that restarted controller;
 - stopping the cluster leaves no rank actor or placement group behind.
@@ -34,7 +35,7 @@ from cpu_engine import cpu_engine
 from deploy.workers import follower_name, tp_group_name
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from worker_runtime.api import WorkerRole
+from worker_runtime.api import ACTOR_NAME_PREFIX, WorkerRole
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -204,6 +205,12 @@ def assert_only_live_ranks(c: TPCluster) -> None:
     wait(lambda: rank_actors() == want, f"only {sorted(want)} on Ray ({sorted(rank_actors())})", 30)
 
 
+@ray.remote(num_cpus=0)
+class Bystander:
+    def ping(self) -> str:
+        return "here"
+
+
 def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy: Reference
 ) -> None:
@@ -212,6 +219,8 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     tp_id = prefill_id(tp_cluster)
     ranks = rank_actors()
     assert {follower_name(tp_id, 1), tp_group_name(tp_id)} <= ranks
+    # a worker-named actor that some other code started in the namespace: not the cluster's
+    bystander = Bystander.options(name=f"{ACTOR_NAME_PREFIX}bystander").remote()  # type: ignore[attr-defined]
     ray.kill(controller, no_restart=False)  # dies; Ray makes it again from the same spec
 
     def restarted() -> bool:
@@ -224,6 +233,10 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     wait(restarted, "the controller back", 120)
     after = workers(tp_cluster)
     assert sorted(after) == sorted(before)  # adopted: none started again, none orphaned
+    events = ray.get(controller.recent_events.remote(), timeout=10)
+    assert any("left alone: bystander" in e for e in events), events
+    assert ray.get(bystander.ping.remote(), timeout=30) == "here"
+    ray.kill(bystander)
     assert after[tp_id][0].tp_size == 2
     assert rank_actors() == ranks  # the follower rank and the group stay the worker's
     assert ray.get(ray.get_actor(follower_name(tp_id, 1)).ping.remote(), timeout=30) == "serving"
