@@ -106,9 +106,6 @@ class _Tracing:
     exporters: list[SpanExporter]
     role: str
     kinds: dict[SpanKind, Any]
-    propagator: Any
-    in_context: Any
-    """opentelemetry.trace.set_span_in_context"""
     ids: Any
     """The provider's `_Ids` (a deferred span is made with the span id it chose up front)."""
 
@@ -169,7 +166,6 @@ def _build(role: str, names: list[str]) -> _Tracing:
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     exporters: list[SpanExporter] = []
     for name in names:
@@ -195,7 +191,7 @@ def _build(role: str, names: list[str]) -> _Tracing:
     }
     return _Tracing(
         provider.get_tracer("pdserve"), provider, exporters, role, kinds,
-        TraceContextTextMapPropagator(), trace.set_span_in_context, ids,
+        ids,
     )  # fmt: skip
 
 
@@ -229,77 +225,24 @@ def open_span(
     name: str,
     parent: Span | TraceContext | None,
     kind: SpanKind = SpanKind.INTERNAL,
-    new_trace: bool = False,
     deferred: DeferredSpans | None = None,
 ) -> Span:
-    """A span, child of `parent` (an open span of this process, or a context another process
-    sent). Without a parent it starts a trace only with `new_trace` (a router's request
-    span); else, and whenever tracing is off, it is `NO_SPAN`.
+    """A span, child of `parent`: an open span of this process (the span goes into that
+    span's sink), or a context another process sent (it goes into `deferred`). `NO_SPAN`
+    when tracing is off, without a parent, or when the context is invalid or not sampled.
 
-    `deferred` (a span on a request's latency path): the span only records its times and
-    attributes in plain values and is made in the SDK when `deferred.flush()` runs, off that
-    path (the span id it will have is chosen now, so `carrier()` works at once). A child of a
-    deferred span is deferred with it."""
-    t = _active
-    if t is None or (parent is None and not new_trace) or parent is NO_SPAN:
+    Every span is on some request's latency path, so it only records its times and
+    attributes in plain values; it is made in the SDK when its sink's `flush()` runs, off
+    that path (the span id it will have is chosen now, so `carrier()` works at once)."""
+    if _active is None or parent is None or parent is NO_SPAN:
         return NO_SPAN
     if isinstance(parent, _Deferred):
-        deferred = parent.sink
-    if deferred is not None and parent is not None:
-        return _deferred_span(name, parent, kind, deferred)
-    try:
-        if isinstance(parent, _Recording):
-            context = t.in_context(parent.span)
-        elif isinstance(parent, tuple):
-            headers = {"traceparent": parent[0]}
-            if parent[1]:
-                headers["tracestate"] = parent[1]
-            context = t.propagator.extract(headers)
-        else:
-            context = None
-        return _Recording(t, t.tracer.start_span(name, context, t.kinds[kind]))
-    except Exception as e:
-        log.warning("span %s not opened: %s", name, e)
-        return NO_SPAN
-
-
-class _Recording(Span):
-    """A span of the SDK's (recording unless the sampler said no: its context still goes on,
-    so a caller's "not sampled" reaches the workers)."""
-
-    def __init__(self, tracing: _Tracing, span: Any) -> None:
-        self.tracing = tracing
-        self.span = span
-        self.recording = bool(span.is_recording())
-        self._ended = False
-
-    def set(self, key: str, value: AttributeValue) -> None:
-        self.span.set_attribute(key, value)
-
-    def carrier(self) -> TraceContext | None:
-        headers: dict[str, str] = {}
-        try:
-            self.tracing.propagator.inject(headers, self.tracing.in_context(self.span))
-        except Exception as e:
-            log.warning("no trace context for a worker call: %s", e)
-        if "traceparent" not in headers:
-            return None
-        return headers["traceparent"], headers.get("tracestate", "")
-
-    def end(self, error: BaseException | None = None) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        try:
-            if error is not None:
-                from opentelemetry.trace import Status, StatusCode
-
-                what = "cancelled" if _is_cancel(error) else f"{type(error).__name__}: {error}"
-                self.span.set_status(Status(StatusCode.ERROR, what))
-                self.span.set_attribute("pdserve.error", type(error).__name__)
-            self.span.end()
-        except Exception as e:
-            log.warning("span not ended: %s", e)
+        return _Deferred(
+            name, kind, parent.sink, parent.trace_id, parent.span_id, parent.flags, parent.state
+        )
+    if not isinstance(parent, tuple) or deferred is None:
+        raise TypeError(f"span {name}: a parent span, or a trace context and `deferred`")
+    return _remote_child(name, parent, kind, deferred)
 
 
 class _Ids:
@@ -387,7 +330,7 @@ def open_request_span(
     if t is None:
         return NO_SPAN
     if caller is not None:
-        return _deferred_span(name, caller, kind, sink)
+        return _remote_child(name, caller, kind, sink)
     try:
         trace_id = t.ids.generate_trace_id()
         decision = t.provider.sampler.should_sample(None, trace_id, name, t.kinds[kind])
@@ -399,29 +342,15 @@ def open_request_span(
     return _Deferred(name, kind, sink, trace_id, 0, 1, "")
 
 
-def _deferred_span(
-    name: str, parent: Span | TraceContext, kind: SpanKind, sink: DeferredSpans
-) -> Span:
-    if isinstance(parent, _Deferred):
-        return _Deferred(
-            name, kind, sink, parent.trace_id, parent.span_id, parent.flags, parent.state
-        )
-    where: tuple[int, int, int] | None
-    if isinstance(parent, _Recording):
-        ctx = parent.span.get_span_context()
-        where = (ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
-        state = ctx.trace_state.to_header() if ctx.trace_state else ""
-    elif isinstance(parent, tuple):
-        where, state = _remote_parent(parent[0]), parent[1]
-    else:
-        return NO_SPAN
+def _remote_child(name: str, parent: TraceContext, kind: SpanKind, sink: DeferredSpans) -> Span:
+    where = _remote_parent(parent[0])
     if where is None or not where[2] & 1:  # no valid context, or not sampled upstream
         return NO_SPAN
-    return _Deferred(name, kind, sink, *where, state)
+    return _Deferred(name, kind, sink, *where, parent[1])
 
 
 class _Deferred(Span):
-    """A span recorded in plain values (see `open_span`'s `deferred`); it joins its sink's
+    """A span recorded in plain values (see `open_span`); it joins its sink's
     list as it opens. Opening one is on a request's latency path: a few attribute stores
     (benchmarks/bench_tracing.py)."""
 
