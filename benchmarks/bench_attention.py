@@ -168,18 +168,28 @@ def xqa_decode(case: Case):
     return call, out
 
 
-def triton_decode(case: Case, splits: int, tiles: DecodeTiles):
+def triton_decode(case: Case, splits: int, tiles: DecodeTiles, fp8_out: int = 0):
+    """The Triton kernel's launch; `fp8_out`: it writes e4m3 (o_proj's input) with scale 1/64,
+    checked against the reference through that scale (the returned `out` is dequantized)."""
     b = case.q.shape[0]
     kernel = PagedDecode(b, case.qo_heads, KV_HEADS, DIM, case.page, case.q.device, splits, tiles)
-    out = torch.empty_like(case.q)
+    scale = torch.tensor(2.0**-6, device="cuda") if fp8_out else None
+    out = torch.empty_like(case.q, dtype=torch.float8_e4m3fn if fp8_out else case.q.dtype)
 
     def call(layer: int) -> torch.Tensor:
         return kernel.run(
             case.q, case.layer(layer), case.indices, case.dev_indptr, case.dev_last,
-            DIM**-0.5, case.k_scale, case.v_scale, out=out,
+            DIM**-0.5, case.k_scale, case.v_scale, out=out, out_scale=scale,
         )  # fmt: skip
 
-    return call, out, kernel
+    class Dequantized:  # what `measure` compares with the reference, read after the call
+        def float(self) -> torch.Tensor:
+            return out.float() * (float(scale) if scale is not None else 1.0)
+
+        def numel(self) -> int:
+            return out.numel()
+
+    return call, (Dequantized() if fp8_out else out), kernel
 
 
 def report(name: str, case: Case, sec: float, err: float, gbps: float) -> None:
@@ -208,18 +218,24 @@ def measure(name: str, case: Case, make: Callable[[], tuple], ref: torch.Tensor,
 
 def sweep_triton(case: Case, ref: torch.Tensor, args, gbps, layout: str = "block") -> None:
     best: tuple[float, str] | None = None
-    for block_n, warps, stages, splits, kv_first, prefetch in itertools.product(
-        args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch
-    ):
-        tiles = DecodeTiles(block_n, warps, stages, bool(kv_first), bool(prefetch))
+    for block_n, warps, stages, splits, kv_first, prefetch, tr, hf, fp8_out in itertools.product(
+        args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch,
+        args.transposed, args.heads_first, args.fp8_out,
+    ):  # fmt: skip
+        tiles = DecodeTiles(
+            block_n, warps, stages, bool(kv_first), bool(prefetch), bool(tr), bool(hf)
+        )
         name = (
             f"triton {layout} n{block_n} w{warps} s{stages} split{splits}"
-            f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}"
+            f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}{' T' if tr else ''}"
+            f"{' hf' if hf else ''}{' o8' if fp8_out else ''}"
         )
         holder: dict[str, PagedDecode] = {}
 
-        def make(t: DecodeTiles = tiles, s: int = splits, h: dict = holder) -> tuple:
-            call, out, kernel = triton_decode(case, s, t)
+        def make(
+            t: DecodeTiles = tiles, s: int = splits, h: dict = holder, o8: int = fp8_out
+        ) -> tuple:
+            call, out, kernel = triton_decode(case, s, t, o8)
             h["kernel"] = kernel
             return call, out
 
@@ -324,6 +340,9 @@ def main() -> None:
     parser.add_argument("--splits", type=ints, default=[1, 2, 4])
     parser.add_argument("--kv-first", type=ints, default=[0], help="0,1: V loaded with K")
     parser.add_argument("--prefetch", type=ints, default=[0], help="0,1: page ids a step ahead")
+    parser.add_argument("--transposed", type=ints, default=[0], help="0,1: tokens as the dots' M")
+    parser.add_argument("--heads-first", type=ints, default=[0], help="0,1: grid KV heads first")
+    parser.add_argument("--fp8-out", type=ints, default=[0], help="0,1: e4m3 output (o_proj's)")
     parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
     parser.add_argument("--dtypes", default="bf16,e4m3")
     args = parser.parse_args()

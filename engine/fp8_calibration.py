@@ -86,9 +86,15 @@ def observe(model: LlamaModel, token_ids: Sequence[int]) -> Observed:
     ]
     inner = causal_attend(1, len(token_ids), cfg.num_heads, cfg.num_kv_heads)
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         kv[layer] = (_amax(k), _amax(v))
-        return inner(layer, q, k, v)
+        return inner(layer, q, k, v, out_scale)
 
     typed: Attend = attend
     try:

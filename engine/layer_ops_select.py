@@ -54,8 +54,14 @@ def _check_attend(group: int) -> Attend:
     """A cache-free stand-in for attention that still depends on every element of q, k, v (the
     check is about the ops around attention, not attention itself)."""
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        del layer
+    def attend(
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        del layer, out_scale
         return q + (k + v).repeat_interleave(group, dim=1)
 
     return attend

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.fp8 import Fp8Linear
+from engine.fp8 import FP8_DTYPE, Fp8Linear
 from engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
 from engine.model_config import ModelConfig, RopeConfig
 
@@ -56,8 +56,24 @@ if TYPE_CHECKING:
     from engine.lora_apply import LoraStep
     from engine.tp_shard import TPShard
 
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]."""
+
+class Attend(Protocol):
+    """(layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D].
+
+    `out_scale`: o_proj's static FP8 input scale when its input may be e4m3 (else None). An
+    implementation MAY then return the output already divided by it in e4m3 (a kernel that
+    writes it so saves the separate cast); the model casts any other output itself."""
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 AllReduce = Callable[[torch.Tensor], None]
 """Sums a tensor in place over the tensor-parallel ranks (engine/tensor_parallel.py)."""
 
@@ -239,9 +255,9 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, eps)
             k = ops.rms_norm(k, self.k_norm.weight, eps)
         q, k = ops.rope(positions, q, k, rotary)
-        attn = attend(layer, q, k, v).reshape(t, cfg.q_size)
         o_scale = self._static_scale("o_proj", lora)
-        if o_scale is not None:
+        attn = attend(layer, q, k, v, o_scale).reshape(t, cfg.q_size)
+        if o_scale is not None and attn.dtype != FP8_DTYPE:
             attn = ops.quantize(attn, o_scale)
         h = self._project(layer, "o_proj", attn, self.o_proj, self.o_bias, lora)
         if self.all_reduce is not None:
@@ -332,8 +348,14 @@ def causal_attend(batch: int, seq_len: int, num_heads: int, num_kv_heads: int) -
     """Attention for dense [batch, seq_len] inputs with no KV cache (training, references)."""
     group = num_heads // num_kv_heads
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        del layer
+    def attend(
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        del layer, out_scale  # the output stays in q's dtype
         d = q.shape[-1]
         qb = q.reshape(batch, seq_len, num_heads, d).transpose(1, 2)
         kb = k.reshape(batch, seq_len, num_kv_heads, d).transpose(1, 2)

@@ -29,12 +29,18 @@ def teacher_forced_logits(
     cfg, device = model.cfg, model.device
     causal = causal_attend(1, len(ids), cfg.num_heads, cfg.num_kv_heads)
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if kv_scales:
             ks, vs = kv_scales[2 * layer], kv_scales[2 * layer + 1]
             k = quantize_static(k, ks).float().mul(ks).to(k.dtype)
             v = quantize_static(v, vs).float().mul(vs).to(v.dtype)
-        return causal(layer, q, k, v)
+        return causal(layer, q, k, v, out_scale)
 
     with torch.inference_mode():
         t = torch.tensor(ids, device=device)

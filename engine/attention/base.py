@@ -77,9 +77,15 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write k/v [T, Hkv, D] at the step's slots; return attention [T, Hq, D]."""
+        """Write k/v [T, Hkv, D] at the step's slots; return attention [T, Hq, D] (in q's
+        dtype, or, given `out_scale`, possibly divided by it in e4m3: see model.Attend)."""
 
     def write_kv(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's k/v of one layer at their slots (an index_put on the pool view)."""

@@ -14,7 +14,9 @@ index_put on that view before attention.
 Single-token decodes over an e4m3 pool go to the Triton split-KV kernel instead
 (engine/attention/triton_decode.py, `EngineConfig.decode_attention`): it reads the staged
 device page arrays directly (no host plan) and measured 1.55x its KV-read floor on the H200
-where flashinfer's e4m3 decode ran at 1.83x (benchmarks/bench_attention.py).
+where flashinfer's e4m3 decode ran at 1.83x (benchmarks/bench_attention.py). In a CUDA-graph
+step it writes o_proj's e4m3 input itself when the model passes that projection's static
+scale (`out_scale`, model.Attend).
 
 Kernel choice is pinned to fa2: "auto" may pick fa3 (a 100 s JIT on the H200), cuDNN or XQA
 routes whose constraints differ. Plans take host (CPU) copies of the small indptr arrays
@@ -156,7 +158,12 @@ class FlashInferBackend(AttentionBackend):
             )
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._step is not None, "prepare() must run before forward()"
         self.write_kv(layer, self._step, k, v)
@@ -165,7 +172,7 @@ class FlashInferBackend(AttentionBackend):
         scales = self._scales(layer)
         if self._graph_batch is not None:
             if self.decode_kernel == "triton":
-                return self._graph_triton_decode(layer, q, pool)
+                return self._graph_triton_decode(layer, q, pool, out_scale)
             return self._graph_wrappers[self._graph_batch].run(q, pool, **scales)
         if not self._has_decode:
             return self._prefill.run(q, pool, **scales)
@@ -204,14 +211,19 @@ class FlashInferBackend(AttentionBackend):
             self.scale, k_scale, v_scale, out=out,
         )  # fmt: skip
 
-    def _graph_triton_decode(self, layer: int, q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    def _graph_triton_decode(
+        self, layer: int, q: torch.Tensor, pool: torch.Tensor, out_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A graph step's decodes; with `out_scale` the kernel writes o_proj's e4m3 input
+        itself (one launch fewer a layer)."""
         assert self._graph_buffers is not None and self._graph_batch is not None
         indptr, last, pages = self._graph_buffers
         batch = self._graph_batch
         k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
         return self._triton_kernel(batch, True).run(
-            q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale
-        )
+            q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale,
+            out_scale=out_scale,
+        )  # fmt: skip
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:
         dev = self.device

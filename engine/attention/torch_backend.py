@@ -86,7 +86,12 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.write_kv(layer, self._step, k, v)
         pool = self.kv_cache.layer(layer)  # [blocks, 2, block_size, Hkv, D]

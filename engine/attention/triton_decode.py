@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.fp8 import FP8_DTYPE
+
 LOG2E = 1.4426950408889634
 MIN_ROWS = 16
 """Rows of the query tile: tensor-core dots need 16; a GQA group of 4 or 8 is padded."""
@@ -53,19 +55,39 @@ class DecodeTiles:
     prefetch: bool = True
     """Load the next tile's page ids in this step, so a tile's K/V addresses are known
     before its step starts (no load waits on another load)."""
+    transposed: bool = False
+    """Tokens as the dots' M dimension (S^T = K Q^T, O^T = V^T P^T): M = BLOCK_N rows, the
+    padded query heads as N, so Hopper's warpgroup MMA (M >= 64) can take them."""
+    heads_first: bool = False
+    """Grid (KV heads, sequences, splits): the KV heads of one sequence run side by side,
+    so their reads of a page (one 16-token run of every head) are adjacent in time."""
+
+
+@triton.jit
+def _output(o, out_ptr, out_scale_ptr, OUT_FP8: tl.constexpr):
+    """The output as stored: o in the output's dtype, or (an e4m3 output) o / out_scale
+    saturated, the next GEMM's input, so no separate cast kernel runs."""
+    if OUT_FP8:
+        o = o * (1.0 / tl.load(out_scale_ptr))
+        o = tl.minimum(tl.maximum(o, -448.0), 448.0)
+    return o.to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, kv_ptr, page_ptr, indptr_ptr, last_ptr, out_ptr, part_ptr, stat_ptr,
+    q_ptr, kv_ptr, page_ptr, indptr_ptr, last_ptr, out_ptr, part_ptr, stat_ptr, out_scale_ptr,
     sq_b, sq_h, s_blk, s_kv, s_tok, s_head, so_b, so_h,
     num_splits, scale_log2, v_scale,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr, OUT_FP8: tl.constexpr,
+    PREFETCH: tl.constexpr, TRANSPOSED: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FIRST:
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     s = tl.program_id(2)
     first_page = tl.load(indptr_ptr + b)
     num_pages = tl.load(indptr_ptr + b + 1) - first_page
@@ -86,7 +108,11 @@ def _split_kernel(
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    if TRANSPOSED:
+        q_t = tl.trans(q)
+        acc = tl.zeros([HEAD_DIM, ROWS], tl.float32)
+    else:
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     cols = tl.arange(0, BLOCK_N)
     page_ids = page_ptr + first_page
     next_page = tl.load(page_ids + (lo + cols) // PAGE, mask=lo + cols < hi, other=0)
@@ -105,25 +131,41 @@ def _split_kernel(
         if PREFETCH:
             after = tok + BLOCK_N
             next_page = tl.load(page_ids + after // PAGE, mask=after < hi, other=0)
-        qk = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
-        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not KV_FIRST:
-            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        if TRANSPOSED:  # scores [BLOCK_N, ROWS]: the softmax runs down the columns
+            qk = tl.dot(k.to(tl.float16), q_t) * scale_log2
+            qk = tl.where(tok_ok[:, None], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            if not KV_FIRST:
+                v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+            pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16))
+            acc = acc * alpha[None, :] + pv
+        else:
+            qk = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
+            qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if not KV_FIRST:
+                v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
         m_i = m_new
 
     has = l_i > 0
     safe_l = tl.where(has, l_i, 1.0)
-    part = acc / safe_l[:, None]
+    if TRANSPOSED:
+        part = tl.trans(acc) / safe_l[:, None]
+    else:
+        part = acc / safe_l[:, None]
     if SINGLE:
         o = out_ptr + b * so_b + heads[:, None] * so_h + dims[None, :]
-        tl.store(o, (part * v_scale).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o, _output(part * v_scale, out_ptr, out_scale_ptr, OUT_FP8), mask=row_ok[:, None])
     else:
-        qh = b * (tl.num_programs(1) * GROUP) + heads  # flat (sequence, query head)
+        num_kv = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+        qh = b * (num_kv * GROUP) + heads  # flat (sequence, query head)
         slot = qh * num_splits + s
         tl.store(part_ptr + slot[:, None] * HEAD_DIM + dims[None, :], part, mask=row_ok[:, None])
         # log-sum in base 2 (-inf for an empty split)
@@ -133,8 +175,8 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, stat_ptr, out_ptr, num_heads, so_b, so_h, v_scale,
-    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_ptr, stat_ptr, out_ptr, out_scale_ptr, num_heads, so_b, so_h, v_scale,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, OUT_FP8: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,7 +190,8 @@ def _merge_kernel(
     part = tl.load(part_ptr + (qh * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :])
     total = tl.sum(w, 0)
     o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * so_b + h * so_h + dims, (o * v_scale).to(out_ptr.dtype.element_ty))
+    o = _output(o * v_scale, out_ptr, out_scale_ptr, OUT_FP8)
+    tl.store(out_ptr + b * so_b + h * so_h + dims, o)
 
 
 def default_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -202,10 +245,12 @@ class PagedDecode:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         out: torch.Tensor | None = None,
+        out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of `q` [batch, heads, dim] over the pages of each sequence in `kv`
         ([blocks, 2, page, kv_heads, dim], any strides but a contiguous head_dim). The int32
-        page arrays are on q's device. Returns `out` ([batch, heads, dim], q's dtype)."""
+        page arrays are on q's device. Returns `out` ([batch, heads, dim], q's dtype; with
+        `out_scale`, a float32 device scalar, the output / out_scale saturated in e4m3)."""
         batch, heads, dim = q.shape
         if (batch, heads, dim) != (self.batch, self.num_heads, self.head_dim):
             raise ValueError(
@@ -214,23 +259,32 @@ class PagedDecode:
         if kv.stride(-1) != 1 or q.stride(-1) != 1:
             raise ValueError("the head dimension of q and the KV pool must be contiguous")
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q, dtype=q.dtype if out_scale is None else FP8_DTYPE)
+        fp8_out = out_scale is not None
+        if fp8_out != (out.dtype == FP8_DTYPE):
+            raise ValueError("an e4m3 output goes with an out_scale, and only with one")
         single = self.num_splits == 1
         t = self.tiles
-        launched = _split_kernel[(batch, self.num_kv_heads, self.num_splits)](
+        grid = (batch, self.num_kv_heads, self.num_splits)
+        if t.heads_first:
+            grid = (self.num_kv_heads, batch, self.num_splits)
+        launched = _split_kernel[grid](
             q, kv, page_indices, kv_indptr, last_page_len, out, self._part, self._stat,
+            out_scale if fp8_out else self._stat,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             out.stride(0), out.stride(1),
             self.num_splits, sm_scale * k_scale * LOG2E, v_scale,
             GROUP=self.group, ROWS=self.rows, HEAD_DIM=dim, PAGE=self.page_size,
-            BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, PREFETCH=t.prefetch,
+            BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, OUT_FP8=fp8_out,
+            PREFETCH=t.prefetch, TRANSPOSED=t.transposed, HEADS_FIRST=t.heads_first,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
         self.last_launch = launched
         if not single:
             _merge_kernel[(batch, heads)](
-                self._part, self._stat, out, heads, out.stride(0), out.stride(1), v_scale,
-                SPLITS=self.num_splits, HEAD_DIM=dim, num_warps=4,
+                self._part, self._stat, out, out_scale if fp8_out else self._stat, heads,
+                out.stride(0), out.stride(1), v_scale,
+                SPLITS=self.num_splits, HEAD_DIM=dim, OUT_FP8=fp8_out, num_warps=4,
             )  # fmt: skip
         return out
 

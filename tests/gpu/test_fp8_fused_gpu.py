@@ -14,6 +14,7 @@ import torch
 from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.attention import build_layout, create_backend, stage_once
+from engine.attention.triton_decode import DecodeTiles, PagedDecode, reference_decode
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -174,3 +175,37 @@ def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
     assert getattr(fp8.runner.backend, "decode_kernel", None) == "triton"  # auto, e4m3
     prompts = [dense.tokenizer.encode(text) for text in GPU_TEXTS]
     assert greedy_margin_check(dense, fp8, prompts, GPU_GREEDY, inclusive=True).exact >= 1
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        DecodeTiles(),
+        DecodeTiles(transposed=True),
+        DecodeTiles(heads_first=True),
+        DecodeTiles(64, 4, 2, transposed=True, heads_first=True),
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_decode_variants_and_e4m3_output(tiles: DecodeTiles, splits: int) -> None:
+    """Every launch variant of the Triton decode equals the float32 reference over an e4m3
+    pool; its e4m3 output (o_proj's input) is its float output / out_scale in e4m3, as the
+    separate cast would write it (within one e4m3 step where bf16 rounding tips it)."""
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    lens, page, kv_heads, heads, dim = [1, 17, 300, 1029, 64], 16, 8, 64, 128
+    num_pages = [-(-n // page) for n in lens]
+    blocks = sum(num_pages) + 5
+    pool = torch.randn(blocks, 2, page, kv_heads, dim, device="cuda", generator=g)
+    kv = pool.clamp(-4, 4).to(FP8_DTYPE)
+    order = torch.randperm(blocks, device="cuda", generator=g)[: sum(num_pages)].int()
+    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
+    q = torch.randn(len(lens), heads, dim, device="cuda", generator=g).bfloat16()
+    kernel = PagedDecode(len(lens), heads, kv_heads, dim, page, q.device, splits, tiles)
+    args = (q, kv, order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07)
+    got = kernel.run(*args)
+    want = reference_decode(q, kv, order, indptr, last.int(), dim**-0.5, 0.05, 0.07)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+    scale = torch.tensor(2.0**-6, device="cuda")
+    as_e4m3 = kernel.run(*args, out_scale=scale)
+    _close_e4m3(as_e4m3, quantize_static(got, scale), scale)

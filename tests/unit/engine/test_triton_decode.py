@@ -8,7 +8,7 @@ so the launches run in a subprocess; the inputs and the reference are made here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -33,6 +33,8 @@ class Case:
     tiles: DecodeTiles
     k_scale: float = 1.0
     v_scale: float = 1.0
+    out_scale: float | None = None
+    """An e4m3 output (o_proj's input) divided by this scale; None: q's dtype."""
 
 
 def run_interpreted(inputs: str, outputs: str) -> None:
@@ -48,7 +50,9 @@ def run_interpreted(inputs: str, outputs: str) -> None:
             b, heads, c.kv.shape[3], dim, c.kv.shape[2], c.q.device, c.splits, c.tiles
         )
         scale = dim**-0.5
-        outs.append(kernel.run(c.q, c.kv, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale))
+        out_scale = None if c.out_scale is None else torch.tensor(c.out_scale)
+        args = (c.q, c.kv, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale)
+        outs.append(kernel.run(*args, out_scale=out_scale))
     torch.save(outs, outputs)
 
 
@@ -86,13 +90,45 @@ def make_case(
 
 
 def check(cases: list[Case], tmp_path: Path) -> None:
-    for c, got in zip(cases, interpret(cases, tmp_path), strict=True):
+    """Each case's output against the float32 reference; an e4m3 output (out_scale) against
+    the same launch's float output divided by out_scale and rounded to e4m3."""
+    floats = [replace(c, out_scale=None) for c in cases if c.out_scale is not None]
+    outs = interpret(cases + floats, tmp_path)
+    as_float = iter(outs[len(cases) :])
+    for c, got in zip(cases, outs, strict=False):
+        if c.out_scale is not None:
+            assert got.dtype == torch.float8_e4m3fn
+            o = next(as_float)
+            scaled = (o * (1.0 / c.out_scale)).clamp(-448, 448)
+            assert e4m3_neighbours(got.float(), scaled).all()
+            continue
         dim = c.q.shape[-1]
         want = reference_decode(
             c.q, c.kv, c.pages, c.indptr, c.last, dim**-0.5, c.k_scale, c.v_scale
         )
         # q and the KV tiles enter the dots in float16: ~1e-3 relative
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def e4m3_neighbours(got: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Whether each `got` is an e4m3 neighbour of x: the one below or above it (or, for an x
+    whose upper neighbour is a power of two, half of that). Triton 3.8's interpreter does not
+    always round to nearest (31.8 -> 16, as if the carry into the exponent were lost; ties
+    away from zero), so the CPU test checks scale, saturation and masks, and the GPU test
+    the hardware's rounding (tests/gpu/test_fp8_fused_gpu.py)."""
+    near = x.to(torch.float8_e4m3fn)
+    bits = near.view(torch.uint8).to(torch.int16)
+    magnitude = bits & 0x7F
+    away = near.float().abs() < x.abs()  # the other neighbour is further from zero
+    other_mag = torch.where(away, (magnitude + 1).clamp(max=0x7E), (magnitude - 1).clamp(min=0))
+    other = ((bits & 0x80) | other_mag).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    upper = torch.maximum(near.float().abs(), other.abs())
+    lost_carry = upper == torch.exp2(torch.log2(upper).floor())
+    return (
+        (got == near.float())
+        | (got == other)
+        | (lost_carry & (got.abs() == upper / 2) & (got.sign() == x.sign()))
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
@@ -105,6 +141,25 @@ def test_interpreted_kernel_equals_the_reference_for_every_split_and_tile(
         for splits in (1, 2, 8)  # 8 splits: some are empty for the short sequences
         for block_n, kv_first, prefetch in ((16, False, False), (32, True, True), (4, True, False))
     ]
+    check(cases, tmp_path)
+
+
+def test_interpreted_kernel_transposed_heads_first_and_e4m3_output(tmp_path: Path) -> None:
+    """The launch variants give the same attention: tokens as the dots' M dimension, the
+    grid's KV heads first, and an output written in e4m3 (divided by its scale; 0.02 makes
+    some values saturate at 448), with one split and with several (the merge writes it)."""
+    lens = [1, 9, 37, 70]
+    cases = [
+        replace(
+            make_case(lens, 8, 2, dtype, splits, DecodeTiles(16, 4, 2, True, True, tr, first)),
+            out_scale=out_scale,
+        )
+        for dtype in (torch.float32, torch.float8_e4m3fn)
+        for splits in (1, 4)
+        for tr, first, out_scale in (
+            (True, False, None), (False, True, None), (True, True, 0.02), (False, False, 0.125),
+        )
+    ]  # fmt: skip
     check(cases, tmp_path)
 
 
