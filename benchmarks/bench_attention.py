@@ -218,16 +218,14 @@ def measure(name: str, case: Case, make: Callable[[], tuple], ref: torch.Tensor,
 
 def sweep_triton(case: Case, ref: torch.Tensor, args, gbps, layout: str = "block") -> None:
     best: tuple[float, str] | None = None
-    for block_n, warps, stages, splits, kv_first, prefetch, tr, hf, fp8_out in itertools.product(
+    for block_n, warps, stages, splits, kv_first, prefetch, hf, fp8_out in itertools.product(
         args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch,
-        args.transposed, args.heads_first, args.fp8_out,
+        args.heads_first, args.fp8_out,
     ):  # fmt: skip
-        tiles = DecodeTiles(
-            block_n, warps, stages, bool(kv_first), bool(prefetch), bool(tr), bool(hf)
-        )
+        tiles = DecodeTiles(block_n, warps, stages, bool(kv_first), bool(prefetch), bool(hf))
         name = (
             f"triton {layout} n{block_n} w{warps} s{stages} split{splits}"
-            f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}{' T' if tr else ''}"
+            f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}"
             f"{' hf' if hf else ''}{' o8' if fp8_out else ''}"
         )
         holder: dict[str, PagedDecode] = {}
@@ -340,8 +338,7 @@ def main() -> None:
     parser.add_argument("--splits", type=ints, default=[1, 2, 4])
     parser.add_argument("--kv-first", type=ints, default=[0], help="0,1: V loaded with K")
     parser.add_argument("--prefetch", type=ints, default=[0], help="0,1: page ids a step ahead")
-    parser.add_argument("--transposed", type=ints, default=[0], help="0,1: tokens as the dots' M")
-    parser.add_argument("--heads-first", type=ints, default=[0], help="0,1: grid KV heads first")
+    parser.add_argument("--heads-first", type=ints, default=[1], help="0,1: grid KV heads first")
     parser.add_argument("--fp8-out", type=ints, default=[0], help="0,1: e4m3 output (o_proj's)")
     parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
     parser.add_argument("--dtypes", default="bf16,e4m3")

@@ -168,11 +168,12 @@ class FlashInferBackend(AttentionBackend):
         assert self._step is not None, "prepare() must run before forward()"
         self.write_kv(layer, self._step, k, v)
         pool = self.kv_cache.layer(layer)
+        if self._graph_batch is not None and self.decode_kernel == "triton":
+            # the kernel reads q's strided view of the qkv projection (no copy)
+            return self._graph_triton_decode(layer, q, pool, out_scale)
         q = q.contiguous()
         scales = self._scales(layer)
         if self._graph_batch is not None:
-            if self.decode_kernel == "triton":
-                return self._graph_triton_decode(layer, q, pool, out_scale)
             return self._graph_wrappers[self._graph_batch].run(q, pool, **scales)
         if not self._has_decode:
             return self._prefill.run(q, pool, **scales)
