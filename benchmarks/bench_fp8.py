@@ -151,6 +151,10 @@ def main() -> None:
         help="also profile the decode step at this batch: CUDA time per kernel (torch.profiler)",
     )  # fmt: skip
     parser.add_argument(
+        "--gate-up-column-major", action="store_true",
+        help="also time fp8+kv8 with gate/up as W @ x.T (a column-major output)",
+    )  # fmt: skip
+    parser.add_argument(
         "--shape",
         default="llama3-8b",
         choices=("llama3-8b", "llama3-70b"),
@@ -328,6 +332,10 @@ def main() -> None:
             part.copy_(torch.randn(part.shape, device="cuda").clamp(-8, 8))
         kv_holder["kv"], kv_holder["bytes"] = kv8, 1
         results["fp8+kv8"] = bench("fp8+kv8")
+        if args.gate_up_column_major:  # the same again, gate/up computed as W @ x.T
+            for layer in model.layers:
+                cast(DecoderLayer, layer).gate_up_column_major = True
+            results["fp8+kv8 gate-up cols"] = bench("fp8+kv8 gate-up cols")
     bf16 = results.get("bf16", {})
     for label, secs in results.items():
         if label == "bf16":
