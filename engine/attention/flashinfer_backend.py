@@ -166,11 +166,12 @@ class FlashInferBackend(AttentionBackend):
         out_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._step is not None, "prepare() must run before forward()"
-        self.write_kv(layer, self._step, k, v)
         pool = self.kv_cache.layer(layer)
         if self._graph_batch is not None and self.decode_kernel == "triton":
-            # the kernel reads q's strided view of the qkv projection (no copy)
-            return self._graph_triton_decode(layer, q, pool, out_scale)
+            # one launch stores k/v and attends, reading q's strided view of the qkv
+            # projection (no copy)
+            return self._graph_triton_decode(layer, q, k, v, pool, out_scale)
+        self.write_kv(layer, self._step, k, v)
         q = q.contiguous()
         scales = self._scales(layer)
         if self._graph_batch is not None:
@@ -213,17 +214,29 @@ class FlashInferBackend(AttentionBackend):
         )  # fmt: skip
 
     def _graph_triton_decode(
-        self, layer: int, q: torch.Tensor, pool: torch.Tensor, out_scale: torch.Tensor | None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: torch.Tensor,
+        out_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A graph step's decodes; with `out_scale` the kernel writes o_proj's e4m3 input
-        itself (one launch fewer a layer)."""
+        """A graph step's decodes in one launch that first stores the step's k/v (at the
+        step's slots, padding rows writing row 0's: `StepInputs.write_rows`); with
+        `out_scale` it writes o_proj's e4m3 input itself."""
         assert self._graph_buffers is not None and self._graph_batch is not None
+        step = self._step
+        assert step is not None and step.write_rows is not None
+        from engine.attention.triton_decode import NewKV
+
         indptr, last, pages = self._graph_buffers
         batch = self._graph_batch
         k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+        new_kv = NewKV(k, v, step.write_rows, step.slot_blocks, step.slot_offsets)
         return self._triton_kernel(batch, True).run(
             q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale,
-            out_scale=out_scale,
+            out_scale=out_scale, new_kv=new_kv,
         )  # fmt: skip
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:

@@ -41,6 +41,22 @@ MIN_ROWS = 16
 
 
 @dataclass(frozen=True)
+class NewKV:
+    """This step's k/v of each sequence, which the kernel stores into the pool before it
+    attends (one launch instead of a store kernel and attention): row rows[b] of k and v
+    ([tokens, kv_heads, dim], contiguous heads; views of the qkv projection are fine) goes
+    to slot (blocks[b], offsets[b]), divided by the layer's K/V scales (in e4m3 for an e4m3
+    pool). Sequence b's slot must be its last token's (a CUDA-graph padding row may write
+    row 0's values to row 0's slot again)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DecodeTiles:
     """Launch shape of the split kernel. The defaults are the fastest of a sweep on the H200
     (benchmarks/bench_attention.py, e4m3, B=64 x 2048, 64/8 heads: 98.2 µs; the same tiles
@@ -85,12 +101,13 @@ def _output(o, out_ptr, OUT_FP8: tl.constexpr):
 @triton.jit
 def _split_kernel(
     q_ptr, kv_ptr, page_ptr, indptr_ptr, last_ptr, out_ptr, part_ptr, stat_ptr, out_scale_ptr,
-    sq_b, sq_h, s_blk, s_kv, s_tok, s_head, so_b, so_h,
-    num_splits, scale_log2, v_scale,
+    k_ptr, v_ptr, rows_ptr, blocks_ptr, offsets_ptr,
+    sq_b, sq_h, s_blk, s_kv, s_tok, s_head, so_b, so_h, sk_t, sk_h, sv_t, sv_h,
+    num_splits, scale_log2, v_scale, inv_k, inv_v,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr, OUT_FP8: tl.constexpr,
-    PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    KV_EVICT: tl.constexpr,
+    PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr, KV_EVICT: tl.constexpr,
+    STORE: tl.constexpr, POOL_FP8: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FIRST:
         h = tl.program_id(0)
@@ -110,6 +127,24 @@ def _split_kernel(
 
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
+    if STORE:  # the program whose split holds the last token stores it first (NewKV)
+        writes = (dims < HEAD_DIM) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
+        src = tl.load(rows_ptr + b).to(tl.int64)
+        dst = (
+            kv_ptr
+            + tl.load(blocks_ptr + b).to(tl.int64) * s_blk
+            + tl.load(offsets_ptr + b) * s_tok
+            + h * s_head
+            + dims
+        )
+        k_new = tl.load(k_ptr + src * sk_t + h * sk_h + dims).to(tl.float32) * inv_k
+        v_new = tl.load(v_ptr + src * sv_t + h * sv_h + dims).to(tl.float32) * inv_v
+        if POOL_FP8:
+            k_new = tl.minimum(tl.maximum(k_new, -448.0), 448.0)
+            v_new = tl.minimum(tl.maximum(v_new, -448.0), 448.0)
+        tl.store(dst, k_new.to(kv_ptr.dtype.element_ty), mask=writes)
+        tl.store(dst + s_kv, v_new.to(kv_ptr.dtype.element_ty), mask=writes)
+        tl.debug_barrier()  # the stores are visible to every thread of the program
     heads = h * GROUP + rows
     row_ok = rows < GROUP
     q = tl.load(
@@ -239,11 +274,13 @@ class PagedDecode:
         v_scale: float = 1.0,
         out: torch.Tensor | None = None,
         out_scale: torch.Tensor | None = None,
+        new_kv: NewKV | None = None,
     ) -> torch.Tensor:
         """Attention of `q` [batch, heads, dim] over the pages of each sequence in `kv`
         ([blocks, 2, page, kv_heads, dim], any strides but a contiguous head_dim). The int32
         page arrays are on q's device. Returns `out` ([batch, heads, dim], q's dtype; with
-        `out_scale`, a float32 device scalar, the output / out_scale saturated in e4m3)."""
+        `out_scale`, a float32 device scalar, the output / out_scale saturated in e4m3).
+        `new_kv`: store this step's k/v first, in the same launch (NewKV)."""
         batch, heads, dim = q.shape
         if (batch, heads, dim) != (self.batch, self.num_heads, self.head_dim):
             raise ValueError(
@@ -261,16 +298,22 @@ class PagedDecode:
         grid = (batch, self.num_kv_heads, self.num_splits)
         if t.heads_first:
             grid = (self.num_kv_heads, batch, self.num_splits)
+        new = new_kv or NewKV(q, q, kv_indptr, kv_indptr, kv_indptr)  # unread placeholders
+        if new_kv is not None and (new.k.stride(-1) != 1 or new.v.stride(-1) != 1):
+            raise ValueError("the head dimension of the new k and v must be contiguous")
         launched = _split_kernel[grid](
             q, kv, page_indices, kv_indptr, last_page_len, out, self._part, self._stat,
             out_scale if fp8_out else self._stat,
+            new.k, new.v, new.rows, new.blocks, new.offsets,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             out.stride(0), out.stride(1),
-            self.num_splits, sm_scale * k_scale * LOG2E, v_scale,
+            new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
+            self.num_splits, sm_scale * k_scale * LOG2E, v_scale, 1.0 / k_scale, 1.0 / v_scale,
             GROUP=self.group, ROWS=self.rows, HEAD_DIM=dim, PAGE=self.page_size,
             BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, OUT_FP8=fp8_out,
             PREFETCH=t.prefetch, HEADS_FIRST=t.heads_first,
             KV_EVICT="evict_first" if t.kv_evict_first else "",
+            STORE=new_kv is not None, POOL_FP8=kv.dtype == FP8_DTYPE,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
         self.last_launch = launched

@@ -14,7 +14,7 @@ import torch
 from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.attention import build_layout, create_backend, stage_once
-from engine.attention.triton_decode import DecodeTiles, PagedDecode, reference_decode
+from engine.attention.triton_decode import DecodeTiles, NewKV, PagedDecode, reference_decode
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -232,3 +232,35 @@ def test_gate_up_column_major_feeds_silu_mul_the_same(rows: int) -> None:
         quantize_static(TORCH_OPS.silu_and_mul(col_major.contiguous()), scale),
         scale,
     )
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_decode_stores_the_new_kv_as_the_store_kernel_does(splits: int) -> None:
+    """One launch that stores the step's k/v and attends (the CUDA-graph path) leaves the
+    pool bit-equal to the fused store kernel followed by the attention, and the same output."""
+    from engine.fp8_kernels import store_kv
+
+    g = torch.Generator(device="cuda").manual_seed(10 + splits)
+    lens, page, kv_heads, heads, dim, layers = [5, 17, 300, 1029], 16, 8, 64, 128, 2
+    num_pages = [-(-n // page) for n in lens]
+    blocks = sum(num_pages) + 5
+    pool = torch.randn(blocks, layers, 2, page, kv_heads, dim, device="cuda", generator=g)
+    pool = pool.clamp(-4, 4).to(FP8_DTYPE)
+    order = torch.randperm(blocks, device="cuda", generator=g)[: sum(num_pages)].int()
+    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
+    ends = torch.tensor(lens) - 1
+    slot_blocks = order[indptr[:-1].long().cuda() + (ends // page).cuda()].contiguous()
+    slot_offsets = (ends % page).int().cuda()
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim, device="cuda", generator=g)
+    qkv = qkv.bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    kernel = PagedDecode(len(lens), heads, kv_heads, dim, page, q.device, splits)
+    args = (order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07)
+    composed = pool.clone()
+    store_kv(composed, 1, slot_blocks, slot_offsets, k, v, (0.05, 0.07))
+    want = kernel.run(q, composed[:, 1], *args)
+    got = kernel.run(q, pool[:, 1], *args, new_kv=NewKV(k, v, rows, slot_blocks, slot_offsets))
+    assert torch.equal(pool.view(torch.uint8), composed.view(torch.uint8))
+    assert torch.equal(got, want)

@@ -17,7 +17,12 @@ import torch
 import triton_interpret
 
 from engine.attention.flashinfer_backend import select_decode_kernel
-from engine.attention.triton_decode import DecodeTiles, default_splits, reference_decode
+from engine.attention.triton_decode import (
+    DecodeTiles,
+    NewKV,
+    default_splits,
+    reference_decode,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class Case:
     v_scale: float = 1.0
     out_scale: float | None = None
     """An e4m3 output (o_proj's input) divided by this scale; None: q's dtype."""
+    new_kv: NewKV | None = None
+    """The kernel stores these k/v first (then the output is (attention, the pool))."""
 
 
 def run_interpreted(inputs: str, outputs: str) -> None:
@@ -52,7 +59,8 @@ def run_interpreted(inputs: str, outputs: str) -> None:
         scale = dim**-0.5
         out_scale = None if c.out_scale is None else torch.tensor(c.out_scale)
         args = (c.q, c.kv, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale)
-        outs.append(kernel.run(*args, out_scale=out_scale))
+        out = kernel.run(*args, out_scale=out_scale, new_kv=c.new_kv)
+        outs.append(out if c.new_kv is None else (out, c.kv))
     torch.save(outs, outputs)
 
 
@@ -171,6 +179,48 @@ def test_interpreted_kernel_groups_query_heads_and_reads_the_head_major_view(
         for head_major in (False, True)
     ]
     check(cases, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_interpreted_kernel_stores_the_new_kv_then_attends_over_it(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """With NewKV the launch first writes each sequence's new k/v (divided by the scales, in
+    the pool's dtype) at its slot, its last token's, and attends over the pool with them;
+    nothing else in the pool changes. Row 4 is a CUDA-graph padding row: it writes row 0's
+    values to row 0's slot again."""
+    lens = [1, 9, 37, 70, 1]
+    cases: list[Case] = []
+    stores: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for splits in (1, 4):
+        c = make_case(lens, 8, 2, dtype, splits, DecodeTiles(16, 4, 2), seed=splits)
+        page = c.kv.shape[2]
+        ends = torch.tensor(lens) - 1
+        blocks = c.pages[c.indptr[:-1].long() + ends // page].clone()
+        offsets = (ends % page).int()
+        blocks[4], offsets[4] = blocks[0], offsets[0]
+        gen = torch.Generator().manual_seed(7 + splits)
+        k, v = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
+        rows = torch.tensor([0, 1, 2, 3, 0], dtype=torch.int32)
+        exact = c.kv.float()  # what the pool must hold afterwards, before rounding
+        written = torch.zeros(exact.shape, dtype=torch.bool)
+        for b in range(5):
+            for i, (x, scale) in enumerate(((k, c.k_scale), (v, c.v_scale))):
+                slot = (int(blocks[b]), i, int(offsets[b]))
+                exact[slot] = (x[int(rows[b])] / scale).clamp(-448, 448)
+                written[slot] = True
+        cases.append(replace(c, new_kv=NewKV(k, v, rows, blocks.int(), offsets)))
+        stores.append((exact, written))
+    outs = interpret(cases, tmp_path)
+    for c, (got, pool), (exact, written) in zip(cases, outs, stores, strict=True):
+        assert torch.equal(pool[~written].float(), c.kv[~written].float())  # nothing else
+        if dtype == torch.float8_e4m3fn:  # rounded as the interpreter rounds (see above)
+            assert e4m3_neighbours(pool[written].float(), exact[written]).all()
+        else:
+            assert torch.equal(pool[written], exact[written])
+        scale = c.q.shape[-1] ** -0.5
+        want = reference_decode(c.q, pool, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
 def test_auto_takes_triton_for_an_e4m3_pool_on_cuda_only() -> None:
