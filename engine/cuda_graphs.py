@@ -111,6 +111,8 @@ class DecodeGraphs:
         self._lora_logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         backend.init_decode_graphs(self.max_batch, self.max_pages)
+        self.rope_in_attention = backend.graph_rope(model.rotary)
+        """The backend rotates q/k inside its graph decode (the model skips its RoPE op)."""
 
     def batch_size_for(self, layout: BatchLayout) -> int | None:
         """The captured size a decode-only layout replays at, or None (run it eagerly)."""
@@ -183,7 +185,10 @@ class DecodeGraphs:
         if with_lora:
             assert self.lora is not None
             lora = graph_step(self.lora, self._lora_slots(step.input_ids.shape[0]))
-        hidden = self.model(step.input_ids, step.positions, self.backend.forward, self.ops, lora)
+        hidden = self.model(
+            step.input_ids, step.positions, self.backend.forward, self.ops, lora,
+            rope_in_attention=self.rope_in_attention,
+        )  # fmt: skip
         return self.model.compute_logits(hidden, self.ops)
 
     @torch.inference_mode()

@@ -247,9 +247,11 @@ class DecoderLayer(nn.Module):
         attend: Attend,
         ops: LayerOps,
         lora: LoraStep | None = None,
+        rope_in_attention: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it) for the previous layer's pair (x, residual);
-        layer 0 gets (embeddings, None). x and residual may be overwritten (see LayerOps)."""
+        layer 0 gets (embeddings, None). x and residual may be overwritten (see LayerOps).
+        `rope_in_attention`: q and k go to `attend` unrotated (its backend rotates them)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         h, residual = self._norm_into(
@@ -264,7 +266,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, eps)
             k = ops.rms_norm(k, self.k_norm.weight, eps)
-        q, k = ops.rope(positions, q, k, rotary)
+        if not rope_in_attention:
+            q, k = ops.rope(positions, q, k, rotary)
         o_scale = self._static_scale("o_proj", lora)
         attn = attend(layer, q, k, v, o_scale).reshape(t, cfg.q_size)
         if o_scale is not None and attn.dtype != FP8_DTYPE:
@@ -326,13 +329,17 @@ class LlamaModel(nn.Module):
         attend: Attend,
         ops: LayerOps = TORCH_OPS,
         lora: LoraStep | None = None,
+        rope_in_attention: bool = False,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for flat `input_ids` [T];
-        `lora`: the step's adapters (None: the base model)."""
+        `lora`: the step's adapters (None: the base model); `rope_in_attention`: `attend`
+        rotates q and k itself (a backend that took `graph_rope`), so no RoPE op runs here."""
         h = F.embedding(input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(i, h, residual, positions, self.rotary, attend, ops, lora)
+            h, residual = layer(
+                i, h, residual, positions, self.rotary, attend, ops, lora, rope_in_attention
+            )
         return h if residual is None else residual + h
 
     def quantize_fp8(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from engine.attention.step import StepInputs
 from engine.fp8 import FP8_DTYPE, quantize_static
 from engine.kv_cache import BLOCK_MAJOR, KVCache, torch_dtype
+from engine.layer_ops import RopeTables
 from engine.model_config import ModelConfig
 
 
@@ -106,6 +107,14 @@ class AttentionBackend(abc.ABC):
         kv[:, 1].index_put_((blocks, offsets), v.to(kv.dtype))
 
     # CUDA-graph decode (backends with supports_cuda_graphs only) ---------------------------
+
+    def graph_rope(self, tables: RopeTables) -> bool:
+        """Offer this backend the model's RoPE tables for its CUDA-graph decode steps: True
+        when it will then rotate q and k itself there (graph steps' forward gets them
+        unrotated: the model skips its RoPE op, `LlamaModel.forward(rope_in_attention=...)`).
+        The default declines."""
+        del tables
+        return False
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:
         """Allocate the fixed buffers graph-captured decode steps of up to max_batch

@@ -38,6 +38,7 @@ from engine.attention.base import AttentionBackend, BackendUnavailable
 from engine.attention.registry import flashinfer_unavailable_reason
 from engine.attention.step import StepInputs
 from engine.kv_cache import FP8_KV_DTYPE, KVCache
+from engine.layer_ops import RopeTables
 from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class FlashInferBackend(AttentionBackend):
         )
         self._triton: dict[tuple[int, bool], PagedDecode] = {}
         """(batch, for a graph) → the Triton decode launch of that batch size."""
+        self._graph_rope: torch.Tensor | None = None
+        """The cos/sin cache when graph decodes rotate q/k in the Triton kernel."""
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_batch: int | None = None
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -228,16 +231,25 @@ class FlashInferBackend(AttentionBackend):
         assert self._graph_buffers is not None and self._graph_batch is not None
         step = self._step
         assert step is not None and step.write_rows is not None
-        from engine.attention.triton_decode import NewKV
+        from engine.attention.triton_decode import NewKV, Rope
 
         indptr, last, pages = self._graph_buffers
         batch = self._graph_batch
         k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
         new_kv = NewKV(k, v, step.write_rows, step.slot_blocks, step.slot_offsets)
+        rope = None if self._graph_rope is None else Rope(self._graph_rope, step.positions)
         return self._triton_kernel(batch, True).run(
             q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale,
-            out_scale=out_scale, new_kv=new_kv,
+            out_scale=out_scale, new_kv=new_kv, rope=rope,
         )  # fmt: skip
+
+    def graph_rope(self, tables: RopeTables) -> bool:
+        """The Triton decode rotates q and the new k in its launch (one RoPE kernel a layer
+        fewer); flashinfer's graph decode does not."""
+        if self.decode_kernel != "triton":
+            return False
+        self._graph_rope = tables.cos_sin_cache
+        return True
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:
         dev = self.device

@@ -57,6 +57,17 @@ class NewKV:
 
 
 @dataclass(frozen=True)
+class Rope:
+    """q and the new k arrive unrotated: the kernel applies rotate-half RoPE itself, q of
+    sequence b at positions[b], the k it stores at positions[rows[b]] (NewKV), from the
+    model's float32 cos/sin cache ([max_positions, dim]: cos in the first half, sin in the
+    second; engine/model.py `Rotary.cos_sin_cache`)."""
+
+    cos_sin: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DecodeTiles:
     """Launch shape of the split kernel. The defaults are the fastest of a sweep on the H200
     (benchmarks/bench_attention.py, e4m3, B=64 x 2048, 64/8 heads: 98.2 µs; the same tiles
@@ -99,15 +110,27 @@ def _output(o, out_ptr, OUT_FP8: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x_ptr, offsets, dims, cos_sin_ptr, pos, HEAD_DIM: tl.constexpr):
+    """Rotate-half RoPE of the rows at x_ptr + offsets (one row of dims per offset) at
+    position `pos`, in float32 (the cache holds cos in its first half, sin in its second)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(x_ptr + offsets).to(tl.float32)
+    partner = tl.load(x_ptr + offsets + (dims + half) % HEAD_DIM - dims).to(tl.float32)
+    table = cos_sin_ptr + pos.to(tl.int64) * HEAD_DIM + dims % half
+    cos, sin = tl.load(table), tl.load(table + half)
+    return x * cos + tl.where(dims < half, -partner, partner) * sin
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, kv_ptr, page_ptr, indptr_ptr, last_ptr, out_ptr, part_ptr, stat_ptr, out_scale_ptr,
-    k_ptr, v_ptr, rows_ptr, blocks_ptr, offsets_ptr,
+    k_ptr, v_ptr, rows_ptr, blocks_ptr, offsets_ptr, cos_sin_ptr, pos_ptr,
     sq_b, sq_h, s_blk, s_kv, s_tok, s_head, so_b, so_h, sk_t, sk_h, sv_t, sv_h,
     num_splits, scale_log2, v_scale, inv_k, inv_v,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr, OUT_FP8: tl.constexpr,
     PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr, KV_EVICT: tl.constexpr,
-    STORE: tl.constexpr, POOL_FP8: tl.constexpr,
+    STORE: tl.constexpr, POOL_FP8: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FIRST:
         h = tl.program_id(0)
@@ -137,7 +160,12 @@ def _split_kernel(
             + h * s_head
             + dims
         )
-        k_new = tl.load(k_ptr + src * sk_t + h * sk_h + dims).to(tl.float32) * inv_k
+        if ROPE:  # k as stored is rotated at its own row's position
+            k_at = src * sk_t + h * sk_h + dims
+            k_new = _rotate(k_ptr, k_at, dims, cos_sin_ptr, tl.load(pos_ptr + src), HEAD_DIM)
+            k_new = k_new * inv_k
+        else:
+            k_new = tl.load(k_ptr + src * sk_t + h * sk_h + dims).to(tl.float32) * inv_k
         v_new = tl.load(v_ptr + src * sv_t + h * sv_h + dims).to(tl.float32) * inv_v
         if POOL_FP8:
             k_new = tl.minimum(tl.maximum(k_new, -448.0), 448.0)
@@ -147,9 +175,12 @@ def _split_kernel(
         tl.debug_barrier()  # the stores are visible to every thread of the program
     heads = h * GROUP + rows
     row_ok = rows < GROUP
-    q = tl.load(
-        q_ptr + b * sq_b + heads[:, None] * sq_h + dims[None, :], mask=row_ok[:, None], other=0.0
-    ).to(tl.float16)
+    q_at = b * sq_b + tl.where(row_ok, heads, h * GROUP)[:, None] * sq_h + dims[None, :]
+    if ROPE:  # padded rows read the group's first head; their scores are never stored
+        q = _rotate(q_ptr, q_at, dims[None, :], cos_sin_ptr, tl.load(pos_ptr + b), HEAD_DIM)
+        q = q.to(tl.float16)
+    else:
+        q = tl.load(q_ptr + q_at).to(tl.float16)
     out_mul = _out_mul(v_scale, out_scale_ptr, OUT_FP8)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -275,12 +306,14 @@ class PagedDecode:
         out: torch.Tensor | None = None,
         out_scale: torch.Tensor | None = None,
         new_kv: NewKV | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         """Attention of `q` [batch, heads, dim] over the pages of each sequence in `kv`
         ([blocks, 2, page, kv_heads, dim], any strides but a contiguous head_dim). The int32
         page arrays are on q's device. Returns `out` ([batch, heads, dim], q's dtype; with
         `out_scale`, a float32 device scalar, the output / out_scale saturated in e4m3).
-        `new_kv`: store this step's k/v first, in the same launch (NewKV)."""
+        `new_kv`: store this step's k/v first, in the same launch (NewKV); `rope`: q and
+        those k are not rotated yet (Rope; needs new_kv)."""
         batch, heads, dim = q.shape
         if (batch, heads, dim) != (self.batch, self.num_heads, self.head_dim):
             raise ValueError(
@@ -298,13 +331,16 @@ class PagedDecode:
         grid = (batch, self.num_kv_heads, self.num_splits)
         if t.heads_first:
             grid = (self.num_kv_heads, batch, self.num_splits)
+        if rope is not None and new_kv is None:
+            raise ValueError("rotating in the kernel needs the new k/v to store (new_kv)")
         new = new_kv or NewKV(q, q, kv_indptr, kv_indptr, kv_indptr)  # unread placeholders
+        cos_sin, positions = (rope.cos_sin, rope.positions) if rope else (self._stat, kv_indptr)
         if new_kv is not None and (new.k.stride(-1) != 1 or new.v.stride(-1) != 1):
             raise ValueError("the head dimension of the new k and v must be contiguous")
         launched = _split_kernel[grid](
             q, kv, page_indices, kv_indptr, last_page_len, out, self._part, self._stat,
             out_scale if fp8_out else self._stat,
-            new.k, new.v, new.rows, new.blocks, new.offsets,
+            new.k, new.v, new.rows, new.blocks, new.offsets, cos_sin, positions,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             out.stride(0), out.stride(1),
             new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
@@ -313,7 +349,7 @@ class PagedDecode:
             BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, OUT_FP8=fp8_out,
             PREFETCH=t.prefetch, HEADS_FIRST=t.heads_first,
             KV_EVICT="evict_first" if t.kv_evict_first else "",
-            STORE=new_kv is not None, POOL_FP8=kv.dtype == FP8_DTYPE,
+            STORE=new_kv is not None, POOL_FP8=kv.dtype == FP8_DTYPE, ROPE=rope is not None,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
         self.last_launch = launched

@@ -14,7 +14,13 @@ import torch
 from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.attention import build_layout, create_backend, stage_once
-from engine.attention.triton_decode import DecodeTiles, NewKV, PagedDecode, reference_decode
+from engine.attention.triton_decode import (
+    DecodeTiles,
+    NewKV,
+    PagedDecode,
+    Rope,
+    reference_decode,
+)
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -264,3 +270,54 @@ def test_triton_decode_stores_the_new_kv_as_the_store_kernel_does(splits: int) -
     got = kernel.run(q, pool[:, 1], *args, new_kv=NewKV(k, v, rows, slot_blocks, slot_offsets))
     assert torch.equal(pool.view(torch.uint8), composed.view(torch.uint8))
     assert torch.equal(got, want)
+
+
+def test_triton_decode_rotates_q_and_the_new_k_as_flashinfer_rope_does() -> None:
+    """Rope in the launch (the CUDA-graph path when the backend takes `graph_rope`) against
+    flashinfer's RoPE kernel, the store kernel and the plain launch: the same e4m3 codes but
+    where rounding the rotated k to bf16 first (flashinfer) tips one, and the same output
+    within bf16's rounding."""
+    from engine.fp8_kernels import store_kv
+    from engine.model import Rotary
+    from engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dict(
+        {"model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64,
+         "num_key_value_heads": 8, "intermediate_size": 64, "num_hidden_layers": 1,
+         "vocab_size": 32, "max_position_embeddings": 4096, "rope_theta": 500000.0}
+    )  # fmt: skip
+    rotary = Rotary(cfg, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens, page, kv_heads, heads, dim = [5, 17, 300, 1029], 16, 8, 64, 128
+    num_pages = [-(-n // page) for n in lens]
+    blocks = sum(num_pages) + 5
+    pool = torch.randn(blocks, 1, 2, page, kv_heads, dim, device="cuda", generator=g)
+    pool = pool.clamp(-4, 4).to(FP8_DTYPE)
+    order = torch.randperm(blocks, device="cuda", generator=g)[: sum(num_pages)].int()
+    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
+    ends = torch.tensor(lens) - 1
+    slot_blocks = order[indptr[:-1].long().cuda() + (ends // page).cuda()].contiguous()
+    slot_offsets = (ends % page).int().cuda()
+    positions = ends.int().cuda()
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim, device="cuda", generator=g)
+    qkv = qkv.bfloat16()
+    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    kernel = PagedDecode(len(lens), heads, kv_heads, dim, page, qkv.device, 1)
+    args = (order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07)
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return t[:, :heads], t[:, heads : heads + kv_heads], t[:, heads + kv_heads :]
+
+    composed, ref_qkv = pool.clone(), qkv.clone()
+    q, k, v = split(ref_qkv)
+    FlashInferOps().rope(positions, q, k, rotary)
+    store_kv(composed, 0, slot_blocks, slot_offsets, k, v, (0.05, 0.07))
+    want = kernel.run(q, composed[:, 0], *args)
+    q, k, v = split(qkv)
+    new_kv = NewKV(k, v, rows, slot_blocks, slot_offsets)
+    rope = Rope(rotary.cos_sin_cache, positions)
+    got = kernel.run(q, pool[:, 0], *args, new_kv=new_kv, rope=rope)
+    scale = torch.tensor(1.0, device="cuda")
+    _close_e4m3(pool, composed, scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)

@@ -20,6 +20,7 @@ from engine.attention.flashinfer_backend import select_decode_kernel
 from engine.attention.triton_decode import (
     DecodeTiles,
     NewKV,
+    Rope,
     default_splits,
     reference_decode,
 )
@@ -42,6 +43,7 @@ class Case:
     """An e4m3 output (o_proj's input) divided by this scale; None: q's dtype."""
     new_kv: NewKV | None = None
     """The kernel stores these k/v first (then the output is (attention, the pool))."""
+    rope: Rope | None = None
 
 
 def run_interpreted(inputs: str, outputs: str) -> None:
@@ -59,7 +61,7 @@ def run_interpreted(inputs: str, outputs: str) -> None:
         scale = dim**-0.5
         out_scale = None if c.out_scale is None else torch.tensor(c.out_scale)
         args = (c.q, c.kv, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale)
-        out = kernel.run(*args, out_scale=out_scale, new_kv=c.new_kv)
+        out = kernel.run(*args, out_scale=out_scale, new_kv=c.new_kv, rope=c.rope)
         outs.append(out if c.new_kv is None else (out, c.kv))
     torch.save(outs, outputs)
 
@@ -181,15 +183,34 @@ def test_interpreted_kernel_groups_query_heads_and_reads_the_head_major_view(
     check(cases, tmp_path)
 
 
+def rope_tables(dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cos_sin cache as the model lays it out, full cos, full sin) for rotate-half RoPE."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return cos_sin, torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+
+
+def rotated(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x [T, heads, D] rotated at positions [T] (float32 reference)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[positions][:, None] + turned * sin[positions][:, None]
+
+
+@pytest.mark.parametrize("with_rope", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_interpreted_kernel_stores_the_new_kv_then_attends_over_it(
-    dtype: torch.dtype, tmp_path: Path
+    dtype: torch.dtype, with_rope: bool, tmp_path: Path
 ) -> None:
     """With NewKV the launch first writes each sequence's new k/v (divided by the scales, in
     the pool's dtype) at its slot, its last token's, and attends over the pool with them;
     nothing else in the pool changes. Row 4 is a CUDA-graph padding row: it writes row 0's
-    values to row 0's slot again."""
+    values to row 0's slot again. With Rope, q and the new k arrive unrotated and the kernel
+    rotates them (q at its row's position, k at its source row's)."""
     lens = [1, 9, 37, 70, 1]
+    positions = torch.tensor([0, 8, 36, 69, 0], dtype=torch.int32)  # the padding row: 0
+    cos_sin, cos, sin = rope_tables(32, 128)
     cases: list[Case] = []
     stores: list[tuple[torch.Tensor, torch.Tensor]] = []
     for splits in (1, 4):
@@ -202,14 +223,16 @@ def test_interpreted_kernel_stores_the_new_kv_then_attends_over_it(
         gen = torch.Generator().manual_seed(7 + splits)
         k, v = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
         rows = torch.tensor([0, 1, 2, 3, 0], dtype=torch.int32)
+        rope = Rope(cos_sin, positions) if with_rope else None
+        k_stored = rotated(k, positions.long(), cos, sin) if with_rope else k
         exact = c.kv.float()  # what the pool must hold afterwards, before rounding
         written = torch.zeros(exact.shape, dtype=torch.bool)
         for b in range(5):
-            for i, (x, scale) in enumerate(((k, c.k_scale), (v, c.v_scale))):
+            for i, (x, scale) in enumerate(((k_stored, c.k_scale), (v, c.v_scale))):
                 slot = (int(blocks[b]), i, int(offsets[b]))
                 exact[slot] = (x[int(rows[b])] / scale).clamp(-448, 448)
                 written[slot] = True
-        cases.append(replace(c, new_kv=NewKV(k, v, rows, blocks.int(), offsets)))
+        cases.append(replace(c, new_kv=NewKV(k, v, rows, blocks.int(), offsets), rope=rope))
         stores.append((exact, written))
     outs = interpret(cases, tmp_path)
     for c, (got, pool), (exact, written) in zip(cases, outs, stores, strict=True):
@@ -219,7 +242,8 @@ def test_interpreted_kernel_stores_the_new_kv_then_attends_over_it(
         else:
             assert torch.equal(pool[written], exact[written])
         scale = c.q.shape[-1] ** -0.5
-        want = reference_decode(c.q, pool, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale)
+        q = rotated(c.q, positions.long(), cos, sin) if with_rope else c.q
+        want = reference_decode(q, pool, c.pages, c.indptr, c.last, scale, c.k_scale, c.v_scale)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
