@@ -8,13 +8,21 @@ per-layer K/V scales out of the inner loop (one multiply of the scores, one of t
 
 Two launches, flash-decoding style (split-KV):
 
-- `_split_kernel`, grid (sequences, KV heads, splits): program (b, h, s) loads the GROUP
+- `_split_kernel`, grid (KV heads, sequences, splits): program (h, b, s) loads the GROUP
   query heads that share KV head h (padded to 16 rows for the dot), walks its split's share
   of sequence b's tokens BLOCK_N at a time through the page list, gathering each token's K
   and V row of head h from its page, and keeps an online softmax (base 2). It writes its
   partial output (normalized by its own sum), its running max and its log-sum; with one
   split it writes the final output instead and there is no second launch.
 - `_merge_kernel`, grid (sequences, query heads): combines the splits' partials.
+
+What would otherwise be separate kernels around it, the CUDA-graph decode folds into the
+same launch (each one launch fewer a layer, ~2-3 µs with its gap on the H200):
+- `NewKV`: the program whose split holds the sequence's last token first stores this step's
+  k/v row of head h into the pool (quantized for an e4m3 pool), then reads it back with the
+  rest; no store kernel runs.
+- `Rope`: q and that k arrive unrotated and are rotated in float32 on load; no RoPE kernel.
+- `out_scale`: the output is written as o_proj's e4m3 input; no cast kernel.
 
 Inputs are those flashinfer's plan takes, already on the device: `kv_indptr` (sequence b's
 pages are page_indices[kv_indptr[b]:kv_indptr[b+1]]) and `last_page_len`. Nothing is planned
