@@ -15,8 +15,9 @@ Single-token decodes over an e4m3 pool go to the Triton split-KV kernel instead
 (engine/attention/triton_decode.py, `EngineConfig.decode_attention`): it reads the staged
 device page arrays directly (no host plan) and measured 1.55x its KV-read floor on the H200
 where flashinfer's e4m3 decode ran at 1.83x (benchmarks/bench_attention.py). In a CUDA-graph
-step it writes o_proj's e4m3 input itself when the model passes that projection's static
-scale (`out_scale`, model.Attend).
+step that one launch also stores the step's k/v (no store kernel), rotates q and k (the
+backend takes `graph_rope`, so the model runs no RoPE op there) and writes o_proj's e4m3
+input when the model passes that projection's static scale (`out_scale`, model.Attend).
 
 Kernel choice is pinned to fa2: "auto" may pick fa3 (a 100 s JIT on the H200), cuDNN or XQA
 routes whose constraints differ. Plans take host (CPU) copies of the small indptr arrays
