@@ -240,9 +240,14 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     assert after[tp_id][0].tp_size == 2
     assert rank_actors() == ranks  # the follower rank and the group stay the worker's
     assert ray.get(ray.get_actor(follower_name(tp_id, 1)).ping.remote(), timeout=30) == "serving"
-    status = tp_cluster.admin.Status(pb.StatusRequest(), timeout=30)
-    by_role = {w.role: w for w in status.workers}
-    assert (by_role["prefill"].worker_id, by_role["prefill"].tp_size) == (tp_id, 2)
+
+    def listed() -> bool:  # the router's view fills again from the restarted controller
+        status = tp_cluster.admin.Status(pb.StatusRequest(), timeout=30)
+        return any(
+            (w.role, w.worker_id, w.tp_size) == ("prefill", tp_id, 2) for w in status.workers
+        )
+
+    wait(listed, "the adopted TP worker in the cluster status", 60)
     for prompt in corpus_prompts[17:20]:
         assert generate(tp_cluster, prompt) == hf_greedy(prompt, MAX_TOKENS)
     # the tests after this one rebalance and stop the cluster through the restarted controller
