@@ -29,6 +29,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
+from cuda_timing import graph_seconds, hbm_gbps
 
 from engine.attention.triton_decode import (
     DecodeTiles,
@@ -42,20 +43,6 @@ LAYERS = 2
 KV_HEADS, DIM = 8, 128
 CALLS = 16
 """Calls per timed CUDA-graph replay."""
-
-
-def hbm_gbps() -> float:
-    """Device copy bandwidth, read + write counted (GB/s)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 class Case:
@@ -109,23 +96,12 @@ def graph_time(call: Callable[[int], object], iters: int) -> float:
     """Seconds per call, from CUDA-graph replays of CALLS calls alternating layers."""
     for i in range(3):
         call(i % LAYERS)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+
+    def body() -> None:
         for i in range(CALLS):
             call(i % LAYERS)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (iters * CALLS)
+
+    return graph_seconds(body, iters) / CALLS
 
 
 def flashinfer_decode(case: Case, tensor_cores: bool, view: Callable[[int], torch.Tensor]):

@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_timing import graph_seconds, hbm_gbps
 
 from engine.fp8 import FP8_DTYPE
 
@@ -30,40 +33,6 @@ SHAPES = {  # name: (N, K) of the Llama-3-70B projections
     "gate_up": (57344, 8192),
     "down": (8192, 28672),
 }
-
-
-def hbm_gbps() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
-
-
-def graph_us(body, iters: int = 20) -> float:
-    """µs per body() call from CUDA-graph replays of one capture of it."""
-    body()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def main() -> None:
@@ -96,7 +65,7 @@ def main() -> None:
             got = {}
             for label, body in (("x·Wᵀ", x_wt), ("W·xᵀ", w_xt)):
                 try:
-                    got[label] = graph_us(body) / LAYERS
+                    got[label] = graph_seconds(body) * 1e6 / LAYERS
                 except RuntimeError as e:  # a shape cuBLASLt refuses
                     print(f"{name} M={m} {label}: {e}"[:200])
             for label, us in got.items():

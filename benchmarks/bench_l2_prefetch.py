@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_timing import graph_seconds
 
 from engine.attention.triton_decode import DecodeTiles, PagedDecode
 from engine.fp8 import FP8_DTYPE
@@ -46,24 +50,8 @@ def _touch(ptr, n_words, sink_ptr, BLOCK: tl.constexpr):
     tl.store(sink_ptr + pid, total, mask=total == -123456789)
 
 
-def graph_ms(body, iters: int = 20) -> float:
-    body()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+def graph_ms(body: Callable[[], object]) -> float:
+    return graph_seconds(body) * 1e3
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ tests/integration/engine/test_engine_fp8.py, <= for bf16's coarse logits)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -240,35 +241,60 @@ def test_gate_up_column_major_feeds_silu_mul_the_same(rows: int) -> None:
     )
 
 
+@dataclass(frozen=True)
+class GraphDecode:
+    """Four sequences over an e4m3 pool (pages in random order) as a CUDA-graph decode step
+    sees them: page arrays, each sequence's last-token slot and position, and a qkv output."""
+
+    pool: torch.Tensor  # [blocks, layers, 2, page, kv_heads, dim]
+    args: tuple  # PagedDecode.run's arguments after q and the pool view
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    positions: torch.Tensor
+    qkv: torch.Tensor  # [4, heads + 2 kv_heads, dim], bf16
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads = qkv.shape[1] - 16
+        return qkv[:, :heads], qkv[:, heads : heads + 8], qkv[:, heads + 8 :]
+
+
+def _graph_decode(seed: int, layers: int, heads: int = 64) -> GraphDecode:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens, page, kv_heads, dim = [5, 17, 300, 1029], 16, 8, 128
+    num_pages = [-(-n // page) for n in lens]
+    blocks = sum(num_pages) + 5
+    pool = torch.randn(blocks, layers, 2, page, kv_heads, dim, device="cuda", generator=g)
+    order = torch.randperm(blocks, device="cuda", generator=g)[: sum(num_pages)].int()
+    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
+    ends = torch.tensor(lens) - 1
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim, device="cuda", generator=g)
+    return GraphDecode(
+        pool=pool.clamp(-4, 4).to(FP8_DTYPE),
+        args=(order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07),
+        slot_blocks=order[indptr[:-1].long().cuda() + (ends // page).cuda()].contiguous(),
+        slot_offsets=(ends % page).int().cuda(),
+        positions=ends.int().cuda(),
+        qkv=qkv.bfloat16(),
+    )
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_triton_decode_stores_the_new_kv_as_the_store_kernel_does(splits: int) -> None:
     """One launch that stores the step's k/v and attends (the CUDA-graph path) leaves the
     pool bit-equal to the fused store kernel followed by the attention, and the same output."""
     from engine.fp8_kernels import store_kv
 
-    g = torch.Generator(device="cuda").manual_seed(10 + splits)
-    lens, page, kv_heads, heads, dim, layers = [5, 17, 300, 1029], 16, 8, 64, 128, 2
-    num_pages = [-(-n // page) for n in lens]
-    blocks = sum(num_pages) + 5
-    pool = torch.randn(blocks, layers, 2, page, kv_heads, dim, device="cuda", generator=g)
-    pool = pool.clamp(-4, 4).to(FP8_DTYPE)
-    order = torch.randperm(blocks, device="cuda", generator=g)[: sum(num_pages)].int()
-    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
-    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
-    ends = torch.tensor(lens) - 1
-    slot_blocks = order[indptr[:-1].long().cuda() + (ends // page).cuda()].contiguous()
-    slot_offsets = (ends % page).int().cuda()
-    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim, device="cuda", generator=g)
-    qkv = qkv.bfloat16()
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
-    kernel = PagedDecode(len(lens), heads, kv_heads, dim, page, q.device, splits)
-    args = (order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07)
-    composed = pool.clone()
-    store_kv(composed, 1, slot_blocks, slot_offsets, k, v, (0.05, 0.07))
-    want = kernel.run(q, composed[:, 1], *args)
-    got = kernel.run(q, pool[:, 1], *args, new_kv=NewKV(k, v, rows, slot_blocks, slot_offsets))
-    assert torch.equal(pool.view(torch.uint8), composed.view(torch.uint8))
+    case = _graph_decode(10 + splits, layers=2)
+    q, k, v = case.split(case.qkv)
+    rows = torch.arange(q.shape[0], dtype=torch.int32, device="cuda")
+    kernel = PagedDecode(q.shape[0], q.shape[1], 8, 128, 16, q.device, splits)
+    composed = case.pool.clone()
+    store_kv(composed, 1, case.slot_blocks, case.slot_offsets, k, v, (0.05, 0.07))
+    want = kernel.run(q, composed[:, 1], *case.args)
+    new_kv = NewKV(k, v, rows, case.slot_blocks, case.slot_offsets)
+    got = kernel.run(q, case.pool[:, 1], *case.args, new_kv=new_kv)
+    assert torch.equal(case.pool.view(torch.uint8), composed.view(torch.uint8))
     assert torch.equal(got, want)
 
 
@@ -287,37 +313,17 @@ def test_triton_decode_rotates_q_and_the_new_k_as_flashinfer_rope_does() -> None
          "vocab_size": 32, "max_position_embeddings": 4096, "rope_theta": 500000.0}
     )  # fmt: skip
     rotary = Rotary(cfg, torch.device("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(3)
-    lens, page, kv_heads, heads, dim = [5, 17, 300, 1029], 16, 8, 64, 128
-    num_pages = [-(-n // page) for n in lens]
-    blocks = sum(num_pages) + 5
-    pool = torch.randn(blocks, 1, 2, page, kv_heads, dim, device="cuda", generator=g)
-    pool = pool.clamp(-4, 4).to(FP8_DTYPE)
-    order = torch.randperm(blocks, device="cuda", generator=g)[: sum(num_pages)].int()
-    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
-    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, num_pages, strict=True)])
-    ends = torch.tensor(lens) - 1
-    slot_blocks = order[indptr[:-1].long().cuda() + (ends // page).cuda()].contiguous()
-    slot_offsets = (ends % page).int().cuda()
-    positions = ends.int().cuda()
-    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim, device="cuda", generator=g)
-    qkv = qkv.bfloat16()
-    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
-    kernel = PagedDecode(len(lens), heads, kv_heads, dim, page, qkv.device, 1)
-    args = (order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07)
-
-    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return t[:, :heads], t[:, heads : heads + kv_heads], t[:, heads + kv_heads :]
-
-    composed, ref_qkv = pool.clone(), qkv.clone()
-    q, k, v = split(ref_qkv)
-    FlashInferOps().rope(positions, q, k, rotary)
-    store_kv(composed, 0, slot_blocks, slot_offsets, k, v, (0.05, 0.07))
-    want = kernel.run(q, composed[:, 0], *args)
-    q, k, v = split(qkv)
-    new_kv = NewKV(k, v, rows, slot_blocks, slot_offsets)
-    rope = Rope(rotary.cos_sin_cache, positions)
-    got = kernel.run(q, pool[:, 0], *args, new_kv=new_kv, rope=rope)
-    scale = torch.tensor(1.0, device="cuda")
-    _close_e4m3(pool, composed, scale)
+    case = _graph_decode(3, layers=1)
+    rows = torch.arange(case.qkv.shape[0], dtype=torch.int32, device="cuda")
+    kernel = PagedDecode(case.qkv.shape[0], 64, 8, 128, 16, case.qkv.device, 1)
+    composed, ref_qkv = case.pool.clone(), case.qkv.clone()
+    q, k, v = case.split(ref_qkv)
+    FlashInferOps().rope(case.positions, q, k, rotary)
+    store_kv(composed, 0, case.slot_blocks, case.slot_offsets, k, v, (0.05, 0.07))
+    want = kernel.run(q, composed[:, 0], *case.args)
+    q, k, v = case.split(case.qkv)
+    new_kv = NewKV(k, v, rows, case.slot_blocks, case.slot_offsets)
+    rope = Rope(rotary.cos_sin_cache, case.positions)
+    got = kernel.run(q, case.pool[:, 0], *case.args, new_kv=new_kv, rope=rope)
+    _close_e4m3(case.pool, composed, torch.tensor(1.0, device="cuda"))
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
