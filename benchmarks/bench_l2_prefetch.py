@@ -7,8 +7,9 @@ weights, so nothing is in L2 from the call before), the pair attention → o_pro
 
 - serial: as the engine runs it today;
 - prefetch P MiB: a side-stream kernel (a parallel branch in the graph) reads the first P MiB
-  of the layer's o_proj weights with L2 evict-last hints while attention runs (its KV loads
-  evict-first), then the GEMM runs.
+  of the layer's o_proj weights with L2 evict-last hints while attention runs, then the GEMM
+  runs. (The 2026-12-05 run also read the KV with evict-first hints: no difference, so that
+  option of the decode kernel was removed.)
 
     python benchmarks/bench_l2_prefetch.py [--mib 0,16,24,32,40] [--programs 8,16,32]
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_timing import graph_seconds
 
-from engine.attention.triton_decode import DecodeTiles, PagedDecode
+from engine.attention.triton_decode import PagedDecode
 from engine.fp8 import FP8_DTYPE
 
 LAYERS = 8
@@ -77,54 +78,49 @@ def main() -> None:
     sink = torch.zeros(1024, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
     results: list[tuple[str, float]] = []
-    for evict_first in (False, True):
-        tiles = DecodeTiles(kv_evict_first=evict_first)
-        kernel = PagedDecode(B, HEADS, KV_HEADS, DIM, PAGE, q.device, 1, tiles)
-        out = torch.empty(B, HEADS, DIM, dtype=FP8_DTYPE, device="cuda")
+    kernel = PagedDecode(B, HEADS, KV_HEADS, DIM, PAGE, q.device, 1)
+    out = torch.empty(B, HEADS, DIM, dtype=FP8_DTYPE, device="cuda")
 
-        def attend(i: int, kernel: PagedDecode = kernel, out: torch.Tensor = out) -> None:
-            kernel.run(q, pools[i], indices, indptr, last, DIM**-0.5, 0.05, 0.05, out, one)
+    def attend(i: int) -> None:
+        kernel.run(q, pools[i], indices, indptr, last, DIM**-0.5, 0.05, 0.05, out, one)
 
-        def gemm(i: int, out: torch.Tensor = out) -> torch.Tensor:
-            x = out.view(B, HEADS * DIM)
-            return torch._scaled_mm(
-                x, weights[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
-            )
+    def gemm(i: int) -> torch.Tensor:
+        x = out.view(B, HEADS * DIM)
+        bf16 = torch.bfloat16
+        return torch._scaled_mm(x, weights[i].t(), scale_a=one, scale_b=one, out_dtype=bf16)
 
-        def attend_only(attend=attend) -> None:
-            for i in range(LAYERS):
-                attend(i)
+    def attend_only() -> None:
+        for i in range(LAYERS):
+            attend(i)
 
-        def gemm_only(gemm=gemm) -> None:
-            for i in range(LAYERS):
-                gemm(i)
+    def gemm_only() -> None:
+        for i in range(LAYERS):
+            gemm(i)
 
-        tag = "kv evict-first" if evict_first else "kv default"
-        results.append((f"attention alone ({tag})", graph_ms(attend_only) / LAYERS))
-        if not evict_first:
-            results.append(("o_proj GEMM alone", graph_ms(gemm_only) / LAYERS))
-        for mib in [int(x) for x in args.mib.split(",")]:
-            for programs in [int(x) for x in args.programs.split(",")] if mib else [0]:
-                words = mib * (1 << 20) // 4
+    results.append(("attention alone", graph_ms(attend_only) / LAYERS))
+    results.append(("o_proj GEMM alone", graph_ms(gemm_only) / LAYERS))
+    for mib in [int(x) for x in args.mib.split(",")]:
+        for programs in [int(x) for x in args.programs.split(",")] if mib else [0]:
+            words = mib * (1 << 20) // 4
 
-                def body(attend=attend, gemm=gemm, words=words, programs=programs) -> None:
-                    main_stream = torch.cuda.current_stream()
-                    for i in range(LAYERS):
-                        if words:
-                            side.wait_stream(main_stream)
-                            with torch.cuda.stream(side):
-                                _touch[(programs,)](
-                                    weights[i].view(torch.int32), words, sink, BLOCK=4096
-                                )
-                        attend(i)
-                        if words:
-                            main_stream.wait_stream(side)
-                        gemm(i)
+            def body(words: int = words, programs: int = programs) -> None:
+                main_stream = torch.cuda.current_stream()
+                for i in range(LAYERS):
+                    if words:
+                        side.wait_stream(main_stream)
+                        with torch.cuda.stream(side):
+                            _touch[(programs,)](
+                                weights[i].view(torch.int32), words, sink, BLOCK=4096
+                            )
+                    attend(i)
+                    if words:
+                        main_stream.wait_stream(side)
+                    gemm(i)
 
-                ms = graph_ms(body) / LAYERS
-                name = f"attn -> o_proj, prefetch {mib} MiB x{programs} ({tag})"
-                results.append((name, ms))
-                print(f"{name:<60}{ms * 1e3:8.1f} us", flush=True)
+            ms = graph_ms(body) / LAYERS
+            name = f"attn -> o_proj, prefetch {mib} MiB x{programs}"
+            results.append((name, ms))
+            print(f"{name:<60}{ms * 1e3:8.1f} us", flush=True)
     print("\n| what | µs per layer |\n|---|---|")
     for name, ms in results:
         print(f"| {name} | {ms * 1e3:.1f} |")

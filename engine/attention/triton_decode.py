@@ -94,9 +94,6 @@ class DecodeTiles:
     """Grid (KV heads, sequences, splits): the KV heads of one sequence run side by side,
     so their reads of a page (one 16-token run of every head) are adjacent in time (H200:
     97.2 µs vs 98.1 with sequences first)."""
-    kv_evict_first: bool = False
-    """Read K/V with L2 evict-first hints: the streamed KV leaves what else is in L2 (weights
-    prefetched beside the kernel) in place."""
 
 
 @triton.jit
@@ -137,7 +134,7 @@ def _split_kernel(
     num_splits, scale_log2, v_scale, inv_k, inv_v,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr, OUT_FP8: tl.constexpr,
-    PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr, KV_EVICT: tl.constexpr,
+    PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
     STORE: tl.constexpr, POOL_FP8: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FIRST:
@@ -206,9 +203,9 @@ def _split_kernel(
             page = tl.load(page_ids + tok // PAGE, mask=tok_ok, other=0)
         row = page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + h * s_head
         ptrs = kv_ptr + row[:, None] + dims[None, :]
-        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0, eviction_policy=KV_EVICT)
+        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
         if KV_FIRST:
-            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0, eviction_policy=KV_EVICT)
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
         if PREFETCH:
             after = tok + BLOCK_N
             next_page = tl.load(page_ids + after // PAGE, mask=after < hi, other=0)
@@ -219,7 +216,7 @@ def _split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not KV_FIRST:
-            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0, eviction_policy=KV_EVICT)
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
         m_i = m_new
 
@@ -356,7 +353,6 @@ class PagedDecode:
             GROUP=self.group, ROWS=self.rows, HEAD_DIM=dim, PAGE=self.page_size,
             BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, OUT_FP8=fp8_out,
             PREFETCH=t.prefetch, HEADS_FIRST=t.heads_first,
-            KV_EVICT="evict_first" if t.kv_evict_first else "",
             STORE=new_kv is not None, POOL_FP8=kv.dtype == FP8_DTYPE, ROPE=rope is not None,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
