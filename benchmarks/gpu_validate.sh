@@ -12,6 +12,7 @@
 #   enginestep  benchmarks/bench_engine.py --engine-step (LLMEngine.step(), overlap scheduling
 #            on/off, vs the pure CUDA-graph decode at B=1/8/16/64; host profile of the step)
 #   fp8      the FP8 GPU tests, then benchmarks/bench_fp8.py (bf16 vs FP8 weights, one run)
+#   fp8t     the FP8 GPU tests alone
 #   fp8big   benchmarks/bench_fp8.py --shape llama3-70b (FP8 dummy weights + FP8 KV)
 #   kv       benchmarks/bench_kv_transfer.py --gpu (needs 2 GPUs for the VRAM->VRAM figure)
 #   router   benchmarks/bench_router.py on this host's CPUs (tiny model, CPU workers)
@@ -65,7 +66,8 @@ config_model() {  # config.json and tokenizer of a preset, for --load-format dum
   [ -f "/tmp/cfg-$1/config.json" ] || python -m deploy.cli make-model "/tmp/cfg-$1" --preset "$1" \
     --config-only > "$OUT/make_cfg_$1.log" 2>&1
 }
-# `gpu_validate.sh STEP... -- CMD ARGS`: run CMD last, in the same environment (log: cmd.log)
+# `gpu_validate.sh STEP... -- CMD ARGS`: run CMD last, in the same environment (log: cmd.log;
+# time limit CMD_LIMIT seconds, default 300)
 STEPS=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do STEPS="$STEPS $1"; shift; done
 [ "${1:-}" = "--" ] && shift
@@ -78,8 +80,8 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   tests) step gpu_tests 280 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
   engine) step bench_engine 170 python benchmarks/bench_engine.py ;;
   enginestep) TAILN=${TAILN:-40} step bench_engine_step 300 python benchmarks/bench_engine.py --engine-step ;;
-  fp8) step fp8_tests 200 python -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_gpu.py -q -rA -p no:cacheprovider
-    step bench_fp8 400 python benchmarks/bench_fp8.py ;;
+  fp8|fp8t) step fp8_tests 200 python -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_gpu.py -q -rA -p no:cacheprovider
+    [ "$s" = fp8 ] && step bench_fp8 400 python benchmarks/bench_fp8.py ;;
   attention) step bench_attention 240 python benchmarks/bench_attention.py --dtypes e4m3,bf16 \
     --kernels fi-tc,triton --block-n 64,128 --stages 2,3 --warps 4 --splits 1,2 \
     --kv-first 0,1 --prefetch 0,1 ;;
@@ -134,4 +136,4 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
 done
-if [ $# -gt 0 ]; then TAILN=${TAILN:-80} step cmd 300 "$@"; fi
+if [ $# -gt 0 ]; then TAILN=${TAILN:-80} step cmd "${CMD_LIMIT:-300}" "$@"; fi
