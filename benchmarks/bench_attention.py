@@ -33,7 +33,9 @@ from cuda_timing import graph_seconds, hbm_gbps
 
 from engine.attention.triton_decode import (
     DecodeTiles,
+    NewKV,
     PagedDecode,
+    Rope,
     max_abs_error,
     reference_decode,
 )
@@ -144,18 +146,47 @@ def xqa_decode(case: Case):
     return call, out
 
 
-def triton_decode(case: Case, splits: int, tiles: DecodeTiles, fp8_out: int = 0):
+def graph_step_inputs(case: Case) -> tuple[list[NewKV], Rope]:
+    """What the CUDA-graph decode hands the launch besides q (NewKV and Rope): each
+    sequence's last token's k/v as the pool holds it, dequantized to bf16 (so storing them
+    again changes the pool by rounding at most), at positions rotated by an identity table
+    (cos 1, sin 0), so the reference of the plain launch still holds."""
+    b = case.q.shape[0]
+    blocks = case.table[:, -1].contiguous()
+    offsets = (case.dev_last - 1).int()
+    rows = torch.arange(b, dtype=torch.int32, device="cuda")
+    new = []
+    for layer in range(LAYERS):
+        last = case.layer(layer)[blocks.long(), :, offsets.long()].float()  # [b, 2, heads, D]
+        k = (last[:, 0] * case.k_scale).bfloat16().contiguous()
+        v = (last[:, 1] * case.v_scale).bfloat16().contiguous()
+        new.append(NewKV(k, v, rows, blocks, offsets))
+    positions = (case.seq_lens - 1).int()
+    identity = torch.cat((torch.ones(1, DIM // 2), torch.zeros(1, DIM // 2)), -1)
+    cos_sin = identity.expand(int(case.seq_lens.max()), DIM).contiguous().cuda()
+    return new, Rope(cos_sin, positions)
+
+
+def triton_decode(case: Case, splits: int, tiles: DecodeTiles, fp8_out: int = 0, fused: int = 0):
     """The Triton kernel's launch; `fp8_out`: it writes e4m3 (o_proj's input) with scale 1/64,
-    checked against the reference through that scale (the returned `out` is dequantized)."""
+    checked against the reference through that scale (the returned `out` is dequantized);
+    `fused`: as the CUDA-graph decode runs it, storing the step's k/v and rotating q and k
+    (`graph_step_inputs`)."""
     b = case.q.shape[0]
     kernel = PagedDecode(b, case.qo_heads, KV_HEADS, DIM, case.page, case.q.device, splits, tiles)
     scale = torch.tensor(2.0**-6, device="cuda") if fp8_out else None
     out = torch.empty_like(case.q, dtype=torch.float8_e4m3fn if fp8_out else case.q.dtype)
+    new: list[NewKV | None] = [None] * LAYERS
+    rope: Rope | None = None
+    if fused:
+        steps, rope = graph_step_inputs(case)
+        new = list(steps)
 
     def call(layer: int) -> torch.Tensor:
         return kernel.run(
             case.q, case.layer(layer), case.indices, case.dev_indptr, case.dev_last,
             DIM**-0.5, case.k_scale, case.v_scale, out=out, out_scale=scale,
+            new_kv=new[layer], rope=rope,
         )  # fmt: skip
 
     class Dequantized:  # what `measure` compares with the reference, read after the call
@@ -194,22 +225,30 @@ def measure(name: str, case: Case, make: Callable[[], tuple], ref: torch.Tensor,
 
 def sweep_triton(case: Case, ref: torch.Tensor, args, gbps, layout: str = "block") -> None:
     best: tuple[float, str] | None = None
-    for block_n, warps, stages, splits, kv_first, prefetch, hf, fp8_out in itertools.product(
-        args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch,
-        args.heads_first, args.fp8_out,
+    for block_n, warps, stages, splits, kv_first, prefetch, hf, fp8_out, fused, e4m3 in (
+        itertools.product(
+            args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch,
+            args.heads_first, args.fp8_out, args.fused, args.scores_fp8,
+        )
     ):  # fmt: skip
-        tiles = DecodeTiles(block_n, warps, stages, bool(kv_first), bool(prefetch), bool(hf))
+        if e4m3 and case.kv_dtype != torch.float8_e4m3fn:
+            continue
+        tiles = DecodeTiles(
+            block_n, warps, stages, bool(kv_first), bool(prefetch), bool(hf), bool(e4m3)
+        )
         name = (
             f"triton {layout} n{block_n} w{warps} s{stages} split{splits}"
             f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}"
-            f"{' hf' if hf else ''}{' o8' if fp8_out else ''}"
+            f"{' hf' if hf else ''}{' o8' if fp8_out else ''}{' fused' if fused else ''}"
+            f"{' e4m3-scores' if e4m3 else ''}"
         )
         holder: dict[str, PagedDecode] = {}
 
         def make(
-            t: DecodeTiles = tiles, s: int = splits, h: dict = holder, o8: int = fp8_out
-        ) -> tuple:
-            call, out, kernel = triton_decode(case, s, t, o8)
+            t: DecodeTiles = tiles, s: int = splits, h: dict = holder, o8: int = fp8_out,
+            f: int = fused,
+        ) -> tuple:  # fmt: skip
+            call, out, kernel = triton_decode(case, s, t, o8, f)
             h["kernel"] = kernel
             return call, out
 
@@ -316,6 +355,14 @@ def main() -> None:
     parser.add_argument("--prefetch", type=ints, default=[0], help="0,1: page ids a step ahead")
     parser.add_argument("--heads-first", type=ints, default=[1], help="0,1: grid KV heads first")
     parser.add_argument("--fp8-out", type=ints, default=[0], help="0,1: e4m3 output (o_proj's)")
+    parser.add_argument(
+        "--fused", type=ints, default=[0],
+        help="0,1: also store the step's k/v and rotate q/k in the launch (the graph decode)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scores-fp8", type=ints, default=[0],
+        help="0,1: q rounded to e4m3, scores as K q^T over e4m3 (DecodeTiles.scores_fp8)",
+    )  # fmt: skip
     parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
     parser.add_argument("--dtypes", default="bf16,e4m3")
     args = parser.parse_args()

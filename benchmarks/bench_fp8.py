@@ -151,6 +151,10 @@ def main() -> None:
         help="also profile the decode step at this batch: CUDA time per kernel (torch.profiler)",
     )  # fmt: skip
     parser.add_argument(
+        "--e4m3-scores", action="store_true",
+        help="also time fp8+kv8 with decode_attention triton-e4m3-scores (q rounded to e4m3)",
+    )  # fmt: skip
+    parser.add_argument(
         "--gate-up-column-major", action="store_true",
         help="also time fp8+kv8 with gate/up as W @ x.T (a column-major output)",
     )  # fmt: skip
@@ -235,8 +239,9 @@ def main() -> None:
         print(f"   {label}: relative logit error {err:.2e}, argmax agreement {same:.1%}")
         ROWS.append((f"logit error vs float32, {label}", f"{err:.2e}", f"argmax {same:.1%}", ""))
 
-    def make_runner() -> ModelRunner:
+    def make_runner(decode_attention: str = "auto") -> ModelRunner:
         config = EngineConfig(
+            decode_attention=decode_attention,
             model_dir="random:llama3-8b",
             block_size=bs,
             attention_backend="flashinfer",
@@ -250,8 +255,11 @@ def main() -> None:
         runner.warmup(256)
         return runner
 
-    def bench(label: str) -> dict[int, float]:
-        runner = step(f"{label}: CUDA-graph runner (capture + warm-up)", make_runner)
+    def bench(label: str, decode_attention: str = "auto") -> dict[int, float]:
+        runner = step(
+            f"{label}: CUDA-graph runner (capture + warm-up)",
+            functools.partial(make_runner, decode_attention),
+        )
         if runner is None:
             return {}
         weights = weight_read_bytes(model)
@@ -332,6 +340,8 @@ def main() -> None:
             part.copy_(torch.randn(part.shape, device="cuda").clamp(-8, 8))
         kv_holder["kv"], kv_holder["bytes"] = kv8, 1
         results["fp8+kv8"] = bench("fp8+kv8")
+        if args.e4m3_scores:  # the same with the decode attention's scores in e4m3
+            results["fp8+kv8 e4m3 scores"] = bench("fp8+kv8 e4m3 scores", "triton-e4m3-scores")
         if args.gate_up_column_major:  # the same again, gate/up computed as W @ x.T
             for layer in model.layers:
                 cast(DecoderLayer, layer).gate_up_column_major = True

@@ -30,7 +30,7 @@ KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major")
 """Choices of EngineConfig.kv_layout (engine/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
-DECODE_ATTENTION_CHOICES = ("auto", "flashinfer", "triton")
+DECODE_ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "triton-e4m3-scores")
 """Choices of EngineConfig.decode_attention."""
 LORA_KERNELS = ("auto", "torch", "flashinfer", "triton")
 """Choices of EngineConfig.lora_kernel: the CUDA-graph LoRA kernel (eager steps always run
@@ -125,7 +125,8 @@ class EngineConfig:
     """The flashinfer backend's single-token decode kernel: auto (the Triton split-KV kernel
     of engine/attention/triton_decode.py for an e4m3 KV pool, where it measured 1.55x its KV
     floor against flashinfer's 1.83x on the H200; flashinfer's tensor-core decode for a float
-    pool), flashinfer, triton."""
+    pool), flashinfer, triton, triton-e4m3-scores (an e4m3 pool only: the Triton kernel with
+    q rounded to e4m3 per head so the scores' dot reads K as stored, `DecodeTiles.scores_fp8`)."""
     layer_ops: str = "auto"
     """Norm / residual / RoPE / SiLU ops of each layer: auto (flashinfer's fused kernels for a
     CUDA fp16/bf16 model when flashinfer imports and they pass a start-up self-check against

@@ -49,15 +49,23 @@ WORKSPACE_BYTES = 256 << 20
 """flashinfer's float workspace (split-KV partial outputs); 128 MiB is its recommendation."""
 
 KERNEL_BACKEND = "fa2"
+TRITON_E4M3_SCORES = "triton-e4m3-scores"
 
 
 def select_decode_kernel(requested: str, kv_dtype: str, device: torch.device) -> str:
-    """The decode kernel for `requested` ("auto", "flashinfer", "triton"): auto takes Triton
-    for an e4m3 pool (when triton imports) and flashinfer's otherwise."""
+    """The decode kernel for `requested` ("auto", "flashinfer", "triton", "triton-e4m3-scores"):
+    auto takes Triton for an e4m3 pool (when triton imports) and flashinfer's otherwise;
+    triton-e4m3-scores is Triton's kernel with e4m3 scores, for an e4m3 pool only."""
     if requested == "flashinfer":
         return requested
-    if requested not in ("auto", "triton"):
-        raise ValueError(f"decode_attention: auto, flashinfer or triton, got {requested!r}")
+    if requested not in ("auto", "triton", TRITON_E4M3_SCORES):
+        raise ValueError(
+            f"decode_attention: auto, flashinfer, triton or {TRITON_E4M3_SCORES}, got {requested!r}"
+        )
+    if requested == TRITON_E4M3_SCORES and kv_dtype != FP8_KV_DTYPE:
+        raise ValueError(f"decode_attention {requested} needs an fp8 KV cache, got {kv_dtype}")
+    if requested == TRITON_E4M3_SCORES:
+        requested = "triton"
     if requested == "auto" and kv_dtype != FP8_KV_DTYPE:
         return "flashinfer"
     reason = None
@@ -111,6 +119,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_kernel = select_decode_kernel(
             decode_attention, kv_cache.spec.dtype, kv_cache.device
         )
+        self._scores_fp8 = decode_attention == TRITON_E4M3_SCORES
         self._triton: dict[tuple[int, bool], PagedDecode] = {}
         """(batch, for a graph) → the Triton decode launch of that batch size."""
         self._graph_rope: torch.Tensor | None = None
@@ -193,13 +202,14 @@ class FlashInferBackend(AttentionBackend):
         return out
 
     def _triton_kernel(self, batch: int, graph: bool) -> PagedDecode:
-        from engine.attention.triton_decode import PagedDecode, splits_for
+        from engine.attention.triton_decode import DecodeTiles, PagedDecode, splits_for
 
         kernel = self._triton.get((batch, graph))
         if kernel is None:
             heads = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
             splits = splits_for(batch, self.num_kv_heads, self.device)
-            kernel = PagedDecode(batch, *heads, self.device, splits)
+            tiles = DecodeTiles(scores_fp8=self._scores_fp8)
+            kernel = PagedDecode(batch, *heads, self.device, splits, tiles)
             self._triton[(batch, graph)] = kernel
         return kernel
 

@@ -18,9 +18,10 @@ Two launches, flash-decoding style (split-KV):
 
 What would otherwise be separate kernels around it, the CUDA-graph decode folds into the
 same launch (each one launch fewer a layer, ~2-3 µs with its gap on the H200):
-- `NewKV`: the program whose split holds the sequence's last token first stores this step's
-  k/v row of head h into the pool (quantized for an e4m3 pool), then reads it back with the
-  rest; no store kernel runs.
+- `NewKV`: the program whose split holds the sequence's last token (this step's) walks its
+  split without that token, then takes the step's k/v row of head h from registers: it
+  quantizes it as the pool holds it (e4m3 for an e4m3 pool), stores it there and attends to
+  it. No store kernel runs, and the loop never waits on the store.
 - `Rope`: q and that k arrive unrotated and are rotated in float32 on load; no RoPE kernel.
 - `out_scale`: the output is written as o_proj's e4m3 input; no cast kernel.
 
@@ -46,6 +47,8 @@ from engine.fp8 import FP8_DTYPE
 LOG2E = 1.4426950408889634
 MIN_ROWS = 16
 """Rows of the query tile: tensor-core dots need 16; a GQA group of 4 or 8 is padded."""
+MIN_ROWS_TOKENS_MAJOR = 8
+"""The same as the N of `_attend_tokens_major`'s dots, which need 8."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,10 @@ class DecodeTiles:
     """Grid (KV heads, sequences, splits): the KV heads of one sequence run side by side,
     so their reads of a page (one 16-token run of every head) are adjacent in time (H200:
     97.2 µs vs 98.1 with sequences first)."""
+    scores_fp8: bool = False
+    """An e4m3 pool only: q quantized to e4m3 (a scale per head), the scores computed as
+    K q^T over e4m3 operands (`_attend_tokens_major`: no conversion of K, GROUP rows padded
+    to 8); kv_first and prefetch are implied."""
 
 
 @triton.jit
@@ -115,15 +122,98 @@ def _output(o, out_ptr, OUT_FP8: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x_ptr, offsets, dims, cos_sin_ptr, pos, HEAD_DIM: tl.constexpr):
-    """Rotate-half RoPE of the rows at x_ptr + offsets (one row of dims per offset) at
-    position `pos`, in float32 (the cache holds cos in its first half, sin in its second)."""
+def _rope_loads(x_ptr, offsets, dims, cos_sin_ptr, pos, HEAD_DIM: tl.constexpr):
+    """What rotate-half RoPE of the rows at x_ptr + offsets (one row of dims per offset) at
+    position `pos` needs, loaded (so the loads can be issued long before `_rope_apply` uses
+    them): the rows, their rotate-half partners, cos and sin (the cache holds cos in its first
+    half, sin in its second)."""
     half: tl.constexpr = HEAD_DIM // 2
-    x = tl.load(x_ptr + offsets).to(tl.float32)
-    partner = tl.load(x_ptr + offsets + (dims + half) % HEAD_DIM - dims).to(tl.float32)
+    x = tl.load(x_ptr + offsets)
+    partner = tl.load(x_ptr + offsets + (dims + half) % HEAD_DIM - dims)
     table = cos_sin_ptr + pos.to(tl.int64) * HEAD_DIM + dims % half
-    cos, sin = tl.load(table), tl.load(table + half)
-    return x * cos + tl.where(dims < half, -partner, partner) * sin
+    return x, partner, tl.load(table), tl.load(table + half)
+
+
+@triton.jit
+def _rope_apply(x, partner, cos, sin, dims, HEAD_DIM: tl.constexpr):
+    """The rotation of `_rope_loads`' rows, in float32."""
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(dims < half, -partner.to(tl.float32), partner.to(tl.float32))
+    return x.to(tl.float32) * cos + partner * sin
+
+
+@triton.jit
+def _attend(
+    q, scale_log2, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv, s_tok, head_at, dims,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of q's rows ([ROWS, HEAD_DIM] fp16) over tokens [lo, end) of the page
+    list, BLOCK_N at a time, each tile converted to fp16 for the dots: (running max, sum,
+    unnormalized output [ROWS, HEAD_DIM]). `next_page`: the first tile's page ids."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(lo, end, BLOCK_N):
+        tok = start + cols
+        tok_ok = tok < end
+        if PREFETCH:
+            page = next_page
+        else:
+            page = tl.load(page_ids + tok // PAGE, mask=tok_ok, other=0)
+        row = page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + head_at
+        ptrs = kv_ptr + row[:, None] + dims[None, :]
+        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+        if KV_FIRST:
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        if PREFETCH:
+            after = tok + BLOCK_N
+            next_page = tl.load(page_ids + after // PAGE, mask=after < end, other=0)
+        qk = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if not KV_FIRST:
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tokens_major(
+    q8, score_mul, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv, s_tok, head_at, dims,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """`_attend` for an e4m3 pool with e4m3 scores: S^T = K q8^T, tokens as the MMA's M (a
+    Hopper warpgroup MMA over e4m3 operands takes K from shared memory as the pool holds it:
+    no conversion, and q's GROUP rows are its N, padded to 8 rather than 16), scaled per row
+    by `score_mul`; then O^T = V^T P^T in fp16. V is loaded with K, page ids a tile ahead."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([HEAD_DIM, ROWS], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(lo, end, BLOCK_N):
+        tok = start + cols
+        tok_ok = tok < end
+        row = next_page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + head_at
+        ptrs = kv_ptr + row[:, None] + dims[None, :]
+        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        after = tok + BLOCK_N
+        next_page = tl.load(page_ids + after // PAGE, mask=after < end, other=0)
+        st = tl.dot(k, tl.trans(q8)) * score_mul[None, :]  # [BLOCK_N, ROWS]
+        st = tl.where(tok_ok[:, None], st, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, 0))
+        alpha = tl.exp2(m_i - m_new)
+        pt = tl.exp2(st - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(pt, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float16)), pt.to(tl.float16))
+        m_i = m_new
+    return m_i, l_i, tl.trans(acc)
 
 
 @triton.jit
@@ -135,7 +225,7 @@ def _split_kernel(
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr, OUT_FP8: tl.constexpr,
     PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    STORE: tl.constexpr, POOL_FP8: tl.constexpr, ROPE: tl.constexpr,
+    STORE: tl.constexpr, POOL_FP8: tl.constexpr, ROPE: tl.constexpr, SCORES_FP8: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FIRST:
         h = tl.program_id(0)
@@ -144,81 +234,98 @@ def _split_kernel(
         b = tl.program_id(0)
         h = tl.program_id(1)
     s = tl.program_id(2)
+    # every load that does not wait on another is issued first: the loop's first K/V tile is
+    # three memory round trips away (lengths, page ids, the tile) with or without NewKV/Rope
     first_page = tl.load(indptr_ptr + b)
     num_pages = tl.load(indptr_ptr + b + 1) - first_page
-    seq_len = tl.maximum(num_pages - 1, 0) * PAGE + tl.where(
-        num_pages > 0, tl.load(last_ptr + b), 0
-    )
+    last_len = tl.load(last_ptr + b)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = h * GROUP + rows
+    row_ok = rows < GROUP
+    # padded rows read the group's first head; their scores are never stored
+    q_at = b * sq_b + tl.where(row_ok, heads, h * GROUP)[:, None] * sq_h + dims[None, :]
+    if ROPE:
+        q_pos = tl.load(pos_ptr + b)
+    if STORE:
+        src = tl.load(rows_ptr + b).to(tl.int64)
+        dst_block = tl.load(blocks_ptr + b).to(tl.int64)
+        dst_offset = tl.load(offsets_ptr + b)
+    seq_len = tl.maximum(num_pages - 1, 0) * PAGE + tl.where(num_pages > 0, last_len, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = s * per_split
     hi = tl.minimum(seq_len, lo + per_split)
-
-    rows = tl.arange(0, ROWS)
-    dims = tl.arange(0, HEAD_DIM)
-    if STORE:  # the program whose split holds the last token stores it first (NewKV)
-        writes = (dims < HEAD_DIM) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
-        src = tl.load(rows_ptr + b).to(tl.int64)
-        dst = (
-            kv_ptr
-            + tl.load(blocks_ptr + b).to(tl.int64) * s_blk
-            + tl.load(offsets_ptr + b) * s_tok
-            + h * s_head
-            + dims
-        )
-        if ROPE:  # k as stored is rotated at its own row's position
-            k_at = src * sk_t + h * sk_h + dims
-            k_new = _rotate(k_ptr, k_at, dims, cos_sin_ptr, tl.load(pos_ptr + src), HEAD_DIM)
-            k_new = k_new * inv_k
-        else:
-            k_new = tl.load(k_ptr + src * sk_t + h * sk_h + dims).to(tl.float32) * inv_k
-        v_new = tl.load(v_ptr + src * sv_t + h * sv_h + dims).to(tl.float32) * inv_v
-        if POOL_FP8:
-            k_new = tl.minimum(tl.maximum(k_new, -448.0), 448.0)
-            v_new = tl.minimum(tl.maximum(v_new, -448.0), 448.0)
-        tl.store(dst, k_new.to(kv_ptr.dtype.element_ty), mask=writes)
-        tl.store(dst + s_kv, v_new.to(kv_ptr.dtype.element_ty), mask=writes)
-        tl.debug_barrier()  # the stores are visible to every thread of the program
-    heads = h * GROUP + rows
-    row_ok = rows < GROUP
-    q_at = b * sq_b + tl.where(row_ok, heads, h * GROUP)[:, None] * sq_h + dims[None, :]
-    if ROPE:  # padded rows read the group's first head; their scores are never stored
-        q = _rotate(q_ptr, q_at, dims[None, :], cos_sin_ptr, tl.load(pos_ptr + b), HEAD_DIM)
-        q = q.to(tl.float16)
-    else:
-        q = tl.load(q_ptr + q_at).to(tl.float16)
-    out_mul = _out_mul(v_scale, out_scale_ptr, OUT_FP8)
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     cols = tl.arange(0, BLOCK_N)
     page_ids = page_ptr + first_page
-    next_page = tl.load(page_ids + (lo + cols) // PAGE, mask=lo + cols < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + cols
-        tok_ok = tok < hi
-        if PREFETCH:
-            page = next_page
+    end = hi
+    if STORE:
+        # NewKV: this step's token (the sequence's last) is not read back from the pool: the
+        # program whose split holds it attends to it from registers after the loop, and
+        # stores it then, so nothing waits on the store and no barrier is needed
+        holds_last = (lo <= seq_len - 1) & (seq_len - 1 < hi)
+        end = tl.where(holds_last, hi - 1, hi)
+        k_at = src * sk_t + h * sk_h + dims
+        if ROPE:
+            k_new, k_partner, k_cos, k_sin = _rope_loads(
+                k_ptr, k_at, dims, cos_sin_ptr, tl.load(pos_ptr + src), HEAD_DIM
+            )
         else:
-            page = tl.load(page_ids + tok // PAGE, mask=tok_ok, other=0)
-        row = page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + h * s_head
-        ptrs = kv_ptr + row[:, None] + dims[None, :]
-        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
-        if KV_FIRST:
-            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
-        if PREFETCH:
-            after = tok + BLOCK_N
-            next_page = tl.load(page_ids + after // PAGE, mask=after < hi, other=0)
-        qk = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
-        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not KV_FIRST:
-            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m_i = m_new
+            k_new = tl.load(k_ptr + k_at)
+        v_new = tl.load(v_ptr + src * sv_t + h * sv_h + dims)
+    next_page = tl.load(page_ids + (lo + cols) // PAGE, mask=lo + cols < end, other=0)
+    if ROPE:
+        q, q_partner, q_cos, q_sin = _rope_loads(
+            q_ptr, q_at, dims[None, :], cos_sin_ptr, q_pos, HEAD_DIM
+        )
+        q = _rope_apply(q, q_partner, q_cos, q_sin, dims[None, :], HEAD_DIM)
+    else:
+        q = tl.load(q_ptr + q_at).to(tl.float32)
+    q = q.to(tl.float16).to(tl.float32)  # as the fp16 dot takes it (and e4m3 scales it)
+    out_mul = _out_mul(v_scale, out_scale_ptr, OUT_FP8)
+
+    if SCORES_FP8:
+        # q in e4m3, one scale a row (its largest magnitude to 448): the scores' dot reads K
+        # as the pool holds it
+        q_scale = tl.maximum(tl.max(tl.abs(q), 1) / 448.0, 1e-30)
+        q8 = (q / q_scale[:, None]).to(tl.float8e4nv)
+        q = q8.to(tl.float32) * q_scale[:, None]  # what the scores see (the new token's too)
+        m_i, l_i, acc = _attend_tokens_major(
+            q8, q_scale * scale_log2, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv, s_tok,
+            h * s_head, dims, ROWS, HEAD_DIM, PAGE, BLOCK_N,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend(
+            q.to(tl.float16), scale_log2, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv,
+            s_tok, h * s_head, dims, ROWS, HEAD_DIM, PAGE, BLOCK_N, KV_FIRST, PREFETCH,
+        )  # fmt: skip
+
+    if STORE:  # noqa: SIM102 (holds_last exists only with STORE, a compile-time branch)
+        if holds_last:
+            if ROPE:  # k as stored is rotated at its own row's position
+                k_f = _rope_apply(k_new, k_partner, k_cos, k_sin, dims, HEAD_DIM) * inv_k
+            else:
+                k_f = k_new.to(tl.float32) * inv_k
+            v_f = v_new.to(tl.float32) * inv_v
+            if POOL_FP8:
+                k_f = tl.minimum(tl.maximum(k_f, -448.0), 448.0)
+                v_f = tl.minimum(tl.maximum(v_f, -448.0), 448.0)
+            k_st = k_f.to(kv_ptr.dtype.element_ty)
+            v_st = v_f.to(kv_ptr.dtype.element_ty)
+            dst = kv_ptr + dst_block * s_blk + dst_offset * s_tok + h * s_head + dims
+            tl.store(dst, k_st)
+            tl.store(dst + s_kv, v_st)
+            # the token's score and value as the loop would take them from the pool (fp16
+            # operands, float32 sums)
+            k16 = k_st.to(tl.float16).to(tl.float32)
+            v16 = v_st.to(tl.float16).to(tl.float32)
+            qk_new = tl.sum(q * k16[None, :], 1) * scale_log2
+            m_last = tl.maximum(m_i, qk_new)
+            alpha_last = tl.exp2(m_i - m_last)
+            p_last = tl.exp2(qk_new - m_last)
+            l_i = l_i * alpha_last + p_last
+            p16 = p_last.to(tl.float16).to(tl.float32)
+            acc = acc * alpha_last[:, None] + p16[:, None] * v16[None, :]
+            m_i = m_last
 
     has = l_i > 0
     safe_l = tl.where(has, l_i, 1.0)
@@ -289,8 +396,9 @@ class PagedDecode:
         self.batch, self.num_heads, self.num_kv_heads = batch, num_heads, num_kv_heads
         self.head_dim, self.page_size, self.num_splits = head_dim, page_size, num_splits
         self.group = num_heads // num_kv_heads
-        self.rows = max(MIN_ROWS, triton.next_power_of_2(self.group))
         self.tiles = tiles or DecodeTiles()
+        least = MIN_ROWS_TOKENS_MAJOR if self.tiles.scores_fp8 else MIN_ROWS
+        self.rows = max(least, triton.next_power_of_2(self.group))
         self.last_launch: object = None
         """The split kernel's last compiled launch (registers, shared memory: benchmarks)."""
         n = batch * num_heads * num_splits
@@ -336,6 +444,8 @@ class PagedDecode:
         grid = (batch, self.num_kv_heads, self.num_splits)
         if t.heads_first:
             grid = (self.num_kv_heads, batch, self.num_splits)
+        if t.scores_fp8 and kv.dtype != FP8_DTYPE:
+            raise ValueError("e4m3 scores (scores_fp8) need an e4m3 pool")
         if rope is not None and new_kv is None:
             raise ValueError("rotating in the kernel needs the new k/v to store (new_kv)")
         new = new_kv or NewKV(q, q, kv_indptr, kv_indptr, kv_indptr)  # unread placeholders
@@ -354,6 +464,7 @@ class PagedDecode:
             BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, OUT_FP8=fp8_out,
             PREFETCH=t.prefetch, HEADS_FIRST=t.heads_first,
             STORE=new_kv is not None, POOL_FP8=kv.dtype == FP8_DTYPE, ROPE=rope is not None,
+            SCORES_FP8=t.scores_fp8,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
         self.last_launch = launched
