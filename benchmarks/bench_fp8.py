@@ -155,10 +155,6 @@ def main() -> None:
         help="also time fp8+kv8 with decode_attention triton-e4m3-scores (q rounded to e4m3)",
     )  # fmt: skip
     parser.add_argument(
-        "--gate-up-column-major", action="store_true",
-        help="also time fp8+kv8 with gate/up as W @ x.T (a column-major output)",
-    )  # fmt: skip
-    parser.add_argument(
         "--shape",
         default="llama3-8b",
         choices=("llama3-8b", "llama3-70b"),
@@ -342,10 +338,6 @@ def main() -> None:
         results["fp8+kv8"] = bench("fp8+kv8")
         if args.e4m3_scores:  # the same with the decode attention's scores in e4m3
             results["fp8+kv8 e4m3 scores"] = bench("fp8+kv8 e4m3 scores", "triton-e4m3-scores")
-        if args.gate_up_column_major:  # the same again, gate/up computed as W @ x.T
-            for layer in model.layers:
-                cast(DecoderLayer, layer).gate_up_column_major = True
-            results["fp8+kv8 gate-up cols"] = bench("fp8+kv8 gate-up cols")
     bf16 = results.get("bf16", {})
     for label, secs in results.items():
         if label == "bf16":

@@ -91,15 +91,9 @@ class Fp8Linear(torch.nn.Module):
         x_scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
         return (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
 
-    def forward(
-        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, column_major: bool = False
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W.T + b in `out_dtype` (default x's dtype). An e4m3 `x` is taken as already
-        quantized with `input_scale` (a fused norm/activation wrote it) and needs out_dtype.
-
-        `column_major` (CUDA, no bias, rows a multiple of 16): compute the transpose W @ x.T
-        instead, which hands cuBLASLt the weight as its long side, and return its [rows, out]
-        transposed view (column-major memory); other cases ignore it."""
+        quantized with `input_scale` (a fused norm/activation wrote it) and needs out_dtype."""
         if x.dtype == FP8_DTYPE:
             if self.input_scale is None or out_dtype is None:
                 raise ValueError("an e4m3 input needs a static input_scale and an out_dtype")
@@ -107,15 +101,6 @@ class Fp8Linear(torch.nn.Module):
         else:
             out_dtype = out_dtype or x.dtype
             x_q, x_scale = self.quantize_input(x)
-        if x_q.is_cuda and column_major and self.bias is None and x_q.shape[0] % 16 == 0:
-            out_t = torch._scaled_mm(
-                self.weight,
-                x_q.t(),
-                scale_a=self.weight_scale,
-                scale_b=x_scale,
-                out_dtype=out_dtype,
-            )
-            return out_t.t()
         if x_q.is_cuda:
             return torch._scaled_mm(
                 x_q,

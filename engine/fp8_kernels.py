@@ -31,7 +31,7 @@ _BLOCK = 1024
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -81,26 +81,7 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         tl.store(dst, k.to(pool_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + s_kv, v.to(pool_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def silu_mul_quant_cols_kernel(
-        x_ptr, out_ptr, scale_ptr, rows_n, inter, x_col_stride, out_stride, fp8_max,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # x column-major ([2I, rows] in memory): a program reads BLOCK columns of every row,
-        # each column's rows one contiguous run, and writes them to the row-major output
-        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        rows = tl.arange(0, ROWS)
-        mask = (cols < inter)[:, None] & (rows < rows_n)[None, :]
-        src = x_ptr + cols[:, None] * x_col_stride + rows[None, :]
-        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(src + inter * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.load(scale_ptr)
-        y = gate / (1.0 + tl.exp(-gate)) * up * inv
-        y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
-        dst = out_ptr + rows[None, :] * out_stride + cols[:, None]
-        tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return silu_mul_quant_kernel, quant_kernel, store_kv_kernel, silu_mul_quant_cols_kernel
+    return silu_mul_quant_kernel, quant_kernel, store_kv_kernel
 
 
 def unavailable_reason() -> str | None:
@@ -117,39 +98,16 @@ def _grid(rows: int, cols: int) -> tuple[int, int]:
     return (rows, (cols + _BLOCK - 1) // _BLOCK)
 
 
-_COLS_BLOCK = 64
-_COLS_MAX_ROWS = 256
-"""A column-major x of at most this many rows takes the column kernel (one tile of all rows)."""
-
-
 def silu_and_mul_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] / scale in e4m3, for x [T, 2I] with unit column stride, or
-    column-major (unit row stride, as `Fp8Linear(column_major=True)` returns) for T <= 256."""
+    """silu(x[:, :I]) * x[:, I:] / scale in e4m3, for x [T, 2I] with unit column stride."""
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
-    if rows and is_column_major(x):
-        import triton  # imports: _kernels() built the kernels with it
-
-        kernel = _kernels()[3]
-        grid = ((inter + _COLS_BLOCK - 1) // _COLS_BLOCK,)
-        kernel[grid](
-            x, out, scale, rows, inter, x.stride(1), out.stride(0), FP8_MAX,
-            ROWS=max(16, triton.next_power_of_2(rows)), BLOCK=_COLS_BLOCK,
-        )  # fmt: skip
-        return out
     if rows:
         kernel = _kernels()[0]
         kernel[_grid(rows, inter)](
             x, out, scale, inter, x.stride(0), out.stride(0), FP8_MAX, BLOCK=_BLOCK
         )
     return out
-
-
-def is_column_major(x: torch.Tensor) -> bool:
-    """x [T, N] is the transpose of a contiguous [N, T] (T > 1, small enough for the column
-    kernel): what `silu_and_mul_quant` takes besides row-major input."""
-    rows = x.shape[0]
-    return 1 < rows <= _COLS_MAX_ROWS and x.stride(0) == 1 and x.stride(1) == rows
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

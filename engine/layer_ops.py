@@ -307,8 +307,7 @@ class FlashInferOps(LayerOps):
         return out, residual
 
     def silu_and_mul_quant(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        kernels = self._fp8_kernels
-        if kernels is None or (x.stride(-1) != 1 and not kernels.is_column_major(x)):
+        if self._fp8_kernels is None or x.stride(-1) != 1:
             return super().silu_and_mul_quant(x, scale)
-        out: torch.Tensor = kernels.silu_and_mul_quant(x, scale)
+        out: torch.Tensor = self._fp8_kernels.silu_and_mul_quant(x, scale)
         return out

@@ -157,9 +157,6 @@ class DecoderLayer(nn.Module):
         """The four projections in FP8 (`quantize_fp8`); then the dense ones are dropped."""
         self.all_reduce: AllReduce | None = None
         """A tensor-parallel shard's sum of the row-parallel outputs (None: a whole model)."""
-        self.gate_up_column_major = False
-        """FP8 gate/up computed as W @ x.T (a column-major output SiLU·mul reads as it is);
-        which order cuBLASLt streams faster: benchmarks/bench_fp8_gemm.py."""
 
     def quantize_fp8(self) -> None:
         """Replace qkv, o, gate/up and down by FP8 copies (engine/fp8.py), freeing the dense
@@ -185,17 +182,11 @@ class DecoderLayer(nn.Module):
         return cast(Fp8Linear, self.fp8[name]).input_scale
 
     def _linear(
-        self,
-        name: str,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        column_major: bool = False,
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """Projection `name` of x (model dtype, or e4m3 made with its static input scale);
-        `column_major`: an FP8 projection may return a column-major view (engine/fp8.py)."""
+        """Projection `name` of x (model dtype, or e4m3 made with its static input scale)."""
         if self.fp8 is not None:
-            out: torch.Tensor = self.fp8[name](x, out_dtype=weight.dtype, column_major=column_major)
+            out: torch.Tensor = self.fp8[name](x, out_dtype=weight.dtype)
             return out
         return F.linear(x, weight, bias)
 
@@ -210,8 +201,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`_linear`, plus the adapters' deltas of `lora` (None: none)."""
         begun = lora.begin(layer, name, x) if lora is not None else None
-        column_major = name == "gate_up_proj" and self.gate_up_column_major and lora is None
-        out = self._linear(name, x, weight, bias, column_major)
+        out = self._linear(name, x, weight, bias)
         if lora is not None:
             lora.add(layer, name, x, out, begun)
         return out
