@@ -376,13 +376,16 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
 ) -> None:
     """ray.kill breaks the token channel at once: the streams move without waiting for the
     token gap. A greedy stream equals transformers; a seeded one with penalties equals the
-    same request served undisturbed (its random stream goes on where it was)."""
+    same request served undisturbed (its random stream goes on where it was). The kill
+    comes once every stream has tokens from the spare and the own worker is back (480
+    tokens each leave the undrain's seconds to spare: every stream is still running then)."""
     stub = router_cluster.generation(0)
     prompts = _prompts(corpus_ids, 4, 1100)
+    n = 480
     seeded = dict(temperature=0.9, top_k=50, seed=1234, repetition_penalty=1.2,
                   presence_penalty=0.3, ignore_eos=True)  # fmt: skip
     undisturbed = [
-        generate(stub, token_ids=p, max_tokens=160, **seeded).token_ids for p in prompts[2:]
+        generate(stub, token_ids=p, max_tokens=n, **seeded).token_ids for p in prompts[2:]
     ]
     own = _isolate(router_cluster, spare_decode)
     results: list[list[int] | grpc.RpcError] = [[] for _ in prompts]
@@ -390,9 +393,9 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
 
     def run(i: int) -> None:
         if i < 2:
-            fields = greedy_request(prompts[i], 160)
+            fields = greedy_request(prompts[i], n)
         else:
-            fields = dict(token_ids=prompts[i], max_tokens=160, **seeded)
+            fields = dict(token_ids=prompts[i], max_tokens=n, **seeded)
         try:
             for msg in stub.Generate(pb.GenerateRequest(**fields), timeout=240):  # type: ignore[arg-type]
                 results[i].extend(msg.token_ids)  # type: ignore[union-attr]
@@ -404,19 +407,21 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    _wait(lambda: all(isinstance(r, list) and len(r) >= 12 for r in results), "12 tokens each")
+    _wait(lambda: all(isinstance(r, list) and r for r in results), "a token each")
     _undrain(router_cluster, own)
+    unfinished = [final is None for final in finals]
     ray.kill(_handle(router_cluster, spare_decode), no_restart=True)
+    assert all(unfinished), "a stream ended on the spare before the kill: raise n"
     for t in threads:
         t.join(240)
     for i, prompt in enumerate(prompts):
         got = results[i]
         assert isinstance(got, list), got.details()  # type: ignore[union-attr]
-        expected = hf_greedy(prompt, 160) if i < 2 else undisturbed[i - 2]
+        expected = hf_greedy(prompt, n) if i < 2 else undisturbed[i - 2]
         assert got == expected, i
         final = finals[i]
         assert final is not None and final.timings.decode_worker == own
-        assert final.usage.completion_tokens == 160
+        assert final.usage.completion_tokens == n
     _wait_replaced(router_cluster, spare_decode, own)
 
 
