@@ -62,9 +62,9 @@ def select_decode_kernel(requested: str, kv_dtype: str, device: torch.device) ->
         raise ValueError(
             f"decode_attention: auto, flashinfer, triton or {TRITON_E4M3_SCORES}, got {requested!r}"
         )
-    if requested == TRITON_E4M3_SCORES and kv_dtype != FP8_KV_DTYPE:
-        raise ValueError(f"decode_attention {requested} needs an fp8 KV cache, got {kv_dtype}")
     if requested == TRITON_E4M3_SCORES:
+        if kv_dtype != FP8_KV_DTYPE:
+            raise ValueError(f"decode_attention {requested} needs an fp8 KV cache, got {kv_dtype}")
         requested = "triton"
     if requested == "auto" and kv_dtype != FP8_KV_DTYPE:
         return "flashinfer"
