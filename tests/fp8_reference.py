@@ -48,6 +48,14 @@ def teacher_forced_logits(
         return model.compute_logits(hidden)[-1].float()
 
 
+def rounded_to_e4m3_per_head(q: torch.Tensor) -> torch.Tensor:
+    """q as the Triton decode with e4m3 scores (`DecodeTiles.scores_fp8`) takes it: fp16,
+    then e4m3 with one scale a head (its largest magnitude to 448)."""
+    q = q.half().float()
+    scale = (q.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-30)
+    return (q / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 def first_difference(ref: list[int], got: list[int]) -> int | None:
     """Index of the first differing token (None: equal)."""
     if ref == got:

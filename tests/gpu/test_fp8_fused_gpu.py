@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
+from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check, rounded_to_e4m3_per_head
 
 from engine.attention import build_layout, create_backend, stage_once
 from engine.attention.triton_decode import (
@@ -39,13 +39,6 @@ BS = 16
 
 def _dq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.float() * scale
-
-
-def _rounded_to_e4m3_per_head(q: torch.Tensor) -> torch.Tensor:
-    """q as `DecodeTiles.scores_fp8` takes it: fp16, then e4m3 with one scale a head."""
-    q = q.half().float()
-    scale = (q.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-30)
-    return (q / scale).to(FP8_DTYPE).float() * scale
 
 
 def _close_e4m3(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> None:
@@ -228,7 +221,7 @@ def test_triton_decode_variants_and_e4m3_output(tiles: DecodeTiles, splits: int)
     kernel = PagedDecode(len(lens), heads, kv_heads, dim, page, q.device, splits, tiles)
     args = (q, kv, order, indptr.cuda(), last.int().cuda(), dim**-0.5, 0.05, 0.07)
     got = kernel.run(*args)
-    q_seen = _rounded_to_e4m3_per_head(q) if tiles.scores_fp8 else q
+    q_seen = rounded_to_e4m3_per_head(q) if tiles.scores_fp8 else q
     want = reference_decode(q_seen, kv, order, indptr, last.int(), dim**-0.5, 0.05, 0.07)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
     scale = torch.tensor(2.0**-6, device="cuda")

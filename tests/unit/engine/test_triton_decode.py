@@ -15,6 +15,7 @@ from typing import cast
 import pytest
 import torch
 import triton_interpret
+from fp8_reference import rounded_to_e4m3_per_head
 
 from engine.attention.flashinfer_backend import select_decode_kernel
 from engine.attention.triton_decode import (
@@ -152,14 +153,6 @@ def test_interpreted_kernel_equals_the_reference_for_every_split_and_tile(
         for block_n, kv_first, prefetch in ((16, False, False), (32, True, True), (4, True, False))
     ]
     check(cases, tmp_path)
-
-
-def rounded_to_e4m3_per_head(q: torch.Tensor) -> torch.Tensor:
-    """q as `DecodeTiles.scores_fp8` takes it: fp16, then e4m3 with one scale a head (its
-    largest magnitude to 448)."""
-    q = q.half().float()
-    scale = (q.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-30)
-    return (q / scale).to(torch.float8_e4m3fn).float() * scale
 
 
 def test_interpreted_kernel_with_e4m3_scores_equals_the_reference_of_its_rounded_q(
