@@ -85,7 +85,9 @@ class EmbeddedRedis:
         self.process: subprocess.Popen[bytes] | None = None
         self.password = secrets.token_urlsafe(24)
         """AUTH password (URL-safe characters: it goes into `url` as it is)."""
-        self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")  # mode 0700
+        self._dir = ""
+        """The server's directory (its config, password included, and log): made by `start`,
+        removed by `stop`."""
 
     @property
     def url(self) -> str:
@@ -113,16 +115,20 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING; returns its URL."""
         if self.process is not None and self.process.poll() is None:
             return self.url
+        self.stop()  # one that exited: its directory goes with it
+        self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")  # mode 0700
         cmd = [self.binary, str(self._write_config())]
         log = open(Path(self._dir) / "redis.log", "wb")  # noqa: SIM115 (owned by the process)
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
+                why = (
                     f"redis-server exited with {self.process.returncode}: "
                     + (Path(self._dir) / "redis.log").read_text(errors="replace")[-2000:]
                 )
+                self.stop()
+                raise RuntimeError(why)
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
@@ -150,6 +156,7 @@ class EmbeddedRedis:
                 self.process.kill()
                 self.process.wait(5)
         self.process = None
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedRedis:
         self.start()
