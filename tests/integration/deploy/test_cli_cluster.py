@@ -182,12 +182,17 @@ def test_status_watch_redraws_in_place_on_a_terminal_until_ctrl_c(
                 seen += os.read(leader, 65536)
         assert seen.count(b"pdserve status") >= 3, seen.decode(errors="replace")
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
-        while select.select([leader], [], [], 0.2)[0]:
-            try:
-                seen += os.read(leader, 65536)
-            except OSError:  # the terminal closed with the process
-                break
+        # keep draining the terminal while it exits: a full pty buffer would block its last
+        # redraw (and so its exit) on a write nobody reads
+        deadline = time.monotonic() + 30
+        while proc.poll() is None or select.select([leader], [], [], 0.2)[0]:
+            assert time.monotonic() < deadline, "status --watch did not exit on Ctrl-C"
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:  # the terminal closed with the process
+                    break
+        rc = proc.wait(timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
