@@ -156,6 +156,9 @@ def main() -> None:
         help="also time fp8+kv8 with DecodeTiles.preload (fp16 scores or e4m3 scores)",
     )  # fmt: skip
     parser.add_argument(
+        "--xqa", action="store_true", help="also time fp8+kv8 with decode_attention xqa"
+    )
+    parser.add_argument(
         "--e4m3-scores", action="store_true",
         help="also time fp8+kv8 with decode_attention triton-e4m3-scores (q rounded to e4m3)",
     )  # fmt: skip
@@ -349,6 +352,8 @@ def main() -> None:
         results["fp8+kv8"] = bench("fp8+kv8")
         if args.e4m3_scores:  # the same with the decode attention's scores in e4m3
             results["fp8+kv8 e4m3 scores"] = bench("fp8+kv8 e4m3 scores", "triton-e4m3-scores")
+        if args.xqa:  # flashinfer's XQA decode (TensorRT-LLM's) instead of the Triton kernel
+            results["fp8+kv8 xqa"] = bench("fp8+kv8 xqa", "xqa")
         if args.preload:  # the Triton decode with the next tile's K/V loaded a step ahead
             preload = DecodeTiles(preload=True, scores_fp8=args.preload == "e4m3-scores")
             results["fp8+kv8 preload"] = bench("fp8+kv8 preload", "triton", preload)

@@ -30,7 +30,7 @@ KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major")
 """Choices of EngineConfig.kv_layout (engine/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
-DECODE_ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "triton-e4m3-scores")
+DECODE_ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "triton-e4m3-scores", "xqa")
 """Choices of EngineConfig.decode_attention."""
 LORA_KERNELS = ("auto", "torch", "flashinfer", "triton")
 """Choices of EngineConfig.lora_kernel: the CUDA-graph LoRA kernel (eager steps always run
@@ -126,7 +126,9 @@ class EngineConfig:
     of engine/attention/triton_decode.py for an e4m3 KV pool, where it measured 1.55x its KV
     floor against flashinfer's 1.83x on the H200; flashinfer's tensor-core decode for a float
     pool), flashinfer, triton, triton-e4m3-scores (an e4m3 pool only: the Triton kernel with
-    q rounded to e4m3 per head so the scores' dot reads K as stored, `DecodeTiles.scores_fp8`)."""
+    q rounded to e4m3 per head so the scores' dot reads K as stored, `DecodeTiles.scores_fp8`),
+    xqa (flashinfer's XQA, TensorRT-LLM's GQA decode: on Hopper over an e4m3 pool a TMA +
+    warpgroup-MMA kernel with q in e4m3; engine/attention/xqa_decode.py)."""
     layer_ops: str = "auto"
     """Norm / residual / RoPE / SiLU ops of each layer: auto (flashinfer's fused kernels for a
     CUDA fp16/bf16 model when flashinfer imports and they pass a start-up self-check against

@@ -38,12 +38,14 @@ import torch
 from engine.attention.base import AttentionBackend, BackendUnavailable
 from engine.attention.registry import flashinfer_unavailable_reason
 from engine.attention.step import StepInputs
+from engine.config import DECODE_ATTENTION_CHOICES
 from engine.kv_cache import FP8_KV_DTYPE, KVCache
 from engine.layer_ops import RopeTables
 from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.attention.triton_decode import PagedDecode
+    from engine.attention.xqa_decode import XqaDecode
 
 WORKSPACE_BYTES = 256 << 20
 """flashinfer's float workspace (split-KV partial outputs); 128 MiB is its recommendation."""
@@ -53,15 +55,21 @@ TRITON_E4M3_SCORES = "triton-e4m3-scores"
 
 
 def select_decode_kernel(requested: str, kv_dtype: str, device: torch.device) -> str:
-    """The decode kernel for `requested` ("auto", "flashinfer", "triton", "triton-e4m3-scores"):
-    auto takes Triton for an e4m3 pool (when triton imports) and flashinfer's otherwise;
-    triton-e4m3-scores is Triton's kernel with e4m3 scores, for an e4m3 pool only."""
+    """The decode kernel for `requested` (EngineConfig.decode_attention): auto takes Triton for an
+    e4m3 pool (when triton imports) and flashinfer's otherwise; triton-e4m3-scores is
+    Triton's kernel with e4m3 scores, for an e4m3 pool only; xqa is flashinfer's XQA."""
     if requested == "flashinfer":
         return requested
-    if requested not in ("auto", "triton", TRITON_E4M3_SCORES):
-        raise ValueError(
-            f"decode_attention: auto, flashinfer, triton or {TRITON_E4M3_SCORES}, got {requested!r}"
-        )
+    if requested not in DECODE_ATTENTION_CHOICES:
+        choices = ", ".join(DECODE_ATTENTION_CHOICES)
+        raise ValueError(f"decode_attention: one of {choices}, got {requested!r}")
+    if requested == "xqa":
+        from engine.attention.xqa_decode import xqa_unavailable_reason
+
+        why = xqa_unavailable_reason(device)
+        if why is not None:
+            raise BackendUnavailable(why)
+        return requested
     if requested == TRITON_E4M3_SCORES:
         if kv_dtype != FP8_KV_DTYPE:
             raise ValueError(f"decode_attention {requested} needs an fp8 KV cache, got {kv_dtype}")
@@ -123,6 +131,11 @@ class FlashInferBackend(AttentionBackend):
         self.decode_tiles: Any = None
         """The Triton decode's launch shape (`DecodeTiles`); None: its defaults (with the
         scores in e4m3 for triton-e4m3-scores). Benchmarks set it before the first step."""
+        self._xqa: XqaDecode | None = None
+        if self.decode_kernel == "xqa":
+            from engine.attention.xqa_decode import XqaDecode
+
+            self._xqa = XqaDecode(self.device, self.block_size)
         self._triton: dict[tuple[int, bool], PagedDecode] = {}
         """(batch, for a graph) → the Triton decode launch of that batch size."""
         self._graph_rope: torch.Tensor | None = None
@@ -163,6 +176,13 @@ class FlashInferBackend(AttentionBackend):
                 causal=True,
                 **self._plan_kwargs(),
             )
+        if self._has_decode and self._xqa is not None:
+            assert step.kv_indptr is not None and step.kv_last_page_len is not None
+            widest = int(np.diff(lay.kv_indptr[npf:]).max())
+            self._xqa.stage(
+                step.page_indices, step.kv_indptr[npf:], step.kv_last_page_len[npf:], widest,
+                graph=False,
+            )  # fmt: skip
         if self._has_decode and self.decode_kernel == "flashinfer":
             first_page = int(lay.kv_indptr[npf])
             self._decode.plan(
@@ -191,6 +211,8 @@ class FlashInferBackend(AttentionBackend):
         q = q.contiguous()
         scales = self._scales(layer)
         if self._graph_batch is not None:
+            if self._xqa is not None:
+                return self._xqa_decode(layer, q, pool, torch.empty_like(q))
             return self._graph_wrappers[self._graph_batch].run(q, pool, **scales)
         if not self._has_decode:
             return self._prefill.run(q, pool, **scales)
@@ -200,6 +222,8 @@ class FlashInferBackend(AttentionBackend):
             self._prefill.run(q[:t], pool, out=out[:t], **scales)
         if self.decode_kernel == "triton":
             self._triton_decode(layer, q[t:], pool, out[t:])
+        elif self._xqa is not None:
+            self._xqa_decode(layer, q[t:], pool, out[t:])
         else:
             self._decode.run(q[t:], pool, out=out[t:], **scales)
         return out
@@ -229,6 +253,15 @@ class FlashInferBackend(AttentionBackend):
             q, pool, step.page_indices, step.kv_indptr[npf:], step.kv_last_page_len[npf:],
             self.scale, k_scale, v_scale, out=out,
         )  # fmt: skip
+
+    def _xqa_decode(
+        self, layer: int, q: torch.Tensor, pool: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The step's decodes through XQA, over the page table `prepare` (or
+        `prepare_decode_graph`) staged."""
+        assert self._xqa is not None
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+        return self._xqa.run(q, pool, self.scale, k_scale, v_scale, out)
 
     def _graph_triton_decode(
         self,
@@ -267,6 +300,8 @@ class FlashInferBackend(AttentionBackend):
 
     def init_decode_graphs(self, max_batch: int, max_pages: int) -> None:
         dev = self.device
+        if self._xqa is not None:
+            self._xqa.init_graphs(max_batch, max_pages // max_batch)
         self._graph_buffers = (
             torch.zeros(max_batch + 1, dtype=torch.int32, device=dev),  # kv indptr
             torch.ones(max_batch, dtype=torch.int32, device=dev),  # last page len
@@ -279,6 +314,14 @@ class FlashInferBackend(AttentionBackend):
         lay = step.layout
         if lay.num_seqs != batch_size or lay.num_tokens != batch_size:
             raise ValueError(f"a graph step of size {batch_size} got {lay.num_seqs} sequences")
+        if self._xqa is not None:  # the graph reads its page table and lengths buffers
+            assert step.kv_indptr is not None and step.kv_last_page_len is not None
+            widest = int(np.diff(lay.kv_indptr).max())
+            self._xqa.stage(
+                step.page_indices, step.kv_indptr, step.kv_last_page_len, widest, graph=True
+            )
+            self._step, self._graph_batch = step, batch_size
+            return
         if self.decode_kernel == "triton":  # the graph reads these buffers (device copies)
             assert step.kv_indptr is not None and step.kv_last_page_len is not None
             indptr, last, pages = self._graph_buffers

@@ -107,10 +107,14 @@ def _fp8_pool(model: LlamaModel) -> KVCache:
     return KVCache(kv_cache_spec(model.cfg, BS, FP8_DTYPE, 64, scales), "cuda")
 
 
-@pytest.mark.parametrize("decode", ["flashinfer", "triton"])
+@pytest.mark.parametrize(
+    ("decode", "tolerance"), [("flashinfer", 2e-2), ("triton", 2e-2), ("xqa", 5e-2)]
+)
 def test_flashinfer_attention_over_an_e4m3_pool_equals_torch_over_the_same_pool(
-    model: LlamaModel, decode: str
+    model: LlamaModel, decode: str, tolerance: float
 ) -> None:
+    """Relative error of the output against float32 torch over the same pool; XQA rounds q
+    to e4m3 for its FP8 scores (3 mantissa bits), hence its looser bound."""
     cfg = model.cfg
     fi_pool, ref_pool = _fp8_pool(model), _fp8_pool(model)
     fi = create_backend("flashinfer", cfg, fi_pool, torch.bfloat16, decode_attention=decode)
@@ -141,7 +145,7 @@ def test_flashinfer_attention_over_an_e4m3_pool_equals_torch_over_the_same_pool(
             ).bfloat16()
             got, want = fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)
             err = float((got.float() - want.float()).norm() / want.float().norm())
-            assert err < 2e-2, (layer, err)
+            assert err < tolerance, (layer, err)
     assert torch.equal(fi_pool.tensor.view(torch.uint8), ref_pool.tensor.view(torch.uint8))
 
 
@@ -168,7 +172,12 @@ def test_fused_kv_store_writes_what_the_composed_ops_write(model: LlamaModel) ->
 
 @pytest.mark.parametrize(
     ("quantization", "kv_cache_dtype", "decode_attention"),
-    [("fp8", "fp8", "auto"), ("none", "fp8", "auto"), ("fp8", "fp8", "triton-e4m3-scores")],
+    [
+        ("fp8", "fp8", "auto"),
+        ("none", "fp8", "auto"),
+        ("fp8", "fp8", "triton-e4m3-scores"),
+        ("fp8", "fp8", "xqa"),
+    ],
 )
 def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
     model_dir: Path, quantization: str, kv_cache_dtype: str, decode_attention: str
@@ -238,7 +247,8 @@ class GraphDecode:
     sees them: page arrays, each sequence's last-token slot and position, and a qkv output."""
 
     pool: torch.Tensor  # [blocks, layers, 2, page, kv_heads, dim]
-    args: tuple  # PagedDecode.run's arguments after q and the pool view
+    args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float, float]
+    """PagedDecode.run's arguments after q and the pool view."""
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
     positions: torch.Tensor

@@ -312,7 +312,9 @@ def test_auto_takes_triton_for_an_e4m3_pool_on_cuda_only() -> None:
     with pytest.raises(Exception, match="runs on CUDA"):
         select_decode_kernel("triton", "float8_e4m3fn", cpu)
     with pytest.raises(ValueError, match="decode_attention"):
-        select_decode_kernel("xqa", "float8_e4m3fn", cuda)
+        select_decode_kernel("xqa8", "float8_e4m3fn", cuda)
+    with pytest.raises(Exception, match="runs on CUDA"):
+        select_decode_kernel("xqa", "float8_e4m3fn", cpu)
     with pytest.raises(ValueError, match="needs an fp8 KV cache"):
         select_decode_kernel("triton-e4m3-scores", "bfloat16", cuda)
     with pytest.raises(Exception, match="runs on CUDA"):
