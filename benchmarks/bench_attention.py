@@ -225,23 +225,22 @@ def measure(name: str, case: Case, make: Callable[[], tuple], ref: torch.Tensor,
 
 def sweep_triton(case: Case, ref: torch.Tensor, args, gbps, layout: str = "block") -> None:
     best: tuple[float, str] | None = None
-    for block_n, warps, stages, splits, kv_first, prefetch, hf, fp8_out, fused, e4m3, pre in (
+    for block_n, warps, stages, splits, kv_first, prefetch, hf, fp8_out, fused, e4m3 in (
         itertools.product(
             args.block_n, args.warps, args.stages, args.splits, args.kv_first, args.prefetch,
-            args.heads_first, args.fp8_out, args.fused, args.scores_fp8, args.preload,
+            args.heads_first, args.fp8_out, args.fused, args.scores_fp8,
         )
     ):  # fmt: skip
         if e4m3 and case.kv_dtype != torch.float8_e4m3fn:
             continue
         tiles = DecodeTiles(
-            block_n, warps, stages, bool(kv_first), bool(prefetch), bool(hf), bool(e4m3),
-            bool(pre),
-        )  # fmt: skip
+            block_n, warps, stages, bool(kv_first), bool(prefetch), bool(hf), bool(e4m3)
+        )
         name = (
             f"triton {layout} n{block_n} w{warps} s{stages} split{splits}"
             f"{' kv1' if kv_first else ''}{' pf' if prefetch else ''}"
             f"{' hf' if hf else ''}{' o8' if fp8_out else ''}{' fused' if fused else ''}"
-            f"{' e4m3-scores' if e4m3 else ''}{' preload' if pre else ''}"
+            f"{' e4m3-scores' if e4m3 else ''}"
         )
         holder: dict[str, PagedDecode] = {}
 
@@ -363,10 +362,6 @@ def main() -> None:
     parser.add_argument(
         "--scores-fp8", type=ints, default=[0],
         help="0,1: q rounded to e4m3, scores as K q^T over e4m3 (DecodeTiles.scores_fp8)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--preload", type=ints, default=[0],
-        help="0,1: the next tile's K/V loaded before this tile's dots (DecodeTiles.preload)",
     )  # fmt: skip
     parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
     parser.add_argument("--dtypes", default="bf16,e4m3")

@@ -48,7 +48,6 @@ from bench_engine import (
     time_steps,
 )
 
-from engine.attention.triton_decode import DecodeTiles
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.block_pool import cdiv
 from engine.config import EngineConfig
@@ -152,10 +151,6 @@ def main() -> None:
         help="also profile the decode step at this batch: CUDA time per kernel (torch.profiler)",
     )  # fmt: skip
     parser.add_argument(
-        "--preload", choices=["", "fp16", "e4m3-scores"], default="",
-        help="also time fp8+kv8 with DecodeTiles.preload (fp16 scores or e4m3 scores)",
-    )  # fmt: skip
-    parser.add_argument(
         "--xqa", action="store_true", help="also time fp8+kv8 with decode_attention xqa"
     )
     parser.add_argument(
@@ -243,9 +238,7 @@ def main() -> None:
         print(f"   {label}: relative logit error {err:.2e}, argmax agreement {same:.1%}")
         ROWS.append((f"logit error vs float32, {label}", f"{err:.2e}", f"argmax {same:.1%}", ""))
 
-    def make_runner(
-        decode_attention: str = "auto", tiles: DecodeTiles | None = None
-    ) -> ModelRunner:
+    def make_runner(decode_attention: str = "auto") -> ModelRunner:
         config = EngineConfig(
             decode_attention=decode_attention,
             model_dir="random:llama3-8b",
@@ -257,18 +250,14 @@ def main() -> None:
             max_num_seqs=max(batches),
         )
         runner = ModelRunner(model, cast(KVCache, kv_holder["kv"]), config)
-        if tiles is not None:
-            runner.backend.decode_tiles = tiles  # type: ignore[attr-defined]
         runner.execute(decode_batch(2, 64, bs, pages_decode))
         runner.warmup(256)
         return runner
 
-    def bench(
-        label: str, decode_attention: str = "auto", tiles: DecodeTiles | None = None
-    ) -> dict[int, float]:
+    def bench(label: str, decode_attention: str = "auto") -> dict[int, float]:
         runner = step(
             f"{label}: CUDA-graph runner (capture + warm-up)",
-            functools.partial(make_runner, decode_attention, tiles),
+            functools.partial(make_runner, decode_attention),
         )
         if runner is None:
             return {}
@@ -354,9 +343,6 @@ def main() -> None:
             results["fp8+kv8 e4m3 scores"] = bench("fp8+kv8 e4m3 scores", "triton-e4m3-scores")
         if args.xqa:  # flashinfer's XQA decode (TensorRT-LLM's) instead of the Triton kernel
             results["fp8+kv8 xqa"] = bench("fp8+kv8 xqa", "xqa")
-        if args.preload:  # the Triton decode with the next tile's K/V loaded a step ahead
-            preload = DecodeTiles(preload=True, scores_fp8=args.preload == "e4m3-scores")
-            results["fp8+kv8 preload"] = bench("fp8+kv8 preload", "triton", preload)
     bf16 = results.get("bf16", {})
     for label, secs in results.items():
         if label == "bf16":

@@ -128,9 +128,6 @@ class FlashInferBackend(AttentionBackend):
             decode_attention, kv_cache.spec.dtype, kv_cache.device
         )
         self._scores_fp8 = decode_attention == TRITON_E4M3_SCORES
-        self.decode_tiles: Any = None
-        """The Triton decode's launch shape (`DecodeTiles`); None: its defaults (with the
-        scores in e4m3 for triton-e4m3-scores). Benchmarks set it before the first step."""
         self._xqa: XqaDecode | None = None
         if self.decode_kernel == "xqa":
             from engine.attention.xqa_decode import XqaDecode
@@ -235,7 +232,7 @@ class FlashInferBackend(AttentionBackend):
         if kernel is None:
             heads = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
             splits = splits_for(batch, self.num_kv_heads, self.device)
-            tiles = self.decode_tiles or DecodeTiles(scores_fp8=self._scores_fp8)
+            tiles = DecodeTiles(scores_fp8=self._scores_fp8)
             kernel = PagedDecode(batch, *heads, self.device, splits, tiles)
             self._triton[(batch, graph)] = kernel
         return kernel

@@ -101,9 +101,6 @@ class DecodeTiles:
     """An e4m3 pool only: q quantized to e4m3 (a scale per head), the scores computed as
     K q^T over e4m3 operands (`_attend_tokens_major`: no conversion of K, GROUP rows padded
     to 8); kv_first and prefetch are implied."""
-    preload: bool = False
-    """Load the next tile's K and V into registers before this tile's dots, so a tile's
-    loads are in flight for a whole step (more registers); prefetch is implied."""
 
 
 @triton.jit
@@ -146,69 +143,40 @@ def _rope_apply(x, partner, cos, sin, dims, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _tile_loads(
-    kv_ptr, page_ids, page, tok, end, s_blk, s_kv, s_tok, head_at, dims,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Issue the loads of tile `tok` (its K and V rows of one head, at the page ids `page`)
-    and of the next tile's page ids; nothing waits on them until they are used."""
-    ok = tok < end
-    ptrs = kv_ptr + (page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + head_at)[:, None]
-    k = tl.load(ptrs + dims[None, :], mask=ok[:, None], other=0.0)
-    v = tl.load(ptrs + s_kv + dims[None, :], mask=ok[:, None], other=0.0)
-    after = tok + BLOCK_N
-    return k, v, tl.load(page_ids + after // PAGE, mask=after < end, other=0)
-
-
-@triton.jit
 def _attend(
     q, scale_log2, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv, s_tok, head_at, dims,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
+    KV_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of q's rows ([ROWS, HEAD_DIM] fp16) over tokens [lo, end) of the page
     list, BLOCK_N at a time, each tile converted to fp16 for the dots: (running max, sum,
-    unnormalized output [ROWS, HEAD_DIM]). `next_page`: the first tile's page ids.
-    PRELOAD: the next tile's K and V are loaded into registers before this tile's dots (a
-    tile's loads are in flight for a whole step)."""
+    unnormalized output [ROWS, HEAD_DIM]). `next_page`: the first tile's page ids."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    if PRELOAD:
-        k_next, v_next, next_page = _tile_loads(
-            kv_ptr, page_ids, next_page, lo + cols, end, s_blk, s_kv, s_tok, head_at, dims,
-            PAGE, BLOCK_N,
-        )  # fmt: skip
     for start in range(lo, end, BLOCK_N):
         tok = start + cols
         tok_ok = tok < end
-        if PRELOAD:
-            k, v = k_next, v_next
-            k_next, v_next, next_page = _tile_loads(
-                kv_ptr, page_ids, next_page, tok + BLOCK_N, end, s_blk, s_kv, s_tok, head_at,
-                dims, PAGE, BLOCK_N,
-            )  # fmt: skip
+        if PREFETCH:
+            page = next_page
         else:
-            if PREFETCH:
-                page = next_page
-            else:
-                page = tl.load(page_ids + tok // PAGE, mask=tok_ok, other=0)
-            row = page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + head_at
-            ptrs = kv_ptr + row[:, None] + dims[None, :]
-            k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
-            if KV_FIRST:
-                v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
-            if PREFETCH:
-                after = tok + BLOCK_N
-                next_page = tl.load(page_ids + after // PAGE, mask=after < end, other=0)
+            page = tl.load(page_ids + tok // PAGE, mask=tok_ok, other=0)
+        row = page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + head_at
+        ptrs = kv_ptr + row[:, None] + dims[None, :]
+        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+        if KV_FIRST:
+            v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        if PREFETCH:
+            after = tok + BLOCK_N
+            next_page = tl.load(page_ids + after // PAGE, mask=after < end, other=0)
         qk = tl.dot(q, tl.trans(k.to(tl.float16))) * scale_log2
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not KV_FIRST and not PRELOAD:
+        if not KV_FIRST:
             v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
         m_i = m_new
@@ -219,7 +187,6 @@ def _attend(
 def _attend_tokens_major(
     q8, score_mul, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv, s_tok, head_at, dims,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """`_attend` for an e4m3 pool with e4m3 scores: S^T = K q8^T, tokens as the MMA's M (a
     Hopper warpgroup MMA over e4m3 operands takes K from shared memory as the pool holds it:
@@ -229,25 +196,15 @@ def _attend_tokens_major(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([HEAD_DIM, ROWS], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    if PRELOAD:
-        k_next, v_next, next_page = _tile_loads(
-            kv_ptr, page_ids, next_page, lo + cols, end, s_blk, s_kv, s_tok, head_at, dims,
-            PAGE, BLOCK_N,
-        )  # fmt: skip
     for start in range(lo, end, BLOCK_N):
         tok = start + cols
         tok_ok = tok < end
-        if PRELOAD:
-            k, v = k_next, v_next
-            k_next, v_next, next_page = _tile_loads(
-                kv_ptr, page_ids, next_page, tok + BLOCK_N, end, s_blk, s_kv, s_tok, head_at,
-                dims, PAGE, BLOCK_N,
-            )  # fmt: skip
-        else:
-            k, v, next_page = _tile_loads(
-                kv_ptr, page_ids, next_page, tok, end, s_blk, s_kv, s_tok, head_at, dims,
-                PAGE, BLOCK_N,
-            )  # fmt: skip
+        row = next_page.to(tl.int64) * s_blk + (tok % PAGE) * s_tok + head_at
+        ptrs = kv_ptr + row[:, None] + dims[None, :]
+        k = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(ptrs + s_kv, mask=tok_ok[:, None], other=0.0)
+        after = tok + BLOCK_N
+        next_page = tl.load(page_ids + after // PAGE, mask=after < end, other=0)
         st = tl.dot(k, tl.trans(q8)) * score_mul[None, :]  # [BLOCK_N, ROWS]
         st = tl.where(tok_ok[:, None], st, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, 0))
@@ -269,7 +226,6 @@ def _split_kernel(
     BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, KV_FIRST: tl.constexpr, OUT_FP8: tl.constexpr,
     PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
     STORE: tl.constexpr, POOL_FP8: tl.constexpr, ROPE: tl.constexpr, SCORES_FP8: tl.constexpr,
-    PRELOAD: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FIRST:
         h = tl.program_id(0)
@@ -335,12 +291,12 @@ def _split_kernel(
         q = q8.to(tl.float32) * q_scale[:, None]  # what the scores see (the new token's too)
         m_i, l_i, acc = _attend_tokens_major(
             q8, q_scale * scale_log2, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv, s_tok,
-            h * s_head, dims, ROWS, HEAD_DIM, PAGE, BLOCK_N, PRELOAD,
+            h * s_head, dims, ROWS, HEAD_DIM, PAGE, BLOCK_N,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend(
             q.to(tl.float16), scale_log2, kv_ptr, page_ids, next_page, lo, end, s_blk, s_kv,
-            s_tok, h * s_head, dims, ROWS, HEAD_DIM, PAGE, BLOCK_N, KV_FIRST, PREFETCH, PRELOAD,
+            s_tok, h * s_head, dims, ROWS, HEAD_DIM, PAGE, BLOCK_N, KV_FIRST, PREFETCH,
         )  # fmt: skip
 
     if STORE:  # noqa: SIM102 (holds_last exists only with STORE, a compile-time branch)
@@ -508,7 +464,7 @@ class PagedDecode:
             BLOCK_N=t.block_n, SINGLE=single, KV_FIRST=t.kv_first, OUT_FP8=fp8_out,
             PREFETCH=t.prefetch, HEADS_FIRST=t.heads_first,
             STORE=new_kv is not None, POOL_FP8=kv.dtype == FP8_DTYPE, ROPE=rope is not None,
-            SCORES_FP8=t.scores_fp8, PRELOAD=t.preload,
+            SCORES_FP8=t.scores_fp8,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
         self.last_launch = launched

@@ -209,9 +209,6 @@ def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
         DecodeTiles(64, 4, 2),
         DecodeTiles(scores_fp8=True),
         DecodeTiles(64, 4, 3, scores_fp8=True),
-        DecodeTiles(preload=True),
-        DecodeTiles(64, 4, 3, preload=True),
-        DecodeTiles(64, 4, 3, scores_fp8=True, preload=True),
     ],
 )
 @pytest.mark.parametrize("splits", [1, 4])

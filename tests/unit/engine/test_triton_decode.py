@@ -147,17 +147,10 @@ def test_interpreted_kernel_equals_the_reference_for_every_split_and_tile(
     dtype: torch.dtype, tmp_path: Path
 ) -> None:
     lens = [1, 4, 9, 37, 70]  # one token, one full page, partial pages, many pages
-    tiles = [
-        DecodeTiles(16, 4, 2, kv_first=False, prefetch=False),
-        DecodeTiles(32, 4, 2),
-        DecodeTiles(4, 4, 2, prefetch=False),
-        DecodeTiles(16, 4, 2, preload=True),
-        DecodeTiles(4, 4, 2, preload=True),
-    ]
     cases = [
-        make_case(lens, 8, 2, dtype, splits, t)
+        make_case(lens, 8, 2, dtype, splits, DecodeTiles(block_n, 4, 2, kv_first, prefetch))
         for splits in (1, 2, 8)  # 8 splits: some are empty for the short sequences
-        for t in tiles
+        for block_n, kv_first, prefetch in ((16, False, False), (32, True, True), (4, True, False))
     ]
     check(cases, tmp_path)
 
@@ -171,16 +164,11 @@ def test_interpreted_kernel_with_e4m3_scores_equals_the_reference_of_its_rounded
     CUDA-graph one (NewKV + Rope at an identity rotation)."""
     lens = [1, 4, 9, 37, 70]
     e4m3 = torch.float8_e4m3fn
-    tiles = [
-        DecodeTiles(16, 4, 2, scores_fp8=True),
-        DecodeTiles(32, 4, 2, scores_fp8=True),
-        DecodeTiles(16, 4, 2, scores_fp8=True, preload=True),
-    ]
     cases = [
-        make_case(lens, heads, 2, e4m3, splits, t)
+        make_case(lens, heads, 2, e4m3, splits, DecodeTiles(block_n, 4, 2, scores_fp8=True))
         for heads in (8, 16)
         for splits in (1, 4)
-        for t in tiles
+        for block_n in (16, 32)
     ]
     c = cases[0]
     page = c.kv.shape[2]
