@@ -6,6 +6,8 @@ request, streamed, with the timings its last message carries (one line; every st
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Annotated
 
@@ -195,22 +197,26 @@ def _watch(
         head = Text(f"pdserve status · every {interval:g} s · {stamp} · Ctrl-C stops", "dim")
         return Group(head, view)
 
+    # Ctrl-C sets a flag the loop reads between refreshes: a KeyboardInterrupt raised inside a
+    # gRPC call or channel teardown could leave the process hung instead of exiting
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     shown = 1
     try:
         if console.is_terminal:
             with Live(frame(first), console=console, auto_refresh=False) as live:
-                while not count or shown < count:
-                    time.sleep(interval)
+                while (not count or shown < count) and not stop.wait(interval):
                     live.update(frame(), refresh=True)
                     shown += 1
-            return
-        out = Console(width=200)
-        out.print(frame(first))
-        while not count or shown < count:
-            time.sleep(interval)
-            out.print(frame())
-            shown += 1
-    except KeyboardInterrupt:
+        else:
+            out = Console(width=200)
+            out.print(frame(first))
+            while (not count or shown < count) and not stop.wait(interval):
+                out.print(frame())
+                shown += 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
         console.print()
 
 
