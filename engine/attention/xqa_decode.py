@@ -15,8 +15,6 @@ rounded to e4m3) and one for K and V (v_scale); the product is the same attentio
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 WORKSPACE_BYTES = 128 << 20
@@ -68,21 +66,23 @@ class XqaDecode:
     table and lengths buffers they read."""
 
     def __init__(self, device: torch.device, page_size: int) -> None:
-        from flashinfer.decode import xqa_batch_decode_with_kv_cache
-
-        self._run: Any = xqa_batch_decode_with_kv_cache
         self.page_size = page_size
         self.device = device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        self._graph_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        self._graph_lens = torch.ones(1, dtype=torch.int32, device=device)
+        self.table, self.seq_lens = self._graph_table, self._graph_lens
+        """What the next `run` reads: the graph buffers, or an eager step's own tensors."""
         self._rows = 0
 
     def init_graphs(self, max_batch: int, pages_per_seq: int) -> None:
         """Fixed buffers for graph steps: a graph of batch B reads the first B rows, every
-        column (its page count fixes XQA's longest sequence, so it never changes)."""
-        self.table = torch.zeros(max_batch, pages_per_seq, dtype=torch.int32, device=self.device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        column (its page count fixes XQA's longest sequence, so it never changes). Eager
+        steps never write them."""
+        dev = self.device
+        self._graph_table = torch.zeros(max_batch, pages_per_seq, dtype=torch.int32, device=dev)
+        self._graph_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.table, self.seq_lens = self._graph_table, self._graph_lens
 
     def stage(
         self,
@@ -95,11 +95,13 @@ class XqaDecode:
         """The page table and lengths of the decodes whose CSR arrays are given (`kv_indptr`
         absolute into page_indices): into the graph buffers, or fresh ones `max_pages` wide."""
         rows = last_page_len.shape[0]
-        if not graph:
+        if graph:
+            self.table, self.seq_lens = self._graph_table, self._graph_lens
+            if rows > self.table.shape[0] or max_pages > self.table.shape[1]:
+                raise ValueError(f"{rows} sequences of {max_pages} pages exceed the graph buffers")
+        else:
             self.table = torch.empty(rows, max(1, max_pages), dtype=torch.int32, device=self.device)
             self.seq_lens = torch.empty(rows, dtype=torch.int32, device=self.device)
-        elif rows > self.table.shape[0] or max_pages > self.table.shape[1]:
-            raise ValueError(f"{rows} sequences of {max_pages} pages exceed the graph buffers")
         page_table(
             page_indices, kv_indptr, last_page_len, self.page_size,
             self.table[:rows], self.seq_lens[:rows],
@@ -119,8 +121,10 @@ class XqaDecode:
         (`[blocks, 2, page, kv_heads, dim]`) into `out`."""
         if q.shape[0] != self._rows:
             raise ValueError(f"q has {q.shape[0]} rows, the staged page table {self._rows}")
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
         table = self.table[: self._rows]
-        return self._run(
+        return xqa_batch_decode_with_kv_cache(
             q, pool, self.workspace, table, self.seq_lens[: self._rows],
             table.shape[1] * self.page_size,
             bmm1_scale=sm_scale * k_scale, bmm2_scale=v_scale, out=out, kv_layout="NHD",

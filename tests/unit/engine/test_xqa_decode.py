@@ -3,10 +3,11 @@ the GPU: tests/gpu/test_fp8_fused_gpu.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention.step import build_layout, stage_once
-from engine.attention.xqa_decode import page_table
+from engine.attention.xqa_decode import XqaDecode, page_table
 from engine.batch import ScheduledBatch, SeqChunk
 
 
@@ -37,3 +38,35 @@ def test_page_table_of_the_decodes_after_a_prefill_reads_absolute_offsets() -> N
     lens = torch.zeros(1, dtype=torch.int32)
     page_table(step.page_indices, step.kv_indptr[1:], step.kv_last_page_len[1:], 16, table, lens)
     assert table.tolist() == [[1, 11]] and lens.tolist() == [17]
+
+
+def test_an_eager_step_never_writes_the_buffers_a_graph_reads() -> None:
+    """A captured graph reads the fixed page table and lengths; an eager (mixed) step between
+    two graph steps stages into tensors of its own."""
+    xqa = XqaDecode(torch.device("cpu"), 16)
+    xqa.init_graphs(max_batch=4, pages_per_seq=3)
+    graph_table, graph_lens = xqa.table, xqa.seq_lens
+    decode = stage_once(build_layout(ScheduledBatch((SeqChunk("d", (1,), 16, (1, 11), True),)), 16))
+    assert decode.kv_indptr is not None and decode.kv_last_page_len is not None
+    xqa.stage(decode.page_indices, decode.kv_indptr, decode.kv_last_page_len, 2, graph=True)
+    assert xqa.table.data_ptr() == graph_table.data_ptr()
+    assert graph_table[0].tolist() == [1, 11, 11] and graph_lens[0].item() == 17
+
+    mixed = stage_once(
+        build_layout(
+            ScheduledBatch(
+                (SeqChunk("p", (1,) * 20, 0, (3, 8), True), SeqChunk("d", (1,), 17, (1, 11), True))
+            ),
+            16,
+        )
+    )
+    assert mixed.kv_indptr is not None and mixed.kv_last_page_len is not None
+    xqa.stage(mixed.page_indices, mixed.kv_indptr[1:], mixed.kv_last_page_len[1:], 2, graph=False)
+    assert xqa.table.data_ptr() != graph_table.data_ptr()
+    assert xqa.table.tolist() == [[1, 11]] and xqa.seq_lens.tolist() == [18]
+    assert graph_table[0].tolist() == [1, 11, 11] and graph_lens[0].item() == 17
+
+    xqa.stage(decode.page_indices, decode.kv_indptr, decode.kv_last_page_len, 2, graph=True)
+    assert xqa.table.data_ptr() == graph_table.data_ptr()
+    with pytest.raises(ValueError, match="exceed the graph buffers"):
+        xqa.stage(decode.page_indices, decode.kv_indptr, decode.kv_last_page_len, 4, graph=True)
