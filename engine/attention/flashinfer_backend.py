@@ -174,12 +174,7 @@ class FlashInferBackend(AttentionBackend):
                 **self._plan_kwargs(),
             )
         if self._has_decode and self._xqa is not None:
-            assert step.kv_indptr is not None and step.kv_last_page_len is not None
-            widest = int(np.diff(lay.kv_indptr[npf:]).max())
-            self._xqa.stage(
-                step.page_indices, step.kv_indptr[npf:], step.kv_last_page_len[npf:], widest,
-                graph=False,
-            )  # fmt: skip
+            self._xqa.stage(step, npf, graph=False)
         if self._has_decode and self.decode_kernel == "flashinfer":
             first_page = int(lay.kv_indptr[npf])
             self._decode.plan(
@@ -312,11 +307,7 @@ class FlashInferBackend(AttentionBackend):
         if lay.num_seqs != batch_size or lay.num_tokens != batch_size:
             raise ValueError(f"a graph step of size {batch_size} got {lay.num_seqs} sequences")
         if self._xqa is not None:  # the graph reads its page table and lengths buffers
-            assert step.kv_indptr is not None and step.kv_last_page_len is not None
-            widest = int(np.diff(lay.kv_indptr).max())
-            self._xqa.stage(
-                step.page_indices, step.kv_indptr, step.kv_last_page_len, widest, graph=True
-            )
+            self._xqa.stage(step, 0, graph=True)
             self._step, self._graph_batch = step, batch_size
             return
         if self.decode_kernel == "triton":  # the graph reads these buffers (device copies)

@@ -15,7 +15,10 @@ rounded to e4m3) and one for K and V (v_scale); the product is the same attentio
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from engine.attention.step import StepInputs
 
 WORKSPACE_BYTES = 128 << 20
 """XQA's workspace: 8 MiB of semaphores (zeroed once, left zeroed by every launch), then the
@@ -84,17 +87,12 @@ class XqaDecode:
         self._graph_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.table, self.seq_lens = self._graph_table, self._graph_lens
 
-    def stage(
-        self,
-        page_indices: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        last_page_len: torch.Tensor,
-        max_pages: int,
-        graph: bool,
-    ) -> None:
-        """The page table and lengths of the decodes whose CSR arrays are given (`kv_indptr`
-        absolute into page_indices): into the graph buffers, or fresh ones `max_pages` wide."""
-        rows = last_page_len.shape[0]
+    def stage(self, step: StepInputs, first: int, graph: bool) -> None:
+        """The page table and lengths of the step's sequences from `first` on (its decodes):
+        into the graph buffers, or fresh ones as wide as its longest page list."""
+        assert step.kv_indptr is not None and step.kv_last_page_len is not None
+        rows = step.layout.num_seqs - first
+        max_pages = int(np.diff(step.layout.kv_indptr[first:]).max())
         if graph:
             self.table, self.seq_lens = self._graph_table, self._graph_lens
             if rows > self.table.shape[0] or max_pages > self.table.shape[1]:
@@ -103,8 +101,8 @@ class XqaDecode:
             self.table = torch.empty(rows, max(1, max_pages), dtype=torch.int32, device=self.device)
             self.seq_lens = torch.empty(rows, dtype=torch.int32, device=self.device)
         page_table(
-            page_indices, kv_indptr, last_page_len, self.page_size,
-            self.table[:rows], self.seq_lens[:rows],
+            step.page_indices, step.kv_indptr[first:], step.kv_last_page_len[first:],
+            self.page_size, self.table[:rows], self.seq_lens[:rows],
         )  # fmt: skip
         self._rows = rows
 

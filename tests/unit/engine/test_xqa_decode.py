@@ -47,8 +47,7 @@ def test_an_eager_step_never_writes_the_buffers_a_graph_reads() -> None:
     xqa.init_graphs(max_batch=4, pages_per_seq=3)
     graph_table, graph_lens = xqa.table, xqa.seq_lens
     decode = stage_once(build_layout(ScheduledBatch((SeqChunk("d", (1,), 16, (1, 11), True),)), 16))
-    assert decode.kv_indptr is not None and decode.kv_last_page_len is not None
-    xqa.stage(decode.page_indices, decode.kv_indptr, decode.kv_last_page_len, 2, graph=True)
+    xqa.stage(decode, 0, graph=True)
     assert xqa.table.data_ptr() == graph_table.data_ptr()
     assert graph_table[0].tolist() == [1, 11, 11] and graph_lens[0].item() == 17
 
@@ -60,13 +59,13 @@ def test_an_eager_step_never_writes_the_buffers_a_graph_reads() -> None:
             16,
         )
     )
-    assert mixed.kv_indptr is not None and mixed.kv_last_page_len is not None
-    xqa.stage(mixed.page_indices, mixed.kv_indptr[1:], mixed.kv_last_page_len[1:], 2, graph=False)
+    xqa.stage(mixed, 1, graph=False)
     assert xqa.table.data_ptr() != graph_table.data_ptr()
     assert xqa.table.tolist() == [[1, 11]] and xqa.seq_lens.tolist() == [18]
     assert graph_table[0].tolist() == [1, 11, 11] and graph_lens[0].item() == 17
 
-    xqa.stage(decode.page_indices, decode.kv_indptr, decode.kv_last_page_len, 2, graph=True)
+    xqa.stage(decode, 0, graph=True)
     assert xqa.table.data_ptr() == graph_table.data_ptr()
+    longer = SeqChunk("d", (1,), 63, (1, 11, 12, 13), True)  # 4 pages: wider than the buffers
     with pytest.raises(ValueError, match="exceed the graph buffers"):
-        xqa.stage(decode.page_indices, decode.kv_indptr, decode.kv_last_page_len, 4, graph=True)
+        xqa.stage(stage_once(build_layout(ScheduledBatch((longer,)), 16)), 0, graph=True)
