@@ -156,7 +156,8 @@ class EmbeddedRedis:
                 self.process.kill()
                 self.process.wait(5)
         self.process = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:  # "" before the first start
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedRedis:
         self.start()

@@ -185,13 +185,15 @@ def test_status_watch_redraws_in_place_on_a_terminal_until_ctrl_c(
         # keep draining the terminal while it exits: a full pty buffer would block its last
         # redraw (and so its exit) on a write nobody reads
         deadline = time.monotonic() + 30
-        while proc.poll() is None or select.select([leader], [], [], 0.2)[0]:
+        while True:
             assert time.monotonic() < deadline, "status --watch did not exit on Ctrl-C"
             if select.select([leader], [], [], 0.2)[0]:
                 try:
                     seen += os.read(leader, 65536)
                 except OSError:  # the terminal closed with the process
                     break
+            elif proc.poll() is not None:  # exited, and all it wrote is read
+                break
         rc = proc.wait(timeout=5)
     finally:
         if proc.poll() is None:
