@@ -39,12 +39,13 @@ from engine.attention.base import AttentionBackend, BackendUnavailable
 from engine.attention.registry import flashinfer_unavailable_reason
 from engine.attention.step import StepInputs
 from engine.config import DECODE_ATTENTION_CHOICES
+from engine.fp8 import FP8_DTYPE
 from engine.kv_cache import FP8_KV_DTYPE, KVCache
 from engine.layer_ops import RopeTables
 from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.attention.triton_decode import PagedDecode
+    from engine.attention.triton_decode import NewKV, PagedDecode, Rope
     from engine.attention.xqa_decode import XqaDecode
 
 WORKSPACE_BYTES = 256 << 20
@@ -138,6 +139,8 @@ class FlashInferBackend(AttentionBackend):
         self._graph_rope: torch.Tensor | None = None
         """The cos/sin cache when graph decodes rotate q/k in the Triton kernel."""
         self._graph_wrappers: dict[int, Any] = {}
+        self._out_scales: dict[int, tuple[torch.Tensor, float]] = {}
+        """layer → (o_proj's input scale, its value) for XQA's e4m3 output in graph steps."""
         self._graph_batch: int | None = None
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._step: StepInputs | None = None
@@ -199,12 +202,12 @@ class FlashInferBackend(AttentionBackend):
             # one launch stores k/v and attends, reading q's strided view of the qkv
             # projection (no copy)
             return self._graph_triton_decode(layer, q, k, v, pool, out_scale)
+        if self._graph_batch is not None and self._xqa is not None:
+            return self._graph_xqa_decode(layer, q, k, v, pool, out_scale)
         self.write_kv(layer, self._step, k, v)
         q = q.contiguous()
         scales = self._scales(layer)
         if self._graph_batch is not None:
-            if self._xqa is not None:
-                return self._xqa_decode(layer, q, pool, torch.empty_like(q))
             return self._graph_wrappers[self._graph_batch].run(q, pool, **scales)
         if not self._has_decode:
             return self._prefill.run(q, pool, **scales)
@@ -268,24 +271,69 @@ class FlashInferBackend(AttentionBackend):
         step's slots, padding rows writing row 0's: `StepInputs.write_rows`); with
         `out_scale` it writes o_proj's e4m3 input itself."""
         assert self._graph_buffers is not None and self._graph_batch is not None
-        step = self._step
-        assert step is not None and step.write_rows is not None
-        from engine.attention.triton_decode import NewKV, Rope
-
         indptr, last, pages = self._graph_buffers
         batch = self._graph_batch
         k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
-        new_kv = NewKV(k, v, step.write_rows, step.slot_blocks, step.slot_offsets)
-        rope = None if self._graph_rope is None else Rope(self._graph_rope, step.positions)
+        new_kv, rope = self._graph_new_kv(k, v)
         return self._triton_kernel(batch, True).run(
             q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale,
             out_scale=out_scale, new_kv=new_kv, rope=rope,
         )  # fmt: skip
 
+    def _graph_new_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[NewKV, Rope | None]:
+        """The step's k/v as a graph step's launch stores them (at the step's slots, padding
+        rows writing row 0's: `StepInputs.write_rows`), and the rotation it applies first."""
+        from engine.attention.triton_decode import NewKV, Rope
+
+        step = self._step
+        assert step is not None and step.write_rows is not None
+        new_kv = NewKV(k, v, step.write_rows, step.slot_blocks, step.slot_offsets)
+        rope = None if self._graph_rope is None else Rope(self._graph_rope, step.positions)
+        return new_kv, rope
+
+    def _graph_xqa_decode(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: torch.Tensor,
+        out_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A graph step's decodes through XQA: one launch rotates q and the new k, stores k/v
+        and copies q out of the qkv output (decode_prologue.py), then XQA, writing o_proj's
+        e4m3 input itself when `out_scale` is known on the host."""
+        from engine.attention.decode_prologue import decode_prologue
+
+        assert self._xqa is not None
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
+        new_kv, rope = self._graph_new_kv(k, v)
+        q = decode_prologue(q, new_kv, pool, k_scale, v_scale, rope)
+        host_scale = self._host_out_scale(layer, out_scale)
+        if host_scale is None:
+            return self._xqa.run(q, pool, self.scale, k_scale, v_scale, torch.empty_like(q))
+        out = torch.empty(q.shape, dtype=FP8_DTYPE, device=q.device)
+        return self._xqa.run(q, pool, self.scale, k_scale, v_scale, out, host_scale)
+
+    def _host_out_scale(self, layer: int, out_scale: torch.Tensor | None) -> float | None:
+        """`out_scale`'s value on the host for XQA's e4m3 output (a static scale, read once
+        per layer: by the warm-up step before a graph's capture, never inside one); None when
+        there is none or it is not read yet (the model then casts XQA's output itself)."""
+        if out_scale is None or self.kv_dtype != FP8_DTYPE:
+            return None
+        known = self._out_scales.get(layer)
+        if known is not None and known[0] is out_scale:
+            return known[1]
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        value = float(out_scale.item())
+        self._out_scales[layer] = (out_scale, value)
+        return value
+
     def graph_rope(self, tables: RopeTables) -> bool:
-        """The Triton decode rotates q and the new k in its launch (one RoPE kernel a layer
-        fewer); flashinfer's graph decode does not."""
-        if self.decode_kernel != "triton":
+        """The Triton decode rotates q and the new k in its launch, and so does the XQA graph
+        step's prologue (one RoPE kernel a layer fewer); flashinfer's graph decode does not."""
+        if self.decode_kernel not in ("triton", "xqa"):
             return False
         self._graph_rope = tables.cos_sin_cache
         return True

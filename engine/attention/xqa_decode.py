@@ -91,8 +91,23 @@ class XqaDecode:
         """The page table and lengths of the step's sequences from `first` on (its decodes):
         into the graph buffers, or fresh ones as wide as its longest page list."""
         assert step.kv_indptr is not None and step.kv_last_page_len is not None
-        rows = step.layout.num_seqs - first
         max_pages = int(np.diff(step.layout.kv_indptr[first:]).max())
+        self.stage_pages(
+            step.page_indices, step.kv_indptr[first:], step.kv_last_page_len[first:],
+            max_pages, graph,
+        )  # fmt: skip
+
+    def stage_pages(
+        self,
+        page_indices: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        last_page_len: torch.Tensor,
+        max_pages: int,
+        graph: bool,
+    ) -> None:
+        """`stage` from the CSR arrays on the device (`page_table`) and the longest page
+        list's length (known on the host)."""
+        rows = last_page_len.shape[0]
         if graph:
             self.table, self.seq_lens = self._graph_table, self._graph_lens
             if rows > self.table.shape[0] or max_pages > self.table.shape[1]:
@@ -101,8 +116,8 @@ class XqaDecode:
             self.table = torch.empty(rows, max(1, max_pages), dtype=torch.int32, device=self.device)
             self.seq_lens = torch.empty(rows, dtype=torch.int32, device=self.device)
         page_table(
-            step.page_indices, step.kv_indptr[first:], step.kv_last_page_len[first:],
-            self.page_size, self.table[:rows], self.seq_lens[:rows],
+            page_indices, kv_indptr, last_page_len, self.page_size, self.table[:rows],
+            self.seq_lens[:rows],
         )  # fmt: skip
         self._rows = rows
 
@@ -114,16 +129,21 @@ class XqaDecode:
         k_scale: float,
         v_scale: float,
         out: torch.Tensor,
+        out_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention of `q` ([rows, heads, dim], contiguous) over the staged pages of `pool`
-        (`[blocks, 2, page, kv_heads, dim]`) into `out`."""
+        (`[blocks, 2, page, kv_heads, dim]`) into `out`, divided by `out_scale` (an e4m3
+        `out`, o_proj's input: XQA writes it saturated; an e4m3 pool only)."""
         if q.shape[0] != self._rows:
             raise ValueError(f"q has {q.shape[0]} rows, the staged page table {self._rows}")
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
         table = self.table[: self._rows]
+        # the output's scale goes into bmm2_scale: flashinfer 0.7.4's o_scale is folded into
+        # the K/V scale and divided out again for an e4m3 output, so it has no effect there
         return xqa_batch_decode_with_kv_cache(
             q, pool, self.workspace, table, self.seq_lens[: self._rows],
             table.shape[1] * self.page_size,
-            bmm1_scale=sm_scale * k_scale, bmm2_scale=v_scale, out=out, kv_layout="NHD",
+            bmm1_scale=sm_scale * k_scale, bmm2_scale=v_scale / out_scale, out=out,
+            kv_layout="NHD",
         )  # fmt: skip

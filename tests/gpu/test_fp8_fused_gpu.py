@@ -29,7 +29,8 @@ from engine.fp8 import FP8_DTYPE, quantize_static
 from engine.kv_cache import KVCache
 from engine.kv_sizing import kv_cache_spec
 from engine.layer_ops import TORCH_OPS, FlashInferOps
-from engine.model import LlamaModel
+from engine.model import LlamaModel, Rotary
+from engine.model_config import ModelConfig
 from engine.weights import load_model
 
 pytestmark = pytest.mark.gpu
@@ -278,6 +279,16 @@ def _graph_decode(seed: int, layers: int, heads: int = 64) -> GraphDecode:
     )
 
 
+def _rotary_70b() -> Rotary:
+    """Llama-3-70B's RoPE (64/8 heads of 128, theta 500000) on the GPU."""
+    cfg = ModelConfig.from_dict(
+        {"model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64,
+         "num_key_value_heads": 8, "intermediate_size": 64, "num_hidden_layers": 1,
+         "vocab_size": 32, "max_position_embeddings": 4096, "rope_theta": 500000.0}
+    )  # fmt: skip
+    return Rotary(cfg, torch.device("cuda"))
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_triton_decode_stores_the_new_kv_as_the_store_kernel_does(splits: int) -> None:
     """One launch that stores the step's k/v and attends (the CUDA-graph path) leaves the
@@ -304,15 +315,8 @@ def test_triton_decode_rotates_q_and_the_new_k_as_flashinfer_rope_does() -> None
     where rounding the rotated k to bf16 first (flashinfer) tips one, and the same output
     within bf16's rounding."""
     from engine.fp8_kernels import store_kv
-    from engine.model import Rotary
-    from engine.model_config import ModelConfig
 
-    cfg = ModelConfig.from_dict(
-        {"model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64,
-         "num_key_value_heads": 8, "intermediate_size": 64, "num_hidden_layers": 1,
-         "vocab_size": 32, "max_position_embeddings": 4096, "rope_theta": 500000.0}
-    )  # fmt: skip
-    rotary = Rotary(cfg, torch.device("cuda"))
+    rotary = _rotary_70b()
     case = _graph_decode(3, layers=1)
     rows = torch.arange(case.qkv.shape[0], dtype=torch.int32, device="cuda")
     kernel = PagedDecode(case.qkv.shape[0], 64, 8, 128, 16, case.qkv.device, 1)
@@ -327,3 +331,45 @@ def test_triton_decode_rotates_q_and_the_new_k_as_flashinfer_rope_does() -> None
     got = kernel.run(q, case.pool[:, 0], *case.args, new_kv=new_kv, rope=rope)
     _close_e4m3(case.pool, composed, torch.tensor(1.0, device="cuda"))
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_xqa_graph_prologue_stores_what_the_triton_launch_stores() -> None:
+    """The XQA graph step's prologue (decode_prologue.py) leaves the pool bit-equal to the
+    Triton graph launch (NewKV + Rope: the same float32 rotation and rounding), and its q is
+    flashinfer's RoPE of q within bf16 rounding; XQA's e4m3 output (o_proj's input) is its
+    bf16 output / out_scale in e4m3, within one e4m3 step where bf16 rounding tips it."""
+    from engine.attention.decode_prologue import decode_prologue
+    from engine.attention.xqa_decode import XqaDecode, xqa_unavailable_reason
+
+    device = torch.device("cuda")
+    if (why := xqa_unavailable_reason(device)) is not None:
+        pytest.skip(why)
+    rotary = _rotary_70b()
+    case = _graph_decode(4, layers=1)
+    order, indptr, last, sm_scale, k_scale, v_scale = case.args
+    rows = torch.arange(case.qkv.shape[0], dtype=torch.int32, device="cuda")
+    rope = Rope(rotary.cos_sin_cache, case.positions)
+    q, k, v = case.split(case.qkv)
+    new_kv = NewKV(k, v, rows, case.slot_blocks, case.slot_offsets)
+    triton_pool = case.pool.clone()
+    kernel = PagedDecode(q.shape[0], 64, 8, 128, 16, device, 1)
+    kernel.run(q, triton_pool[:, 0], *case.args, new_kv=new_kv, rope=rope)
+    q_in = decode_prologue(q, new_kv, case.pool[:, 0], k_scale, v_scale, rope)
+    assert torch.equal(case.pool.view(torch.uint8), triton_pool.view(torch.uint8))
+    ref_q, ref_k, _ = case.split(case.qkv.clone())
+    FlashInferOps().rope(case.positions, ref_q, ref_k, rotary)
+    torch.testing.assert_close(q_in, ref_q.contiguous(), rtol=1.6e-2, atol=1e-2)
+
+    xqa = XqaDecode(device, 16)
+    max_pages = int((indptr[1:] - indptr[:-1]).max())
+    xqa.stage_pages(order, indptr, last, max_pages, graph=False)
+    pool = case.pool[:, 0]
+    as_bf16 = xqa.run(q_in, pool, sm_scale, k_scale, v_scale, torch.empty_like(q_in))
+    want = reference_decode(q_in, pool, order, indptr, last, sm_scale, k_scale, v_scale)
+    err = float((as_bf16.float() - want.float()).norm() / want.float().norm())
+    assert err < 5e-2
+    scale = 2.0**-6
+    out = torch.empty(q_in.shape, dtype=FP8_DTYPE, device="cuda")
+    as_e4m3 = xqa.run(q_in, pool, sm_scale, k_scale, v_scale, out, scale)
+    scale_t = torch.tensor(scale, device="cuda")
+    _close_e4m3(as_e4m3, quantize_static(as_bf16, scale_t), scale_t)
