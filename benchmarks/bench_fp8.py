@@ -25,6 +25,7 @@ cuBLASLt `_scaled_mm`), measured four ways:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -78,11 +79,16 @@ def measure_fp8_matmul() -> float:
     return rate
 
 
-def dummy_llama3_70b_fp8() -> LlamaModel:
+def dummy_llama3_70b_fp8(layers: int = 0) -> LlamaModel:
+    """The Llama-3-70B shape with FP8 dummy weights; `layers` > 0: only that many decoder
+    layers (the same layer shape, for a GPU that does not hold all 80)."""
     from deploy.make_model import PRESETS, hf_config
     from engine.dummy_weights import dummy_model
 
-    cfg = ModelConfig.from_dict(hf_config(PRESETS["llama3-70b"], 0, 1))
+    shape = PRESETS["llama3-70b"]
+    if layers:
+        shape = dataclasses.replace(shape, num_layers=layers)
+    cfg = ModelConfig.from_dict(hf_config(shape, 0, 1))
     model = dummy_model(cfg, torch.bfloat16, "cuda", fp8=True)
     print(f"   {model.weight_bytes / 2**30:.1f} GiB of weights")
     return model
@@ -164,6 +170,11 @@ def main() -> None:
         help="llama3-70b: FP8 dummy weights made layer by layer (engine/dummy_weights.py), "
         "FP8 weights + FP8 KV only (its bf16 weights do not fit one GPU)",
     )
+    parser.add_argument(
+        "--layers", type=int, default=0,
+        help="llama3-70b only: this many decoder layers instead of 80 (an 80 GB card holds ~40 "
+        "with a B=64 x 2048 e4m3 pool); the floor and ratios are of that model",
+    )  # fmt: skip
     args = parser.parse_args()
     big = args.shape == "llama3-70b"
     t_start = time.perf_counter()
@@ -172,7 +183,10 @@ def main() -> None:
     bf16_rate = step("measure bf16 matmul rate", measure_matmul) or float("nan")
     fp8_rate = step("measure FP8 matmul rate", measure_fp8_matmul) or float("nan")
     if big:
-        model = step("build the Llama-3-70B shape (FP8 dummy weights)", dummy_llama3_70b_fp8)
+        model = step(
+            "build the Llama-3-70B shape (FP8 dummy weights)",
+            functools.partial(dummy_llama3_70b_fp8, args.layers),
+        )
     else:
         model = step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
     if model is None:
