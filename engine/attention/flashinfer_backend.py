@@ -45,7 +45,7 @@ from engine.layer_ops import RopeTables
 from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.attention.triton_decode import NewKV, PagedDecode, Rope
+    from engine.attention.triton_decode import PagedDecode
     from engine.attention.xqa_decode import XqaDecode
 
 WORKSPACE_BYTES = 256 << 20
@@ -198,12 +198,8 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert self._step is not None, "prepare() must run before forward()"
         pool = self.kv_cache.layer(layer)
-        if self._graph_batch is not None and self.decode_kernel == "triton":
-            # one launch stores k/v and attends, reading q's strided view of the qkv
-            # projection (no copy)
-            return self._graph_triton_decode(layer, q, k, v, pool, out_scale)
-        if self._graph_batch is not None and self._xqa is not None:
-            return self._graph_xqa_decode(layer, q, k, v, pool, out_scale)
+        if self._graph_batch is not None and self.decode_kernel in ("triton", "xqa"):
+            return self._graph_fused_decode(layer, q, k, v, pool, out_scale)
         self.write_kv(layer, self._step, k, v)
         q = q.contiguous()
         scales = self._scales(layer)
@@ -258,7 +254,7 @@ class FlashInferBackend(AttentionBackend):
         k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
         return self._xqa.run(q, pool, self.scale, k_scale, v_scale, out)
 
-    def _graph_triton_decode(
+    def _graph_fused_decode(
         self,
         layer: int,
         q: torch.Tensor,
@@ -267,47 +263,28 @@ class FlashInferBackend(AttentionBackend):
         pool: torch.Tensor,
         out_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A graph step's decodes in one launch that first stores the step's k/v (at the
-        step's slots, padding rows writing row 0's: `StepInputs.write_rows`); with
-        `out_scale` it writes o_proj's e4m3 input itself."""
-        assert self._graph_buffers is not None and self._graph_batch is not None
-        indptr, last, pages = self._graph_buffers
-        batch = self._graph_batch
-        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
-        new_kv, rope = self._graph_new_kv(k, v)
-        return self._triton_kernel(batch, True).run(
-            q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale, v_scale,
-            out_scale=out_scale, new_kv=new_kv, rope=rope,
-        )  # fmt: skip
-
-    def _graph_new_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[NewKV, Rope | None]:
-        """The step's k/v as a graph step's launch stores them (at the step's slots, padding
-        rows writing row 0's: `StepInputs.write_rows`), and the rotation it applies first."""
+        """A graph step's decodes, storing the step's k/v first (at the step's slots, padding
+        rows writing row 0's: `StepInputs.write_rows`) and rotating q and k when the backend
+        took `graph_rope`. Triton: one launch that also attends, reading q's strided view of
+        the qkv output, and writes o_proj's e4m3 input itself with `out_scale`. XQA: one
+        prologue launch that stores, rotates and copies q out (decode_prologue.py), then XQA,
+        writing o_proj's e4m3 input itself when `out_scale` is known on the host."""
         from engine.attention.triton_decode import NewKV, Rope
 
-        step = self._step
-        assert step is not None and step.write_rows is not None
+        step, batch = self._step, self._graph_batch
+        assert step is not None and step.write_rows is not None and batch is not None
+        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
         new_kv = NewKV(k, v, step.write_rows, step.slot_blocks, step.slot_offsets)
         rope = None if self._graph_rope is None else Rope(self._graph_rope, step.positions)
-        return new_kv, rope
-
-    def _graph_xqa_decode(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        pool: torch.Tensor,
-        out_scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """A graph step's decodes through XQA: one launch rotates q and the new k, stores k/v
-        and copies q out of the qkv output (decode_prologue.py), then XQA, writing o_proj's
-        e4m3 input itself when `out_scale` is known on the host."""
+        if self._xqa is None:
+            assert self._graph_buffers is not None
+            indptr, last, pages = self._graph_buffers
+            return self._triton_kernel(batch, True).run(
+                q, pool, pages, indptr[: batch + 1], last[:batch], self.scale, k_scale,
+                v_scale, out_scale=out_scale, new_kv=new_kv, rope=rope,
+            )  # fmt: skip
         from engine.attention.decode_prologue import decode_prologue
 
-        assert self._xqa is not None
-        k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
-        new_kv, rope = self._graph_new_kv(k, v)
         q = decode_prologue(q, new_kv, pool, k_scale, v_scale, rope)
         host_scale = self._host_out_scale(layer, out_scale)
         if host_scale is None:
