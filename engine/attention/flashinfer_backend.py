@@ -18,6 +18,9 @@ where flashinfer's e4m3 decode ran at 1.83x (benchmarks/bench_attention.py). In 
 step that one launch also stores the step's k/v (no store kernel), rotates q and k (the
 backend takes `graph_rope`, so the model runs no RoPE op there) and writes o_proj's e4m3
 input when the model passes that projection's static scale (`out_scale`, model.Attend).
+`decode_attention = "xqa"` (opt-in) runs flashinfer's XQA instead (xqa_decode.py); its graph
+step stores and rotates in one prologue launch before it (decode_prologue.py) and XQA writes
+o_proj's e4m3 input itself.
 
 Kernel choice is pinned to fa2: "auto" may pick fa3 (a 100 s JIT on the H200), cuDNN or XQA
 routes whose constraints differ. Plans take host (CPU) copies of the small indptr arrays
@@ -137,7 +140,8 @@ class FlashInferBackend(AttentionBackend):
         self._triton: dict[tuple[int, bool], PagedDecode] = {}
         """(batch, for a graph) → the Triton decode launch of that batch size."""
         self._graph_rope: torch.Tensor | None = None
-        """The cos/sin cache when graph decodes rotate q/k in the Triton kernel."""
+        """The cos/sin cache when graph decodes rotate q/k in the Triton kernel (or XQA's
+        prologue launch)."""
         self._graph_wrappers: dict[int, Any] = {}
         self._out_scales: dict[int, tuple[torch.Tensor, float]] = {}
         """layer → (o_proj's input scale, its value) for XQA's e4m3 output in graph steps."""
