@@ -291,9 +291,10 @@ class FlashInferBackend(AttentionBackend):
 
         q = decode_prologue(q, new_kv, pool, k_scale, v_scale, rope)
         host_scale = self._host_out_scale(layer, out_scale)
-        if host_scale is None:
-            return self._xqa.run(q, pool, self.scale, k_scale, v_scale, torch.empty_like(q))
-        out = torch.empty(q.shape, dtype=FP8_DTYPE, device=q.device)
+        if host_scale is None:  # q's dtype: the model casts it for o_proj
+            out, host_scale = torch.empty_like(q), 1.0
+        else:
+            out = torch.empty(q.shape, dtype=FP8_DTYPE, device=q.device)
         return self._xqa.run(q, pool, self.scale, k_scale, v_scale, out, host_scale)
 
     def _host_out_scale(self, layer: int, out_scale: torch.Tensor | None) -> float | None:
