@@ -40,8 +40,6 @@ from engine.attention.triton_decode import (
     reference_decode,
 )
 
-LAYERS = 2
-"""Layers in the pool: calls alternate between them, so no call reads what the last one did."""
 KV_HEADS, DIM = 8, 128
 CALLS = 16
 """Calls per timed CUDA-graph replay."""
@@ -51,15 +49,24 @@ class Case:
     """One batch of sequences over a random pool: the page arrays flashinfer and the Triton
     kernel take, and the dense page table XQA takes."""
 
-    def __init__(self, args: argparse.Namespace, qo_heads: int, kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self, args: argparse.Namespace, qo_heads: int, kv_dtype: torch.dtype,
+        layers: int = 2, layer_major: bool = False,
+    ) -> None:  # fmt: skip
         page = args.page
         self.qo_heads, self.kv_dtype, self.page = qo_heads, kv_dtype, page
+        self.layers, self.layer_major = layers, layer_major
+        """Layers in the pool: calls go round them, so no call reads what the last one did;
+        with the model's layer count, one layer's pages lie as far apart as in the engine,
+        unless `layer_major` ([layers, blocks, 2, page, kv_heads, D]) keeps each together."""
         pages_per_seq = -(-args.context // page)
         self.blocks = args.batch * pages_per_seq
-        shape = (self.blocks, LAYERS, 2, page, KV_HEADS, DIM)
+        block = (2, page, KV_HEADS, DIM)
+        shape = (layers, self.blocks, *block) if layer_major else (self.blocks, layers, *block)
         self.pool = torch.empty(shape, dtype=kv_dtype, device="cuda")
-        for i in range(0, self.blocks, 1024):  # random KV, a slice at a time
-            part = self.pool[i : i + 1024]
+        flat = self.pool.view(-1)
+        for i in range(0, flat.numel(), 1 << 28):  # random KV, a slice at a time
+            part = flat[i : i + (1 << 28)]
             part.copy_(torch.randn(part.shape, device="cuda").clamp(-4, 4))
         self.indptr = torch.arange(0, self.blocks + 1, pages_per_seq, dtype=torch.int32)
         self.indices = torch.randperm(self.blocks, dtype=torch.int32, device="cuda")
@@ -85,7 +92,7 @@ class Case:
     def layer(self, i: int) -> torch.Tensor:
         if self.head_major is not None:
             return self.head_major[:, :, i].permute(0, 2, 3, 1, 4)
-        return self.pool[:, i]
+        return self.pool[i] if self.layer_major else self.pool[:, i]
 
     def reference(self, layer: int) -> torch.Tensor:
         return reference_decode(
@@ -94,14 +101,14 @@ class Case:
         )  # fmt: skip
 
 
-def graph_time(call: Callable[[int], object], iters: int) -> float:
-    """Seconds per call, from CUDA-graph replays of CALLS calls alternating layers."""
+def graph_time(call: Callable[[int], object], iters: int, layers: int = 2) -> float:
+    """Seconds per call, from CUDA-graph replays of CALLS calls going round the layers."""
     for i in range(3):
-        call(i % LAYERS)
+        call(i % layers)
 
     def body() -> None:
         for i in range(CALLS):
-            call(i % LAYERS)
+            call(i % layers)
 
     return graph_seconds(body, iters) / CALLS
 
@@ -156,7 +163,7 @@ def graph_step_inputs(case: Case) -> tuple[list[NewKV], Rope]:
     offsets = (case.dev_last - 1).int()
     rows = torch.arange(b, dtype=torch.int32, device="cuda")
     new = []
-    for layer in range(LAYERS):
+    for layer in range(case.layers):
         last = case.layer(layer)[blocks.long(), :, offsets.long()].float()  # [b, 2, heads, D]
         k = (last[:, 0] * case.k_scale).bfloat16().contiguous()
         v = (last[:, 1] * case.v_scale).bfloat16().contiguous()
@@ -176,7 +183,7 @@ def triton_decode(case: Case, splits: int, tiles: DecodeTiles, fp8_out: int = 0,
     kernel = PagedDecode(b, case.qo_heads, KV_HEADS, DIM, case.page, case.q.device, splits, tiles)
     scale = torch.tensor(2.0**-6, device="cuda") if fp8_out else None
     out = torch.empty_like(case.q, dtype=torch.float8_e4m3fn if fp8_out else case.q.dtype)
-    new: list[NewKV | None] = [None] * LAYERS
+    new: list[NewKV | None] = [None] * case.layers
     rope: Rope | None = None
     if fused:
         steps, rope = graph_step_inputs(case)
@@ -215,7 +222,7 @@ def measure(name: str, case: Case, make: Callable[[], tuple], ref: torch.Tensor,
         call(0)
         torch.cuda.synchronize()
         err = max_abs_error(out, ref)
-        sec = graph_time(call, args.iters)
+        sec = graph_time(call, args.iters, case.layers)
     except Exception as e:  # a kernel this build lacks, or one that refuses the shape
         print(f"{case.qo_heads}/{KV_HEADS} {case.kv_dtype} {name}: {e!r}"[:300], flush=True)
         return None
@@ -363,6 +370,14 @@ def main() -> None:
         "--scores-fp8", type=ints, default=[0],
         help="0,1: q rounded to e4m3, scores as K q^T over e4m3 (DecodeTiles.scores_fp8)",
     )  # fmt: skip
+    parser.add_argument(
+        "--pool-layers", type=ints, default=[2],
+        help="layers in the block-major pool (80: a 70B pool's spacing of one layer's pages)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layer-major", type=ints, default=[0],
+        help="0,1: the pool as [layers, blocks, ...], each layer's pages together",
+    )  # fmt: skip
     parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
     parser.add_argument("--dtypes", default="bf16,e4m3")
     args = parser.parse_args()
@@ -370,10 +385,14 @@ def main() -> None:
     gbps = hbm_gbps()
     print(f"HBM copy {gbps:.0f} GB/s; B={args.batch} x {args.context} tokens, page {args.page}")
     dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
-    for qo_heads in args.heads:
-        for dname in args.dtypes.split(","):
-            run_case(Case(args, qo_heads, dtypes[dname]), kernels, args, gbps)
-            torch.cuda.empty_cache()
+    for qo_heads, dname, layers, layer_major in itertools.product(
+        args.heads, args.dtypes.split(","), args.pool_layers, args.layer_major
+    ):
+        print(f"pool of {layers} layers, {'layer' if layer_major else 'block'}-major", flush=True)
+        case = Case(args, qo_heads, dtypes[dname], layers, bool(layer_major))
+        run_case(case, kernels, args, gbps)
+        del case
+        torch.cuda.empty_cache()
     if args.layouts:
         head_major_check(args)
 

@@ -54,7 +54,7 @@ from engine.block_pool import cdiv
 from engine.config import EngineConfig
 from engine.fp8 import quantize_per_tensor
 from engine.fp8_calibration import calibrate_activations, kv_scales, observe
-from engine.kv_cache import KVCache
+from engine.kv_cache import KV_LAYOUT, LAYOUT_NAMES, KVCache
 from engine.kv_sizing import kv_cache_spec
 from engine.layer_ops import TORCH_OPS
 from engine.model import DecoderLayer, LlamaModel, causal_attend
@@ -162,6 +162,11 @@ def main() -> None:
     parser.add_argument(
         "--e4m3-scores", action="store_true",
         help="also time fp8+kv8 with decode_attention triton-e4m3-scores (q rounded to e4m3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-layouts", default="block_major",
+        help="the e4m3 pool's layouts to time, one after another (engine/kv_cache.py): "
+        "block_major, layer_major",
     )  # fmt: skip
     parser.add_argument(
         "--shape",
@@ -346,17 +351,27 @@ def main() -> None:
             kv_holder["kv"] = None
             del kv
             torch.cuda.empty_cache()
-        spec8 = kv_cache_spec(model.cfg, bs, torch.float8_e4m3fn, num_blocks, kv_scales(observed))
-        kv8 = KVCache(spec8, "cuda")
-        for i in range(0, num_blocks, 256):  # random context, a slice at a time
-            part = kv8.tensor[i : i + 256]
-            part.copy_(torch.randn(part.shape, device="cuda").clamp(-8, 8))
-        kv_holder["kv"], kv_holder["bytes"] = kv8, 1
-        results["fp8+kv8"] = bench("fp8+kv8")
-        if args.e4m3_scores:  # the same with the decode attention's scores in e4m3
-            results["fp8+kv8 e4m3 scores"] = bench("fp8+kv8 e4m3 scores", "triton-e4m3-scores")
-        if args.xqa:  # flashinfer's XQA decode (TensorRT-LLM's) instead of the Triton kernel
-            results["fp8+kv8 xqa"] = bench("fp8+kv8 xqa", "xqa")
+        scales8 = kv_scales(observed)
+        for name in args.kv_layouts.split(","):
+            layout = LAYOUT_NAMES[name]
+            tag = "" if layout == KV_LAYOUT else f" {name}"
+            spec8 = kv_cache_spec(model.cfg, bs, torch.float8_e4m3fn, num_blocks, scales8,
+                                  layout=layout)  # fmt: skip
+            kv_holder["kv"] = None
+            torch.cuda.empty_cache()
+            kv8 = KVCache(spec8, "cuda")
+            flat = kv8.tensor.view(-1)
+            for i in range(0, flat.numel(), 1 << 28):  # random context, a slice at a time
+                part = flat[i : i + (1 << 28)]
+                part.copy_(torch.randn(part.shape, device="cuda").clamp(-8, 8))
+            kv_holder["kv"], kv_holder["bytes"] = kv8, 1
+            del kv8, flat, part
+            results[f"fp8+kv8{tag}"] = bench(f"fp8+kv8{tag}")
+            if args.e4m3_scores:  # the same with the decode attention's scores in e4m3
+                label = f"fp8+kv8{tag} e4m3 scores"
+                results[label] = bench(label, "triton-e4m3-scores")
+            if args.xqa:  # flashinfer's XQA decode (TensorRT-LLM's) instead of the Triton one
+                results[f"fp8+kv8{tag} xqa"] = bench(f"fp8+kv8{tag} xqa", "xqa")
     bf16 = results.get("bf16", {})
     for label, secs in results.items():
         if label == "bf16":

@@ -26,7 +26,7 @@ QUANTIZATIONS = ("none", "fp8")
 """Choices of EngineConfig.quantization."""
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Choices of EngineConfig.kv_cache_dtype."""
-KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major")
+KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major", "layer_major")
 """Choices of EngineConfig.kv_layout (engine/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
@@ -78,12 +78,13 @@ class EngineConfig:
     layer for K and one for V, calibrated at load; halves KV bytes per block and per
     hand-off). Prefill and decode workers must agree (the transfer handshake refuses)."""
     kv_layout: str = "auto"
-    """KV pool layout inside a block (engine/kv_cache.py): block_major (every layer's K and V
-    of all heads per token; a block and runs of blocks are one transfer descriptor),
-    head_major (each KV head's layers contiguous: a decode rank of another tensor-parallel
-    size reads just its heads, one descriptor per block), or auto (block_major; a cluster
-    whose prefill and decode TP sizes differ picks head_major for every worker). Prefill and
-    decode workers must agree (the transfer handshake refuses)."""
+    """KV pool layout (engine/kv_cache.py): block_major (every layer's K and V of all heads
+    per token; a block and runs of blocks are one transfer descriptor), head_major (each KV
+    head's layers contiguous: a decode rank of another tensor-parallel size reads just its
+    heads, one descriptor per block), layer_major (each layer's pages together: attention
+    stays within the GPU's TLB reach, a hand-off moves a descriptor per layer), or auto
+    (block_major; a cluster whose prefill and decode TP sizes differ picks head_major for
+    every worker). Prefill and decode workers must agree (the transfer handshake refuses)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device from
     config.json alone, for measuring shapes whose checkpoint is not on disk; seeded by `seed`;

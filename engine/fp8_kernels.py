@@ -8,7 +8,7 @@ two cover the other GEMM inputs of a Llama layer:
 
 and one for an e4m3 KV pool:
 
-- `store_kv(pool, layer, ...)`: k / k_scale and v / v_scale → e4m3 at each token's slot of
+- `store_kv(pool_layer, ...)`: k / k_scale and v / v_scale → e4m3 at each token's slot of
   one layer, one launch (instead of a divide, clamp, cast and scatter for K and again for V)
 
 Both compute in float32 and saturate at ±448; `scale` is a float32 device tensor of one
@@ -64,7 +64,7 @@ def _kernels() -> tuple[Any, Any, Any]:
     @triton.jit
     def store_kv_kernel(
         k_ptr, v_ptr, rows_ptr, blocks_ptr, offsets_ptr, pool_ptr,
-        k_stride, v_stride, s_block, s_kv, s_off, layer_off, inv_k, inv_v, n, fp8_max,
+        k_stride, v_stride, s_block, s_kv, s_off, inv_k, inv_v, n, fp8_max,
         HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0)
@@ -73,7 +73,7 @@ def _kernels() -> tuple[Any, Any, Any]:
         off = tl.load(offsets_ptr + t).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        dst = pool_ptr + block * s_block + layer_off + off * s_off + cols
+        dst = pool_ptr + block * s_block + off * s_off + cols
         k = tl.load(k_ptr + row * k_stride + cols, mask=mask, other=0.0).to(tl.float32) * inv_k
         v = tl.load(v_ptr + row * v_stride + cols, mask=mask, other=0.0).to(tl.float32) * inv_v
         k = tl.minimum(tl.maximum(k, -fp8_max), fp8_max)
@@ -124,7 +124,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def store_kv(
     pool: torch.Tensor,
-    layer: int,
     slot_blocks: torch.Tensor,
     slot_offsets: torch.Tensor,
     k: torch.Tensor,
@@ -132,27 +131,23 @@ def store_kv(
     scales: tuple[float, float],
     rows: torch.Tensor | None = None,
 ) -> None:
-    """pool[slot_blocks[t], layer, 0/1, slot_offsets[t]] = k/v[rows[t] or t] / scale in e4m3.
+    """pool[slot_blocks[t], 0/1, slot_offsets[t]] = k/v[rows[t] or t] / scale in e4m3.
 
-    `pool`: the whole e4m3 pool [blocks, layers, 2, block_size, Hkv, D] (contiguous); k, v
-    [T, Hkv, D] with contiguous heads (views into the qkv projection are fine)."""
+    `pool`: one layer's view of an e4m3 pool [blocks, 2, block_size, Hkv, D] whose token's
+    heads are one run (block- or layer-major, `KVCache.layer`); k, v [T, Hkv, D] with
+    contiguous heads (views into the qkv projection are fine)."""
     t = slot_blocks.shape[0]
     if t == 0:
         return
     n = k.shape[1] * k.shape[2]
-    if (
-        k.stride(2) != 1
-        or k.stride(1) != k.shape[2]
-        or v.stride(2) != 1
-        or v.stride(1) != v.shape[2]
-    ):
-        raise ValueError("store_kv: k and v need contiguous heads")
+    if any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in (k, v, pool[:, 0, 0])):
+        raise ValueError("store_kv: k, v and the pool need contiguous heads")
     kernel = _kernels()[2]
     import triton  # imports: _kernels() built the kernels with it
 
     kernel[(t,)](
         k, v, rows if rows is not None else slot_blocks, slot_blocks, slot_offsets, pool,
-        k.stride(0), v.stride(0), pool.stride(0), pool.stride(2), pool.stride(3),
-        layer * pool.stride(1), 1.0 / scales[0], 1.0 / scales[1], n, FP8_MAX,
+        k.stride(0), v.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
+        1.0 / scales[0], 1.0 / scales[1], n, FP8_MAX,
         HAS_ROWS=rows is not None, BLOCK=triton.next_power_of_2(n),
     )  # fmt: skip

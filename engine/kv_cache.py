@@ -1,6 +1,6 @@
 """The paged KV memory of one worker: allocated once, addressable per block.
 
-Two layouts, both block-first (a block is one contiguous region of `block_nbytes`):
+Three layouts. Two are block-first (a block is one contiguous region of `block_nbytes`):
 
 - `block_major_v1` (the default): [num_blocks, num_layers, 2 (K, V), block_size,
   num_kv_heads, head_dim]. Why: NIXL has a fixed cost per descriptor and moves small
@@ -14,13 +14,25 @@ Two layouts, both block-first (a block is one contiguous region of `block_nbytes
   pulls only the heads it owns, kv_transfer/tp_plan.py): one descriptor per block, where
   block-major would need one per layer, K/V and token (1024 a block for Llama-3-8B).
 
-`layer(i)` gives attention the same logical per-layer view for both, [num_blocks, 2,
+The third is layer-first:
+- `layer_major_v1`: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim], each
+  layer's pages together (vLLM's and TensorRT-LLM's order). Why: in a block-first pool one
+  layer's pages lie a whole block apart (2.6 MiB for Llama-3-70B in e4m3), so a decode step's
+  attention over B=64 x 2048 tokens touches 8192 distinct 2 MiB GPU pages a layer and misses
+  the TLB; measured on an H100 with the 70B shape, both decode kernels take ~20 µs a layer
+  more over a 40- or 80-layer block-major pool than over a layer-major one (docs/benchmarks.md,
+  "FP8, 2026-12-05 (fifth session)"). The price is on the wire: a block is `num_layers`
+  segments of `segment_nbytes`, `num_blocks * segment_nbytes` apart, so a hand-off moves one
+  descriptor per layer for each run of adjacent blocks (kv_transfer/backend.py MemoryRegion).
+
+`layer(i)` gives attention the same logical per-layer view for all, [num_blocks, 2,
 block_size, kv_heads, head_dim] (flashinfer's NHD paged layout): `tensor[:, i]` for
-block-major, a strided permutation of `tensor[:, :, i]` for head-major. Kernels that read
+block-major, a strided permutation of `tensor[:, :, i]` for head-major, `tensor[i]` for
+layer-major. `KVCacheSpec.block_dim` is the dimension block ids index. Kernels that read
 strides take either (the torch backend; flashinfer reads page, token and head strides);
 one that assumes a token's heads are adjacent (the fused e4m3 KV store,
-engine/fp8_kernels.py) runs on block-major only, and head-major writes through the view.
-The host tier copies whole blocks and does not care. Measured on the H200 for block-major:
+engine/fp8_kernels.py) runs on block- and layer-major, and head-major writes through the view.
+The host tier copies whole blocks in the pool's own layout. Measured on the H200 for block-major:
 docs/benchmarks.md ("GPU: KV transfer", "GPU: engine").
 
 Tensor parallelism (engine/tp_shard.py): each rank has a pool of its own holding only its KV
@@ -36,10 +48,11 @@ import torch
 
 BLOCK_MAJOR = "block_major_v1"
 HEAD_MAJOR = "head_major_v1"
+LAYER_MAJOR = "layer_major_v1"
 KV_LAYOUT = BLOCK_MAJOR
 """The default layout."""
-KV_LAYOUTS = (BLOCK_MAJOR, HEAD_MAJOR)
-LAYOUT_NAMES = {"block_major": BLOCK_MAJOR, "head_major": HEAD_MAJOR}
+KV_LAYOUTS = (BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR)
+LAYOUT_NAMES = {"block_major": BLOCK_MAJOR, "head_major": HEAD_MAJOR, "layer_major": LAYER_MAJOR}
 """EngineConfig.kv_layout's explicit choices → the layout they build."""
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -125,7 +138,24 @@ class KVCacheSpec:
         )  # fmt: skip
         if self.layout == HEAD_MAJOR:
             return (n, heads, layers, 2, page, dim)
+        if self.layout == LAYER_MAJOR:
+            return (layers, n, 2, page, heads, dim)
         return (n, layers, 2, page, heads, dim)
+
+    @property
+    def block_dim(self) -> int:
+        """The tensor dimension block ids index (1 for layer-major, else 0)."""
+        return 1 if self.layout == LAYER_MAJOR else 0
+
+    @property
+    def num_segments(self) -> int:
+        """Contiguous pieces of one block: a layer-major block has one per layer."""
+        return self.num_layers if self.layout == LAYER_MAJOR else 1
+
+    @property
+    def segment_nbytes(self) -> int:
+        """Bytes of one contiguous piece of a block (the whole block when block-first)."""
+        return self.block_nbytes // self.num_segments
 
     @property
     def element_size(self) -> int:
@@ -150,7 +180,7 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """The KV tensor of one worker. Block ids index its first dimension.
+    """The KV tensor of one worker. Block ids index dimension `spec.block_dim` of it.
 
     The tensor never moves or grows after construction, so its address can be registered
     with a transfer library once (kv_transfer registers `tensor`).
@@ -166,6 +196,8 @@ class KVCache:
         the layout (writes through it land in the pool)."""
         if self.spec.layout == HEAD_MAJOR:  # [blocks, heads, 2, page, dim] → NHD order
             return self.tensor[:, :, layer].permute(0, 2, 3, 1, 4)
+        if self.spec.layout == LAYER_MAJOR:
+            return self.tensor[layer]
         return self.tensor[:, layer]
 
     def copy_blocks_from(
@@ -175,10 +207,14 @@ class KVCache:
         same = (src.spec.dtype, src.spec.scales, src.spec.tp_size, src.spec.layout) == (
             self.spec.dtype, self.spec.scales, self.spec.tp_size, self.spec.layout
         )  # fmt: skip
-        if src.spec.shape[1:] != self.spec.shape[1:] or not same:
+        dim = self.spec.block_dim
+        src_shape, shape = list(src.spec.shape), list(self.spec.shape)
+        del src_shape[dim], shape[dim]
+        if src_shape != shape or not same:
             raise ValueError(f"incompatible KV caches: {src.spec} vs {self.spec}")
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError("src and dst block lists differ in length")
         src_idx = torch.tensor(src_block_ids, dtype=torch.long, device=src.device)
         dst_idx = torch.tensor(dst_block_ids, dtype=torch.long, device=self.device)
-        self.tensor[dst_idx] = src.tensor[src_idx].to(self.device)
+        moved = src.tensor.index_select(dim, src_idx).to(self.device)
+        self.tensor.index_copy_(dim, dst_idx, moved)

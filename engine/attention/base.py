@@ -24,7 +24,7 @@ import torch
 
 from engine.attention.step import StepInputs
 from engine.fp8 import FP8_DTYPE, quantize_static
-from engine.kv_cache import BLOCK_MAJOR, KVCache, torch_dtype
+from engine.kv_cache import HEAD_MAJOR, KVCache, torch_dtype
 from engine.layer_ops import RopeTables
 from engine.model_config import ModelConfig
 
@@ -63,10 +63,10 @@ class AttentionBackend(abc.ABC):
         self.head_dim = model_cfg.head_dim
         self.scale = model_cfg.head_dim**-0.5
         self._fp8_store: Callable[..., None] | None = None
-        """An e4m3 block-major pool on CUDA: the fused quantize-and-store kernel
+        """An e4m3 block- or layer-major pool on CUDA: the fused quantize-and-store kernel
         (engine/fp8_kernels.py); a head-major one writes through the per-layer view."""
-        block_major = spec.layout == BLOCK_MAJOR  # the kernel writes a token's heads as one run
-        if self.kv_dtype == FP8_DTYPE and kv_cache.device.type == "cuda" and block_major:
+        heads_run = spec.layout != HEAD_MAJOR  # the kernel writes a token's heads as one run
+        if self.kv_dtype == FP8_DTYPE and kv_cache.device.type == "cuda" and heads_run:
             from engine import fp8_kernels
 
             if fp8_kernels.unavailable_reason() is None:
@@ -94,7 +94,7 @@ class AttentionBackend(abc.ABC):
         blocks, offsets = step.slot_blocks, step.slot_offsets
         if kv.dtype == FP8_DTYPE and self._fp8_store is not None:  # one fused launch
             self._fp8_store(
-                self.kv_cache.tensor, layer, blocks, offsets, k, v,
+                kv, blocks, offsets, k, v,
                 self.kv_cache.spec.layer_scales(layer), step.write_rows,
             )  # fmt: skip
             return

@@ -26,7 +26,7 @@ from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.fp8 import FP8_DTYPE, quantize_static
-from engine.kv_cache import KVCache
+from engine.kv_cache import BLOCK_MAJOR, KV_LAYOUT, LAYER_MAJOR, KVCache
 from engine.kv_sizing import kv_cache_spec
 from engine.layer_ops import TORCH_OPS, FlashInferOps
 from engine.model import LlamaModel, Rotary
@@ -103,9 +103,10 @@ def model(model_dir: Path) -> LlamaModel:
     return load_model(model_dir, torch.bfloat16, "cuda")
 
 
-def _fp8_pool(model: LlamaModel) -> KVCache:
+def _fp8_pool(model: LlamaModel, layout: str = KV_LAYOUT) -> KVCache:
     scales = tuple(2.0**-4 if i % 2 else 2.0**-3 for i in range(2 * model.cfg.num_layers))
-    return KVCache(kv_cache_spec(model.cfg, BS, FP8_DTYPE, 64, scales), "cuda")
+    spec = kv_cache_spec(model.cfg, BS, FP8_DTYPE, 64, scales, layout=layout)
+    return KVCache(spec, "cuda")
 
 
 @pytest.mark.parametrize(
@@ -150,11 +151,12 @@ def test_flashinfer_attention_over_an_e4m3_pool_equals_torch_over_the_same_pool(
     assert torch.equal(fi_pool.tensor.view(torch.uint8), ref_pool.tensor.view(torch.uint8))
 
 
-def test_fused_kv_store_writes_what_the_composed_ops_write(model: LlamaModel) -> None:
+@pytest.mark.parametrize("layout", [BLOCK_MAJOR, LAYER_MAJOR])
+def test_fused_kv_store_writes_what_the_composed_ops_write(model: LlamaModel, layout: str) -> None:
     from engine import fp8_kernels
 
     cfg = model.cfg
-    pool = _fp8_pool(model)
+    pool = _fp8_pool(model, layout)
     g = torch.Generator(device="cuda").manual_seed(3)
     qkv = torch.randn(9, cfg.q_size + 2 * cfg.kv_size, device="cuda", generator=g).bfloat16()
     k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(9, cfg.num_kv_heads, cfg.head_dim)
@@ -163,26 +165,29 @@ def test_fused_kv_store_writes_what_the_composed_ops_write(model: LlamaModel) ->
     offsets = torch.tensor([0, 1, 15, 2, 3, 4, 8, 9, 0], device="cuda", dtype=torch.int32)
     layer = cfg.num_layers - 1
     ks, vs = pool.spec.layer_scales(layer)
-    fp8_kernels.store_kv(pool.tensor, layer, blocks, offsets, k, v, (ks, vs))
+    fp8_kernels.store_kv(pool.layer(layer), blocks, offsets, k, v, (ks, vs))
     want = torch.zeros_like(pool.tensor)
-    view = want[:, layer]
+    view = want[layer] if layout == LAYER_MAJOR else want[:, layer]
     view[:, 0].index_put_((blocks.long(), offsets.long()), quantize_static(k, ks))
     view[:, 1].index_put_((blocks.long(), offsets.long()), quantize_static(v, vs))
     assert torch.equal(pool.tensor.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize(
-    ("quantization", "kv_cache_dtype", "decode_attention"),
+    ("quantization", "kv_cache_dtype", "decode_attention", "kv_layout"),
     [
-        ("fp8", "fp8", "auto"),
-        ("none", "fp8", "auto"),
-        ("fp8", "fp8", "triton-e4m3-scores"),
-        ("fp8", "fp8", "xqa"),
+        ("fp8", "fp8", "auto", "auto"),
+        ("none", "fp8", "auto", "auto"),
+        ("fp8", "fp8", "triton-e4m3-scores", "auto"),
+        ("fp8", "fp8", "xqa", "auto"),
+        ("fp8", "fp8", "auto", "layer_major"),
+        ("fp8", "fp8", "xqa", "layer_major"),
     ],
 )
 def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
-    model_dir: Path, quantization: str, kv_cache_dtype: str, decode_attention: str
-) -> None:
+    model_dir: Path, quantization: str, kv_cache_dtype: str, decode_attention: str,
+    kv_layout: str,
+) -> None:  # fmt: skip
     # head_dim 64: flashinfer attention and CUDA-graph decode (the default tiny model's 32
     # takes the torch backend)
     base = dict(model_dir=str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=256)
@@ -193,9 +198,11 @@ def test_fp8_kv_greedy_through_cuda_graphs_equals_bf16_but_at_near_ties(
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             decode_attention=decode_attention,
+            kv_layout=kv_layout,
         )
     )
     assert fp8.kv_cache.tensor.dtype == FP8_DTYPE
+    assert kv_layout == "auto" or fp8.kv_cache.spec.layout == LAYER_MAJOR
     assert fp8.runner.graphs is not None  # the CUDA-graph decode path serves it
     kernel = "xqa" if decode_attention == "xqa" else "triton"  # auto over e4m3: triton
     assert getattr(fp8.runner.backend, "decode_kernel", None) == kernel
@@ -301,7 +308,7 @@ def test_triton_decode_stores_the_new_kv_as_the_store_kernel_does(splits: int) -
     rows = torch.arange(q.shape[0], dtype=torch.int32, device="cuda")
     kernel = PagedDecode(q.shape[0], q.shape[1], 8, 128, 16, q.device, splits)
     composed = case.pool.clone()
-    store_kv(composed, 1, case.slot_blocks, case.slot_offsets, k, v, (0.05, 0.07))
+    store_kv(composed[:, 1], case.slot_blocks, case.slot_offsets, k, v, (0.05, 0.07))
     want = kernel.run(q, composed[:, 1], *case.args)
     new_kv = NewKV(k, v, rows, case.slot_blocks, case.slot_offsets)
     got = kernel.run(q, case.pool[:, 1], *case.args, new_kv=new_kv)
@@ -323,7 +330,7 @@ def test_triton_decode_rotates_q_and_the_new_k_as_flashinfer_rope_does() -> None
     composed, ref_qkv = case.pool.clone(), case.qkv.clone()
     q, k, v = case.split(ref_qkv)
     FlashInferOps().rope(case.positions, q, k, rotary)
-    store_kv(composed, 0, case.slot_blocks, case.slot_offsets, k, v, (0.05, 0.07))
+    store_kv(composed[:, 0], case.slot_blocks, case.slot_offsets, k, v, (0.05, 0.07))
     want = kernel.run(q, composed[:, 0], *case.args)
     q, k, v = case.split(case.qkv)
     new_kv = NewKV(k, v, rows, case.slot_blocks, case.slot_offsets)
