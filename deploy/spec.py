@@ -87,14 +87,15 @@ class ClusterSpec:
 
     @property
     def kv_layout(self) -> str:
-        """The KV layout every worker uses: engine.kv_layout, with auto resolved (module
-        docstring of engine/kv_cache.py; head_major when prefill and decode TP differ in a
-        disaggregated cluster)."""
+        """The KV layout every worker uses: engine.kv_layout, with auto resolved where workers
+        hand KV to each other (module docstring of engine/kv_cache.py): head_major when
+        prefill and decode TP differ, else block_major (a run of adjacent blocks is one NIXL
+        descriptor; layer_major would make it one a layer). A colocated cluster hands nothing
+        off, so auto stays for each engine to resolve (layer_major on a GPU)."""
         layout = self.engine.kv_layout
-        if layout != "auto":
+        if layout != "auto" or self.colocated:
             return layout
-        crossed = not self.colocated and self.prefill_tp != self.decode_tp
-        return "head_major" if crossed else "block_major"
+        return "head_major" if self.prefill_tp != self.decode_tp else "block_major"
 
     def engine_for(self, role: WorkerRole) -> EngineConfig:
         """The engine of a worker of `role`: its mode, TP size and the cluster's KV layout."""

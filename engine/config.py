@@ -123,11 +123,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto (flashinfer on GPU when installed, else torch), torch, flashinfer."""
     decode_attention: str = "auto"
-    """The flashinfer backend's single-token decode kernel: auto (the Triton split-KV kernel
-    of engine/attention/triton_decode.py for an e4m3 KV pool, where it measured 1.55x its KV
-    floor against flashinfer's 1.83x on the H200; flashinfer's tensor-core decode for a float
-    pool), flashinfer, triton, triton-e4m3-scores (an e4m3 pool only: the Triton kernel with
-    q rounded to e4m3 per head so the scores' dot reads K as stored, `DecodeTiles.scores_fp8`),
+    """The flashinfer backend's single-token decode kernel: auto (for an e4m3 KV pool
+    flashinfer's XQA on SM90 where it builds, else the Triton split-KV kernel of
+    engine/attention/triton_decode.py: on the H200 they read at 1.31x / 1.54x their KV floor
+    against flashinfer's 1.83x; flashinfer's tensor-core decode for a float pool),
+    flashinfer, triton, triton-e4m3-scores (an e4m3 pool only: the Triton kernel with q
+    rounded to e4m3 per head so the scores' dot reads K as stored, `DecodeTiles.scores_fp8`),
     xqa (flashinfer's XQA, TensorRT-LLM's GQA decode: on Hopper over an e4m3 pool a TMA +
     warpgroup-MMA kernel with q in e4m3; engine/attention/xqa_decode.py)."""
     layer_ops: str = "auto"

@@ -101,12 +101,12 @@ class LLMEngine:
         self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
         self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
         self.step_runner: ModelRunner | TPLeader = self.tp_leader or self.runner
-        num_blocks = self.kv_cache.spec.num_blocks
-        num_host = decide_num_host_blocks(config, self.kv_cache.spec.block_nbytes, num_blocks)
+        spec = self.kv_cache.spec
+        num_blocks = spec.num_blocks
+        num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
+        per_step = config.host_kv_max_blocks_per_step
         self.host_tier = (
-            HostTier(num_host, self.kv_cache.tensor, config.host_kv_max_blocks_per_step)
-            if num_host
-            else None
+            HostTier(num_host, self.kv_cache.tensor, per_step, spec.block_dim) if num_host else None
         )
         self.block_pool = BlockPool(
             num_blocks, config.enable_prefix_caching, host_tier=self.host_tier

@@ -14,11 +14,15 @@ runs on a side stream while the device computes, and by the time it is evicted t
 long done. When it is not (evicted within a step or two of being freed), the next step waits
 on the device for that copy only (`fence`), never the host.
 
-Layout: one host tensor [num_blocks, *device block shape], pinned when CUDA is present (the
-device's copy engine reads and writes it directly, and NIXL can register it), so a block is
-one contiguous region on both sides and a copy is one `copy_` per run of adjacent blocks. The
-tier is LRU over its slots; a slot is taken out of the LRU while something reads it (`pin`,
-e.g. a transfer lease), so it is never overwritten under a reader.
+Layout: one host tensor in the device pool's layout with `num_blocks` blocks (engine/kv_cache.py:
+[num_blocks, ...] for a block-first pool, [num_layers, num_blocks, ...] for a layer-major
+one), pinned when CUDA is present (the device's copy engine reads and writes it directly, and
+NIXL can register it). So a host block has the device block's segments (one, or one per
+layer), a peer reading it over NIXL pairs them up with its own pool's, and a copy is one
+`copy_` per segment and run of adjacent blocks, contiguous on both sides (torch would stage a
+strided copy between host and device through a temporary). The tier is LRU over its slots; a
+slot is taken out of the LRU while something reads it (`pin`, e.g. a transfer lease), so it
+is never overwritten under a reader.
 
 Bookkeeping vs tensors: `HostTier` owns both, but the block pool only calls its bookkeeping
 methods; the copies are queued by the engine (`flush` before each launch, `onboard` while
@@ -38,6 +42,7 @@ per-step cap `max_blocks_per_step` holds either way (it bounds what one step wai
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -90,8 +95,15 @@ class _MoveCounters:
 class HostTier:
     """Host slots [0, num_blocks) holding device-pool blocks by hash, LRU (module docstring)."""
 
-    def __init__(self, num_blocks: int, device_kv: torch.Tensor, max_blocks_per_step: int) -> None:
-        """`device_kv` is the device pool's tensor ([num_blocks, ...] block-major)."""
+    def __init__(
+        self,
+        num_blocks: int,
+        device_kv: torch.Tensor,
+        max_blocks_per_step: int,
+        block_dim: int = 0,
+    ) -> None:
+        """`device_kv` is the device pool's tensor, whose block ids index dimension
+        `block_dim` (`KVCacheSpec.block_dim`)."""
         if num_blocks <= 0:
             raise ValueError(f"host tier num_blocks must be positive, got {num_blocks}")
         if max_blocks_per_step <= 0:
@@ -102,10 +114,18 @@ class HostTier:
         self.max_blocks_per_step = max_blocks_per_step
         self.device_kv = device_kv
         cuda = device_kv.device.type == "cuda"
-        self.tensor = torch.zeros(
-            (num_blocks, *device_kv.shape[1:]), dtype=device_kv.dtype, pin_memory=cuda
-        )
-        self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()
+        shape = list(device_kv.shape)
+        shape[block_dim] = num_blocks
+        self.tensor = torch.zeros(shape, dtype=device_kv.dtype, pin_memory=cuda)
+        """The host blocks, in the device pool's layout (module docstring)."""
+        self.block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
+        # Each segment of both as a [blocks, one segment's elements] view: a run of blocks of
+        # one segment is a contiguous slice on either side.
+        num_segments = math.prod(shape[:block_dim])
+        self._host_segments = self.tensor.view(num_segments, num_blocks, -1).unbind()
+        self._device_segments = device_kv.view(
+            num_segments, device_kv.shape[block_dim], -1
+        ).unbind()
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._pins = [0] * num_blocks
@@ -242,9 +262,8 @@ class HostTier:
                 if event is not None and not event.query():
                     stream.wait_event(event)
         for slot, block_id, n in _runs(pairs):
-            self.device_kv[block_id : block_id + n].copy_(
-                self.tensor[slot : slot + n], non_blocking=True
-            )
+            for device, host in zip(self._device_segments, self._host_segments, strict=True):
+                device[block_id : block_id + n].copy_(host[slot : slot + n], non_blocking=True)
         ticket.event = self._record(None)
         for slot, _ in pairs:
             block_hash = self._hash_of[slot]
@@ -321,10 +340,11 @@ class HostTier:
         return len(pairs)
 
     def _copy_runs(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device blocks into host slots, `(block_id, slot)` pairs (one copy per segment and
+        run)."""
         for block_id, slot, n in _runs(pairs):
-            self.tensor[slot : slot + n].copy_(
-                self.device_kv[block_id : block_id + n], non_blocking=True
-            )
+            for device, host in zip(self._device_segments, self._host_segments, strict=True):
+                host[slot : slot + n].copy_(device[block_id : block_id + n], non_blocking=True)
 
     def _forget_completed(self) -> None:
         if len(self._copy_events) > 4 * self.max_blocks_per_step:

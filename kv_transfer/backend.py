@@ -16,6 +16,7 @@ not to write into the destination blocks any more (then they may be reused).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -48,8 +49,13 @@ class DescriptorMode(enum.Enum):
 class MemoryRegion:
     """A registered KV region of an agent: `num_blocks` blocks of `block_nbytes` from `base`.
 
-    This is the compact form of the agent's descriptor list: block `i` is the descriptor
-    `(base_address + i * block_nbytes, block_nbytes, device_id)` of memory type `mem_type`.
+    This is the compact form of the agent's descriptor list. A block is `num_segments`
+    contiguous pieces of `segment_nbytes`, `segment_stride` bytes apart: segment `s` of block
+    `b` is the descriptor `(base_address + s * segment_stride + b * segment_nbytes,
+    segment_nbytes, device_id)` of memory type `mem_type`. A block-first pool (block- or
+    head-major, engine/kv_cache.py) has one segment, so block `b` is one descriptor at
+    `base_address + b * block_nbytes`; a layer-major one has a segment per layer, the
+    layer's whole page array (`num_blocks * segment_nbytes`) apart.
     `tier` says which of the worker's tiers it is: its KV pool (DEVICE), or its host tier
     (HOST: pinned host memory the decode side reads directly; a DISK region would be a NIXL
     POSIX/GDS file region, not built).
@@ -61,6 +67,43 @@ class MemoryRegion:
     block_nbytes: int
     num_blocks: int
     tier: KVTier = KVTier.DEVICE
+    num_segments: int = 1
+    segment_stride: int = 0
+    """Bytes from one segment of a block to its next (0 with one segment)."""
+
+    def __post_init__(self) -> None:
+        if self.num_segments < 1 or self.block_nbytes % self.num_segments:
+            raise ValueError(
+                f"a block of {self.block_nbytes} bytes in {self.num_segments} segments"
+            )
+
+    @property
+    def segment_nbytes(self) -> int:
+        """Bytes of one contiguous piece of a block (the whole block with one segment)."""
+        return self.block_nbytes // self.num_segments
+
+
+def kv_region(tensor: torch.Tensor, block_dim: int, tier: KVTier = KVTier.DEVICE) -> MemoryRegion:
+    """The region of a KV tensor (a pool, or a tier's tensor in the pool's layout) whose block
+    ids index dimension `block_dim` (`KVCacheSpec.block_dim`): the dimensions before it number
+    a block's segments, those after it are one segment."""
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"a KV region must be one contiguous tensor, got strides {tensor.stride()}"
+        )
+    shape = tuple(tensor.shape)
+    num_blocks, num_segments = shape[block_dim], math.prod(shape[:block_dim])
+    segment_nbytes = math.prod(shape[block_dim + 1 :]) * tensor.element_size()
+    return MemoryRegion(
+        mem_type="VRAM" if tensor.device.type == "cuda" else "DRAM",
+        device_id=tensor.device.index or 0,
+        base_address=tensor.data_ptr(),
+        block_nbytes=num_segments * segment_nbytes,
+        num_blocks=num_blocks,
+        tier=tier,
+        num_segments=num_segments,
+        segment_stride=num_blocks * segment_nbytes if num_segments > 1 else 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -87,8 +130,9 @@ class TransferBackend(Protocol):
     def memory_region(self) -> MemoryRegion: ...
 
     def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
-        """Register another tier's blocks (`tensor`: [num_blocks, *block], host memory for
-        HOST) so peers can read them; once, before the handshake is published."""
+        """Register another tier's blocks (`tensor`: the KV pool's layout with its own number
+        of blocks, host memory for HOST) so peers can read them; once, before the handshake
+        is published."""
         ...
 
     def add_peer(

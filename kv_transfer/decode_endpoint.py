@@ -128,7 +128,12 @@ class DecodeEndpoint:
         """Accept a prefill peer's handshake (idempotent). Raises `HandshakeError`."""
         spec = self.cache.spec
         plan = check_handshake(
-            info, self.compat_hash, self.compat_fields, kv_split(spec), spec.head_nbytes
+            info,
+            self.compat_hash,
+            self.compat_fields,
+            kv_split(spec),
+            spec.head_nbytes,
+            spec.num_segments,
         )
         agents = tuple(r.agent_name for r in info.ranks)
         one_rank = plan.prefill.tp_size == plan.decode.tp_size == 1
@@ -177,10 +182,11 @@ class DecodeEndpoint:
                 f"request {handle.request_id}: its rank agents {handle.agents} are not those "
                 f"of the handshake with {handle.agent_name} ({agents})"
             )
+        spec = self.cache.spec
         plan = plan_transfer(
-            handle, local_block_ids, self.cache.spec.block_nbytes, num_reused, reads
+            handle, local_block_ids, spec.block_nbytes, num_reused, reads, spec.num_segments
         )
-        if plan.local_block_ids and max(plan.local_block_ids) >= self.cache.spec.num_blocks:
+        if plan.local_block_ids and max(plan.local_block_ids) >= spec.num_blocks:
             raise ValueError(f"request {handle.request_id}: destination block outside the pool")
         if handle.compat_hash != self.compat_hash:
             raise HandshakeError(

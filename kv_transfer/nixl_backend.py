@@ -1,10 +1,13 @@
 """The NIXL (UCX) transfer backend: READs whole blocks of a peer's registered KV pool.
 
 The engine's KV tensor (host memory on CPU, VRAM on GPU) is registered once; its blocks are
-described to NIXL as one descriptor each, prepared once locally and once per peer
-(`prep_xfer_dlist`). A read is `make_prepped_xfer` with the block indices of a
-`TransferPlan`; NIXL merges indices that are adjacent on both sides into one descriptor, so a
-plan's `DescriptorRun`s are exactly what is posted (checked with NIXL telemetry in the tests).
+described to NIXL as one descriptor per segment each (`MemoryRegion`: one segment a block in a
+block-first pool, one per layer in a layer-major one), prepared once locally and once per
+peer (`prep_xfer_dlist`). A read is `make_prepped_xfer` with the indices of a `TransferPlan`'s
+blocks, segment by segment on both sides (the pools may differ in size, never in segments:
+the handshake checks it); NIXL merges indices that are adjacent on both sides into one
+descriptor, so what is posted is a plan's `DescriptorRun`s once per segment (checked with
+NIXL telemetry in the tests).
 
 Why prepped dlists: building a read's handle from lists prepared once costs the same however
 many runs the plan has (a scattered plan as little as a merged one), while `initialize_xfer`
@@ -41,7 +44,14 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.kv_events import KVTier
-from kv_transfer.backend import DescriptorMode, MemoryRegion, Notification, XferId, XferStatus
+from kv_transfer.backend import (
+    DescriptorMode,
+    MemoryRegion,
+    Notification,
+    XferId,
+    XferStatus,
+    kv_region,
+)
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import BackendError
 from kv_transfer.types import SliceRead, TransferPlan
@@ -69,25 +79,47 @@ def _backend_error(what: str, e: Exception) -> BackendError:
 
 
 def _block_descs(region: MemoryRegion) -> np.ndarray:
-    descs = np.empty((region.num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = region.base_address + np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(
-        region.block_nbytes
-    )
-    descs[:, 1] = region.block_nbytes
+    """Every segment of every block of `region`, segment s of block b at index
+    `s * num_blocks + b` (one entry per block with one segment)."""
+    segments = np.arange(region.num_segments, dtype=np.uint64) * np.uint64(region.segment_stride)
+    blocks = np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(region.segment_nbytes)
+    descs = np.empty((region.num_segments * region.num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = (np.uint64(region.base_address) + segments[:, None] + blocks[None, :]).ravel()
+    descs[:, 1] = region.segment_nbytes
     descs[:, 2] = region.device_id
     return descs
 
 
+def _block_indices(region: MemoryRegion, block_ids: Sequence[int]) -> np.ndarray:
+    """The indices of `block_ids` in `_block_descs(region)`: segment by segment, each in the
+    order given, so two regions' indices of a plan's remote and local ids pair up."""
+    ids = np.asarray(block_ids, dtype=np.int32)
+    segments = np.arange(region.num_segments, dtype=np.int32) * np.int32(region.num_blocks)
+    return (segments[:, None] + ids[None, :]).ravel()
+
+
 def _run_descs(region: MemoryRegion, starts: list[int], counts: list[int]) -> np.ndarray:
-    descs = np.empty((len(starts), 3), dtype=np.uint64)
-    descs[:, 0] = [region.base_address + s * region.block_nbytes for s in starts]
-    descs[:, 1] = [c * region.block_nbytes for c in counts]
+    """One descriptor per (segment, run of `counts[i]` blocks from `starts[i]`), segment by
+    segment: the same order for the local and the remote region of a read."""
+    seg = region.segment_nbytes
+    segments = np.arange(region.num_segments, dtype=np.uint64) * np.uint64(region.segment_stride)
+    offsets = np.asarray(starts, dtype=np.uint64) * np.uint64(seg)
+    descs = np.empty((region.num_segments * len(starts), 3), dtype=np.uint64)
+    descs[:, 0] = (np.uint64(region.base_address) + segments[:, None] + offsets[None, :]).ravel()
+    descs[:, 1] = np.tile(np.asarray(counts, dtype=np.uint64) * np.uint64(seg), region.num_segments)
     descs[:, 2] = region.device_id
     return descs
 
 
 def _range_descs(region: MemoryRegion, blocks: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
-    """Bytes [offset, offset + nbytes) of each of `blocks`, one descriptor each."""
+    """Bytes [offset, offset + nbytes) of each of `blocks`, one descriptor each; only for a
+    region whose block is one segment (a head range of a head-major pool)."""
+    if region.num_segments != 1:
+        raise BackendError(
+            f"a byte range of a block is one region only where the block is: this "
+            f"{region.tier.value} region has {region.num_segments} segments a block "
+            "(head slices need head_major_v1 on both sides)"
+        )
     descs = np.empty((len(blocks), 3), dtype=np.uint64)
     descs[:, 0] = region.base_address + blocks.astype(np.uint64) * np.uint64(region.block_nbytes)
     descs[:, 0] += np.uint64(offset)
@@ -154,13 +186,8 @@ class NixlBackend:
                 f"NIXL has no UCX backend (plugins: {self._agent.get_plugin_list()}); "
                 "check the nixl wheel and UCX_TLS (it must include tcp on CPU)"
             )
-        self._region = MemoryRegion(
-            mem_type="VRAM" if cache.device.type == "cuda" else "DRAM",
-            device_id=cache.device.index or 0,
-            base_address=cache.tensor.data_ptr(),
-            block_nbytes=cache.spec.block_nbytes,
-            num_blocks=cache.spec.num_blocks,
-        )
+        self._block_dim = cache.spec.block_dim
+        self._region = kv_region(cache.tensor, self._block_dim)
         try:
             self._registered = self._agent.register_memory(cache.tensor)
             self._local = self._agent.prep_xfer_dlist(
@@ -182,15 +209,9 @@ class NixlBackend:
 
     def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
         """Register another tier's blocks (the host tier: pinned host memory on GPU) once, so
-        peers read them where they are, with no copy through the device pool."""
-        region = MemoryRegion(
-            mem_type="VRAM" if tensor.device.type == "cuda" else "DRAM",
-            device_id=tensor.device.index or 0,
-            base_address=tensor.data_ptr(),
-            block_nbytes=tensor[0].numel() * tensor.element_size(),
-            num_blocks=tensor.shape[0],
-            tier=tier,
-        )
+        peers read them where they are, with no copy through the device pool. The tensor has
+        the pool's layout (engine/host_tier.py), so its blocks have the pool's segments."""
+        region = kv_region(tensor, self._block_dim, tier)
         try:
             self._tier_regions.append((region, self._agent.register_memory(tensor)))
         except Exception as e:
@@ -315,8 +336,8 @@ class NixlBackend:
 
     def _make_read(self, plan: TransferPlan, peer: _Peer, notif: bytes) -> Any:
         if self.mode is DescriptorMode.PREPPED:
-            local = np.asarray(plan.local_block_ids, dtype=np.int32)
-            remote = np.asarray(plan.remote_block_ids, dtype=np.int32)
+            local = _block_indices(self._region, plan.local_block_ids)
+            remote = _block_indices(peer.region, plan.remote_block_ids)
             return self._agent.make_prepped_xfer(
                 "READ", self._local, local, peer.prepped, remote, notif
             )

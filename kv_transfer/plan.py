@@ -3,7 +3,8 @@
 Coalescing: a descriptor covers a run of blocks whose ids are consecutive on both sides, so a
 request whose blocks were allocated contiguously on both workers moves in one descriptor (each
 descriptor has a fixed cost in NIXL; engine/kv_cache.py says why a block is one contiguous
-region). Between tensor-parallel workers, `slice_reads` turns the heads each decode rank reads
+region), or in one per layer from a layer-major pool (`TransferPlan.num_segments`). Between
+tensor-parallel workers, `slice_reads` turns the heads each decode rank reads
 (kv_transfer/tp_plan.py) into byte ranges of a block: a whole block coalesces as above, a head
 range of a head-major block is one descriptor per block. A handle may name blocks in more
 than one region of its prefill agent (its KV pool, its host tier: `KVHandle.block_tiers`);
@@ -69,13 +70,15 @@ def plan_transfer(
     block_nbytes: int,
     num_reused: int = 0,
     slices: tuple[SliceRead, ...] = (),
+    num_segments: int = 1,
 ) -> TransferPlan:
     """Plan the pull of `handle.block_ids[num_reused:]` into `local_block_ids`.
 
     `num_reused` leading blocks are already on the decode worker (found by hash); only full
     blocks can be reused, so it may not exceed `len(handle.block_hashes)`. `slices`: the
     decode ranks' reads between tensor-parallel workers (`slice_reads`); empty for whole
-    blocks between two workers of one rank.
+    blocks between two workers of one rank. `num_segments`: the pool's contiguous pieces of
+    a block (`KVCacheSpec.num_segments`).
     """
     if not 0 <= num_reused <= len(handle.block_hashes):
         raise ValueError(
@@ -110,4 +113,5 @@ def plan_transfer(
         block_nbytes=block_nbytes,
         slices=slices,
         remote_tiers=tiers,
+        num_segments=num_segments,
     )

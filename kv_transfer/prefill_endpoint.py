@@ -78,8 +78,9 @@ class PrefillEndpoint:
         tiers: Mapping[KVTier, torch.Tensor] | None = None,
     ) -> None:
         """`followers`: the agents of ranks 1.. of a tensor-parallel worker (this is rank 0).
-        `tiers`: the worker's other KV tiers' blocks (its host tier's tensor), registered for
-        decode workers to read hand-offs' blocks there (`hand_off`'s `block_tiers`)."""
+        `tiers`: the worker's other KV tiers' blocks (its host tier's tensor, in the pool's
+        layout), registered for decode workers to read hand-offs' blocks there (`hand_off`'s
+        `block_tiers`)."""
         self.cache = cache
         self.tiers = dict(tiers or {})
         self.followers = tuple(followers)
@@ -157,7 +158,8 @@ class PrefillEndpoint:
         tiers = tuple(block_tiers) or (KVTier.DEVICE,) * len(block_ids)
         if len(tiers) != len(block_ids):
             raise ValueError(f"request {request_id}: {len(tiers)} tiers, {len(block_ids)} blocks")
-        sizes = {KVTier.DEVICE: spec.num_blocks} | {t: x.shape[0] for t, x in self.tiers.items()}
+        sizes = {t: x.shape[spec.block_dim] for t, x in self.tiers.items()}  # the pool's layout
+        sizes[KVTier.DEVICE] = spec.num_blocks
         if any(not 0 <= b < sizes.get(t, 0) for b, t in zip(block_ids, tiers, strict=True)):
             raise ValueError(f"request {request_id}: block id outside its tier's region")
         if len(block_ids) * spec.block_size < num_tokens:

@@ -77,10 +77,13 @@ def check_handshake(
     local_compat_fields: str,
     local_split: KVSplit,
     head_nbytes: int,
+    num_segments: int,
 ) -> HeadPlan:
     """The plan of this worker's pulls from `remote` (kv_transfer/tp_plan.py); raises
     HandshakeError naming what differs when it cannot exchange blocks with it. `head_nbytes`:
-    one KV head's part of a local block."""
+    one KV head's part of a local block; `num_segments`: the contiguous pieces of a local
+    block (`KVCacheSpec.num_segments`), which every region of the peer must share, since a
+    read pairs the two sides' descriptors segment by segment."""
     peer = f"peer {remote.agent_name} (worker {remote.worker_id})"
     if remote.protocol_version != PROTOCOL_VERSION:
         raise HandshakeError(
@@ -116,11 +119,21 @@ def check_handshake(
             )
         if agent.region.num_blocks <= 0:
             raise HandshakeError(f"{peer}: rank {rank} registered no blocks")
+        if agent.region.num_segments != num_segments:
+            raise HandshakeError(
+                f"{peer}: rank {rank}'s block is {agent.region.num_segments} segment(s), "
+                f"{num_segments} here, with equal compat hashes"
+            )
     for region in remote.tier_regions:
         if region.block_nbytes != remote.region.block_nbytes or region.num_blocks <= 0:
             raise HandshakeError(
                 f"{peer}: its {region.tier.value} tier region has {region.num_blocks} blocks of "
                 f"{region.block_nbytes} bytes (its KV pool's are {remote.region.block_nbytes})"
+            )
+        if region.num_segments != num_segments:
+            raise HandshakeError(
+                f"{peer}: its {region.tier.value} tier region's block is "
+                f"{region.num_segments} segment(s), {num_segments} here"
             )
     return plan
 

@@ -17,7 +17,8 @@ rank r reads all of rank r.
 
 A slice is one region of a block only where heads are the outer dimension inside the block
 (the head-major pool, engine/kv_cache.py); a slice that is a whole block on both sides is
-one region in any layout (and adjacent blocks coalesce). So `plan_split` accepts a pair when
+read as whole blocks in any layout (one region a block, one per layer in a layer-major pool;
+adjacent blocks coalesce). So `plan_split` accepts a pair when
 every read is a whole block and both sides use the same layout, or when both sides are
 head-major; it refuses anything else with `UnsupportedSplit` naming both sides.
 """

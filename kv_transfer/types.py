@@ -172,6 +172,9 @@ class TransferPlan:
     remote_tiers: tuple[KVTier, ...] = ()
     """Per remote block, the region of the peer it is read from (the handle's
     `block_tiers`); empty: all from its KV pool. `runs` never cross from one to another."""
+    num_segments: int = 1
+    """Contiguous pieces of a block on both sides (one per layer in a layer-major pool,
+    kv_transfer/backend.py `MemoryRegion`): a run is posted as one descriptor per segment."""
 
     @property
     def num_blocks(self) -> int:
@@ -208,9 +211,10 @@ class TransferPlan:
     @property
     def num_descriptors(self) -> int:
         """Descriptors posted, over every decode rank."""
-        if self.slices:
-            return sum(len(self.runs) if s.whole else self.num_blocks for s in self.slices)
-        return len(self.runs)
+        runs = len(self.runs) * self.num_segments
+        if self.slices:  # (a partial slice is of a head-major block: one segment)
+            return sum(runs if s.whole else self.num_blocks for s in self.slices)
+        return runs
 
     def for_rank(self, rank: int) -> TransferPlan:
         """The part of this plan decode rank `rank` reads (its slices only)."""

@@ -11,16 +11,17 @@ Both read `kv_cache.layer(i)` ([blocks, 2, block_size, Hkv, D], flashinfer's NHD
 layout; K and V share strides, so the standard kernels apply). KV is written with an
 index_put on that view before attention.
 
-Single-token decodes over an e4m3 pool go to the Triton split-KV kernel instead
-(engine/attention/triton_decode.py, `EngineConfig.decode_attention`): it reads the staged
-device page arrays directly (no host plan) and measured 1.55x its KV-read floor on the H200
-where flashinfer's e4m3 decode ran at 1.83x (benchmarks/bench_attention.py). In a CUDA-graph
-step that one launch also stores the step's k/v (no store kernel), rotates q and k (the
-backend takes `graph_rope`, so the model runs no RoPE op there) and writes o_proj's e4m3
-input when the model passes that projection's static scale (`out_scale`, model.Attend).
-`decode_attention = "xqa"` (opt-in) runs flashinfer's XQA instead (xqa_decode.py); its graph
-step stores and rotates in one prologue launch before it (decode_prologue.py) and XQA writes
-o_proj's e4m3 input itself.
+Single-token decodes over an e4m3 pool go to flashinfer's XQA (TensorRT-LLM's GQA decode,
+xqa_decode.py) on SM90, or to the Triton split-KV kernel (engine/attention/triton_decode.py)
+elsewhere or when asked (`EngineConfig.decode_attention`). Both read the staged device page
+arrays directly (no host plan). On the H200, over the 70B shape's B=64 x 2048 e4m3 KV, XQA
+reads at 1.31x its floor, the Triton kernel at 1.54x and flashinfer's decode at 1.83x
+(benchmarks/bench_attention.py). In a CUDA-graph step the Triton launch also stores the
+step's k/v (no store kernel), rotates q and k (the backend takes `graph_rope`, so the model
+runs no RoPE op there) and writes o_proj's e4m3 input when the model passes that
+projection's static scale (`out_scale`, model.Attend); XQA's graph step stores and rotates
+in one prologue launch before it (decode_prologue.py) and XQA writes o_proj's e4m3 input
+itself.
 
 Kernel choice is pinned to fa2: "auto" may pick fa3 (a 100 s JIT on the H200), cuDNN or XQA
 routes whose constraints differ. Plans take host (CPU) copies of the small indptr arrays
@@ -58,22 +59,30 @@ KERNEL_BACKEND = "fa2"
 TRITON_E4M3_SCORES = "triton-e4m3-scores"
 
 
-def select_decode_kernel(requested: str, kv_dtype: str, device: torch.device) -> str:
-    """The decode kernel for `requested` (EngineConfig.decode_attention): auto takes Triton for an
-    e4m3 pool (when triton imports) and flashinfer's otherwise; triton-e4m3-scores is
-    Triton's kernel with e4m3 scores, for an e4m3 pool only; xqa is flashinfer's XQA."""
+def select_decode_kernel(
+    requested: str, kv_dtype: str, device: torch.device, page_size: int = 16, head_dim: int = 128
+) -> str:
+    """The decode kernel for `requested` (EngineConfig.decode_attention). auto: flashinfer's
+    for a float pool; for an e4m3 pool XQA on SM90 where it builds (`xqa_unavailable_reason`),
+    else Triton (when triton imports), else flashinfer's. Why XQA there: its TMA +
+    warpgroup-MMA FP8 kernel reads the e4m3 pool at 1.31x its floor on the H200 against the
+    Triton kernel's 1.54x (docs/benchmarks.md, "FP8, 2026-12-05 (fifth session)").
+    triton-e4m3-scores is Triton's kernel with e4m3 scores, for an e4m3 pool only; xqa is
+    flashinfer's XQA (refused where it cannot run)."""
     if requested == "flashinfer":
         return requested
     if requested not in DECODE_ATTENTION_CHOICES:
         choices = ", ".join(DECODE_ATTENTION_CHOICES)
         raise ValueError(f"decode_attention: one of {choices}, got {requested!r}")
-    if requested == "xqa":
+    if requested == "xqa" or (requested == "auto" and kv_dtype == FP8_KV_DTYPE):
         from engine.attention.xqa_decode import xqa_unavailable_reason
 
-        why = xqa_unavailable_reason(device)
-        if why is not None:
+        why = xqa_unavailable_reason(device, page_size, head_dim)
+        if requested == "xqa" and why is not None:
             raise BackendUnavailable(why)
-        return requested
+        sm90 = why is None and torch.cuda.get_device_capability(device)[0] == 9
+        if requested == "xqa" or sm90:
+            return "xqa"
     if requested == TRITON_E4M3_SCORES:
         if kv_dtype != FP8_KV_DTYPE:
             raise ValueError(f"decode_attention {requested} needs an fp8 KV cache, got {kv_dtype}")
@@ -129,8 +138,9 @@ class FlashInferBackend(AttentionBackend):
             self._workspace, "NHD", use_tensor_cores=True, backend=KERNEL_BACKEND
         )
         self.decode_kernel = select_decode_kernel(
-            decode_attention, kv_cache.spec.dtype, kv_cache.device
-        )
+            decode_attention, kv_cache.spec.dtype, kv_cache.device, self.block_size,
+            self.head_dim,
+        )  # fmt: skip
         self._scores_fp8 = decode_attention == TRITON_E4M3_SCORES
         self._xqa: XqaDecode | None = None
         if self.decode_kernel == "xqa":

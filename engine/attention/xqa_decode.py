@@ -25,9 +25,19 @@ WORKSPACE_BYTES = 128 << 20
 multi-block partial results."""
 
 
-def xqa_unavailable_reason(device: torch.device) -> str | None:
-    """Why XQA cannot run here (None when it can): it needs CUDA on SM90+ and flashinfer's
-    XQA sources (the JIT builds it at first use)."""
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+"""The page (block) sizes flashinfer 0.7.4's XQA builds for."""
+
+
+def xqa_unavailable_reason(
+    device: torch.device, page_size: int = 16, head_dim: int = 128
+) -> str | None:
+    """Why XQA cannot run here (None when it can): it needs CUDA on SM90+, a page size and
+    head_dim it builds for, and flashinfer's XQA sources (the JIT builds it at first use)."""
+    if page_size not in XQA_PAGE_SIZES:
+        return f"XQA decode needs a block size in {XQA_PAGE_SIZES} (got {page_size})"
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        return f"XQA decode needs head_dim a multiple of 16 in [16, 256] (got {head_dim})"
     if device.type != "cuda":
         return f"XQA decode runs on CUDA (got {device})"
     major = torch.cuda.get_device_capability(device)[0]

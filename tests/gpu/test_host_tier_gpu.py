@@ -32,11 +32,16 @@ def block_hash(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def test_blocks_come_back_bit_exact_from_either_offload_path() -> None:
-    device_kv = torch.randn((64, 2, 2, 16, 2, 64), device="cuda").to(torch.bfloat16)
+@pytest.mark.parametrize("block_dim", [0, 1], ids=["block_major", "layer_major"])
+def test_blocks_come_back_bit_exact_from_either_offload_path(block_dim: int) -> None:
+    """(A layer-major pool, [layers, blocks, ...], is copied one layer's run at a time.)"""
+    shape = [64, 2, 2, 16, 2, 64]
+    shape[0], shape[block_dim] = shape[block_dim], shape[0]
+    pool = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    device_kv = pool.movedim(block_dim, 0)  # a [blocks, ...] view, for the checks
     original = device_kv.clone()
-    tier = HostTier(32, device_kv, max_blocks_per_step=8)
-    assert tier.tensor.is_pinned()
+    tier = HostTier(32, pool, max_blocks_per_step=8, block_dim=block_dim)
+    assert tier.tensor.is_pinned() and tier.tensor.shape[block_dim] == 32
     for b in range(16):
         tier.offer(b, block_hash(b))
     tier.flush()  # blocks 0-7 on the side stream; 8-15 wait for the next flush
@@ -105,10 +110,14 @@ def test_a_cycled_device_pool_onboards_and_gives_the_tokens_of_one_that_never_ev
     assert small.block_pool.num_free == small.block_pool.num_blocks
 
 
-def test_a_decode_pool_on_the_gpu_reads_hand_off_blocks_from_pinned_host_memory() -> None:
+@pytest.mark.parametrize("layout", ["block_major_v1", "layer_major_v1"])
+def test_a_decode_pool_on_the_gpu_reads_hand_off_blocks_from_pinned_host_memory(
+    layout: str,
+) -> None:
     """NIXL (UCX) from a prefill agent's registered host tier (pinned DRAM) and its VRAM pool
     into a decode agent's VRAM pool, two agents of one process: one read per region, bytes
-    exact; prints the host-region read rate (compare with the pinned copy, bench_host_tier)."""
+    exact; prints the host-region read rate (compare with the pinned copy, bench_host_tier).
+    Layer-major: the host tier has the pool's layout, and a read is a descriptor per layer."""
     import queue
     import time as clock
 
@@ -121,10 +130,10 @@ def test_a_decode_pool_on_the_gpu_reads_hand_off_blocks_from_pinned_host_memory(
 
     # Llama-3-8B block shape (2 MiB a block), 512 blocks a side
     spec = KVCacheSpec(num_blocks=512, num_layers=32, block_size=16, num_kv_heads=8,
-                       head_dim=128, dtype="bfloat16")  # fmt: skip
+                       head_dim=128, dtype="bfloat16", layout=layout)  # fmt: skip
     pool = KVCache(spec, "cuda")
     pool.tensor.normal_()
-    host = torch.randn((512, *spec.shape[1:]), dtype=torch.bfloat16).pin_memory()
+    host = torch.randn(spec.shape, dtype=torch.bfloat16).pin_memory()  # 512 blocks too
     config = KVTransferConfig(idle_tick_s=0.01)
     released: queue.Queue[str] = queue.Queue()
     prefill = PrefillEndpoint(pool, "m", "p0", lambda rid, _: released.put(rid), config,
@@ -146,11 +155,14 @@ def test_a_decode_pool_on_the_gpu_reads_hand_off_blocks_from_pinned_host_memory(
         outcome = outcomes.get(timeout=60)
         seconds = clock.perf_counter() - t0
         assert outcome.state is TransferState.DONE, outcome.error
-        assert torch.equal(decode_pool.tensor[:n].cpu(), host[:n])
-        assert torch.equal(decode_pool.tensor[n : n + 16], pool.tensor[:16])
+        got = decode_pool.tensor.movedim(spec.block_dim, 0)  # [blocks, ...] in either layout
+        assert torch.equal(got[:n].cpu(), host.movedim(spec.block_dim, 0)[:n])
+        assert torch.equal(got[n : n + 16], pool.tensor.movedim(spec.block_dim, 0)[:16])
         assert released.get(timeout=10) == "r"
-        print(f"host tier -> remote VRAM over NIXL: {outcome.plan.nbytes / seconds / 1e9:.1f} GB/s "
-              f"({outcome.plan.nbytes >> 20} MiB in {seconds * 1000:.1f} ms)")  # fmt: skip
+        print(f"{layout}: host tier -> remote VRAM over NIXL: "
+              f"{outcome.plan.nbytes / seconds / 1e9:.1f} GB/s "
+              f"({outcome.plan.nbytes >> 20} MiB in {seconds * 1000:.1f} ms, "
+              f"{outcome.plan.num_descriptors} descriptors)")  # fmt: skip
     finally:
         decode.close()
         prefill.close()

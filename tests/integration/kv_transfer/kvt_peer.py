@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.block_hash import BlockHash
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
 from engine.kv_events import KVTier
 from kv_transfer.backend import XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
@@ -32,6 +32,11 @@ MODEL = "nixl-test-model"
 SMALL = KVCacheSpec(
     num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype="float32"
 )
+LAYERED = KVCacheSpec(
+    num_blocks=64, num_layers=3, block_size=16, num_kv_heads=2, head_dim=16, dtype="float32",
+    layout=LAYER_MAJOR,
+)  # fmt: skip
+"""A layer-major pool: a block is 3 segments (one per layer) of 4 KiB, 256 KiB apart."""
 # 128 KiB blocks, 16 per request (2 MiB): the kill tests pull 12 requests one at a time.
 LARGE = KVCacheSpec(
     num_blocks=256, num_layers=1, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32"
@@ -43,12 +48,14 @@ HOST_BLOCKS = 32
 
 
 def fill(cache: KVCache, seed: int) -> None:
-    """Deterministic, different in every block: block b starts with seed * 1e6 + b * 1e3."""
+    """Deterministic, different in every block: block b starts with seed * 1e6 + b * 1e3 (its
+    first layer's first K; every layer of it differs from the others)."""
     spec = cache.spec
-    per_block = cache.tensor[0].numel()
+    by_block = cache.tensor.movedim(spec.block_dim, 0)  # [blocks, layers, ...] in any layout
+    per_block = by_block[0].numel()
     blocks = torch.arange(spec.num_blocks, dtype=torch.float32)[:, None]
     index = torch.arange(per_block, dtype=torch.float32)[None, :]
-    cache.tensor.view(spec.num_blocks, per_block).copy_(seed * 1e6 + blocks * 1e3 + index % 997)
+    by_block.copy_((seed * 1e6 + blocks * 1e3 + index % 997).view(by_block.shape))
 
 
 # ---- fault injection (test-only) -----------------------------------------------------------
@@ -108,7 +115,8 @@ def prefill_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) 
 
     cache = KVCache(spec)
     fill(cache, seed=1)
-    host = KVCache(dataclasses.replace(spec, num_blocks=HOST_BLOCKS))  # the host tier's blocks
+    # the host tier's blocks, in the pool's layout (as engine/host_tier.py allocates them)
+    host = KVCache(dataclasses.replace(spec, num_blocks=HOST_BLOCKS))
     fill(host, seed=2)
     released: list[Released] = []
     lock = threading.Lock()

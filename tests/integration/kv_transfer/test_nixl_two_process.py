@@ -16,6 +16,7 @@ import torch
 from kvt_peer import (
     HOST_BLOCKS,
     LARGE,
+    LAYERED,
     MODEL,
     SMALL,
     Peer,
@@ -26,15 +27,23 @@ from kvt_peer import (
 )
 from kvt_peer import prefill_main as prefill_peer_main
 
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
 from engine.kv_events import KVTier
+from kv_transfer.backend import DescriptorMode
 from kv_transfer.config import BudgetConfig, KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
-from kv_transfer.errors import HandshakeError, PeerLost, TransferError, TransferTimeout
+from kv_transfer.errors import (
+    BackendError,
+    HandshakeError,
+    PeerLost,
+    TransferError,
+    TransferTimeout,
+)
 from kv_transfer.manager import TransferOutcome, TransferState
+from kv_transfer.nixl_backend import NixlBackend
 from kv_transfer.prefill_endpoint import PrefillEndpoint
 from kv_transfer.protocol import HandshakeInfo
-from kv_transfer.types import KVHandle
+from kv_transfer.types import DescriptorRun, KVHandle, SliceRead, TransferPlan
 
 pytestmark = pytest.mark.timeout(240)  # generous: other jobs may load the 2-core machine
 
@@ -42,11 +51,16 @@ PREFILL_CONFIG = KVTransferConfig(reaper_interval_s=0.05, lease_s=10.0)
 DECODE_CONFIG = KVTransferConfig(capture_telemetry=True, idle_tick_s=0.02)
 
 
+def blocks_of(cache: KVCache, block_ids: list[int]) -> torch.Tensor:
+    """Whole blocks (every layer of each) as [len(block_ids), ...], in any layout."""
+    return cache.tensor.movedim(cache.spec.block_dim, 0)[block_ids]
+
+
 def expected_blocks(spec: KVCacheSpec, block_ids: list[int], seed: int = 1) -> torch.Tensor:
     """The peer's pool blocks (seed 1), or its host tier's (seed 2)."""
     cache = KVCache(dataclasses.replace(spec, num_blocks=max(block_ids) + 1))
     fill(cache, seed=seed)
-    return cache.tensor[block_ids]
+    return blocks_of(cache, block_ids)
 
 
 class Decoder:
@@ -97,6 +111,7 @@ def peers() -> Iterator[dict[str, Peer]]:
     """Every peer process of the module, spawned at once so their start-ups overlap."""
     started = {
         "prefill": Peer(prefill_peer_main, SMALL, PREFILL_CONFIG),  # shared, never killed
+        "layered_prefill": Peer(prefill_peer_main, LAYERED, PREFILL_CONFIG),  # likewise
         "doomed_prefill": Peer(prefill_peer_main, LARGE, PREFILL_CONFIG),
         "doomed_decode": Peer(decode_main, LARGE, DOOMED_DECODE_CONFIG),
     }
@@ -111,6 +126,13 @@ def peers() -> Iterator[dict[str, Peer]]:
 def prefill(peers: dict[str, Peer]) -> tuple[Peer, HandshakeInfo]:
     """The shared prefill process (SMALL pool, block b filled from seed 1) and its handshake."""
     peer = peers["prefill"]
+    return peer, peer.recv(timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def layered_prefill(peers: dict[str, Peer]) -> tuple[Peer, HandshakeInfo]:
+    """The shared prefill process over a layer-major pool (LAYERED, with a host tier)."""
+    peer = peers["layered_prefill"]
     return peer, peer.recv(timeout_s=150)
 
 
@@ -183,6 +205,74 @@ def test_blocks_in_the_prefill_host_tier_are_read_from_its_registered_host_memor
     wait_for(lambda: "tiers" in released_ids(peer), timeout_s=5)  # once both reads are done
 
 
+@pytest.mark.parametrize("mode", [DescriptorMode.PREPPED, DescriptorMode.COALESCED])
+def test_layer_major_pools_pull_every_layer_of_each_block_from_pool_and_host_tier(
+    layered_prefill: tuple[Peer, HandshakeInfo],
+    decoder: Callable[..., Decoder],
+    mode: DescriptorMode,
+) -> None:
+    """A layer-major block is a segment per layer, each in its layer's page array, so a read
+    posts one descriptor per (layer, run); the decode pool is smaller than the peer's, so the
+    two sides' segments lie at different strides."""
+    peer, info = layered_prefill
+    layers = LAYERED.num_layers
+    assert [(r.tier, r.num_segments) for r in (info.region, *info.tier_regions)] == [
+        (KVTier.DEVICE, layers), (KVTier.HOST, layers)
+    ]  # fmt: skip
+    local_spec = dataclasses.replace(LAYERED, num_blocks=48)
+    d = decoder(local_spec, dataclasses.replace(DECODE_CONFIG, descriptor_mode=mode))
+    d.endpoint.add_peer(info)
+    host, dev = KVTier.HOST, KVTier.DEVICE
+    rid = f"layers-{mode.value}"
+    contiguous: KVHandle = peer.ask("hand_off", f"{rid}-run", [10, 11, 12, 13], None)
+    # the peer's last block, a run of two and a scattered one into the local pool's last block
+    scattered: KVHandle = peer.ask("hand_off", f"{rid}-scatter", [63, 3, 4, 20], None)
+    tiered: KVHandle = peer.ask("hand_off", f"{rid}-tiers", [6, 7, 8, 30], None,
+                                [host, host, host, dev])  # fmt: skip
+    plans = [
+        d.endpoint.submit(contiguous, [0, 1, 2, 3]),
+        d.endpoint.submit(scattered, [8, 9, 10, 47]),
+        d.endpoint.submit(tiered, [20, 21, 22, 23]),
+    ]
+    assert [p.num_descriptors for p in plans] == [layers * 1, layers * 3, layers * 2]
+    outcomes = {o.request_id: o for o in d.wait(3, timeout_s=20)}
+    assert {o.state for o in outcomes.values()} == {TransferState.DONE}, outcomes
+    for plan in plans[:2]:
+        want = expected_blocks(LAYERED, list(plan.remote_block_ids))
+        assert torch.equal(blocks_of(d.cache, list(plan.local_block_ids)), want)
+    assert torch.equal(blocks_of(d.cache, [20, 21, 22]), expected_blocks(LAYERED, [6, 7, 8], 2))
+    assert torch.equal(blocks_of(d.cache, [23]), expected_blocks(LAYERED, [30]))
+    for plan in plans:
+        assert outcomes[plan.request_id].posted_descriptors == plan.num_descriptors
+    written = {b for p in plans for b in p.local_block_ids}
+    untouched = [b for b in range(local_spec.num_blocks) if b not in written]
+    assert not blocks_of(d.cache, untouched).any()  # nothing else, in no layer
+    done = {p.request_id for p in plans}
+    wait_for(lambda: done <= set(released_ids(peer)), timeout_s=5)
+
+
+def test_a_head_slice_of_a_layer_major_pool_is_refused(
+    layered_prefill: tuple[Peer, HandshakeInfo],
+) -> None:
+    """A byte range of a block is one region only in a block-first pool: the backend refuses
+    a partial `SliceRead` over layer-major regions instead of reading the wrong bytes."""
+    _, info = layered_prefill
+    backend = NixlBackend("slice-refuser", KVCache(LAYERED))
+    try:
+        backend.add_peer(info.agent_name, info.agent_metadata, info.region)
+        half = LAYERED.head_nbytes  # one of the pool's two KV heads
+        plan = TransferPlan(
+            request_id="slice", peer=info.agent_name, remote_block_ids=(1,),
+            local_block_ids=(2,), num_reused=0, runs=(DescriptorRun(1, 2, 1),),
+            block_nbytes=LAYERED.block_nbytes, num_segments=LAYERED.num_layers,
+            slices=(SliceRead(0, info.agent_name, half, 0, half, whole=False),),
+        )  # fmt: skip
+        with pytest.raises(BackendError, match="device region has 3 segments a block"):
+            backend.start_read(plan, b"")
+    finally:
+        backend.close()
+
+
 def test_incompatible_peer_is_refused_with_a_clear_error(
     prefill: tuple[Peer, HandshakeInfo], decoder: Callable[..., Decoder]
 ) -> None:
@@ -190,6 +280,11 @@ def test_incompatible_peer_is_refused_with_a_clear_error(
     d = decoder(dataclasses.replace(SMALL, block_size=32))
     with pytest.raises(HandshakeError, match="block_size: peer 16 vs local 32"):
         d.endpoint.add_peer(info)
+    layered = decoder(dataclasses.replace(SMALL, layout=LAYER_MAJOR))
+    with pytest.raises(HandshakeError) as err:
+        layered.endpoint.add_peer(info)
+    assert "block_major_v1 → decode TP=1 over 2 KV heads, layer_major_v1" in str(err.value)
+    assert "the KV layouts differ" in str(err.value)
     same = decoder(SMALL)
     with pytest.raises(HandshakeError, match="protocol v2"):
         same.endpoint.add_peer(dataclasses.replace(info, protocol_version=2))

@@ -41,7 +41,9 @@ def test_each_role_gets_its_tp_size_and_the_clusters_kv_layout() -> None:
     )  # fmt: skip
     assert (decode.mode, decode.tensor_parallel_size) == (EngineMode.COLOCATED, 1)
     assert spec(prefill_tp=2, decode_tp=2).kv_layout == "block_major"  # rank r reads rank r
-    assert spec(prefill_tp=2, decode_tp=1, colocated=True).kv_layout == "block_major"
+    # colocated: nothing handed off, each engine resolves auto (layer_major on a GPU)
+    assert spec(prefill_tp=2, decode_tp=1, colocated=True).kv_layout == "auto"
+    assert spec(colocated=True).engine_for(WorkerRole.DECODE).kv_layout == "auto"
     pinned = ClusterSpec(engine=EngineConfig(model_dir="m", kv_layout="head_major"))
     assert pinned.kv_layout == "head_major"
     with pytest.raises(ValueError, match="tensor_parallel_size: must be >= 1, got 0"):
@@ -89,7 +91,7 @@ def test_config_show_carries_the_tp_flags(tmp_path: Path) -> None:
          "both sides (kv_layout head_major; `pdserve up` picks it when prefill and decode TP "
          "sizes differ)"),
         (["--kv-layout", "nhd"],  # the engine's own check, named by the flag that set it
-         "--kv-layout: one of auto, block_major, head_major, got 'nhd'"),
+         "--kv-layout: one of auto, block_major, head_major, layer_major, got 'nhd'"),
     ],
 )  # fmt: skip
 def test_up_refuses_tp_sizes_or_a_layout_that_cannot_serve_the_model(

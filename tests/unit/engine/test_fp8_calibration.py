@@ -175,9 +175,10 @@ def handshake_info(spec: KVCacheSpec, followers: int = 0) -> HandshakeInfo:
     )
 
 
-def local_side(spec: KVCacheSpec) -> tuple[str, str, KVSplit, int]:
+def local_side(spec: KVCacheSpec) -> tuple[str, str, KVSplit, int, int]:
     """What `check_handshake` takes of the local pool."""
-    return compat_hash(spec, "m"), compat_fields(spec, "m"), kv_split(spec), spec.head_nbytes
+    fields = compat_fields(spec, "m")
+    return compat_hash(spec, "m"), fields, kv_split(spec), spec.head_nbytes, spec.num_segments
 
 
 def test_the_handshake_refuses_a_peer_whose_kv_dtype_or_scales_differ() -> None:

@@ -1,4 +1,5 @@
-"""The head-major KV pool: where its bytes are, and that attention sees what block-major gives.
+"""The head- and layer-major KV pools: where their bytes are, and that attention sees what
+block-major gives.
 
 `KVCache.layer(i)` must be the same logical view for both layouts, so every consumer that
 goes through it (KV writes, the torch backend) computes the same numbers; what differs is
@@ -15,7 +16,7 @@ from test_attention_torch import HKV, LAYERS, D, model_cfg
 
 from engine.attention import build_layout, create_backend, stage_once
 from engine.config import EngineConfig
-from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, KVCache, KVCacheSpec
+from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR, KVCache, KVCacheSpec
 from engine.kv_sizing import kv_layout
 
 
@@ -42,6 +43,35 @@ def test_head_major_block_holds_each_head_as_one_region() -> None:
     assert torch.equal(head1[at : at + D], torch.full((D,), 7.0))
 
 
+def test_layer_major_keeps_each_layers_pages_together_and_a_block_in_segments() -> None:
+    s = spec(LAYER_MAJOR)
+    assert s.shape == (LAYERS, 8, 2, BLOCK_SIZE, HKV, D)
+    assert s.block_nbytes == spec(BLOCK_MAJOR).block_nbytes
+    assert (s.block_dim, s.num_segments) == (1, LAYERS)
+    assert s.segment_nbytes * LAYERS == s.block_nbytes
+    assert (spec(BLOCK_MAJOR).num_segments, spec(HEAD_MAJOR).block_dim) == (1, 0)
+    cache = KVCache(s)
+    view = cache.layer(1)
+    assert view.shape == (8, 2, BLOCK_SIZE, HKV, D) and view.is_contiguous()
+    view[5, 1, 3, 1] = 7.0  # block 5, V, token 3, head 1 of layer 1
+    flat = cache.tensor.view(-1)
+    seg = s.segment_nbytes // 4
+    at = (1 * 8 + 5) * seg + ((1 * BLOCK_SIZE + 3) * HKV + 1) * D  # layer 1's segment of block 5
+    assert torch.equal(flat[at : at + D], torch.full((D,), 7.0))
+    assert int((flat == 7.0).sum()) == D
+
+
+def test_copy_blocks_from_moves_every_layer_of_a_layer_major_block() -> None:
+    torch.manual_seed(3)
+    src, dst = KVCache(spec(LAYER_MAJOR)), KVCache(spec(LAYER_MAJOR, num_blocks=6))
+    src.tensor.normal_()
+    dst.copy_blocks_from(src, [7, 2], [0, 4])
+    for layer in range(LAYERS):
+        assert torch.equal(dst.layer(layer)[0], src.layer(layer)[7])
+        assert torch.equal(dst.layer(layer)[4], src.layer(layer)[2])
+        assert int(dst.layer(layer)[1:4].abs().sum()) == 0
+
+
 def test_layer_views_of_both_layouts_hold_the_same_values_after_a_copy() -> None:
     torch.manual_seed(0)
     bm, hm = KVCache(spec(BLOCK_MAJOR)), KVCache(spec(HEAD_MAJOR))
@@ -56,12 +86,12 @@ def test_layer_views_of_both_layouts_hold_the_same_values_after_a_copy() -> None
 
 @pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
 def test_write_kv_and_torch_attention_are_identical_on_both_layouts(dtype: str) -> None:
-    """The same step on a block-major and a head-major pool: bit-equal pools (per layer view)
+    """The same step on block-, head- and layer-major pools: bit-equal pools (per layer view)
     and bit-equal attention outputs (an e4m3 pool stores K / scale through the view)."""
     torch.manual_seed(1)
     scales = (0.05, 0.07) * LAYERS if dtype != "float32" else ()
     outs, caches = [], []
-    for layout in (BLOCK_MAJOR, HEAD_MAJOR):
+    for layout in (BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR):
         s = KVCacheSpec(32, LAYERS, BLOCK_SIZE, HKV, D, dtype, layout=layout, scales=scales)
         cache = KVCache(s)
         backend = create_backend("torch", model_cfg(), cache, compute_dtype=torch.float32)
@@ -81,20 +111,28 @@ def test_write_kv_and_torch_attention_are_identical_on_both_layouts(dtype: str) 
             rows += n
         outs.append(got)
         caches.append(cache)
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
-    for layer in range(LAYERS):
-        assert torch.equal(caches[0].layer(layer).float(), caches[1].layer(layer).float())
-    assert caches[1].tensor.float().abs().sum() > 0
+    for other in (1, 2):
+        for a, b in zip(outs[0], outs[other], strict=True):
+            assert torch.equal(a, b)
+        for layer in range(LAYERS):
+            assert torch.equal(caches[0].layer(layer).float(), caches[other].layer(layer).float())
+        assert caches[other].tensor.float().abs().sum() > 0
 
 
 def test_layout_choice_and_checks() -> None:
     assert kv_layout(EngineConfig(model_dir="m")) == BLOCK_MAJOR
+    assert kv_layout(EngineConfig(model_dir="m"), torch.device("cpu")) == BLOCK_MAJOR
+    assert kv_layout(EngineConfig(model_dir="m"), torch.device("cuda")) == LAYER_MAJOR
+    pinned = EngineConfig(model_dir="m", kv_layout="block_major")
+    assert kv_layout(pinned, torch.device("cuda")) == BLOCK_MAJOR
     assert kv_layout(EngineConfig(model_dir="m", kv_layout="head_major")) == HEAD_MAJOR
-    with pytest.raises(ValueError, match="kv_layout: one of auto, block_major, head_major"):
+    assert kv_layout(EngineConfig(model_dir="m", kv_layout="layer_major")) == LAYER_MAJOR
+    with pytest.raises(ValueError, match="kv_layout: one of auto, block_major, head_major, layer"):
         EngineConfig(model_dir="m", kv_layout="nhd")
     with pytest.raises(ValueError, match="KV layout 'x'"):
         spec("x")
     one = KVCache(spec(BLOCK_MAJOR))
     with pytest.raises(ValueError, match="incompatible KV caches"):
         KVCache(spec(HEAD_MAJOR)).copy_blocks_from(one, [0], [0])
+    with pytest.raises(ValueError, match="incompatible KV caches"):
+        KVCache(spec(LAYER_MAJOR)).copy_blocks_from(one, [0], [0])

@@ -292,7 +292,7 @@ def test_interpreted_kernel_stores_the_new_kv_then_attends_over_it(
         torch.testing.assert_close(got[:4], want[:4], rtol=2e-3, atol=2e-3)
 
 
-def test_auto_takes_triton_for_an_e4m3_pool_on_cuda_only() -> None:
+def test_auto_takes_a_kernel_for_an_e4m3_pool_on_cuda_only() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_decode_kernel("auto", "bfloat16", cuda) == "flashinfer"
     assert select_decode_kernel("flashinfer", "float8_e4m3fn", cuda) == "flashinfer"
@@ -307,6 +307,10 @@ def test_auto_takes_triton_for_an_e4m3_pool_on_cuda_only() -> None:
         select_decode_kernel("triton-e4m3-scores", "bfloat16", cuda)
     with pytest.raises(Exception, match="runs on CUDA"):
         select_decode_kernel("triton-e4m3-scores", "float8_e4m3fn", cpu)
+    with pytest.raises(Exception, match=r"XQA decode needs a block size in \(16, 32, 64, 128\)"):
+        select_decode_kernel("xqa", "float8_e4m3fn", cuda, page_size=8)
+    with pytest.raises(Exception, match="head_dim a multiple of 16"):
+        select_decode_kernel("xqa", "float8_e4m3fn", cuda, head_dim=72)
 
 
 def test_splits_fill_the_gpu_and_stop_at_one_once_the_batch_does() -> None:

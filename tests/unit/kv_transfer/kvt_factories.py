@@ -18,7 +18,14 @@ import torch
 from engine.block_hash import BlockHash
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_events import KVTier
-from kv_transfer.backend import BackendFactory, MemoryRegion, Notification, XferId, XferStatus
+from kv_transfer.backend import (
+    BackendFactory,
+    MemoryRegion,
+    Notification,
+    XferId,
+    XferStatus,
+    kv_region,
+)
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import BackendError
 from kv_transfer.types import KVHandle, SliceRead, TransferPlan, compat_hash
@@ -111,15 +118,11 @@ class LoopbackBackend:
         return self.agent_name.encode()
 
     def memory_region(self) -> MemoryRegion:
-        spec = self.cache.spec
-        return MemoryRegion(
-            "DRAM", 0, self.cache.tensor.data_ptr(), spec.block_nbytes, spec.num_blocks
-        )
+        return kv_region(self.cache.tensor, self.cache.spec.block_dim)
 
     def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
         self.tiers[tier] = tensor
-        nbytes = tensor[0].numel() * tensor.element_size()
-        return MemoryRegion("DRAM", 0, tensor.data_ptr(), nbytes, tensor.shape[0], tier)
+        return kv_region(tensor, self.cache.spec.block_dim, tier)
 
     def add_peer(
         self,

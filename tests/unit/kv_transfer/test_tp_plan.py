@@ -185,7 +185,7 @@ def info(tp: int, layout: str = HEAD_MAJOR, followers: int | None = None) -> Han
 def check(remote: HandshakeInfo, local: KVCacheSpec) -> object:
     return check_handshake(
         remote, compat_hash(local, "m"), compat_fields(local, "m"), kv_split(local),
-        local.head_nbytes,
+        local.head_nbytes, local.num_segments,
     )  # fmt: skip
 
 
