@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from engine.block_hash import hash_chain, hash_extra
-from engine.kv_cache import KVCache, KVCacheSpec, torch_dtype
+from engine.kv_cache import LAYOUT_NAMES, KVCache, KVCacheSpec, torch_dtype
 from kv_transfer.protocol import HandshakeInfo
 from kv_transfer.types import TransferPlan
 from planner.core import percentile
@@ -65,14 +65,23 @@ def make_spec(args: argparse.Namespace) -> KVCacheSpec:
         num_kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
+        layout=LAYOUT_NAMES[args.layout],
     )
 
 
+def block_of(cache: KVCache, block_id: int) -> torch.Tensor:
+    """Every layer's K/V of one block (a strided view for a layer-major pool)."""
+    return cache.tensor.select(cache.spec.block_dim, block_id)
+
+
 def expected_block(spec: KVCacheSpec, block_id: int, device: torch.device) -> torch.Tensor:
-    """The pattern the prefill process writes: flat element i of the pool is i % 251."""
+    """The pattern the prefill process writes: element i of block b's view (`block_of`) is
+    (b * block elements + i) % 251."""
     numel = spec.block_nbytes // spec.element_size
     idx = torch.arange(block_id * numel, (block_id + 1) * numel, device=device) % 251
-    return idx.to(torch_dtype(spec.dtype)).view(spec.shape[1:])
+    shape = list(spec.shape)
+    del shape[spec.block_dim]
+    return idx.to(torch_dtype(spec.dtype)).view(shape)
 
 
 def prefill_process(conn: Connection, spec: KVCacheSpec, device: str) -> None:
@@ -84,7 +93,7 @@ def prefill_process(conn: Connection, spec: KVCacheSpec, device: str) -> None:
             torch.cuda.set_device(device)
         cache = KVCache(spec, device)
         for b in range(spec.num_blocks):
-            cache.tensor[b].copy_(expected_block(spec, b, cache.device))
+            block_of(cache, b).copy_(expected_block(spec, b, cache.device))
         endpoint = PrefillEndpoint(cache, MODEL, "bench-prefill", lambda r, b: None)
         conn.send(("ready", endpoint.start()))
     except Exception:
@@ -179,8 +188,8 @@ def backend_cases(
     t0 = time.perf_counter()
     backend.add_peer(info.agent_name, info.agent_metadata, info.region)
     print(
-        f"add_peer (load the peer's metadata, prep its {info.region.num_blocks} block "
-        f"descriptors once): {(time.perf_counter() - t0) * 1e3:.1f} ms"
+        f"add_peer (load the peer's metadata, prep its "
+        f"{info.region.num_blocks * info.region.num_segments} block segment descriptors once): {(time.perf_counter() - t0) * 1e3:.1f} ms"
     )
     n = args.blocks
     perm = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
@@ -195,7 +204,7 @@ def backend_cases(
     plans = []
     for name, mode, remote, local in layouts:
         handle = KVHandle("bench", "p", info.agent_name, tuple(remote), (), n, 0.0, "")
-        plan = plan_transfer(handle, local, spec.block_nbytes)
+        plan = plan_transfer(handle, local, spec.block_nbytes, num_segments=spec.num_segments)
         plans.append((name, mode, plan))
         posted: list[int | None] = [None]
 
@@ -219,7 +228,8 @@ def backend_cases(
         def check(plan: TransferPlan = plan) -> None:
             for j in (0, n // 2, n - 1):
                 remote_id, local_id = plan.remote_block_ids[j], plan.local_block_ids[j]
-                if not torch.equal(cache.tensor[local_id], expected_block(spec, remote_id, device)):
+                want = expected_block(spec, remote_id, device)
+                if not torch.equal(block_of(cache, local_id), want):
                     raise RuntimeError(f"block {remote_id} -> {local_id}: bytes differ")
 
         def descs(plan: TransferPlan = plan, posted: list = posted) -> str:
@@ -375,6 +385,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--layout", default="block_major", choices=("block_major", "layer_major"),
+        help="the pools' layout (engine/kv_cache.py): layer_major moves a descriptor per layer",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=None, help="default 5 on CPU, 20 on GPU")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lookups", type=int, default=2000)
@@ -400,7 +414,7 @@ def main() -> None:
         f"KV of {args.blocks * args.block_size} tokens: {args.blocks} blocks x "
         f"{spec.block_nbytes / 2**20:.2f} MiB = {args.blocks * spec.block_nbytes / 2**20:.0f} MiB "
         f"({args.layers} layers, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
-        f"{args.dtype}); "
+        f"{args.dtype}, {args.layout}); "
         f"{src_dev} -> {dst_dev}; torch {torch.__version__}; UCX_TLS={os.environ.get('UCX_TLS')}"
     )
     if args.gpu:
