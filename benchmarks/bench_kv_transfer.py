@@ -189,7 +189,7 @@ def backend_cases(
     backend.add_peer(info.agent_name, info.agent_metadata, info.region)
     took = (time.perf_counter() - t0) * 1e3
     pieces = info.region.num_blocks * info.region.num_segments
-    print(f"add_peer (load the peer's metadata, prep its {pieces} block pieces once): {took:.1f} ms")
+    print(f"add_peer (load the peer's metadata, prep its {pieces} pieces once): {took:.1f} ms")
     n = args.blocks
     perm = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     contiguous = list(range(n))
