@@ -29,7 +29,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from cuda_timing import graph_seconds, hbm_gbps
+from cuda_timing import fill_random, graph_seconds, hbm_gbps
 
 from engine.attention.triton_decode import (
     DecodeTiles,
@@ -64,10 +64,7 @@ class Case:
         block = (2, page, KV_HEADS, DIM)
         shape = (layers, self.blocks, *block) if layer_major else (self.blocks, layers, *block)
         self.pool = torch.empty(shape, dtype=kv_dtype, device="cuda")
-        flat = self.pool.view(-1)
-        for i in range(0, flat.numel(), 1 << 28):  # random KV, a slice at a time
-            part = flat[i : i + (1 << 28)]
-            part.copy_(torch.randn(part.shape, device="cuda").clamp(-4, 4))
+        fill_random(self.pool, 4)
         self.indptr = torch.arange(0, self.blocks + 1, pages_per_seq, dtype=torch.int32)
         self.indices = torch.randperm(self.blocks, dtype=torch.int32, device="cuda")
         last = args.context - (pages_per_seq - 1) * page

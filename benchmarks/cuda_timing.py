@@ -1,6 +1,6 @@
 """Timing helpers the GPU kernel benchmarks share: the HBM copy rate (the floor every decode
-figure is judged against) and the time of a body of launches replayed as one CUDA graph (as
-serving runs them: no launch overhead between kernels)."""
+figure is judged against), the time of a body of launches replayed as one CUDA graph (as
+serving runs them: no launch overhead between kernels), and random KV to time them over."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def hbm_gbps() -> float:
     end.record()
     end.synchronize()
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def fill_random(tensor: torch.Tensor, bound: float) -> None:
+    """Normal values clamped to ±bound, in the tensor's dtype (e4m3 included), a 2^28-element
+    slice at a time: a 20 GB pool needs no float32 temporary of four times its size."""
+    flat = tensor.view(-1)
+    for i in range(0, flat.numel(), 1 << 28):
+        part = flat[i : i + (1 << 28)]
+        part.copy_(torch.randn(part.shape, device=tensor.device).clamp(-bound, bound))
 
 
 def graph_seconds(body: Callable[[], object], iters: int = 20) -> float:

@@ -225,8 +225,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("decode_tp", "workers.decode_tp", int, "Tensor-parallel ranks of each decode worker "
          "[1]; one that differs from --prefill-tp makes every worker's KV pool head-major."),
     Flag("kv_layout", "workers.engine.kv_layout", str, "KV pool layout: block_major, "
-         "head_major, layer_major, or auto (head_major when prefill and decode TP differ) "
-         "[auto].",
+         "head_major, layer_major, or auto (disaggregated: head_major when prefill and "
+         "decode TP differ, else block_major; colocated: layer_major on a GPU) [auto].",
          choices=KV_LAYOUT_CHOICES),
     Flag("grpc_port", "router.grpc_port", int, "gRPC port [50051]; 0: a free one."),
     Flag("metrics_port", "router.metrics_port", int, "Prometheus port [9464]; 0: a free one."),

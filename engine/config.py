@@ -83,8 +83,10 @@ class EngineConfig:
     head's layers contiguous: a decode rank of another tensor-parallel size reads just its
     heads, one descriptor per block), layer_major (each layer's pages together: attention
     stays within the GPU's TLB reach, a hand-off moves a descriptor per layer), or auto
-    (block_major; a cluster whose prefill and decode TP sizes differ picks head_major for
-    every worker). Prefill and decode workers must agree (the transfer handshake refuses)."""
+    (layer_major on a GPU, block_major elsewhere: engine/kv_sizing.py; a disaggregated
+    cluster resolves it to block_major, or head_major for every worker when prefill and
+    decode TP sizes differ: deploy/spec.py). Prefill and decode workers must agree (the
+    transfer handshake refuses)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device from
     config.json alone, for measuring shapes whose checkpoint is not on disk; seeded by `seed`;
