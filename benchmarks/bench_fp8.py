@@ -165,6 +165,12 @@ def main() -> None:
         help="also time fp8+kv8 with decode_attention triton-e4m3-scores (q rounded to e4m3)",
     )  # fmt: skip
     parser.add_argument(
+        "--bf16-attention",
+        default="",
+        help="also time bf16 (weights and KV) with these decode_attention kernels, comma "
+        "separated (e.g. triton); every FP8 run is then also compared with each",
+    )
+    parser.add_argument(
         "--kv-layouts", default="block_major",
         help="the e4m3 pool's layouts to time, one after another (engine/kv_cache.py): "
         "block_major, layer_major",
@@ -335,6 +341,8 @@ def main() -> None:
     results: dict[str, dict[int, float]] = {}
     if not big:
         results["bf16"] = bench("bf16")
+        for kernel in filter(None, args.bf16_attention.split(",")):
+            results[f"bf16 {kernel}"] = bench(f"bf16 {kernel}", kernel)
         step("quantize the projections to FP8 in place", model.quantize_fp8)
         torch.cuda.empty_cache()
         if ref is not None:
@@ -370,15 +378,16 @@ def main() -> None:
                 results[label] = bench(label, "triton-e4m3-scores")
             if args.xqa:  # flashinfer's XQA decode (TensorRT-LLM's) instead of the Triton one
                 results[f"fp8+kv8{tag} xqa"] = bench(f"fp8+kv8{tag} xqa", "xqa")
-    bf16 = results.get("bf16", {})
-    for label, secs in results.items():
-        if label == "bf16":
-            continue
-        for b in [*batches, -1]:
-            if b in bf16 and b in secs:
-                what = "prefill" if b < 0 else f"decode B={b}"
-                ratio = secs[b] / bf16[b]
-                ROWS.append((f"{what}: {label} / bf16 time", f"{ratio:.2f}x", "", ""))
+    bases = [label for label in results if label.split()[0] == "bf16"]
+    for base in bases:
+        for label, secs in results.items():
+            if label in bases:
+                continue
+            for b in [*batches, -1]:
+                if b in results[base] and b in secs:
+                    what = "prefill" if b < 0 else f"decode B={b}"
+                    ratio = secs[b] / results[base][b]
+                    ROWS.append((f"{what}: {label} / {base} time", f"{ratio:.2f}x", "", ""))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     print_table()
 

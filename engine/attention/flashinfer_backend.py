@@ -234,13 +234,13 @@ class FlashInferBackend(AttentionBackend):
         return out
 
     def _triton_kernel(self, batch: int, graph: bool) -> PagedDecode:
-        from engine.attention.triton_decode import DecodeTiles, PagedDecode, splits_for
+        from engine.attention.triton_decode import PagedDecode, default_tiles, splits_for
 
         kernel = self._triton.get((batch, graph))
         if kernel is None:
             heads = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
             splits = splits_for(batch, self.num_kv_heads, self.device)
-            tiles = DecodeTiles(scores_fp8=self._scores_fp8)
+            tiles = default_tiles(self.kv_dtype, self._scores_fp8)
             kernel = PagedDecode(batch, *heads, self.device, splits, tiles)
             self._triton[(batch, graph)] = kernel
         return kernel

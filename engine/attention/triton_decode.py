@@ -365,11 +365,31 @@ def _merge_kernel(
     tl.store(out_ptr + b * so_b + h * so_h + dims, o)
 
 
+MAX_SPLITS = 16
+"""Past 16 splits a program's share is too short to pay for its start and the merge: on the
+H200 at B=1 x 2048 tokens (32/8 heads, BLOCK_N 128) 16 splits took 8.7 µs (e4m3, 3 stages)
+and 9.1 µs (bf16, 2 stages) against 12.7 and 11.3 µs with 64 (docs/benchmarks.md, "FP8,
+2026-12-05 (sixth session)")."""
+
+
 def default_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per (sequence, KV head) so that a launch has ~4 programs per SM: a power of two,
-    1 once the batch alone fills the GPU."""
+    at most MAX_SPLITS, 1 once the batch alone fills the GPU."""
     want = max(1, (4 * num_sms) // max(1, batch * num_kv_heads))
-    return min(64, 1 << (want.bit_length() - 1))
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+def default_tiles(kv_dtype: torch.dtype, scores_fp8: bool = False) -> DecodeTiles:
+    """The launch shape for a pool of `kv_dtype`: DecodeTiles' defaults for e4m3; BLOCK_N 32
+    for a float pool, whose 128-token tiles in 3 stages take 139 KB of shared memory (one
+    program an SM). On the H200 (32/8 heads, bf16, the graph step's fused store and RoPE)
+    BLOCK_N 32 took 9.8 µs at B=1 and 40.8 µs at B=16 against 17.7 and 57.8 µs with 128
+    (docs/benchmarks.md, "FP8, 2026-12-05 (sixth session)")."""
+    if kv_dtype == FP8_DTYPE:
+        return DecodeTiles(scores_fp8=scores_fp8)
+    if scores_fp8:
+        raise ValueError(f"e4m3 scores need an e4m3 pool, got {kv_dtype}")
+    return DecodeTiles(block_n=32)
 
 
 class PagedDecode:

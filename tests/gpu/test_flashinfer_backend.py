@@ -1,4 +1,5 @@
-"""flashinfer backend vs the torch reference on the GPU (bf16), and CUDA-graph vs eager decode.
+"""flashinfer backend vs the torch reference on the GPU (bf16), and CUDA-graph vs eager decode,
+with each decode kernel a bf16 pool can take (flashinfer's, the Triton split kernel).
 
 The model is the tiny recipe in bf16 with 2 layers and hidden 256 (4 query heads, 2 KV heads,
 head_dim 64: flashinfer's kernels take head_dim 64/128/256, the 32 of the default tiny model
@@ -50,8 +51,15 @@ def corpus(model_dir: Path) -> list[int]:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(CORPUS.read_text()).ids
 
 
-def make_runner(model: LlamaModel, backend: str, graphs: bool = False) -> ModelRunner:
+DECODES = ["flashinfer", "triton"]
+"""The decode kernels of a bf16 pool (EngineConfig.decode_attention)."""
+
+
+def make_runner(
+    model: LlamaModel, backend: str, graphs: bool = False, decode: str = "auto"
+) -> ModelRunner:
     config = EngineConfig(
+        decode_attention=decode,
         model_dir="tiny-bf16",
         block_size=BS,
         attention_backend=backend,
@@ -91,11 +99,13 @@ def mixed_steps(corpus: list[int]) -> Iterator[ScheduledBatch]:
     yield ScheduledBatch((c(2, 99, 100), c(1, 34, 35)))
 
 
+@pytest.mark.parametrize("decode", DECODES)
 def test_flashinfer_logits_match_torch_backend_on_mixed_steps(
-    model: LlamaModel, corpus: list[int]
+    model: LlamaModel, corpus: list[int], decode: str
 ) -> None:
-    fi, ref = make_runner(model, "flashinfer"), make_runner(model, "torch")
+    fi, ref = make_runner(model, "flashinfer", decode=decode), make_runner(model, "torch")
     assert fi.attention_backend == "flashinfer" and ref.attention_backend == "torch"
+    assert getattr(fi.backend, "decode_kernel", None) == decode
     for batch in mixed_steps(corpus):
         got, want = fi.execute(batch), ref.execute(batch)
         assert got.shape == want.shape == (batch.num_sampled, model.cfg.vocab_size)
@@ -138,21 +148,25 @@ def assert_same_greedy(got: list, want: list, want_logits: list, tie: float = 0.
     return diverged
 
 
+@pytest.mark.parametrize("decode", DECODES)
 def test_greedy_tokens_over_32_steps_equal_torch_backend(
-    model: LlamaModel, corpus: list[int]
+    model: LlamaModel, corpus: list[int], decode: str
 ) -> None:
     prompts = [corpus[s : s + n] for s, n in [(0, 20), (400, 45), (900, 7), (1300, 64)]]
-    fi_tokens, _ = greedy(make_runner(model, "flashinfer"), prompts, 32)
+    fi_tokens, _ = greedy(make_runner(model, "flashinfer", decode=decode), prompts, 32)
     ref_tokens, ref_logits = greedy(make_runner(model, "torch"), prompts, 32)
     assert assert_same_greedy(fi_tokens, ref_tokens, ref_logits) <= 1
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("num_seqs", [1, 3, 8])
 def test_cuda_graph_decode_equals_eager_decode(
-    model: LlamaModel, corpus: list[int], num_seqs: int
+    model: LlamaModel, corpus: list[int], num_seqs: int, decode: str
 ) -> None:
-    """Padded (3 -> 4) and exact (1, 8) graph sizes; the pools must also end up equal."""
-    graphed, eager = make_runner(model, "flashinfer", graphs=True), make_runner(model, "flashinfer")
+    """Padded (3 -> 4) and exact (1, 8) graph sizes; the pools must also end up equal. With
+    Triton the graph step stores k/v and rotates in its launch (the eager step does not)."""
+    graphed = make_runner(model, "flashinfer", graphs=True, decode=decode)
+    eager = make_runner(model, "flashinfer", decode=decode)
     assert graphed.graphs is not None and graphed.graphs.sizes == (1, 2, 4, 8)
     prompts = [corpus[100 * i : 100 * i + 10 + 7 * i] for i in range(num_seqs)]
     replays = graphed.graphs.num_replays

@@ -19,10 +19,12 @@ from fp8_reference import rounded_to_e4m3_per_head
 
 from engine.attention.flashinfer_backend import select_decode_kernel
 from engine.attention.triton_decode import (
+    MAX_SPLITS,
     DecodeTiles,
     NewKV,
     Rope,
     default_splits,
+    default_tiles,
     reference_decode,
 )
 
@@ -314,10 +316,20 @@ def test_auto_takes_a_kernel_for_an_e4m3_pool_on_cuda_only() -> None:
 
 
 def test_splits_fill_the_gpu_and_stop_at_one_once_the_batch_does() -> None:
-    assert default_splits(1, 8, 132) == 64  # 8 programs: as many splits as allowed
+    assert default_splits(1, 8, 132) == MAX_SPLITS == 16  # 8 programs: as many as allowed
+    assert default_splits(4, 8, 132) == 16
+    assert default_splits(8, 8, 132) == 8
     assert default_splits(16, 8, 132) == 4
     assert default_splits(64, 8, 132) == 1
     assert default_splits(256, 8, 132) == 1
     for batch in (1, 3, 7, 33):
         splits = default_splits(batch, 8, 132)
         assert splits & (splits - 1) == 0 and batch * 8 * splits <= 4 * 132 * 2
+
+
+def test_tiles_follow_the_pool_dtype() -> None:
+    assert default_tiles(torch.float8_e4m3fn) == DecodeTiles()
+    assert default_tiles(torch.float8_e4m3fn, scores_fp8=True) == DecodeTiles(scores_fp8=True)
+    assert default_tiles(torch.bfloat16) == DecodeTiles(block_n=32)
+    with pytest.raises(ValueError, match="e4m3 scores need an e4m3 pool"):
+        default_tiles(torch.bfloat16, scores_fp8=True)
