@@ -42,7 +42,6 @@ per-step cap `max_blocks_per_step` holds either way (it bounds what one step wai
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from typing import Protocol
 import torch
 
 from engine.block_hash import BlockHash
+from engine.kv_cache import block_segments
 from engine.kv_events import TierMove
 from engine.outputs import HostTierStats, TierMoveStats
 
@@ -121,11 +121,8 @@ class HostTier:
         self.block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
         # Each segment of both as a [blocks, one segment's elements] view: a run of blocks of
         # one segment is a contiguous slice on either side.
-        num_segments = math.prod(shape[:block_dim])
-        self._host_segments = self.tensor.view(num_segments, num_blocks, -1).unbind()
-        self._device_segments = device_kv.view(
-            num_segments, device_kv.shape[block_dim], -1
-        ).unbind()
+        self._host_segments = block_segments(self.tensor, block_dim).unbind()
+        self._device_segments = block_segments(device_kv, block_dim).unbind()
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._pins = [0] * num_blocks

@@ -42,6 +42,7 @@ block ids on every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -177,6 +178,16 @@ class KVCacheSpec:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
+
+
+def block_segments(tensor: torch.Tensor, block_dim: int) -> torch.Tensor:
+    """A contiguous KV tensor (a pool, or a tier's tensor in the pool's layout) whose block ids
+    index dimension `block_dim` (`KVCacheSpec.block_dim`), viewed as [segments, blocks, one
+    segment's elements]: the dimensions before `block_dim` number a block's contiguous pieces
+    (one when there are none), those after it make one piece. A run of blocks of one segment
+    is a contiguous slice (engine/host_tier.py copies them; kv_transfer/backend.py
+    `kv_region` describes them to NIXL)."""
+    return tensor.view(math.prod(tensor.shape[:block_dim]), tensor.shape[block_dim], -1)
 
 
 class KVCache:

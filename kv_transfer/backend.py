@@ -16,7 +16,6 @@ not to write into the destination blocks any more (then they may be reused).
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -91,9 +90,10 @@ def kv_region(tensor: torch.Tensor, block_dim: int, tier: KVTier = KVTier.DEVICE
         raise ValueError(
             f"a KV region must be one contiguous tensor, got strides {tensor.stride()}"
         )
-    shape = tuple(tensor.shape)
-    num_blocks, num_segments = shape[block_dim], math.prod(shape[:block_dim])
-    segment_nbytes = math.prod(shape[block_dim + 1 :]) * tensor.element_size()
+    from engine.kv_cache import block_segments  # imports torch: router-facing modules import this
+
+    num_segments, num_blocks, segment_elements = block_segments(tensor, block_dim).shape
+    segment_nbytes = segment_elements * tensor.element_size()
     return MemoryRegion(
         mem_type="VRAM" if tensor.device.type == "cuda" else "DRAM",
         device_id=tensor.device.index or 0,

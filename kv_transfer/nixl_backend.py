@@ -80,14 +80,10 @@ def _backend_error(what: str, e: Exception) -> BackendError:
 
 def _block_descs(region: MemoryRegion) -> np.ndarray:
     """Every segment of every block of `region`, segment s of block b at index
-    `s * num_blocks + b` (one entry per block with one segment)."""
-    segments = np.arange(region.num_segments, dtype=np.uint64) * np.uint64(region.segment_stride)
-    blocks = np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(region.segment_nbytes)
-    descs = np.empty((region.num_segments * region.num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = (np.uint64(region.base_address) + segments[:, None] + blocks[None, :]).ravel()
-    descs[:, 1] = region.segment_nbytes
-    descs[:, 2] = region.device_id
-    return descs
+    `s * num_blocks + b` (one entry per block with one segment): `_run_descs` with a run of
+    one at every block."""
+    n = region.num_blocks
+    return _run_descs(region, np.arange(n), np.ones(n, dtype=np.uint64))
 
 
 def _block_indices(region: MemoryRegion, block_ids: Sequence[int]) -> np.ndarray:
@@ -98,7 +94,9 @@ def _block_indices(region: MemoryRegion, block_ids: Sequence[int]) -> np.ndarray
     return (segments[:, None] + ids[None, :]).ravel()
 
 
-def _run_descs(region: MemoryRegion, starts: list[int], counts: list[int]) -> np.ndarray:
+def _run_descs(
+    region: MemoryRegion, starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray
+) -> np.ndarray:
     """One descriptor per (segment, run of `counts[i]` blocks from `starts[i]`), segment by
     segment: the same order for the local and the remote region of a read."""
     seg = region.segment_nbytes
