@@ -2,8 +2,13 @@
 # Create (or reuse) .venv and install pdserve with its test extras.
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (fast when up to date).
 #   PDSERVE_VENV   venv folder (default .venv)
-#   PDSERVE_TORCH  torch requirement installed first (default torch==2.13.0: the CPU wheel
-#                  that lies on the developer/CI disk; an unpinned torch pulls a CUDA build)
+#   PDSERVE_TORCH  torch requirement (default torch==2.13.0: the CPU wheel that lies on the
+#                  developer/CI disk, the one the locks pin; an unpinned torch pulls a CUDA build)
+#   PDSERVE_EXTRAS pdserve's extras (default test; "" for the runtime alone)
+#   PDSERVE_LOCK   1 (default): install from the hashed locks (requirements-build.lock, then
+#                  requirements.lock or requirements-test.lock); 0: through pyproject.toml's
+#                  ranges, newest versions, as `pip install pdserve` does (another
+#                  PDSERVE_TORCH implies 0)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${PDSERVE_VENV:-.venv}
@@ -34,25 +39,42 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 stamp="$VENV/.pdserve-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || { [ -f requirements.lock ] && [ requirements.lock -nt "$stamp" ]; } \
-   || [ -n "$(find proto -newer "$stamp" -name '*.proto' 2>/dev/null)" ]; then
+newer=$(find pyproject.toml setup.py requirements*.lock proto -newer "$stamp" \
+  \( -name '*.proto' -o -name '*.toml' -o -name '*.py' -o -name '*.lock' \) 2>/dev/null | head -1)
+if [ ! -f "$stamp" ] || [ -n "$newer" ]; then
   echo "[setup] installing $TORCH and pdserve[$EXTRAS] (takes ~2 min the first time)"
   log="$VENV/pdserve-install.log"
-  # The runtime dependencies come from requirements.lock, each pinned and checked against
-  # its sha256 (scripts/lock.sh makes it; torch there is the local CPU wheel); then pdserve
-  # itself and its extras (test tools: ranges from pyproject.toml). PDSERVE_LOCK=0 skips the
-  # lock (a machine whose wheels differ from the lock's, e.g. another Python or platform).
-  if [ "${PDSERVE_LOCK:-1}" = 1 ] && [ -f requirements.lock ] && [ "$TORCH" = torch==2.13.0 ]; then
-    deps=(python -m pip install --require-hashes --no-deps -r requirements.lock)
+  : >"$log"
+  _setup_step() {  # one install command, logged; on failure the log's tail and the step that failed
+    echo "+ $*" >>"$log"
+    if ! "$@" >>"$log" 2>&1; then
+      tail -40 "$log" >&2
+      echo "[setup] install failed at: $* (full log in $log)" >&2
+      exit 1
+    fi
+  }
+  if [ "${PDSERVE_LOCK:-1}" = 1 ] && [ "$TORCH" = torch==2.13.0 ]; then
+    # Locked (README, "Updating the locks"): every file checked against its sha256.
+    # 1. The tools that run during the install: pip, and pyproject.toml's build requirements
+    #    (setuptools, wheel, grpcio-tools of the locked grpcio's release line).
+    # 2. The runtime dependencies, plus the test tools when the test extra is asked for.
+    # 3. pdserve itself, built by those tools (no isolated build environment, whose tools
+    #    pip would resolve afresh): the pdserve.v1 stubs come from the locked grpcio-tools.
+    # Extras beyond test and bench (gpu) are then resolved through pyproject.toml's ranges.
+    lock=requirements.lock
+    case ",$EXTRAS," in *,test,*) lock=requirements-test.lock ;; esac
+    rest=$(echo ",$EXTRAS," | sed 's/,test,/,/g; s/,bench,/,/g; s/^,*//; s/,*$//')
+    _setup_step python -m pip install --require-hashes --no-deps -r requirements-build.lock
+    _setup_step python -m pip install --require-hashes --no-deps -r "$lock"
+    _setup_step python -m pip install --no-deps --no-build-isolation --check-build-dependencies -e .
+    [ -z "$rest" ] || _setup_step python -m pip install --no-build-isolation -e ".[$rest]"
+    _setup_step python -m pip check
   else
-    deps=(python -m pip install "$TORCH")
-  fi
-  if ! { python -m pip install --upgrade pip && "${deps[@]}" \
-         && python -m pip install -e ".[$EXTRAS]"; } >"$log" 2>&1; then
-    tail -40 "$log" >&2
-    echo "[setup] install failed; full log in $log" >&2
-    exit 1
+    # Floating (PDSERVE_LOCK=0, or another PDSERVE_TORCH): what `pip install pdserve` does,
+    # every version the newest within pyproject.toml's ranges, build tools included.
+    _setup_step python -m pip install --upgrade pip
+    _setup_step python -m pip install "$TORCH"
+    _setup_step python -m pip install -e ".[$EXTRAS]"
   fi
   touch "$stamp"
 fi
