@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.block_pool import cdiv
+from vocabulary.numeric import cdiv
 
 
 def _check(ok: bool, what: str) -> None:

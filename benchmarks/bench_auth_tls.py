@@ -43,7 +43,7 @@ from admission.config import AdmissionConfig, AdmissionThresholds
 from engine.config import EngineConfig
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from planner.core import percentile
+from vocabulary.numeric import percentile
 
 VARIANTS = ("plain", "auth", "tls", "auth+tls")
 KEY = "bench-tenant-key-0123456789abcdef"
@@ -108,15 +108,15 @@ def main() -> None:
 
     import ray
 
-    from deploy.cluster import NAMESPACE, Cluster, loopback_env
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.controller import CONTROLLER_NAME
-    from deploy.make_model import cached_tiny_model
-    from deploy.spec import ClusterSpec, WorkerPlacement
-    from deploy.workers import ActorPlacement
+    from deploy.checkpoints.make_model import cached_tiny_model
+    from deploy.control.cluster_controller import CONTROLLER_NAME
+    from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
+    from deploy.control.launch import NAMESPACE, Cluster, loopback_env
     from router.auth import ApiKey
-    from router.server import RouterActor, RouterConfig
+    from router.router_server import RouterActor, RouterConfig
     from router.tls import TlsConfig
+    from vocabulary.worker_api import ActorPlacement
 
     loopback_env()
     model_dir = str(cached_tiny_model())

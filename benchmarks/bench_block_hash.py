@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.block_hash import HashAlgorithm, hash_chain, hash_extra, scoped_salt
+from vocabulary.block_hash import HashAlgorithm, hash_chain, hash_extra, scoped_salt
 
 
 def chain_us(tokens: list[int], block_size: int, extra: bytes, alg: HashAlgorithm) -> float:

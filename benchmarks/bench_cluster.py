@@ -13,15 +13,15 @@ def tiny_disaggregated(
     ray_cpus: int | None = 4,
     http_port: int | None = None,
 ) -> Any:
-    """The PdserveConfig (deploy/config.py); call `deploy.local_ray.loopback_env()` before
-    Ray is imported."""
+    """The PdserveConfig (deploy/control/config_tree.py); call
+    `deploy.control.local_ray.loopback_env()` before Ray is imported."""
     from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.make_model import cached_tiny_model
-    from deploy.spec import ClusterSpec, WorkerPlacement
-    from deploy.workers import ActorPlacement
+    from deploy.checkpoints.make_model import cached_tiny_model
+    from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
     from engine.config import EngineConfig
-    from router.server import RouterConfig
+    from router.router_server import RouterConfig
+    from vocabulary.worker_api import ActorPlacement
 
     model_dir = str(cached_tiny_model())
     return PdserveConfig(

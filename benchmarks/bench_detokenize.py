@@ -20,8 +20,9 @@ from tokenizers.decoders import DecodeStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.make_model import CORPUS, cached_tiny_model
-from engine.tokenizer import Tokenizer
+from deploy.checkpoints.checkpoint_files import CORPUS
+from deploy.checkpoints.make_model import cached_tiny_model
+from vocabulary.tokenizer import Tokenizer
 
 
 class WholePromptStream:

@@ -43,13 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.batch import ScheduledBatch, SeqChunk
-from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.model import LlamaModel
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.modeling.llama import LlamaModel
+from vocabulary.model_config import ModelConfig
+from vocabulary.numeric import cdiv
 
 T = TypeVar("T")
 ROWS: list[tuple[str, str, str, str]] = []  # (what, measured, reference, ratio)
@@ -135,7 +135,7 @@ def measure_matmul() -> float:
 
 
 def random_llama3_8b() -> LlamaModel:
-    from deploy.make_model import PRESETS, hf_config
+    from deploy.checkpoints.make_model import PRESETS, hf_config
 
     cfg = ModelConfig.from_dict(hf_config(PRESETS["llama3-8b"], 0, 1))
     model = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda").eval()
@@ -412,8 +412,9 @@ def cpu_main(args: argparse.Namespace) -> None:
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
-    from deploy.make_model import CORPUS, cached_tiny_model
-    from engine.weights import load_model
+    from deploy.checkpoints.checkpoint_files import CORPUS
+    from deploy.checkpoints.make_model import cached_tiny_model
+    from engine.loading.loaders import load_model
 
     torch.manual_seed(0)
     model_dir = cached_tiny_model()

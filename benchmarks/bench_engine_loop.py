@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.engine import LLMEngine
+from vocabulary.sampling import SamplingParams
 
 
 def make_workload(
@@ -153,7 +153,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from deploy.make_model import cached_tiny_model
+    from deploy.checkpoints.make_model import cached_tiny_model
 
     model_dir = Path(args.model) if args.model else cached_tiny_model()
     engine = LLMEngine(

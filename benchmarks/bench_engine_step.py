@@ -40,13 +40,13 @@ from typing import Any
 import torch
 from bench_engine import ROWS, step
 
-from engine.block_hash import hash_chain, hash_extra
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.overlap import InflightStep
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.core.overlap import InflightStep
+from engine.modeling.llama import LlamaModel
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 PHASES = ("schedule", "launch", "sample", "wait", "postprocess", "other")
 
@@ -237,10 +237,10 @@ def make_engines(
         if engine.runner.device.type == "cuda":
             engine.kv_cache.tensor.normal_()  # random KV (the graphs are captured already)
         print(
-            f"   {label}: backend {engine.runner.attention_backend}, layer ops "
-            f"{engine.runner.layer_ops.name}, graphs "
-            f"{engine.runner.graphs.sizes if engine.runner.graphs else None}, "
-            f"{engine.block_pool.num_blocks} blocks"
+            f"   {label}: backend {engine.core.runner.attention_backend}, layer ops "
+            f"{engine.core.runner.layer_ops.name}, graphs "
+            f"{engine.core.runner.graphs.sizes if engine.core.runner.graphs else None}, "
+            f"{engine.kv.block_pool.num_blocks} blocks"
         )
         engines[label] = engine
     return engines
@@ -249,7 +249,7 @@ def make_engines(
 def gpu_engine_step(args: Any) -> None:
     from bench_engine import random_llama3_8b
 
-    from deploy.make_model import PRESETS, build_tokenizer, hf_config
+    from deploy.checkpoints.make_model import PRESETS, build_tokenizer, hf_config
 
     batches = [int(b) for b in args.step_batches.split(",")]
     context, bs = args.context, 16
@@ -286,8 +286,8 @@ def gpu_engine_step(args: Any) -> None:
 
 
 def cpu_engine_step(args: Any) -> None:
-    from deploy.make_model import cached_tiny_model
-    from engine.weights import load_model
+    from deploy.checkpoints.make_model import cached_tiny_model
+    from engine.loading.loaders import load_model
 
     torch.set_num_threads(1)
     model_dir = cached_tiny_model()

@@ -3,13 +3,14 @@ in one run.
 
 A Llama-3-8B-shaped model with random bf16 weights made on the GPU (benchmarks/bench_engine.py
 builds it), the engine's ModelRunner with CUDA graphs and flashinfer attention, then the same
-model quantized to FP8 in place (engine/fp8.py: e4m3 weights with one scale per tensor,
-cuBLASLt `_scaled_mm`), measured four ways:
+model quantized to FP8 in place (engine/quantization/fp8_linear.py: e4m3 weights with one scale per
+tensor, cuBLASLt `_scaled_mm`), measured four ways:
 - bf16;
 - fp8-dynamic: activations quantized per tensor at run time (an amax reduction and a cast
   kernel before every GEMM);
-- fp8: static activation scales calibrated at load (engine/fp8_calibration.py), so RMSNorm,
-  SiLU·mul and attention's output write e4m3 themselves (engine/layer_ops.py, fp8_kernels.py);
+- fp8: static activation scales calibrated at load (engine/loading/fp8_calibration.py), so RMSNorm,
+  SiLU·mul and attention's output write e4m3 themselves (engine/modeling/layer_ops.py,
+  fp8_kernels.py);
 - fp8+kv8: the same with an e4m3 KV pool (calibrated per-layer scales);
 - decode step at batch 1, 16, 64 with 2048 tokens of context per sequence, each against its
   own HBM floor (its weight bytes + the KV read, over the copy bandwidth measured here);
@@ -51,16 +52,16 @@ from bench_engine import (
 from cuda_timing import fill_random
 
 from engine.batch import ScheduledBatch, SeqChunk
-from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.fp8 import quantize_per_tensor
-from engine.fp8_calibration import calibrate_activations, kv_scales, observe
-from engine.kv_cache import KV_LAYOUT, LAYOUT_NAMES, KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.layer_ops import TORCH_OPS
-from engine.model import DecoderLayer, LlamaModel, causal_attend
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import KV_LAYOUT, LAYOUT_NAMES, KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.loading.fp8_calibration import calibrate_activations, kv_scales, observe
+from engine.modeling.layer_ops import TORCH_OPS
+from engine.modeling.llama import DecoderLayer, LlamaModel, causal_attend
+from engine.quantization.fp8_linear import quantize_per_tensor
+from vocabulary.model_config import ModelConfig
+from vocabulary.numeric import cdiv
 
 
 def measure_fp8_matmul() -> float:
@@ -83,8 +84,8 @@ def measure_fp8_matmul() -> float:
 def dummy_llama3_70b_fp8(layers: int = 0) -> LlamaModel:
     """The Llama-3-70B shape with FP8 dummy weights; `layers` > 0: only that many decoder
     layers (the same layer shape, for a GPU that does not hold all 80)."""
-    from deploy.make_model import PRESETS, hf_config
-    from engine.dummy_weights import dummy_model
+    from deploy.checkpoints.make_model import PRESETS, hf_config
+    from engine.loading.dummy_weights import dummy_model
 
     shape = PRESETS["llama3-70b"]
     if layers:
@@ -172,14 +173,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--kv-layouts", default="block_major",
-        help="the e4m3 pool's layouts to time, one after another (engine/kv_cache.py): "
+        help="the e4m3 pool's layouts to time, one after another (engine/kv/kv_cache.py): "
         "block_major, layer_major",
     )  # fmt: skip
     parser.add_argument(
         "--shape",
         default="llama3-8b",
         choices=("llama3-8b", "llama3-70b"),
-        help="llama3-70b: FP8 dummy weights made layer by layer (engine/dummy_weights.py), "
+        help="llama3-70b: FP8 dummy weights made layer by layer (engine/loading/dummy_weights.py), "
         "FP8 weights + FP8 KV only (its bf16 weights do not fit one GPU)",
     )
     parser.add_argument(

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_timing import graph_seconds, hbm_gbps
 
-from engine.fp8 import FP8_DTYPE
+from engine.quantization.fp8_linear import FP8_DTYPE
 
 LAYERS = 8
 SHAPES = {  # name: (N, K) of the Llama-3-70B projections

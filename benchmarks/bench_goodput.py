@@ -3,7 +3,7 @@ chunked prefill) goodput on the same engine, same GPUs, same router and load dri
 
 For each mode the whole system runs (Ray, Redis, workers, NIXL, router, gRPC); for each
 workload a Poisson sweep of request rates goes through the project's headless load driver
-(loadtests/driver.py, the Locust profile's request generator without gevent). Goodput = the
+(loadtests/load_driver.py, the Locust profile's request generator without gevent). Goodput = the
 highest offered rate at which >= 90% of requests meet both the TTFT and the TPOT SLO (the
 sweep stops at the first rate that fails). Also measured in the same run: the raw GPU0→GPU1
 copy bandwidth, the effective KV transfer GB/s and per-request transfer time vs TTFT.
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from admission.config import AdmissionConfig, AdmissionThresholds  # noqa: E402
-from loadtests.driver import run_planned  # noqa: E402
 from loadtests.goodput import max_rate_meeting, parse_slo, summarize  # noqa: E402
+from loadtests.load_driver import run_planned  # noqa: E402
 from loadtests.records import RequestRecord, write_records  # noqa: E402
 from loadtests.workload import generate, load_profile  # noqa: E402
 
@@ -69,11 +69,11 @@ def peer_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
 
 
 def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.spec import ClusterSpec, WorkerPlacement
-    from deploy.workers import ActorPlacement
+    from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
     from engine.config import EngineConfig
-    from router.server import RouterConfig
+    from router.router_server import RouterConfig
+    from vocabulary.worker_api import ActorPlacement
 
     engine = EngineConfig(
         model_dir=model_dir,
@@ -177,7 +177,7 @@ def step_ms(
 
 
 def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> dict:  # type: ignore[type-arg]
-    from deploy.cluster import Cluster
+    from deploy.control.launch import Cluster
 
     result: dict = {"mode": mode, "runs": {}}  # type: ignore[type-arg]
     t0 = time.time()
@@ -379,7 +379,7 @@ def main() -> int:
         print_table(analyse(results, args, out, peer), args)
         return 0
     if args.make_model and not (Path(args.model) / "config.json").is_file():
-        from deploy.make_model import make_model
+        from deploy.checkpoints.make_model import make_model
 
         t0 = time.time()
         make_model(args.model, preset="llama3-8b", device="cuda")

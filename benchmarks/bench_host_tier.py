@@ -1,4 +1,4 @@
-"""The host KV tier (engine/host_tier.py): its copy rates, and multi-turn chat with it on vs off.
+"""The host KV tier (engine/kv/host_tier.py): its copy rates, and multi-turn chat with it on vs off.
 
     python benchmarks/bench_host_tier.py copy [--device cuda]       # onboard/offload GB/s
     python benchmarks/bench_host_tier.py plan                        # the chat workload (CPU)
@@ -78,7 +78,7 @@ def _timed(fn, device, reps: int) -> float:  # type: ignore[no-untyped-def]
 def bench_copy(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from engine.host_tier import HostTier
+    from engine.kv.host_tier import HostTier
 
     device = torch.device(args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
@@ -146,7 +146,7 @@ def replay_lru(planned, pool_blocks: int, host_blocks: int, block_size: int = 16
     leading blocks found on the device and then in the host tier."""
     from collections import OrderedDict
 
-    from engine.block_hash import hash_chain
+    from vocabulary.block_hash import hash_chain
 
     device: OrderedDict[bytes, None] = OrderedDict()
     host: OrderedDict[bytes, None] = OrderedDict()
@@ -250,10 +250,10 @@ def chat_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def chat_options(args: argparse.Namespace, host_kv_gb: float):  # type: ignore[no-untyped-def]
     from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.spec import ClusterSpec
+    from deploy.control.cluster_spec import ClusterSpec
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
     from engine.config import EngineConfig
-    from router.server import RouterConfig
+    from router.router_server import RouterConfig
 
     engine = EngineConfig(
         model_dir=args.model,
@@ -290,8 +290,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  # type: ignore[type-arg]
-    from deploy.cluster import Cluster
-    from loadtests.driver import run_planned
+    from deploy.control.launch import Cluster
+    from loadtests.load_driver import run_planned
     from loadtests.records import write_records
     from loadtests.workload import generate, load_profile
 

@@ -50,7 +50,7 @@ from loadtests.openai_client import SseStream
 from loadtests.records import StreamTimer
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from planner.core import percentile
+from vocabulary.numeric import percentile
 
 CLIENTS = ("grpc", "http", "httpx2")
 
@@ -264,7 +264,7 @@ def main() -> None:
 
     from bench_cluster import tiny_disaggregated
 
-    from deploy.cluster import Cluster, loopback_env
+    from deploy.control.launch import Cluster, loopback_env
 
     loopback_env()
     options = tiny_disaggregated(http_port=0)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.block_hash import BlockHash
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from kv_transfer.plan import coalesce_runs
+from vocabulary.block_hash import BlockHash
 
 DESCRIPTOR_S = 7e-6
 LINK_BPS = 390e9

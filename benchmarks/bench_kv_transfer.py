@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from engine.block_hash import hash_chain, hash_extra
-from engine.kv_cache import LAYOUT_NAMES, KVCache, KVCacheSpec, torch_dtype
+from engine.kv.kv_cache import LAYOUT_NAMES, KVCache, KVCacheSpec, torch_dtype
 from kv_transfer.protocol import HandshakeInfo
 from kv_transfer.types import TransferPlan
-from planner.core import percentile
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.numeric import percentile
 
 MODEL = "llama-3-8b-shape"
 Row = tuple[str, int, str, float, float, float]  # name, bytes, descriptors, ms, GB/s, best GB/s
@@ -178,10 +178,11 @@ def backend_cases(
     args: argparse.Namespace, spec: KVCacheSpec, info: HandshakeInfo, device: torch.device
 ) -> list[Case]:
     """The project's NixlBackend in each descriptor mode, polled in a tight loop."""
-    from kv_transfer.backend import DescriptorMode, XferStatus
+    from kv_transfer.backend import XferStatus
+    from kv_transfer.config import DescriptorMode
     from kv_transfer.nixl_backend import NixlBackend
     from kv_transfer.plan import plan_transfer
-    from kv_transfer.types import KVHandle
+    from vocabulary.kv_handle import KVHandle
 
     cache = KVCache(spec, device)
     backend = NixlBackend("bench-decode-direct", cache, capture_telemetry=True)
@@ -322,11 +323,11 @@ def run_interleaved(cases: list[Case], warmup: int, iters: int) -> list[Row]:
 
 
 def bench_redis(args: argparse.Namespace) -> list[None]:
-    from deploy.redis_server import EmbeddedRedis
-    from engine.kv_events import KVEvent, KVEventKind
+    from deploy.control.embedded_redis import EmbeddedRedis
     from prefix_index.config import PrefixIndexConfig
     from prefix_index.index import PrefixIndex
     from prefix_index.publisher import KVEventPublisher
+    from vocabulary.kv_events import KVEvent, KVEventKind
 
     chain = hash_chain(list(range(4096)), 16, hash_extra(MODEL))
     with EmbeddedRedis() as server:
@@ -386,7 +387,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
         "--layout", default="block_major", choices=("block_major", "layer_major"),
-        help="the pools' layout (engine/kv_cache.py): layer_major moves a descriptor per layer",
+        help="the pools' layout (engine/kv/kv_cache.py): layer_major moves a descriptor per layer",
     )  # fmt: skip
     parser.add_argument("--iters", type=int, default=None, help="default 5 on CPU, 20 on GPU")
     parser.add_argument("--warmup", type=int, default=2)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import graph_seconds
 
 from engine.attention.triton_decode import PagedDecode
-from engine.fp8 import FP8_DTYPE
+from engine.quantization.fp8_linear import FP8_DTYPE
 
 LAYERS = 8
 B, CTX, PAGE, HEADS, KV_HEADS, DIM, HIDDEN = 64, 2048, 16, 64, 8, 128, 8192

@@ -4,9 +4,9 @@ the base model, in one run; adapter load time from the host cache and from disk.
 GPU (one H200, the default): a Llama-3-8B-shaped model with random bf16 weights
 (benchmarks/bench_engine.py builds it), a KV pool of random values, flashinfer attention and
 CUDA graphs. Random rank-16 PEFT adapters on all seven projections (q/k/v/o/gate/up/down) are
-written to a temporary folder and served by the adapter cache (engine/lora_cache.py, one slot
+written to a temporary folder and served by the adapter cache (engine/lora/lora_cache.py, one slot
 per adapter, slots padded to `--max-rank`). For each graph LoRA kernel (`--kernels`: torch's
-dense-over-slots; engine/lora_triton.py's Triton expand after its dense shrink (cuBLAS, every
+dense-over-slots; engine/lora/lora_triton.py's Triton expand after its dense shrink (cuBLAS, every
 slot) or its BGMV shrink (a program per token); flashinfer's segment GEMM)
 one runner captures the base and the LoRA decode graphs; then, side by side at batch B (64)
 with `--context` tokens per sequence:
@@ -47,15 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import ROWS, print_table, step
 
 from engine.batch import ScheduledBatch, SeqChunk
-from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.lora import LORA_MODULES, module_shape, tensor_name
-from engine.lora_cache import LoraCache, LoraCacheConfig
-from engine.model import LlamaModel
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.lora.lora_adapter import LORA_MODULES, module_shape, tensor_name
+from engine.lora.lora_cache import LoraCache, LoraCacheConfig
+from engine.modeling.llama import LlamaModel
+from vocabulary.model_config import ModelConfig
+from vocabulary.numeric import cdiv
 
 RESULTS: dict[str, Any] = {}
 
@@ -131,8 +131,8 @@ def acquire_blocking(cache: LoraCache, name: str) -> int:
 
 def build(smoke: bool) -> tuple[LlamaModel, torch.device]:
     if smoke:
-        from deploy.make_model import PRESETS, hf_config
-        from engine.dummy_weights import dummy_model
+        from deploy.checkpoints.make_model import PRESETS, hf_config
+        from engine.loading.dummy_weights import dummy_model
 
         cfg = ModelConfig.from_dict(hf_config(PRESETS["tiny"], 0, 1))
         return dummy_model(cfg, torch.float32, "cpu").eval(), torch.device("cpu")
@@ -156,8 +156,8 @@ def bench_decode(
     name, _, shrink = kernel.partition("-")
     shrink, _, mode = shrink.partition("-")
     if shrink:
-        import engine.lora_apply as lora_apply
-        import engine.lora_triton as lora_triton
+        import engine.lora.lora_apply as lora_apply
+        import engine.lora.lora_triton as lora_triton
 
         lora_triton.DEFAULT_SHRINK = shrink  # read at each launch; graphs capture it
         lora_apply.OVERLAP_SHRINK = mode != "serial"  # read when a step is made

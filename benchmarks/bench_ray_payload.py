@@ -1,12 +1,12 @@
 """What a request's trace context costs a Ray call, by the type it travels as.
 
 One async actor on a local Ray; the driver awaits `actor.take.remote(req)` one call at a time,
-`req` a PrefillRequest (prefill_worker/api.py: 64 prompt tokens, sampling, deadline) whose
+`req` a PrefillRequest (vocabulary/prefill_api.py: 64 prompt tokens, sampling, deadline) whose
 `trace` is, variant by variant in rotating order within each round:
 
 - `none`: no context (an untraced request);
 - `tuple`: the (traceparent, tracestate) pair of strings it travels as
-  (worker_runtime/tracing.py `TraceContext`);
+  (vocabulary/tracing.py `TraceContext`);
 - `dataclass`: the same two strings in a frozen dataclass (what it was before);
 - `namedtuple`: the same in a NamedTuple.
 
@@ -32,14 +32,14 @@ sys.path.insert(0, str(HERE))
 
 from payload_types import DataclassContext, NamedContext  # noqa: E402
 
-from planner.core import percentile  # noqa: E402
+from vocabulary.numeric import percentile  # noqa: E402
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def requests() -> dict[str, Any]:
-    from engine.sampling_params import SamplingParams
-    from prefill_worker.api import PrefillRequest
+    from vocabulary.prefill_api import PrefillRequest
+    from vocabulary.sampling import SamplingParams
 
     contexts: dict[str, Any] = {
         "none": None,
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=300)
     args = ap.parse_args()
 
-    from deploy.cluster import loopback_env
+    from deploy.control.launch import loopback_env
 
     loopback_env()
     # the actor's process imports payload_types too

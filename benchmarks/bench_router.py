@@ -43,13 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from decode_worker.api import DecodeRequest
-from engine.sampling_params import SamplingParams
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from planner.core import percentile
-from prefill_worker.api import PrefillRequest, PrefillResult
-from worker_runtime.api import WorkerRole
+from vocabulary.decode_api import DecodeRequest
+from vocabulary.numeric import percentile
+from vocabulary.prefill_api import PrefillRequest, PrefillResult
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import WorkerRole
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,8 @@ async def floors(redis_url: str, bench: Bench) -> dict[str, tuple[float, float]]
     Ray actor call (both paths make those) for scale."""
     import subprocess
 
-    from engine.block_hash import hash_chain, hash_extra
     from prefix_index.index import PrefixIndex
+    from vocabulary.block_hash import hash_chain, hash_extra
 
     proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE)
     try:
@@ -292,7 +292,7 @@ def main() -> None:
 
     from bench_cluster import tiny_disaggregated
 
-    from deploy.cluster import Cluster, loopback_env
+    from deploy.control.launch import Cluster, loopback_env
 
     loopback_env()
     options = tiny_disaggregated()

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import TPGroup, init_tp_group
-from engine.tp_runner import StepMessage, run_follower
+from engine.core.engine import LLMEngine
+from engine.core.tp_runner import StepMessage, run_follower
+from engine.tp.tensor_parallel import TPGroup, init_tp_group
+from vocabulary.sampling import SamplingParams
 
 HIDDEN_SIZES = (128, 4096)
 TABLE_BLOCKS = 64
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="default: the tiny model")
     args = parser.parse_args()
     if args.model is None:
-        from deploy.make_model import cached_tiny_model
+        from deploy.checkpoints.make_model import cached_tiny_model
 
         args.model = cached_tiny_model()
     torch.set_num_threads(1)

@@ -66,7 +66,7 @@ from tp_gpu_plan import (
     rank_step_bytes,
 )
 
-from engine.model_config import ModelConfig
+from vocabulary.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from tp_gpu_decode import DecodeRun
@@ -411,10 +411,10 @@ def model_folder(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
     if args.cpu:
-        from deploy.make_model import cached_tiny_model
+        from deploy.checkpoints.make_model import cached_tiny_model
 
         return cached_tiny_model()
-    from deploy.make_model import make_model
+    from deploy.checkpoints.make_model import make_model
 
     return make_model(
         Path(tempfile.mkdtemp(prefix="bench-tp-gpu-")) / "llama3-8b",

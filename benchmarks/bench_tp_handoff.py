@@ -1,5 +1,5 @@
 """Descriptors and bytes of one KV hand-off between tensor-parallel layouts, block-major vs
-head-major pools (kv_transfer/tp_plan.py plans the reads; engine/kv_cache.py the layouts).
+head-major pools (kv_transfer/tp_plan.py plans the reads; engine/kv/kv_cache.py the layouts).
 
 Computed, for a prompt of `--prompt-tokens` tokens, for each prefill → decode TP pair, for the
 tiny model (2 KV heads) and a Llama-3-8B shape (8 KV heads, 32 layers, head_dim 128, bf16):
@@ -137,7 +137,7 @@ def release_into(released: queue.Queue[str]) -> Callable[[str, tuple[int, ...]],
 def measure(prompt_tokens: int, page: int, repeats: int) -> None:
     os.environ.setdefault("UCX_TLS", "shm,tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    from engine.kv_cache import KVCache, KVCacheSpec
+    from engine.kv.kv_cache import KVCache, KVCacheSpec
     from kv_transfer.backend import TransferBackend
     from kv_transfer.config import KVTransferConfig
     from kv_transfer.decode_endpoint import DecodeEndpoint

@@ -52,7 +52,7 @@ import grpc
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from planner.core import percentile
+from vocabulary.numeric import percentile
 
 VARIANTS = ("off", "on")
 
@@ -99,7 +99,7 @@ async def run_rounds(
 
 
 def _pause_here() -> bool:
-    from worker_runtime.tracing import pause_tracing
+    from vocabulary.tracing import pause_tracing
 
     return pause_tracing(True)
 
@@ -140,7 +140,7 @@ def main() -> None:
 
     from bench_cluster import tiny_disaggregated
 
-    from deploy.cluster import Cluster, loopback_env
+    from deploy.control.launch import Cluster, loopback_env
 
     loopback_env()
     # before Ray starts: every actor (the cluster also hands it to its actors)

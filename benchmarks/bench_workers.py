@@ -57,18 +57,19 @@ for key, value in {
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from decode_worker.api import DecodeRequest, TokenChunk  # noqa: E402
-from deploy.make_model import CORPUS, cached_tiny_model  # noqa: E402
-from deploy.workers import ActorPlacement, start_worker_sync  # noqa: E402
+from deploy.checkpoints.checkpoint_files import CORPUS  # noqa: E402
+from deploy.checkpoints.make_model import cached_tiny_model  # noqa: E402
+from deploy.control.worker_actors import start_worker_sync  # noqa: E402
 from engine.config import EngineConfig, EngineMode  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.core.engine import LLMEngine  # noqa: E402
 from kv_transfer.config import KVTransferConfig  # noqa: E402
-from planner.core import percentile  # noqa: E402
-from prefill_worker.api import PrefillRequest  # noqa: E402
 from router.decode_channel import DecodeChannel  # noqa: E402
-from worker_runtime.api import WorkerRole  # noqa: E402
+from vocabulary.decode_api import DecodeRequest, TokenChunk  # noqa: E402
+from vocabulary.numeric import percentile  # noqa: E402
+from vocabulary.prefill_api import PrefillRequest  # noqa: E402
+from vocabulary.sampling import SamplingParams  # noqa: E402
+from vocabulary.tokenizer import Tokenizer  # noqa: E402
+from vocabulary.worker_api import ActorPlacement, WorkerRole  # noqa: E402
 from worker_runtime.runtime import WorkerConfig  # noqa: E402
 
 

@@ -75,7 +75,7 @@ if [ -z "$STEPS" ] && [ $# -eq 0 ]; then STEPS="jit tests engine enginestep kv r
 for s in $STEPS; do
   case $s in
   jit) step jit 240 python -c "import logging, time; logging.basicConfig(level=logging.INFO); \
-t = time.time(); from engine.layer_ops import FlashInferOps; FlashInferOps().build_kernels(); \
+t = time.time(); from engine.modeling.layer_ops import FlashInferOps; FlashInferOps().build_kernels(); \
 print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   tests) step gpu_tests 280 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
   engine) step bench_engine 170 python benchmarks/bench_engine.py ;;

@@ -279,9 +279,9 @@ def main() -> None:
     import ray
     from bench_cluster import tiny_disaggregated
 
-    import deploy.cluster
-    from deploy.cluster import Cluster
-    from deploy.local_ray import loopback_env
+    import deploy.control.launch
+    from deploy.control.launch import Cluster
+    from deploy.control.local_ray import loopback_env
 
     ray.cloudpickle.register_pickle_by_value(proc_memory)
     if extra_env:

@@ -1,5 +1,5 @@
 """The decode part of benchmarks/bench_tp_gpu.py: one process per TP rank, as a TP worker runs
-its ranks (engine/tp_runner.py).
+its ranks (engine/core/tp_runner.py).
 
 Rank r of TP=N, in its own process on device cuda:r (the CPU in a `--cpu` run):
 1. measures its device's copy bandwidth (read + write counted: the floor's denominator);
@@ -12,7 +12,7 @@ Rank r of TP=N, in its own process on device cuda:r (the CPU in a `--cpu` run):
    values for each model KV head at any TP size (`fill_check_kv`); rank 0 runs one decode
    step of one sequence over those blocks and keeps its logits for the driver to compare
    across TP sizes (the dummy weights of a seed are the same model at any TP size,
-   engine/dummy_weights.py; a prefill would build a prefill kernel for nothing else);
+   engine/loading/dummy_weights.py; a prefill would build a prefill kernel for nothing else);
 5. rank 0 times `engine.step_runner.execute` on decode batches of B sequences of `context`
    tokens each (TP=1: the runner; TP=N: the `TPLeader`, so the step message, every rank's
    graph replay and the ranks' agreement are all in the time), counting graph replays.
@@ -36,12 +36,12 @@ import numpy as np
 import torch
 
 from engine.batch import ScheduledBatch, SeqChunk
-from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.model import LlamaModel
-from engine.model_config import ModelConfig
+from engine.kv.kv_cache import KVCache
+from engine.modeling.llama import LlamaModel
 from kv_transfer.tp_plan import kv_heads_of
+from vocabulary.model_config import ModelConfig
+from vocabulary.numeric import cdiv
 
 CHECK_TOKENS = 40
 """Context tokens of the check's decode step, whose logits are compared across TP sizes."""
@@ -216,9 +216,9 @@ def _time_all_reduces(
 
 def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Connection) -> None:
     """One rank's process (module docstring); reports ("report" | "run" | "error", ...)."""
-    from engine.engine import LLMEngine
-    from engine.tensor_parallel import init_tp_group
-    from engine.tp_runner import prepare_follower, serve_follower
+    from engine.core.engine import LLMEngine
+    from engine.core.tp_runner import prepare_follower, serve_follower
+    from engine.tp.tensor_parallel import init_tp_group
 
     try:
         if setup.cuda:

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from rank_rpc import Caller, Child, RemoteError, start_child
 
-from engine.kv_cache import HEAD_MAJOR, KVCache, KVCacheSpec
+from engine.kv.kv_cache import HEAD_MAJOR, KVCache, KVCacheSpec
 from kv_transfer.backend import MemoryRegion, TransferBackend, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
@@ -48,7 +48,8 @@ from kv_transfer.protocol import HandshakeInfo, RankAgent
 from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.tp_backend import FollowerBackend, TPBackend
 from kv_transfer.tp_plan import kv_heads_of
-from kv_transfer.types import KVHandle, TransferPlan
+from kv_transfer.types import TransferPlan
+from vocabulary.kv_handle import KVHandle
 
 MODEL_ID = "bench-tp-gpu"
 PATTERN_MOD = 251

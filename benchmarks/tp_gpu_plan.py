@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model_config import ModelConfig
-from engine.tp_shard import TPShard, local_config
-from engine.weights import projection_shapes
+from engine.loading.hf_checkpoint import projection_shapes
+from engine.tp.tp_shard import TPShard, local_config
+from vocabulary.model_config import ModelConfig
 
 LOGITS_REL_TOL = 0.1
 """TP=N logits agree with TP=1 when ||a - b|| / ||b|| is at most this. Each of them is off a
@@ -42,7 +42,7 @@ def rank_step_bytes(
     cfg: ModelConfig, tp_size: int, batch: int, context: int, element_size: int
 ) -> StepBytes:
     """Bytes one rank of TP=`tp_size` reads in a decode step of `batch` sequences of
-    `context` tokens each (every rank reads the same: engine/tp_shard.py's split)."""
+    `context` tokens each (every rank reads the same: engine/tp/tp_shard.py's split)."""
     local = local_config(cfg, TPShard(tp_size, 0))
     h = cfg.hidden_size
     per_layer = sum(rows * cols for rows, cols in projection_shapes(local).values())

@@ -34,8 +34,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, TokenChunk
-from engine.outputs import RequestOutput
+from vocabulary.decode_api import ChannelInfo, ChannelItem, ChunkError, TokenChunk
+from vocabulary.engine_io import RequestOutput
 
 log = logging.getLogger(__name__)
 

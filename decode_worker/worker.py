@@ -37,28 +37,16 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from decode_worker.api import ChannelInfo, ChannelItem, ChunkError, DecodeRequest, TokenChunk
 from decode_worker.channel import ChannelRegistry, OutputChannel, RequestSink
-from engine.block_pool import NoFreeBlocksError
-from engine.engine import LLMEngine
-from engine.outputs import TransferAllocation
-from engine.request import FinishReason
+from engine.core.engine import LLMEngine
+from engine.kv.block_pool import NoFreeBlocksError
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
-from kv_transfer.errors import TransferCancelled
 from kv_transfer.manager import TransferOutcome, TransferState
-from kv_transfer.metrics import TransferStats
-from kv_transfer.types import KVHandle, TransferLoad
-from worker_runtime.api import (
-    RequestAborted,
-    WorkerInfo,
-    WorkerLoad,
-    WorkerOverloaded,
-    actor_name_for,
-)
-from worker_runtime.lifecycle import WorkerLifecycle
-from worker_runtime.runtime import WorkerConfig, within_deadline
-from worker_runtime.tracing import (
+from vocabulary.decode_api import ChannelInfo, ChannelItem, ChunkError, DecodeRequest, TokenChunk
+from vocabulary.engine_io import FinishReason, TransferAllocation
+from vocabulary.kv_handle import KVHandle
+from vocabulary.tracing import (
     FLUSH_AFTER_S,
     NO_SPAN,
     DeferredSpans,
@@ -67,6 +55,17 @@ from worker_runtime.tracing import (
     open_span,
     quietly,
 )
+from vocabulary.transfer_errors import TransferCancelled
+from vocabulary.transfer_load import TransferLoad, TransferStats
+from vocabulary.worker_api import (
+    RequestAborted,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerOverloaded,
+    actor_name_for,
+)
+from worker_runtime.lifecycle import WorkerLifecycle
+from worker_runtime.runtime import WorkerConfig, within_deadline
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ CHANNEL_ORPHAN_S = 10.0
 """A token channel without a subscriber this long is closed and its requests aborted."""
 KV_PULL_SPAN = "pdserve.decode_worker.kv_pull"
 DECODE_SPAN = "pdserve.decode_worker.decode"
-"""This worker's spans of a traced request (router/tracing.py draws the tree)."""
+"""This worker's spans of a traced request (router/request_spans.py draws the tree)."""
 
 
 class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
@@ -327,7 +326,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         finished = False
         in_engine = False
         span = NO_SPAN  # the decode span, once the request is in the engine
-        # Deferred (worker_runtime/tracing.py): made in the SDK after the stream's end, so no
+        # Deferred (vocabulary/tracing.py): made in the SDK after the stream's end, so no
         # span work competes with the first token or the stream (prefill worker: the same).
         spans = DeferredSpans()
         try:

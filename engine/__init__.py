@@ -1,2 +1,2 @@
-"""engine: model, paged KV block pool, scheduler, sampler, runner and the `LLMEngine` loop
-(torch only; see docs/structure.md)."""
+"""engine: the model execution core, in rooms (core loop, modeling, loading, kv, attention,
+quantization, lora, tp); torch and the vocabulary only, never Ray, gRPC or Redis."""

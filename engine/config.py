@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
+
+from vocabulary.lora_names import check_lora_name
 
 
 class EngineMode(enum.Enum):
@@ -27,32 +28,14 @@ QUANTIZATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Choices of EngineConfig.kv_cache_dtype."""
 KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major", "layer_major")
-"""Choices of EngineConfig.kv_layout (engine/kv_cache.py describes the layouts)."""
+"""Choices of EngineConfig.kv_layout (engine/kv/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
 """Choices of EngineConfig.load_format."""
 DECODE_ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "triton-e4m3-scores", "xqa")
 """Choices of EngineConfig.decode_attention."""
 LORA_KERNELS = ("auto", "torch", "flashinfer", "triton")
 """Choices of EngineConfig.lora_kernel: the CUDA-graph LoRA kernel (eager steps always run
-grouped; engine/lora_apply.py)."""
-LORA_NAME_CHARS = "A-Z a-z 0-9 and . _ - : / + = @ ~"
-MAX_LORA_NAME_CHARS = 128
-_LORA_NAME_RE = re.compile(r"[A-Za-z0-9._\-:/+=@~]+")
-
-
-def check_lora_name(name: str) -> None:
-    """A LoRA adapter's name: 1 to MAX_LORA_NAME_CHARS characters of LORA_NAME_CHARS (the
-    router's rule for ids; no whitespace or control characters, so the name can never
-    collide with the separators of `engine.block_hash.hash_extra`). ValueError if not."""
-    if not name:
-        raise ValueError("lora name: must not be empty")
-    if len(name) > MAX_LORA_NAME_CHARS:
-        raise ValueError(f"lora name {name!r}: longer than {MAX_LORA_NAME_CHARS} characters")
-    if not _LORA_NAME_RE.fullmatch(name):
-        bad = next(c for c in name if not _LORA_NAME_RE.fullmatch(c))
-        raise ValueError(
-            f"lora name {name!r}: character {bad!r} is not allowed ({LORA_NAME_CHARS})"
-        )
+grouped; engine/lora/lora_apply.py)."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +61,15 @@ class EngineConfig:
     layer for K and one for V, calibrated at load; halves KV bytes per block and per
     hand-off). Prefill and decode workers must agree (the transfer handshake refuses)."""
     kv_layout: str = "auto"
-    """KV pool layout (engine/kv_cache.py): block_major (every layer's K and V of all heads
+    """KV pool layout (engine/kv/kv_cache.py): block_major (every layer's K and V of all heads
     per token; a block and runs of blocks are one transfer descriptor), head_major (each KV
     head's layers contiguous: a decode rank of another tensor-parallel size reads just its
     heads, one descriptor per block), layer_major (each layer's pages together: attention
     stays within the GPU's TLB reach, a hand-off moves a descriptor per layer), or auto
-    (layer_major on a GPU, block_major elsewhere: engine/kv_sizing.py; a disaggregated
+    (layer_major on a GPU, block_major elsewhere: engine/kv/kv_sizing.py; a disaggregated
     cluster resolves it to block_major, or head_major for every worker when prefill and
-    decode TP sizes differ: deploy/spec.py). Prefill and decode workers must agree (the
-    transfer handshake refuses)."""
+    decode TP sizes differ: deploy/control/cluster_spec.py). Prefill and decode workers must agree
+    (the transfer handshake refuses)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device from
     config.json alone, for measuring shapes whose checkpoint is not on disk; seeded by `seed`;
@@ -109,7 +92,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse cached full blocks of earlier prompts with the same hash chain."""
     host_kv_gb: float = -1.0
-    """Host-memory KV tier (engine/host_tier.py): GiB of host RAM (pinned on GPU) holding prefix
+    """Host-memory KV tier (engine/kv/host_tier.py): GiB of host RAM (pinned on GPU) holding prefix
     blocks the device pool evicts, onboarded again on a hit instead of recomputed. -1 = auto
     (a tenth of the host's available RAM, at most 64 GiB and at most 8 times the device pool);
     0 = off. Needs prefix caching."""
@@ -149,7 +132,7 @@ class EngineConfig:
     seed: int = 0
     """Seed of the default sampling generator (requests may carry their own)."""
     enable_lora: bool = False
-    """Serve LoRA adapters (engine/lora_cache.py): requests name one in `lora_name`, and
+    """Serve LoRA adapters (engine/lora/lora_cache.py): requests name one in `lora_name`, and
     adapters are registered at run time (`LLMEngine.load_lora`). On with any `loras`."""
     max_loras: int = 4
     """LoRA device slots: the most distinct adapters one step mixes (more wait for a slot)."""
@@ -167,9 +150,9 @@ class EngineConfig:
     any turns LoRA on. A name is 1 to 128 characters of A-Z a-z 0-9 . _ - : / + = @ ~ and
     is given once; a folder the engine cannot serve fails start-up, naming it."""
     tensor_parallel_size: int = 1
-    """Ranks (devices) one engine's model is split over, Megatron-style (engine/tp_shard.py):
+    """Ranks (devices) one engine's model is split over, Megatron-style (engine/tp/tp_shard.py):
     rank 0 runs this engine (scheduler, sampler), the others follow it step by step
-    (engine/tp_runner.py). Must divide the attention heads and the intermediate size, and
+    (engine/core/tp_runner.py). Must divide the attention heads and the intermediate size, and
     divide the KV heads or be a multiple of them. Not with LoRA; the host KV tier is off."""
     tp_timeout_s: float = 60.0
     """Tensor parallelism: the deadline of every wait on another rank (a step's message, its

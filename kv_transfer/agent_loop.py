@@ -11,7 +11,7 @@ A command that raises is logged (post) or re-raised in the caller (call); it nev
 thread.
 
 Progress: the thread stamps the (monotonic) time each iteration completes (commands, tick,
-sleep), and `progress()` reports it as a `LoopProgress` (engine/driver.py) with whether work is
+sleep), and `progress()` reports it as a `LoopProgress` (engine/core/driver.py) with whether work is
 pending: commands queued or running, or the owner's `has_work` (its transfers or leases). The
 worker's health check reads it, so a NIXL call that never returns is noticed.
 """
@@ -27,8 +27,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from engine.driver import LoopProgress, LoopState
-from kv_transfer.errors import TransferError
+from vocabulary.loop_progress import LoopProgress, LoopState
+from vocabulary.transfer_errors import TransferError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.kv_events import KVTier
 from kv_transfer.types import TransferPlan
+from vocabulary.kv_events import KVTier
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv_cache import KVCache
+    from engine.kv.kv_cache import KVCache
     from kv_transfer.config import KVTransferConfig
 
 
@@ -34,14 +34,6 @@ class XferStatus(enum.Enum):
     IN_PROGRESS = "in_progress"
     DONE = "done"
     FAILED = "failed"
-
-
-class DescriptorMode(enum.Enum):
-    """How a read's descriptors are built (kv_transfer/nixl_backend.py says why PREPPED)."""
-
-    PREPPED = "prepped"  # per-block dlists prepared once per peer; NIXL merges adjacent ones
-    COALESCED = "coalesced"  # one descriptor per `DescriptorRun`, built per transfer
-    PER_BLOCK = "per_block"  # one descriptor per block, built per transfer (benchmark only)
 
 
 @dataclass(frozen=True)
@@ -52,7 +44,7 @@ class MemoryRegion:
     contiguous pieces of `segment_nbytes`, `segment_stride` bytes apart: segment `s` of block
     `b` is the descriptor `(base_address + s * segment_stride + b * segment_nbytes,
     segment_nbytes, device_id)` of memory type `mem_type`. A block-first pool (block- or
-    head-major, engine/kv_cache.py) has one segment, so block `b` is one descriptor at
+    head-major, engine/kv/kv_cache.py) has one segment, so block `b` is one descriptor at
     `base_address + b * block_nbytes`; a layer-major one has a segment per layer, the
     layer's whole page array (`num_blocks * segment_nbytes`) apart.
     `tier` says which of the worker's tiers it is: its KV pool (DEVICE), or its host tier
@@ -90,7 +82,9 @@ def kv_region(tensor: torch.Tensor, block_dim: int, tier: KVTier = KVTier.DEVICE
         raise ValueError(
             f"a KV region must be one contiguous tensor, got strides {tensor.stride()}"
         )
-    from engine.kv_cache import block_segments  # imports torch: router-facing modules import this
+    from engine.kv.kv_cache import (
+        block_segments,  # imports torch: router-facing modules import this
+    )
 
     num_segments, num_blocks, segment_elements = block_segments(tensor, block_dim).shape
     segment_nbytes = segment_elements * tensor.element_size()

@@ -4,7 +4,7 @@ Two users share one budget (one per worker, kv_transfer/config.py `BudgetConfig`
 
 - the decode endpoint's transfer manager (kv_transfer/manager.py): NIXL pulls, one lane per
   prefill peer (its agent name);
-- the engine's host KV tier (engine/host_tier.py, through the `CopyBudget` protocol it
+- the engine's host KV tier (engine/kv/host_tier.py, through the `CopyBudget` protocol it
   declares): onboards (host → device, lane `ONBOARD_LANE`) and offloads (device → host, lane
   `OFFLOAD_LANE`).
 
@@ -38,9 +38,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.kv_events import TierMove
 from kv_transfer.config import BudgetConfig
-from kv_transfer.types import PeerLoad
+from vocabulary.kv_events import TierMove
+from vocabulary.transfer_load import PeerLoad
 
 
 def lane_of(move: TierMove) -> str:
@@ -207,7 +207,7 @@ class InFlightBudget:
         self._total.add(c)
         self._per_peer[c.peer].add(c)
 
-    # ---- the host tier's side (engine/host_tier.py `CopyBudget`) ------------------------
+    # ---- the host tier's side (engine/kv/host_tier.py `CopyBudget`) ------------------------
 
     def try_move(
         self, move: TierMove, key: str, num_blocks: int, nbytes: int, wait: bool = True

@@ -5,9 +5,16 @@ Field docstrings are the CLI help; the defaults suit one machine with a few work
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from kv_transfer.backend import DescriptorMode
+
+class DescriptorMode(enum.Enum):
+    """How a read's descriptors are built (kv_transfer/nixl_backend.py says why PREPPED)."""
+
+    PREPPED = "prepped"  # per-block dlists prepared once per peer; NIXL merges adjacent ones
+    COALESCED = "coalesced"  # one descriptor per `DescriptorRun`, built per transfer
+    PER_BLOCK = "per_block"  # one descriptor per block, built per transfer (benchmark only)
 
 
 @dataclass(frozen=True)

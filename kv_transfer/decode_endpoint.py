@@ -30,26 +30,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from engine.driver import LoopProgress
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, TransferBackend
 from kv_transfer.budget import Candidate, InFlightBudget
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import HandshakeError, TransferError, UnknownPeer
 from kv_transfer.manager import OutcomeCallback, TransferManager, TransferState
-from kv_transfer.metrics import TransferStats
 from kv_transfer.plan import plan_transfer, slice_reads
 from kv_transfer.protocol import HandshakeInfo, check_handshake, new_agent_name
-from kv_transfer.types import (
-    KVHandle,
-    SliceRead,
-    TransferLoad,
-    TransferPlan,
-    compat_fields,
-    compat_hash,
-    kv_split,
-)
+from kv_transfer.types import SliceRead, TransferPlan, compat_fields, compat_hash, kv_split
+from vocabulary.kv_handle import KVHandle
+from vocabulary.loop_progress import LoopProgress
+from vocabulary.transfer_errors import HandshakeError, TransferError, UnknownPeer
+from vocabulary.transfer_load import TransferLoad, TransferStats
 
 log = logging.getLogger(__name__)
 

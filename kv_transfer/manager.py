@@ -48,7 +48,11 @@ from dataclasses import dataclass
 from kv_transfer.backend import TransferBackend, XferId, XferStatus
 from kv_transfer.budget import HOST_LANES, TRANSFERS, Candidate, InFlightBudget
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import (
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.protocol import encode_abort, encode_done, encode_heartbeats
+from kv_transfer.types import TransferPlan
+from vocabulary.kv_handle import KVHandle
+from vocabulary.transfer_errors import (
     BackendError,
     HandshakeError,
     LeaseExpired,
@@ -58,9 +62,7 @@ from kv_transfer.errors import (
     TransferTimeout,
     UnknownPeer,
 )
-from kv_transfer.metrics import TransferMetrics, TransferStats
-from kv_transfer.protocol import encode_abort, encode_done, encode_heartbeats
-from kv_transfer.types import KVHandle, TransferLoad, TransferPlan
+from vocabulary.transfer_load import TransferLoad, TransferStats
 
 log = logging.getLogger(__name__)
 

@@ -8,33 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-
-@dataclass(frozen=True)
-class TransferStats:
-    """Cumulative figures of one decode endpoint since it started."""
-
-    transfers_done: int = 0
-    transfers_failed: int = 0
-    transfers_expired: int = 0
-    bytes_transferred: int = 0
-    blocks_transferred: int = 0
-    blocks_reused: int = 0
-    descriptors: int = 0
-    transfer_seconds: float = 0.0
-    queue_wait_seconds: float = 0.0
-    max_queue_wait_s: float = 0.0
-    last_gbps: float = 0.0
-    deferred_requests: int = 0
-    """Requests that waited at least one scheduling pass for in-flight budget."""
-    budget_limited_passes: int = 0
-    """Scheduling passes that left work queued because the budget was full."""
-    oversized_requests: int = 0
-    """Requests larger than a budget limit on their own (started alone at the head)."""
-    heartbeats_sent: int = 0
-    abort_notices_sent: int = 0
-    unexpected_errors: int = 0
-    """Exceptions no transfer path expects (a backend or manager bug, a raising outcome
-    callback), each confined to one transfer or notice and logged with its traceback."""
+from vocabulary.transfer_load import TransferStats
 
 
 @dataclass

@@ -42,19 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.kv_cache import KVCache
-from engine.kv_events import KVTier
-from kv_transfer.backend import (
-    DescriptorMode,
-    MemoryRegion,
-    Notification,
-    XferId,
-    XferStatus,
-    kv_region,
-)
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import BackendError
+from engine.kv.kv_cache import KVCache
+from kv_transfer.backend import MemoryRegion, Notification, XferId, XferStatus, kv_region
+from kv_transfer.config import DescriptorMode, KVTransferConfig
 from kv_transfer.types import SliceRead, TransferPlan
+from vocabulary.kv_events import KVTier
+from vocabulary.transfer_errors import BackendError
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +201,7 @@ class NixlBackend:
     def register_tier(self, tensor: torch.Tensor, tier: KVTier) -> MemoryRegion:
         """Register another tier's blocks (the host tier: pinned host memory on GPU) once, so
         peers read them where they are, with no copy through the device pool. The tensor has
-        the pool's layout (engine/host_tier.py), so its blocks have the pool's segments."""
+        the pool's layout (engine/kv/host_tier.py), so its blocks have the pool's segments."""
         region = kv_region(tensor, self._block_dim, tier)
         try:
             self._tier_regions.append((region, self._agent.register_memory(tensor)))

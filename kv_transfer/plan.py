@@ -2,7 +2,7 @@
 
 Coalescing: a descriptor covers a run of blocks whose ids are consecutive on both sides, so a
 request whose blocks were allocated contiguously on both workers moves in one descriptor (each
-descriptor has a fixed cost in NIXL; engine/kv_cache.py says why a block is one contiguous
+descriptor has a fixed cost in NIXL; engine/kv/kv_cache.py says why a block is one contiguous
 region), or in one per layer from a layer-major pool (`TransferPlan.num_segments`). Between
 tensor-parallel workers, `slice_reads` turns the heads each decode rank reads
 (kv_transfer/tp_plan.py) into byte ranges of a block: a whole block coalesces as above, a head
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv_events import KVTier
 from kv_transfer.tp_plan import HeadPlan
-from kv_transfer.types import DescriptorRun, KVHandle, SliceRead, TransferPlan
+from kv_transfer.types import DescriptorRun, SliceRead, TransferPlan
+from vocabulary.kv_events import KVTier
+from vocabulary.kv_handle import KVHandle
 
 
 def coalesce_runs(

@@ -15,7 +15,7 @@ Decode heartbeats extend leases of transfers still queued there. `release_blocks
 quick and must not wait on the endpoint: route it into the engine thread.
 
 A worker with a host KV tier registers it too (`tiers`, one registration like the pool's),
-and a hand-off may name blocks there (`block_tiers`: engine/handoffs.py lends the host-tier
+and a hand-off may name blocks there (`block_tiers`: engine/core/handoffs.py lends the host-tier
 copies of a prompt's blocks instead of device blocks): the decode worker reads them from host
 memory, and the worker holds them pinned until `release_blocks`, exactly like pool blocks.
 
@@ -32,14 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from engine.block_hash import BlockHash
-from engine.driver import LoopProgress
-from engine.kv_cache import KVCache
-from engine.kv_events import KVTier
+from engine.kv.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, TransferBackend
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import BackendError, TransferError
 from kv_transfer.leases import Lease, LeaseStats, LeaseTable
 from kv_transfer.protocol import (
     PROTOCOL_VERSION,
@@ -49,7 +45,12 @@ from kv_transfer.protocol import (
     decode_notice,
     new_agent_name,
 )
-from kv_transfer.types import KVHandle, compat_fields, compat_hash, kv_split
+from kv_transfer.types import compat_fields, compat_hash, kv_split
+from vocabulary.block_hash import BlockHash
+from vocabulary.kv_events import KVTier
+from vocabulary.kv_handle import KVHandle
+from vocabulary.loop_progress import LoopProgress
+from vocabulary.transfer_errors import BackendError, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kv_transfer.backend import MemoryRegion
-from kv_transfer.errors import HandshakeError
 from kv_transfer.tp_plan import HeadPlan, KVSplit, UnsupportedSplit, plan_split
+from vocabulary.transfer_errors import HandshakeError
 
 PROTOCOL_VERSION = 1
 _MAGIC = b"pdkv1"

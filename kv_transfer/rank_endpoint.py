@@ -24,14 +24,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from engine.driver import LoopProgress
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop
 from kv_transfer.backend import BackendFactory, MemoryRegion, TransferBackend, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import BackendError, TransferError
 from kv_transfer.protocol import RankAgent, new_agent_name
 from kv_transfer.types import TransferPlan
+from vocabulary.loop_progress import LoopProgress
+from vocabulary.transfer_errors import BackendError, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from engine.kv_events import KVTier
 from kv_transfer.backend import MemoryRegion, Notification, TransferBackend, XferId, XferStatus
-from kv_transfer.errors import BackendError
 from kv_transfer.protocol import RankAgent
 from kv_transfer.types import TransferPlan
+from vocabulary.kv_events import KVTier
+from vocabulary.transfer_errors import BackendError
 
 if TYPE_CHECKING:
     import torch

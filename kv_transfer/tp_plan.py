@@ -2,7 +2,7 @@
 layouts (pure: no torch, no I/O).
 
 A worker of TP size N holds a model's K KV heads split over its ranks the way
-engine/tp_shard.py splits them: rank r holds heads [r*K/N, (r+1)*K/N), or, when N > K (the
+engine/tp/tp_shard.py splits them: rank r holds heads [r*K/N, (r+1)*K/N), or, when N > K (the
 heads are replicated), the one head r*K//N. Block ids are the same on every rank, so a
 hand-off is, per decode rank, a few head ranges of every block of the prompt:
 
@@ -16,7 +16,7 @@ into [4, 8). P TP=2 → D TP=4: d reads heads [2(d%2), 2(d%2)+2) of P rank d//2.
 rank r reads all of rank r.
 
 A slice is one region of a block only where heads are the outer dimension inside the block
-(the head-major pool, engine/kv_cache.py); a slice that is a whole block on both sides is
+(the head-major pool, engine/kv/kv_cache.py); a slice that is a whole block on both sides is
 read as whole blocks in any layout (one region a block, one per layer in a layer-major pool;
 adjacent blocks coalesce). So `plan_split` accepts a pair when
 every read is a whole block and both sides use the same layout, or when both sides are
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 BLOCK_MAJOR = "block_major_v1"
 HEAD_MAJOR = "head_major_v1"
-"""The layout names of engine/kv_cache.py (the router imports this module without torch)."""
+"""The layout names of engine/kv/kv_cache.py (the router imports this module without torch)."""
 
 
 class UnsupportedSplit(ValueError):
@@ -55,7 +55,7 @@ class KVSplit:
             )
 
     def heads_of(self, rank: int) -> range:
-        """The model's KV heads rank `rank` holds (engine/tp_shard.py `kv_head_range`)."""
+        """The model's KV heads rank `rank` holds (engine/tp/tp_shard.py `kv_head_range`)."""
         return kv_heads_of(self.num_kv_heads, self.tp_size, rank)
 
     @property

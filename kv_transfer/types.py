@@ -18,12 +18,11 @@ import struct
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.block_hash import BlockHash
-from engine.kv_events import KVTier
 from kv_transfer.tp_plan import KVSplit
+from vocabulary.kv_events import KVTier
 
-if TYPE_CHECKING:  # engine.kv_cache imports torch; the router imports this module without it
-    from engine.kv_cache import KVCacheSpec
+if TYPE_CHECKING:  # engine.kv.kv_cache imports torch; the router imports this module without it
+    from engine.kv.kv_cache import KVCacheSpec
 
 
 def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
@@ -63,63 +62,6 @@ def compat_hash(spec: KVCacheSpec, model_id: str) -> str:
     """32 hex digits over model, dtype, layout, block size, layers, the model's KV heads,
     head dim and an e4m3 pool's scales."""
     return hashlib.sha256(compat_fields(spec, model_id).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class KVHandle:
-    """The KV of one prefilled prompt, held by a prefill worker under a lease.
-
-    `block_ids` covers every token (the last block may be partial); `block_hashes` covers the
-    full blocks only, so `len(block_hashes) <= len(block_ids)`. `lease_deadline` is wall-clock
-    (`time.time()`), because it crosses processes; heartbeats from the decode side move it on
-    the prefill side, so a decode endpoint treats it as a lower bound it keeps extending.
-    """
-
-    request_id: str
-    worker_id: str
-    agent_name: str
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    num_tokens: int
-    lease_deadline: float
-    compat_hash: str
-    rank_agents: tuple[str, ...] = ()
-    """The agent of each tensor-parallel rank of the prefill worker, rank 0 (`agent_name`,
-    which holds the lease and takes the notices) first; empty for a worker of one rank."""
-    block_tiers: tuple[KVTier, ...] = ()
-    """Per block, the tier (the region of the prefill agent) its id indexes: its KV pool, or
-    its host tier (a copy the lease holds there instead of a device block); empty: every
-    block is in the KV pool."""
-
-    def __post_init__(self) -> None:
-        if self.rank_agents and self.rank_agents[0] != self.agent_name:
-            raise ValueError("KVHandle rank_agents must start with agent_name (rank 0)")
-        if not self.block_ids:
-            raise ValueError("KVHandle needs at least one block")
-        if len(self.block_hashes) > len(self.block_ids):
-            raise ValueError(
-                f"KVHandle has {len(self.block_hashes)} hashes for {len(self.block_ids)} blocks"
-            )
-        if self.block_tiers and len(self.block_tiers) != len(self.block_ids):
-            raise ValueError(
-                f"KVHandle has {len(self.block_tiers)} tiers for {len(self.block_ids)} blocks"
-            )
-        if len(set(zip(self.tiers, self.block_ids, strict=True))) != len(self.block_ids):
-            raise ValueError("KVHandle block_ids contain duplicates")
-
-    @property
-    def tiers(self) -> tuple[KVTier, ...]:
-        """The tier of every block (`block_tiers`, or all DEVICE)."""
-        return self.block_tiers or (KVTier.DEVICE,) * len(self.block_ids)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    @property
-    def agents(self) -> tuple[str, ...]:
-        """The agent of every prefill rank, rank 0 first."""
-        return self.rank_agents or (self.agent_name,)
 
 
 @dataclass(frozen=True)
@@ -219,35 +161,3 @@ class TransferPlan:
     def for_rank(self, rank: int) -> TransferPlan:
         """The part of this plan decode rank `rank` reads (its slices only)."""
         return replace(self, slices=tuple(s for s in self.slices if s.decode_rank == rank))
-
-
-@dataclass(frozen=True)
-class PeerLoad:
-    """Transfer load towards one prefill peer (agent name)."""
-
-    peer: str
-    in_flight_transfers: int
-    in_flight_blocks: int
-    in_flight_bytes: int
-    queued_transfers: int
-    queued_blocks: int
-
-
-@dataclass(frozen=True)
-class TransferLoad:
-    """A decode endpoint's transfer load and budget, for admission and placement."""
-
-    in_flight_transfers: int = 0
-    in_flight_blocks: int = 0
-    in_flight_bytes: int = 0
-    queued_transfers: int = 0
-    queued_blocks: int = 0
-    queued_bytes: int = 0
-    max_inflight_blocks: int = 0
-    max_inflight_bytes: int = 0
-    per_peer: tuple[PeerLoad, ...] = ()
-
-    @property
-    def pending_blocks(self) -> int:
-        """Blocks this endpoint still has to pull (queued + in flight)."""
-        return self.in_flight_blocks + self.queued_blocks

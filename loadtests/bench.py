@@ -134,7 +134,7 @@ def run_bench(
         if use_locust:
             html, csv_prefix = _run_locust(target, spec, run_dir, api)
         else:
-            from loadtests.driver import run_spec
+            from loadtests.load_driver import run_spec
 
             run_spec(target, spec, api)
         records = read_records(records_path) if records_path.exists() else []

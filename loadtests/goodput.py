@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from loadtests.records import RequestRecord
-from planner.core import percentile
+from vocabulary.numeric import percentile
 
 
 class SLOError(ValueError):

@@ -21,7 +21,7 @@ from geventhttpclient import HTTPClient
 from geventhttpclient.url import URL
 from locust import User
 
-from loadtests.client import RpcFailure
+from loadtests.grpc_request import RpcFailure
 from loadtests.locustfile import ClosedLoopUser, OpenLoopUser
 from loadtests.openai_client import (
     COMPLETIONS_PATH,

@@ -29,7 +29,7 @@ from gevent.event import Event
 from gevent.pool import Group
 from locust import User, constant, task
 
-from loadtests.client import RpcFailure, finish_record, rpc_failure, to_proto
+from loadtests.grpc_request import RpcFailure, finish_record, rpc_failure, to_proto
 from loadtests.records import RecordSink, RequestRecord, StreamTimer
 from loadtests.runspec import RunSpec
 from loadtests.workload import PlannedRequest

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtests.client import RpcFailure, client_fields
+from loadtests.grpc_request import RpcFailure, client_fields
 from loadtests.records import RequestRecord, StreamTimer
 from loadtests.workload import PlannedRequest
 

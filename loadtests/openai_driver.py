@@ -13,7 +13,7 @@ from types import TracebackType
 
 import httpx2
 
-from loadtests.client import RpcFailure
+from loadtests.grpc_request import RpcFailure
 from loadtests.openai_client import (
     COMPLETIONS_PATH,
     MODELS_PATH,

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from vocabulary.numeric import percentile
+
 log = logging.getLogger(__name__)
 
 
@@ -218,17 +220,6 @@ class ScalingDecision:
                 acts.append("stop " + ",".join(d.stop))
             parts.append(f"{d.role.value}: {' '.join(acts) or 'hold'} ({'; '.join(d.reasons)})")
         return f"tick {self.tick}: " + " | ".join(parts)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def warm_samples(

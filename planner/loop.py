@@ -40,11 +40,11 @@ from planner.core import (
 )
 from planner.metrics import PlannerMetrics
 from planner.replay import TraceWriter
-from worker_runtime.api import WorkerLoad, WorkerRole
+from vocabulary.worker_api import WorkerLoad, WorkerRole
 
 if TYPE_CHECKING:
-    from deploy.workers import ActorPlacement
-    from router.server import RouterSignals
+    from router.router_server import RouterSignals
+    from vocabulary.worker_api import ActorPlacement
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The planner's Prometheus series: its ticks, each role's decision and the workers it moved.
 
 `PlannerLoop` calls `observe` once per tick (planner/loop.py); the controller serves the
-registry (deploy/metrics.py). Every series is created at once for both roles and every action,
-so a dashboard shows zeros rather than nothing while the planner only holds.
+registry (deploy/control/controller_metrics.py). Every series is created at once for both roles and
+every action, so a dashboard shows zeros rather than nothing while the planner only holds.
 """
 
 from __future__ import annotations

@@ -27,37 +27,27 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine.engine import LLMEngine
-from engine.kv_events import KVTier
-from engine.outputs import RequestOutput
+from engine.core.engine import LLMEngine
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.prefill_endpoint import PrefillEndpoint
 from kv_transfer.protocol import HandshakeInfo
-from prefill_worker.api import PrefillRequest, PrefillResult
-from worker_runtime.api import (
-    RequestAborted,
-    WorkerLoad,
-)
+from vocabulary.engine_io import RequestOutput
+from vocabulary.kv_events import KVTier
+from vocabulary.prefill_api import PrefillRequest, PrefillResult
+from vocabulary.tracing import FLUSH_AFTER_S, DeferredSpans, Span, SpanKind, open_span, quietly
+from vocabulary.worker_api import RequestAborted, WorkerLoad
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, next_output
-from worker_runtime.tracing import (
-    FLUSH_AFTER_S,
-    DeferredSpans,
-    Span,
-    SpanKind,
-    open_span,
-    quietly,
-)
 
 log = logging.getLogger(__name__)
 
 _EWMA = 0.2
 PREFILL_SPAN = "pdserve.prefill_worker.prefill"
-"""This worker's span of a traced `prefill` call (router/tracing.py draws the tree)."""
+"""This worker's span of a traced `prefill` call (router/request_spans.py draws the tree)."""
 
 
 class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
-    """Ray actor class (wrap with `ray.remote(...)`; deploy/workers.py creates it)."""
+    """Ray actor class (wrap with `ray.remote(...)`; deploy/control/worker_actors.py creates it)."""
 
     def __init__(
         self,
@@ -94,7 +84,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
     # ---- requests ---------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        # Deferred (worker_runtime/tracing.py): made in the SDK after the reply has left,
+        # Deferred (vocabulary/tracing.py): made in the SDK after the reply has left,
         # so the router's first token does not wait for it.
         spans = DeferredSpans()
         try:

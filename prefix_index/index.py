@@ -10,18 +10,18 @@ Keys (all under `pdserve:{model}:`, so models never share entries):
     whblk:{id}       reverse index: hashes a worker holds in its host tier only
     seq:{id}         sequence number of the last KV event applied for a worker
 
-A block's hash carries its tenant and cache salt (engine/block_hash.py `scoped_salt`), so the
+A block's hash carries its tenant and cache salt (vocabulary/block_hash.py `scoped_salt`), so the
 `blk:` keys of one tenant's prompt are never another tenant's: lookups find only the
 caller's own cached prefixes.
 
 Written only by `KVEventPublisher` (prefix_index/publisher.py); read by `lookup` in one
 round trip: a Lua script gets the chain as one hex string (and the hex digits of one hash:
-32 for xxh3, 64 for sha256, engine/block_hash.py), keeps the live holders of the
+32 for xxh3, 64 for sha256, vocabulary/block_hash.py), keeps the live holders of the
 first block as candidates, and walks on with one SMISMEMBER per block (SISMEMBER per
 candidate on Redis < 6.2) until no candidate is left (a miss costs one SMEMBERS). A worker's
 count is the number of leading blocks it holds without a hole; because hashes chain, an
 equal hash at position i means an equal prompt up to block i. The index is a hint: a stale
-entry costs a cache miss, never a wrong answer. With host tiers (engine/host_tier.py) the
+entry costs a cache miss, never a wrong answer. With host tiers (engine/kv/host_tier.py) the
 answer also says, per worker, how many of its leading blocks are in the host tier only
 (onboarded before use, cheaper than a recompute and dearer than a device hit): one more
 SMISMEMBER per block over the workers still holding it.
@@ -45,9 +45,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.block_hash import BlockHash
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.types import PrefixMatch, WorkerPrefix
+from vocabulary.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 

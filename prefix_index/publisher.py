@@ -9,7 +9,7 @@ applied by a Lua script that is idempotent through the worker's sequence number:
 - a missing `seq:{id}` (Redis restarted or was flushed; a new worker) answers nil;
 both make the publisher resync.
 
-Tiers (engine/kv_events.py): STORED puts a hash in the worker's device tier, OFFLOADED in its
+Tiers (vocabulary/kv_events.py): STORED puts a hash in the worker's device tier, OFFLOADED in its
 host tier (it stays a holder in `blk:`, and is also listed in `hblk:`), REMOVED takes it out
 of both. A resync replaces everything Redis holds for the worker with `snapshot()` (called on
 the publisher thread; it must be thread-safe and quick) in one MULTI/EXEC: the worker's
@@ -37,10 +37,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
-from engine.kv_events import CacheSnapshot, KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import IndexKeys, connect
-from prefix_index.types import PublisherStats
+from vocabulary.kv_events import CacheSnapshot, KVEvent, KVEventKind, PublisherStats
 
 log = logging.getLogger(__name__)
 

@@ -44,21 +44,3 @@ class PrefixMatch:
 
     def best(self) -> WorkerPrefix | None:
         return self.workers[0] if self.workers else None
-
-
-@dataclass(frozen=True)
-class PublisherStats:
-    """A snapshot of one worker's publisher (any thread may take it; the worker exports it)."""
-
-    running: bool
-    """The publisher thread is alive."""
-    connected: bool
-    """The last round reached Redis and succeeded."""
-    applied_seq: int
-    """Sequence number Redis has applied up to (as last confirmed)."""
-    pending_events: int
-    num_resyncs: int
-    num_errors: int
-    """Failed rounds since start: Redis errors and any other exception."""
-    last_error: str
-    """`Type: message` of the latest failure, "" if none."""

@@ -35,8 +35,8 @@ from prefix_index.types import PrefixMatch
 from router.decode_channel import DecodeChannel
 from router.metrics import RouterMetrics
 from router.placement import DecodeCandidate, PrefillCandidate
-from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
-from worker_runtime.waits import wait_within
+from vocabulary.waits import wait_within
+from vocabulary.worker_api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
 
 log = logging.getLogger(__name__)
 

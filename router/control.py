@@ -1,8 +1,8 @@
 """What the router's admin service asks of the control plane, and the values it gets back.
 
-The controller actor (deploy/controller.py) implements `ClusterControl`; the admin servicer
-(router/servicer.py) calls it through `router.server.ControllerControl`. Kept here, free of
-grpc and Ray, so both sides import it without importing each other.
+The controller actor (deploy/control/cluster_controller.py) implements `ClusterControl`; the admin
+servicer (router/servicer.py) calls it through `router.router_server.ControllerControl`. Kept here,
+free of grpc and Ray, so both sides import it without importing each other.
 """
 
 from __future__ import annotations

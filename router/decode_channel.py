@@ -44,9 +44,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from decode_worker.api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
 from router.errors import WorkerLost, is_actor_death, unwrap
 from router.worker_calls import cancel_remote
+from vocabulary.decode_api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass, replace
 import grpc
 
 from admission.decision import AdmissionRejected, Reason
-from engine.outputs import LoraLoadError, LoraNotFound
-from engine.sampling_params import SamplingParamsError
-from kv_transfer.errors import TransferError
 from router.placement import NoWorkerError
 from router.validation import InvalidRequest, UnknownLora
-from worker_runtime.api import (
+from vocabulary.engine_io import LoraLoadError, LoraNotFound
+from vocabulary.sampling import SamplingParamsError
+from vocabulary.transfer_errors import TransferError
+from vocabulary.worker_api import (
     RequestAborted,
     RequestDeadlineExceeded,
     StepFailed,

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from admission.decision import Reason
 from router.worker_metrics import WorkerLoadCollector
-from worker_runtime.api import WorkerLoad
+from vocabulary.worker_api import WorkerLoad
 
 if TYPE_CHECKING:
     from prefix_index.index import PrefixIndex

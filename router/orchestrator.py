@@ -2,7 +2,7 @@
 
 `Orchestrator.generate` serves one request that router/validation.py has checked:
 
-1. Admit (`_admit`): the prompt's full blocks are hashed (engine/block_hash.py) and the Redis
+1. Admit (`_admit`): the prompt's full blocks are hashed (vocabulary/block_hash.py) and the Redis
    index asked which worker caches the longest prefix (one round trip; Redis down means "no
    cache info", not failure); the admission controller admits now, queues with a bounded
    wait, or rejects early.
@@ -26,7 +26,7 @@ pure function) then decides: the same attempt on another prefill worker, a fresh
 (if possible) other workers under a fresh worker-facing id, a resume on the decode worker
 alone (prompt + first token), or failing with the typed error that router/errors.py maps to
 a status. The orchestrator only carries the decision out. With tracing on, the steps are the
-spans of the request's trace (router/tracing.py draws the tree).
+spans of the request's trace (router/request_spans.py draws the tree).
 """
 
 from __future__ import annotations
@@ -43,12 +43,9 @@ from typing import Any
 from admission.controller import AdmissionController
 from admission.decision import Admission, AdmissionRejected
 from admission.snapshot import AdmissionRequest, ClusterSnapshot
-from decode_worker.api import DecodeRequest
-from engine.block_hash import hash_chain, hash_extra
-from prefill_worker.api import PrefillResult
 from prefix_index.index import PrefixIndex
 from prefix_index.types import PrefixMatch
-from router import tracing
+from router import request_spans as tracing
 from router.cluster_view import ClusterView, DecodeReservation
 from router.errors import (
     StageTimeout,
@@ -83,8 +80,11 @@ from router.worker_requests import (
     prefill_request,
     resume_request,
 )
-from worker_runtime.api import RequestDeadlineExceeded
-from worker_runtime.tracing import Span, SpanKind, TraceContext
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.decode_api import DecodeRequest
+from vocabulary.prefill_api import PrefillResult
+from vocabulary.tracing import Span, SpanKind, TraceContext
+from vocabulary.worker_api import RequestDeadlineExceeded
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "StreamDelta"]
 

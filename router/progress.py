@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from decode_worker.api import TokenChunk
-from engine.request import FinishReason, PriorOutput
-from prefill_worker.api import PrefillResult
 from router.placement import Placement
+from vocabulary.decode_api import TokenChunk
+from vocabulary.engine_io import FinishReason, PriorOutput
+from vocabulary.prefill_api import PrefillResult
 
 
 @dataclass(frozen=True)

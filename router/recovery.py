@@ -30,7 +30,7 @@ status; this module only says whether the request fails.
 
 A retry after the client has tokens (a migration, or a hand-off retried after the first
 token) continues its stream: the tokens sent follow the prompt in the new attempt's prefill
-and count as the new decode request's output (`engine.request.PriorOutput`), so no token is
+and count as the new decode request's output (`vocabulary.engine_io.PriorOutput`), so no token is
 lost or repeated and greedy or seeded sampling goes on as in one undisturbed run.
 
 `Attempt` is the other half: the worker-facing id and the exclusions a decision leaves for the
@@ -42,10 +42,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from kv_transfer.errors import TransferError
 from router.errors import WorkerLost, is_actor_death, unwrap
 from router.placement import Placement
-from worker_runtime.api import StepFailed, WorkerDraining, WorkerOverloaded, WorkerStopped
+from vocabulary.transfer_errors import TransferError
+from vocabulary.worker_api import StepFailed, WorkerDraining, WorkerOverloaded, WorkerStopped
 
 
 class Stage(enum.Enum):

@@ -6,7 +6,7 @@ request to the orchestrator and streams its deltas; every error leaves through
 refused calls without one already) the tenant is the key's, and a tenant's responses name no
 worker: `timings.prefill_worker` / `decode_worker` are empty and worker ids in error messages
 are replaced (they would tell one tenant where, and so beside whom, its requests ran; cached
-token counts stay, since the prefix cache is the tenant's own: engine/block_hash.py). An admin
+token counts stay, since the prefix cache is the tenant's own: vocabulary/block_hash.py). An admin
 key, or auth off, sees them. `AdminServicer` serves status, thresholds, drain and
 rebalance for the CLI. A request whose bytes are not valid protobuf (e.g. a string field that
 is not UTF-8) is answered INVALID_ARGUMENT naming the field, not INTERNAL: the method is
@@ -28,8 +28,6 @@ from google.protobuf.message import DecodeError
 
 from admission.config import THRESHOLD_FIELDS, InvalidAdmissionConfig
 from admission.controller import AdmissionController
-from engine.request import FinishReason
-from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.auth import AuthFailure, KeyTable, redact_workers, sees_workers
@@ -38,7 +36,7 @@ from router.control import ClusterControl, LoraEntry, LoraRefused
 from router.errors import DEFAULT_RETRY_AFTER_MS, RETRY_AFTER_KEY, to_grpc_failure, unwrap
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamDelta
-from router.tracing import grpc_caller_context
+from router.request_spans import grpc_caller_context
 from router.validation import (
     MAX_LORA_NAME_CHARS,
     InvalidRequest,
@@ -47,7 +45,9 @@ from router.validation import (
     find_invalid_utf8_field,
     validate,
 )
-from worker_runtime.api import WorkerLoad, WorkerState
+from vocabulary.engine_io import FinishReason
+from vocabulary.tokenizer import Tokenizer
+from vocabulary.worker_api import WorkerLoad, WorkerState
 
 log = logging.getLogger(__name__)
 

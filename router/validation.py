@@ -12,12 +12,12 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine.block_hash import scoped_salt
-from engine.config import MAX_LORA_NAME_CHARS
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.tracing import TraceContext
+from vocabulary.block_hash import scoped_salt
+from vocabulary.lora_names import MAX_LORA_NAME_CHARS
+from vocabulary.sampling import SamplingParams, SamplingParamsError
+from vocabulary.tokenizer import Tokenizer
+from vocabulary.tracing import TraceContext
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 64
@@ -68,10 +68,10 @@ class ValidRequest:
     priority: int
     cache_salt: str
     """The salt that scopes its prefix-cache entries: the tenant and the request's own
-    `cache_salt` (`engine.block_hash.scoped_salt`), so no two tenants share a cached block."""
+    `cache_salt` (`vocabulary.block_hash.scoped_salt`), so no two tenants share a cached block."""
     lora: str = ""
     """The LoRA adapter to generate with ("": the base model); part of its prefix-cache
-    identity (`engine.block_hash.hash_extra`)."""
+    identity (`vocabulary.block_hash.hash_extra`)."""
     trace: TraceContext | None = None
     """The caller's W3C trace context (a `traceparent` in the call's metadata or headers),
     which the request's trace continues; None: none given, or this router does not trace."""
@@ -100,7 +100,7 @@ def validate(
 
     `tenant` is the caller's, from its API key: it replaces whatever the request's `tenant`
     field says (that field is then ignored). None (auth off): the field is the tenant.
-    `trace`: the caller's trace context, from the call's metadata (router/tracing.py).
+    `trace`: the caller's trace context, from the call's metadata (router/request_spans.py).
     """
     request_id = req.request_id or uuid.uuid4().hex
     check_name("request_id", request_id, MAX_REQUEST_ID_CHARS)

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from router.errors import StageTimeout
-from worker_runtime.api import RequestDeadlineExceeded
-from worker_runtime.waits import wait_within
+from vocabulary.waits import wait_within
+from vocabulary.worker_api import RequestDeadlineExceeded
 
 DEADLINE_GRACE_S = 1.0
 """How long past a request's deadline the router waits for the worker's own deadline error."""

@@ -26,14 +26,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from engine.outputs import EngineLoad
-from engine.step_stats import BATCH_REQUESTS_BUCKETS, STEP_SECONDS_BUCKETS
-from worker_runtime.api import WorkerLoad, WorkerState
+from vocabulary.engine_io import EngineLoad
+from vocabulary.step_stats import BATCH_REQUESTS_BUCKETS, STEP_SECONDS_BUCKETS
+from vocabulary.worker_api import WorkerLoad, WorkerState
 
 LABELS = ["worker", "role"]
 F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
 _STATES = tuple(s.value for s in WorkerState if s is not WorkerState.DRAINED)
-"""States a worker reports itself (DRAINED is the controller's name, deploy/controller.py)."""
+"""States a worker reports itself (DRAINED is the controller's name,
+deploy/control/cluster_controller.py)."""
 
 
 class WorkerLoadCollector:
@@ -109,7 +110,7 @@ class _Families:
             "pdserve_worker_prefix_cache_hit_tokens",
             "Prompt tokens found in the worker's prefix cache (not computed)",
         )
-        # The host KV tier (engine/host_tier.py), on workers that have one.
+        # The host KV tier (engine/kv/host_tier.py), on workers that have one.
         self.host_hit = c(
             "pdserve_worker_host_kv_hit_tokens",
             "Prompt tokens found in the worker's host KV tier (onboarded, not computed)",

@@ -9,7 +9,7 @@ local_request     to the decode worker alone: prefill and decode the whole reque
 resume_request    to the decode worker alone after tokens went out: they are its `prior`,
                   prefilled after the prompt; it samples the next one on
 
-Each carries the router's span of its call (`trace`, router/tracing.py) when it is traced.
+Each carries the router's span of its call (`trace`, router/request_spans.py) when it is traced.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from decode_worker.api import DecodeRequest
-from engine.request import NO_PRIOR, PriorOutput
-from engine.sampling_params import SamplingParams
-from kv_transfer.types import KVHandle
-from prefill_worker.api import PrefillRequest
 from router.validation import ValidRequest
-from worker_runtime.tracing import TraceContext
+from vocabulary.decode_api import DecodeRequest
+from vocabulary.engine_io import NO_PRIOR, PriorOutput
+from vocabulary.kv_handle import KVHandle
+from vocabulary.prefill_api import PrefillRequest
+from vocabulary.sampling import SamplingParams
+from vocabulary.tracing import TraceContext
 
 
 def handoff_sampling(sampling: SamplingParams) -> SamplingParams:

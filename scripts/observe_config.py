@@ -25,13 +25,13 @@ RULES = Path(__file__).resolve().parents[1] / "deploy/observability/prometheus/p
 def controller_metrics_url(ray_address: str, external: bool) -> str:
     """The controller's metrics URL ("" when it cannot be asked; the reason goes to stderr)."""
     if not external:
-        from deploy.local_ray import loopback_env
+        from deploy.control.local_ray import loopback_env
 
         loopback_env()  # a local Ray of `pdserve up` listens on loopback only
     import ray
 
-    from deploy.cluster import NAMESPACE
-    from deploy.controller import CONTROLLER_NAME
+    from deploy.control.cluster_controller import CONTROLLER_NAME
+    from deploy.control.launch import NAMESPACE
 
     try:
         ray.init(
@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--scrape-interval", default="5s")
     args = parser.parse_args()
 
-    from deploy.daemon import read_state
+    from deploy.cli.daemon import read_state
 
     state = read_state()
     if state is None:

@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny trained checkpoint (written once per session, seed 0)."""
-    from deploy.make_model import cached_tiny_model
+    from deploy.checkpoints.make_model import cached_tiny_model
 
     return cached_tiny_model()
 
@@ -59,7 +59,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of a real redis-server on a free loopback port, for the whole session."""
-    from deploy.redis_server import EmbeddedRedis
+    from deploy.control.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server.url
@@ -68,7 +68,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture()
 def redis_server() -> Iterator[object]:
     """A redis-server owned by one test (for restart/outage tests)."""
-    from deploy.redis_server import EmbeddedRedis
+    from deploy.control.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server

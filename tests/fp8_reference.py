@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine import LLMEngine
-from engine.fp8 import quantize_static
-from engine.model import LlamaModel, causal_attend
-from engine.sampling_params import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel, causal_attend
+from engine.quantization.fp8_linear import quantize_static
+from vocabulary.sampling import SamplingParams
 
 
 def teacher_forced_logits(

@@ -34,8 +34,8 @@ def free_port() -> int:
 def _inject_fault(where: str, at_call: int) -> None:
     """Make this process raise on the `at_call`-th call of SiLU-and-mul (`where` "mlp":
     between a layer's two all-reduces) or of the head (`where` "logits": after the last)."""
-    from engine.layer_ops import TORCH_OPS
-    from engine.model import LlamaModel
+    from engine.modeling.layer_ops import TORCH_OPS
+    from engine.modeling.llama import LlamaModel
 
     owner: Any = TORCH_OPS if where == "mlp" else LlamaModel
     name = "silu_and_mul" if where == "mlp" else "compute_logits"
@@ -63,9 +63,9 @@ def _rank_main(
 ) -> None:
     import torch
 
-    from engine.engine import LLMEngine
-    from engine.tensor_parallel import init_tp_group
-    from engine.tp_runner import run_follower
+    from engine.core.engine import LLMEngine
+    from engine.core.tp_runner import run_follower
+    from engine.tp.tensor_parallel import init_tp_group
 
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -221,10 +221,10 @@ def decode_logits_vs_whole(engine: Any, conn: Connection) -> dict[str, Any]:
     same dummy weights, eager, in this process. The graph replays of the TP decode, and per
     batch the largest logit difference and the largest reference logit."""
     from engine.batch import ScheduledBatch, SeqChunk
-    from engine.kv_cache import KVCache
-    from engine.kv_sizing import kv_cache_spec
-    from engine.runner import ModelRunner
-    from engine.weights import load_model
+    from engine.core.runner import ModelRunner
+    from engine.kv.kv_cache import KVCache
+    from engine.kv.kv_sizing import kv_cache_spec
+    from engine.loading.loaders import load_model
 
     config = engine.config
     prompts = [list(range(1, 6)), [7] * 20, [9, 8, 7]]
@@ -262,7 +262,7 @@ def teacher_forced(engine: Any, ids: list[int]) -> Any:
     step runner over blocks from 0 (their KV is overwritten: use on an engine that serves
     nothing more)."""
     from engine.batch import ScheduledBatch, SeqChunk
-    from engine.block_pool import cdiv
+    from vocabulary.numeric import cdiv
 
     blocks = tuple(range(cdiv(len(ids), engine.config.block_size)))
     chunk = SeqChunk("teacher-forced", tuple(ids), 0, blocks, sample=True)

@@ -14,7 +14,7 @@ every new request passes (READY, and room for one more). `drain` stops admitting
 until the role holds nothing (`_holds_work`: a decode worker's streams, a prefill worker's
 requests and leases); `ping` is the controller's health check (health means progress:
 `WorkerRuntime.check_health`); `shutdown` closes the endpoint and stops the runtime, failing
-what is left with `WorkerStopped`, and flushes the process's spans (worker_runtime/tracing.py,
+what is left with `WorkerStopped`, and flushes the process's spans (vocabulary/tracing.py,
 set up from `OTEL_*` when the actor is created).
 """
 
@@ -25,14 +25,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from engine.driver import LoopProgress
-from engine.engine import LLMEngine
-from engine.outputs import LoraInfo
+from engine.core.engine import LLMEngine
 from kv_transfer.budget import InFlightBudget
 from kv_transfer.config import KVTransferConfig
-from worker_runtime.api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
+from vocabulary.engine_io import LoraInfo
+from vocabulary.loop_progress import LoopProgress
+from vocabulary.tracing import FinishedSpan, configure_tracing, finished_spans, shutdown_tracing
+from vocabulary.worker_api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
 from worker_runtime.runtime import WorkerConfig, WorkerRuntime
-from worker_runtime.tracing import FinishedSpan, configure_tracing, finished_spans, shutdown_tracing
 
 DRAIN_POLL_S = 0.05
 TRANSFER_LOOP = "kv-transfer thread"
@@ -63,7 +63,8 @@ class WorkerLifecycle(Generic[E]):
         actor_name: str = "",
         followers: Sequence[Any] = (),
     ) -> None:
-        """`followers`: a tensor-parallel worker's rank 1.. actors (deploy/workers.py)."""
+        """`followers`: a tensor-parallel worker's rank 1.. actors
+        (deploy/control/worker_actors.py)."""
         self.runtime = WorkerRuntime(config, actor_name or config.worker_id, followers, transfer)
         self.transfer_config = transfer
         self.budget = InFlightBudget(transfer.budget)

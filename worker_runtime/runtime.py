@@ -30,16 +30,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from engine.config import EngineConfig
-from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
-from engine.engine import LLMEngine
-from engine.kv_events import CacheSnapshot
-from engine.outputs import LoraInfo, RequestOutput
-from engine.tensor_parallel import TPGroup
+from engine.core.driver import EngineDriver, EngineStopped
+from engine.core.engine import LLMEngine
+from engine.tp.tensor_parallel import TPGroup
 from kv_transfer.config import KVTransferConfig
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.publisher import KVEventPublisher
-from prefix_index.types import PublisherStats
-from worker_runtime.api import (
+from vocabulary.engine_io import LoraInfo, RequestOutput
+from vocabulary.kv_events import CacheSnapshot, PublisherStats
+from vocabulary.loop_progress import LoopProgress, LoopState
+from vocabulary.waits import wait_within
+from vocabulary.worker_api import (
     RequestDeadlineExceeded,
     StepFailed,
     WorkerInfo,
@@ -49,7 +50,6 @@ from worker_runtime.api import (
     WorkerUnhealthy,
 )
 from worker_runtime.tp_ranks import TPRanks
-from worker_runtime.waits import wait_within
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -5,7 +5,7 @@ is its view of the followers). A follower holds its part of the model and its ow
 (its KV heads) and does three things:
 
 1. `start(addr, port)`: join rank 0's TP group (rank 0 listens at addr:port), build its part
-   while rank 0 builds its engine (engine/tp_runner.py `prepare_follower`: the start-up
+   while rank 0 builds its engine (engine/core/tp_runner.py `prepare_follower`: the start-up
    collectives), register its pool with its own transfer agent (kv_transfer/rank_endpoint.py)
    and return that agent (`RankAgent`) for the worker's handshake; then
 2. run rank 0's steps on a thread of its own (`serve_follower`) until rank 0 closes the group
@@ -28,15 +28,15 @@ import enum
 import logging
 import threading
 
-from engine.runner import ModelRunner
-from engine.tensor_parallel import TPGroup, init_tp_group
-from engine.tp_runner import prepare_follower, serve_follower
+from engine.core.runner import ModelRunner
+from engine.core.tp_runner import prepare_follower, serve_follower
+from engine.tp.tensor_parallel import TPGroup, init_tp_group
 from kv_transfer.backend import MemoryRegion, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.protocol import RankAgent
 from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.types import TransferPlan
-from worker_runtime.api import WorkerRole, WorkerUnhealthy
+from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
 from worker_runtime.runtime import WorkerConfig, stall_reason
 
 log = logging.getLogger(__name__)

@@ -1,16 +1,16 @@
 """Rank 0's view of its tensor-parallel worker's follower actors (worker_runtime/tp_follower.py).
 
-A TP worker is N ranks on one node (deploy/workers.py places them together in one placement
-group); the worker's own actor is rank 0 and runs the engine (scheduler, sampler) with a
-`TPLeader`. At start (`TPRanks.start`) rank 0 picks a free port on its node, hands
-(address, port) to every follower's `start`, joins the group itself and builds its engine
-while they build their parts (the start-up collectives need every rank), then collects their
-transfer agents, which its KV endpoint lists in its handshake (prefill) or drives
-(decode: `backends`, one `FollowerBackend` per follower over Ray calls).
+A TP worker is N ranks on one node (deploy/control/worker_actors.py places them together in one
+placement group); the worker's own actor is rank 0 and runs the engine (scheduler, sampler) with a
+`TPLeader`. At start (`TPRanks.start`) rank 0 picks a free port on its node, hands (address, port)
+to every follower's `start`, joins the group itself and builds its engine while they build their
+parts (the start-up collectives need every rank), then collects their transfer agents, which its KV
+endpoint lists in its handshake (prefill) or drives (decode: `backends`, one `FollowerBackend` per
+follower over Ray calls).
 
 Health: every rank counts. `failure()` is set once a follower's ping fails (its actor died,
 or it reports itself unable to serve) or the group broke (a step missed its deadline on some
-rank: engine/tensor_parallel.py), and rank 0's health check (`probe`, watched by
+rank: engine/tp/tensor_parallel.py), and rank 0's health check (`probe`, watched by
 `WorkerRuntime`) then reports the whole worker unhealthy: the controller replaces all of it.
 """
 
@@ -23,16 +23,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.driver import LoopProgress, LoopState
-from engine.engine import LLMEngine
-from engine.kv_cache import KVCache
-from engine.tensor_parallel import TPGroup, TPGroupState, init_tp_group
+from engine.core.engine import LLMEngine
+from engine.kv.kv_cache import KVCache
+from engine.tp.tensor_parallel import TPGroup, TPGroupState, init_tp_group
 from kv_transfer.backend import BackendFactory, MemoryRegion, TransferBackend, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.protocol import RankAgent
 from kv_transfer.tp_backend import FollowerBackend, TPBackend
 from kv_transfer.types import TransferPlan
-from worker_runtime.waits import wait_within
+from vocabulary.loop_progress import LoopProgress, LoopState
+from vocabulary.waits import wait_within
 
 log = logging.getLogger(__name__)
 

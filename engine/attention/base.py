@@ -23,10 +23,10 @@ from typing import ClassVar
 import torch
 
 from engine.attention.step import StepInputs
-from engine.fp8 import FP8_DTYPE, quantize_static
-from engine.kv_cache import HEAD_MAJOR, KVCache, torch_dtype
-from engine.layer_ops import RopeTables
-from engine.model_config import ModelConfig
+from engine.kv.kv_cache import HEAD_MAJOR, KVCache, torch_dtype
+from engine.modeling.layer_ops import RopeTables
+from engine.quantization.fp8_linear import FP8_DTYPE, quantize_static
+from vocabulary.model_config import ModelConfig
 
 
 class BackendUnavailable(RuntimeError):
@@ -64,10 +64,10 @@ class AttentionBackend(abc.ABC):
         self.scale = model_cfg.head_dim**-0.5
         self._fp8_store: Callable[..., None] | None = None
         """An e4m3 block- or layer-major pool on CUDA: the fused quantize-and-store kernel
-        (engine/fp8_kernels.py); a head-major one writes through the per-layer view."""
+        (engine/quantization/fp8_kernels.py); a head-major one writes through the per-layer view."""
         heads_run = spec.layout != HEAD_MAJOR  # the kernel writes a token's heads as one run
         if self.kv_dtype == FP8_DTYPE and kv_cache.device.type == "cuda" and heads_run:
-            from engine import fp8_kernels
+            from engine.quantization import fp8_kernels
 
             if fp8_kernels.unavailable_reason() is None:
                 self._fp8_store = fp8_kernels.store_kv
@@ -100,7 +100,7 @@ class AttentionBackend(abc.ABC):
             return
         if step.write_rows is not None:
             k, v = k[step.write_rows], v[step.write_rows]
-        if kv.dtype == FP8_DTYPE:  # stored as K / k_scale (engine/fp8_calibration.py)
+        if kv.dtype == FP8_DTYPE:  # stored as K / k_scale (engine/loading/fp8_calibration.py)
             k_scale, v_scale = self.kv_cache.spec.layer_scales(layer)
             k, v = quantize_static(k, k_scale), quantize_static(v, v_scale)
         kv[:, 0].index_put_((blocks, offsets), k.to(kv.dtype))

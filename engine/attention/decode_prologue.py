@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_decode import NewKV, Rope, _rope_apply, _rope_loads
-from engine.fp8 import FP8_DTYPE
+from engine.quantization.fp8_linear import FP8_DTYPE
 
 
 @triton.jit

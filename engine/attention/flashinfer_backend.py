@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BackendUnavailable
-from engine.attention.registry import flashinfer_unavailable_reason
+from engine.attention.flashinfer_probe import flashinfer_unavailable_reason
 from engine.attention.step import StepInputs
 from engine.config import DECODE_ATTENTION_CHOICES
-from engine.fp8 import FP8_DTYPE
-from engine.kv_cache import FP8_KV_DTYPE, KVCache
-from engine.layer_ops import RopeTables
-from engine.model_config import ModelConfig
+from engine.kv.kv_cache import FP8_KV_DTYPE, KVCache
+from engine.modeling.layer_ops import RopeTables
+from engine.quantization.fp8_linear import FP8_DTYPE
+from vocabulary.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.attention.triton_decode import PagedDecode

@@ -12,15 +12,14 @@ import importlib
 import torch
 
 from engine.attention.base import AttentionBackend, BackendUnavailable
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
+from engine.attention.flashinfer_probe import flashinfer_unavailable_reason
+from engine.kv.kv_cache import KVCache
+from vocabulary.model_config import ModelConfig
 
 _BACKENDS: dict[str, str] = {
     "torch": "engine.attention.torch_backend:TorchAttentionBackend",
     "flashinfer": "engine.attention.flashinfer_backend:FlashInferBackend",
 }
-
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def backend_names() -> tuple[str, ...]:
@@ -38,24 +37,6 @@ def backend_class(name: str) -> type[AttentionBackend]:
         raise BackendUnavailable(f"attention backend {name!r} cannot be imported: {e}") from e
     assert issubclass(found, AttentionBackend)
     return found
-
-
-def flashinfer_unavailable_reason(
-    model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> str | None:
-    """Why flashinfer cannot serve this model here, or None when it can."""
-    if device.type != "cuda":
-        return f"flashinfer needs a CUDA device (got {device})"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"flashinfer attention runs in float16/bfloat16 (got {dtype})"
-    if model_cfg.head_dim not in FLASHINFER_HEAD_DIMS:
-        dims = FLASHINFER_HEAD_DIMS
-        return f"flashinfer supports head_dim {dims} (model has {model_cfg.head_dim})"
-    try:
-        importlib.import_module("flashinfer")
-    except Exception as e:  # an optional extra: any import failure means "not here"
-        return f"flashinfer does not import: {e}"
-    return None
 
 
 def resolve_backend_name(

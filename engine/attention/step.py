@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.batch import ScheduledBatch
-from engine.block_pool import cdiv
+from vocabulary.numeric import cdiv
 
 
 def _frozen(values: list[int]) -> np.ndarray:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.fp8 import FP8_DTYPE
+from engine.quantization.fp8_linear import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 MIN_ROWS = 16
@@ -72,7 +72,7 @@ class Rope:
     """q and the new k arrive unrotated: the kernel applies rotate-half RoPE itself, q of
     sequence b at positions[b], the k it stores at positions[rows[b]] (NewKV), from the
     model's float32 cos/sin cache ([max_positions, dim]: cos in the first half, sin in the
-    second; engine/model.py `Rotary.cos_sin_cache`)."""
+    second; engine/modeling/llama.py `Rotary.cos_sin_cache`)."""
 
     cos_sin: torch.Tensor
     positions: torch.Tensor

@@ -2,7 +2,7 @@
 
 from router.http.app import OpenAIDoor
 from router.http.chat import ChatTemplate
-from router.http.server import HttpServer
 from router.http.translate import Translator
+from router.http.uvicorn_server import HttpServer
 
 __all__ = ["ChatTemplate", "HttpServer", "OpenAIDoor", "Translator"]

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.sampling_params import SamplingParamsError
 from router.errors import RETRY_AFTER_KEY, to_grpc_failure, unwrap
 from router.validation import InvalidRequest
+from vocabulary.sampling import SamplingParamsError
 
 _BY_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),

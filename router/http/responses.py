@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import FinishReason
 from router.http.translate import Endpoint, GenerationPlan
 from router.progress import StreamDelta, Usage
+from vocabulary.engine_io import FinishReason
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "stop"}
 DONE = b"data: [DONE]\n\n"

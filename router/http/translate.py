@@ -29,7 +29,7 @@ from pdserve.v1 import serving_pb2 as pb
 from router.http.chat import ChatTemplate, template_messages
 from router.http.errors import ApiError, failure
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, GenerationBody
-from router.tracing import http_caller_context
+from router.request_spans import http_caller_context
 from router.validation import (
     MAX_PROMPT_BYTES_PER_TOKEN,
     InvalidRequest,
@@ -37,7 +37,7 @@ from router.validation import (
     ValidRequest,
     validate,
 )
-from worker_runtime.tracing import TraceContext
+from vocabulary.tracing import TraceContext
 
 MAX_CHOICES = 64
 """The most choices one request may ask for (prompts times n)."""

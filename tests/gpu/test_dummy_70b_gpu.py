@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.make_model import make_model
-from engine.model import causal_attend
-from engine.weights import load_model
+from deploy.checkpoints.make_model import make_model
+from engine.loading.loaders import load_model
+from engine.modeling.llama import causal_attend
 
 pytestmark = pytest.mark.gpu
 
@@ -53,8 +53,8 @@ def test_an_engine_serves_the_70b_fp8_dummy_model_with_its_kv_pool_in_the_rest(
     llama70b_config: Path,
 ) -> None:
     from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.core.engine import LLMEngine
+    from vocabulary.sampling import SamplingParams
 
     config = EngineConfig(
         model_dir=str(llama70b_config), quantization="fp8", load_format="dummy",
@@ -72,7 +72,7 @@ def test_an_engine_serves_the_70b_fp8_dummy_model_with_its_kv_pool_in_the_rest(
     )
     assert len(tokens) == 4
     print(
-        f"70B FP8 dummy: weights {engine.model.weight_bytes / GIB:.1f} GiB, KV pool "
-        f"{engine.kv_cache.spec.nbytes / GIB:.1f} GiB ({engine.kv_cache.spec.dtype}), "
+        f"70B FP8 dummy: weights {engine.modeling.llama.weight_bytes / GIB:.1f} GiB, KV pool "
+        f"{engine.kv.kv_cache.spec.nbytes / GIB:.1f} GiB ({engine.kv.kv_cache.spec.dtype}), "
         f"free {free / GIB:.1f} of {total / GIB:.1f} GiB"
     )

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, EngineMode
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.engine import LLMEngine
+from vocabulary.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -17,11 +17,11 @@ import torch
 
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.model import LlamaModel
-from engine.runner import ModelRunner
-from engine.weights import load_model
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,7 @@ NUM_BLOCKS = 256
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.make_model import make_model
+    from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16") / "model"
     return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
@@ -46,7 +46,7 @@ def model(model_dir: Path) -> LlamaModel:
 def corpus(model_dir: Path) -> list[int]:
     from tokenizers import Tokenizer
 
-    from deploy.make_model import CORPUS
+    from deploy.checkpoints.checkpoint_files import CORPUS
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(CORPUS.read_text()).ids
 

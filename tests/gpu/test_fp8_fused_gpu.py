@@ -24,14 +24,14 @@ from engine.attention.triton_decode import (
 )
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.fp8 import FP8_DTYPE, quantize_static
-from engine.kv_cache import BLOCK_MAJOR, KV_LAYOUT, LAYER_MAJOR, KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.layer_ops import TORCH_OPS, FlashInferOps
-from engine.model import LlamaModel, Rotary
-from engine.model_config import ModelConfig
-from engine.weights import load_model
+from engine.core.engine import LLMEngine
+from engine.kv.kv_cache import BLOCK_MAJOR, KV_LAYOUT, LAYER_MAJOR, KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.loading.loaders import load_model
+from engine.modeling.layer_ops import TORCH_OPS, FlashInferOps
+from engine.modeling.llama import LlamaModel, Rotary
+from engine.quantization.fp8_linear import FP8_DTYPE, quantize_static
+from vocabulary.model_config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +92,7 @@ def test_fused_fp8_ops_replay_in_a_cuda_graph() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.make_model import make_model
+    from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16-fp8") / "model"
     return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
@@ -162,7 +162,7 @@ def test_flashinfer_attention_over_an_e4m3_pool_equals_torch_over_the_same_pool(
 
 @pytest.mark.parametrize("layout", [BLOCK_MAJOR, LAYER_MAJOR])
 def test_fused_kv_store_writes_what_the_composed_ops_write(model: LlamaModel, layout: str) -> None:
-    from engine import fp8_kernels
+    from engine.quantization import fp8_kernels
 
     cfg = model.cfg
     pool = _fp8_pool(model, layout)
@@ -312,7 +312,7 @@ def test_triton_decode_stores_the_new_kv_as_the_store_kernel_does(splits: int) -
     """One launch that stores the step's k/v and attends (the CUDA-graph path) leaves the
     pool bit-equal to the fused store kernel followed by the attention, and the same output
     within float32 summation order (the launch adds the new token's term after its loop)."""
-    from engine.fp8_kernels import store_kv
+    from engine.quantization.fp8_kernels import store_kv
 
     case = _graph_decode(10 + splits, layers=2)
     q, k, v = case.split(case.qkv)
@@ -332,7 +332,7 @@ def test_triton_decode_rotates_q_and_the_new_k_as_flashinfer_rope_does() -> None
     flashinfer's RoPE kernel, the store kernel and the plain launch: the same e4m3 codes but
     where rounding the rotated k to bf16 first (flashinfer) tips one, and the same output
     within bf16's rounding."""
-    from engine.fp8_kernels import store_kv
+    from engine.quantization.fp8_kernels import store_kv
 
     rotary = _rotary_70b()
     case = _graph_decode(3, layers=1)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.fp8 import Fp8Linear
+from engine.core.engine import LLMEngine
+from engine.quantization.fp8_linear import Fp8Linear
 
 pytestmark = pytest.mark.gpu
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.host_tier import HostTier
-from engine.model import LlamaModel
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.weights import load_model
+from engine.core.engine import LLMEngine
+from engine.kv.host_tier import HostTier
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +59,7 @@ def test_blocks_come_back_bit_exact_from_either_offload_path(block_dim: int) -> 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.make_model import make_model
+    from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16-host-tier") / "model"
     return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
@@ -121,12 +121,12 @@ def test_a_decode_pool_on_the_gpu_reads_hand_off_blocks_from_pinned_host_memory(
     import queue
     import time as clock
 
-    from engine.kv_cache import KVCache, KVCacheSpec
-    from engine.kv_events import KVTier
+    from engine.kv.kv_cache import KVCache, KVCacheSpec
     from kv_transfer.config import KVTransferConfig
     from kv_transfer.decode_endpoint import DecodeEndpoint
     from kv_transfer.manager import TransferOutcome, TransferState
     from kv_transfer.prefill_endpoint import PrefillEndpoint
+    from vocabulary.kv_events import KVTier
 
     # Llama-3-8B block shape (2 MiB a block), 512 blocks a side
     spec = KVCacheSpec(num_blocks=512, num_layers=32, block_size=16, num_kv_heads=8,

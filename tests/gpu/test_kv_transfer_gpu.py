@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.decode_endpoint import DecodeEndpoint
 from kv_transfer.manager import TransferOutcome, TransferState
 

@@ -25,21 +25,21 @@ from test_flashinfer_backend import (
 
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.layer_ops import TORCH_OPS, FlashInferOps
-from engine.layer_ops_select import SELF_CHECK_TOLERANCE, compare_layer_ops
-from engine.model import LlamaModel
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
-from engine.weights import load_model
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.loading.loaders import load_model
+from engine.modeling.layer_ops import TORCH_OPS, FlashInferOps
+from engine.modeling.layer_ops_select import SELF_CHECK_TOLERANCE, compare_layer_ops
+from engine.modeling.llama import LlamaModel
+from vocabulary.model_config import ModelConfig
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.make_model import make_model
+    from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16-ops") / "model"
     return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
@@ -54,7 +54,7 @@ def model(model_dir: Path) -> LlamaModel:
 def corpus(model_dir: Path) -> list[int]:
     from tokenizers import Tokenizer
 
-    from deploy.make_model import CORPUS
+    from deploy.checkpoints.checkpoint_files import CORPUS
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(CORPUS.read_text()).ids
 
@@ -62,7 +62,7 @@ def corpus(model_dir: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def llama3_2l() -> LlamaModel:
     """Two layers of Llama-3-8B with random bf16 weights, made on the GPU (nothing on disk)."""
-    from deploy.make_model import PRESETS, hf_config
+    from deploy.checkpoints.make_model import PRESETS, hf_config
 
     cfg = ModelConfig.from_dict(hf_config(replace(PRESETS["llama3-8b"], num_layers=2), 0, 1))
     m = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda").eval()
@@ -222,7 +222,7 @@ def test_fused_ops_cut_kernels_per_decode_step(model: LlamaModel, corpus: list[i
     print(f"kernels per eager decode step ({layers} layers): fused {fused}, torch {ref}")
     if fused == 0 or ref == 0:
         pytest.skip("the profiler recorded no CUDA kernels here")
-    assert ref - fused >= 20 * layers  # ~41 -> ~12 per layer (see engine/layer_ops.py)
+    assert ref - fused >= 20 * layers  # ~41 -> ~12 per layer (see engine/modeling/layer_ops.py)
 
 
 def test_prompt_chunks_without_a_sample_run_on_fused_ops(

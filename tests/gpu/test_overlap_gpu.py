@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.weights import load_model
+from engine.core.engine import LLMEngine
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ SEEDED = SamplingParams(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.make_model import make_model
+    from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16-overlap") / "model"
     return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)

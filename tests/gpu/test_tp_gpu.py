@@ -19,11 +19,11 @@ import pytest
 import torch
 from tp_ranks import Scenario, TPRanks, decode_logits_vs_whole, generate_rounds
 
-from deploy.make_model import make_model
+from deploy.checkpoints.make_model import make_model
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 pytestmark = [
     pytest.mark.gpu,

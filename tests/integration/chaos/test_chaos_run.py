@@ -40,7 +40,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(
     env = {**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "run" / "cluster.json")}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "chaos", "--config", str(config_path),
+        [sys.executable, "-m", "deploy.cli.app", "chaos", "--config", str(config_path),
          "--duration", "30", "--load", "2", "--kill-every", "9", "--redis-restart-every", "14",
          "--cancel-share", "0.1", "--deadline-share", "0.05", "--max-tokens", "32",
          "--out", str(out)],

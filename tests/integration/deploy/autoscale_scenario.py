@@ -134,7 +134,7 @@ class Scenario:
 
     def pdserve(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            [sys.executable, "-m", "deploy.cli", *args],
+            [sys.executable, "-m", "deploy.cli.app", *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -149,7 +149,7 @@ class Scenario:
         return dict(json.loads((self.folder / "run" / "cluster.json").read_text()))
 
     def status(self) -> Any:
-        from deploy import client
+        from deploy.cli import cluster_client as client
 
         state = self.state()
         return client.status((state.get("admin_targets") or state["targets"])[0])
@@ -361,7 +361,7 @@ def run(folder: Path, model_dir: str) -> dict[str, Any]:
 
     # 5. down kills the detached controller (and the workers it owns).
     s.pdserve("down", "--timeout", "120")
-    from deploy.controller import CONTROLLER_NAME
+    from deploy.control.cluster_controller import CONTROLLER_NAME
 
     def pdserve_actors() -> list[str]:
         return [

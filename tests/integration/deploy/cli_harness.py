@@ -48,7 +48,7 @@ class CliCluster:
 
     def cli(self, *args: str) -> Any:
         """Run `pdserve ARGS` in-process; returns the click Result."""
-        from deploy.cli import app
+        from deploy.cli.app import app
 
         return CliRunner().invoke(app, list(args), env=self.env, catch_exceptions=False)
 

@@ -51,7 +51,7 @@ def cli_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliCluster
     try:
         yield cluster
     finally:
-        from deploy import daemon
+        from deploy.cli import daemon
 
         os.environ["PDSERVE_STATE_FILE"] = env["PDSERVE_STATE_FILE"]
         try:

@@ -169,7 +169,7 @@ def test_status_watch_redraws_in_place_on_a_terminal_until_ctrl_c(
     leader, follower = pty.openpty()
     env = {**os.environ, **cli_cluster.env, "TERM": "xterm", "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "status", "--watch", "--interval", "0.3"],
+        [sys.executable, "-m", "deploy.cli.app", "status", "--watch", "--interval", "0.3"],
         stdin=follower, stdout=follower, stderr=follower, env=env, close_fds=True,
     )  # fmt: skip
     os.close(follower)
@@ -352,7 +352,7 @@ def test_bench_runs_locust_headless_with_ttft_tpot_and_no_failures(
 
 
 def test_down_stops_the_daemon_and_its_cluster(cli_cluster: CliCluster) -> None:
-    from deploy.daemon import _alive
+    from deploy.cli.daemon import _alive
 
     pid = cli_cluster.state()["pid"]
     target = cli_cluster.target

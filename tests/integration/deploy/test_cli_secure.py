@@ -50,7 +50,7 @@ def secure_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliCluster]
     try:
         yield cluster
     finally:
-        from deploy import daemon
+        from deploy.cli import daemon
 
         os.environ["PDSERVE_STATE_FILE"] = env["PDSERVE_STATE_FILE"]
         try:
@@ -92,7 +92,7 @@ def test_the_admin_plane_refuses_a_tenant_key_and_the_data_plane_no_key(
     env = dict(secure_cli.env, PDSERVE_ADMIN_KEY=TENANT_KEY)
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from deploy.cli.app import app
 
     refused = CliRunner().invoke(app, ["status"], env=env)
     assert refused.exit_code == 1 and "PERMISSION_DENIED" in refused.output
@@ -101,7 +101,7 @@ def test_the_admin_plane_refuses_a_tenant_key_and_the_data_plane_no_key(
 def test_generate_with_a_tenant_key_names_no_worker(secure_cli: CliCluster) -> None:
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from deploy.cli.app import app
 
     env = dict(secure_cli.env, PDSERVE_API_KEY=TENANT_KEY)
     out = CliRunner().invoke(app, ["generate", "The river", "--max-tokens", "4"], env=env)

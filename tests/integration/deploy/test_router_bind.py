@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from router.cluster_view import StaticDirectory
-from router.server import RouterConfig, RouterServer
+from router.router_server import RouterConfig, RouterServer
 
 
 def non_loopback_ip() -> str | None:

@@ -34,7 +34,7 @@ def test_up_refuses_workers_that_a_local_ray_cannot_place(
     env = {**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "run" / "cluster.json")}
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "up", "--config", str(config), "--decode", "2"],
+        [sys.executable, "-m", "deploy.cli.app", "up", "--config", str(config), "--decode", "2"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     output = " ".join((done.stdout + done.stderr).split())

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import LlamaModel
-from engine.tokenizer import Tokenizer
-from engine.weights import load_model
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
+from vocabulary.tokenizer import Tokenizer
 
 Reference = Callable[[list[int], int], list[int]]
 

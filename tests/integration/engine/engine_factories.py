@@ -8,11 +8,11 @@ from typing import Any
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel
+from vocabulary.engine_io import RequestOutput
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

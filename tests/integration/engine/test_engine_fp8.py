@@ -1,7 +1,7 @@
 """FP8 weights and an FP8 KV cache on the tiny model (CPU: FP8 values, dequantized matmuls and
 attention): greedy tokens equal the float32 engine's except at near-ties, by a stated margin
-rule. Weights use the static activation scales calibrated at load (engine/fp8_calibration.py),
-the KV pool its calibrated per-layer scales.
+rule. Weights use the static activation scales calibrated at load
+(engine/loading/fp8_calibration.py), the KV pool its calibrated per-layer scales.
 
 Margin rule: tests/fp8_reference.py."""
 
@@ -15,8 +15,8 @@ import torch
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
 from fp8_reference import greedy_margin_check
 
-from engine.model import LlamaModel
-from engine.tokenizer import Tokenizer
+from engine.modeling.llama import LlamaModel
+from vocabulary.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
 
@@ -51,7 +51,7 @@ def test_quantizing_at_load_frees_the_dense_projection_weights(
     tiny_model_dir: Path, tiny_tokenizer: Tokenizer
 ) -> None:
     from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
 
     config = EngineConfig(
         model_dir=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64,

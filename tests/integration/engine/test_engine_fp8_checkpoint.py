@@ -14,11 +14,11 @@ from engine_factories import greedy, make_engine
 from fp8_reference import greedy_margin_check
 from typer.testing import CliRunner
 
-from deploy.cli import app
+from deploy.cli.app import app
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel
+from vocabulary.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
 

@@ -16,9 +16,9 @@ from engine_factories import (
     tokens_of,
 )
 
-from engine.model import LlamaModel
-from engine.request import FinishReason
-from engine.tokenizer import Tokenizer
+from engine.modeling.llama import LlamaModel
+from vocabulary.engine_io import FinishReason
+from vocabulary.tokenizer import Tokenizer
 
 
 @pytest.fixture()

@@ -9,15 +9,14 @@ import pytest
 from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
 
-from engine.block_hash import hash_chain, hash_extra
-from engine.block_pool import NoFreeBlocksError
 from engine.config import EngineMode
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.outputs import KVHandoff, RequestOutput
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.kv.block_pool import NoFreeBlocksError
+from engine.modeling.llama import LlamaModel
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.engine_io import FinishReason, KVHandoff, RequestOutput
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 
 @pytest.fixture()

@@ -11,15 +11,15 @@ import torch
 from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
 
-from engine.block_hash import BlockHash, hash_chain, hash_extra
 from engine.config import EngineMode
-from engine.engine import LLMEngine
-from engine.kv_events import KVEvent, KVEventKind, KVTier
-from engine.model import LlamaModel
-from engine.outputs import KVHandoff, RequestOutput
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel
 from kv_transfer.budget import Candidate, InFlightBudget
 from kv_transfer.config import BudgetConfig
+from vocabulary.block_hash import BlockHash, hash_chain, hash_extra
+from vocabulary.engine_io import KVHandoff, RequestOutput
+from vocabulary.kv_events import KVEvent, KVEventKind, KVTier
+from vocabulary.tokenizer import Tokenizer
 
 DEVICE_BLOCKS = 8  # 128 tokens: every new prompt evicts the one before it
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
 
-from engine.kv_cache import LAYOUT_NAMES
-from engine.model import LlamaModel
-from engine.tokenizer import Tokenizer
+from engine.kv.kv_cache import LAYOUT_NAMES
+from engine.modeling.llama import LlamaModel
+from vocabulary.tokenizer import Tokenizer
 
 TINY_BLOCK_NBYTES = 4 * 2 * 16 * 2 * 32 * 4
 """The tiny model's block: 4 layers, K and V, 16 tokens, 2 KV heads of 32, float32."""

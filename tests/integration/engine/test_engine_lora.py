@@ -19,16 +19,15 @@ from engine_factories import greedy, make_engine, record_batches, tokens_of
 from lora_reference import ATTENTION, MLP, make_adapter, peft_model
 from lora_reference import greedy as peft_greedy_tokens
 
-from engine.block_hash import hash_chain, hash_extra
 from engine.config import EngineMode
-from engine.driver import EngineDriver
-from engine.engine import LLMEngine
-from engine.lora import WEIGHTS_FILE
-from engine.lora_cache import LoraCache, LoraLoadError, LoraNotFound
-from engine.model import LlamaModel
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, PriorOutput
-from engine.tokenizer import Tokenizer
+from engine.core.driver import EngineDriver
+from engine.core.engine import LLMEngine
+from engine.lora.lora_adapter import WEIGHTS_FILE
+from engine.lora.lora_cache import LoraCache, LoraLoadError, LoraNotFound
+from engine.modeling.llama import LlamaModel
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.engine_io import FinishReason, PriorOutput, RequestOutput
+from vocabulary.tokenizer import Tokenizer
 
 MAX_TOKENS = 12
 ADAPTERS: dict[str, dict[str, object]] = {

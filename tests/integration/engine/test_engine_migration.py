@@ -1,4 +1,4 @@
-"""A migrated request (engine.request.PriorOutput): output another engine produced is
+"""A migrated request (vocabulary.engine_io.PriorOutput): output another engine produced is
 prefilled after the prompt and counted as output, so the rest of the stream is the one an
 undisturbed run gives: greedy, seeded sampling with penalties, a stop string that spans the
 point of migration, and through a prefill-only → decode-only hand-off."""
@@ -12,12 +12,11 @@ from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, text_of, tokens_of
 
 from engine.config import EngineMode
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, PriorOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel
+from vocabulary.engine_io import FinishReason, PriorOutput, RequestOutput
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 SEEDED = SamplingParams(
     temperature=1.0, top_k=40, seed=7, max_tokens=24, ignore_eos=True,

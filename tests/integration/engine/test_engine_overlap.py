@@ -13,16 +13,15 @@ from conftest import Reference
 from engine_factories import greedy, make_engine, record_batches, run_to_completion, tokens_of
 
 from engine.batch import ScheduledBatch
-from engine.block_hash import hash_chain, hash_extra
-from engine.block_pool import cdiv
 from engine.config import EngineMode
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.outputs import RequestOutput
-from engine.overlap import InflightStep
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.core.overlap import InflightStep
+from engine.modeling.llama import LlamaModel
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.engine_io import FinishReason, RequestOutput
+from vocabulary.numeric import cdiv
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 EOS = 1
 

@@ -12,11 +12,11 @@ from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, text_of, tokens_of
 
 from engine.config import EngineMode
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel
+from vocabulary.engine_io import FinishReason
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
 
 EOS = 1
 

@@ -3,7 +3,8 @@ greedy tokens of one rank, and a rank that dies or fails mid-step fails rank 0's
 (no hang).
 
 Dense tokens are compared exactly: the tiny model's greedy choices have clear margins (it is
-sharpened, deploy/make_model.py), and the ranks' partial sums in float32 move the logits by
+sharpened, deploy/checkpoints/make_model.py), and the ranks' partial sums in float32 move the logits
+by
 ~1e-6, far below them; no near-tie flipped. FP8 weights are quantized per rank's part (one
 scale per part, not per whole tensor), so there a token may flip: the margin rule of
 tests/fp8_reference.py applies (a flip only where the logits of TP=2 and one rank differ by
@@ -32,9 +33,9 @@ from tp_ranks import (
 )
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model import LlamaModel
-from engine.tokenizer import Tokenizer
+from engine.core.engine import LLMEngine
+from engine.modeling.llama import LlamaModel
+from vocabulary.tokenizer import Tokenizer
 
 
 def tp_config(model_dir: Path, size: int, **fields: Any) -> EngineConfig:

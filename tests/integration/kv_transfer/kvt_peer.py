@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from engine.block_hash import BlockHash
-from engine.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
-from engine.kv_events import KVTier
+from engine.kv.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
 from kv_transfer.backend import XferId, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.nixl_backend import NixlBackend
 from kv_transfer.types import TransferPlan
+from vocabulary.block_hash import BlockHash
+from vocabulary.kv_events import KVTier
 
 MODEL = "nixl-test-model"
 SMALL = KVCacheSpec(
@@ -115,7 +115,7 @@ def prefill_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) 
 
     cache = KVCache(spec)
     fill(cache, seed=1)
-    # the host tier's blocks, in the pool's layout (as engine/host_tier.py allocates them)
+    # the host tier's blocks, in the pool's layout (as engine/kv/host_tier.py allocates them)
     host = KVCache(dataclasses.replace(spec, num_blocks=HOST_BLOCKS))
     fill(host, seed=2)
     released: list[Released] = []

@@ -9,7 +9,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine.kv_cache import HEAD_MAJOR, KVCache, KVCacheSpec
+from engine.kv.kv_cache import HEAD_MAJOR, KVCache, KVCacheSpec
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.tp_plan import kv_heads_of
 

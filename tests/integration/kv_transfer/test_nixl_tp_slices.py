@@ -13,7 +13,7 @@ import torch
 from kvt_peer import Peer
 from kvt_tp_peer import KV_HEADS, MODEL, model_kv, rank_spec, tp_prefill_main
 
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 from kv_transfer.backend import TransferBackend
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint

@@ -27,23 +27,23 @@ from kvt_peer import (
 )
 from kvt_peer import prefill_main as prefill_peer_main
 
-from engine.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
-from engine.kv_events import KVTier
-from kv_transfer.backend import DescriptorMode
-from kv_transfer.config import BudgetConfig, KVTransferConfig
+from engine.kv.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
+from kv_transfer.config import BudgetConfig, DescriptorMode, KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
-from kv_transfer.errors import (
+from kv_transfer.manager import TransferOutcome, TransferState
+from kv_transfer.nixl_backend import NixlBackend
+from kv_transfer.prefill_endpoint import PrefillEndpoint
+from kv_transfer.protocol import HandshakeInfo
+from kv_transfer.types import DescriptorRun, SliceRead, TransferPlan
+from vocabulary.kv_events import KVTier
+from vocabulary.kv_handle import KVHandle
+from vocabulary.transfer_errors import (
     BackendError,
     HandshakeError,
     PeerLost,
     TransferError,
     TransferTimeout,
 )
-from kv_transfer.manager import TransferOutcome, TransferState
-from kv_transfer.nixl_backend import NixlBackend
-from kv_transfer.prefill_endpoint import PrefillEndpoint
-from kv_transfer.protocol import HandshakeInfo
-from kv_transfer.types import DescriptorRun, KVHandle, SliceRead, TransferPlan
 
 pytestmark = pytest.mark.timeout(240)  # generous: other jobs may load the 2-core machine
 

@@ -51,12 +51,12 @@ def observed(
     import ray
 
     from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.cluster import Cluster
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.spec import ClusterSpec
+    from deploy.control.cluster_spec import ClusterSpec
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
+    from deploy.control.launch import Cluster
     from planner.core import PlannerConfig, RoleBounds
     from planner.loop import PlannerSettings
-    from router.server import RouterConfig
+    from router.router_server import RouterConfig
 
     planner = PlannerSettings(
         enabled=True,

@@ -91,7 +91,7 @@ def test_promtool_accepts_the_rules() -> None:
 def test_observe_script_points_prometheus_at_the_routers_and_the_controller(
     observed: Observed, tmp_path: Path
 ) -> None:
-    from deploy.daemon import ClusterState
+    from deploy.cli.daemon import ClusterState
 
     state_file = tmp_path / "cluster.json"
     state = ClusterState(

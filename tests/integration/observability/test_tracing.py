@@ -23,7 +23,7 @@ from cpu_engine import cpu_engine
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from worker_runtime.tracing import FinishedSpan
+from vocabulary.tracing import FinishedSpan
 
 PROMPT = (
     "The lighthouse keeper climbs the stairs every evening, trims the wick, polishes the lens "
@@ -73,10 +73,10 @@ def traced(
     import ray
 
     from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.cluster import Cluster
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.spec import ClusterSpec
-    from router.server import RouterConfig
+    from deploy.control.cluster_spec import ClusterSpec
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
+    from deploy.control.launch import Cluster
+    from router.router_server import RouterConfig
 
     config = PdserveConfig(
         model=str(tiny_model_dir),

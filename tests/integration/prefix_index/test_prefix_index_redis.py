@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import redis
 
-from engine.block_hash import BlockHash, hash_chain, hash_extra
-from engine.kv_events import CacheSnapshot, KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from prefix_index.publisher import KVEventPublisher
 from prefix_index.types import WorkerPrefix
+from vocabulary.block_hash import BlockHash, hash_chain, hash_extra
+from vocabulary.kv_events import CacheSnapshot, KVEvent, KVEventKind
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -30,7 +30,7 @@ from router_harness import (
 )
 
 from admission.config import AdmissionConfig, AdmissionThresholds
-from engine.tokenizer import Tokenizer
+from vocabulary.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -54,11 +54,11 @@ def router_cluster(
 ) -> Iterator[RouterCluster]:
     import ray
 
-    from deploy.cluster import Cluster
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.spec import ClusterSpec
+    from deploy.control.cluster_spec import ClusterSpec
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
+    from deploy.control.launch import Cluster
     from router.orchestrator import OrchestratorConfig
-    from router.server import RouterConfig, RouterLimits
+    from router.router_server import RouterConfig, RouterLimits
 
     engine = cpu_engine(
         tiny_model_dir,
@@ -120,7 +120,7 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def corpus_ids(tokenizer: Tokenizer) -> list[int]:
     """The bundled training text as token ids (~2,000 tokens): long text-like prompts."""
-    from deploy.make_model import __file__ as make_model_file
+    from deploy.checkpoints.make_model import __file__ as make_model_file
 
     text = (Path(make_model_file).parent / "data" / "corpus.txt").read_text()
     return tokenizer.encode(text)

@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole
+from vocabulary.worker_api import WorkerInfo, WorkerLoad, WorkerRole
 
 MAX_MODEL_LEN = 1024
 KV_BLOCKS = 256
@@ -39,7 +39,7 @@ class LoraAdapters:
 class RouterCluster:
     """The running cluster, its endpoints and direct handles to its workers."""
 
-    cluster: Any  # deploy.cluster.Cluster
+    cluster: Any  # deploy.control.launch.Cluster
     targets: tuple[str, ...]
     metrics_urls: tuple[str, ...]
     redis_url: str

@@ -15,7 +15,7 @@ from router_client import generate, greedy_request
 from router_harness import Reference, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.api import ACTOR_NAME_PREFIX
+from vocabulary.worker_api import ACTOR_NAME_PREFIX
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,8 +17,8 @@ import pytest
 from router_client import generate, greedy_request
 from router_harness import SERVED_LORA, RouterCluster
 
-from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
+from vocabulary.tokenizer import Tokenizer
 
 MAX_TOKENS = 12
 
@@ -59,7 +59,7 @@ def test_models_health_and_ready(router_cluster: RouterCluster, client: openai.O
     # each replica its own port, and `pdserve status` shows it
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from deploy.cli.app import app
 
     assert http_url(router_cluster, 1) != base
     admin = router_cluster.admin_targets[0]  # status is on the admin plane

@@ -26,7 +26,7 @@ from router_harness import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, RouterCluster
 
 from kv_transfer.config import KVTransferConfig
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import WorkerRole
 
 LEASE_S = KVTransferConfig().lease_s
 
@@ -295,7 +295,7 @@ def lone_router(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """A RouterServer with no worker registered, on a copy of the tiny checkpoint's config
     and tokenizer whose tokenizer_config.json has no chat template, run in a thread."""
     from router.cluster_view import StaticDirectory
-    from router.server import RouterConfig, RouterServer
+    from router.router_server import RouterConfig, RouterServer
 
     folder = tmp_path_factory.mktemp("no-template") / "tiny-no-template"
     folder.mkdir()

@@ -31,7 +31,7 @@ def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def bench(rc: RouterCluster, profile: Path, out: Path, *extra: str) -> dict[str, object]:
-    from deploy.cli import app
+    from deploy.cli.app import app
 
     args = ["bench", "--api", "openai", "--target", rc.targets[0],
             "--admin-target", rc.admin_targets[0], "--profile", str(profile),

@@ -20,10 +20,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from router_client import GENERATE_METHOD, generate, rpc_error
 from router_harness import KV_BLOCKS, RouterCluster
 
-from engine.model_config import ModelConfig
-from engine.weights import load_model
+from engine.loading.loaders import load_model
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.api import WorkerRole
+from vocabulary.model_config import ModelConfig
+from vocabulary.worker_api import WorkerRole
 
 
 def test_status_reports_every_worker_and_the_router(router_cluster: RouterCluster) -> None:

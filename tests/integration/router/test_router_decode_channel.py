@@ -18,15 +18,15 @@ from router_client import Streamed, greedy_request
 from router_harness import KV_BLOCKS, MAX_MODEL_LEN, Reference, RouterCluster
 
 from admission.config import AdmissionConfig, AdmissionThresholds
-from deploy.workers import ActorPlacement, create_worker
+from deploy.control.worker_actors import create_worker
 from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.cluster_view import StaticDirectory
 from router.decode_channel import ChannelState
-from router.server import RouterConfig, RouterServer
-from worker_runtime.api import WorkerRole
+from router.router_server import RouterConfig, RouterServer
+from vocabulary.worker_api import ActorPlacement, WorkerRole
 from worker_runtime.runtime import WorkerConfig
 
 pytestmark = pytest.mark.timeout(240)

@@ -25,7 +25,7 @@ from router_client import generate, greedy_request, raw_generate, rpc_error
 from router_harness import Reference, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import WorkerRole
 
 pytestmark = pytest.mark.timeout(420)
 

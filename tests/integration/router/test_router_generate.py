@@ -18,9 +18,9 @@ from router_client import (
 )
 from router_harness import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, Reference, RouterCluster
 
-from engine.tokenizer import Tokenizer
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.api import WorkerRole
+from vocabulary.tokenizer import Tokenizer
+from vocabulary.worker_api import WorkerRole
 
 MAX_TOKENS = 16
 

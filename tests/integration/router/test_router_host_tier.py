@@ -17,12 +17,12 @@ import ray
 from router_client import generate, greedy_request
 from router_harness import KV_BLOCKS, Reference, RouterCluster
 
-from engine.block_hash import BlockHash, hash_chain, hash_extra
-from engine.sampling_params import SamplingParams
 from pdserve.v1 import serving_pb2 as pb
-from prefill_worker.api import PrefillRequest
 from prefix_index.index import PrefixIndex
-from worker_runtime.api import WorkerRole
+from vocabulary.block_hash import BlockHash, hash_chain, hash_extra
+from vocabulary.prefill_api import PrefillRequest
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import WorkerRole
 
 BLOCK = 16
 PREFIX_BLOCKS = 15

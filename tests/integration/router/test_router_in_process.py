@@ -17,8 +17,8 @@ from router_harness import MAX_MODEL_LEN, RouterCluster
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.cluster_view import StaticDirectory
-from router.server import RouterConfig, RouterServer
-from worker_runtime.api import WorkerRole
+from router.router_server import RouterConfig, RouterServer
+from vocabulary.worker_api import WorkerRole
 
 T = TypeVar("T")
 

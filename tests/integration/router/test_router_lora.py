@@ -18,7 +18,7 @@ from router_client import Streamed, generate, greedy_request, rpc_error
 from router_harness import SERVED_LORA, LoraAdapters, Reference, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import WorkerRole
 
 MAX_TOKENS = 12
 RUNTIME_LORA = "tiny-chat"

@@ -11,11 +11,11 @@ import ray
 from router_client import generate, greedy_request
 from router_harness import Reference, RouterCluster
 
-from engine.block_hash import BlockHash, hash_chain, hash_extra
-from engine.sampling_params import SamplingParams
-from prefill_worker.api import PrefillRequest
 from prefix_index.index import PrefixIndex
-from worker_runtime.api import WorkerRole
+from vocabulary.block_hash import BlockHash, hash_chain, hash_extra
+from vocabulary.prefill_api import PrefillRequest
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import WorkerRole
 
 BLOCK = 16
 

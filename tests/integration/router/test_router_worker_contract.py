@@ -7,9 +7,9 @@ import time
 import ray
 from router_harness import RouterCluster
 
-from engine.sampling_params import SamplingParams
-from prefill_worker.api import PrefillRequest
-from worker_runtime.api import WorkerRole
+from vocabulary.prefill_api import PrefillRequest
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import WorkerRole
 
 
 def test_abort_of_a_waiting_prefill_ends_the_prefill_call(

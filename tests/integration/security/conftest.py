@@ -26,10 +26,10 @@ def secure_cluster(
     tmp_path_factory: pytest.TempPathFactory,
     cluster_slot: ClusterSlot,
 ) -> Iterator[SecureCluster]:
-    from deploy.cluster import Cluster
-    from deploy.config import LaunchConfig, PdserveConfig
-    from deploy.spec import ClusterSpec
-    from router.server import RouterConfig
+    from deploy.control.cluster_spec import ClusterSpec
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
+    from deploy.control.launch import Cluster
+    from router.router_server import RouterConfig
     from router.tls import TlsConfig
 
     folder = tmp_path_factory.mktemp("secure")

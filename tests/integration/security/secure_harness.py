@@ -24,7 +24,7 @@ SLOW_BURST_TOKENS = 100.0
 
 @dataclass
 class SecureCluster:
-    cluster: Any  # deploy.cluster.Cluster
+    cluster: Any  # deploy.control.launch.Cluster
     certs: Certs
     target: str
     admin_target: str

@@ -17,11 +17,11 @@ import pytest
 import redis
 from certs import Certs, make_certs
 
-from engine.block_hash import hash_chain, hash_extra
-from engine.kv_events import CacheSnapshot, KVEvent, KVEventKind
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from prefix_index.publisher import KVEventPublisher
+from vocabulary.block_hash import hash_chain, hash_extra
+from vocabulary.kv_events import CacheSnapshot, KVEvent, KVEventKind
 
 pytestmark = pytest.mark.timeout(60)
 

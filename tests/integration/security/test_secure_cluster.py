@@ -309,7 +309,7 @@ def test_keys_and_the_redis_password_appear_in_no_status_and_no_log(
 ) -> None:
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from deploy.cli.app import app
 
     env = {
         "PDSERVE_ADMIN_KEY": ADMIN_KEY,

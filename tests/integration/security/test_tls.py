@@ -24,7 +24,7 @@ from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.auth import ApiKey
 from router.cluster_view import StaticDirectory
-from router.server import RouterConfig, RouterServer
+from router.router_server import RouterConfig, RouterServer
 from router.tls import TlsConfig
 
 T = TypeVar("T")

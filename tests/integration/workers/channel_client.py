@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from pd_client import CALL_TIMEOUT_S
 
-from decode_worker.api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
+from vocabulary.decode_api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
 
 Item = TokenChunk | ChunkError
 

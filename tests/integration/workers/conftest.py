@@ -20,11 +20,11 @@ import pytest
 import torch
 from pd_client import NUM_KV_BLOCKS
 
-from deploy.workers import ActorPlacement, create_worker
+from deploy.control.worker_actors import create_worker
 from engine.config import EngineConfig, EngineMode
-from engine.tokenizer import Tokenizer
 from kv_transfer.config import BudgetConfig, KVTransferConfig
-from worker_runtime.api import WorkerRole
+from vocabulary.tokenizer import Tokenizer
+from vocabulary.worker_api import ActorPlacement, WorkerRole
 from worker_runtime.runtime import WorkerConfig
 
 PLACEMENT = ActorPlacement(num_cpus=0.25)
@@ -140,7 +140,7 @@ def hf_greedy(tiny_model_dir: Path) -> Reference:
 def corpus_prompts(tokenizer: Tokenizer) -> list[list[int]]:
     """32 text-like prompts of 3 to ~90 tokens from the bundled corpus; several share whole
     leading blocks (same paragraph opening, different lengths)."""
-    from deploy.make_model import CORPUS
+    from deploy.checkpoints.checkpoint_files import CORPUS
 
     paragraphs = [p.strip() for p in CORPUS.read_text().split("\n\n") if p.strip()]
     prompts: list[list[int]] = []

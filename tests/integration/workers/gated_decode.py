@@ -14,7 +14,7 @@ from types import ModuleType
 
 from decode_worker.worker import DecodeWorker
 from kv_transfer.backend import XferId, XferStatus
-from worker_runtime.api import WorkerInfo
+from vocabulary.worker_api import WorkerInfo
 
 
 class GatedDecodeWorker(DecodeWorker):

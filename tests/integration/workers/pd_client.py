@@ -11,10 +11,10 @@ from typing import Any
 
 import ray
 
-from decode_worker.api import DecodeRequest, TokenChunk
-from engine.sampling_params import SamplingParams
-from prefill_worker.api import PrefillRequest, PrefillResult
-from worker_runtime.api import WorkerLoad
+from vocabulary.decode_api import DecodeRequest, TokenChunk
+from vocabulary.prefill_api import PrefillRequest, PrefillResult
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import WorkerLoad
 
 NUM_KV_BLOCKS = 256
 CALL_TIMEOUT_S = 60.0

@@ -27,9 +27,9 @@ from pd_client import (
     wait_until,
 )
 
-from decode_worker.api import TokenChunk
-from engine.request import FinishReason
-from worker_runtime.api import RequestAborted, WorkerDraining, WorkerLoad, WorkerState
+from vocabulary.decode_api import TokenChunk
+from vocabulary.engine_io import FinishReason
+from vocabulary.worker_api import RequestAborted, WorkerDraining, WorkerLoad, WorkerState
 
 pytestmark = pytest.mark.timeout(180)
 

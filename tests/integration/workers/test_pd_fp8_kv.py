@@ -18,9 +18,9 @@ import ray
 from conftest import PLACEMENT, START_TIMEOUT_S, Workers, worker_config
 from pd_client import greedy, serve, wait_idle
 
-from deploy.workers import create_worker
+from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import WorkerRole
 
 pytestmark = pytest.mark.timeout(180)
 

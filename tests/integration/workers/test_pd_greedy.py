@@ -11,7 +11,7 @@ import ray
 from conftest import Reference, Workers
 from pd_client import Served, greedy, load, serve, wait_idle
 
-from engine.request import FinishReason
+from vocabulary.engine_io import FinishReason
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,11 +19,11 @@ from channel_client import ChannelReader, engine_blocks, request_of
 from conftest import PLACEMENT, START_TIMEOUT_S, Reference, Workers, worker_config
 from pd_client import decode_request, greedy, load, prefill, wait_idle, wait_idle_async
 
-from decode_worker.api import TokenChunk
-from deploy.workers import create_worker
-from engine.request import FinishReason
+from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig
-from worker_runtime.api import WorkerDraining, WorkerRole
+from vocabulary.decode_api import TokenChunk
+from vocabulary.engine_io import FinishReason
+from vocabulary.worker_api import WorkerDraining, WorkerRole
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -263,8 +263,8 @@ def test_submit_refuses_at_once_what_the_worker_cannot_hold(
 ROUTER_THAT_DIES = """
 import asyncio, os, sys
 import ray
-from decode_worker.api import DecodeRequest
-from engine.sampling_params import SamplingParams
+from vocabulary.decode_api import DecodeRequest
+from vocabulary.sampling import SamplingParams
 from router.decode_channel import DecodeChannel
 
 ray.init(address=sys.argv[1], namespace=sys.argv[2], log_to_driver=False)

@@ -12,10 +12,10 @@ from typing import Any
 import ray
 from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
 
-from deploy.controller import controller_options
-from deploy.workers import NO_TASK_EVENTS, create_worker
+from deploy.control.cluster_controller import controller_options
+from deploy.control.worker_actors import NO_TASK_EVENTS, create_worker
 from kv_transfer.config import KVTransferConfig
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import WorkerRole
 
 REPORT_WAIT_S = 3.0
 """Longer than Ray's task-event report interval (1 s)."""

@@ -32,10 +32,10 @@ from cluster_slot import ClusterSlot
 from conftest import Reference
 from cpu_engine import cpu_engine
 
-from deploy.workers import follower_name, tp_group_name
+from deploy.control.worker_actors import follower_name, tp_group_name
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from worker_runtime.api import ACTOR_NAME_PREFIX, WorkerRole
+from vocabulary.worker_api import ACTOR_NAME_PREFIX, WorkerRole
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,10 +54,10 @@ def tp_cluster(
     ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot
 ) -> Iterator[TPCluster]:
     from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.cluster import Cluster
-    from deploy.config import PdserveConfig
-    from deploy.spec import ClusterSpec
-    from router.server import RouterConfig
+    from deploy.control.cluster_spec import ClusterSpec
+    from deploy.control.config_tree import PdserveConfig
+    from deploy.control.launch import Cluster
+    from router.router_server import RouterConfig
 
     engine = cpu_engine(tiny_model_dir, num_kv_blocks=256, max_model_len=1024, tp_timeout_s=20.0)
     config = PdserveConfig(

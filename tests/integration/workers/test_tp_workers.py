@@ -23,9 +23,9 @@ import ray
 from conftest import PLACEMENT, START_TIMEOUT_S, Reference, worker_config
 from pd_client import greedy, serve, wait_idle
 
-from deploy.workers import create_worker, follower_name, stop_worker, tp_group_name
+from deploy.control.worker_actors import create_worker, follower_name, stop_worker, tp_group_name
 from kv_transfer.config import KVTransferConfig
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import WorkerRole
 
 pytestmark = pytest.mark.timeout(240)
 

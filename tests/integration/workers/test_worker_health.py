@@ -11,11 +11,11 @@ import pytest
 import ray
 from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
 
-from deploy.workers import create_worker
-from engine.sampling_params import SamplingParams
+from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.api import PrefillRequest
-from worker_runtime.api import WorkerRole, WorkerUnhealthy
+from vocabulary.prefill_api import PrefillRequest
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
 from worker_runtime.runtime import StepFailed
 
 

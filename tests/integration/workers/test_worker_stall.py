@@ -13,9 +13,9 @@ from typing import Any
 import ray
 from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
 
-from deploy.workers import create_worker
+from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig
-from worker_runtime.api import WorkerRole, WorkerUnhealthy
+from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
 
 STALL_S = 2.0
 SLACK_S = 8.0

@@ -28,11 +28,11 @@ from tp_gpu_plan import (
     rank_step_bytes,
 )
 
-from deploy.make_model import PRESETS, hf_config
-from engine.kv_sizing import kv_cache_spec
-from engine.model import LlamaModel
-from engine.model_config import ModelConfig
-from engine.tp_shard import TPShard, local_config
+from deploy.checkpoints.make_model import PRESETS, hf_config
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.modeling.llama import LlamaModel
+from engine.tp.tp_shard import TPShard, local_config
+from vocabulary.model_config import ModelConfig
 
 PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
 

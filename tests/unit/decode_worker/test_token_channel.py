@@ -9,12 +9,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from decode_worker.api import ChunkError, TokenChunk
 from decode_worker.channel import ChannelRegistry, ChannelState, OutputChannel, RequestSink
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, RequestTimings
-from kv_transfer.errors import TransferTimeout
-from worker_runtime.api import RequestAborted
+from vocabulary.decode_api import ChunkError, TokenChunk
+from vocabulary.engine_io import FinishReason, RequestOutput, RequestTimings
+from vocabulary.transfer_errors import TransferTimeout
+from vocabulary.worker_api import RequestAborted
 
 T = TypeVar("T")
 

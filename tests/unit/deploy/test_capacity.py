@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from deploy.workers import ActorPlacement, capacity_shortfall
+from deploy.control.worker_actors import capacity_shortfall
+from vocabulary.worker_api import ActorPlacement
 
 GPU = ActorPlacement(num_gpus=1.0, num_cpus=1.0)
 HALF_GPU = ActorPlacement(num_gpus=0.5, num_cpus=1.0)

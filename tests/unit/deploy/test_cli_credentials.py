@@ -16,8 +16,8 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from deploy import daemon
-from deploy.cli import app
+from deploy.cli import daemon
+from deploy.cli.app import app
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli import app
+from deploy.cli.app import app
 
 COMMANDS = {
     "status": ["status"],

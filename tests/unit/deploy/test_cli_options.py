@@ -11,10 +11,10 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from deploy.options import ConfigArgs, config_input, effective_config, load_config
-from deploy.workers import ActorPlacement
+from deploy.cli.app import app
+from deploy.cli.options import ConfigArgs, config_input, effective_config, load_config
 from planner.core import RoleBounds
+from vocabulary.worker_api import ActorPlacement
 
 COMMANDS = ("make-model", "up", "down", "status", "generate", "rebalance", "drain", "bench")
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from deploy.cli import app
+from deploy.cli.app import app
 
 LLAMA_CONFIG = {
     "model_type": "llama",
@@ -50,8 +50,8 @@ def starts(monkeypatch: pytest.MonkeyPatch) -> StartRecorder:
         recorder.started.append(cluster.config)
         raise RuntimeError("stub: not starting a cluster in a unit test")
 
-    monkeypatch.setattr("deploy.cluster.Cluster.start", cluster_start)
-    monkeypatch.setattr("deploy.daemon.spawn_detached", recorder.spawn_detached)
+    monkeypatch.setattr("deploy.control.launch.Cluster.start", cluster_start)
+    monkeypatch.setattr("deploy.cli.daemon.spawn_detached", recorder.spawn_detached)
     return recorder
 
 

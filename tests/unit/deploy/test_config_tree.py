@@ -1,6 +1,6 @@
-"""The config tree (deploy/config.py): `pdserve config show` prints the YAML that `--config`
-reads back to the same tree, unknown keys and wrong types are refused naming their path, the
-flat keys of the earlier format mean what they meant, each flag sets the field it names, and
+"""The config tree (deploy/control/config_tree.py): `pdserve config show` prints the YAML that
+`--config` reads back to the same tree, unknown keys and wrong types are refused naming their path,
+the flat keys of the earlier format mean what they meant, each flag sets the field it names, and
 what pdserve fills in (model, Redis, ports per replica) is filled in and not read."""
 
 from __future__ import annotations
@@ -16,17 +16,23 @@ import yaml
 from typer.testing import CliRunner
 
 from admission.config import AdmissionConfig, TenantLimit
-from deploy.cli import app
-from deploy.config import FILLED_IN, LaunchConfig, PdserveConfig, config_from_data, config_yaml
-from deploy.config_codec import ConfigError, from_data, to_data, type_at
-from deploy.options import FLAGS, FLAT_KEYS, config_input, effective_config
-from deploy.spec import ClusterSpec, WorkerPlacement
-from deploy.workers import ActorPlacement
+from deploy.cli.app import app
+from deploy.cli.options import FLAGS, FLAT_KEYS, config_input, effective_config
+from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+from deploy.control.config_codec import ConfigError, from_data, to_data, type_at
+from deploy.control.config_tree import (
+    FILLED_IN,
+    LaunchConfig,
+    PdserveConfig,
+    config_from_data,
+    config_yaml,
+)
 from engine.config import EngineConfig
-from kv_transfer.backend import DescriptorMode
+from kv_transfer.config import DescriptorMode
 from planner.core import PlannerConfig, RoleBounds
 from planner.loop import PlannerSettings
-from router.server import RouterConfig, RouterLimits
+from router.router_server import RouterConfig, RouterLimits
+from vocabulary.worker_api import ActorPlacement
 
 CONFIGS = Path(__file__).parents[3] / "deploy" / "configs"
 

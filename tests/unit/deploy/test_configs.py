@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.options import config_input, effective_config
+from deploy.cli.options import config_input, effective_config
 
 CONFIGS = Path(__file__).parents[3] / "deploy" / "configs"
 
@@ -96,7 +96,7 @@ def test_cluster_configs_say_they_are_unvalidated_examples(name: str) -> None:
 
 
 def test_configs_beyond_loopback_name_a_keys_file_and_keep_the_admin_plane_on_loopback() -> None:
-    from deploy.security import Access, exposure_refusal, is_loopback
+    from deploy.control.security import Access, exposure_refusal, is_loopback
     from router.auth import ApiKey
 
     docs = kuberay_docs()

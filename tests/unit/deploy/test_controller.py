@@ -10,15 +10,14 @@ from typing import Any
 
 import pytest
 
-from deploy.controller import Controller
-from deploy.registry import Registered
-from deploy.spec import ClusterSpec, WorkerPlacement
-from deploy.workers import ActorPlacement
+from deploy.control.cluster_controller import Controller
+from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+from deploy.control.worker_registry import Registered
 from engine.config import EngineConfig
-from engine.outputs import EngineLoad
 from planner.core import Role
 from router.control import DrainRefused
-from worker_runtime.api import WorkerLoad, WorkerRole, WorkerState
+from vocabulary.engine_io import EngineLoad
+from vocabulary.worker_api import ActorPlacement, WorkerLoad, WorkerRole, WorkerState
 
 PREFILL = ActorPlacement(num_cpus=0, resources=(("prefill", 1.0),))
 DECODE = ActorPlacement(num_cpus=0, resources=(("decode", 1.0),))
@@ -65,7 +64,7 @@ class FakeHandle:
 @pytest.fixture(autouse=True)
 def no_ray_kill(monkeypatch: pytest.MonkeyPatch) -> None:
     """`ray.kill` would start a local Ray in this process (it auto-initializes)."""
-    monkeypatch.setattr("deploy.controller.ray.kill", lambda handle: None)
+    monkeypatch.setattr("deploy.control.cluster_controller.ray.kill", lambda handle: None)
 
 
 def controller(*workers: tuple[str, WorkerRole, int]) -> Controller:
@@ -151,7 +150,7 @@ def test_events_are_numbered_and_read_incrementally() -> None:
 
 
 def test_health_check_removes_an_unhealthy_worker_at_once_and_a_silent_one_after_retries() -> None:
-    from worker_runtime.api import WorkerUnhealthy
+    from vocabulary.worker_api import WorkerUnhealthy
 
     c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
     c.spec = dataclasses.replace(c.spec, replace_dead=False, failure_threshold=2)
@@ -234,7 +233,9 @@ def test_undrain_refuses_a_ready_or_unknown_worker() -> None:
 def test_rebalance_beyond_a_fixed_ray_is_refused_before_anything_drains(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("deploy.controller.ray.cluster_resources", lambda: {"decode": 2.0})
+    monkeypatch.setattr(
+        "deploy.control.cluster_controller.ray.cluster_resources", lambda: {"decode": 2.0}
+    )
     c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
     placement = WorkerPlacement(prefill=PREFILL, decode=DECODE)
     c.spec = dataclasses.replace(c.spec, fixed_capacity=True, placement=placement)

@@ -7,10 +7,9 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from deploy.metrics import ControllerMetrics
-from deploy.registry import Registered as _Worker
-from deploy.workers import ActorPlacement
-from worker_runtime.api import WorkerRole, WorkerState
+from deploy.control.controller_metrics import ControllerMetrics
+from deploy.control.worker_registry import Registered as _Worker
+from vocabulary.worker_api import ActorPlacement, WorkerRole, WorkerState
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:

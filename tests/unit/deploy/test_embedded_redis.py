@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from deploy.redis_server import EmbeddedRedis
+from deploy.control.embedded_redis import EmbeddedRedis
 
 
 def test_its_directory_is_private_while_it_runs_and_gone_when_it_stops() -> None:

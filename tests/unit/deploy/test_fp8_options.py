@@ -15,9 +15,9 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from deploy.make_model import make_model
-from deploy.options import check_model_dir
+from deploy.checkpoints.make_model import make_model
+from deploy.cli.app import app
+from deploy.cli.options import check_model_dir
 
 FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--load-format", "dummy"]
 

@@ -99,8 +99,12 @@ def grpc_tools_mismatch(tools: Version, grpcio: Version) -> str | None:
 
 @pytest.mark.parametrize(
     ("tools", "grpcio", "ok"),
-    [("1.85.1", "1.85.3", True), ("1.85.3", "1.85.3", True), ("1.85.4", "1.85.3", False),
-     ("1.84.2", "1.85.3", False)],
+    [
+        ("1.85.1", "1.85.3", True),
+        ("1.85.3", "1.85.3", True),
+        ("1.85.4", "1.85.3", False),
+        ("1.84.2", "1.85.3", False),
+    ],
 )
 def test_grpc_tools_mismatch_names_what_cannot_run(tools: str, grpcio: str, ok: bool) -> None:
     assert (grpc_tools_mismatch(Version(tools), Version(grpcio)) is None) == ok
@@ -131,7 +135,9 @@ def stub_problems(needs_grpc: Version, needs_pb: Version, grpc: Version, pb: Ver
     if needs_grpc > grpc:
         problems.append(f"the stubs need grpcio>={needs_grpc}, grpcio {grpc} is installed")
     if needs_pb.major != pb.major or needs_pb > pb:
-        problems.append(f"the stubs need protobuf {needs_pb.major}.x >= {needs_pb}, {pb} is installed")
+        problems.append(
+            f"the stubs need protobuf {needs_pb.major}.x >= {needs_pb}, {pb} is installed"
+        )
     return problems
 
 

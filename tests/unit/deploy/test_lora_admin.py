@@ -1,4 +1,4 @@
-"""The controller's LoRA fan-out (deploy/lora_admin.py) over fake worker handles: a load
+"""The controller's LoRA fan-out (deploy/control/lora_admin.py) over fake worker handles: a load
 reaches every worker or, when one refuses, none keeps it; an unload of an unknown name is
 NOT_FOUND; the list merges what each worker says; a late worker is brought in line."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from deploy import lora_admin
-from engine.outputs import LoraInfo
+from deploy.control import lora_admin
 from router.control import LoraRefused
+from vocabulary.engine_io import LoraInfo
 
 
 class _Method:

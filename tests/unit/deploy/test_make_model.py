@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.make_model import make_model
+from deploy.checkpoints.make_model import make_model
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -41,8 +41,8 @@ def test_tiny_model_loads_in_transformers_and_generates_text(tiny_model_dir: Pat
 def test_engine_model_logits_equal_transformers(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model import causal_attend
-    from engine.weights import load_model
+    from engine.loading.loaders import load_model
+    from engine.modeling.llama import causal_attend
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -67,8 +67,9 @@ def test_llama3_preset_sharded_bf16_loads(tmp_path: Path) -> None:
     """The GPU preset's recipe (llama3 RoPE, bf16, shards) at a toy size."""
     from transformers import AutoModelForCausalLM
 
-    from engine.model_config import ModelConfig
-    from engine.weights import checkpoint_files, load_model
+    from engine.loading.hf_checkpoint import checkpoint_files
+    from engine.loading.loaders import load_model
+    from vocabulary.model_config import ModelConfig
 
     out = make_model(
         tmp_path / "l3",
@@ -95,7 +96,7 @@ def test_llama3_preset_sharded_bf16_loads(tmp_path: Path) -> None:
 def test_cli_make_model_rejects_unknown_preset(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from deploy.cli.app import app
 
     result = CliRunner().invoke(app, ["make-model", str(tmp_path / "x"), "--preset", "nope"])
     assert result.exit_code == 2
@@ -105,7 +106,7 @@ def test_cli_make_model_rejects_unknown_preset(tmp_path: Path) -> None:
 def test_loader_names_missing_tensor(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from engine.weights import load_model
+    from engine.loading.loaders import load_model
 
     out = make_model(tmp_path / "m", seed=1, train_steps=0)
     tensors = load_file(out / "model.safetensors")

@@ -5,7 +5,8 @@ not stopped keep theirs."""
 
 from __future__ import annotations
 
-from deploy.workers import ActorPlacement, capacity_shortfall, rebalance_shortfall
+from deploy.control.worker_actors import capacity_shortfall, rebalance_shortfall
+from vocabulary.worker_api import ActorPlacement
 
 GPU = ActorPlacement(num_gpus=1.0, num_cpus=1.0)
 CPU_SLOT = ActorPlacement()  # half a CPU

@@ -13,7 +13,7 @@ from router.cluster_view import ClusterView, StaticDirectory
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.servicer import AdminServicer
-from worker_runtime.api import WorkerInfo, WorkerRole
+from vocabulary.worker_api import WorkerInfo, WorkerRole
 
 
 def status_of_registered_unpolled_worker() -> int:

@@ -13,10 +13,10 @@ import yaml
 from test_cli_up_checks import StartRecorder, assert_refused, make_checkpoint, up, write_config
 from test_config_tree import show
 
-from deploy.spec import ClusterSpec, WorkerPlacement
-from deploy.workers import ActorPlacement, capacity_shortfall, rebalance_shortfall
+from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+from deploy.control.worker_actors import capacity_shortfall, rebalance_shortfall
 from engine.config import EngineConfig, EngineMode
-from worker_runtime.api import WorkerRole
+from vocabulary.worker_api import ActorPlacement, WorkerRole
 
 starts = __import__("test_cli_up_checks").starts  # the fixture
 

@@ -1,4 +1,4 @@
-"""What `pdserve up` decides about access before anything starts (deploy/security.py): no
+"""What `pdserve up` decides about access before anything starts (deploy/control/security.py): no
 router beyond loopback without API keys (unless --insecure), keys that do not load refused
 naming the line, the CLI's admin key, TLS files checked, and the block hash beyond loopback.
 Each refusal is one line with exit code 2; nothing is started."""
@@ -11,19 +11,19 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from deploy.config import LaunchConfig, PdserveConfig
-from deploy.security import (
+from deploy.cli.app import app
+from deploy.control.config_tree import LaunchConfig, PdserveConfig
+from deploy.control.security import (
     SecurityError,
     cluster_access,
     exposure_refusal,
     is_loopback,
     resolve_block_hash,
 )
-from engine.block_hash import HashAlgorithm
 from router.auth import key_digest
-from router.server import RouterConfig
+from router.router_server import RouterConfig
 from router.tls import TlsConfig
+from vocabulary.block_hash import HashAlgorithm
 
 KEY = "tenant-key-0123456789"
 
@@ -36,8 +36,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         started.append(args)
         raise RuntimeError("stub: nothing starts in a unit test")
 
-    monkeypatch.setattr("deploy.cluster.Cluster.start", refuse)
-    monkeypatch.setattr("deploy.daemon.spawn_detached", refuse)
+    monkeypatch.setattr("deploy.control.launch.Cluster.start", refuse)
+    monkeypatch.setattr("deploy.cli.daemon.spawn_detached", refuse)
     return started
 
 

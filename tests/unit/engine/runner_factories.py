@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from engine.batch import ScheduledBatch, SeqChunk
-from engine.block_pool import cdiv
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_sizing import kv_cache_spec
-from engine.model import LlamaModel
-from engine.runner import ModelRunner
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import KVCache
+from engine.kv.kv_sizing import kv_cache_spec
+from engine.modeling.llama import LlamaModel
+from vocabulary.numeric import cdiv
 
 BLOCK_SIZE = 16
 
@@ -56,7 +56,7 @@ def corpus_tokens(model_dir: Path) -> list[int]:
     """The bundled corpus tokenized with the model's tokenizer (text-like prompts)."""
     from tokenizers import Tokenizer
 
-    from deploy.make_model import CORPUS
+    from deploy.checkpoints.checkpoint_files import CORPUS
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(CORPUS.read_text()).ids
 

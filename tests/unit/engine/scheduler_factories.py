@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.block_hash import hash_extra
-from engine.block_pool import BlockPool
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import AdapterSlots, Scheduler, SchedulerOutput
+from engine.core.request import Request
+from engine.core.scheduler import AdapterSlots, Scheduler, SchedulerOutput
+from engine.kv.block_pool import BlockPool
+from vocabulary.block_hash import hash_extra
+from vocabulary.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 EXTRA = hash_extra("tiny")

@@ -9,9 +9,9 @@ from runner_factories import BLOCK_SIZE, batch, chunk, scattered_blocks
 
 from engine.attention import BackendUnavailable, build_layout, create_backend, stage_once
 from engine.attention.registry import resolve_backend_name
-from engine.cuda_graphs import graph_batch_sizes, pad_decode_layout
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_config import ModelConfig, RopeConfig
+from engine.core.cuda_graphs import graph_batch_sizes, pad_decode_layout
+from engine.kv.kv_cache import KVCache, KVCacheSpec
+from vocabulary.model_config import ModelConfig, RopeConfig
 
 HQ, HKV, D, LAYERS = 4, 2, 32, 2
 

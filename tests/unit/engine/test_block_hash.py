@@ -1,4 +1,4 @@
-"""The block hash (engine/block_hash.py): xxh3 output is the on-wire format (pinned), sha256
+"""The block hash (vocabulary/block_hash.py): xxh3 output is the on-wire format (pinned), sha256
 is the collision-resistant option, and a tenant's salt keeps its chain apart from every
 other tenant's."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import (
+from vocabulary.block_hash import (
     HashAlgorithm,
     current_algorithm,
     hash_block,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import BlockHash, hash_chain, hash_extra
-from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.kv_events import KVEvent, KVEventKind
+from engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from vocabulary.block_hash import BlockHash, hash_chain, hash_extra
+from vocabulary.kv_events import KVEvent, KVEventKind
 
 EXTRA = hash_extra("tiny")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.driver import EngineDriver
-from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.driver import EngineDriver
+from engine.core.engine import LLMEngine
+from vocabulary.engine_io import RequestOutput
+from vocabulary.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

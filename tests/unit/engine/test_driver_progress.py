@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.driver import EngineDriver, EngineStopped, LoopProgress, LoopState
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.driver import EngineDriver, EngineStopped
+from engine.core.engine import LLMEngine
+from vocabulary.loop_progress import LoopProgress, LoopState
+from vocabulary.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

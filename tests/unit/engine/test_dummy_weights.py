@@ -1,7 +1,7 @@
-"""`load_format=dummy` (engine/dummy_weights.py): random weights from config.json alone, of the
-config's shapes, seeded, with finite logits; with fp8 built straight into FP8 layers, equal to
-quantizing the dense dummy model; an engine serves a config-only folder whose model vocabulary
-is larger than its tokenizer's."""
+"""`load_format=dummy` (engine/loading/dummy_weights.py): random weights from config.json alone, of
+the config's shapes, seeded, with finite logits; with fp8 built straight into FP8 layers, equal to
+quantizing the dense dummy model; an engine serves a config-only folder whose model vocabulary is
+larger than its tokenizer's."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.make_model import make_model
+from deploy.checkpoints.make_model import make_model
 from engine.config import EngineConfig
-from engine.dummy_weights import INIT_STD, dummy_model
-from engine.fp8 import FP8_DTYPE
-from engine.model import LlamaModel, causal_attend
-from engine.model_config import ModelConfig
-from engine.weights import load_model, projection_shapes
+from engine.loading.dummy_weights import INIT_STD, dummy_model
+from engine.loading.hf_checkpoint import projection_shapes
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel, causal_attend
+from engine.quantization.fp8_linear import FP8_DTYPE
+from vocabulary.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,8 @@ def test_fp8_dummy_is_built_straight_into_fp8_and_equals_the_dense_one_quantized
 
 
 def test_an_engine_serves_a_config_only_folder_with_fp8_dummy_weights(config_only: Path) -> None:
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.core.engine import LLMEngine
+    from vocabulary.sampling import SamplingParams
 
     config = EngineConfig(
         model_dir=str(config_only), device="cpu", dtype="float32", num_kv_blocks=32,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, check_lora_name
+from engine.config import EngineConfig
+from vocabulary.lora_names import check_lora_name
 
 
 def config(**fields: object) -> EngineConfig:

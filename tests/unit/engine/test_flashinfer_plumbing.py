@@ -20,9 +20,9 @@ import torch
 from runner_factories import BLOCK_SIZE, batch, chunk, corpus_tokens, make_runner, prompt_tokens
 
 from engine.attention import build_layout, stage_once
-from engine.cuda_graphs import pad_decode_layout
-from engine.model import LlamaModel
-from engine.weights import load_model
+from engine.core.cuda_graphs import pad_decode_layout
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
 
 
 def _i32(t: torch.Tensor, name: str) -> list[int]:

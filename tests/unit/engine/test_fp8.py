@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_per_tensor
+from engine.quantization.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_per_tensor
 
 
 def test_per_tensor_scale_maps_the_largest_magnitude_to_448() -> None:

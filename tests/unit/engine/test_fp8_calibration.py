@@ -1,4 +1,4 @@
-"""Static FP8 scales (engine/fp8_calibration.py), the FP8 ops' torch composition, the e4m3
+"""Static FP8 scales (engine/loading/fp8_calibration.py), the FP8 ops' torch composition, the e4m3
 KV pool's spec and its place in the transfer handshake."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, pow2_scale, quantize_static
-from engine.fp8_calibration import (
+from engine.kv.kv_cache import FP8_KV_DTYPE, KVCache, KVCacheSpec
+from engine.loading.fp8_calibration import (
     ACTIVATION_HEADROOM,
     KV_HEADROOM,
     calibrate_activations,
@@ -21,15 +21,21 @@ from engine.fp8_calibration import (
     observe,
     prepare_fp8,
 )
-from engine.kv_cache import FP8_KV_DTYPE, KVCache, KVCacheSpec
-from engine.layer_ops import TORCH_OPS
-from engine.model import LlamaModel
-from engine.weights import load_model
+from engine.loading.loaders import load_model
+from engine.modeling.layer_ops import TORCH_OPS
+from engine.modeling.llama import LlamaModel
+from engine.quantization.fp8_linear import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Linear,
+    pow2_scale,
+    quantize_static,
+)
 from kv_transfer.backend import MemoryRegion
-from kv_transfer.errors import HandshakeError
 from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, RankAgent, check_handshake
 from kv_transfer.tp_plan import KVSplit
 from kv_transfer.types import compat_fields, compat_hash, kv_split
+from vocabulary.transfer_errors import HandshakeError
 
 
 @pytest.fixture()
@@ -95,7 +101,7 @@ def test_static_scales_keep_the_layer_close_to_dynamic_quantization(
     model.quantize_fp8()
     ids = list(range(3, 40))
     x = torch.nn.functional.embedding(torch.tensor(ids), model.embed_tokens)
-    from engine.model import causal_attend
+    from engine.modeling.llama import causal_attend
 
     attend = causal_attend(1, len(ids), model.cfg.num_heads, model.cfg.num_kv_heads)
     pos = torch.arange(len(ids))

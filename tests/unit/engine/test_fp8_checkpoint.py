@@ -1,8 +1,8 @@
-"""Pre-quantized FP8 checkpoints (engine/fp8_checkpoint.py): the compressed-tensors config is
-read as llm-compressor writes it and refused naming the key otherwise; fused and per-channel
-parts are requantized to one scale per tensor within one e4m3 rounding; checkpoints that
-`pdserve make-model --quantization fp8` writes (per channel and per tensor) load straight into
-FP8 layers; a dense checkpoint quantized while loading equals quantizing it after."""
+"""Pre-quantized FP8 checkpoints (engine/loading/fp8_checkpoint.py): the compressed-tensors config
+is read as llm-compressor writes it and refused naming the key otherwise; fused and per-channel
+parts are requantized to one scale per tensor within one e4m3 rounding; checkpoints that `pdserve
+make-model --quantization fp8` writes (per channel and per tensor) load straight into FP8 layers; a
+dense checkpoint quantized while loading equals quantizing it after."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
-from engine.fp8_checkpoint import Fp8Part, Fp8Scheme, fuse_parts, read_fp8_scheme
-from engine.model import LlamaModel
-from engine.weights import load_model
+from deploy.cli.app import app
+from engine.loading.fp8_checkpoint import Fp8Part, Fp8Scheme, fuse_parts, read_fp8_scheme
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
+from engine.quantization.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear
 
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself, a
 # subnormal one (below 2^-6 * scale) by at most half the subnormal step 2^-9 * scale
@@ -169,7 +169,7 @@ def test_make_model_fp8_checkpoint_loads_into_fp8_layers(
     assert (f"{q}.input_scale" in tensors) is not per_channel
     assert tensors["lm_head.weight"].dtype == torch.float32  # ignored: dense
     dense = load_model(tiny_model_dir, torch.float32)
-    with caplog.at_level(logging.INFO, logger="engine.weights"):
+    with caplog.at_level(logging.INFO, logger="engine.loading.loaders"):
         model = load_model(out, torch.float32)  # quantization "none": the checkpoint decides
     assert model.quantization == "fp8" and "an FP8 checkpoint" in caplog.text
     assert model.weight_bytes < dense.weight_bytes
@@ -224,7 +224,7 @@ def test_loader_names_a_missing_scale_and_a_misshapen_part(
 
 
 def _logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    from engine.model import causal_attend
+    from engine.modeling.llama import causal_attend
 
     attend = causal_attend(1, len(ids), model.cfg.num_heads, model.cfg.num_kv_heads)
     with torch.inference_mode():
@@ -234,7 +234,7 @@ def _logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 def test_fp8_checkpoint_logits_are_as_close_to_the_dense_models_as_quantizing_at_load(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from engine.tokenizer import Tokenizer
+    from vocabulary.tokenizer import Tokenizer
 
     out = make_fp8(tmp_path, tiny_model_dir)
     ids = Tokenizer.from_model_dir(tiny_model_dir).encode("The river runs past the old mill")

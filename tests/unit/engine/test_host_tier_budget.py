@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from engine.host_tier import HostTier
+from engine.kv.host_tier import HostTier
 from kv_transfer.budget import OFFLOAD_LANE, ONBOARD_LANE, Candidate, InFlightBudget
 from kv_transfer.config import BudgetConfig
 

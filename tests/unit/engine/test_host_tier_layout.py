@@ -1,4 +1,4 @@
-"""The host tier keeps the device pool's layout (engine/host_tier.py): a layer-major pool's
+"""The host tier keeps the device pool's layout (engine/kv/host_tier.py): a layer-major pool's
 host tier is [layers, host blocks, ...] too, every layer of a block goes out and comes back
 (runs of adjacent blocks and scattered ones), and nothing else is written on either side."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_hash import BlockHash
-from engine.host_tier import HostTier
-from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR, KVCache, KVCacheSpec
+from engine.kv.host_tier import HostTier
+from engine.kv.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR, KVCache, KVCacheSpec
+from vocabulary.block_hash import BlockHash
 
 LAYERS, BLOCKS, HOST_BLOCKS = 3, 16, 8
 

@@ -16,8 +16,8 @@ from test_attention_torch import HKV, LAYERS, D, model_cfg
 
 from engine.attention import build_layout, create_backend, stage_once
 from engine.config import EngineConfig
-from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR, KVCache, KVCacheSpec
-from engine.kv_sizing import kv_layout
+from engine.kv.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR, KVCache, KVCacheSpec
+from engine.kv.kv_sizing import kv_layout
 
 
 def spec(layout: str, num_blocks: int = 8, heads: int = HKV, dtype: str = "float32") -> KVCacheSpec:

@@ -23,17 +23,17 @@ import torch
 import torch.nn.functional as F
 from runner_factories import batch, chunk, corpus_tokens, make_runner, prompt_tokens
 
-import engine.layer_ops_select as select
-import engine.runner as runner_module
-from engine.layer_ops import (
+import engine.core.runner as runner_module
+import engine.modeling.layer_ops_select as select
+from engine.loading.loaders import load_model
+from engine.modeling.layer_ops import (
     TORCH_OPS,
     FlashInferOps,
     LayerOpsUnavailable,
     fused_ops_unavailable_reason,
 )
-from engine.layer_ops_select import compare_layer_ops, create_layer_ops
-from engine.model import Attend, DecoderLayer, LlamaModel, causal_attend
-from engine.weights import load_model
+from engine.modeling.layer_ops_select import compare_layer_ops, create_layer_ops
+from engine.modeling.llama import Attend, DecoderLayer, LlamaModel, causal_attend
 
 
 class FakeFlashInfer:
@@ -306,7 +306,7 @@ def test_failing_self_check_falls_back_to_torch_with_a_warning_or_raises_if_expl
         fake.break_residual = True
     else:
         fake.fail_rope = True
-    with caplog.at_level(logging.WARNING, logger="engine.layer_ops_select"):
+    with caplog.at_level(logging.WARNING, logger="engine.modeling.layer_ops_select"):
         assert create_layer_ops("auto", model) is TORCH_OPS
     expected = "relative error" if fault == "wrong result" else "fake kernel launch failure"
     assert "failed their self-check" in caplog.text and expected in caplog.text
@@ -357,7 +357,7 @@ def test_graph_capture_failure_with_fused_ops_recaptures_with_torch_ops(
     monkeypatch.setattr(runner_module, "DecodeGraphs", _FakeGraphs)
     _FakeGraphs.built = []
     runner = make_runner(model, tiny_model_dir)
-    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+    with caplog.at_level(logging.WARNING, logger="engine.core.runner"):
         graphs = runner._capture_graphs(4, 8)
     assert _FakeGraphs.built == ["flashinfer", "torch"]
     assert runner.layer_ops is TORCH_OPS and graphs.ops is TORCH_OPS

@@ -26,20 +26,20 @@ from runner_factories import corpus_tokens, make_pool, prompt_tokens, scattered_
 
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
-from engine.lora import WEIGHTS_FILE, read_adapter_spec
-from engine.lora_apply import LoraWeights, eager_step, graph_step
-from engine.lora_cache import (
+from engine.core.runner import ModelRunner
+from engine.loading.loaders import load_model
+from engine.lora.lora_adapter import WEIGHTS_FILE, read_adapter_spec
+from engine.lora.lora_apply import LoraWeights, eager_step, graph_step
+from engine.lora.lora_cache import (
     AdapterState,
     LoraCache,
     LoraCacheConfig,
     LoraLoadError,
     LoraNotFound,
 )
-from engine.model import DecoderLayer, LlamaModel
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.weights import load_model
+from engine.modeling.llama import DecoderLayer, LlamaModel
+from vocabulary.model_config import ModelConfig
+from vocabulary.sampling import SamplingParams
 
 RTOL, ATOL = 1e-5, 1e-4
 ADAPTERS: dict[str, dict[str, object]] = {
@@ -331,8 +331,8 @@ class StrictSegmentGEMM:
 def test_graph_kernels_add_what_the_grouped_kernel_adds(
     model: LlamaModel, adapters: dict[str, Path], kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.lora_apply as la
-    from engine.lora import load_adapter
+    import engine.lora.lora_apply as la
+    from engine.lora.lora_adapter import load_adapter
 
     monkeypatch.setattr(la, "_segment_gemm_class", lambda: StrictSegmentGEMM)
     made = "flashinfer" if kernel.endswith("flashinfer") else kernel
@@ -375,8 +375,8 @@ class _GraphsFailingWithSegmentGEMM:
 def test_a_failed_capture_with_the_segment_kernel_falls_back_to_torch_when_it_was_chosen(
     model: LlamaModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, chosen: bool
 ) -> None:
-    import engine.lora_apply as la
-    import engine.runner as runner_module
+    import engine.core.runner as runner_module
+    import engine.lora.lora_apply as la
 
     monkeypatch.setattr(la, "_segment_gemm_class", lambda: StrictSegmentGEMM)
     monkeypatch.setattr(runner_module, "DecodeGraphs", _GraphsFailingWithSegmentGEMM)
@@ -398,8 +398,8 @@ def test_a_failed_capture_with_the_segment_kernel_falls_back_to_torch_when_it_wa
 def test_fp8_projections_with_an_adapter_stay_close_to_the_dense_ones(
     tiny_model_dir: Path, adapters: dict[str, Path], corpus: list[int]
 ) -> None:
-    from engine.fp8_calibration import calibrate_activations, observe
-    from engine.model import causal_attend
+    from engine.loading.fp8_calibration import calibrate_activations, observe
+    from engine.modeling.llama import causal_attend
 
     dense = load_model(tiny_model_dir, torch.float32)
     fp8 = load_model(tiny_model_dir, torch.float32)
@@ -550,7 +550,7 @@ def write_random_adapter(out: Path, cfg: ModelConfig, rank: int, modules: list[s
     """A PEFT-layout adapter with random weights for a model peft has no checkpoint of."""
     from safetensors.torch import save_file
 
-    from engine.lora import module_shape, tensor_name
+    from engine.lora.lora_adapter import module_shape, tensor_name
 
     gen = torch.Generator().manual_seed(rank)
     tensors = {}
@@ -570,9 +570,9 @@ def write_random_adapter(out: Path, cfg: ModelConfig, rank: int, modules: list[s
 @pytest.mark.parametrize("kernel", ["torch", "triton", "flashinfer"])
 def test_graph_decode_with_adapters_equals_eager(tmp_path: Path, kernel: str) -> None:
     """head_dim 64 (flashinfer attention, CUDA graphs), random weights and adapters."""
-    from deploy.make_model import PRESETS, hf_config
-    from engine.dummy_weights import dummy_model
-    from engine.lora_apply import lora_kernel_unavailable_reason
+    from deploy.checkpoints.make_model import PRESETS, hf_config
+    from engine.loading.dummy_weights import dummy_model
+    from engine.lora.lora_apply import lora_kernel_unavailable_reason
 
     device = torch.device("cuda", torch.cuda.current_device())
     reason = lora_kernel_unavailable_reason(kernel, device, torch.bfloat16)
@@ -617,7 +617,7 @@ def test_a_worker_stream_raises_the_adapter_error_when_the_engine_ends_the_reque
     a LoraLoadError), and the worker hands that error to the request's reader (which raises
     it to the router: FAILED_PRECONDITION naming the adapter), not an output without tokens.
     A request on the base model beside it is served."""
-    from worker_runtime.api import WorkerRole
+    from vocabulary.worker_api import WorkerRole
     from worker_runtime.runtime import WorkerConfig, WorkerRuntime, next_output
 
     folder = tmp_path / "gone"

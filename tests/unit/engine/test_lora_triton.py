@@ -1,4 +1,4 @@
-"""The triton LoRA graph kernel (engine/lora_triton.py) adds what the grouped kernel adds.
+"""The triton LoRA graph kernel (engine/lora/lora_triton.py) adds what the grouped kernel adds.
 
 CPU: Triton's interpreter runs the kernels on CPU tensors. Whether a kernel is interpreted is
 fixed when it is defined (`triton.jit` reads TRITON_INTERPRET), and this pytest process may
@@ -35,11 +35,12 @@ pytest.importorskip(
 from runner_factories import make_pool
 from test_lora import ATTENTION, MLP
 
-import engine.lora_apply as la
+import engine.lora.lora_apply as la
 from engine.config import EngineConfig
-from engine.lora import LORA_MODULES, LoraAdapter, LoraSpec, module_shape
-from engine.lora_apply import LoraWeights, eager_step, graph_step
-from engine.lora_triton import (
+from engine.core.runner import ModelRunner
+from engine.lora.lora_adapter import LORA_MODULES, LoraAdapter, LoraSpec, module_shape
+from engine.lora.lora_apply import LoraWeights, eager_step, graph_step
+from engine.lora.lora_triton import (
     DEFAULT_SHRINK,
     MAX_K_STEPS,
     SHRINKS,
@@ -47,8 +48,7 @@ from engine.lora_triton import (
     add_lora,
     fan_in_split,
 )
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
+from vocabulary.model_config import ModelConfig
 
 CPU = torch.device("cpu")
 ALL = ATTENTION + MLP
@@ -56,7 +56,7 @@ MIXED = [2, 2, -1, 0, 1, 1, -1, 3, 0, 2, 1, 3]  # slots twice and not adjacent, 
 
 
 def shape_config(preset: str, num_layers: int | None = None) -> ModelConfig:
-    from deploy.make_model import PRESETS, hf_config
+    from deploy.checkpoints.make_model import PRESETS, hf_config
 
     shape = (
         PRESETS[preset] if num_layers is None else replace(PRESETS[preset], num_layers=num_layers)
@@ -123,7 +123,7 @@ class Launch:
 def run_interpreted(inputs: str, outputs: str) -> None:
     """The subprocess's side of `interpret`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import engine.lora_triton as lora_triton
+    import engine.lora.lora_triton as lora_triton
 
     launches: list[Launch] = torch.load(inputs, weights_only=False)
     for launch in launches:
@@ -320,7 +320,7 @@ def test_auto_takes_torch_off_cuda_and_in_float32() -> None:
 
 @pytest.mark.gpu
 def test_auto_picks_the_dot_kernel_on_this_gpu() -> None:
-    from engine import lora_triton
+    from engine.lora import lora_triton
 
     device = torch.device("cuda", torch.cuda.current_device())
     assert lora_triton.DEFAULT_SHRINK == "dot"
@@ -341,8 +341,8 @@ class _GraphsFailingWithTriton:
 def test_a_failed_capture_with_the_chosen_triton_kernel_falls_back_to_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import engine.runner as runner_module
-    from engine.dummy_weights import dummy_model
+    import engine.core.runner as runner_module
+    from engine.loading.dummy_weights import dummy_model
 
     monkeypatch.setattr(runner_module, "DecodeGraphs", _GraphsFailingWithTriton)
     cfg = shape_config("tiny")
@@ -410,7 +410,7 @@ def mixed_slots(tokens: int, num_slots: int) -> np.ndarray:
 @pytest.fixture(params=SHRINKS)
 def each_shrink(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The test runs once with each shrink as `add_lora`'s default."""
-    import engine.lora_triton as lora_triton
+    import engine.lora.lora_triton as lora_triton
 
     monkeypatch.setattr(lora_triton, "DEFAULT_SHRINK", request.param)
     return cast(str, request.param)
@@ -473,7 +473,7 @@ def test_triton_kernel_in_a_cuda_graph_follows_slots_changed_in_place(each_shrin
 def test_the_dot_shrink_overlaps_on_a_side_stream_only_when_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import engine.lora_triton as lora_triton
+    import engine.lora.lora_triton as lora_triton
 
     monkeypatch.setattr(lora_triton, "DEFAULT_SHRINK", "dot")
     weights = cuda_weights("llama3-8b", 16)

@@ -25,10 +25,10 @@ from runner_factories import (
 
 from engine.batch import SeqChunk
 from engine.config import EngineConfig
-from engine.kv_sizing import CPU_DEFAULT_KV_BLOCKS, decide_num_kv_blocks
-from engine.model import LlamaModel
-from engine.runner import ModelRunner
-from engine.weights import load_model
+from engine.core.runner import ModelRunner
+from engine.kv.kv_sizing import CPU_DEFAULT_KV_BLOCKS, decide_num_kv_blocks
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
 
 TOL = {"rtol": 1e-5, "atol": 1e-4}
 

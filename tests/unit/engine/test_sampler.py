@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
-from engine.sampling_params import SamplingParams
+from engine.core.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from vocabulary.sampling import SamplingParams
 
 
 def row(

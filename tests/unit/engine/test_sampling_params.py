@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from vocabulary.sampling import SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize(

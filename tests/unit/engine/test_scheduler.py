@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from scheduler_factories import chunk_view, make_request, make_scheduler, run_step
 
-from engine.block_pool import NoFreeBlocksError
-from engine.request import RequestStatus
-from engine.scheduler import UnknownRequestError
+from engine.core.request import RequestStatus
+from engine.core.scheduler import UnknownRequestError
+from engine.kv.block_pool import NoFreeBlocksError
 
 
 def test_prompt_is_prefilled_in_one_chunk_then_decoded_one_token_at_a_time() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from scheduler_factories import FakeSlots, make_request, make_scheduler, run_step
 
-from engine.lora_cache import LoraLoadError, LoraNotFound
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.lora.lora_cache import LoraLoadError, LoraNotFound
 
 
 def lora_scheduler(**kwargs: object) -> tuple[Scheduler, FakeSlots]:

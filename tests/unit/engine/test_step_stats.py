@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.step_stats import BATCH_REQUESTS_BUCKETS, STEP_SECONDS_BUCKETS, StepMeter, StepStats
+from engine.core.engine import LLMEngine
+from vocabulary.sampling import SamplingParams
+from vocabulary.step_stats import BATCH_REQUESTS_BUCKETS, STEP_SECONDS_BUCKETS, StepMeter, StepStats
 
 
 def test_meter_puts_each_step_in_the_bucket_of_its_upper_bound() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
+from engine.core.request import Request, RequestStatus
+from engine.core.stop_checker import StopChecker
+from vocabulary.sampling import SamplingParams
 
 EOS = 1
 

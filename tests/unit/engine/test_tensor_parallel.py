@@ -14,17 +14,17 @@ from cpu_engine import cpu_engine
 from test_fp8_calibration import handshake_info, local_side
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.fp8_calibration import Observed, agreed
-from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, KVCacheSpec
-from engine.kv_sizing import decide_num_host_blocks, kv_cache_spec
-from engine.model_config import ModelConfig
-from engine.tensor_parallel import TPGroup, TPGroupError, TPGroupState
-from engine.tp_shard import TPShard, local_config
-from kv_transfer.errors import HandshakeError
+from engine.core.engine import LLMEngine
+from engine.kv.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, KVCacheSpec
+from engine.kv.kv_sizing import decide_num_host_blocks, kv_cache_spec
+from engine.loading.fp8_calibration import Observed, agreed
+from engine.tp.tensor_parallel import TPGroup, TPGroupError, TPGroupState
+from engine.tp.tp_shard import TPShard, local_config
 from kv_transfer.protocol import check_handshake
 from kv_transfer.tp_plan import HeadSlice
 from kv_transfer.types import compat_hash
+from vocabulary.model_config import ModelConfig
+from vocabulary.transfer_errors import HandshakeError
 
 
 def test_engine_config_refuses_lora_and_an_explicit_host_tier_with_tp() -> None:

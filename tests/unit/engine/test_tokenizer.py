@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from vocabulary.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +50,10 @@ def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
     assert [detok.push(t) for t in ids] == ["", "a", "b", ""]
 
 
-def test_module_imports_no_torch() -> None:
-    code = "import engine.tokenizer, engine.block_hash, engine.sampling_params, sys; "
-    code += "print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
 def test_detokenizer_text_after_a_long_prompt_equals_decoding_it_whole(
     tokenizer: Tokenizer,
 ) -> None:
-    from deploy.make_model import CORPUS
+    from deploy.checkpoints.checkpoint_files import CORPUS
 
     ids = tokenizer.encode(CORPUS.read_text(), add_special_tokens=False)
     prompt, out = ids[:600], ids[600:900]

@@ -1,4 +1,4 @@
-"""Megatron sharding (engine/tp_shard.py): every rank's part of every tensor, cut from the
+"""Megatron sharding (engine/tp/tp_shard.py): every rank's part of every tensor, cut from the
 checkpoint as it streams, from dummy weights or from an FP8 checkpoint, puts the whole model
 back together; the KV heads are replicated when the TP size exceeds them; a TP size that does
 not split the model is refused naming the count that does not divide."""
@@ -12,10 +12,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from engine.dummy_weights import dummy_model
-from engine.model_config import ModelConfig, RopeConfig
-from engine.tp_shard import (
+from deploy.cli.app import app
+from engine.loading.dummy_weights import dummy_model
+from engine.loading.hf_checkpoint import hf_state_dict
+from engine.loading.loaders import load_model
+from engine.tp.tp_shard import (
     TPShard,
     check_tp_size,
     kv_head_range,
@@ -24,7 +25,7 @@ from engine.tp_shard import (
     shard_fused,
     shard_tensor,
 )
-from engine.weights import hf_state_dict, load_model
+from vocabulary.model_config import ModelConfig, RopeConfig
 
 # 8 query heads, 2 KV heads, q/k/v and o biases (Llama with attention_bias)
 CFG = ModelConfig(

@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_hash import BlockHash
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.kv_events import KVTier
+from engine.kv.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.backend import (
     BackendFactory,
     MemoryRegion,
@@ -27,8 +25,11 @@ from kv_transfer.backend import (
     kv_region,
 )
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import BackendError
-from kv_transfer.types import KVHandle, SliceRead, TransferPlan, compat_hash
+from kv_transfer.types import SliceRead, TransferPlan, compat_hash
+from vocabulary.block_hash import BlockHash
+from vocabulary.kv_events import KVTier
+from vocabulary.kv_handle import KVHandle
+from vocabulary.transfer_errors import BackendError
 
 MODEL = "tiny-test"
 SPEC = KVCacheSpec(

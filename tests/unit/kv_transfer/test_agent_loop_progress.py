@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 import pytest
 from kvt_factories import MODEL, SPEC, LoopbackFabric, filled_cache, loopback_factory, make_handle
 
-from engine.driver import LoopProgress, LoopState
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 from kv_transfer.agent_loop import AgentLoop, LoopStopped
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
 from kv_transfer.prefill_endpoint import PrefillEndpoint
+from vocabulary.loop_progress import LoopProgress, LoopState
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,13 +8,11 @@ import itertools
 
 import pytest
 
-from engine.kv_cache import BLOCK_MAJOR as ENGINE_BLOCK_MAJOR
-from engine.kv_cache import HEAD_MAJOR as ENGINE_HEAD_MAJOR
-from engine.kv_cache import KVCacheSpec
-from engine.model_config import ModelConfig, RopeConfig
-from engine.tp_shard import TPShard, kv_head_range
+from engine.kv.kv_cache import BLOCK_MAJOR as ENGINE_BLOCK_MAJOR
+from engine.kv.kv_cache import HEAD_MAJOR as ENGINE_HEAD_MAJOR
+from engine.kv.kv_cache import KVCacheSpec
+from engine.tp.tp_shard import TPShard, kv_head_range
 from kv_transfer.backend import MemoryRegion
-from kv_transfer.errors import HandshakeError
 from kv_transfer.plan import plan_transfer, slice_reads
 from kv_transfer.protocol import PROTOCOL_VERSION, HandshakeInfo, RankAgent, check_handshake
 from kv_transfer.tp_plan import (
@@ -27,7 +25,10 @@ from kv_transfer.tp_plan import (
     plan_heads,
     plan_split,
 )
-from kv_transfer.types import KVHandle, compat_fields, compat_hash, kv_split
+from kv_transfer.types import compat_fields, compat_hash, kv_split
+from vocabulary.kv_handle import KVHandle
+from vocabulary.model_config import ModelConfig, RopeConfig
+from vocabulary.transfer_errors import HandshakeError
 
 
 def sizes(kv_heads: int) -> list[int]:

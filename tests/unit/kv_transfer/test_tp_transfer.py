@@ -18,17 +18,17 @@ import pytest
 import torch
 from kvt_factories import MODEL, LoopbackBackend, LoopbackFabric, loopback_factory
 
-from engine.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, KVCache, KVCacheSpec
+from engine.kv.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, KVCache, KVCacheSpec
 from kv_transfer.backend import TransferBackend, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
-from kv_transfer.errors import HandshakeError
 from kv_transfer.manager import TransferOutcome, TransferState
 from kv_transfer.prefill_endpoint import PrefillEndpoint
 from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.tp_backend import TPBackend
 from kv_transfer.tp_plan import kv_heads_of
-from kv_transfer.types import KVHandle
+from vocabulary.kv_handle import KVHandle
+from vocabulary.transfer_errors import HandshakeError
 
 pytestmark = pytest.mark.timeout(30)
 

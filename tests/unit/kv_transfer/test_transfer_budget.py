@@ -3,7 +3,6 @@ and the host tier's copies sharing it with the pulls (heads, oldest first, lapse
 
 from __future__ import annotations
 
-from engine.kv_events import TierMove
 from kv_transfer.budget import (
     HEAD_TTL_S,
     HOST_TIER,
@@ -13,7 +12,8 @@ from kv_transfer.budget import (
     InFlightBudget,
 )
 from kv_transfer.config import BudgetConfig
-from kv_transfer.types import PeerLoad
+from vocabulary.kv_events import TierMove
+from vocabulary.transfer_load import PeerLoad
 
 KB = 1024
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 from kvt_factories import MODEL, SPEC, LoopbackFabric, filled_cache, loopback_factory
 
-from engine.kv_cache import KVCache
-from engine.kv_events import KVTier
+from engine.kv.kv_cache import KVCache
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_endpoint import DecodeEndpoint
-from kv_transfer.errors import HandshakeError, TransferTimeout, UnknownPeer
 from kv_transfer.manager import TransferOutcome, TransferState
 from kv_transfer.prefill_endpoint import PrefillEndpoint
+from vocabulary.kv_events import KVTier
+from vocabulary.transfer_errors import HandshakeError, TransferTimeout, UnknownPeer
 
 pytestmark = pytest.mark.timeout(30)
 

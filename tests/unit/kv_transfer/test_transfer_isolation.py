@@ -16,13 +16,13 @@ from kvt_factories import (
     make_handle,
 )
 
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 from kv_transfer import manager as manager_module
 from kv_transfer.config import BudgetConfig, KVTransferConfig
-from kv_transfer.errors import TransferCancelled, TransferError, TransferTimeout
 from kv_transfer.manager import TransferManager, TransferOutcome, TransferState
 from kv_transfer.plan import plan_transfer
 from kv_transfer.protocol import NoticeKind, decode_notice
+from vocabulary.transfer_errors import TransferCancelled, TransferError, TransferTimeout
 
 CONFIG = KVTransferConfig(
     budget=BudgetConfig(max_inflight_blocks=8, max_inflight_bytes=1 << 30),

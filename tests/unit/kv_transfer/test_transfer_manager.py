@@ -16,9 +16,13 @@ from kvt_factories import (
     make_handle,
 )
 
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 from kv_transfer.config import BudgetConfig, KVTransferConfig
-from kv_transfer.errors import (
+from kv_transfer.manager import TransferManager, TransferOutcome, TransferState
+from kv_transfer.plan import plan_transfer
+from kv_transfer.protocol import NoticeKind, decode_notice
+from vocabulary.kv_handle import KVHandle
+from vocabulary.transfer_errors import (
     HandshakeError,
     LeaseExpired,
     PeerLost,
@@ -27,10 +31,6 @@ from kv_transfer.errors import (
     TransferTimeout,
     UnknownPeer,
 )
-from kv_transfer.manager import TransferManager, TransferOutcome, TransferState
-from kv_transfer.plan import plan_transfer
-from kv_transfer.protocol import NoticeKind, decode_notice
-from kv_transfer.types import KVHandle
 
 CONFIG = KVTransferConfig(
     budget=BudgetConfig(max_inflight_blocks=4, max_inflight_bytes=1 << 30),

@@ -1,4 +1,4 @@
-"""The chaos run's verdict (loadtests/chaos.py `_report`) over outcomes set by hand: each kind
+"""The chaos run's verdict (loadtests/chaos_run.py `_report`) over outcomes set by hand: each kind
 of finding (a wrong token, a status outside the expected ones, a hang, a leak, a worker never
 replaced) makes the run not clean; cancels, deadlines and refusals do not."""
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadtests.chaos import ChaosConfig, ChaosRun, Kill, Outcome
+from loadtests.chaos_run import ChaosConfig, ChaosRun, Kill, Outcome
 
 
 class _Target:

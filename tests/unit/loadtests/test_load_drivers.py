@@ -17,8 +17,8 @@ import pytest
 from rich.console import Console
 
 from loadtests.bench import run_bench
-from loadtests.driver import run_planned
 from loadtests.goodput import SLO
+from loadtests.load_driver import run_planned
 from loadtests.records import RecordSink, read_records
 from loadtests.workload import PlannedRequest, generate, load_profile
 from pdserve.v1 import serving_pb2, serving_pb2_grpc

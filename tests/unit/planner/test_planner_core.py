@@ -18,10 +18,10 @@ from planner.core import (
     ScalingDecision,
     TickInput,
     WorkerView,
-    percentile,
     plan,
     warm_samples,
 )
+from vocabulary.numeric import percentile
 
 NOW = 1000.0
 CONFIG = PlannerConfig(

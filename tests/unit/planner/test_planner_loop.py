@@ -11,9 +11,6 @@ from typing import Any
 
 import pytest
 
-from deploy.workers import ActorPlacement
-from engine.outputs import EngineLoad
-from kv_transfer.types import TransferLoad
 from planner.core import PlannerConfig, Role, RoleBounds
 from planner.loop import (
     PlannerLoop,
@@ -26,8 +23,10 @@ from planner.loop import (
 )
 from planner.replay import read_trace
 from router.metrics import RecentSamples, TimedSample
-from router.server import RouterSignals
-from worker_runtime.api import WorkerLoad, WorkerRole, WorkerState
+from router.router_server import RouterSignals
+from vocabulary.engine_io import EngineLoad
+from vocabulary.transfer_load import TransferLoad
+from vocabulary.worker_api import ActorPlacement, WorkerLoad, WorkerRole, WorkerState
 
 NOW = 10_000.0
 

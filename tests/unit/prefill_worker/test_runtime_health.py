@@ -16,10 +16,16 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.driver import LoopProgress, LoopState
-from engine.sampling_params import SamplingParams
 from kv_transfer.agent_loop import AgentLoop
-from worker_runtime.api import StepFailed, WorkerRole, WorkerState, WorkerStopped, WorkerUnhealthy
+from vocabulary.loop_progress import LoopProgress, LoopState
+from vocabulary.sampling import SamplingParams
+from vocabulary.worker_api import (
+    StepFailed,
+    WorkerRole,
+    WorkerState,
+    WorkerStopped,
+    WorkerUnhealthy,
+)
 from worker_runtime.runtime import ENGINE_LOOP, WorkerConfig, WorkerRuntime, stall_reason
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from engine.driver import LoopState
-from engine.tensor_parallel import TPGroupState
+from engine.tp.tensor_parallel import TPGroupState
 from kv_transfer.config import KVTransferConfig
+from vocabulary.loop_progress import LoopState
 from worker_runtime import tp_ranks
 from worker_runtime.runtime import TP_RANKS, stall_reason
 from worker_runtime.tp_ranks import TPRanks

@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from engine.outputs import EngineLoad
-from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from vocabulary.engine_io import EngineLoad
+from vocabulary.worker_api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
 
 
 class Method:

@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 import pytest
 from ray.exceptions import RayActorError
 
-from decode_worker.api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
-from kv_transfer.errors import LeaseExpired
 from router.decode_channel import ChannelState, DecodeChannel
 from router.errors import WorkerLost
+from vocabulary.decode_api import ChannelItem, ChunkError, DecodeRequest, TokenChunk
+from vocabulary.engine_io import FinishReason
+from vocabulary.sampling import SamplingParams
+from vocabulary.transfer_errors import LeaseExpired
 
 T = TypeVar("T")
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from ray.exceptions import RayActorError
 
-from engine.outputs import EngineLoad
 from router.cluster_view import ClusterView, StaticDirectory
 from router.errors import WorkerLost
-from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from vocabulary.engine_io import EngineLoad
+from vocabulary.worker_api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
 
 
 class _Method:

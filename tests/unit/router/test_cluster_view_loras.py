@@ -9,10 +9,10 @@ import dataclasses
 
 from router_fakes import Method
 
-from engine.outputs import EngineLoad
 from prefix_index.types import PrefixMatch
 from router.cluster_view import ClusterView, StaticDirectory
-from worker_runtime.api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
+from vocabulary.engine_io import EngineLoad
+from vocabulary.worker_api import WorkerInfo, WorkerLoad, WorkerRole, WorkerState
 
 
 class Worker:

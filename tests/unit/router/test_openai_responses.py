@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from admission.decision import AdmissionRejected, Reason
-from engine.request import FinishReason
 from router.errors import StageTimeout, StreamCut, to_grpc_failure
 from router.http.errors import ApiError, failure, to_http_failure
 from router.http.protocol import ChatCompletionRequest, CompletionRequest
@@ -21,7 +20,8 @@ from router.http.translate import GenerationPlan, Translator
 from router.placement import NoWorkerError
 from router.progress import StreamDelta, Usage
 from router.validation import InvalidRequest, ValidationLimits
-from worker_runtime.api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
+from vocabulary.engine_io import FinishReason
+from vocabulary.worker_api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
 
 LIMITS = ValidationLimits(max_model_len=64, vocab_size=100)
 

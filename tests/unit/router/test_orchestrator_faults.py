@@ -20,16 +20,16 @@ from router_fakes import Method, make_info, make_load
 
 from admission.config import AdmissionConfig, AdmissionThresholds
 from admission.controller import AdmissionController
-from decode_worker.api import ChunkError, DecodeRequest, TokenChunk
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
-from kv_transfer.errors import TransferTimeout
-from prefill_worker.api import PrefillRequest, PrefillResult
 from router.cluster_view import ClusterView, ClusterViewConfig, StaticDirectory
 from router.errors import StageTimeout, StreamCut, WorkerLost, to_grpc_failure
 from router.orchestrator import Orchestrator, OrchestratorConfig, StreamDelta
 from router.validation import ValidRequest
-from worker_runtime.api import (
+from vocabulary.decode_api import ChunkError, DecodeRequest, TokenChunk
+from vocabulary.engine_io import FinishReason
+from vocabulary.prefill_api import PrefillRequest, PrefillResult
+from vocabulary.sampling import SamplingParams
+from vocabulary.transfer_errors import TransferTimeout
+from vocabulary.worker_api import (
     StepFailed,
     WorkerDraining,
     WorkerInfo,

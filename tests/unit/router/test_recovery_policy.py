@@ -10,7 +10,6 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from admission.decision import AdmissionRejected, Reason
-from kv_transfer.errors import TransferError, TransferTimeout
 from router.errors import StageTimeout, WorkerLost, to_grpc_failure
 from router.placement import NoWorkerError, Placement
 from router.recovery import (
@@ -27,7 +26,8 @@ from router.recovery import (
     decide,
     is_worker_fault,
 )
-from worker_runtime.api import (
+from vocabulary.transfer_errors import TransferError, TransferTimeout
+from vocabulary.worker_api import (
     RequestAborted,
     RequestDeadlineExceeded,
     StepFailed,

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from decode_worker.api import TokenChunk
-from engine.request import FinishReason, PriorOutput
-from prefill_worker.api import PrefillResult
 from router import progress as progress_module
 from router.placement import Placement
 from router.progress import RequestProgress, RequestRecord, StreamDelta, Timings, Usage
+from vocabulary.decode_api import TokenChunk
+from vocabulary.engine_io import FinishReason, PriorOutput
+from vocabulary.prefill_api import PrefillResult
 
 DISAGGREGATED = Placement("decode-1", "prefill-0", cached_blocks=1, uncached_tokens=22)
 LOCAL = Placement("decode-1", None, cached_blocks=0, uncached_tokens=38)

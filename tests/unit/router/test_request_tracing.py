@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from test_orchestrator_faults import EXPECTED, FakeDecode, FakePrefill, Setup, serve, tokens
 
-from router.tracing import NO_TRACE, grpc_caller_context, http_caller_context, request_trace
+from router.request_spans import NO_TRACE, grpc_caller_context, http_caller_context, request_trace
 from router.validation import ValidRequest
-from worker_runtime import tracing
-from worker_runtime.tracing import NO_SPAN
+from vocabulary import tracing
+from vocabulary.tracing import NO_SPAN
 
 CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

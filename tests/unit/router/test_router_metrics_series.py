@@ -12,16 +12,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import make_load
 
 from admission.decision import Reason
-from engine.block_hash import BlockHash
-from engine.outputs import HostTierStats, TierMoveStats
-from engine.step_stats import StepMeter
-from kv_transfer.metrics import TransferStats
-from kv_transfer.types import TransferLoad
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
-from prefix_index.types import PublisherStats
 from router.metrics import OUTCOMES, RouterMetrics, SloTargets
-from worker_runtime.api import WorkerLoad, WorkerRole, WorkerState
+from vocabulary.block_hash import BlockHash
+from vocabulary.engine_io import HostTierStats, TierMoveStats
+from vocabulary.kv_events import PublisherStats
+from vocabulary.step_stats import StepMeter
+from vocabulary.transfer_load import TransferLoad, TransferStats
+from vocabulary.worker_api import WorkerLoad, WorkerRole, WorkerState
 
 
 def scrape(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -8,11 +8,10 @@ import pytest
 from google.protobuf import descriptor_pool
 
 from admission.decision import AdmissionRejected, Reason
-from engine.block_hash import scoped_salt
 from pdserve.v1 import serving_pb2 as pb
 from router.errors import WorkerLost, to_grpc_failure
 from router.placement import NoWorkerError
-from router.server import _ReflectionPool
+from router.router_server import _ReflectionPool
 from router.validation import (
     InvalidRequest,
     UnknownLora,
@@ -21,7 +20,8 @@ from router.validation import (
     find_invalid_utf8_field,
     validate,
 )
-from worker_runtime.api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
+from vocabulary.block_hash import scoped_salt
+from vocabulary.worker_api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
 
 LIMITS = ValidationLimits(max_model_len=64, vocab_size=100, tenants=frozenset({"", "acme"}))
 
@@ -147,7 +147,7 @@ def test_a_lora_name_is_checked_and_an_unknown_adapter_is_not_found() -> None:
     assert f.code is grpc.StatusCode.NOT_FOUND
     assert f.message.startswith("lora: adapter 'sql' is not loaded")
     # a worker's own refusals (an adapter unloaded between placement and the call)
-    from engine.outputs import LoraLoadError, LoraNotFound
+    from vocabulary.engine_io import LoraLoadError, LoraNotFound
 
     f = to_grpc_failure(LoraNotFound("lora adapter 'sql' is not loaded on this worker"))
     assert (f.code, f.message) == (

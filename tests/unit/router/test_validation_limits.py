@@ -19,7 +19,7 @@ from router.validation import (
     ValidRequest,
     validate,
 )
-from worker_runtime.api import StepFailed, WorkerStopped
+from vocabulary.worker_api import StepFailed, WorkerStopped
 
 LIMITS = ValidationLimits(
     max_model_len=512, vocab_size=100, max_prompt_tokens=64, max_sequence_tokens=80

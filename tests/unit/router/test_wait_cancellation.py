@@ -13,7 +13,7 @@ import pytest
 
 from router.errors import StageTimeout
 from router.worker_calls import within
-from worker_runtime.waits import wait_within
+from vocabulary.waits import wait_within
 
 
 def _router_within(aw: Awaitable[Any], timeout_s: float) -> Awaitable[Any]:

@@ -1,0 +1,1 @@
+"""deploy.checkpoints: tools that write checkpoints (`pdserve make-model`, FP8 copies)."""

@@ -1,0 +1,149 @@
+"""What the controller runs: `ClusterSpec`, the model and the workers of each role, and how
+they are placed, checked and replaced. In a cluster's config tree (deploy/control/config_tree.py) it
+is the `workers:` section; `Cluster` fills in the model folder, Redis and `fixed_capacity`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from deploy.control.worker_actors import default_placement
+from engine.config import EngineConfig, EngineMode
+from kv_transfer.config import KVTransferConfig
+from planner.loop import PlannerSettings
+from prefix_index.config import PrefixIndexConfig
+from vocabulary.model_config import ModelConfig
+from vocabulary.worker_api import ActorPlacement, WorkerRole
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Ray resources per worker, by role (None: the next more general one)."""
+
+    default: ActorPlacement | None = None
+    """Every worker's; None: one GPU each where there are GPUs, else half a CPU."""
+    prefill: ActorPlacement | None = None
+    """Prefill workers' (e.g. a custom resource that only the prefill node group has)."""
+    decode: ActorPlacement | None = None
+    """Decode (and colocated) workers'."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the controller runs: the model, how many workers of each role, and how."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(model_dir=""))
+    """Base engine settings; the mode is set per role."""
+    num_prefill: int = 1
+    """Prefill workers started with the cluster (0: decode workers prefill everything)."""
+    num_decode: int = 1
+    """Decode workers started with the cluster (at least 1)."""
+    colocated: bool = False
+    """Baseline mode: decode workers get the COLOCATED role and no prefill workers run."""
+    prefill_tp: int = 1
+    """Tensor-parallel ranks (devices) of each prefill worker: N ranks on one node, one
+    worker to the router, controller, admission and status (engine.tensor_parallel_size)."""
+    decode_tp: int = 1
+    """Tensor-parallel ranks of each decode (or colocated) worker. When it differs from
+    prefill_tp, engine.kv_layout auto becomes head_major on every worker (each decode rank
+    reads its KV heads of a block in one piece; engine/kv/kv_cache.py)."""
+    redis_url: str | None = None
+    """The prefix index's Redis; None: no index (placement on load alone)."""
+    transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    """KV hand-off between prefill and decode workers: leases, deadlines, budgets."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """The Redis prefix index: workers publish their cached blocks, routers look them up."""
+    placement: WorkerPlacement = field(default_factory=WorkerPlacement)
+    """Ray resources per worker, by role."""
+    torch_threads: int = 1
+    """CPU threads each worker's torch may use."""
+    stall_timeout_s: float = 60.0
+    """A worker whose engine or transfer loop has work and makes no progress this long is
+    unhealthy: removed from placement and replaced (WorkerConfig.stall_timeout_s)."""
+    fixed_capacity: bool = False
+    """The Ray has the resources it started with (a local Ray that pdserve started): a
+    rebalance that could never place its new workers is refused before anything drains."""
+    replace_dead: bool = True
+    """Start a fresh worker of the same role in place of a ready one removed as dead."""
+    health_interval_s: float = 1.0
+    """Seconds between the controller's health pings of the workers."""
+    failure_threshold: int = 3
+    """Health pings in a row without an answer after which a worker is removed as dead (an
+    actor that died, or one that reports itself unhealthy, is removed at once)."""
+    start_timeout_s: float = 900.0
+    """Longest a worker may take to start (model load, KV pool, NIXL agent)."""
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
+    """The planner loop (off by default)."""
+
+    def __post_init__(self) -> None:
+        if self.engine.tensor_parallel_size != 1:
+            raise ValueError(
+                "engine.tensor_parallel_size: set prefill_tp / decode_tp (--prefill-tp, "
+                "--decode-tp) for a cluster's workers"
+            )
+
+    def tp_for(self, role: WorkerRole) -> int:
+        """Tensor-parallel ranks of a worker of `role`."""
+        return self.prefill_tp if role is WorkerRole.PREFILL else self.decode_tp
+
+    @property
+    def kv_layout(self) -> str:
+        """The KV layout every worker uses: engine.kv_layout, with auto resolved where workers
+        hand KV to each other (module docstring of engine/kv/kv_cache.py): head_major when
+        prefill and decode TP differ, else block_major (a run of adjacent blocks is one NIXL
+        descriptor; layer_major would make it one a layer). A colocated cluster hands nothing
+        off, so auto stays for each engine to resolve (layer_major on a GPU)."""
+        layout = self.engine.kv_layout
+        if layout != "auto" or self.colocated:
+            return layout
+        return "head_major" if self.prefill_tp != self.decode_tp else "block_major"
+
+    def engine_for(self, role: WorkerRole) -> EngineConfig:
+        """The engine of a worker of `role`: its mode, TP size and the cluster's KV layout."""
+        mode = EngineMode.PREFILL_ONLY if role is WorkerRole.PREFILL else EngineMode.COLOCATED
+        return replace(
+            self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
+            kv_layout=self.kv_layout,
+        )  # fmt: skip
+
+    def tp_refusal(self, model: ModelConfig) -> tuple[str, str] | None:
+        """(the field at fault, why) when these TP sizes cannot serve `model` (a size that
+        does not split it, or a prefill/decode pair no hand-off plan serves in the KV layout
+        asked for); None when they can."""
+        from engine.kv.kv_cache import LAYOUT_NAMES
+        from engine.tp.tp_shard import check_tp_size
+        from kv_transfer.tp_plan import KVSplit, UnsupportedSplit, plan_split
+
+        sizes = [("decode_tp", self.decode_tp)]
+        if not self.colocated:
+            sizes.insert(0, ("prefill_tp", self.prefill_tp))
+        for name, size in sizes:
+            try:
+                check_tp_size(model, size)
+            except ValueError as e:
+                return name, str(e)
+        if self.colocated:
+            return None
+        layout = LAYOUT_NAMES[self.kv_layout]
+        k = model.num_kv_heads
+        try:
+            plan_split(KVSplit(self.prefill_tp, k, layout), KVSplit(self.decode_tp, k, layout))
+        except UnsupportedSplit as e:
+            return "engine.kv_layout", str(e)
+        return None
+
+    def initial_roles(self) -> list[WorkerRole]:
+        """The role of each worker `Controller.start` starts."""
+        roles = [WorkerRole.PREFILL] * (0 if self.colocated else self.num_prefill)
+        decode_role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+        return roles + [decode_role] * self.num_decode
+
+    def placement_for(self, role: WorkerRole) -> ActorPlacement:
+        """Ray resources of a worker of `role` (call with Ray initialized: the default looks
+        at the cluster's GPUs)."""
+        p = self.placement
+        specific = p.prefill if role is WorkerRole.PREFILL else p.decode
+        return specific or p.default or default_placement()
+
+    def worker_asks(self, role: WorkerRole) -> ActorPlacement:
+        """What one worker of `role` holds on Ray: its rank's placement, once per TP rank."""
+        return self.placement_for(role).times(self.tp_for(role))

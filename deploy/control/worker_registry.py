@@ -1,0 +1,44 @@
+"""One entry of the controller's worker registry, and the state sets the controller and the
+rebalance logic (deploy/control/rebalance.py) agree on."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vocabulary.worker_api import ActorPlacement, WorkerInfo, WorkerRole, WorkerState
+
+
+@dataclass
+class Registered:
+    """A worker the controller created or adopted: its actor, role, state and health."""
+
+    info: WorkerInfo | None
+    role: WorkerRole
+    worker_id: str
+    handle: Any
+    placement: ActorPlacement
+    state: WorkerState = WorkerState.STARTING
+    failures: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    """Wall-clock time start() returned."""
+    state_since: float = field(default_factory=time.monotonic)
+    """Monotonic time `state` last changed (kept by `__setattr__`; for the metrics)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and getattr(self, "state", None) is not value:
+            object.__setattr__(self, "state_since", time.monotonic())
+        object.__setattr__(self, name, value)
+
+
+LISTED_STATES = (WorkerState.READY, WorkerState.DRAINING, WorkerState.DRAINED)
+"""Workers routers keep in view (and the health check pings)."""
+WANTED_STATES = (WorkerState.STARTING, WorkerState.READY)
+"""Workers that count towards a role's size."""
+
+
+def same_role(a: WorkerRole, b: WorkerRole) -> bool:
+    decode_capable = (WorkerRole.DECODE, WorkerRole.COLOCATED)
+    return a is b or (a in decode_capable and b in decode_capable)

@@ -1,0 +1,605 @@
+"""The engine loop of one worker: `step()` = schedule → run the model → postprocess.
+
+`LLMEngine` ties the scheduler (decisions, block bookkeeping), the model runner (tensors)
+and the sampler/stop checker (tokens, text) together, and is the only thing workers call.
+
+Overlap scheduling (`EngineConfig.overlap_scheduling`, on by default; engine/core/overlap.py):
+`step()` launches step t (schedule, stage, model, sample: queued on the device) before it
+reads step t-1's sampled tokens and postprocesses them, so host work hides behind the device.
+Its outputs are therefore those of the previous step, plus this one's when nothing could run
+next without its tokens (the end of a burst; a prefill-only batch). The one host wait per
+step is reading t-1's tokens. Off, every step is read before `step()` returns; it is the same
+code with the step in flight read at once.
+
+Hand-off hooks (the Prefill and Hand-off steps of a request, router/orchestrator.py):
+- prefill-only: a request finishes after its first token with `FinishReason.HANDOFF`; its
+  `RequestOutput.kv_handoff` lists the blocks, which stay held (never evicted) until
+  `release_request_blocks(request_id)`. A request that stops on its first token (eos,
+  max_tokens=1) finishes normally and holds nothing.
+- decode-only: `allocate_for_transfer` reserves blocks (reusing locally cached prefix blocks,
+  which need no transfer); the worker fills the rest, then `add_transferred_request` starts
+  decoding, or `free_transfer_blocks` gives them back on failure.
+
+Every mode accepts `add_request` (a decode-only worker prefills short prompts itself:
+conditional disaggregation); the mode only decides whether a request stops after its first
+token (prefill-only) or runs to completion.
+
+LoRA (engine/lora/lora_registry.py): a request's `lora_name` is part of its block hashes and must
+be registered (else LoraNotFound, before anything is queued); it runs only while it holds
+the adapter's device slot (engine/core/scheduler.py). `load_lora` / `unload_lora` at run time.
+
+Tensor parallelism (engine/core/tp_runner.py): this engine is rank 0 (it schedules and samples);
+`step_runner`, a `TPLeader`, runs each step on the follower ranks too; `close()` ends them.
+
+Not thread-safe: every method must be called from one thread; `engine.core.driver.EngineDriver`
+runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.batch import ScheduledBatch
+from engine.config import EngineConfig, EngineMode
+from engine.core.overlap import InflightStep
+from engine.core.rank_setup import build_rank, serving_max_model_len
+from engine.core.request import FINISH_REASONS, Request, RequestStatus
+from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
+from engine.core.sampler import Sampler, SamplingRow
+from engine.core.scheduler import Scheduler
+from engine.core.stop_checker import StopChecker
+from engine.core.tp_runner import TPLeader
+from engine.kv.block_pool import BlockPool
+from engine.kv.host_tier import CopyBudget, HostTier
+from engine.kv.kv_sizing import decide_num_host_blocks
+from engine.lora.lora_registry import LoraRegistry
+from engine.modeling.llama import LlamaModel
+from engine.tp.tensor_parallel import TPGroup
+from vocabulary.block_hash import BlockHash, hash_extra
+from vocabulary.engine_io import (
+    NO_PRIOR,
+    EngineLoad,
+    LoraInfo,
+    LoraNotFound,
+    PriorOutput,
+    RequestOutput,
+    TransferAllocation,
+)
+from vocabulary.kv_events import CacheSnapshot, KVEvent
+from vocabulary.model_config import ModelConfig
+from vocabulary.sampling import SamplingParams
+from vocabulary.step_stats import StepMeter
+from vocabulary.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler: add requests, call `step()` until done."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel | None = None,
+        tokenizer: Tokenizer | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
+        """`model`/`tokenizer` may be passed to share one loaded copy between engines
+        (tests); the model must already be on the configured device and dtype. `tp`: rank
+        0's TP group when `config.tensor_parallel_size` > 1 (engine/core/tp_runner.py)."""
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model_dir)
+        self.model_id = config.model_id or Path(config.model_dir).name
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        # Adapters first: a bad one fails before the model loads, and the slots' memory is
+        # spent before the KV pool is sized from what is left.
+        self.loras = LoraRegistry.from_config(config, self.model_config, dtype, device)
+        self.tokenizer = tokenizer or Tokenizer.from_model_dir(config.model_dir)
+        self.eos_token_ids = tuple(
+            dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
+        )
+        self.max_model_len = serving_max_model_len(config, self.model_config)
+        parts = build_rank(
+            config, self.model_config, device, dtype, self.tokenizer, tp=tp, model=model,
+            lora_weights=self.loras.weights,
+        )  # fmt: skip
+        self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
+        self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
+        self.step_runner: ModelRunner | TPLeader = self.tp_leader or self.runner
+        spec = self.kv_cache.spec
+        num_blocks = spec.num_blocks
+        num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
+        per_step = config.host_kv_max_blocks_per_step
+        self.host_tier = (
+            HostTier(num_host, self.kv_cache.tensor, per_step, spec.block_dim) if num_host else None
+        )
+        self.block_pool = BlockPool(
+            num_blocks, config.enable_prefix_caching, host_tier=self.host_tier
+        )
+        self.scheduler = Scheduler(
+            self.block_pool,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            keep_blocks_on_prefill_finish=config.mode is EngineMode.PREFILL_ONLY,
+            max_model_len=self.max_model_len,
+            finish_after_first_token=config.mode is EngineMode.PREFILL_ONLY,
+            adapters=self.loras.cache,
+            lend_host_copies=config.host_kv_handoff and self.host_tier is not None,
+        )
+        self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
+        self._checkers: dict[str, StopChecker] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._ready: list[RequestOutput] = []  # outputs decided outside step()
+        self._inflight: InflightStep | None = None  # launched, tokens not read yet
+        self.step_meter = StepMeter()
+        self.last_step_idle = False
+        """The latest `step()` launched nothing and read nothing: what is unfinished waits on
+        something outside the loop (an adapter's disk read, blocks a hand-off holds)."""
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str = "",
+        lora_name: str = "",
+        arrival_time: float | None = None,
+        prior: PriorOutput | None = None,
+    ) -> None:
+        """Queue a request (prefilled here) on LoRA adapter `lora_name` ("": base model).
+        Raises ValueError naming the bad field, LoraNotFound / LoraLoadError for an adapter
+        not registered here / whose read failed.
+
+        With `prior` (a migrated request) its tokens are prefilled after the prompt and
+        sampling goes on after them: the outputs are those of one undisturbed run."""
+        params = sampling_params or SamplingParams()
+        self._validate_prompt(prompt_token_ids, params)
+        self.loras.check(lora_name)
+        prior = prior or NO_PRIOR
+        self._validate_prior(prompt_token_ids, params, prior)
+        request = self._new_request(
+            request_id, prompt_token_ids, params, cache_salt, lora_name, arrival_time
+        )
+        for token_id in prior.token_ids:
+            request.append_output(token_id, None)
+        self.scheduler.add_request(request)
+        draws = 0 if params.greedy else len(prior.token_ids)
+        checker = self._start_tracking(request, prompt_token_ids, params, num_draws_done=draws)
+        checker.replay(prior.token_ids)
+        checker.mark_released(prior.text_chars)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request wherever it is (queued, running, held for hand-off, or reserved for
+        a transfer) and free everything it held. False if nothing was held under that id."""
+        found = self.scheduler.abort(request_id)
+        found = self.release_request_blocks(request_id) or found
+        found = self.free_transfer_blocks(request_id) or found
+        self._stop_tracking(request_id)
+        return found
+
+    def has_unfinished(self) -> bool:
+        """Whether `step()` has work (requests waiting or running, or outputs to deliver)."""
+        return self.scheduler.has_unfinished() or bool(self._ready)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Launch one scheduled batch and read the one before it (see the module docstring);
+        one output per request that sampled or finished in the steps read.
+
+        A step that raises loses what was in flight: abort every request (EngineDriver does).
+        """
+        started = time.perf_counter()
+        outputs, self._ready = self._ready, []
+        previous, self._inflight = self._inflight, None
+        decision = self.scheduler.schedule()
+        shape = self._batch_shape(decision.batch)
+        for request in decision.finished:  # ended by the scheduler (pool too small; adapter)
+            outputs.append(self._final_output(request))
+        launched = self._launch(decision.batch, previous) if decision.batch.chunks else None
+        if previous is not None:
+            outputs += self._complete(previous)
+        if launched is not None:
+            if self.config.overlap_scheduling and self.scheduler.has_ready_work():
+                self._inflight = launched  # read by the next step(), after it launches
+            else:
+                outputs += self._complete(launched)
+        if decision.batch.chunks:
+            self.step_meter.record(*shape, time.perf_counter() - started)
+        self.last_step_idle = launched is None and previous is None and not outputs
+        return outputs
+
+    def _batch_shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
+        """(requests, prompt tokens, generated tokens) of a batch, for `step_meter`."""
+        prefill = decode = 0
+        for chunk in batch.chunks:
+            prompt_len = self.scheduler.requests[chunk.request_id].num_prompt_tokens
+            in_prompt = max(0, min(chunk.num_tokens, prompt_len - chunk.start_pos))
+            prefill += in_prompt
+            decode += chunk.num_tokens - in_prompt
+        return len(batch.chunks), prefill, decode
+
+    def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
+        """Queue a batch's model run and sampling on the device; returns without waiting.
+        Placeholder inputs and pending outputs (penalties) come from `previous`'s tokens."""
+        requests = tuple(self.scheduler.requests[c.request_id] for c in batch.chunks)
+        self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
+        logits = self.step_runner.execute(batch)
+        sampled: list[Request] = []
+        rows: list[SamplingRow] = []
+        for request, chunk in zip(requests, batch.chunks, strict=True):
+            if not chunk.sample:
+                continue
+            pending = -1
+            if chunk.placeholder:
+                if previous is None:
+                    raise RuntimeError(f"request {request.request_id}: placeholder, no step read")
+                pending = previous.row_of(request)
+            sampled.append(request)
+            generator = self._generators.get(request.request_id)
+            rows.append(
+                SamplingRow(
+                    request.sampling_params,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    generator,
+                    pending,
+                )
+            )
+        previous_ids = previous.tokens.token_ids if previous is not None else None
+        tokens = self.sampler.sample(logits, rows, previous_ids)
+        self.step_runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
+        return InflightStep(requests, tuple(sampled), tokens)
+
+    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (the host's one wait on the device) and postprocess
+        them. A request that finished since it was launched (aborted; or stopped by the token
+        before, read after this step was launched) gets nothing: its token is discarded."""
+        token_ids, logprobs = step.results()
+        for request in step.requests:
+            if not request.is_finished:
+                self.scheduler.cache_computed_blocks(request)
+        now = time.time()
+        outputs: list[RequestOutput] = []
+        for request, token_id, logprob in zip(step.sampled, token_ids, logprobs, strict=True):
+            if not request.is_finished:
+                outputs.append(self._postprocess(request, token_id, logprob, now))
+        return outputs
+
+    def _postprocess(
+        self, request: Request, token_id: int, logprob: float | None, now: float
+    ) -> RequestOutput:
+        request.append_output(token_id, logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        checker = self._checkers[request.request_id]
+        status = checker.update(request, token_id)
+        if status is None and self.config.mode is EngineMode.PREFILL_ONLY:
+            status = RequestStatus.FINISHED_PREFILLED
+        text = checker.take_text_delta(request, finished=status is not None)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._stop_tracking(request.request_id)
+        return self._output(request, 1, text)
+
+    def _output(self, request: Request, num_new: int, text: str) -> RequestOutput:
+        handoff = self.scheduler.handoffs.kv_handoff(request)
+        new_ids = tuple(request.output_token_ids[len(request.output_token_ids) - num_new :])
+        logprobs = None
+        if request.sampling_params.logprobs:
+            logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - num_new :])
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text_delta=text,
+            logprobs=logprobs,
+            finish_reason=FINISH_REASONS.get(request.status),
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            timings=request.timings(),
+            kv_handoff=handoff,
+            abort_error=request.abort_error,
+        )
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        """The last output of a request ended outside a sample; stops tracking it."""
+        text = self._checkers[request.request_id].take_text_delta(request, finished=True)
+        self._stop_tracking(request.request_id)
+        return self._output(request, 0, text)
+
+    # ---- hand-off: prefill side -----------------------------------------------------------
+
+    def release_request_blocks(self, request_id: str) -> bool:
+        """Free the blocks a prefill-only request kept for hand-off (idempotent: False if
+        none are held, e.g. already released or the lease reaper got there first)."""
+        if request_id not in self.scheduler.handed_off:
+            return False
+        self.scheduler.release(request_id)
+        return True
+
+    # ---- hand-off: decode side ------------------------------------------------------------
+
+    def allocate_for_transfer(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        *,
+        cache_salt: str = "",
+        lora_name: str = "",
+    ) -> TransferAllocation:
+        """Reserve local blocks for a prompt's KV (block_hashes: its full blocks' hashes, as
+        the prefill side reported them, with LoRA adapter `lora_name`, whose read starts
+        now if needed). Raises NoFreeBlocksError when the pool is short, and as add_request."""
+        self._validate_prompt(prompt_token_ids, None)
+        self.loras.check(lora_name)
+        if self._inflight is not None and self._inflight.released_blocks():
+            # The transfer writes the pool from outside the device stream, and the step in
+            # flight may still write a block one of its requests gave back: let it finish.
+            self._inflight.wait_device()
+        extra = hash_extra(self.model_id, cache_salt, lora_name)
+        reserved = self.scheduler.reserve_transfer(
+            request_id, prompt_token_ids, block_hashes, extra, lora_name
+        )
+        return TransferAllocation(request_id, reserved.block_ids, reserved.num_cached_blocks)
+
+    def free_transfer_blocks(self, request_id: str) -> bool:
+        """Give back the blocks reserved for a transfer that failed (False if none)."""
+        if request_id not in self.scheduler.transferring:
+            return False
+        self.scheduler.free_transfer(request_id)
+        return True
+
+    def add_transferred_request(
+        self,
+        request_id: str,
+        first_token_id: int,
+        sampling_params: SamplingParams,
+        *,
+        first_token_logprob: float | None = None,
+        arrival_time: float | None = None,
+        prior: PriorOutput | None = None,
+    ) -> None:
+        """Start decoding a request whose prompt KV now fills its reserved blocks.
+
+        `first_token_id` is the token the prefill side sampled (already streamed to the
+        client: its text is not returned again). If it already ends the request (eos,
+        max_tokens=1) the request finishes at once and the next `step()` reports it.
+
+        With `prior` (a migrated request) the reserved KV is the prompt's and then the prior
+        tokens', `first_token_id` is the last token the client has (not sampled by the
+        prefill side), and the text sent is `prior.text_chars` characters up to and with it.
+        It runs on its transfer's LoRA adapter once it holds the adapter's slot.
+        """
+        reserved = self.scheduler.transferring.get(request_id)
+        if reserved is None:
+            raise KeyError(f"no transfer reserved for request {request_id!r}")
+        prior = prior or NO_PRIOR
+        n_prior = len(prior.token_ids)
+        kv_tokens = reserved.prompt_token_ids
+        if n_prior and kv_tokens[len(kv_tokens) - n_prior :] != prior.token_ids:
+            raise ValueError("prior: its tokens are not those that end the transferred KV")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=kv_tokens[: len(kv_tokens) - n_prior],
+            sampling_params=sampling_params,
+            block_size=self.config.block_size,
+            hash_extra=reserved.hash_extra,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            # (a prior's tokens hash as they are appended)
+            block_hashes=[] if n_prior else list(reserved.block_hashes),
+            lora_name=reserved.lora_name,
+        )
+        self._validate_prior(request.prompt_token_ids, sampling_params, prior, with_next=True)
+        for token_id in prior.token_ids:
+            request.append_output(token_id, None)
+        request.append_output(first_token_id, first_token_logprob)
+        request.first_token_time = time.time()
+        self.scheduler.add_transferred(request)
+        # The prefill side drew once from a seeded generator for the first token (a
+        # migrated request: once for each token the client has).
+        draws = 0 if sampling_params.greedy else n_prior + 1
+        checker = self._start_tracking(request, request.prompt_token_ids, sampling_params, draws)
+        checker.replay(prior.token_ids)
+        status = checker.update(request, first_token_id)
+        if n_prior:
+            checker.mark_released(prior.text_chars)
+        else:
+            checker.take_text_delta(request, finished=True)  # the prefill side sent this text
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._stop_tracking(request_id)
+            self._ready.append(self._output(request, 0, ""))
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT folder at `path` as adapter `name` (checked now, read at its first
+        request); a no-op for the same name and folder. ValueError naming the adapter when
+        it cannot be served here (engine/lora/lora_registry.py)."""
+        self.loras.register(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Stop serving adapter `name` (False if it is not registered); new requests on it
+        raise LoraNotFound. Requests holding its slot finish normally (its weights go with
+        the last); those on it that hold none end now (`Scheduler.abort_without_slot`),
+        reported by the next `step()`."""
+        if not self.loras.unregister(name):
+            return False
+        reason = LoraNotFound(f"lora adapter {name!r} was unloaded before it ran")
+        for request in self.scheduler.abort_without_slot(name, reason):
+            self._ready.append(self._final_output(request))
+        return True
+
+    def list_loras(self) -> tuple[LoraInfo, ...]:
+        """The adapters registered here, in registration order (none when LoRA is off)."""
+        return self.loras.infos()
+
+    # ---- observability --------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_waiting_prefill_tokens=s.num_pending_prefill_tokens(),
+            num_free_blocks=self.block_pool.num_free,
+            num_total_blocks=self.block_pool.num_blocks,
+            num_handoff_blocks=s.num_handoff_blocks(),
+            num_transfer_blocks=s.num_transfer_blocks(),
+            num_cache_query_tokens=s.num_cache_query_tokens,
+            num_cache_hit_tokens=s.num_cache_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            num_host_hit_tokens=s.num_host_hit_tokens,
+            host_tier=self.host_tier.stats() if self.host_tier is not None else None,
+            steps=self.step_meter.snapshot(),
+            loras=self.loras.held(),
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache changes since the previous call (for the prefix-index publisher)."""
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> tuple[tuple[BlockHash, ...], int]:
+        """(every hash cached in the device pool, seq of the last event they include)."""
+        return self.block_pool.cached_hashes(), self.block_pool.last_seq
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        """Every hash held, by tier, as of one event sequence number: a full index resync."""
+        pool = self.block_pool
+        return CacheSnapshot(pool.last_seq, pool.cached_hashes(), pool.host_only_hashes())
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()
+
+    def use_copy_budget(self, budget: CopyBudget) -> None:
+        """Budget the host tier's copies with the worker's KV transfers (engine/kv/host_tier.py)."""
+        if self.host_tier is not None:
+            self.host_tier.budget = budget
+
+    def close(self) -> None:
+        """Tell a TP engine's follower ranks to return (their group stays the caller's to
+        close); nothing to do with one rank."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | None = None,
+        lora_name: str = "",
+    ) -> list[list[int]]:
+        """Run prompts to completion (all added at once, on adapter `lora_name`); output token
+        ids per prompt."""
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(request_id, prompt, sampling_params, lora_name=lora_name)
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[i] for i in ids]
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _validate_prompt(self, prompt: Sequence[int], params: SamplingParams | None) -> None:
+        if not prompt:
+            raise ValueError("prompt_token_ids: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: id {bad[0]} is outside [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        pool_tokens = self.block_pool.num_blocks * self.config.block_size
+        if len(prompt) + 1 > pool_tokens:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens do not fit the KV pool "
+                f"({self.block_pool.num_blocks} blocks of {self.config.block_size})"
+            )
+        budget = self.config.max_num_batched_tokens
+        chunkless = params is not None and not self.config.enable_chunked_prefill
+        if chunkless and params is not None and len(prompt) + params.max_tokens - 1 > budget:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens + max_tokens exceed "
+                f"max_num_batched_tokens={budget} with chunked prefill disabled"
+            )
+
+    def _validate_prior(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        prior: PriorOutput,
+        with_next: bool = False,
+    ) -> None:
+        """A prior output leaves the request unfinished (it did not stop on the engine that
+        produced it): room for one more token (after `with_next`, the client's last one)."""
+        n = len(prior.token_ids) + (1 if with_next else 0)
+        if not prior.token_ids:
+            return
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prior.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prior: token id {bad[0]} is outside [0, {vocab})")
+        if n >= params.max_tokens:
+            raise ValueError(f"prior: {n} tokens leave none of max_tokens={params.max_tokens}")
+        if len(prompt) + n >= self.max_model_len:
+            raise ValueError(
+                f"prior: {len(prompt)} prompt + {n} output tokens leave no room within "
+                f"max_model_len={self.max_model_len}"
+            )
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str,
+        lora_name: str,
+        arrival_time: float | None,
+    ) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt),
+            sampling_params=params,
+            block_size=self.config.block_size,
+            hash_extra=hash_extra(self.model_id, cache_salt, lora_name),
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            lora_name=lora_name,
+        )
+
+    def _start_tracking(
+        self,
+        request: Request,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        num_draws_done: int,
+    ) -> StopChecker:
+        checker = StopChecker(
+            self.tokenizer.detokenizer(prompt), self.eos_token_ids, self.max_model_len
+        )
+        self._checkers[request.request_id] = checker
+        if params.seed is not None:
+            self._generators[request.request_id] = self.sampler.make_generator(
+                params.seed, num_draws_done
+            )
+        return checker
+
+    def _stop_tracking(self, request_id: str) -> None:
+        self._checkers.pop(request_id, None)
+        self._generators.pop(request_id, None)

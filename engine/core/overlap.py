@@ -1,0 +1,90 @@
+"""Overlap scheduling: a launched step whose sampled tokens the host reads one step later.
+
+`LLMEngine.step()` with `EngineConfig.overlap_scheduling` (SGLang's overlap scheduler, vLLM's
+async scheduling) works on two steps at once:
+
+    schedule t → launch t (stage inputs, replay/run the model, sample: all queued on the
+    device) → read t-1 (`InflightStep.results`: the one wait on the device per step) →
+    postprocess t-1 (append tokens, stop checks, detokenize, outputs)
+
+so the host's work for t-1 and t+1 runs while the device computes t. A token sampled at t-1
+is a placeholder when t is scheduled (`Request.num_output_placeholders`): its decode is
+staged with token 0 and the runner overwrites that row on the device with the id from t-1's
+sampled tensor (`ModelRunner.keep_sampled`), so no host sync sits inside the loop.
+
+Invariants the engine keeps:
+- at most one step is in flight; everything it samples is read before the step after the
+  next is scheduled, so a placeholder always refers to the latest launched step;
+- a request that stops (or is aborted) while its next decode is in flight emits nothing
+  more: that token is read and discarded, its blocks were freed by `Scheduler.finish`
+  (the step in flight may still write the freed slot: only later steps on the same stream
+  reuse it, and a KV transfer into the pool waits for the step first, `wait_device`);
+- host→device values of a step (sampling parameters, placeholder indices) go through pinned
+  memory with non-blocking copies (`to_device`): a plain `torch.tensor(..., device="cuda")`
+  waits for the device to drain, which would serialize the loop again.
+
+On CPU the device work is synchronous, so the same code runs without any overlap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.core.sampler import SampledTokens
+
+
+class InflightStep:
+    """A launched step: its requests, what it sampled (still on the device) and the
+    asynchronous copy of those tokens to the host.
+
+    `sampled[i]` is the request whose token is row i of `tokens`; `requests` holds every
+    request of the batch (the engine caches their computed blocks once the step is read).
+    """
+
+    def __init__(
+        self, requests: tuple[Request, ...], sampled: tuple[Request, ...], tokens: SampledTokens
+    ) -> None:
+        self.requests = requests
+        self.sampled = sampled
+        self.tokens = tokens
+        self._rows = {r.request_id: i for i, r in enumerate(sampled)}
+        ids, logprobs = tokens.token_ids, tokens.logprobs
+        self._done: torch.cuda.Event | None = None
+        if ids.device.type == "cuda":  # D2H into pinned memory, then an event to wait on
+            ids = ids.to("cpu", non_blocking=True)
+            logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._host_ids, self._host_logprobs = ids, logprobs
+
+    def row_of(self, request: Request) -> int:
+        """The row of `request`'s token in `tokens` (KeyError if it sampled nothing here)."""
+        row = self._rows.get(request.request_id)
+        if row is None or self.sampled[row] is not request:
+            raise KeyError(f"request {request.request_id!r} sampled nothing in this step")
+        return row
+
+    def released_blocks(self) -> bool:
+        """Whether a request of this step has given its blocks back since it was launched
+        (finished, aborted or preempted): the step may still write one of them."""
+        return any(r.is_finished or r.status is RequestStatus.PREEMPTED for r in self.requests)
+
+    def wait_device(self) -> None:
+        """Block until the device has finished the step (its KV writes included)."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    def results(self) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
+        """(token id, raw logprob or None) per sampled row; waits for the device."""
+        self.wait_device()
+        ids = self._host_ids.tolist()
+        wanted = self.tokens.wants_logprobs
+        if self._host_logprobs is None:
+            return tuple(ids), (None,) * len(ids)
+        values = self._host_logprobs.tolist()
+        return tuple(ids), tuple(v if w else None for v, w in zip(values, wanted, strict=True))

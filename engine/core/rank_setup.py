@@ -1,0 +1,110 @@
+"""One rank's tensors: its model (or its part of it), KV pool and runner, built in one order.
+
+`LLMEngine` (rank 0, or the only rank) and every tensor-parallel follower
+(engine/core/tp_runner.py) call `build_rank`, so all ranks run the same start-up collectives in
+the same order:
+
+    load the model (a TP rank: its part, engine/tp/tp_shard.py) → attach the group's all-reduce
+    → FP8 quantization and calibration (a forward pass: all-reduces; the ranks agree on the
+    max of every amax) → size the KV pool (the ranks agree on the smallest block count, the
+    block ids being the same on every rank) → allocate it (in `EngineConfig.kv_layout`) →
+    the runner (CUDA-graph capture: more forwards, on every rank)
+
+With one rank and no group this is exactly the engine's single-device start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.runner import ModelRunner
+from engine.kv.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
+from engine.kv.kv_sizing import decide_num_kv_blocks, kv_cache_spec, kv_layout
+from engine.loading.fp8_calibration import prepare_fp8
+from engine.loading.loaders import load_model
+from engine.lora.lora_apply import LoraWeights
+from engine.modeling.llama import LlamaModel
+from engine.tp.tensor_parallel import TPGroup
+from engine.tp.tp_shard import check_tp_size
+from vocabulary.model_config import ModelConfig
+from vocabulary.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What `build_rank` made: the model (part), its KV pool and the runner over both."""
+
+    model: LlamaModel
+    kv_cache: KVCache
+    runner: ModelRunner
+
+
+def serving_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Longest prompt + output an engine of `config` serves (the model's limit at most)."""
+    model_len = model_config.max_model_len
+    return min(config.max_model_len or model_len, model_len)
+
+
+def check_tp_config(config: EngineConfig, model_config: ModelConfig, tp: TPGroup | None) -> None:
+    """Raise ValueError unless `tp` is the group `config` asks for (None for one rank) and
+    its size splits the model."""
+    size = config.tensor_parallel_size
+    if size == 1 and tp is None:
+        return
+    if tp is None:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs this rank's TP group "
+            "(engine.tp.tensor_parallel.init_tp_group)"
+        )
+    if tp.size != size:
+        raise ValueError(f"tensor_parallel_size={size}, but the TP group has {tp.size} ranks")
+    check_tp_size(model_config, size)
+
+
+def build_rank(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Tokenizer,
+    *,
+    tp: TPGroup | None = None,
+    model: LlamaModel | None = None,
+    lora_weights: LoraWeights | None = None,
+) -> RankParts:
+    """Build this rank's parts (see the module docstring). `model`: already loaded on the
+    device and dtype (a TP rank's part for `tp`); `lora_weights`: the adapter slots (one
+    rank only)."""
+    check_tp_config(config, model_config, tp)
+    shard = tp.shard if tp is not None else None
+    if model is None:  # FP8 (configured, or the checkpoint's own) is made while loading
+        model = load_model(
+            config.model_dir, dtype, device, quantization=config.quantization,
+            load_format=config.load_format, seed=config.seed, shard=shard,
+        )  # fmt: skip
+    elif model.tp_shard != shard:
+        raise ValueError(f"the model given holds TP part {model.tp_shard}, this rank is {shard}")
+    # A TP rank's pool and calibration are sized by its part's config
+    cfg = model_config if tp is None else model.cfg
+    if tp is not None:
+        model.use_all_reduce(tp.all_reduce)
+    # FP8 weights and scales before sizing the KV pool: it gets the memory freed
+    kv_scales = prepare_fp8(
+        model, tokenizer.encode, config.quantization, config.kv_cache_dtype,
+        serving_max_model_len(config, model_config),
+        agree_max=tp.reduce_max if tp is not None else None,
+    )  # fmt: skip
+    kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
+    num_blocks = decide_num_kv_blocks(config, cfg, device, kv_dtype, model, kv_scales)
+    if tp is not None:
+        num_blocks = tp.reduce_min(num_blocks)
+    spec = kv_cache_spec(
+        cfg, config.block_size, kv_dtype, num_blocks, kv_scales, shard,
+        layout=kv_layout(config, device), model_kv_heads=model_config.num_kv_heads,
+    )  # fmt: skip
+    kv_cache = KVCache(spec, device)
+    runner = ModelRunner(model, kv_cache, config, lora_weights)
+    return RankParts(model, kv_cache, runner)

@@ -1,0 +1,383 @@
+"""Pre-quantized FP8 checkpoints in the compressed-tensors `float-quantized` format (what
+llm-compressor writes, and most FP8 Llama checkpoints on the Hugging Face Hub use), read
+straight into the model's FP8 projections; dense checkpoints quantized the same way as they
+stream in.
+
+The format, as config.json and tensor names give it:
+
+    "quantization_config": {
+      "quant_method": "compressed-tensors", "format": "float-quantized",
+      "quantization_status": "compressed", "kv_cache_scheme": null, "ignore": ["lm_head"],
+      "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": true, "dynamic": false,
+                    "strategy": "tensor" | "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": true,
+                              "dynamic": false, "strategy": "tensor"}        (static)
+                           | {..., "dynamic": true, "strategy": "token"}     (dynamic)
+                           | null }}}                                        (weights only)
+
+    <module>.weight         float8_e4m3fn [out, in]       weight ≈ weight.float() * weight_scale
+    <module>.weight_scale   [] or [1] (tensor), [out, 1] (channel)
+    <module>.input_scale    [] or [1], static activations only
+    Modules in `ignore` (the head) and all that is not a Linear are stored as in a dense
+    checkpoint. A group may carry its own "format"; every group must be FP8 and agree.
+
+What the engine makes of it (engine/quantization/fp8_linear.py runs one scale per tensor, cuBLASLt's
+fastest):
+- q/k/v and gate/up are separate modules in the checkpoint and one fused projection here.
+  Parts that are per-tensor with one shared scale keep their e4m3 bytes as they are; any
+  other mix (per-tensor scales that differ, per-channel scales, a dense part) is dequantized
+  part by part with its own scales to float32 and quantized again with one scale
+  (`fuse_parts`): one more e4m3 rounding, at the fused tensor's scale. Per-channel o/down get
+  one scale the same way.
+- Static input scales of fused parts: their max (the parts read the same input; the max
+  saturates nothing any part's scale covered). Dynamic activations, per token or per tensor
+  (or none, weights only): quantized per tensor at run time.
+- KV-cache scales (`kv_cache_scheme`, `self_attn.k_scale`/`v_scale`) are not read:
+  `kv_cache_dtype=fp8` calibrates its own at load (engine/loading/fp8_calibration.py).
+- An FP8 head (not in `ignore`) is dequantized: the head and embeddings stay in the dtype.
+
+Tensors stream in one at a time (engine/loading/hf_checkpoint.py); a fused projection is built on
+the device as soon as its last part has arrived and its parts are dropped, so neither the host nor
+the device ever holds the dense model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from engine.loading.hf_checkpoint import (
+    PROJECTIONS,
+    check_complete,
+    copy_tensor,
+    expected_tensor_names,
+)
+from engine.modeling.llama import DecoderLayer, LlamaModel
+from engine.quantization.fp8_linear import FP8_DTYPE, Fp8Linear, quantize_per_tensor
+from vocabulary.model_config import ModelConfig
+
+QUANT_METHOD = "compressed-tensors"
+FLOAT_QUANTIZED = "float-quantized"
+WEIGHT_STRATEGIES = ("tensor", "channel")
+
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
+"""Each fused projection's checkpoint modules, in the order of its rows."""
+_PROJECTION_OF = {part: proj for proj, parts in FUSED_PARTS.items() for part in parts}
+
+_PART_TENSOR = re.compile(
+    r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\."
+    r"(weight|weight_scale|input_scale|weight_zero_point|input_zero_point)$"
+)
+_KV_SCALE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_scale|[kv]_proj\.output_scale)$")
+_OTHER_LINEAR = re.compile(r"^(.+)\.(weight|weight_scale|input_scale)$")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a compressed-tensors FP8 checkpoint quantizes its Linear layers."""
+
+    weight_strategy: str = "channel"
+    """tensor (one weight_scale per module) or channel (one per output row)."""
+    dynamic_activations: bool = True
+    """True: activations are quantized at run time (strategy token, or tensor); False: static,
+    one `input_scale` per module in the checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.weight_strategy not in WEIGHT_STRATEGIES:
+            raise ValueError(
+                f"weight_strategy: one of {', '.join(WEIGHT_STRATEGIES)}, "
+                f"got {self.weight_strategy!r}"
+            )
+
+    def __str__(self) -> str:
+        acts = "dynamic" if self.dynamic_activations else "static"
+        return f"compressed-tensors FP8, per-{self.weight_strategy} weights, {acts} activations"
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The config.json `quantization_config` of a checkpoint in this scheme (the head
+        left dense)."""
+        activations = {"num_bits": 8, "type": "float", "symmetric": True}
+        if self.dynamic_activations:
+            activations |= {"strategy": "token", "dynamic": True}
+        else:
+            activations |= {"strategy": "tensor", "dynamic": False}
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": self.weight_strategy}  # fmt: skip
+        return {
+            "quant_method": QUANT_METHOD,
+            "format": FLOAT_QUANTIZED,
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": activations,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+        }
+
+
+def read_fp8_scheme(raw_config: Mapping[str, Any]) -> Fp8Scheme | None:
+    """The FP8 scheme a config.json declares; None for a dense checkpoint. Raises ValueError
+    naming the key for any quantization the engine does not load."""
+    qc = raw_config.get("quantization_config")
+    if qc is None:
+        return None
+    where = "config.json: quantization_config"
+    if not isinstance(qc, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != QUANT_METHOD:
+        raise ValueError(
+            f"{where}.quant_method {method!r} is not supported (FP8 checkpoints load in the "
+            f"{QUANT_METHOD} {FLOAT_QUANTIZED!r} format)"
+        )
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{where}.config_groups: expected a mapping of quantized groups")
+    schemes = {_group_scheme(qc, name, g, f"{where}.config_groups.{name}") for name, g in
+               groups.items()}  # fmt: skip
+    if len(schemes) > 1:
+        raise ValueError(f"{where}.config_groups: groups disagree ({', '.join(map(str, schemes))})")
+    return schemes.pop()
+
+
+def _group_scheme(qc: Mapping[str, Any], name: str, group: Any, where: str) -> Fp8Scheme:
+    if not isinstance(group, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {group!r}")
+    fmt = group.get("format") or qc.get("format")
+    if fmt != FLOAT_QUANTIZED:
+        raise ValueError(f"{where}: format {fmt!r} is not supported (only {FLOAT_QUANTIZED!r})")
+    weights = group.get("weights")
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"{where}.weights: expected the weights' quantization")
+    _check_fp8_args(weights, f"{where}.weights")
+    strategy = weights.get("strategy") or (
+        "channel" if weights.get("group_size") == -1 else "tensor"
+    )
+    if strategy not in WEIGHT_STRATEGIES or weights.get("dynamic", False):
+        raise ValueError(
+            f"{where}.weights: strategy {strategy!r} is not supported (static tensor or channel)"
+        )
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{where}.output_activations: not supported")
+    acts = group.get("input_activations")
+    if acts is None:  # weights only: activations quantized at run time here
+        return Fp8Scheme(strategy, dynamic_activations=True)
+    if not isinstance(acts, Mapping):
+        raise ValueError(f"{where}.input_activations: expected a mapping, got {acts!r}")
+    _check_fp8_args(acts, f"{where}.input_activations")
+    dynamic = acts.get("dynamic", False)
+    act_strategy = acts.get("strategy") or "tensor"
+    if dynamic is True and act_strategy in ("token", "tensor"):
+        return Fp8Scheme(strategy, dynamic_activations=True)
+    if dynamic is False and act_strategy == "tensor":
+        return Fp8Scheme(strategy, dynamic_activations=False)
+    raise ValueError(
+        f"{where}.input_activations: dynamic={dynamic!r} strategy {act_strategy!r} is not "
+        "supported (static tensor, or dynamic token/tensor)"
+    )
+
+
+def _check_fp8_args(args: Mapping[str, Any], where: str) -> None:
+    bits, kind = args.get("num_bits", 8), args.get("type", "int")
+    if bits != 8 or kind != "float":
+        raise ValueError(f"{where}: {bits}-bit {kind} is not supported (8-bit float, e4m3)")
+    if not args.get("symmetric", True):
+        raise ValueError(f"{where}: asymmetric quantization is not supported")
+
+
+# ---- assembling fused projections ----------------------------------------------------------
+
+
+@dataclass
+class Fp8Part:
+    """One checkpoint Linear module's tensors (on the target device) as they arrive."""
+
+    name: str
+    """Its module path in the checkpoint (`model.layers.0.self_attn.q_proj`)."""
+    weight: torch.Tensor | None = None
+    """e4m3 with a weight_scale, or dense in the model dtype (a module left unquantized)."""
+    weight_scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight is not None and self.weight.dtype == FP8_DTYPE
+
+    def complete(self, static: bool) -> bool:
+        """Whether every tensor this module stores has arrived."""
+        if self.weight is None:
+            return False
+        if not self.quantized:
+            return True
+        return self.weight_scale is not None and (self.input_scale is not None or not static)
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.quantized and self.weight_scale is not None and self.weight_scale.numel() == 1
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in float32 (e4m3 times its per-tensor or per-row scale)."""
+        assert self.weight is not None
+        if not self.quantized:
+            return self.weight.float()
+        if self.weight_scale is None:
+            raise ValueError(f"checkpoint is missing {self.name}.weight_scale")
+        rows = self.weight.shape[0]
+        scale = self.weight_scale.float()
+        if scale.numel() == 1:
+            scale = scale.reshape(())
+        elif tuple(scale.shape) in ((rows, 1), (rows,)):
+            scale = scale.reshape(rows, 1)
+        else:
+            raise ValueError(
+                f"tensor {self.name}.weight_scale has shape {tuple(scale.shape)}: want [] or "
+                f"[1] (per tensor) or [{rows}, 1] (per channel)"
+            )
+        return self.weight.float() * scale
+
+
+def fuse_parts(parts: Sequence[Fp8Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(e4m3 weight, float32 scale [], static input scale [] or None) of the row
+    concatenation of `parts` (see the module docstring)."""
+    weights = [p.weight for p in parts]
+    assert all(w is not None for w in weights)
+    scales = [p.weight_scale.float().reshape(()) for p in parts if p.per_tensor]  # type: ignore[union-attr]
+    if len(scales) == len(parts) and all(bool(s == scales[0]) for s in scales):
+        weight, scale = torch.cat(cast(list[torch.Tensor], weights)), scales[0]
+    else:
+        weight, scale = quantize_per_tensor(torch.cat([p.dequantized() for p in parts]))
+    inputs = [p.input_scale.float().reshape(()) for p in parts if p.input_scale is not None]
+    input_scale = torch.stack(inputs).amax() if inputs else None
+    return weight, scale, input_scale
+
+
+def _check_zero(name: str, tensor: torch.Tensor) -> None:
+    if bool(tensor.ne(0).any()):
+        raise ValueError(
+            f"tensor {name!r}: asymmetric quantization (a zero point) is not supported"
+        )
+
+
+def _part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {
+        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }  # fmt: skip
+
+
+class _Assembler:
+    """Collects the parts of each layer's projections and builds each Fp8Linear the moment
+    its last part arrives."""
+
+    def __init__(self, model: LlamaModel, static: bool) -> None:
+        self.model = model
+        self.static = static
+        self.part_shapes = _part_shapes(model.cfg)
+        self.parts: dict[tuple[int, str], Fp8Part] = {}
+        self.built: dict[int, dict[str, Fp8Linear]] = {}
+
+    def add(self, layer: int, module: str, kind: str, tensor: torch.Tensor) -> None:
+        model = self.model
+        name = f"model.layers.{layer}.{module}"
+        if layer >= model.cfg.num_layers:
+            raise ValueError(
+                f"tensor {name}.{kind} is beyond num_hidden_layers={model.cfg.num_layers}"
+            )
+        part = self.parts.setdefault((layer, module), Fp8Part(name))
+        if kind == "weight":
+            want = self.part_shapes[module]
+            if tuple(tensor.shape) != want:
+                raise ValueError(
+                    f"tensor {name}.weight has shape {tuple(tensor.shape)}, config expects {want}"
+                )
+            dtype = FP8_DTYPE if tensor.dtype == FP8_DTYPE else model.dtype
+            part.weight = tensor.to(device=model.device, dtype=dtype)
+        else:
+            setattr(part, kind, tensor.to(device=model.device, dtype=torch.float32))
+        projection = _PROJECTION_OF[module]
+        group = [self.parts.get((layer, m)) for m in FUSED_PARTS[projection]]
+        if all(p is not None and p.complete(self.static) for p in group):
+            self._build(layer, projection, cast(list[Fp8Part], group))
+
+    def _build(self, index: int, projection: str, parts: list[Fp8Part]) -> None:
+        layer = cast(DecoderLayer, self.model.layers[index])
+        weight, scale, input_scale = fuse_parts(parts)
+        bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(projection)
+        linears = self.built.setdefault(index, {})
+        linears[projection] = Fp8Linear(weight, scale, bias, input_scale)
+        for module in FUSED_PARTS[projection]:
+            del self.parts[(index, module)]
+        if len(linears) == len(PROJECTIONS):
+            layer.fp8 = nn.ModuleDict({name: linears[name] for name in PROJECTIONS})
+
+    def check_complete(self) -> None:
+        if self.parts:
+            part = next(iter(self.parts.values()))
+            lacks = "weight" if part.weight is None else (
+                "weight_scale" if part.weight_scale is None else "input_scale"
+            )  # fmt: skip
+            raise ValueError(f"checkpoint is missing {part.name}.{lacks}")
+        for i in range(self.model.cfg.num_layers):
+            done = self.built.get(i, {})
+            for projection, modules in FUSED_PARTS.items():
+                if projection not in done:
+                    raise ValueError(f"checkpoint is missing model.layers.{i}.{modules[0]}.weight")
+
+
+@torch.no_grad()
+def load_fp8_weights(
+    model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor]], scheme: Fp8Scheme | None
+) -> None:
+    """Stream a checkpoint into `model` (an `engine.loading.hf_checkpoint.empty_model`): FP8 per
+    `scheme`, or dense (None) and quantized here, projection by projection. Sets `model.quantization
+    = "fp8"`; raises naming any missing, misshapen or unexpected tensor."""
+    assembler = _Assembler(model, static=scheme is not None and not scheme.dynamic_activations)
+    other: dict[str, Fp8Part] = {}  # an FP8 Linear outside the layers (a head not ignored)
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        m = _PART_TENSOR.match(name)
+        if m is not None:
+            if m[3].endswith("zero_point"):
+                _check_zero(name, tensor)
+            else:
+                assembler.add(int(m[1]), m[2], m[3], tensor)
+            continue
+        if _KV_SCALE.match(name):
+            continue  # KV scales are calibrated at load (module docstring)
+        linear = _OTHER_LINEAR.match(name)
+        if linear is not None and (tensor.dtype == FP8_DTYPE or linear[2] != "weight"):
+            module, kind = linear[1], linear[2]
+            part = other.setdefault(module, Fp8Part(module))
+            setattr(part, kind, tensor)
+            if part.complete(static=False):
+                key = copy_tensor(model, f"{module}.weight", part.dequantized().to(model.dtype))
+                seen.update([key] if key else [])
+            continue
+        key = copy_tensor(model, name, tensor)
+        if key is not None:
+            seen.add(key)
+    assembler.check_complete()
+    projections = {f".{m}.weight" for parts in FUSED_PARTS.values() for m in parts}
+    check_complete(
+        [n for n in expected_tensor_names(model.cfg) if not n.endswith(tuple(projections))], seen
+    )
+    model.quantization = "fp8"

@@ -1,0 +1,139 @@
+"""One loader per weight format, behind `load_model`: the way a checkpoint folder becomes an
+engine `LlamaModel`.
+
+`load_model` reads config.json, decides the checkpoint's weight format (what it declares,
+else what `EngineConfig.quantization` and `load_format` ask for) and calls that format's
+loader from `LOADERS`:
+
+    dense    dense safetensors, quantization none: LlamaModel in the dtype
+             (engine/loading/hf_checkpoint.py)
+    fp8      an FP8 checkpoint (compressed-tensors `float-quantized`), read as FP8 whatever
+             quantization says (logged); or a dense checkpoint with quantization fp8, each
+             fused projection quantized as soon as its parts are read, so the dense
+             projections never exist on the device (engine/loading/fp8_checkpoint.py)
+    dummy    load_format dummy: random weights from config.json, FP8 made layer by layer
+             straight into FP8 when fp8 (engine/loading/dummy_weights.py)
+
+The FP8 loaders build the model with `empty_model` (its projections allocated by nobody but
+the loader) and set `model.quantization = "fp8"`. With a `TPShard` of size > 1 every loader
+builds that rank's part (engine/tp/tp_shard.py): a model of the part's config, dummy weights
+drawn whole and cut, so each rank's part is the same whatever the size.
+
+A new format registers a loader here and, when a checkpoint declares it, its detection in
+`weight_format`; the format joins the hand-off compatibility hash through the pool spec.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import LOAD_FORMATS, QUANTIZATIONS
+from engine.loading.dummy_weights import dummy_model
+from engine.loading.fp8_checkpoint import Fp8Scheme, load_fp8_weights, read_fp8_scheme
+from engine.loading.hf_checkpoint import empty_model, iter_checkpoint, load_weights
+from engine.modeling.llama import LlamaModel
+from engine.tp.tp_shard import TPShard, check_tp_size, local_config
+from vocabulary.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What one loader builds: the checkpoint, the whole model's config and this rank's part
+    of it, where the model goes, and the FP8 scheme the checkpoint declares (if any)."""
+
+    model_dir: Path
+    cfg: ModelConfig
+    local_cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device | str
+    shard: TPShard | None
+    fp8: bool
+    """The model computes in FP8 (declared by the checkpoint, or asked for)."""
+    fp8_scheme: Fp8Scheme | None
+    seed: int
+
+
+Loader = Callable[[LoadSpec], LlamaModel]
+
+
+def _load_dense(spec: LoadSpec) -> LlamaModel:
+    model = LlamaModel(spec.local_cfg, dtype=spec.dtype, device=spec.device)
+    load_weights(model, iter_checkpoint(spec.model_dir, spec.cfg, spec.shard))
+    return model
+
+
+def _load_fp8(spec: LoadSpec) -> LlamaModel:
+    model = empty_model(spec.local_cfg, spec.dtype, spec.device)
+    load_fp8_weights(model, iter_checkpoint(spec.model_dir, spec.cfg, spec.shard), spec.fp8_scheme)
+    return model
+
+
+def _load_dummy(spec: LoadSpec) -> LlamaModel:
+    return dummy_model(
+        spec.cfg, spec.dtype, spec.device, fp8=spec.fp8, seed=spec.seed, shard=spec.shard
+    )
+
+
+LOADERS: dict[str, Loader] = {"dense": _load_dense, "fp8": _load_fp8, "dummy": _load_dummy}
+"""Weight format → its loader."""
+
+
+def weight_format(load_format: str, fp8: bool) -> str:
+    """The `LOADERS` key for a checkpoint: dummy when asked for, else what its weights are."""
+    if load_format == "dummy":
+        return "dummy"
+    return "fp8" if fp8 else "dense"
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    quantization: str = "none",
+    load_format: str = "auto",
+    seed: int = 0,
+    shard: TPShard | None = None,
+) -> LlamaModel:
+    """Build a LlamaModel from a Hugging Face checkpoint folder on local disk (the ways in:
+    see the module docstring). `seed` seeds dummy weights; `shard`: the tensor-parallel
+    rank's part only (`model.tp_shard`; ValueError for a TP size that does not split it)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint folder")
+    raw = json.loads(path.read_text())
+    cfg = ModelConfig.from_dict(raw)
+    if shard is not None and shard.size == 1:
+        shard = None
+    if shard is not None:
+        check_tp_size(cfg, shard.size)
+    scheme = read_fp8_scheme(raw)
+    if scheme is not None and quantization != "fp8":
+        log.info("%s is an FP8 checkpoint (%s): loading FP8 weights", model_dir, scheme)
+    fp8 = quantization == "fp8" or scheme is not None
+    spec = LoadSpec(
+        model_dir=Path(model_dir),
+        cfg=cfg,
+        local_cfg=cfg if shard is None else local_config(cfg, shard),
+        dtype=dtype,
+        device=device,
+        shard=shard,
+        fp8=fp8,
+        fp8_scheme=scheme,
+        seed=seed,
+    )
+    model = LOADERS[weight_format(load_format, fp8)](spec)
+    model.tp_shard = shard
+    return model.eval()

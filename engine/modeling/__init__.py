@@ -1,0 +1,1 @@
+"""engine.modeling: the Llama-family model and the fused layer ops it runs on."""

@@ -1,0 +1,1 @@
+"""engine.quantization: quantized linear layers and their kernels (FP8)."""
