@@ -11,9 +11,10 @@ A command that raises is logged (post) or re-raised in the caller (call); it nev
 thread.
 
 Progress: the thread stamps the (monotonic) time each iteration completes (commands, tick,
-sleep), and `progress()` reports it as a `LoopProgress` (engine/core/driver.py) with whether work is
-pending: commands queued or running, or the owner's `has_work` (its transfers or leases). The
-worker's health check reads it, so a NIXL call that never returns is noticed.
+sleep), and `progress()` reports it as a `LoopProgress` (vocabulary/loop_progress.py) with
+whether work is pending: commands queued or running, or the owner's `has_work` (its
+transfers or leases). The worker's health check reads it, so a NIXL call that never returns
+is noticed.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Values that cross the kv_transfer boundary (frozen; safe to pickle through Ray).
+"""Values that cross the kv_transfer boundary (frozen; safe to pickle through Ray). The handle
+they start from, `KVHandle`, and the load they report, `TransferLoad`, are in vocabulary/.
 
-- `KVHandle`: what a prefill worker returns with the first token: where the prompt's KV lives
-  (one agent per tensor-parallel rank, the same block ids on each), for how long it is
-  leased, and which layout it has.
 - `TransferPlan`: what a decode worker will pull for one handle (remote ids → local ids, after
   skipping the blocks it reuses, coalesced into descriptor runs; between TP workers, which
   byte range of each block every decode rank reads from which prefill rank: `SliceRead`).
-- `PrefixMatch`: per live worker, how many leading blocks of a prompt it has cached.
-- `TransferLoad`: a decode endpoint's transfer load, for admission and placement.
 - `compat_hash`: the fingerprint of everything two pools must agree on to exchange blocks.
 """
 

@@ -2,10 +2,10 @@
 
 `Orchestrator.generate` serves one request that router/validation.py has checked:
 
-1. Admit (`_admit`): the prompt's full blocks are hashed (vocabulary/block_hash.py) and the Redis
-   index asked which worker caches the longest prefix (one round trip; Redis down means "no
-   cache info", not failure); the admission controller admits now, queues with a bounded
-   wait, or rejects early.
+1. Look up and admit: `_lookup` hashes the prompt's full blocks (vocabulary/block_hash.py)
+   and asks the Redis index which worker caches the longest prefix (one round trip; Redis
+   down means "no cache info", not failure); `_admit` then has the admission controller
+   admit now, queue with a bounded wait, or reject early.
 2. Place (`_place`): the least-cost prefill worker (cache-aware) and the least-loaded decode
    worker, or the decode worker alone when the uncached remainder is short (conditional
    disaggregation) or no prefill worker is left.
