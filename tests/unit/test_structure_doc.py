@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "structure.md"
 
@@ -135,6 +137,55 @@ def named_packages(cell: str, table: dict[str, tuple[int, str]], floor: int) -> 
     return named
 
 
+def room_of(package: str, path: str) -> str:
+    """The room of `package` a path is in: its first folder, or "root" for its own files."""
+    parts = Path(path).relative_to(package).parts
+    return parts[0] if len(parts) > 1 or path.endswith("/") else "root"
+
+
+def rooms_table(text: str, heading: str, package: str) -> dict[str, set[str]]:
+    """A rooms table (engine's rooms, deploy's parts): room → the rooms it may import ("the
+    root files" is the package's own files, "every room" every room); rows of folders without
+    code ("—") left out."""
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[2] != "—":
+            rows.append(({room_of(package, p) for p in SPAN.findall(cells[0])}, cells[2]))
+    every = set().union(*(rooms for rooms, _ in rows))
+    table = {}
+    for rooms, cell in rows:
+        allowed = {n.rstrip("/") for n in SPAN.findall(cell)}
+        if "the root files" in cell:
+            allowed.add("root")
+        if "every room" in cell:
+            allowed |= every
+        table.update((room, allowed) for room in rooms)
+    return table
+
+
+def room_imports(package: str) -> dict[str, set[str]]:
+    """Room of `package` → the other rooms of it that its modules import (the package's own
+    `__init__.py` left out)."""
+    layering = _layering()
+    base = ROOT / package
+    rooms = {p.name for p in base.iterdir() if (p / "__init__.py").is_file()}
+    found: dict[str, set[str]] = {}
+    for path in sorted(base.rglob("*.py")):
+        if path == base / "__init__.py":
+            continue
+        room = room_of(package, str(path.relative_to(ROOT)))
+        used = found.setdefault(room, set())
+        for target in layering.imports(path):
+            parts = target.split(".")
+            if parts[0] == package:
+                other = parts[1] if len(parts) > 1 and parts[1] in rooms else "root"
+                if other != room:
+                    used.add(other)
+    return found
+
+
 # ---- the resolver ---------------------------------------------------------------------------
 
 
@@ -214,3 +265,17 @@ def test_the_floors_table_is_the_layering_tests_may_import() -> None:
         below = [table[p][0] for p in allowed if p in table]
         assert floor == 1 + max(below, default=-1), f"{package}: floor {floor}"
         assert named_packages(cell, table, floor) == allowed, f"{package}: {cell}"
+
+
+@pytest.mark.parametrize(
+    "package, heading",
+    [("engine", "### The engine's rooms"), ("deploy", "### The parts of `deploy/`")],
+)
+def test_each_room_imports_only_the_rooms_its_row_names(package: str, heading: str) -> None:
+    table = rooms_table(DOC.read_text(), heading, package)
+    used = room_imports(package)
+    assert set(used) <= set(table), f"rooms of {package}/ without a row: {set(used) - set(table)}"
+    wrong = {
+        room: sorted(rooms - table[room]) for room, rooms in used.items() if rooms - table[room]
+    }
+    assert not wrong, f"{package}/ rooms importing rooms their row does not name: {wrong}"
