@@ -4,7 +4,8 @@ A code reference on the page is a backticked `path/to/module.py:Qualified.name`;
 when that file defines the name (a class, a function, a method of a class, or a name assigned
 at that level), read from the file's AST: nothing is imported, so torch-heavy modules cost
 nothing here. Every other backticked path, and every relative link, must exist. The floors
-table must be tests/unit/test_layering.py's `MAY_IMPORT`, floor by floor.
+table must be tests/unit/test_layering.py's `MAY_IMPORT`, floor by floor, and each room of
+`engine/` and part of `deploy/` may import only the rooms its row names.
 """
 
 from __future__ import annotations
