@@ -16,10 +16,10 @@ first vs returning turns, the prompt tokens a returning turn can reuse at best (
 turn's prompt), the working set alive at once vs the device pool, and a replay of the
 workload through an LRU device pool with and without an LRU host tier (block hashes, send
 order): the device and host hits to expect, and what a returning turn pays for its history
-(recompute at `--prefill-tok-s` vs onboard at `--onboard-gbps`). The previous workload's 1.34x
-came from here: with the tier on every reusable token was a hit, but with it off 56 % of them
-were device hits too (sessions started over the whole run, so the pool rarely cycled between
-two turns of one), and a third of the requests were first turns (docs/benchmarks.md).
+(recompute at `--prefill-tok-s` vs onboard at `--onboard-gbps`). The replay is what shows
+whether a workload exercises the tier at all: with open sessions that start over the whole
+run, most returning turns find their history still on the device even without the tier, which
+is why `chat` uses closed sessions (docs/benchmarks.md, "Host KV tier").
 
 `chat`: the whole system (Ray, Redis, router, gRPC, one colocated worker on one GPU) under the
 `multi_turn_long` profile: closed sessions that come back with their whole history plus a new

@@ -16,8 +16,8 @@ from vocabulary.model_config import ModelConfig
 
 LOGITS_REL_TOL = 0.1
 """TP=N logits agree with TP=1 when ||a - b|| / ||b|| is at most this. Each of them is off a
-float32 reference by bf16 rounding, ~1.5e-2 at Llama-3 sizes (docs/benchmarks.md, "GPU:
-engine"), so two of them by up to ~3e-2; a model that drops an all-reduce or splits heads
+float32 reference by bf16 rounding, ~1.5e-2 at Llama-3 sizes (docs/benchmarks.md, "Engine
+step (GPU)"), so two of them by up to ~3e-2; a model that drops an all-reduce or splits heads
 wrongly is off by order 1."""
 
 # ---- the figures' arithmetic ------------------------------------------------------------------

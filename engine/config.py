@@ -110,8 +110,9 @@ class EngineConfig:
     decode_attention: str = "auto"
     """The flashinfer backend's single-token decode kernel: auto (for an e4m3 KV pool
     flashinfer's XQA on SM90 where it builds, else the Triton split-KV kernel of
-    engine/attention/triton_decode.py: on the H200 they read at 1.31x / 1.54x their KV floor
-    against flashinfer's 1.83x; flashinfer's tensor-core decode for a float pool),
+    engine/attention/triton_decode.py, both nearer their KV-read floor than flashinfer's
+    decode (docs/benchmarks.md, "Decode attention kernels"); flashinfer's tensor-core decode
+    for a float pool),
     flashinfer, triton, triton-e4m3-scores (an e4m3 pool only: the Triton kernel with q
     rounded to e4m3 per head so the scores' dot reads K as stored, `DecodeTiles.scores_fp8`),
     xqa (flashinfer's XQA, TensorRT-LLM's GQA decode: on Hopper over an e4m3 pool a TMA +

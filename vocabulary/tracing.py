@@ -58,7 +58,7 @@ request to another process: the `traceparent` and `tracestate` header values (""
 
 A plain tuple, not a class: Ray pickles builtins natively, where a frozen dataclass of these
 two strings cost ~9 µs more per Ray call and a NamedTuple ~17 (a request makes two traced
-calls; benchmarks/bench_ray_payload.py)."""
+calls; docs/benchmarks.md, "Tracing")."""
 
 
 class SpanKind(enum.Enum):
@@ -284,8 +284,8 @@ def _remote_parent(traceparent: str) -> tuple[int, int, int] | None:
 
 FLUSH_AFTER_S = 0.005
 """How long after a traced call replies (or a stream ends) its deferred spans are made in the
-SDK, so the reply goes out first (benchmarks/bench_tracing.py: made at once, they were on the
-request's latency)."""
+SDK, so the reply goes out first (made at once, they were on the request's latency:
+docs/benchmarks.md, "Tracing")."""
 
 
 class DeferredSpans:
@@ -352,7 +352,7 @@ def _remote_child(name: str, parent: TraceContext, kind: SpanKind, sink: Deferre
 class _Deferred(Span):
     """A span recorded in plain values (see `open_span`); it joins its sink's
     list as it opens. Opening one is on a request's latency path: a few attribute stores
-    (benchmarks/bench_tracing.py)."""
+    (docs/benchmarks.md, "Tracing")."""
 
     __slots__ = (
         "attributes", "end_ns", "error", "flags", "kind", "name", "parent_id", "sink", "span_id",

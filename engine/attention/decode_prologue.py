@@ -3,8 +3,8 @@ k/v nor rotates (XQA, xqa_decode.py), in one Triton launch a layer.
 
 Why: the Triton decode folds the store, RoPE and q's copy out of the qkv projection into its
 own launch (triton_decode.py: `NewKV`, `Rope`); XQA cannot, so without this a graph step runs
-three kernels a layer before it (flashinfer's RoPE, the e4m3 store, `q.contiguous()`: ~6.6 µs
-and three launch gaps on the H200 at B=64, docs/benchmarks.md).
+three small kernels a layer before it (flashinfer's RoPE, the e4m3 store, `q.contiguous()`),
+each with its launch gap.
 
 `_prologue_kernel`, grid (KV heads, sequences): program (h, b) loads the GROUP query heads
 that share KV head h of row b from q's strided view of the qkv output, rotates them at

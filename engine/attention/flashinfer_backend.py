@@ -14,11 +14,11 @@ index_put on that view before attention.
 Single-token decodes over an e4m3 pool go to flashinfer's XQA (TensorRT-LLM's GQA decode,
 xqa_decode.py) on SM90, or to the Triton split-KV kernel (engine/attention/triton_decode.py)
 elsewhere or when asked (`EngineConfig.decode_attention`). Both read the staged device page
-arrays directly (no host plan). On the H200, over the 70B shape's B=64 x 2048 e4m3 KV, XQA
-reads at 1.31x its floor, the Triton kernel at 1.54x and flashinfer's decode at 1.83x
-(benchmarks/bench_attention.py). In a CUDA-graph step the Triton launch also stores the
-step's k/v (no store kernel), rotates q and k (the backend takes `graph_rope`, so the model
-runs no RoPE op there) and writes o_proj's e4m3 input when the model passes that
+arrays directly (no host plan). Over an e4m3 pool XQA is the closest of the three to its
+KV-read floor on the H200, then the Triton kernel, then flashinfer's decode
+(docs/benchmarks.md, "Decode attention kernels"). In a CUDA-graph step the Triton launch also
+stores the step's k/v (no store kernel), rotates q and k (the backend takes `graph_rope`, so
+the model runs no RoPE op there) and writes o_proj's e4m3 input when the model passes that
 projection's static scale (`out_scale`, model.Attend); XQA's graph step stores and rotates
 in one prologue launch before it (decode_prologue.py) and XQA writes o_proj's e4m3 input
 itself.
@@ -65,8 +65,8 @@ def select_decode_kernel(
     """The decode kernel for `requested` (EngineConfig.decode_attention). auto: flashinfer's
     for a float pool; for an e4m3 pool XQA on SM90 where it builds (`xqa_unavailable_reason`),
     else Triton (when triton imports), else flashinfer's. Why XQA there: its TMA +
-    warpgroup-MMA FP8 kernel reads the e4m3 pool at 1.31x its floor on the H200 against the
-    Triton kernel's 1.54x (docs/benchmarks.md, "FP8, 2026-12-05 (fifth session)").
+    warpgroup-MMA FP8 kernel reads the e4m3 pool closer to its floor than the Triton kernel,
+    which is bound by its work per tile (docs/benchmarks.md, "Decode attention kernels").
     triton-e4m3-scores is Triton's kernel with e4m3 scores, for an e4m3 pool only; xqa is
     flashinfer's XQA (refused where it cannot run)."""
     if requested == "flashinfer":

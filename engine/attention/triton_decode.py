@@ -1,10 +1,10 @@
 """Paged decode attention in Triton that reads e4m3 (or float) KV pages as they are stored.
 
-Why: flashinfer 0.7.4's decode over an e4m3 pool runs at ~1.9x its KV-read floor on the H200
-(118 µs a layer at B=64 x 2048, Llama-3-70B heads) where its bf16 decode runs at 1.05x, so an
-e4m3 pool saved only 11% of attention time (docs/benchmarks.md, "FP8, 2026-12-03"). This
-kernel converts each e4m3 tile in registers right before the tensor-core dot and keeps the
-per-layer K/V scales out of the inner loop (one multiply of the scores, one of the output).
+Why: flashinfer 0.7.4's decode over an e4m3 pool runs far above its KV-read floor where its
+bf16 decode reaches it, so an e4m3 pool halved the bytes but hardly the attention time
+(docs/benchmarks.md, "Decode attention kernels"). This kernel converts each e4m3 tile in
+registers right before the tensor-core dot and keeps the per-layer K/V scales out of the inner
+loop (one multiply of the scores, one of the output).
 
 Two launches, flash-decoding style (split-KV):
 
@@ -17,7 +17,7 @@ Two launches, flash-decoding style (split-KV):
 - `_merge_kernel`, grid (sequences, query heads): combines the splits' partials.
 
 What would otherwise be separate kernels around it, the CUDA-graph decode folds into the
-same launch (each one launch fewer a layer, ~2-3 µs with its gap on the H200):
+same launch (each one launch and its gap fewer a layer):
 - `NewKV`: the program whose split holds the sequence's last token (this step's) walks its
   split without that token, then takes the step's k/v row of head h from registers: it
   quantizes it as the pool holds it (e4m3 for an e4m3 pool), stores it there and attends to
@@ -80,9 +80,11 @@ class Rope:
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Launch shape of the split kernel. The defaults are the fastest of a sweep on the H200
-    (benchmarks/bench_attention.py, e4m3, B=64 x 2048, 64/8 heads: 98.2 µs; the same tiles
-    without kv_first and prefetch 123 µs, BLOCK_N 64 or 256 or 8 warps 138-190 µs)."""
+    """Launch shape of the split kernel. The defaults are the fastest of a tile sweep over an
+    e4m3 pool at B=64 x 2048 with the 70B heads on the H200. The kernel is bound by its work
+    per tile there, not by HBM, so what pays is more loads in flight (kv_first, prefetch);
+    other tile sizes and warp counts were slower (docs/benchmarks.md, "Decode attention
+    kernels")."""
 
     block_n: int = 128
     """Tokens per inner step (a multiple of the page size or a divisor of it)."""
@@ -95,8 +97,8 @@ class DecodeTiles:
     before its step starts (no load waits on another load)."""
     heads_first: bool = True
     """Grid (KV heads, sequences, splits): the KV heads of one sequence run side by side,
-    so their reads of a page (one 16-token run of every head) are adjacent in time (H200:
-    97.2 µs vs 98.1 with sequences first)."""
+    so their reads of a page (one 16-token run of every head) are adjacent in time (slightly
+    faster than sequences first on the H200)."""
     scores_fp8: bool = False
     """An e4m3 pool only: q quantized to e4m3 (a scale per head), the scores computed as
     K q^T over e4m3 operands (`_attend_tokens_major`: no conversion of K, GROUP rows padded
@@ -366,10 +368,9 @@ def _merge_kernel(
 
 
 MAX_SPLITS = 16
-"""Past 16 splits a program's share is too short to pay for its start and the merge: on the
-H200 at B=1 x 2048 tokens (32/8 heads, BLOCK_N 128) 16 splits took 8.7 µs (e4m3, 3 stages)
-and 9.1 µs (bf16, 2 stages) against 12.7 and 11.3 µs with 64 (docs/benchmarks.md, "FP8,
-2026-12-05 (sixth session)")."""
+"""Past 16 splits a program's share is too short to pay for its start and the merge: at B=1
+x 2048 tokens 64 splits were slower than 16 over both e4m3 and bf16 pools on the H200
+(docs/benchmarks.md, "Decode attention kernels")."""
 
 
 def default_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -382,9 +383,8 @@ def default_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 def default_tiles(kv_dtype: torch.dtype, scores_fp8: bool = False) -> DecodeTiles:
     """The launch shape for a pool of `kv_dtype`: DecodeTiles' defaults for e4m3; BLOCK_N 32
     for a float pool, whose 128-token tiles in 3 stages take 139 KB of shared memory (one
-    program an SM). On the H200 (32/8 heads, bf16, the graph step's fused store and RoPE)
-    BLOCK_N 32 took 9.8 µs at B=1 and 40.8 µs at B=16 against 17.7 and 57.8 µs with 128
-    (docs/benchmarks.md, "FP8, 2026-12-05 (sixth session)")."""
+    program an SM); BLOCK_N 32 was the fastest over a bf16 pool at B=1 and B=16 on the H200
+    (docs/benchmarks.md, "Decode attention kernels")."""
     if kv_dtype == FP8_DTYPE:
         return DecodeTiles(scores_fp8=scores_fp8)
     if scores_fp8:

@@ -2,8 +2,9 @@
 
 Why: on Hopper with an e4m3 pool XQA runs its TMA + warpgroup-MMA FP8 kernel (q quantized to
 e4m3, the scores' dot over e4m3 K as stored), built for exactly this case: a GQA group of query
-heads per KV head, one token a sequence. The Triton split kernel (triton_decode.py) sits at
-~1.55x its KV-read floor on the H200 at B=64 x 2048 (docs/benchmarks.md).
+heads per KV head, one token a sequence. The Triton split kernel (triton_decode.py) stays
+further from its KV-read floor on the H200, bound by its work per tile (docs/benchmarks.md,
+"Decode attention kernels").
 
 XQA reads pages through a padded page table ([sequences, pages per sequence], int32) and the
 sequence lengths, not flashinfer's CSR arrays: `page_table` builds both on the device from the

@@ -19,9 +19,9 @@ The third is layer-first:
   layer's pages together (vLLM's and TensorRT-LLM's order). Why: in a block-first pool one
   layer's pages lie a whole block apart (2.6 MiB for Llama-3-70B in e4m3), so a decode step's
   attention over B=64 x 2048 tokens touches 8192 distinct 2 MiB GPU pages a layer and misses
-  the TLB; measured on an H100 with the 70B shape, both decode kernels take ~20 µs a layer
-  more over a 40- or 80-layer block-major pool than over a layer-major one (docs/benchmarks.md,
-  "FP8, 2026-12-05 (fifth session)"). The price is on the wire: a block is `num_layers`
+  the TLB; on an H100 with the 70B shape both decode kernels take ~20 µs a layer more over a
+  40- or 80-layer block-major pool than over a layer-major one (docs/benchmarks.md, "Decode
+  attention kernels"). The price is on the wire: a block is `num_layers`
   segments of `segment_nbytes`, `num_blocks * segment_nbytes` apart, so a hand-off moves one
   descriptor per layer for each run of adjacent blocks (kv_transfer/backend.py MemoryRegion).
 
@@ -32,8 +32,8 @@ layer-major. `KVCacheSpec.block_dim` is the dimension block ids index. Kernels t
 strides take either (the torch backend; flashinfer reads page, token and head strides);
 one that assumes a token's heads are adjacent (the fused e4m3 KV store,
 engine/quantization/fp8_kernels.py) runs on block- and layer-major, and head-major writes through
-the view. The host tier copies whole blocks in the pool's own layout. Measured on the H200 for
-block-major: docs/benchmarks.md ("GPU: KV transfer", "GPU: engine").
+the view. The host tier copies whole blocks in the pool's own layout. Figures:
+docs/benchmarks.md, "KV transfer" and "Engine step (GPU)".
 
 Tensor parallelism (engine/tp/tp_shard.py): each rank has a pool of its own holding only its KV
 heads (`num_kv_heads` is the rank's count, `model_kv_heads` the model's), with the same

@@ -57,7 +57,8 @@ def kv_cache_spec(
 def kv_layout(config: EngineConfig, device: torch.device | None = None) -> str:
     """The pool layout `config.kv_layout` asks for. auto: layer-major on a GPU (attention over
     one layer stays within the TLB's reach: the 70B shape's B=64 decode step 4% faster on an
-    H100, the same on an H200; engine/kv/kv_cache.py), block-major elsewhere. A cluster resolves
+    H100, the same on an H200; engine/kv/kv_cache.py; docs/benchmarks.md, "FP8 weights and
+    e4m3 KV"), block-major elsewhere. A cluster resolves
     auto itself where its workers hand KV to each other (deploy/control/cluster_spec.py)."""
     if config.kv_layout == "auto":
         return LAYER_MAJOR if device is not None and device.type == "cuda" else KV_LAYOUT

@@ -23,23 +23,22 @@ ways to compute it, all behind `LoraStep.add`:
   (engine/lora/lora_dot.py: the dense cuBLAS shrink, then one tensor-core expand per projection
   that reads every slot's B once per tile of tokens and masks the token's other slots in
   registers), which "auto" picks on CUDA. On CUDA its shrink runs on a side stream beside
-  the base projection (`LoraStep.begin`; a parallel branch in a CUDA graph): 1.065x the base
-  step at 4 adapters in 4 slots on the H200, 1.159x with the shrink in line (the per-token
-  BGMV expands: 1.46x).
+  the base projection (`LoraStep.begin`; a parallel branch in a CUDA graph), which costs
+  less than the same shrink in line; the per-token expands of its other paths cost more.
 - dense (`graph_step`, kernel "torch"): shapes that do not depend on the slots, for CUDA
   graphs: x times every slot's A at once (one matmul), zeroed outside each token's slot by a
   one-hot mask, then one matmul per part into its output columns (`addmm_`, no copies). It
   reads every slot's weights once per step whatever the batch (max_loras x max_lora_rank x
   (in + out) per projection), never a per-token copy of them. It relies on every slot holding
   finite values (checked when an adapter is read), so that masked-out slots, including one
-  an upload is rewriting, add exact zeros. 15 small kernels a layer: on the H200
-  (benchmarks/bench_lora.py, Llama-3-8B, B=64 decode at context 2048, rank 16 on all seven
-  projections, 16 slots, CUDA graphs) 12.3 ms a step against 9.9 ms for the base model
-  (1.245x) at 1, 4 and 16 adapters alike: bound by kernel count, not by the slots.
+  an upload is rewriting, add exact zeros. 15 small kernels a layer: its step costs the same
+  at 1, 4 and 16 adapters, bound by kernel count, not by the slots.
 - segment (`graph_step`, kernel "flashinfer"): flashinfer's segment GEMM
   (`SegmentGEMMWrapper`), one segment per token with its slot as the weight index (base
   tokens read the zero row), a shrink and an expand per part. fp16/bf16 on CUDA; an explicit
-  choice only (48 ms, 4.9x the base step, in the same benchmark).
+  choice only (several times the base step).
+
+Figures of each kernel: docs/benchmarks.md, "Multi-LoRA".
 
 `LoraWeights` are allocated once, before CUDA graphs are captured, and never reallocated (the
 graphs hold their addresses); the cache (engine/lora/lora_cache.py) fills and clears slots.
@@ -128,11 +127,8 @@ def select_lora_kernel(requested: str, device: torch.device, dtype: torch.dtype)
     """The graph kernel for a request; ValueError when an explicit request cannot run here.
 
     "auto": triton (its "dot" path, engine/lora/lora_dot.py) on CUDA in fp16/bf16 where it imports
-    and passes `check_graph_kernel`, else torch. H200, benchmarks/bench_lora.py (Llama-3-8B B=64
-    decode at context 2048, rank 16 on all seven projections, CUDA graphs): dot (its shrink
-    beside the base GEMM) 1.065x the base step with 4 slots and 1.120x with 16, the dense
-    torch kernel 1.223x / 1.247x; the
-    per-token (BGMV) triton expands 1.46x; flashinfer's segment GEMM 4.9x."""
+    and passes `check_graph_kernel`, else torch: the dot path costs the least of the graph
+    kernels (docs/benchmarks.md, "Multi-LoRA")."""
     if requested == "auto":
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             return "torch"

@@ -78,8 +78,9 @@ class LoraCacheConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     """Largest adapter rank served; slots are padded to it (rounded up to 16)."""
     kernel: str = "auto"
-    """LoRA kernel of CUDA-graph decode steps: auto (torch, the fastest measured), torch
-    (dense over the slots), triton (engine/lora/lora_triton.py), flashinfer (segment GEMM)."""
+    """LoRA kernel of CUDA-graph decode steps: auto (triton's dot path on CUDA in fp16/bf16 where
+    it passes its self-check, else torch), torch (dense over the slots), triton
+    (engine/lora/lora_triton.py), flashinfer (segment GEMM)."""
     hold_seconds: float = 2.0
     """How long a slot uploaded for a waiting request is kept for it after its latest
     acquire (then it is evictable like any unheld slot)."""

@@ -8,11 +8,10 @@ is computed as
 
 1. shrink (`shrink_dot`): h = x @ A_all^T against every slot's A at once (one cuBLAS
    matmul, [tokens, parts * slots * rank]). It reads only x and A, so the model starts it on
-   a side stream before the base projection (`LoraStep.begin`): 1.065x the base step at 4
-   slots on the H200 against 1.155x with it in line. A Triton split-K shrink whose last
-   split reduced the partials (deterministic, no reduce launch) measured slower on the H200
-   (bench_lora B=64, 4 slots: 1.200x the base step against 1.155x with cuBLAS), so cuBLAS
-   it is.
+   a side stream before the base projection (`LoraStep.begin`), where at B=64 it fills SMs
+   the base GEMM leaves idle. A Triton split-K shrink whose last split reduced the partials
+   (deterministic, no reduce launch) measured slower than cuBLAS's split-K with its reduce
+   kernels, so cuBLAS it is (docs/benchmarks.md, "Multi-LoRA").
 2. expand (`expand_dot`, `_expand_kernel`): per column block of every part, over a tile of
    tokens, one tensor-core dot of h (each token's other slots' columns masked to zero in
    registers) with every slot's B for those columns, added into out in place. B is read
@@ -23,8 +22,8 @@ is computed as
 Like the dense torch kernel it reads every slot's weights each step (max_loras x rank), so
 its cost does not depend on how many adapters the batch uses, and it needs every slot's
 weights finite: a masked slot contributes 0 x B. Shapes depend only on the number of tokens
-and the model, never on the slots: CUDA graphs hold for any slot values. Measured on the
-H200 in benchmarks/bench_lora.py (kernel "triton-dot").
+and the model, never on the slots: CUDA graphs hold for any slot values. Figures (kernel
+"triton-dot"): docs/benchmarks.md, "Multi-LoRA".
 """
 
 from __future__ import annotations

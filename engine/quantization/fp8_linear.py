@@ -10,8 +10,9 @@ quantized per tensor at run time, the GEMM on cuBLASLt (`torch._scaled_mm`).
           numbers the GPU path computes up to its accumulation order (used by correctness
           tests on the tiny model; CPU has no FP8 GEMM)
 
-Per-tensor scales are what cuBLASLt runs fastest (row-wise scaling was slower than bf16 on the
-H200, see docs/benchmarks.md), so a fused projection (q/k/v, gate/up) shares one scale.
+Per-tensor scales are what cuBLASLt runs fastest (row-wise scaling ran slower than bf16 on the
+H200 in the probe that chose them; that figure was not kept), so a fused projection (q/k/v,
+gate/up) shares one scale. Figures: docs/benchmarks.md, "FP8 weights and e4m3 KV".
 """
 
 from __future__ import annotations
