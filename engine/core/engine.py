@@ -48,6 +48,7 @@ from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep
 from engine.core.rank_setup import build_rank, serving_max_model_len
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
+from engine.core.request_limits import RequestLimits
 from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.core.sampler import Sampler, SamplingRow
 from engine.core.scheduler import Scheduler
@@ -132,6 +133,14 @@ class LLMEngine:
             lend_host_copies=config.host_kv_handoff and self.host_tier is not None,
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
+        self.limits = RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            chunked_prefill=config.enable_chunked_prefill,
+        )
         self._checkers: dict[str, StopChecker] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
@@ -161,10 +170,10 @@ class LLMEngine:
         With `prior` (a migrated request) its tokens are prefilled after the prompt and
         sampling goes on after them: the outputs are those of one undisturbed run."""
         params = sampling_params or SamplingParams()
-        self._validate_prompt(prompt_token_ids, params)
+        self.limits.check_prompt(prompt_token_ids, params)
         self.loras.check(lora_name)
         prior = prior or NO_PRIOR
-        self._validate_prior(prompt_token_ids, params, prior)
+        self.limits.check_prior(prompt_token_ids, params, prior)
         request = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, lora_name, arrival_time
         )
@@ -341,7 +350,7 @@ class LLMEngine:
         """Reserve local blocks for a prompt's KV (block_hashes: its full blocks' hashes, as
         the prefill side reported them, with LoRA adapter `lora_name`, whose read starts
         now if needed). Raises NoFreeBlocksError when the pool is short, and as add_request."""
-        self._validate_prompt(prompt_token_ids, None)
+        self.limits.check_prompt(prompt_token_ids, None)
         self.loras.check(lora_name)
         if self._inflight is not None and self._inflight.released_blocks():
             # The transfer writes the pool from outside the device stream, and the step in
@@ -400,7 +409,7 @@ class LLMEngine:
             block_hashes=[] if n_prior else list(reserved.block_hashes),
             lora_name=reserved.lora_name,
         )
-        self._validate_prior(request.prompt_token_ids, sampling_params, prior, with_next=True)
+        self.limits.check_prior(request.prompt_token_ids, sampling_params, prior, with_next=True)
         for token_id in prior.token_ids:
             request.append_output(token_id, None)
         request.append_output(first_token_id, first_token_logprob)
@@ -513,56 +522,6 @@ class LLMEngine:
         return [tokens[i] for i in ids]
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _validate_prompt(self, prompt: Sequence[int], params: SamplingParams | None) -> None:
-        if not prompt:
-            raise ValueError("prompt_token_ids: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: id {bad[0]} is outside [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        pool_tokens = self.block_pool.num_blocks * self.config.block_size
-        if len(prompt) + 1 > pool_tokens:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens do not fit the KV pool "
-                f"({self.block_pool.num_blocks} blocks of {self.config.block_size})"
-            )
-        budget = self.config.max_num_batched_tokens
-        chunkless = params is not None and not self.config.enable_chunked_prefill
-        if chunkless and params is not None and len(prompt) + params.max_tokens - 1 > budget:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens + max_tokens exceed "
-                f"max_num_batched_tokens={budget} with chunked prefill disabled"
-            )
-
-    def _validate_prior(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        prior: PriorOutput,
-        with_next: bool = False,
-    ) -> None:
-        """A prior output leaves the request unfinished (it did not stop on the engine that
-        produced it): room for one more token (after `with_next`, the client's last one)."""
-        n = len(prior.token_ids) + (1 if with_next else 0)
-        if not prior.token_ids:
-            return
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prior.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prior: token id {bad[0]} is outside [0, {vocab})")
-        if n >= params.max_tokens:
-            raise ValueError(f"prior: {n} tokens leave none of max_tokens={params.max_tokens}")
-        if len(prompt) + n >= self.max_model_len:
-            raise ValueError(
-                f"prior: {len(prompt)} prompt + {n} output tokens leave no room within "
-                f"max_model_len={self.max_model_len}"
-            )
 
     def _new_request(
         self,
