@@ -1,10 +1,17 @@
-"""The cluster the CPU benchmarks start in-script: 1P1D on the tiny model, CPU workers (also
-on a GPU host), every prompt disaggregated (local_prefill_threshold_tokens=0), a free gRPC
-port, no metrics port."""
+"""The cluster the CPU suites start in-script: 1P1D on the tiny model, CPU workers (also on a
+GPU host), every prompt disaggregated (local_prefill_threshold_tokens=0), a free gRPC port,
+no metrics port; and the process id of one of its actors."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deploy.control.config_tree import PdserveConfig
+    from deploy.control.launch import Cluster
 
 
 def tiny_disaggregated(
@@ -12,9 +19,8 @@ def tiny_disaggregated(
     worker_cpus: float = 0.5,
     ray_cpus: int | None = 4,
     http_port: int | None = None,
-) -> Any:
-    """The PdserveConfig (deploy/control/config_tree.py); call
-    `deploy.control.local_ray.loopback_env()` before Ray is imported."""
+) -> PdserveConfig:
+    """The cluster's config (deploy/control/config_tree.py); `local_cluster` starts it."""
     from admission.config import AdmissionConfig, AdmissionThresholds
     from deploy.checkpoints.make_model import cached_tiny_model
     from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
@@ -47,3 +53,29 @@ def tiny_disaggregated(
             placement=WorkerPlacement(default=ActorPlacement(num_cpus=worker_cpus)),
         ),
     )
+
+
+@contextmanager
+def local_cluster(
+    config: PdserveConfig | None = None, env: Mapping[str, str] | None = None
+) -> Iterator[Cluster]:
+    """`config` (default `tiny_disaggregated()`) started on a local Ray over loopback, `env`
+    set first (before Ray starts: the cluster hands it to its actors too); stopped on exit.
+    Its `endpoint` is set. Ray reads part of its environment when it is imported: import it
+    inside the block, not before (deploy/control/local_ray.py)."""
+    from deploy.control.local_ray import loopback_env
+
+    loopback_env()
+    os.environ.update(env or {})
+    from deploy.control.launch import Cluster
+
+    with Cluster(config if config is not None else tiny_disaggregated()) as cluster:
+        assert cluster.endpoint is not None
+        yield cluster
+
+
+def actor_pid(actor: Any) -> int:
+    """The process id of a Ray actor."""
+    import ray
+
+    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60))

@@ -1,9 +1,12 @@
-"""Where a process's memory is: a breakdown of its mappings (/proc/PID/smaps) and, read from
-inside the process, glibc malloc's own account (`mallinfo2`).
+"""What a process has used: its CPU seconds (/proc/PID/stat), where its memory is (a
+breakdown of its mappings, /proc/PID/smaps) and, read from inside the process, glibc malloc's
+own account (`mallinfo2`).
 
-The soak (benchmarks/soak.py) samples these per process to tell a leak (memory in use that
-keeps growing) from allocator behaviour (free memory glibc keeps in its heaps and arenas,
-which `malloc_trim(0)` hands back) from native mappings that grow (UCX, gRPC, Ray buffers).
+The router and workers suites charge CPU seconds to a path; the soak (benchmarks/suites/soak.py)
+samples the memory per process to tell a leak (memory in use that keeps growing) from
+allocator behaviour (free memory glibc keeps in its heaps and arenas, which `malloc_trim(0)`
+hands back) from native mappings that grow (UCX, gRPC, Ray buffers). The soak ships this
+module's functions to its actors by value (`ray.cloudpickle.register_pickle_by_value`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,15 @@ import ctypes
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ bytes read over the HBM copy bandwidth measured in the same run.
 cross-TP hand-offs slice by head): flashinfer's decode and prefill on its permuted per-layer
 view, compared bit for bit with the block-major view holding the same KV.
 
-    python benchmarks/bench_attention.py [--batch 64] [--context 2048] [--page 16] [--layouts]
+    python -m benchmarks attention [--batch 64] [--context 2048] [--page 16] [--layouts]
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
-from cuda_timing import fill_random, graph_seconds, hbm_gbps
+
+from benchmarks.harness.cuda_timing import fill_random, graph_seconds, hbm_gbps
 
 from engine.attention.triton_decode import (
     DecodeTiles,
@@ -343,8 +344,8 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--page", type=int, default=16)
@@ -377,7 +378,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--layouts", action="store_true", help="the head-major layout check")
     parser.add_argument("--dtypes", default="bf16,e4m3")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kernels = set(args.kernels.split(","))
     gbps = hbm_gbps()
     print(f"HBM copy {gbps:.0f} GB/s; B={args.batch} x {args.context} tokens, page {args.page}")

@@ -6,7 +6,7 @@ Prompts of 512 / 2048 / 8192 / 32768 tokens in blocks of 16 (`--block-size`); th
 algorithms alternate within each round, so both see the same machine state; the figure is
 the median over `--rounds`.
 
-    python benchmarks/bench_block_hash.py [--rounds 200] [--block-size 16]
+    python -m benchmarks block_hash [--rounds 200] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness.table import Table
 from vocabulary.block_hash import HashAlgorithm, hash_chain, hash_extra, scoped_salt
 
 
@@ -29,16 +27,15 @@ def chain_us(tokens: list[int], block_size: int, extra: bytes, alg: HashAlgorith
     return (time.perf_counter() - t0) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = random.Random(0)
     extra = hash_extra("Meta-Llama-3-8B-Instruct", scoped_salt("acme", ""))
     print(f"block size {args.block_size}, median of {args.rounds} rounds")
-    print("| prompt tokens | blocks | xxh3 (µs) | sha256 (µs) | sha256 / xxh3 | sha256 per block |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for n in (512, 2048, 8192, 32768):
         tokens = [rng.randrange(128256) for _ in range(n)]
         times: dict[HashAlgorithm, list[float]] = {a: [] for a in HashAlgorithm}
@@ -51,8 +48,8 @@ def main() -> None:
         x = statistics.median(times[HashAlgorithm.XXH3])
         s = statistics.median(times[HashAlgorithm.SHA256])
         blocks = n // args.block_size
-        print(f"| {n} | {blocks} | {x:.1f} | {s:.1f} | {s / x:.2f}x | {s / blocks:.2f} µs |")
-
-
-if __name__ == "__main__":
-    main()
+        rows.append((f"{n}", f"{blocks}", f"{x:.1f}", f"{s:.1f}", f"{s / x:.2f}x",
+                     f"{s / blocks:.2f} µs"))  # fmt: skip
+    header = ("prompt tokens", "blocks", "xxh3 (µs)", "sha256 (µs)", "sha256 / xxh3",
+              "sha256 per block")  # fmt: skip
+    print(Table.of(header, rows, "r" * len(header)).markdown())

@@ -5,21 +5,20 @@ was before), after prompts of 512 / 2048 / 8192 tokens, for tokens the tokenizer
 for ids beyond its vocabulary (what a dummy-weight model over a stand-in tokenizer samples:
 the GPU engine-step benchmark's case).
 
-    python benchmarks/bench_detokenize.py [--tokens 256]
+    python -m benchmarks detokenize [--tokens 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from tokenizers.decoders import DecodeStream
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness.table import Table
 from deploy.checkpoints.checkpoint_files import CORPUS
 from deploy.checkpoints.make_model import cached_tiny_model
 from vocabulary.tokenizer import Tokenizer
@@ -36,9 +35,13 @@ class WholePromptStream:
         return self._stream.step(self._tokenizer.hf, token_id) or ""
 
 
-def timed(make: object, ids: list[int]) -> tuple[float, float]:
+class Pushes(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+def timed(make: Callable[[], Pushes], ids: list[int]) -> tuple[float, float]:
     """(µs of the first push, µs per later push)."""
-    stream = make()  # type: ignore[operator]
+    stream = make()
     t0 = time.perf_counter()
     stream.push(ids[0])
     t1 = time.perf_counter()
@@ -48,28 +51,23 @@ def timed(make: object, ids: list[int]) -> tuple[float, float]:
     return (t1 - t0) * 1e6, (t2 - t1) * 1e6 / max(len(ids) - 1, 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tok = Tokenizer.from_model_dir(cached_tiny_model())
     corpus = tok.encode(CORPUS.read_text(), add_special_tokens=False)
     while len(corpus) < 8192 + args.tokens:
         corpus += corpus
     rng = random.Random(0)
     unknown = [rng.randrange(tok.vocab_size, 128256) for _ in range(args.tokens)]
-    print("| prompt | outputs | first push: now / before (µs) | per token: now / before (µs) |")
-    print("|---|---|---|---|")
+    rows = []
     for n in (512, 2048, 8192):
         prompt = corpus[:n]
         for label, ids in (("known", corpus[n : n + args.tokens]), ("unknown ids", unknown)):
             now = timed(lambda: tok.detokenizer(prompt), ids)  # noqa: B023
             before = timed(lambda: WholePromptStream(tok, prompt), ids)  # noqa: B023
-            print(
-                f"| {n} | {label} | {now[0]:.0f} / {before[0]:.0f} | "
-                f"{now[1]:.2f} / {before[1]:.2f} |"
-            )
-
-
-if __name__ == "__main__":
-    main()
+            rows.append((f"{n}", label, f"{now[0]:.0f} / {before[0]:.0f}",
+                         f"{now[1]:.2f} / {before[1]:.2f}"))  # fmt: skip
+    header = ("prompt", "outputs", "first push: now / before (µs)", "per token: now / before (µs)")
+    print(Table.of(header, rows, "llll").markdown())

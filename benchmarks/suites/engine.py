@@ -15,15 +15,15 @@ Every step prints what it does and catches its own failure, so one failure loses
 CPU mode (`--cpu`): tokens/s of the runner in a greedy loop on the tiny model vs
 transformers.generate on the same prompts, same run (and whether their tokens agree).
 
-Engine-step mode (`--engine-step`, benchmarks/bench_engine_step.py): the whole
-`LLMEngine.step()` over a steady decode batch, overlap scheduling on and off, vs the pure
-CUDA-graph decode replay at B=1/8/16/64 (ratios; goal: step <= 1.05x decode with overlap),
-and a host-side profile of the step (schedule, launch, sample, wait, postprocess).
+Engine-step mode (`--engine-step`: the engine_step suite, benchmarks/suites/engine_step.py):
+the whole `LLMEngine.step()` over a steady decode batch, overlap scheduling on and off, vs the
+pure CUDA-graph decode replay at B=1/8/16/64 (ratios; goal: step <= 1.05x decode with
+overlap), and a host-side profile of the step (schedule, launch, sample, wait, postprocess).
 
-    python benchmarks/bench_engine.py                    # GPU
-    python benchmarks/bench_engine.py --cpu              # CPU, tiny model
-    python benchmarks/bench_engine.py --engine-step      # GPU (one H200), Llama-3-8B shape
-    python benchmarks/bench_engine.py --engine-step --cpu  # CPU, tiny model
+    python -m benchmarks engine                    # GPU
+    python -m benchmarks engine --cpu              # CPU, tiny model
+    python -m benchmarks engine --engine-step      # GPU (one H200), Llama-3-8B shape
+    python -m benchmarks engine --engine-step --cpu  # CPU, tiny model
 """
 
 from __future__ import annotations
@@ -31,134 +31,49 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import time
-import traceback
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness.cuda_timing import copy_bytes_per_s, matmul_flops_per_s, seconds_per_call
+from benchmarks.harness.decode_model import decode_batch, random_llama3_8b, weight_read_bytes
+from benchmarks.harness.steps import StepLog
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.core.runner import ModelRunner
 from engine.kv.kv_cache import KVCache
 from engine.kv.kv_sizing import kv_cache_spec
 from engine.modeling.llama import LlamaModel
-from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
-T = TypeVar("T")
-ROWS: list[tuple[str, str, str, str]] = []  # (what, measured, reference, ratio)
-# The reference column holds what a row is compared with, measured in the same run (a floor
-# derived from the HBM copy or matmul row, transformers' rate); those two rows name what they
-# are the reference for.
-
-
-def step(title: str, fn: Callable[[], T]) -> T | None:
-    print(f"\n== {title}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        out = fn()
-    except Exception:
-        traceback.print_exc()
-        print(f"!! {title} FAILED after {time.perf_counter() - t0:.1f} s", flush=True)
-        ROWS.append((title, "FAILED", "", ""))
-        return None
-    print(f"   done in {time.perf_counter() - t0:.1f} s", flush=True)
-    return out
-
-
-def print_table() -> None:
-    print("\n" + "=" * 104)
-    print(f"{'what':<52}{'measured':>18}{'reference':>20}{'ratio':>14}")
-    for row in ROWS:
-        print(f"{row[0]:<52}{row[1]:>18}{row[2]:>20}{row[3]:>14}")
-
-
-def decode_batch(batch_size: int, context: int, block_size: int, first_block: int = 0):
-    """batch_size single-token decodes, each attending over `context` tokens (incl. itself)."""
-    pages = cdiv(context, block_size)
-    chunks = tuple(
-        SeqChunk(
-            f"seq{i}",
-            (i % 1000 + 1,),
-            context - 1,
-            tuple(range(first_block + i * pages, first_block + (i + 1) * pages)),
-            sample=True,
-        )
-        for i in range(batch_size)
-    )
-    return ScheduledBatch(chunks)
-
-
-def time_steps(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
-    """Seconds per call, host and device included (synchronized at both ends)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+CUDA = torch.device("cuda")
 
 
 # ---------------------------------------------------------------------------------- GPU
 
 
-def measure_hbm() -> float:
-    """Device-to-device copy bandwidth, bytes/s, read + write counted."""
-    n = 1 << 30  # 2 GiB of bf16 per buffer
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    sec = time_steps(lambda: b.copy_(a), iters=20)
-    bw = 2 * a.numel() * a.element_size() / sec
+def measure_hbm(log: StepLog) -> float:
+    """Device-to-device copy bandwidth, bytes/s, read + write counted (2 GiB copied)."""
+    bw = copy_bytes_per_s(CUDA, 2 << 30)
     print(f"   HBM copy: {bw / 1e9:.0f} GB/s (read+write)")
-    ROWS.append(("HBM copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s", "decode floors", ""))
+    log.add("HBM copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s", "decode floors")
     return bw
 
 
-def measure_matmul() -> float:
+def measure_matmul(log: StepLog) -> float:
     """bf16 8192^3 matmul rate, FLOP/s."""
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    sec = time_steps(lambda: a @ b, iters=20)
-    rate = 2 * n**3 / sec
+    rate = matmul_flops_per_s(8192)
     print(f"   bf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s")
-    ROWS.append(("bf16 matmul 8192^3", f"{rate / 1e12:.0f} TFLOP/s", "prefill floor", ""))
+    log.add("bf16 matmul 8192^3", f"{rate / 1e12:.0f} TFLOP/s", "prefill floor")
     return rate
-
-
-def random_llama3_8b() -> LlamaModel:
-    from deploy.checkpoints.make_model import PRESETS, hf_config
-
-    cfg = ModelConfig.from_dict(hf_config(PRESETS["llama3-8b"], 0, 1))
-    model = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda").eval()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"   {n / 1e9:.2f} B parameters, {torch.cuda.memory_allocated() / 2**30:.1f} GiB used")
-    return model
 
 
 def decode_read_bytes(model: LlamaModel, batch_size: int, context: int) -> int:
     """Bytes a decode step must read: every weight but the embedding table, plus the KV."""
     cfg = model.cfg
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:  # untied: the embedding table is only gathered
-        weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    return weights + batch_size * context * kv_per_token
+    return weight_read_bytes(model) + batch_size * context * kv_per_token
 
 
 def prefill_flops(model: LlamaModel, tokens: int) -> float:
@@ -171,16 +86,16 @@ def prefill_flops(model: LlamaModel, tokens: int) -> float:
     return float(matmul + attention)
 
 
-def gpu_main(args: argparse.Namespace) -> None:
+def gpu_main(args: argparse.Namespace, log: StepLog) -> None:
     import flashinfer
 
     print(
         f"torch {torch.__version__}, {torch.cuda.get_device_name()}, flashinfer "
         f"{getattr(flashinfer, '__version__', '?')}"
     )
-    hbm = step("measure HBM bandwidth", measure_hbm)
-    mm = step("measure bf16 matmul rate", measure_matmul)
-    model = step(
+    hbm = log.step("measure HBM bandwidth", functools.partial(measure_hbm, log))
+    mm = log.step("measure bf16 matmul rate", functools.partial(measure_matmul, log))
+    model = log.step(
         "build Llama-3-8B-shaped model with random bf16 weights on the GPU", random_llama3_8b
     )
     if model is None:
@@ -196,7 +111,7 @@ def gpu_main(args: argparse.Namespace) -> None:
         print(f"   KV pool: {num_blocks} blocks, {kv.spec.nbytes / 2**30:.1f} GiB, random")
         return kv
 
-    kv = step("allocate the KV pool", make_pool)
+    kv = log.step("allocate the KV pool", make_pool)
     if kv is None:
         return
 
@@ -228,19 +143,19 @@ def gpu_main(args: argparse.Namespace) -> None:
     eager: dict[str, ModelRunner] = {}
     graphed: dict[str, ModelRunner] = {}
     for ops in ops_kinds:
-        runner = step(
+        runner = log.step(
             f"eager runner, {label_of[ops]} (first use JITs flashinfer on a fresh machine: "
             "attention ~25 s, fused layer ops more)",
             functools.partial(make_runner, False, ops),
         )
         if runner is not None:
             eager[ops] = runner
-            step(
+            log.step(
                 f"warm up eager prefill + decode, {label_of[ops]}",
                 functools.partial(warm_up, runner),
             )
     for ops in ops_kinds:
-        runner = step(
+        runner = log.step(
             f"CUDA-graph runner, {label_of[ops]} (captures 1..max batch)",
             functools.partial(make_runner, True, ops),
         )
@@ -249,19 +164,17 @@ def gpu_main(args: argparse.Namespace) -> None:
 
     def bench_decode(runner: ModelRunner, label: str, b: int) -> float:
         batch = decode_batch(b, context, bs)
-        sec = time_steps(lambda: runner.execute(batch), iters=args.iters)
+        sec = seconds_per_call(lambda: runner.execute(batch), args.iters, CUDA)
         floor = decode_read_bytes(model, b, context) / hbm if hbm else float("nan")
         print(
             f"   {label} B={b}: {sec * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms, "
             f"{sec / floor:.2f}x, {b / sec:.0f} tok/s"
         )
-        ROWS.append(
-            (
-                f"decode B={b} ctx {context} {label}",
-                f"{sec * 1e3:.2f} ms",
-                f"floor {floor * 1e3:.2f} ms",
-                f"{sec / floor:.2f}x",
-            )
+        log.add(
+            f"decode B={b} ctx {context} {label}",
+            f"{sec * 1e3:.2f} ms",
+            f"floor {floor * 1e3:.2f} ms",
+            f"{sec / floor:.2f}x",
         )
         return sec
 
@@ -269,28 +182,26 @@ def gpu_main(args: argparse.Namespace) -> None:
         graph_secs: dict[str, float | None] = {}
         for ops, runner in graphed.items():
             label = f"graphs {label_of[ops]}"
-            graph_secs[ops] = step(
+            graph_secs[ops] = log.step(
                 f"decode B={b}, CUDA graphs, {label_of[ops]}",
                 functools.partial(bench_decode, runner, label, b),
             )
         for ops, runner in eager.items():
             label = f"eager {label_of[ops]}"
-            step(
+            log.step(
                 f"decode B={b}, eager, {label_of[ops]}",
                 functools.partial(bench_decode, runner, label, b),
             )
         fused, plain = graph_secs.get("flashinfer"), graph_secs.get("torch")
         if fused and plain:
-            ROWS.append(
-                (f"decode B={b} graphs: torch-ops / fused", f"{plain / fused:.2f}x", "", "")
-            )
+            log.add(f"decode B={b} graphs: torch-ops / fused", f"{plain / fused:.2f}x")
 
     def bench_prefill(runner: ModelRunner, label: str) -> None:
         first = pages_decode
         blocks = tuple(range(first, first + cdiv(prompt, bs)))
         ids = tuple(int(t) for t in torch.randint(1, 128000, (prompt,)))
         batch = ScheduledBatch((SeqChunk("prefill", ids, 0, blocks, sample=True),))
-        sec = time_steps(lambda: runner.execute(batch), iters=max(3, args.iters // 5))
+        sec = seconds_per_call(lambda: runner.execute(batch), max(3, args.iters // 5), CUDA)
         flops = prefill_flops(model, prompt)
         rate = flops / sec
         share = f"{rate / mm:.0%} of matmul" if mm else "matmul rate unknown"
@@ -298,17 +209,15 @@ def gpu_main(args: argparse.Namespace) -> None:
             f"   prefill {prompt} tokens, {label}: {sec * 1e3:.1f} ms, {flops / 1e12:.1f} TFLOP, "
             f"{rate / 1e12:.0f} TFLOP/s, {share}"
         )
-        ROWS.append(
-            (
-                f"prefill {prompt} tokens {label}",
-                f"{sec * 1e3:.1f} ms",
-                f"{rate / 1e12:.0f} TFLOP/s",
-                share,
-            )
+        log.add(
+            f"prefill {prompt} tokens {label}",
+            f"{sec * 1e3:.1f} ms",
+            f"{rate / 1e12:.0f} TFLOP/s",
+            share,
         )
 
     for ops, runner in (eager or graphed).items():
-        step(
+        log.step(
             f"prefill one {prompt}-token prompt, {label_of[ops]}",
             functools.partial(bench_prefill, runner, label_of[ops]),
         )
@@ -328,10 +237,10 @@ def gpu_main(args: argparse.Namespace) -> None:
         n = sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))
         per_layer = n / model.cfg.num_layers
         print(f"   {label}: {n} kernels per decode step (~{per_layer:.1f} per layer)")
-        ROWS.append((f"kernels per eager decode step B={b} {label}", str(n), "", ""))
+        log.add(f"kernels per eager decode step B={b} {label}", str(n))
 
     for ops, runner in eager.items():
-        step(
+        log.step(
             f"count kernels of one eager decode step, {label_of[ops]}",
             functools.partial(count_kernels, runner, label_of[ops], 16),
         )
@@ -381,26 +290,24 @@ def gpu_main(args: argparse.Namespace) -> None:
                 w.run(q, cache)
                 torch.cuda.synchronize()
                 jit = time.perf_counter() - t0
-                sec = time_steps(functools.partial(w.run, q, cache), iters=50)
+                sec = seconds_per_call(functools.partial(w.run, q, cache), 50, CUDA)
                 del cache
             except Exception as e:  # one variant failing must not hide the others
                 print(f"   {label}: FAILED {type(e).__name__}: {e}")
-                ROWS.append((f"decode attn B={b} {label}", "FAILED", "", ""))
+                log.add(f"decode attn B={b} {label}", "FAILED")
                 continue
             print(
                 f"   {label}: {sec * 1e6:.0f} us/layer (first call {jit:.1f} s), "
                 f"floor {floor * 1e6:.0f} us, {sec / floor:.2f}x"
             )
-            ROWS.append(
-                (
-                    f"decode attn B={b} {label}",
-                    f"{sec * 1e6:.0f} us",
-                    f"floor {floor * 1e6:.0f} us",
-                    f"{sec / floor:.2f}x",
-                )
+            log.add(
+                f"decode attn B={b} {label}",
+                f"{sec * 1e6:.0f} us",
+                f"floor {floor * 1e6:.0f} us",
+                f"{sec / floor:.2f}x",
             )
 
-    step(
+    log.step(
         "decode attention kernels alone (which kernel bounds the decode step)", bench_decode_kernels
     )
 
@@ -408,7 +315,7 @@ def gpu_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- CPU
 
 
-def cpu_main(args: argparse.Namespace) -> None:
+def cpu_main(args: argparse.Namespace, log: StepLog) -> None:
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
@@ -467,18 +374,18 @@ def cpu_main(args: argparse.Namespace) -> None:
             f"   batch {batch_size}: runner {gen / t_ours:.0f} tok/s, transformers "
             f"{gen / t_hf:.0f} tok/s, tokens equal: {same}"
         )
-        ROWS.append(
-            (
-                f"CPU tiny greedy, batch {batch_size}, {n_prompt}+{n_new}",
-                f"{gen / t_ours:.0f} tok/s",
-                f"HF {gen / t_hf:.0f} tok/s",
-                f"{t_hf / t_ours:.2f}x {'same' if same else 'DIFF'}",
-            )
+        log.add(
+            f"CPU tiny greedy, batch {batch_size}, {n_prompt}+{n_new}",
+            f"{gen / t_ours:.0f} tok/s",
+            f"HF {gen / t_hf:.0f} tok/s",
+            f"{t_hf / t_ours:.2f}x {'same' if same else 'DIFF'}",
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    from benchmarks.suites import engine_step
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="CPU mode (tiny model)")
     parser.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=2048, help="decode context per sequence")
@@ -497,35 +404,20 @@ def main() -> None:
     parser.add_argument(
         "--engine-step",
         action="store_true",
-        help="time LLMEngine.step() (overlap on/off) vs the pure decode, with a host profile",
+        help="time LLMEngine.step() (overlap on/off) vs the pure decode, with a host profile "
+        "(the engine_step suite)",
     )
-    parser.add_argument("--step-batches", default="1,8,16,64", help="engine-step batch sizes")
-    parser.add_argument("--cpu-step-batches", default="1,8,16", help="... on the CPU")
-    parser.add_argument("--cpu-context", type=int, default=256, help="... context on the CPU")
-    parser.add_argument("--cpu-iters", type=int, default=20, help="... timed steps on the CPU")
-    parser.add_argument("--rounds", type=int, default=5, help="engine-step: interleaved rounds")
-    args = parser.parse_args()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    t0 = time.perf_counter()
+    engine_step.add_step_arguments(parser)
+    args = parser.parse_args(argv)
     if args.engine_step:
-        # bench_engine_step imports this module (ROWS, step): as this run's one copy
-        sys.modules.setdefault("bench_engine", sys.modules[__name__])
-        import bench_engine_step
-
-        if args.cpu or not torch.cuda.is_available():
-            step(
-                "CPU: engine step vs decode, tiny model",
-                lambda: bench_engine_step.cpu_engine_step(args),
-            )
-        else:
-            bench_engine_step.gpu_engine_step(args)
-    elif args.cpu or not torch.cuda.is_available():
-        step("CPU: runner greedy loop vs transformers.generate", lambda: cpu_main(args))
+        engine_step.run(args)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log = StepLog()
+    t0 = time.perf_counter()
+    if args.cpu or not torch.cuda.is_available():
+        log.step("CPU: runner greedy loop vs transformers.generate", lambda: cpu_main(args, log))
     else:
-        gpu_main(args)
+        gpu_main(args, log)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
-    print_table()
-
-
-if __name__ == "__main__":
-    main()
+    log.print_table()

@@ -15,8 +15,8 @@ Throughput counts only requested tokens (sum of max_tokens); each run is repeate
 threads, same model files. Greedy tokens are compared (padding can flip a near-tied token in
 transformers, so agreement is reported rather than asserted).
 
-    python benchmarks/bench_engine_loop.py                      # tiny model, CPU
-    python benchmarks/bench_engine_loop.py --num-requests 64 --max-num-seqs 16
+    python -m benchmarks engine_loop                      # tiny model, CPU
+    python -m benchmarks engine_loop --num-requests 64 --max-num-seqs 16
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness.table import Table
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
@@ -134,8 +133,8 @@ def run_hf(
     return time.perf_counter() - start, tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--model", default="", help="checkpoint folder (default: the tiny model)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=8)
@@ -147,12 +146,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides, float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each; the best time counts")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
+    from deploy.checkpoints.checkpoint_files import CORPUS
     from deploy.checkpoints.make_model import cached_tiny_model
 
     model_dir = Path(args.model) if args.model else cached_tiny_model()
@@ -167,7 +167,7 @@ def main() -> None:
             cuda_graphs=args.device != "cpu",
         )
     )
-    corpus = (Path(__file__).resolve().parents[1] / "deploy" / "data" / "corpus.txt").read_text()
+    corpus = CORPUS.read_text()
     tokens = engine.tokenizer.encode(corpus, add_special_tokens=False)
     bos = engine.model_config.bos_token_id or 0
     work = make_workload(
@@ -198,14 +198,13 @@ def main() -> None:
     print(f"{len(work)} requests,", end=" ")
     print(f"prompts {args.min_prompt}-{args.max_prompt} tokens, outputs <= {args.max_tokens}")
     print(f"({useful} requested tokens), max_num_seqs {args.max_num_seqs}\n")
-    print(f"{'run':<52}{'seconds':>10}{'tokens/s':>12}")
     rows = [
         (f"LLMEngine continuous batching ({st['steps']} steps)", t_engine),
         (f"transformers.generate, static batches of {args.max_num_seqs}", t_static),
         (f"transformers.generate, one batch of {len(work)}", t_one),
     ]
-    for name, t in rows:
-        print(f"{name:<52}{t:>10.2f}{useful / t:>12.0f}")
+    cells = [(name, f"{t:.2f}", f"{useful / t:.0f}") for name, t in rows]
+    print(Table.of(("run", "seconds", "tokens/s"), cells).plain())
     print(
         f"\nengine TTFT p50 {st['ttft_p50'] * 1000:.0f} ms; prefix-cache hits "
         f"{st['cache_hit_tokens']}/{st['cache_query_tokens']} prompt tokens; "

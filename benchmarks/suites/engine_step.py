@@ -1,6 +1,8 @@
 """The whole engine step vs the decode it runs: how much host work stays on the critical path.
 
-`python benchmarks/bench_engine.py --engine-step` runs this (`--cpu` for the tiny model).
+    python -m benchmarks engine_step          # GPU (one H200), Llama-3-8B shape
+    python -m benchmarks engine_step --cpu    # CPU, tiny model
+    (the same as `python -m benchmarks engine --engine-step [--cpu]`)
 
 GPU (one H200): a Llama-3-8B-shaped model with random bf16 weights, flashinfer attention,
 fused layer ops, CUDA graphs. For each batch size B, B requests enter decoding at once with
@@ -28,18 +30,22 @@ and that the overlapped code path runs.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_engine import ROWS, step
 
+from benchmarks.harness.cuda_timing import sync as drain
+from benchmarks.harness.decode_model import random_llama3_8b
+from benchmarks.harness.steps import StepLog
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.overlap import InflightStep
@@ -52,8 +58,7 @@ PHASES = ("schedule", "launch", "sample", "wait", "postprocess", "other")
 
 
 def sync(engine: LLMEngine) -> None:
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize(engine.runner.device)
+    drain(engine.runner.device)
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, seed: int) -> None:
@@ -180,7 +185,12 @@ def steps_needed(iters: int, rounds: int) -> int:
 
 
 def measure(
-    engines: dict[str, LLMEngine], batches: list[int], context: int, iters: int, rounds: int
+    log: StepLog,
+    engines: dict[str, LLMEngine],
+    batches: list[int],
+    context: int,
+    iters: int,
+    rounds: int,
 ) -> None:
     """Per batch size: both engines decode the same batch; `rounds` rounds interleave timed
     runs of `iters` steps of each engine and of the pure decode (medians reported, so a
@@ -218,13 +228,13 @@ def measure(
             print(
                 f"     step, {label:<10} {ms:.3f} ms = {ms / decode:.3f}x decode; host us: {parts}"
             )
-            ROWS.append((f"engine step B={b} {label}", f"{ms:.3f} ms", f"decode {decode:.3f} ms",
-                         f"{ms / decode:.3f}x"))  # fmt: skip
+            log.add(f"engine step B={b} {label}", f"{ms:.3f} ms", f"decode {decode:.3f} ms",
+                    f"{ms / decode:.3f}x")  # fmt: skip
         for label in engines:
             host = row[f"host_{label}_us"]
-            ROWS.append((f"  host us B={b} {label}: sched/launch/sample, wait/post/other",
-                         "/".join(f"{host[k]:.0f}" for k in PHASES[:3]),
-                         "/".join(f"{host[k]:.0f}" for k in PHASES[3:]), ""))  # fmt: skip
+            log.add(f"  host us B={b} {label}: sched/launch/sample, wait/post/other",
+                    "/".join(f"{host[k]:.0f}" for k in PHASES[:3]),
+                    "/".join(f"{host[k]:.0f}" for k in PHASES[3:]))  # fmt: skip
     print("   json: " + json.dumps(results))
 
 
@@ -246,14 +256,12 @@ def make_engines(
     return engines
 
 
-def gpu_engine_step(args: Any) -> None:
-    from bench_engine import random_llama3_8b
-
+def gpu_engine_step(args: argparse.Namespace, log: StepLog) -> None:
     from deploy.checkpoints.make_model import PRESETS, build_tokenizer, hf_config
 
     batches = [int(b) for b in args.step_batches.split(",")]
     context, bs = args.context, 16
-    model = step("build Llama-3-8B-shaped model with random bf16 weights", random_llama3_8b)
+    model = log.step("build Llama-3-8B-shaped model with random bf16 weights", random_llama3_8b)
     if model is None:
         return
     tok, _ = build_tokenizer(512, 8192)
@@ -274,18 +282,18 @@ def gpu_engine_step(args: Any) -> None:
             max_model_len=context + steps + 64,
             enable_prefix_caching=False,
         )
-        engines = step(
+        engines = log.step(
             "two engines, overlap on / off (each captures its CUDA graphs)",
             lambda: make_engines(model, Path(tmp), tokenizer, config),
         )
     if engines:
-        step(
+        log.step(
             f"engine step vs pure CUDA-graph decode, B={batches}, ctx {context}",
-            lambda: measure(engines, batches, context, args.iters, args.rounds),
+            lambda: measure(log, engines, batches, context, args.iters, args.rounds),
         )
 
 
-def cpu_engine_step(args: Any) -> None:
+def cpu_engine_step(args: argparse.Namespace, log: StepLog) -> None:
     from deploy.checkpoints.make_model import cached_tiny_model
     from engine.loading.loaders import load_model
 
@@ -308,4 +316,36 @@ def cpu_engine_step(args: Any) -> None:
         cuda_graphs=False,
     )
     engines = make_engines(model, model_dir, tokenizer, config)
-    measure(engines, batches, context, args.cpu_iters, args.rounds)
+    measure(log, engines, batches, context, args.cpu_iters, args.rounds)
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of this suite beyond the engine suite's --cpu, --context and --iters
+    (which it shares: `python -m benchmarks engine --engine-step` runs this suite)."""
+    parser.add_argument("--step-batches", default="1,8,16,64", help="engine-step batch sizes")
+    parser.add_argument("--cpu-step-batches", default="1,8,16", help="... on the CPU")
+    parser.add_argument("--cpu-context", type=int, default=256, help="... context on the CPU")
+    parser.add_argument("--cpu-iters", type=int, default=20, help="... timed steps on the CPU")
+    parser.add_argument("--rounds", type=int, default=5, help="engine-step: interleaved rounds")
+
+
+def run(args: argparse.Namespace) -> None:
+    """The suite, on the CPU with `args.cpu` or without CUDA, else on the GPU."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log = StepLog()
+    t0 = time.perf_counter()
+    if args.cpu or not torch.cuda.is_available():
+        log.step("CPU: engine step vs decode, tiny model", lambda: cpu_engine_step(args, log))
+    else:
+        gpu_engine_step(args, log)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    log.print_table()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU mode (tiny model)")
+    parser.add_argument("--context", type=int, default=2048, help="decode context per sequence")
+    parser.add_argument("--iters", type=int, default=30, help="timed decode steps")
+    add_step_arguments(parser)
+    run(parser.parse_args(argv))

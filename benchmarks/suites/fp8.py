@@ -1,8 +1,8 @@
 """FP8 weights and FP8 KV vs bf16 on one GPU: decode step, prefill and logit error, side by side
 in one run.
 
-A Llama-3-8B-shaped model with random bf16 weights made on the GPU (benchmarks/bench_engine.py
-builds it), the engine's ModelRunner with CUDA graphs and flashinfer attention, then the same
+A Llama-3-8B-shaped model with random bf16 weights made on the GPU
+(benchmarks/harness/decode_model.py), the engine's ModelRunner with CUDA graphs and flashinfer attention, then the same
 model quantized to FP8 in place (engine/quantization/fp8_linear.py: e4m3 weights with one scale per
 tensor, cuBLASLt `_scaled_mm`), measured four ways:
 - bf16;
@@ -19,8 +19,8 @@ tensor, cuBLASLt `_scaled_mm`), measured four ways:
 - relative logit error (||logits - ref|| / ||ref||) of bf16 and FP8 against a float32 copy of
   the same weights, over one 256-token random prompt.
 
-    python benchmarks/bench_fp8.py [--batches 1,16,64] [--layer-ops flashinfer]
-    python benchmarks/bench_fp8.py --shape llama3-70b   # FP8 weights + FP8 KV, dummy weights
+    python -m benchmarks fp8 [--batches 1,16,64] [--layer-ops flashinfer]
+    python -m benchmarks fp8 --shape llama3-70b   # FP8 weights + FP8 KV, dummy weights
 """
 
 from __future__ import annotations
@@ -28,29 +28,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Sequence
 from typing import cast
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import (
-    ROWS,
-    decode_batch,
-    measure_hbm,
-    measure_matmul,
-    print_table,
-    random_llama3_8b,
-    step,
-    time_steps,
-)
-from cuda_timing import fill_random
-
+from benchmarks.harness.cuda_timing import fill_random, kernel_profile, seconds_per_call
+from benchmarks.harness.decode_model import decode_batch, random_llama3_8b, weight_read_bytes
+from benchmarks.harness.steps import StepLog
+from benchmarks.suites.engine import CUDA, measure_hbm, measure_matmul
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.core.runner import ModelRunner
@@ -64,7 +51,7 @@ from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
 
-def measure_fp8_matmul() -> float:
+def measure_fp8_matmul(log: StepLog) -> float:
     """FP8 8192^3 `_scaled_mm` rate with per-tensor scales, FLOP/s."""
     n = 8192
     a, sa = quantize_per_tensor(torch.randn(n, n, device="cuda"))
@@ -74,10 +61,10 @@ def measure_fp8_matmul() -> float:
     def mm() -> torch.Tensor:
         return torch._scaled_mm(a, bt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
-    sec = time_steps(mm, iters=20)
+    sec = seconds_per_call(mm, 20, CUDA)
     rate = 2 * n**3 / sec
     print(f"   FP8 matmul 8192^3 (per-tensor scales): {rate / 1e12:.0f} TFLOP/s")
-    ROWS.append(("FP8 matmul 8192^3 per-tensor", f"{rate / 1e12:.0f} TFLOP/s", "", ""))
+    log.add("FP8 matmul 8192^3 per-tensor", f"{rate / 1e12:.0f} TFLOP/s")
     return rate
 
 
@@ -96,16 +83,6 @@ def dummy_llama3_70b_fp8(layers: int = 0) -> LlamaModel:
     return model
 
 
-def weight_read_bytes(model: LlamaModel) -> int:
-    """Weight bytes a decode step reads: parameters and FP8 buffers, not the embedding table
-    (gathered) nor the RoPE tables."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        params -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    fp8 = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".fp8." in f".{n}")
-    return params + fp8
-
-
 def matmul_flops(model: LlamaModel, tokens: int) -> float:
     cfg = model.cfg
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
@@ -122,32 +99,8 @@ def logits_of(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden).float()
 
 
-def kernel_profile(run: Callable[[], object], steps: int = 5) -> None:
-    """Print the CUDA time per step of the kernels `run` launches, largest first, grouped by
-    name (kernels replayed from a CUDA graph included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-    kernels: dict[str, tuple[float, int]] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us, n = kernels.get(e.name, (0.0, 0))
-        kernels[e.name] = (us + e.time_range.elapsed_us(), n + 1)
-    total = sum(us for us, _ in kernels.values()) / steps
-    print(f"   kernels per step: {sum(n for _, n in kernels.values()) // steps}, "
-          f"CUDA time {total / 1e3:.2f} ms")  # fmt: skip
-    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:
-        print(f"   {us / steps / 1e3:7.3f} ms {n // steps:5d}x  {name[:110]}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
@@ -188,22 +141,24 @@ def main() -> None:
         help="llama3-70b only: this many decoder layers instead of 80 (an 80 GB card holds ~40 "
         "with a B=64 x 2048 e4m3 pool); the floor and ratios are of that model",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    log = StepLog()
     big = args.shape == "llama3-70b"
     t_start = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    hbm = step("measure HBM bandwidth", measure_hbm) or float("nan")
-    bf16_rate = step("measure bf16 matmul rate", measure_matmul) or float("nan")
-    fp8_rate = step("measure FP8 matmul rate", measure_fp8_matmul) or float("nan")
+    hbm = log.step("measure HBM bandwidth", functools.partial(measure_hbm, log)) or float("nan")
+    bf16_rate = log.step("measure bf16 matmul rate", functools.partial(measure_matmul, log))
+    fp8_rate = log.step("measure FP8 matmul rate", functools.partial(measure_fp8_matmul, log))
+    bf16_rate, fp8_rate = bf16_rate or float("nan"), fp8_rate or float("nan")
     if big:
-        model = step(
+        model = log.step(
             "build the Llama-3-70B shape (FP8 dummy weights)",
             functools.partial(dummy_llama3_70b_fp8, args.layers),
         )
     else:
-        model = step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
+        model = log.step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
     if model is None:
-        print_table()
+        log.print_table()
         return
     bs, context, prompt = args.block_size, args.context, args.prefill_tokens
     batches = [int(b) for b in args.batches.split(",")]
@@ -239,7 +194,7 @@ def main() -> None:
 
     ref = None
     if not big:
-        ref = step("float32 reference logits (a float32 copy of the weights)", reference_logits)
+        ref = log.step("float32 reference logits (a float32 copy of the weights)", reference_logits)
 
     def layer_error(label: str) -> None:
         """One decoder layer's output against float32 (random weights amplify any error
@@ -254,7 +209,7 @@ def main() -> None:
             want = ref_layer(0, x.float(), None, pos, ref_rotary, attend, TORCH_OPS)[0]
         err = float((got.float() - want).norm() / want.norm())
         print(f"   {label}: one layer's relative error {err:.2e}")
-        ROWS.append((f"layer 0 error vs float32, {label}", f"{err:.2e}", "", ""))
+        log.add(f"layer 0 error vs float32, {label}", f"{err:.2e}")
 
     def logit_error(label: str) -> None:
         assert ref is not None
@@ -263,7 +218,7 @@ def main() -> None:
         same = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
         errors[label] = err
         print(f"   {label}: relative logit error {err:.2e}, argmax agreement {same:.1%}")
-        ROWS.append((f"logit error vs float32, {label}", f"{err:.2e}", f"argmax {same:.1%}", ""))
+        log.add(f"logit error vs float32, {label}", f"{err:.2e}", f"argmax {same:.1%}")
 
     def make_runner(decode_attention: str = "auto") -> ModelRunner:
         config = EngineConfig(
@@ -282,7 +237,7 @@ def main() -> None:
         return runner
 
     def bench(label: str, decode_attention: str = "auto") -> dict[int, float]:
-        runner = step(
+        runner = log.step(
             f"{label}: CUDA-graph runner (capture + warm-up)",
             functools.partial(make_runner, decode_attention),
         )
@@ -293,43 +248,39 @@ def main() -> None:
         for b in batches:
             batch = decode_batch(b, context, bs)
             run = functools.partial(runner.execute, batch)
-            sec = step(
-                f"{label}: decode B={b}", functools.partial(time_steps, run, iters=args.iters)
+            sec = log.step(
+                f"{label}: decode B={b}", functools.partial(seconds_per_call, run, args.iters, CUDA)
             )
             if sec is None:
                 continue
             secs[b] = sec
             if b == args.profile_batch:
-                step(f"{label}: profile decode B={b}", functools.partial(kernel_profile, run))
+                log.step(f"{label}: profile decode B={b}", functools.partial(kernel_profile, run))
             kv_per_token = kv_elems_per_token * cast(int, kv_holder["bytes"])
             floor = (weights + b * context * kv_per_token) / hbm
             print(f"   {label} B={b}: {sec * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms")
-            ROWS.append(
-                (
-                    f"decode B={b} ctx {context} {label}",
-                    f"{sec * 1e3:.2f} ms",
-                    f"floor {floor * 1e3:.2f} ms",
-                    f"{sec / floor:.2f}x",
-                )
+            log.add(
+                f"decode B={b} ctx {context} {label}",
+                f"{sec * 1e3:.2f} ms",
+                f"floor {floor * 1e3:.2f} ms",
+                f"{sec / floor:.2f}x",
             )
         blocks = tuple(range(pages_decode, pages_decode + cdiv(prompt, bs)))
         toks = tuple(int(t) for t in torch.randint(1, cfg.vocab_size, (prompt,)))
         pre = ScheduledBatch((SeqChunk("prefill", toks, 0, blocks, sample=True),))
-        sec = step(
+        sec = log.step(
             f"{label}: prefill {prompt} tokens",
-            functools.partial(time_steps, functools.partial(runner.execute, pre), iters=5),
+            functools.partial(seconds_per_call, functools.partial(runner.execute, pre), 5, CUDA),
         )
         if sec is not None:
             rate = matmul_flops(model, prompt) / sec
             secs[-1] = sec
             print(f"   {label} prefill: {sec * 1e3:.1f} ms, {rate / 1e12:.0f} TFLOP/s")
-            ROWS.append(
-                (
-                    f"prefill {prompt} tokens {label}",
-                    f"{sec * 1e3:.1f} ms",
-                    f"{rate / 1e12:.0f} TFLOP/s",
-                    f"{rate / bf16_rate:.0%} of bf16 mm, {rate / fp8_rate:.0%} of FP8 mm",
-                )
+            log.add(
+                f"prefill {prompt} tokens {label}",
+                f"{sec * 1e3:.1f} ms",
+                f"{rate / 1e12:.0f} TFLOP/s",
+                f"{rate / bf16_rate:.0%} of bf16 mm, {rate / fp8_rate:.0%} of FP8 mm",
             )
         print(f"   weights read per decode step: {weights / 2**30:.2f} GiB")
         runner.graphs = None  # free the captured graphs before the next runner captures
@@ -337,25 +288,25 @@ def main() -> None:
         return secs
 
     if ref is not None:
-        step("bf16 logit error", functools.partial(logit_error, "bf16"))
-        step("bf16 one-layer error", functools.partial(layer_error, "bf16"))
+        log.step("bf16 logit error", functools.partial(logit_error, "bf16"))
+        log.step("bf16 one-layer error", functools.partial(layer_error, "bf16"))
     results: dict[str, dict[int, float]] = {}
     if not big:
         results["bf16"] = bench("bf16")
         for kernel in filter(None, args.bf16_attention.split(",")):
             results[f"bf16 {kernel}"] = bench(f"bf16 {kernel}", kernel)
-        step("quantize the projections to FP8 in place", model.quantize_fp8)
+        log.step("quantize the projections to FP8 in place", model.quantize_fp8)
         torch.cuda.empty_cache()
         if ref is not None:
-            step("FP8 (dynamic) logit error", functools.partial(logit_error, "fp8-dynamic"))
+            log.step("FP8 (dynamic) logit error", functools.partial(logit_error, "fp8-dynamic"))
         results["fp8-dynamic"] = bench("fp8-dynamic")
     calib = [int(t) for t in torch.randint(1, cfg.vocab_size, (512,))]
-    observed = step("calibrate static FP8 scales (512 tokens)", lambda: observe(model, calib))
+    observed = log.step("calibrate static FP8 scales (512 tokens)", lambda: observe(model, calib))
     if observed is not None:
         calibrate_activations(model, observed)
         if ref is not None:
-            step("FP8 (static) logit error", functools.partial(logit_error, "fp8"))
-            step("FP8 (static) one-layer error", functools.partial(layer_error, "fp8"))
+            log.step("FP8 (static) logit error", functools.partial(logit_error, "fp8"))
+            log.step("FP8 (static) one-layer error", functools.partial(layer_error, "fp8"))
         if not big:
             results["fp8"] = bench("fp8")
             kv_holder["kv"] = None
@@ -388,9 +339,9 @@ def main() -> None:
                 if b in results[base] and b in secs:
                     what = "prefill" if b < 0 else f"decode B={b}"
                     ratio = secs[b] / results[base][b]
-                    ROWS.append((f"{what}: {label} / {base} time", f"{ratio:.2f}x", "", ""))
+                    log.add(f"{what}: {label} / {base} time", f"{ratio:.2f}x")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-    print_table()
+    log.print_table()
 
 
 if __name__ == "__main__":

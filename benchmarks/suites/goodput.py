@@ -8,7 +8,7 @@ highest offered rate at which >= 90% of requests meet both the TTFT and the TPOT
 sweep stops at the first rate that fails). Also measured in the same run: the raw GPU0→GPU1
 copy bandwidth, the effective KV transfer GB/s and per-request transfer time vs TTFT.
 
-    python benchmarks/bench_goodput.py --model /tmp/llama3-8b --make-model --out OUT
+    python -m benchmarks goodput --model /tmp/llama3-8b --make-model --out OUT
 
 Prints a short table last; writes OUT/results.json, per-run records, and PNG plots.
 """
@@ -20,20 +20,19 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from admission.config import AdmissionConfig, AdmissionThresholds  # noqa: E402
-from loadtests.goodput import max_rate_meeting, parse_slo, summarize  # noqa: E402
-from loadtests.load_driver import run_planned  # noqa: E402
-from loadtests.records import RequestRecord, write_records  # noqa: E402
-from loadtests.workload import generate, load_profile  # noqa: E402
+from admission.config import AdmissionConfig, AdmissionThresholds
+from benchmarks.harness.steps import progress as log
+from benchmarks.harness.table import Table
+from loadtests.goodput import max_rate_meeting, parse_slo, summarize
+from loadtests.load_driver import run_planned
+from loadtests.records import RequestRecord, write_records
+from loadtests.workload import generate, load_profile
 
 DEFAULT_RATES = {
     "prefill_heavy": [1.0, 2.0, 3.0, 4.5],
@@ -42,28 +41,15 @@ DEFAULT_RATES = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def peer_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
+def peer_copy_gbps(nbytes: int = 1 << 30) -> float:
+    """GB/s of a plain copy from GPU 0 to GPU 1 (0 with fewer than two GPUs)."""
     import torch
+
+    from benchmarks.harness.cuda_timing import copy_seconds
 
     if torch.cuda.device_count() < 2:
         return 0.0
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
-    dst = torch.empty_like(src, device="cuda:1")
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
-    gbps = nbytes * iters / (time.perf_counter() - t0) / 1e9
-    del src, dst
+    gbps = nbytes / copy_seconds(torch.device("cuda:0"), torch.device("cuda:1"), nbytes, 10) / 1e9
     torch.cuda.empty_cache()
     return gbps
 
@@ -329,8 +315,8 @@ def plot(results: list[dict], args: argparse.Namespace, out: Path) -> None:  # t
             plot_latency_cdfs(cdf_runs, args.tight_slo, out / f"cdf-{workload}.png")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--model", default="/tmp/llama3-8b")
     ap.add_argument(
         "--make-model", action="store_true", help="write the llama3-8b preset if missing"
@@ -364,7 +350,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--analyse", nargs="+", metavar="DIR", help="only re-analyse earlier outputs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.workloads = args.workloads.split(",")
     rates = dict(DEFAULT_RATES)
     for part in filter(None, args.rates.split(";")):
@@ -398,22 +385,19 @@ def main() -> int:
 
 
 def print_table(table: dict, args: argparse.Namespace) -> None:  # type: ignore[type-arg]
-    print("\n=== goodput (req/s at >=90% SLO attainment) ===")
-    print(f"{'workload':<15}{'SLO':<8}{'PD':>8}{'coloc':>8}{'PD/coloc':>10}")
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:g}"
+
+    rows = []
     for workload in args.workloads:
         w = table.get(workload, {})
         for name in ("chat", "tight"):
             pd = w.get("pd", {}).get(f"goodput_{name}")
             co = w.get("colocated", {}).get(f"goodput_{name}")
             ratio = w.get(f"ratio_{name}")
-            fmt = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
-            print(f"{workload:<15}{name:<8}{fmt(pd):>8}{fmt(co):>8}"
-                  f"{'-' if ratio is None else f'{ratio:.2f}x':>10}")  # fmt: skip
+            rows.append((workload, name, fmt(pd), fmt(co), "-" if ratio is None else f"{ratio:.2f}x"))
+    print("\n=== goodput (req/s at >=90% SLO attainment) ===")
+    print(Table.of(("workload", "SLO", "PD", "coloc", "PD/coloc"), rows, "llrrr").plain())
     kv = table.get("kv_transfer", {})
     print(f"KV transfer effective {kv.get('gbps', 0):.0f} GB/s vs raw copy "
           f"{table['peer_copy_gbps']:.0f} GB/s")  # fmt: skip
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """The host KV tier (engine/kv/host_tier.py): its copy rates, and multi-turn chat with it on vs off.
 
-    python benchmarks/bench_host_tier.py copy [--device cuda]       # onboard/offload GB/s
-    python benchmarks/bench_host_tier.py plan                        # the chat workload (CPU)
-    python benchmarks/bench_host_tier.py chat --model DIR --out OUT  # TTFT, tier on vs off
+    python -m benchmarks host_tier copy [--device cuda]       # onboard/offload GB/s
+    python -m benchmarks host_tier plan                        # the chat workload (CPU)
+    python -m benchmarks host_tier chat --model DIR --out OUT  # TTFT, tier on vs off
 
 `copy`: a Llama-3-8B-shaped pool (32 layers, 8 KV heads, head dim 128, block 16, bf16: 2 MiB a
 block) and a host tier; times `HostTier.onboard` of a session's blocks (host slots and device
@@ -37,47 +37,23 @@ import asyncio
 import itertools
 import json
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness.steps import progress as log
+from vocabulary.numeric import percentile
 
 GIB = 2**30
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---- copy -----------------------------------------------------------------------------------
 
 
-def _timed(fn, device, reps: int) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds of `fn` over `reps` (CUDA events on GPU, wall clock on CPU)."""
-    import torch
-
-    fn()  # warm
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_copy(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
+    from benchmarks.harness.cuda_timing import median_seconds
     from engine.kv.host_tier import HostTier
 
     device = torch.device(args.device if args.device != "auto" else (
@@ -103,16 +79,16 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
         if device.type == "cuda":
             torch.cuda.current_stream().wait_stream(tier._stream)  # type: ignore[arg-type]
 
-    t_off = _timed(offload, device, args.reps)
+    t_off = median_seconds(offload, device, args.reps)
     ascending = [(s, n + s) for s in range(n)]
     g = torch.Generator().manual_seed(0)
     scattered = list(zip(range(n), (n + torch.randperm(n, generator=g)).tolist(), strict=True))
-    t_on = _timed(lambda: tier.onboard(ascending), device, args.reps)
-    t_on_scattered = _timed(lambda: tier.onboard(scattered), device, args.reps)
+    t_on = median_seconds(lambda: tier.onboard(ascending), device, args.reps)
+    t_on_scattered = median_seconds(lambda: tier.onboard(scattered), device, args.reps)
     pinned = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
     flat = device_kv.view(-1)[: nbytes // 2]
-    t_h2d = _timed(lambda: flat.copy_(pinned, non_blocking=True), device, args.reps)
-    t_d2h = _timed(lambda: pinned.copy_(flat, non_blocking=True), device, args.reps)
+    t_h2d = median_seconds(lambda: flat.copy_(pinned, non_blocking=True), device, args.reps)
+    t_d2h = median_seconds(lambda: pinned.copy_(flat, non_blocking=True), device, args.reps)
     out = {
         "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
         "blocks": n,
@@ -285,10 +261,6 @@ def worker_engine_load(cluster):  # type: ignore[no-untyped-def]
     return ray.get(handle.__ray_call__.remote(lambda actor: actor.runtime.driver.load))
 
 
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
-
-
 def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  # type: ignore[type-arg]
     from deploy.control.launch import Cluster
     from loadtests.load_driver import run_planned
@@ -323,8 +295,8 @@ def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  #
         "ttft_ms": ttft_pcts(ok),
         "ttft_returning_ms": ttft_pcts(returning),
         "ttft_first_turn_ms": ttft_pcts([r for r in ok if r.turn == 0]),
-        "tpot_p50_ms": pct(tpot, 50),
-        "tpot_p90_ms": pct(tpot, 90),
+        "tpot_p50_ms": percentile(tpot, 50),
+        "tpot_p90_ms": percentile(tpot, 90),
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "recomputed_tokens": sum(r.prompt_tokens - r.cached_prompt_tokens for r in ok),
         "returning_prompt_tokens": sum(r.prompt_tokens for r in returning),
@@ -351,7 +323,7 @@ def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  #
 
 def ttft_pcts(records: list) -> dict[str, float]:  # type: ignore[type-arg]
     values = [r.ttft_ms for r in records if r.ttft_ms is not None]
-    return {"p50": pct(values, 50), "p90": pct(values, 90)} if values else {}
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90)} if values else {}
 
 
 def compare(off: dict, on: dict) -> dict[str, float]:  # type: ignore[type-arg]
@@ -369,7 +341,7 @@ def compare(off: dict, on: dict) -> dict[str, float]:  # type: ignore[type-arg]
     }
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("part", choices=("copy", "plan", "chat", "all"))
     ap.add_argument("--device", default="auto")
@@ -392,7 +364,7 @@ def main() -> int:
     ap.add_argument("--prefill-tok-s", type=float, default=37_000.0, help="plan: H200 8B prefill")
     ap.add_argument("--onboard-gbps", type=float, default=55.0, help="plan: H200 onboard")
     ap.add_argument("--out", default="bench-results/host-tier")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}  # type: ignore[type-arg]

@@ -17,9 +17,9 @@ read's transfer handle takes in each descriptor mode (why `DescriptorMode.PREPPE
 default). Transfer cases run interleaved, so background load hits them alike. Every stage
 catches and prints its own failure.
 
-    python benchmarks/bench_kv_transfer.py               # CPU + Redis
-    python benchmarks/bench_kv_transfer.py --blocks 64 --layers 4   # 256 KiB blocks
-    python benchmarks/bench_kv_transfer.py --gpu         # 2-GPU NIXL VRAM->VRAM
+    python -m benchmarks kv_transfer               # CPU + Redis
+    python -m benchmarks kv_transfer --blocks 64 --layers 4   # 256 KiB blocks
+    python -m benchmarks kv_transfer --gpu         # 2-GPU NIXL VRAM->VRAM
 
 On CPU, UCX moves host memory between processes with cma (process_vm_readv, a kernel copy),
 below a user-space memcpy; the CPU path is for correctness, the GPU pair is the performance
@@ -37,16 +37,15 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any, TypeVar
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from typing import Any
 
 import torch
 
+from benchmarks.harness.steps import StepLog
+from benchmarks.harness.table import Table
 from engine.kv.kv_cache import LAYOUT_NAMES, KVCache, KVCacheSpec, torch_dtype
 from kv_transfer.protocol import HandshakeInfo
 from kv_transfer.types import TransferPlan
@@ -109,19 +108,11 @@ def prefill_process(conn: Connection, spec: KVCacheSpec, device: str) -> None:
             return
 
 
-T = TypeVar("T")
-
-
-def stage(name: str, fn: Callable[[], list[T]]) -> list[T]:
-    """Run one stage; print its failure (with a hint) instead of aborting the benchmark."""
-    try:
-        return fn()
-    except Exception as e:
-        print(f"\n!! FAILED: {name}: {type(e).__name__}: {e}")
-        traceback.print_exc()
-        if "UCX" in str(e) or "NIXL" in str(e) or "nixl" in type(e).__module__:
-            print(f"   hint: UCX_TLS={os.environ.get('UCX_TLS')!r} (unset on GPU; shm,tcp on CPU)")
-        return []
+def ucx_hint(error: BaseException) -> str | None:
+    """The UCX settings, under a failure of NIXL or UCX."""
+    if "UCX" in str(error) or "NIXL" in str(error) or "nixl" in type(error).__module__:
+        return f"UCX_TLS={os.environ.get('UCX_TLS')!r} (unset on GPU; shm,tcp on CPU)"
+    return None
 
 
 def summarize(name: str, nbytes: int, descs: str, times: list[float]) -> Row:
@@ -322,7 +313,7 @@ def run_interleaved(cases: list[Case], warmup: int, iters: int) -> list[Row]:
     ]
 
 
-def bench_redis(args: argparse.Namespace) -> list[None]:
+def bench_redis(args: argparse.Namespace) -> None:
     from deploy.control.embedded_redis import EmbeddedRedis
     from prefix_index.config import PrefixIndexConfig
     from prefix_index.index import PrefixIndex
@@ -358,23 +349,19 @@ def bench_redis(args: argparse.Namespace) -> list[None]:
             )
         for pub in publishers:
             pub.close()
-    return []
 
 
 def print_table(rows: list[Row], raw_gbps: float | None) -> None:
-    print(
-        f"\n{'path':40s} {'MiB':>6s} {'descs posted (plan)':>20s} {'ms':>8s} {'GB/s':>7s} "
-        f"{'best':>7s} {'% raw':>6s}"
-    )
-    for name, nbytes, descs, ms, gbps, best in rows:
-        pct = f"{100 * gbps / raw_gbps:5.0f}%" if raw_gbps else "   -"
-        print(
-            f"{name:40s} {nbytes / 2**20:6.0f} {descs!s:>20s} {ms:8.2f} {gbps:7.2f} "
-            f"{best:7.2f} {pct:>6s}"
-        )
+    header = ("path", "MiB", "descs posted (plan)", "ms", "GB/s", "best", "% raw")
+    lines = [
+        (name, f"{nbytes / 2**20:.0f}", descs, f"{ms:.2f}", f"{gbps:.2f}", f"{best:.2f}",
+         f"{100 * gbps / raw_gbps:.0f}%" if raw_gbps else "-")
+        for name, nbytes, descs, ms, gbps, best in rows
+    ]  # fmt: skip
+    print("\n" + Table.of(header, lines).plain())
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -394,11 +381,12 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--skip-redis", action="store_true")
     parser.add_argument("--only-redis", action="store_true", help="just the Redis lookup (CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    log = StepLog(hint=ucx_hint)
     args.iters = args.iters or (20 if args.gpu else 5)
     if args.gpu:
         if torch.cuda.device_count() < 2:
-            sys.exit(f"--gpu needs 2 GPUs, found {torch.cuda.device_count()}")
+            raise SystemExit(f"--gpu needs 2 GPUs, found {torch.cuda.device_count()}")
         for var in ("UCX_TLS", "UCX_NET_DEVICES"):
             if var in os.environ:
                 print(f"note: {var}={os.environ[var]} is set; unset it to let UCX pick cuda_ipc")
@@ -406,7 +394,7 @@ def main() -> None:
         os.environ.setdefault("UCX_TLS", "shm,tcp")
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if args.only_redis:
-        stage("Redis lookup", lambda: bench_redis(args))
+        log.step("Redis lookup", lambda: bench_redis(args))
         return
     spec = make_spec(args)
     src_dev, dst_dev = ("cuda:0", "cuda:1") if args.gpu else ("cpu", "cpu")
@@ -432,10 +420,11 @@ def main() -> None:
         device = torch.device(dst_dev)
         if args.gpu:
             torch.cuda.set_device(device)
-        cases = stage("raw copy setup", lambda: raw_copy_cases(args, spec, args.gpu))
-        cases += stage("NIXL backend setup", lambda: backend_cases(args, spec, info, device))
-        cases += stage(
-            "DecodeEndpoint setup", lambda: endpoint_case(args, spec, info, conn, device)
+        cases = log.step("raw copy setup", lambda: raw_copy_cases(args, spec, args.gpu)) or []
+        cases += log.step("NIXL backend setup", lambda: backend_cases(args, spec, info, device)) or []
+        cases += (
+            log.step("DecodeEndpoint setup", lambda: endpoint_case(args, spec, info, conn, device))
+            or []
         )
         print(f"running {len(cases)} cases interleaved, {args.warmup} + {args.iters} rounds ...")
         rows = run_interleaved(cases, args.warmup, args.iters)
@@ -450,8 +439,7 @@ def main() -> None:
         if child.is_alive():
             child.kill()
     if not args.gpu and not args.skip_redis:
-        print()
-        stage("Redis lookup", lambda: bench_redis(args))
+        log.step("Redis lookup", lambda: bench_redis(args))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the base model, in one run; adapter load time from the host cache and from disk.
 
 GPU (one H200, the default): a Llama-3-8B-shaped model with random bf16 weights
-(benchmarks/bench_engine.py builds it), a KV pool of random values, flashinfer attention and
+(benchmarks/harness/decode_model.py), a KV pool of random values, flashinfer attention and
 CUDA graphs. Random rank-16 PEFT adapters on all seven projections (q/k/v/o/gate/up/down) are
 written to a temporary folder and served by the adapter cache (engine/lora/lora_cache.py, one slot
 per adapter, slots padded to `--max-rank`). For each graph LoRA kernel (`--kernels`: torch's
@@ -21,9 +21,9 @@ its slot, read back), each over `--load-repeats` adapters.
 CPU (`--smoke`): the same on the tiny shape with dummy weights, eager steps (no graphs), to
 check that the script runs.
 
-    python benchmarks/bench_lora.py [--batch 64] [--adapters 1,4,16]
+    python -m benchmarks lora [--batch 64] [--adapters 1,4,16]
         [--kernels torch,triton-dot,triton-dot-serial,triton-dense,triton-bgmv,flashinfer]
-    python benchmarks/bench_lora.py --smoke
+    python -m benchmarks lora --smoke
 """
 
 from __future__ import annotations
@@ -31,22 +31,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import ROWS, print_table, step
-
-from engine.batch import ScheduledBatch, SeqChunk
+from benchmarks.harness.cuda_timing import kernel_profile, seconds_per_call
+from benchmarks.harness.decode_model import decode_batch, random_llama3_8b
+from benchmarks.harness.steps import StepLog
 from engine.config import EngineConfig
 from engine.core.runner import ModelRunner
 from engine.kv.kv_cache import KVCache
@@ -56,9 +52,6 @@ from engine.lora.lora_cache import LoraCache, LoraCacheConfig
 from engine.modeling.llama import LlamaModel
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
-
-RESULTS: dict[str, Any] = {}
-
 
 def write_adapter(root: Path, name: str, cfg: ModelConfig, rank: int, seed: int) -> Path:
     """A random PEFT adapter (bf16) of `rank` on every projection, in peft's file layout."""
@@ -86,40 +79,6 @@ def write_adapter(root: Path, name: str, cfg: ModelConfig, rank: int, seed: int)
     return out
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / iters
-
-
-def decode_batch(batch: int, context: int, block_size: int, slots: list[int]) -> ScheduledBatch:
-    """`batch` single-token decodes over `context` tokens each; row i reads slots[i]."""
-    pages = cdiv(context, block_size)
-    return ScheduledBatch(
-        tuple(
-            SeqChunk(
-                f"seq{i}",
-                (i % 1000 + 1,),
-                context - 1,
-                tuple(range(i * pages, (i + 1) * pages)),
-                sample=True,
-                lora_slot=slots[i],
-            )
-            for i in range(batch)
-        )
-    )
-
-
 def acquire_blocking(cache: LoraCache, name: str) -> int:
     """Acquire `name`, asking again every 0.5 ms (as a waiting request does each step)."""
     while True:
@@ -136,12 +95,11 @@ def build(smoke: bool) -> tuple[LlamaModel, torch.device]:
 
         cfg = ModelConfig.from_dict(hf_config(PRESETS["tiny"], 0, 1))
         return dummy_model(cfg, torch.float32, "cpu").eval(), torch.device("cpu")
-    from bench_engine import random_llama3_8b
-
     return random_llama3_8b(), torch.device("cuda", torch.cuda.current_device())
 
 
 def bench_decode(
+    log: StepLog,
     args: argparse.Namespace,
     model: LlamaModel,
     kv: KVCache,
@@ -187,10 +145,10 @@ def bench_decode(
         (f"{n} adapters", [slots[i % n] for i in range(b)]) for n in args.adapters
     ]
     for label, row_slots in cases:
-        batch = decode_batch(b, args.context, args.block_size, row_slots)
+        batch = decode_batch(b, args.context, args.block_size, lora_slots=row_slots)
         run = functools.partial(runner.execute, batch)
-        sec = step(
-            f"{kernel}: decode B={b} {label}", lambda r=run: seconds_per_call(r, device, args.iters)
+        sec = log.step(
+            f"{kernel}: decode B={b} {label}", lambda r=run: seconds_per_call(r, args.iters, device)
         )
         if sec is None:
             continue
@@ -199,15 +157,13 @@ def bench_decode(
             runner.execute(batch)  # stage this batch, then replay alone: device time only
             with_lora = label != "base"
             replay = functools.partial(runner.graphs.replay, b, with_lora)
-            out[f"{label} replay"] = seconds_per_call(replay, device, args.iters)
+            out[f"{label} replay"] = seconds_per_call(replay, args.iters, device)
             if label == f"{args.profile} adapters":
-                from bench_fp8 import kernel_profile
-
-                step(f"{kernel}: profile {label}", functools.partial(kernel_profile, replay))
+                log.step(f"{kernel}: profile {label}", functools.partial(kernel_profile, replay))
     for label, sec in out.items():
         ref = out.get("base replay" if label.endswith("replay") else "base")
         ratio = f"{sec / ref:.3f}x" if ref else ""
-        ROWS.append((f"{kernel}: decode B={b} {label}", f"{sec * 1e3:.3f} ms", "base", ratio))
+        log.add(f"{kernel}: decode B={b} {label}", f"{sec * 1e3:.3f} ms", "base", ratio)
     runner.graphs = None  # free the captured graphs before the next runner captures
     cache.close()
     if cuda:
@@ -215,7 +171,9 @@ def bench_decode(
     return out
 
 
-def bench_loads(args: argparse.Namespace, model: LlamaModel, root: Path) -> dict[str, float]:
+def bench_loads(
+    log: StepLog, args: argparse.Namespace, model: LlamaModel, root: Path
+) -> dict[str, float]:
     """Seconds from the first acquire to a resident slot: from disk, and from the host cache."""
     device = model.device
     config = LoraCacheConfig(
@@ -251,27 +209,22 @@ def bench_loads(args: argparse.Namespace, model: LlamaModel, root: Path) -> dict
         "adapter_bytes": nbytes / len(paths),
     }
     mb = out["adapter_bytes"] / 2**20
-    ROWS.append(
-        (
-            "adapter load from disk (read+pin+upload)",
-            f"{out['disk_s'] * 1e3:.1f} ms",
-            f"{mb:.0f} MiB file",
-            f"read {out['disk_read_s'] * 1e3:.1f} ms",
-        )
+    log.add(
+        "adapter load from disk (read+pin+upload)",
+        f"{out['disk_s'] * 1e3:.1f} ms",
+        f"{mb:.0f} MiB file",
+        f"read {out['disk_read_s'] * 1e3:.1f} ms",
     )
-    ROWS.append(
-        (
-            "adapter load from host cache (upload)",
-            f"{out['host_s'] * 1e3:.1f} ms",
-            f"{stats.num_host_loads} host loads",
-            "",
-        )
+    log.add(
+        "adapter load from host cache (upload)",
+        f"{out['host_s'] * 1e3:.1f} ms",
+        f"{stats.num_host_loads} host loads",
     )
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, eager steps")
     parser.add_argument("--batch", type=int, default=0, help="decode batch (64; smoke 8)")
     parser.add_argument("--adapters", default="", help="distinct adapters (1,4,16; smoke 1,2,4)")
@@ -291,7 +244,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--load-repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    log = StepLog()
+    results: dict[str, Any] = {}
     smoke = args.smoke
     args.batch = args.batch or (8 if smoke else 64)
     args.adapters = [int(n) for n in (args.adapters or ("1,2,4" if smoke else "1,4,16")).split(",")]
@@ -300,9 +255,9 @@ def main() -> None:
     default_kernels = "torch" if smoke else "torch,triton-dot,triton-dot-serial,flashinfer"
     kernels = (args.kernels or default_kernels).split(",")
     t_start = time.perf_counter()
-    model_and_device = step("build the model (random weights)", functools.partial(build, smoke))
+    model_and_device = log.step("build the model (random weights)", functools.partial(build, smoke))
     if model_and_device is None:
-        print_table()
+        log.print_table()
         return
     model, device = model_and_device
     pages = args.batch * cdiv(args.context, args.block_size)
@@ -310,7 +265,7 @@ def main() -> None:
     kv.tensor.normal_()
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         root = Path(tmp)
-        adapters = step(
+        adapters = log.step(
             f"write {max(args.adapters)} random rank-{args.rank} adapters",
             lambda: [
                 write_adapter(root, f"a{i}", model.cfg, args.rank, i)
@@ -318,14 +273,14 @@ def main() -> None:
             ],
         )
         for kernel in kernels if adapters is not None else []:
-            run = functools.partial(bench_decode, args, model, kv, adapters, kernel)
-            decode = step(f"{kernel}: adapter cache, runner, graphs and decode steps", run)
+            run = functools.partial(bench_decode, log, args, model, kv, adapters, kernel)
+            decode = log.step(f"{kernel}: adapter cache, runner, graphs and decode steps", run)
             if decode is not None:
-                RESULTS[f"decode_{kernel}"] = decode
-        loads = step("adapter loads", functools.partial(bench_loads, args, model, root))
+                results[f"decode_{kernel}"] = decode
+        loads = log.step("adapter loads", functools.partial(bench_loads, log, args, model, root))
         if loads is not None:
-            RESULTS["loads"] = loads
-    RESULTS["config"] = {
+            results["loads"] = loads
+    results["config"] = {
         "batch": args.batch,
         "context": args.context,
         "rank": args.rank,
@@ -333,8 +288,8 @@ def main() -> None:
         "device": str(device),
     }
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-    print_table()
-    print(json.dumps(RESULTS, indent=2))
+    log.print_table()
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

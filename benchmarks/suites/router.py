@@ -9,8 +9,9 @@ arrives) and then the decode: on a token channel of this process (`--direct-path
 the router's own way: one subscription, router/decode_channel.py) or on a `generate` stream
 per request (`--direct-path stream`, the router's way before the channels), consumed to the
 end so both paths leave the same load behind. Requests of the two paths are interleaved in
-one open-loop arrival sequence (Poisson at the given rate), with prompts of the same length
-and a cache salt of their own each (no prefix-cache hits on either path).
+one open-loop arrival sequence (Poisson at the given rate; benchmarks/harness/ab.py), with
+prompts of the same length and a cache salt of their own each (no prefix-cache hits on
+either path).
 
     router overhead (pXX) = pXX(TTFT via gRPC) - pXX(TTFT direct)
 
@@ -21,9 +22,9 @@ entering the orchestrator to the first token) is reported too, which splits the 
 into the gRPC part and the orchestrator part. The router process's CPU is reported per second
 and per gRPC request (everything it did during the rate's window, polling included).
 
-    python benchmarks/bench_router.py                          # rates 2,5,10 req/s
-    python benchmarks/bench_router.py --rates 2,5,10,20 --requests 200 --markdown
-    python benchmarks/bench_router.py --rates 2 --max-tokens 64  # longer decode streams
+    python -m benchmarks router                          # rates 2,5,10 req/s
+    python -m benchmarks router --rates 2,5,10,20 --requests 200 --markdown
+    python -m benchmarks router --rates 2 --max-tokens 64  # longer decode streams
 """
 
 from __future__ import annotations
@@ -31,101 +32,62 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
+import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import grpc
 
-from pdserve.v1 import serving_pb2 as pb
-from pdserve.v1 import serving_pb2_grpc as pb_grpc
+from benchmarks.harness.ab import GenerateClient, Sample, open_loop, summarize
+from benchmarks.harness.cluster import actor_pid, local_cluster
+from benchmarks.harness.proc_stats import process_cpu_s
+from benchmarks.harness.table import Table
 from vocabulary.decode_api import DecodeRequest
 from vocabulary.numeric import percentile
 from vocabulary.prefill_api import PrefillRequest, PrefillResult
 from vocabulary.sampling import SamplingParams
 from vocabulary.worker_api import WorkerRole
 
-
-@dataclass(frozen=True)
-class Sample:
-    path: str  # "grpc" or "direct"
-    ttft_ms: float
-    router_ttft_ms: float = 0.0
-    tpot_ms: float = 0.0
-    """First token to last, per token after the first, as this process saw them."""
+ARMS = ("direct", "grpc")
 
 
-def tpot_ms(first_at: float, last_at: float, tokens: int) -> float:
-    return (last_at - first_at) * 1000 / (tokens - 1) if tokens > 1 else 0.0
+class DirectPath:
+    """The direct path (module docstring): prefill and decode actor calls from here."""
 
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far (/proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Bench:
-    def __init__(self, target: str, workers: list[tuple[Any, Any]], args: argparse.Namespace):
-        self.args = args
-        self.channel = grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+    def __init__(self, workers: list[tuple[Any, Any]], args: argparse.Namespace) -> None:
         self.prefill = next(h for i, h in workers if i.role is WorkerRole.PREFILL)
         self.decode = next(h for i, h in workers if i.role is not WorkerRole.PREFILL)
         self.sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        self.decode_channel: Any = None
+        self.channel: Any = None
         if args.direct_path == "channel":
             from router.decode_channel import DecodeChannel
 
-            self.decode_channel = DecodeChannel("decode", self.decode, uuid.uuid4().hex[:12])
+            self.channel = DecodeChannel("decode", self.decode, uuid.uuid4().hex[:12])
 
-    def prompt(self, rng: random.Random) -> list[int]:
-        return [rng.randrange(2, 500) for _ in range(self.args.prompt_tokens)]
-
-    async def via_grpc(self, prompt: list[int]) -> Sample:
-        req = pb.GenerateRequest(
-            token_ids=prompt, max_tokens=self.args.max_tokens, temperature=0.0,
-            ignore_eos=True, cache_salt=uuid.uuid4().hex,
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        ttft = None
-        tokens = 0
-        async for msg in self.stub.Generate(req, timeout=60):
-            now = time.perf_counter()
-            if ttft is None:
-                ttft, first_at = (now - t0) * 1000, now
-            tokens += len(msg.token_ids)
-            last, last_at = msg, now
-        assert ttft is not None and last.finish_reason
-        assert not last.timings.local_prefill
-        return Sample("grpc", ttft, last.timings.ttft_ms, tpot_ms(first_at, last_at, tokens))
-
-    async def direct(self, prompt: list[int]) -> Sample:
+    async def send(self, round_: int, prompt: list[int]) -> Sample:
         rid, salt = uuid.uuid4().hex, uuid.uuid4().hex
         t0 = time.perf_counter()
         pre = PrefillRequest(rid, tuple(prompt), self.sampling, salt, arrival_time=time.time())
         result: PrefillResult = await self.prefill.prefill.remote(pre)
         first_at = time.perf_counter()
-        ttft = (first_at - t0) * 1000
         tokens = 1
         dreq = DecodeRequest(
-            rid, tuple(prompt), self.sampling, salt, result.handle, result.first_token_id,
-            result.first_logprob, arrival_time=time.time(),
+            rid, tuple(prompt), self.sampling, salt, handle=result.handle,
+            first_token_id=result.first_token_id, first_logprob=result.first_logprob,
+            arrival_time=time.time(),
         )  # fmt: skip
-        if self.decode_channel is None:
+        if self.channel is None:
             async for ref in self.decode.generate.options(num_returns="streaming").remote(dreq):
                 chunk = await ref
                 tokens += len(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     break
         else:
-            stream = self.decode_channel.open_request(rid)
+            stream = self.channel.open_request(rid)
             try:
                 await stream.submit(dreq)
                 while True:
@@ -135,23 +97,13 @@ class Bench:
                         break
             finally:
                 stream.close()
-        return Sample("direct", ttft, tpot_ms=tpot_ms(first_at, time.perf_counter(), tokens))
+        end = time.perf_counter()
+        tpot = (end - first_at) * 1000 / (tokens - 1) if tokens > 1 else 0.0
+        return Sample("direct", round_, (first_at - t0) * 1000, tpot, (end - t0) * 1000, tokens)
 
-    async def run_rate(self, rate: float, n: int, seed: int) -> list[Sample]:
-        rng = random.Random(seed)
-        tasks = []
-        for i in range(n):
-            prompt = self.prompt(rng)
-            # Interleave: alternate which path goes first within each pair of arrivals.
-            path = self.via_grpc if (i % 2 == 0) ^ (i // 2 % 2 == 0) else self.direct
-            tasks.append(asyncio.create_task(path(prompt)))
-            await asyncio.sleep(rng.expovariate(rate))
-        return list(await asyncio.gather(*tasks))
-
-    async def close(self) -> None:
-        if self.decode_channel is not None:
-            self.decode_channel.close("benchmark done")
-        await self.channel.close()
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close("benchmark done")
 
 
 _ECHO_SERVER = """
@@ -171,7 +123,7 @@ asyncio.run(main())
 """
 
 
-async def _timed(fn: Any, n: int = 100) -> tuple[float, float]:
+async def _timed(fn: Callable[[], Awaitable[object]], n: int = 100) -> tuple[float, float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -181,12 +133,10 @@ async def _timed(fn: Any, n: int = 100) -> tuple[float, float]:
     return percentile(times, 50), percentile(times, 99)
 
 
-async def floors(redis_url: str, bench: Bench) -> dict[str, tuple[float, float]]:
+async def floors(redis_url: str, prefill: Any) -> dict[str, tuple[float, float]]:
     """What each hop the router adds costs here, now: a gRPC server-streaming call to a
     trivial server in another process, and the Redis prefix lookup the router makes; a plain
     Ray actor call (both paths make those) for scale."""
-    import subprocess
-
     from prefix_index.index import PrefixIndex
     from vocabulary.block_hash import hash_chain, hash_extra
 
@@ -214,7 +164,7 @@ async def floors(redis_url: str, bench: Bench) -> dict[str, tuple[float, float]]
     index.close()
 
     async def ray_call() -> None:
-        await bench.prefill.ping.remote()
+        await prefill.ping.remote()
 
     return {
         "gRPC call to a trivial server (first message)": grpc_hop,
@@ -223,55 +173,29 @@ async def floors(redis_url: str, bench: Bench) -> dict[str, tuple[float, float]]
     }
 
 
-def summarize(rate: float, samples: list[Sample]) -> dict[str, float]:
-    g = [s.ttft_ms for s in samples if s.path == "grpc"]
-    d = [s.ttft_ms for s in samples if s.path == "direct"]
-    r = [s.router_ttft_ms for s in samples if s.path == "grpc"]
-    gt = [s.tpot_ms for s in samples if s.path == "grpc"]
-    dt = [s.tpot_ms for s in samples if s.path == "direct"]
-    return {
-        "tpot_grpc_p50": percentile(gt, 50), "tpot_direct_p50": percentile(dt, 50),
-        "rate": rate,
-        "n": len(g),
-        "grpc_p50": percentile(g, 50), "grpc_p99": percentile(g, 99),
-        "direct_p50": percentile(d, 50), "direct_p99": percentile(d, 99),
-        "router_view_p50": percentile(r, 50),
-        "overhead_p50": percentile(g, 50) - percentile(d, 50),
-        "overhead_p99": percentile(g, 99) - percentile(d, 99),
-    }  # fmt: skip
+def rate_row(rate: float, samples: list[Sample], cpu_s: float, window_s: float) -> list[str]:
+    """One rate's line of the table (see `HEADER`)."""
+    ttft = summarize(samples, ARMS, "direct")
+    grpc_, direct = ttft["grpc"], ttft["direct"]
+    router_view = summarize(samples, ARMS, "direct", "server_ttft_ms")["grpc"].p50
+    tpot = summarize(samples, ARMS, "direct", "tpot_ms")
+    return [
+        f"{rate:g}", f"{grpc_.n}",
+        f"{grpc_.p50:.2f} / {grpc_.p99:.2f}", f"{direct.p50:.2f} / {direct.p99:.2f}",
+        f"{grpc_.minus_base_p50:.2f}", f"{grpc_.minus_base_p99:.2f}",
+        f"{grpc_.p50 - router_view:.2f} / {router_view - direct.p50:.2f}",
+        f"{cpu_s / window_s * 100:.1f}", f"{cpu_s / grpc_.n * 1000:.1f}",
+        f"{tpot['grpc'].p50:.2f} / {tpot['direct'].p50:.2f}",
+    ]  # fmt: skip
 
 
-def print_table(rows: list[dict[str, float]], markdown: bool) -> None:
-    head = ("rate (req/s)", "requests/path", "TTFT gRPC p50/p99 (ms)", "TTFT direct p50/p99 (ms)",
-            "overhead p50 (ms)", "overhead p99 (ms)",
-            "of p50: gRPC / orchestrator (ms)", "router process CPU (% of a core)",
-            "router CPU per gRPC request (ms)", "TPOT p50 gRPC / direct (ms)")  # fmt: skip
-    lines = []
-    for row in rows:
-        grpc_part = row["grpc_p50"] - row["router_view_p50"]
-        orchestrator_part = row["router_view_p50"] - row["direct_p50"]
-        lines.append((
-            f"{row['rate']:g}", f"{row['n']:.0f}",
-            f"{row['grpc_p50']:.2f} / {row['grpc_p99']:.2f}",
-            f"{row['direct_p50']:.2f} / {row['direct_p99']:.2f}",
-            f"{row['overhead_p50']:.2f}", f"{row['overhead_p99']:.2f}",
-            f"{grpc_part:.2f} / {orchestrator_part:.2f}",
-            f"{row['router_cpu'] * 100:.1f}",
-            f"{row['router_cpu_per_request'] * 1000:.1f}",
-            f"{row['tpot_grpc_p50']:.2f} / {row['tpot_direct_p50']:.2f}",
-        ))  # fmt: skip
-    if markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "|".join("---" for _ in head) + "|")
-        for line in lines:
-            print("| " + " | ".join(line) + " |")
-    else:
-        print("  ".join(head))
-        for line in lines:
-            print("  ".join(line))
+HEADER = ("rate (req/s)", "requests/path", "TTFT gRPC p50/p99 (ms)", "TTFT direct p50/p99 (ms)",
+          "overhead p50 (ms)", "overhead p99 (ms)", "of p50: gRPC / orchestrator (ms)",
+          "router process CPU (% of a core)", "router CPU per gRPC request (ms)",
+          "TPOT p50 gRPC / direct (ms)")  # fmt: skip
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rates", default="2,5,10", help="request rates (req/s), comma-separated")
     ap.add_argument("--requests", type=int, default=120, help="requests per rate (both paths)")
@@ -288,20 +212,16 @@ def main() -> None:
         "generate stream per request",
     )
     ap.add_argument("--router-pid-file", help="write the router process id here (profilers)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
 
-    from bench_cluster import tiny_disaggregated
+    with local_cluster() as cluster:
+        import ray
 
-    from deploy.control.launch import Cluster, loopback_env
-
-    loopback_env()
-    options = tiny_disaggregated()
-    import ray
-
-    with Cluster(options) as cluster:
-        assert cluster.endpoint is not None
+        endpoint = cluster.endpoint
+        assert endpoint is not None
         workers = ray.get(cluster.controller.list_workers.remote())
-        router_pid = ray.get(cluster.routers[0].__ray_call__.remote(lambda _: os.getpid()))
+        router_pid = actor_pid(cluster.routers[0])
         router_code = ray.get(
             cluster.routers[0].__ray_call__.remote(
                 lambda _: sys.modules["router.orchestrator"].__file__
@@ -310,42 +230,44 @@ def main() -> None:
         if args.router_pid_file:  # e.g. for `py-spy record -p $(cat FILE)`
             Path(args.router_pid_file).write_text(str(router_pid))
 
-        def router_cpu_s() -> float:
-            return process_cpu_s(router_pid)
+        async def run() -> tuple[list[list[str]], float, dict[str, tuple[float, float]]]:
+            client = GenerateClient(endpoint.target)
+            direct = DirectPath(workers, args)
 
-        async def run() -> tuple[list[dict[str, float]], dict[str, tuple[float, float]]]:
-            bench = Bench(cluster.endpoint.target, workers, args)  # type: ignore[union-attr]
+            async def send(arm: str, round_: int, prompt: list[int]) -> Sample:
+                if arm == "direct":
+                    return await direct.send(round_, prompt)
+                sample = await client.send(
+                    arm, round_, prompt, args.max_tokens, cache_salt=uuid.uuid4().hex
+                )
+                assert not sample.local_prefill
+                return sample
+
             try:
-                await bench.run_rate(2.0 * len(args.rates.split(",")), args.warmup, seed=999)
-                cpu0, t0 = router_cpu_s(), time.perf_counter()
+                await open_loop(ARMS, send, args.warmup, 2.0 * len(rates), args.prompt_tokens, 999)
+                cpu0, t0 = process_cpu_s(router_pid), time.perf_counter()
                 await asyncio.sleep(5.0)
-                idle_cpu_per_s = (router_cpu_s() - cpu0) / (time.perf_counter() - t0)
+                idle = (process_cpu_s(router_pid) - cpu0) / (time.perf_counter() - t0)
                 rows = []
-                for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-                    cpu0, t0 = router_cpu_s(), time.perf_counter()
-                    samples = await bench.run_rate(rate, args.requests, seed=args.seed + i)
-                    cpu_s = router_cpu_s() - cpu0
-                    row = summarize(rate, samples)
-                    row["router_cpu"] = cpu_s / (time.perf_counter() - t0)
-                    row["router_cpu_per_request"] = cpu_s / row["n"]
-                    rows.append(row)
-                floor = await floors(cluster.endpoint.redis_url, bench)  # type: ignore[union-attr]
-                rows[0]["router_idle_cpu"] = idle_cpu_per_s
-                return rows, floor
+                for i, rate in enumerate(rates):
+                    cpu0, t0 = process_cpu_s(router_pid), time.perf_counter()
+                    samples = await open_loop(
+                        ARMS, send, args.requests, rate, args.prompt_tokens, args.seed + i
+                    )
+                    cpu_s = process_cpu_s(router_pid) - cpu0
+                    rows.append(rate_row(rate, samples, cpu_s, time.perf_counter() - t0))
+                return rows, idle, await floors(endpoint.redis_url, direct.prefill)
             finally:
-                await bench.close()
+                direct.close()
+                await client.close()
 
-        rows, floor = asyncio.run(run())
+        rows, idle_cpu, floor = asyncio.run(run())
     print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
           f"prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
           f"{args.requests} requests per rate (half per path)")  # fmt: skip
     print(f"router code: {router_code}; direct path: {args.direct_path}")
-    print(f"router process CPU when idle: {rows[0]['router_idle_cpu'] * 100:.1f}% of a core")
-    print_table(rows, args.markdown)
+    print(f"router process CPU when idle: {idle_cpu * 100:.1f}% of a core")
+    print(Table.of(HEADER, rows, "l" * len(HEADER)).render(args.markdown))
     print("\nHops on this machine at the same time (p50 / p99 ms, 100 sequential calls each):")
     for name, (p50, p99) in floor.items():
         print(f"- {name}: {p50:.2f} / {p99:.2f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ clients for `--minutes`: prompts of random tokens under cache salts from a small
 prefix cache fills, hits and evicts), random lengths, a share of the streams cancelled after
 a few tokens. Every `--sample-s` each process of the cluster (the controller, the routers,
 the workers, the embedded redis-server) is sampled: its RSS by kind of mapping and thread
-count (benchmarks/proc_memory.py) and, inside the Ray actors, glibc malloc's account
+count (benchmarks/harness/proc_stats.py) and, inside the Ray actors, glibc malloc's account
 (`mallinfo2`: heap got from the system, in use, free).
 
 Flat, per process: the least-squares slope of its RSS over the last two thirds of the run
@@ -19,9 +19,9 @@ noise; the slope's standard error is reported beside it.
 The processes: pdserve's (controller, routers, workers, the embedded redis-server) and the
 local Ray's own `gcs_server` and `raylet`.
 
-    python benchmarks/soak.py --minutes 30 --out soak.json
-    python benchmarks/soak.py --minutes 6 --sample-s 15          # a quick look
-    python benchmarks/soak.py --minutes 6 --env MALLOC_ARENA_MAX=8 # an allocator experiment
+    python -m benchmarks soak --minutes 30 --out soak.json
+    python -m benchmarks soak --minutes 6 --sample-s 15          # a quick look
+    python -m benchmarks soak --minutes 6 --env MALLOC_ARENA_MAX=8 # an allocator experiment
 
 `--env K=V` adds to (or overrides) what the cluster puts in its actors' environment;
 `--trim-at-end` calls `malloc_trim(0)` in every actor once the load stops and reports what
@@ -38,17 +38,17 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import grpc
-import proc_memory
 import psutil
 
+from benchmarks.harness import proc_stats
+from benchmarks.harness.cluster import actor_pid, local_cluster, tiny_disaggregated
+from benchmarks.harness.table import Table
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 
@@ -73,13 +73,10 @@ RAY_SYSTEM = ("gcs_server", "raylet")
 def processes(cluster: Any) -> dict[str, Process]:
     """name -> Process of every process of the cluster: pdserve's (controller, routers,
     workers, the embedded redis-server) and the local Ray's `RAY_SYSTEM` ones."""
-    import os
-
     import ray
 
     def of(actor: Any) -> Process:
-        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
-        return Process(int(pid), actor)
+        return Process(actor_pid(actor), actor)
 
     out = {"controller": of(cluster.controller)}
     for i, router in enumerate(cluster.routers):
@@ -99,12 +96,12 @@ def sample(procs: dict[str, Process]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, p in procs.items():
         try:
-            row: dict[str, Any] = asdict(proc_memory.breakdown(p.pid))
+            row: dict[str, Any] = asdict(proc_stats.breakdown(p.pid))
         except (FileNotFoundError, ProcessLookupError):
             out[name] = {"rss_mb": float("nan")}
             continue
         if p.actor is not None:
-            row["malloc"] = p.call(proc_memory.malloc_stats)
+            row["malloc"] = p.call(proc_stats.malloc_stats)
         out[name] = row
     return out
 
@@ -212,18 +209,16 @@ def slope_stderr_mb_per_h(times: list[float], values: list[float]) -> float:
 
 def table(report: dict[str, Any]) -> str:
     """The per-process verdict as a Markdown table (docs/benchmarks.md)."""
-    lines = [
-        "| process | RSS at start (MB) | after warm-up | at end | slope after warm-up "
-        "(MB/h) | flat |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for name, row in report["processes"].items():
-        lines.append(
-            f"| {name} | {row['rss_start_mb']:.1f} | {row['rss_warm_mb']:.1f} | "
-            f"{row['rss_end_mb']:.1f} | {row['slope_rss_mb_h']:+.1f} ± "
-            f"{row['slope_rss_stderr_mb_h']:.1f} | {'yes' if row['flat'] else '**no**'} |"
-        )
-    return "\n".join(lines)
+    header = ("process", "RSS at start (MB)", "after warm-up", "at end",
+              "slope after warm-up (MB/h)", "flat")  # fmt: skip
+    rows = [
+        (name, f"{row['rss_start_mb']:.1f}", f"{row['rss_warm_mb']:.1f}",
+         f"{row['rss_end_mb']:.1f}",
+         f"{row['slope_rss_mb_h']:+.1f} ± {row['slope_rss_stderr_mb_h']:.1f}",
+         "yes" if row["flat"] else "**no**")
+        for name, row in report["processes"].items()
+    ]  # fmt: skip
+    return Table.of(header, rows, "lrrrrl").markdown()
 
 
 def grown_mappings(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
@@ -256,7 +251,7 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -269,25 +264,26 @@ def main() -> None:
     ap.add_argument("--heap-profile", type=Path, default=None, metavar="DIR")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     extra_env = parse_env(args.env)
     if args.heap_profile is not None:
         args.heap_profile.mkdir(parents=True, exist_ok=True)
         prefix = str(args.heap_profile.resolve() / "auto")
-        extra_env = {**proc_memory.jemalloc_profile_env(prefix), **extra_env}
+        extra_env = {**proc_stats.jemalloc_profile_env(prefix), **extra_env}
 
-    import ray
-    from bench_cluster import tiny_disaggregated
-
-    import deploy.control.launch
-    from deploy.control.launch import Cluster
     from deploy.control.local_ray import loopback_env
 
-    ray.cloudpickle.register_pickle_by_value(proc_memory)
-    if extra_env:
-        base_env = deploy.cluster.tracing_env
-        deploy.cluster.tracing_env = lambda: {**base_env(), **extra_env}  # type: ignore[assignment,misc]
-    loopback_env()
+    loopback_env()  # before Ray is imported
+    import ray
+
+    import deploy.control.launch as launch
+
+    # the functions the actors run travel by value: an actor need not import benchmarks
+    ray.cloudpickle.register_pickle_by_value(proc_stats)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if extra_env:  # what the cluster hands its actors (deploy/control/launch.py)
+        base_env = launch.tracing_env
+        launch.tracing_env = lambda: {**base_env(), **extra_env}
     config = tiny_disaggregated(num_kv_blocks=256, worker_cpus=0, ray_cpus=None)
     warm = args.minutes * 60 / 3
     samples: list[tuple[float, dict[str, dict[str, Any]]]] = []
@@ -297,7 +293,7 @@ def main() -> None:
     objs_end: dict[str, dict[str, int]] = {}
     trimmed: dict[str, dict[str, float]] = {}
     traced: dict[str, list[str]] = {}
-    with Cluster(config) as cluster:
+    with local_cluster(config) as cluster:
         assert cluster.endpoint is not None
         target = cluster.endpoint.target
         procs = processes(cluster)
@@ -308,7 +304,7 @@ def main() -> None:
 
         def snapshot(maps: dict[str, Any], objs: dict[str, Any]) -> None:
             for name, p in procs.items():
-                maps[name] = proc_memory.mappings(p.pid)
+                maps[name] = proc_stats.mappings(p.pid)
             if args.objects:
                 for name, p in actors.items():
                     objs[name] = p.call(object_counts, timeout=120)
@@ -316,7 +312,7 @@ def main() -> None:
                 stage = "warm" if objs is objs_warm else "end"
                 for name, p in actors.items():
                     path = str(args.heap_profile.resolve() / f"{name}.{stage}.heap")
-                    if not p.call(lambda path=path: proc_memory.heap_dump(path)):
+                    if not p.call(lambda path=path: proc_stats.heap_dump(path)):
                         print(f"{name}: no jemalloc heap profile (is jemalloc preloaded?)")
             if args.tracemalloc:
                 for name, p in actors.items():
@@ -348,10 +344,10 @@ def main() -> None:
                     for name, p in actors.items() if name.startswith("router-")}  # fmt: skip
         if args.trim_at_end:
             for name, p in actors.items():
-                before = proc_memory.breakdown(p.pid).rss_mb
-                p.call(proc_memory.trim)
+                before = proc_stats.breakdown(p.pid).rss_mb
+                p.call(proc_stats.trim)
                 trimmed[name] = {"rss_before_mb": before,
-                                 "rss_after_mb": proc_memory.breakdown(p.pid).rss_mb}  # fmt: skip
+                                 "rss_after_mb": proc_stats.breakdown(p.pid).rss_mb}  # fmt: skip
 
     report: dict[str, Any] = {
         "minutes": args.minutes,

@@ -1,13 +1,13 @@
 """What tracing costs a request: TTFT through one router with tracing on and paused, side by
 side in one run on this machine.
 
-A 1P1D cluster (benchmarks/bench_cluster.py: tiny model, CPU, every prompt disaggregated) is
+A 1P1D cluster (benchmarks/harness/cluster.py: tiny model, CPU, every prompt disaggregated) is
 started in-script with `OTEL_TRACES_EXPORTER=pdserve_memory` (the SDK's in-memory exporter
 behind its BatchSpanProcessor, default settings), so its router and both workers trace. Each
 round sends two requests of the same shape (a prompt of its own random token ids, so no
 prefix-cache hits; greedy; ignore_eos; a traceparent in the metadata) through that router,
 one with its tracing on and one with it paused (`RouterActor.pause_tracing`, called between
-requests, outside the timed window), the order alternating from round to round, one request
+requests, outside the timed window), the order alternating from round to round (benchmarks/harness/ab.py), one request
 in flight at a time, on one grpc.aio channel. Paused, the router opens no span and sends no
 context, so the workers open none either: the two requests differ by exactly what tracing
 adds (7 spans on the router, 3 on the workers, the context in two Ray calls). TTFT is
@@ -26,9 +26,9 @@ by +0.85 ms p50 on this 2-core machine, more than tracing costs.
 The paired p50's standard error is about 0.05 ms at 1,500 rounds on a 2-core machine; 6,000
 rounds (about 10 minutes) resolve the 0.1 ms goal there (docs/benchmarks.md).
 
-    python benchmarks/bench_tracing.py [--rounds 400] [--prompt-tokens 64] [--max-tokens 4]
-    python benchmarks/bench_tracing.py --aa      # paused for both: the method's own spread
-    python benchmarks/bench_tracing.py --workers-untraced  # the router's part alone
+    python -m benchmarks tracing [--rounds 400] [--prompt-tokens 64] [--max-tokens 4]
+    python -m benchmarks tracing --aa      # paused for both: the method's own spread
+    python -m benchmarks tracing --workers-untraced  # the router's part alone
 
 `--workers-untraced` pauses the workers' tracing for the whole run (the router still sends the
 context, which they then ignore): "on" then costs only what the router adds.
@@ -39,83 +39,52 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import secrets
-import sys
-import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import grpc
-
-from pdserve.v1 import serving_pb2 as pb
-from pdserve.v1 import serving_pb2_grpc as pb_grpc
-from vocabulary.numeric import percentile
+from benchmarks.harness.ab import GenerateClient, Sample, closed_rounds, summarize
+from benchmarks.harness.cluster import local_cluster
+from benchmarks.harness.table import Table
 
 VARIANTS = ("off", "on")
 
 
-class Client:
-    def __init__(self, name: str, target: str) -> None:
-        self.name = name
-        self.channel = grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.GenerationStub(self.channel)
-
-    async def send(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-        """(TTFT, end to end) in ms."""
-        req = pb.GenerateRequest(
-            token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        metadata = (("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"),)
-        t0 = time.perf_counter()
-        first = None
-        tokens = 0
-        async for msg in self.stub.Generate(req, metadata=metadata, timeout=60):
-            if first is None and msg.token_ids:
-                first = time.perf_counter()
-            tokens += len(msg.token_ids)
-        end = time.perf_counter()
-        assert first is not None and tokens == max_tokens, (self.name, tokens)
-        return (first - t0) * 1000, (end - t0) * 1000
-
-
-async def run_rounds(
-    client: Client, router: Any, rounds: int, args: argparse.Namespace, seed: int
-) -> dict[str, list[tuple[float, float]]]:
-    """`rounds` rounds of one request per variant, the order alternating; before each, the
-    router's tracing is set for the variant (paused for both in an A/A run)."""
-    rng = random.Random(seed)
-    samples: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
-    for r in range(rounds):
-        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            traced = await router.pause_tracing.remote(args.aa or variant == "off")
-            assert traced == (variant == "on" and not args.aa), (variant, traced)
-            prompt = [rng.randrange(10, 500) for _ in range(args.prompt_tokens)]
-            samples[variant].append(await client.send(prompt, args.max_tokens))
-            await asyncio.sleep(args.gap_ms / 1000)  # a traced request's spans are made now
-    return samples
-
-
-def _pause_here() -> bool:
-    from vocabulary.tracing import pause_tracing
-
-    return pause_tracing(True)
+def traceparent() -> tuple[tuple[str, str], ...]:
+    """A fresh W3C trace context (a sampled trace of its own) for one request."""
+    return (("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"),)
 
 
 def pause_workers_tracing(cluster: Any) -> None:
     """Pause tracing in every worker actor of the cluster (it opens no span for any request)."""
     import ray
 
+    def pause(_actor: Any) -> bool:  # nested: it travels by value, wherever benchmarks is
+        from vocabulary.tracing import pause_tracing
+
+        return pause_tracing(True)
+
     workers = ray.get(cluster.controller.list_workers.remote(), timeout=30)
     assert workers
     for _info, actor in workers:
-        assert ray.get(actor.__ray_call__.remote(lambda _self: _pause_here()), timeout=30) is False
+        assert ray.get(actor.__ray_call__.remote(pause), timeout=30) is False
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def table(samples: list[Sample]) -> Table:
+    ttft = summarize(samples, VARIANTS, "off")
+    e2e = summarize(samples, VARIANTS, "off", "e2e_ms")
+    header = ("tracing", "TTFT p50", "p90", "p50 - off", "paired (on - off)", "e2e p50",
+              "paired e2e")  # fmt: skip
+    rows = [
+        (v, f"{s.p50:.2f}", f"{s.p90:.2f}", f"{s.minus_base_p50:+.2f}", f"{s.paired_p50:+.2f}",
+         f"{e2e[v].p50:.2f}", f"{e2e[v].paired_p50:+.2f}")
+        for v, s in ttft.items()
+    ]  # fmt: skip
+    return Table.of(header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument(
         "--rounds", type=int, default=400, help="measured rounds (each: one request a variant)"
     )
@@ -136,32 +105,39 @@ def main() -> None:
         "--workers-untraced", action="store_true", help="the workers' tracing paused for the "
         "whole run: what the router alone adds",
     )  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    from bench_cluster import tiny_disaggregated
+    # every actor traces (the cluster hands the variable to its actors too)
+    with local_cluster(env={"OTEL_TRACES_EXPORTER": "pdserve_memory"}) as cluster:
+        import ray
 
-    from deploy.control.launch import Cluster, loopback_env
-
-    loopback_env()
-    # before Ray starts: every actor (the cluster also hands it to its actors)
-    os.environ["OTEL_TRACES_EXPORTER"] = "pdserve_memory"
-    import ray
-
-    config = tiny_disaggregated()
-    with Cluster(config) as cluster:
-        ep = cluster.endpoint
-        assert ep is not None
+        assert cluster.endpoint is not None
+        target = cluster.endpoint.target
         router = cluster.routers[0]
         if args.workers_untraced:
             pause_workers_tracing(cluster)
 
-        async def run() -> dict[str, list[tuple[float, float]]]:
-            client = Client("router", ep.target)
+        async def run() -> list[Sample]:
+            client = GenerateClient(target, metadata=traceparent)
+
+            async def set_tracing(variant: str) -> None:
+                """The router's tracing for the variant (paused for both in an A/A run)."""
+                traced = await router.pause_tracing.remote(args.aa or variant == "off")
+                assert traced == (variant == "on" and not args.aa), (variant, traced)
+
+            async def send(variant: str, round_: int, prompt: list[int]) -> Sample:
+                return await client.send(variant, round_, prompt, args.max_tokens)
+
+            async def rounds(n: int, seed: int, first: int = 0) -> list[Sample]:
+                # after each request: its spans are made in the SDK now
+                return await closed_rounds(VARIANTS, send, n, args.prompt_tokens, seed, first,
+                                           before=set_tracing, gap_s=args.gap_ms / 1000)  # fmt: skip
+
             try:
-                await run_rounds(client, router, args.warmup, args, args.seed + 999)
-                return await run_rounds(client, router, args.rounds, args, args.seed)
+                await rounds(args.warmup, args.seed + 999, first=-args.warmup)
+                return await rounds(args.rounds, args.seed)
             finally:
-                await client.channel.close()
+                await client.close()
 
         samples = asyncio.run(run())
         traced = ray.get(router.finished_spans.remote(), timeout=60)
@@ -171,18 +147,4 @@ def main() -> None:
     print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; prompt "
           f"{args.prompt_tokens} tokens, max_tokens {args.max_tokens}, {args.rounds} rounds; "
           f"{len(traced)} router spans exported ({roots} traces); ms")  # fmt: skip
-    print("| tracing | TTFT p50 | p90 | p50 - off | paired (on - off) | e2e p50 | paired e2e |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    ttft = {v: [t for t, _ in samples[v]] for v in VARIANTS}
-    e2e = {v: [e for _, e in samples[v]] for v in VARIANTS}
-    for v in VARIANTS:
-        p50 = percentile(ttft[v], 50)
-        diff = p50 - percentile(ttft["off"], 50)
-        paired = percentile([a - b for a, b in zip(ttft[v], ttft["off"], strict=True)], 50)
-        e2e_paired = percentile([a - b for a, b in zip(e2e[v], e2e["off"], strict=True)], 50)
-        print(f"| {v} | {p50:.2f} | {percentile(ttft[v], 90):.2f} | {diff:+.2f} | "
-              f"{paired:+.2f} | {percentile(e2e[v], 50):.2f} | {e2e_paired:+.2f} |")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
+    print(table(samples).markdown())

@@ -24,8 +24,8 @@
     decode step, streaming back). Requests alternate between the two output paths of (i).
     For scale, one single-sequence decode step of the in-process engine is timed too.
 
-    python benchmarks/bench_workers.py
-    python benchmarks/bench_workers.py --concurrency 1,8,32 --handoff-requests 100
+    python -m benchmarks workers
+    python -m benchmarks workers --concurrency 1,8,32 --handoff-requests 100
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ import asyncio
 import os
 import random
 import statistics
-import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+# Ray reads part of its environment when it is imported (deploy/control/local_ray.py)
 for key, value in {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -57,6 +56,9 @@ for key, value in {
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.harness.cluster import actor_pid  # noqa: E402
+from benchmarks.harness.proc_stats import process_cpu_s  # noqa: E402
+from benchmarks.harness.table import Table  # noqa: E402
 from deploy.checkpoints.checkpoint_files import CORPUS  # noqa: E402
 from deploy.checkpoints.make_model import cached_tiny_model  # noqa: E402
 from deploy.control.worker_actors import start_worker_sync  # noqa: E402
@@ -112,12 +114,6 @@ def run_local(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, t
     return elapsed
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far (/proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class ActorRun:
     wall_s: float
@@ -170,11 +166,12 @@ async def run_channel(
     return channel.num_batches - before
 
 
-async def timed(path: Any, actor_pid: int) -> ActorRun:
-    cpu0, actor0, t0 = time.process_time(), process_cpu_s(actor_pid), time.perf_counter()
+async def timed(path: Any, pid: int) -> ActorRun:
+    """`path` awaited: its wall time, its items, this process's CPU and actor `pid`'s."""
+    cpu0, actor0, t0 = time.process_time(), process_cpu_s(pid), time.perf_counter()
     items = await path
     wall = time.perf_counter() - t0
-    return ActorRun(wall, items, time.process_time() - cpu0, process_cpu_s(actor_pid) - actor0)
+    return ActorRun(wall, items, time.process_time() - cpu0, process_cpu_s(pid) - actor0)
 
 
 @dataclass
@@ -199,7 +196,7 @@ def median_run(runs: list[ActorRun]) -> ActorRun:
 
 
 async def measure_overhead(
-    d: Any, actor_pid: int, engine: LLMEngine, prompts: list[list[int]], concurrency: int,
+    d: Any, d_pid: int, engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     max_tokens: int, repeat: int,
 ) -> OverheadRow:  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -220,7 +217,7 @@ async def measure_overhead(
             (chan, run_channel(channel, batch, sp, f"c{concurrency}-{r}")),
         ]
         for out, path in runs if r % 2 == 0 else runs[::-1]:  # alternate which goes first
-            out.append(await timed(path, actor_pid))
+            out.append(await timed(path, d_pid))
     channel.close("benchmark done")
     await channel.wait_closed()
     return OverheadRow(
@@ -296,8 +293,8 @@ def decode_step_s(engine: LLMEngine, prompt: list[int], repeat: int = 20) -> flo
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,8", help="comma-separated request counts")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request in (i)")
     ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions in (i)")
@@ -313,7 +310,7 @@ def main() -> None:
         help="niceness of this process (Ray starts workers at 15: both sides then compete "
         "for the CPU alike)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.nice(args.nice - os.nice(0))
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -354,12 +351,12 @@ def main() -> None:
             placement,
         )
 
-        actor_pid = ray.get(d.__ray_call__.remote(lambda _: os.getpid()))
+        d_pid = actor_pid(d)
 
         async def bench() -> tuple[list[OverheadRow], list[Handoff]]:
             rows = [
                 await measure_overhead(
-                    d, actor_pid, local, prompts, c, args.max_tokens, args.repeat
+                    d, d_pid, local, prompts, c, args.max_tokens, args.repeat
                 )
                 for c in levels
             ]
@@ -385,21 +382,18 @@ def main() -> None:
         f"one torch thread per engine, nice {os.nice(0)}\n"
     )
     print("(i) streaming overhead, actor -> caller (medians of interleaved repetitions)")
-    print(
-        f"{'requests':>9}{'tokens':>8}{'in-process s':>14}{'path':>9}{'actor s':>10}"
-        f"{'tokens/item':>13}{'overhead µs/tok':>17}{'caller CPU µs/tok':>19}"
-        f"{'actor CPU µs/tok':>18}"
-    )
-    for r in rows:
-        for name, run in (("stream", r.stream), ("channel", r.channel)):
-            print(
-                f"{r.concurrency:>9}{r.tokens:>8}{r.local_s:>14.3f}{name:>9}{run.wall_s:>10.3f}"
-                f"{r.tokens / run.items:>13.2f}{r.us_per_token(run):>17.0f}"
-                f"{run.caller_cpu_s / r.tokens * 1e6:>19.0f}"
-                f"{run.actor_cpu_s / r.tokens * 1e6:>18.0f}"
-            )
+    header = ("requests", "tokens", "in-process s", "path", "actor s", "tokens/item",
+              "overhead µs/tok", "caller CPU µs/tok", "actor CPU µs/tok")  # fmt: skip
+    lines = [
+        (f"{r.concurrency}", f"{r.tokens}", f"{r.local_s:.3f}", name, f"{run.wall_s:.3f}",
+         f"{r.tokens / run.items:.2f}", f"{r.us_per_token(run):.0f}",
+         f"{run.caller_cpu_s / r.tokens * 1e6:.0f}", f"{run.actor_cpu_s / r.tokens * 1e6:.0f}")
+        for r in rows
+        for name, run in (("stream", r.stream), ("channel", r.channel))
+    ]  # fmt: skip
+    print(Table.of(header, lines, "r" * len(header)).plain())
     print("\n(ii) hand-off latency, prefill done -> first decode chunk, requests one at a time")
-    print(f"{'ms':<28}{'path':>9}{'n':>5}{'p50':>8}{'p99':>8}")
+    lines = []
     for path in ("stream", "channel"):
         hs = [h for h in handoffs if h.path == path]
         totals = [h.total_s * 1e3 for h in hs]
@@ -410,12 +404,9 @@ def main() -> None:
             ("transfer (transfer_s)", transfers),
             ("rest", rest),
         ):
-            p50, p99 = percentile(xs, 50), percentile(xs, 99)
-            print(f"{name:<28}{path:>9}{len(xs):>5}{p50:>8.2f}{p99:>8.2f}")
+            lines.append((name, path, f"{len(xs)}", f"{percentile(xs, 50):.2f}",
+                          f"{percentile(xs, 99):.2f}"))  # fmt: skip
+    lines.append(("one decode step, in-process", "", "", f"{step_s * 1e3:.2f}", ""))
+    print(Table.of(("ms", "path", "n", "p50", "p99"), lines).plain())
     toks = [h.num_tokens for h in handoffs]
     print(f"prompt tokens pulled per request: {min(toks)}-{max(toks)}")
-    print(f"{'one decode step, in-process':<28}{step_s * 1e3:>22.2f}")
-
-
-if __name__ == "__main__":
-    main()
