@@ -173,11 +173,11 @@ async def open_loop(
     """`requests` arrivals, Poisson at `rate` per second, none waiting for another: arrival i
     is request i % len(arms) of round i // len(arms), in the round's `rotation`."""
     rng = random.Random(seed)
-    tasks = []
+    tasks: list[asyncio.Future[Sample]] = []
     for i in range(requests):
         round_, k = divmod(i, len(arms))
         arm = rotation(arms, round_)[k]
-        tasks.append(asyncio.create_task(send(arm, round_, random_prompt(rng, prompt_tokens))))
+        tasks.append(asyncio.ensure_future(send(arm, round_, random_prompt(rng, prompt_tokens))))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 

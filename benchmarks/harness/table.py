@@ -26,9 +26,7 @@ class Table:
             raise ValueError(f"align {self.align!r}: one of l/r for each of {width} columns")
 
     @classmethod
-    def of(
-        cls, header: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
-    ) -> Table:
+    def of(cls, header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> Table:
         return cls(tuple(header), tuple(tuple(row) for row in rows), align)
 
     @property
@@ -43,7 +41,8 @@ class Table:
 
     def plain(self) -> str:
         """Columns padded to their widest cell and two spaces apart (no trailing spaces)."""
-        widths = [max(len(cell) for cell in column) for column in zip(self.header, *self.rows)]
+        columns = zip(self.header, *self.rows, strict=True)
+        widths = [max(len(cell) for cell in column) for column in columns]
         lines = []
         for row in (self.header, *self.rows):
             cells = [

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from benchmarks.harness.cuda_timing import fill_random, graph_seconds, hbm_gbps
-
 from engine.attention.triton_decode import (
     DecodeTiles,
     NewKV,
@@ -393,7 +392,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.cuda.empty_cache()
     if args.layouts:
         head_major_check(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness.ab import GenerateClient, Sample, closed_rounds, summarize
 from benchmarks.harness.cluster import local_cluster, tiny_disaggregated
@@ -98,16 +99,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         ep = cluster.endpoint
         assert ep is not None
-        base = config.replica_config(0, config.model, ep.redis_url, block_hash=ep.block_hash)
+        model_dir = str(config.model)
+        base = config.replica_config(0, model_dir, ep.redis_url, block_hash=ep.block_hash)
         variants = {
             "auth": replace(base, api_keys=keys),
             "tls": replace(base, tls=tls),
             "auth+tls": replace(base, api_keys=keys, tls=tls),
         }
-        actors = []
+        actors: list[Any] = []
         targets = {"plain": ep.target}
         for name, router_config in variants.items():
-            actor = (
+            actor: Any = (
                 ray.remote(RouterActor)
                 .options(num_cpus=0, namespace=NAMESPACE)
                 .remote(

@@ -215,7 +215,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(the rest: scheduler, sampler, detokenizer, stop checks)"
     )
     print(f"greedy agreement with transformers (static batches): {agree}/{len(work)} requests")
-
-
-if __name__ == "__main__":
-    main()

@@ -247,10 +247,10 @@ def make_engines(
         if engine.runner.device.type == "cuda":
             engine.kv_cache.tensor.normal_()  # random KV (the graphs are captured already)
         print(
-            f"   {label}: backend {engine.core.runner.attention_backend}, layer ops "
-            f"{engine.core.runner.layer_ops.name}, graphs "
-            f"{engine.core.runner.graphs.sizes if engine.core.runner.graphs else None}, "
-            f"{engine.kv.block_pool.num_blocks} blocks"
+            f"   {label}: backend {engine.runner.attention_backend}, layer ops "
+            f"{engine.runner.layer_ops.name}, graphs "
+            f"{engine.runner.graphs.sizes if engine.runner.graphs else None}, "
+            f"{engine.block_pool.num_blocks} blocks"
         )
         engines[label] = engine
     return engines

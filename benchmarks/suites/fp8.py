@@ -2,9 +2,9 @@
 in one run.
 
 A Llama-3-8B-shaped model with random bf16 weights made on the GPU
-(benchmarks/harness/decode_model.py), the engine's ModelRunner with CUDA graphs and flashinfer attention, then the same
-model quantized to FP8 in place (engine/quantization/fp8_linear.py: e4m3 weights with one scale per
-tensor, cuBLASLt `_scaled_mm`), measured four ways:
+(benchmarks/harness/decode_model.py), the engine's ModelRunner with CUDA graphs and flashinfer
+attention, then the same model quantized to FP8 in place (engine/quantization/fp8_linear.py: e4m3
+weights with one scale per tensor, cuBLASLt `_scaled_mm`), measured four ways:
 - bf16;
 - fp8-dynamic: activations quantized per tensor at run time (an amax reduction and a cast
   kernel before every GEMM);
@@ -156,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             functools.partial(dummy_llama3_70b_fp8, args.layers),
         )
     else:
-        model = log.step("build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b)
+        model = log.step(
+            "build the Llama-3-8B-shaped model (random bf16 weights)", random_llama3_8b
+        )
     if model is None:
         log.print_table()
         return
@@ -342,7 +344,3 @@ def main(argv: Sequence[str] | None = None) -> None:
                     log.add(f"{what}: {label} / {base} time", f"{ratio:.2f}x")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     log.print_table()
-
-
-if __name__ == "__main__":
-    main()

@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from admission.config import AdmissionConfig, AdmissionThresholds
 from benchmarks.harness.steps import progress as log
@@ -33,6 +34,10 @@ from loadtests.goodput import max_rate_meeting, parse_slo, summarize
 from loadtests.load_driver import run_planned
 from loadtests.records import RequestRecord, write_records
 from loadtests.workload import generate, load_profile
+
+if TYPE_CHECKING:
+    from deploy.control.config_tree import PdserveConfig
+    from deploy.control.launch import Cluster
 
 DEFAULT_RATES = {
     "prefill_heavy": [1.0, 2.0, 3.0, 4.5],
@@ -54,7 +59,7 @@ def peer_copy_gbps(nbytes: int = 1 << 30) -> float:
     return gbps
 
 
-def cluster_options(mode: str, model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def cluster_options(mode: str, model_dir: str, args: argparse.Namespace) -> PdserveConfig:
     from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
     from deploy.control.config_tree import LaunchConfig, PdserveConfig
     from engine.config import EngineConfig
@@ -109,7 +114,7 @@ def run_load(target: str, workload: str, rate: float, duration_s: float, seed: i
     return asyncio.run(run_planned(target, planned, offered_rate=rate, timeout_s=timeout_s))
 
 
-def transfer_stats(cluster) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def transfer_stats(cluster: Cluster) -> dict[str, float]:
     """Every decode worker's TransferStats, summed field by field (max for the maxima)."""
     import ray
 
@@ -130,12 +135,12 @@ def transfer_stats(cluster) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return totals
 
 
-def engine_steps(cluster) -> dict[str, tuple[int, float, int]]:  # type: ignore[no-untyped-def]
+def engine_steps(cluster: Cluster) -> dict[str, tuple[int, float, int]]:
     """Per worker: engine steps so far, the seconds spent in them (EngineDriver) and the
     requests summed over the steps that ran a batch (the engine's StepStats)."""
     import ray
 
-    def read(actor) -> tuple[int, float, int]:  # type: ignore[no-untyped-def]
+    def read(actor: Any) -> tuple[int, float, int]:
         driver = actor.runtime.driver
         return driver.num_steps, driver.busy_s, driver.load.steps.batch_requests
 
@@ -162,10 +167,10 @@ def step_ms(
     return ", ".join(parts)
 
 
-def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> dict:  # type: ignore[type-arg]
+def run_mode(mode: str, model_dir: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from deploy.control.launch import Cluster
 
-    result: dict = {"mode": mode, "runs": {}}  # type: ignore[type-arg]
+    result: dict[str, Any] = {"mode": mode, "runs": {}}
     t0 = time.time()
     with Cluster(cluster_options(mode, model_dir, args)) as cluster:
         assert cluster.endpoint is not None
@@ -209,9 +214,14 @@ def load_runs(paths: list[str]) -> list[list[RequestRecord]]:
     return [read_records(Path(p)) for p in paths]
 
 
-def analyse(results: list[dict], args: argparse.Namespace, out: Path, peer_gbps: float) -> dict:  # type: ignore[type-arg]
+def analyse(
+    results: list[dict[str, Any]], args: argparse.Namespace, out: Path, peer_gbps: float
+) -> dict[str, Any]:
     slos = {"chat": args.slo, "tight": args.tight_slo}
-    table: dict = {"peer_copy_gbps": peer_gbps, "slos": {k: asdict(v) for k, v in slos.items()}}  # type: ignore[type-arg]
+    table: dict[str, Any] = {
+        "peer_copy_gbps": peer_gbps,
+        "slos": {k: asdict(v) for k, v in slos.items()},
+    }
     for res in results:
         mode = res["mode"]
         for workload, paths in res["runs"].items():
@@ -247,9 +257,9 @@ def analyse(results: list[dict], args: argparse.Namespace, out: Path, peer_gbps:
     return table
 
 
-def results_from_dirs(dirs: list[str]) -> tuple[list[dict], float]:  # type: ignore[type-arg]
+def results_from_dirs(dirs: list[str]) -> tuple[list[dict[str, Any]], float]:
     """Rebuild run results from earlier output folders (records-MODE-WORKLOAD-RATE.jsonl)."""
-    by_mode: dict[str, dict] = {}  # type: ignore[type-arg]
+    by_mode: dict[str, dict[str, Any]] = {}
     peer = 0.0
     for d in map(Path, dirs):
         saved = (
@@ -268,7 +278,7 @@ def results_from_dirs(dirs: list[str]) -> tuple[list[dict], float]:  # type: ign
     return list(by_mode.values()), peer
 
 
-def plot_modes(results: list[dict], args: argparse.Namespace, out: Path) -> None:  # type: ignore[type-arg]
+def plot_modes(results: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
     """SLO attainment vs offered rate, PD and colocated on one figure per workload."""
     from matplotlib.figure import Figure
 
@@ -295,7 +305,7 @@ def plot_modes(results: list[dict], args: argparse.Namespace, out: Path) -> None
         fig.savefig(out / f"attainment-{workload}.png", dpi=110)
 
 
-def plot(results: list[dict], args: argparse.Namespace, out: Path) -> None:  # type: ignore[type-arg]
+def plot(results: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
     from loadtests.plots import plot_goodput_sweep, plot_latency_cdfs
 
     plot_modes(results, args, out)
@@ -384,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def print_table(table: dict, args: argparse.Namespace) -> None:  # type: ignore[type-arg]
+def print_table(table: dict[str, Any], args: argparse.Namespace) -> None:
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:g}"
 
@@ -395,7 +405,9 @@ def print_table(table: dict, args: argparse.Namespace) -> None:  # type: ignore[
             pd = w.get("pd", {}).get(f"goodput_{name}")
             co = w.get("colocated", {}).get(f"goodput_{name}")
             ratio = w.get(f"ratio_{name}")
-            rows.append((workload, name, fmt(pd), fmt(co), "-" if ratio is None else f"{ratio:.2f}x"))
+            rows.append(
+                (workload, name, fmt(pd), fmt(co), "-" if ratio is None else f"{ratio:.2f}x")
+            )
     print("\n=== goodput (req/s at >=90% SLO attainment) ===")
     print(Table.of(("workload", "SLO", "PD", "coloc", "PD/coloc"), rows, "llrrr").plain())
     kv = table.get("kv_transfer", {})

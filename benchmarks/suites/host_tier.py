@@ -40,9 +40,16 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness.steps import progress as log
 from vocabulary.numeric import percentile
+
+if TYPE_CHECKING:
+    from deploy.control.config_tree import PdserveConfig
+    from deploy.control.launch import Cluster
+    from loadtests.records import RequestRecord
+    from loadtests.workload import PlannedRequest
 
 GIB = 2**30
 
@@ -55,6 +62,7 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
 
     from benchmarks.harness.cuda_timing import median_seconds
     from engine.kv.host_tier import HostTier
+    from vocabulary.block_hash import BlockHash
 
     device = torch.device(args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
@@ -66,7 +74,7 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
     nbytes = n * tier.block_nbytes
     # fill the host slots 0..n-1 from device blocks 0..n-1 (offers, one flush: the side stream)
     for b in range(n):
-        tier.offer(b, b.to_bytes(16, "little"))
+        tier.offer(b, BlockHash(b.to_bytes(16, "little")))
 
     def offload() -> None:
         tier._slots.clear()
@@ -74,7 +82,7 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
         tier._free.clear()
         tier._free.extend(range(tier.num_blocks))
         for b in range(n):
-            tier.offer(b, b.to_bytes(16, "little"))
+            tier.offer(b, BlockHash(b.to_bytes(16, "little")))
         tier.flush()
         if device.type == "cuda":
             torch.cuda.current_stream().wait_stream(tier._stream)  # type: ignore[arg-type]
@@ -116,7 +124,9 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
 # ---- plan -----------------------------------------------------------------------------------
 
 
-def replay_lru(planned, pool_blocks: int, host_blocks: int, block_size: int = 16):  # type: ignore[no-untyped-def]
+def replay_lru(
+    planned: list[PlannedRequest], pool_blocks: int, host_blocks: int, block_size: int = 16
+) -> dict[int, tuple[int, int]]:
     """Replay the workload (send order) through an LRU device pool of `pool_blocks` and an LRU
     host tier of `host_blocks` (0: none) that keeps what the device evicts: per request, the
     leading blocks found on the device and then in the host tier."""
@@ -147,11 +157,11 @@ def replay_lru(planned, pool_blocks: int, host_blocks: int, block_size: int = 16
     return hits
 
 
-def plan_workload(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
+def plan_workload(args: argparse.Namespace) -> dict[str, Any]:
     """What the chat workload asks of the tier (module docstring, `plan`)."""
     planned = chat_workload(args)
     bs = 16
-    sessions: dict[int, list] = {}  # type: ignore[type-arg]
+    sessions: dict[int, list[PlannedRequest]] = {}
     for p in planned:  # (send order: a session's turns in turn order)
         key = p.conversation if p.conversation is not None else -1 - p.index
         sessions.setdefault(key, []).append(p)
@@ -215,7 +225,7 @@ def plan_workload(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
 # ---- chat -----------------------------------------------------------------------------------
 
 
-def chat_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def chat_workload(args: argparse.Namespace) -> list[PlannedRequest]:
     """The planned requests of the chat run (the same for tier off and on, and the working set)."""
     from loadtests.workload import generate, load_profile
 
@@ -224,7 +234,7 @@ def chat_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def chat_options(args: argparse.Namespace, host_kv_gb: float):  # type: ignore[no-untyped-def]
+def chat_options(args: argparse.Namespace, host_kv_gb: float) -> PdserveConfig:
     from admission.config import AdmissionConfig, AdmissionThresholds
     from deploy.control.cluster_spec import ClusterSpec
     from deploy.control.config_tree import LaunchConfig, PdserveConfig
@@ -254,14 +264,14 @@ def chat_options(args: argparse.Namespace, host_kv_gb: float):  # type: ignore[n
     )
 
 
-def worker_engine_load(cluster):  # type: ignore[no-untyped-def]
+def worker_engine_load(cluster: Cluster) -> Any:
     import ray
 
     [(_, handle)] = ray.get(cluster.controller.list_workers.remote())
     return ray.get(handle.__ray_call__.remote(lambda actor: actor.runtime.driver.load))
 
 
-def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  # type: ignore[type-arg]
+def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict[str, Any]:
     from deploy.control.launch import Cluster
     from loadtests.load_driver import run_planned
     from loadtests.records import write_records
@@ -321,12 +331,12 @@ def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict:  #
     return result
 
 
-def ttft_pcts(records: list) -> dict[str, float]:  # type: ignore[type-arg]
+def ttft_pcts(records: list[RequestRecord]) -> dict[str, float]:
     values = [r.ttft_ms for r in records if r.ttft_ms is not None]
     return {"p50": percentile(values, 50), "p90": percentile(values, 90)} if values else {}
 
 
-def compare(off: dict, on: dict) -> dict[str, float]:  # type: ignore[type-arg]
+def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float]:
     """Tier off over tier on (TTFT: how many times lower with the tier), TPOT on over off."""
     return {
         "ttft_p50_off_over_on": off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"],
@@ -367,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {}  # type: ignore[type-arg]
+    results: dict[str, Any] = {}
     if args.part in ("copy", "all"):
         results["copy"] = bench_copy(args)
     if args.part in ("plan", "chat", "all"):
@@ -394,7 +404,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / f"results-{args.part}.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

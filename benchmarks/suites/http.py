@@ -14,11 +14,11 @@ ignore_eos) sent once through each client, in an order that rotates from round t
     httpx2  the same request over httpx2, the openai SDK's transport (pure-Python HTTP/1.1 on
             anyio): what an SDK user pays on top, client side
 
-Each send has a prompt of its own (random token ids), so no client gets prefix-cache hits.
-One request is in flight at a time by default (`--concurrency`), so what differs is the door
-and the client, not the queue. All are measured by this process as loadtests/records.py
-defines it (benchmarks/harness/ab.py): TTFT from the send to the first message / SSE chunk carrying tokens, TPOT the
-mean time per token after the first.
+Each send has a prompt of its own (random token ids), so no client gets prefix-cache hits. One
+request is in flight at a time by default (`--concurrency`), so what differs is the door and the
+client, not the queue. All are measured by this process as loadtests/records.py defines it
+(benchmarks/harness/ab.py): TTFT from the send to the first message / SSE chunk carrying tokens,
+TPOT the mean time per token after the first.
 
     door overhead (pXX) = pXX(http) - pXX(grpc); paired: p50 over rounds of (http - grpc)
 
@@ -201,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         async def run() -> list[Sample]:
             clients = Clients(target, status.http_url, status.model, args.max_tokens)
+
             async def rounds(n: int, seed: int, first: int = 0) -> list[Sample]:
                 return await closed_rounds(names, clients.send, n, args.prompt_tokens, seed,
                                            first, args.concurrency)  # fmt: skip

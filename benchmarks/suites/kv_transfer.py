@@ -33,7 +33,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
 import traceback
@@ -318,13 +317,13 @@ def bench_redis(args: argparse.Namespace) -> None:
     from prefix_index.config import PrefixIndexConfig
     from prefix_index.index import PrefixIndex
     from prefix_index.publisher import KVEventPublisher
-    from vocabulary.kv_events import KVEvent, KVEventKind
+    from vocabulary.kv_events import CacheSnapshot, KVEvent, KVEventKind
 
     chain = hash_chain(list(range(4096)), 16, hash_extra(MODEL))
     with EmbeddedRedis() as server:
         publishers = []
         for w, prefix in enumerate([256, 200, 64, 16]):  # 4 live workers, different prefixes
-            pub = KVEventPublisher(server.url, MODEL, f"w{w}", lambda: (-1, []))
+            pub = KVEventPublisher(server.url, MODEL, f"w{w}", lambda: CacheSnapshot(-1, ()))
             pub.start()
             pub.publish([KVEvent(0, KVEventKind.STORED, tuple(chain[:prefix]))])
             publishers.append(pub)
@@ -421,7 +420,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.gpu:
             torch.cuda.set_device(device)
         cases = log.step("raw copy setup", lambda: raw_copy_cases(args, spec, args.gpu)) or []
-        cases += log.step("NIXL backend setup", lambda: backend_cases(args, spec, info, device)) or []
+        cases += (
+            log.step("NIXL backend setup", lambda: backend_cases(args, spec, info, device)) or []
+        )
         cases += (
             log.step("DecodeEndpoint setup", lambda: endpoint_case(args, spec, info, conn, device))
             or []
@@ -440,7 +441,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             child.kill()
     if not args.gpu and not args.skip_redis:
         log.step("Redis lookup", lambda: bench_redis(args))
-
-
-if __name__ == "__main__":
-    main()

@@ -53,6 +53,7 @@ from engine.modeling.llama import LlamaModel
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
+
 def write_adapter(root: Path, name: str, cfg: ModelConfig, rank: int, seed: int) -> Path:
     """A random PEFT adapter (bf16) of `rank` on every projection, in peft's file layout."""
     gen = torch.Generator().manual_seed(seed)
@@ -148,7 +149,8 @@ def bench_decode(
         batch = decode_batch(b, args.context, args.block_size, lora_slots=row_slots)
         run = functools.partial(runner.execute, batch)
         sec = log.step(
-            f"{kernel}: decode B={b} {label}", lambda r=run: seconds_per_call(r, args.iters, device)
+            f"{kernel}: decode B={b} {label}",
+            functools.partial(seconds_per_call, run, args.iters, device),
         )
         if sec is None:
             continue
@@ -273,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ],
         )
         for kernel in kernels if adapters is not None else []:
+            assert adapters is not None
             run = functools.partial(bench_decode, log, args, model, kv, adapters, kernel)
             decode = log.step(f"{kernel}: adapter cache, runner, graphs and decode steps", run)
             if decode is not None:
@@ -290,7 +293,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     log.print_table()
     print(json.dumps(results, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -38,7 +38,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -283,7 +283,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     if extra_env:  # what the cluster hands its actors (deploy/control/launch.py)
         base_env = launch.tracing_env
-        launch.tracing_env = lambda: {**base_env(), **extra_env}
+
+        def actor_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+            return {**base_env(environ), **extra_env}
+
+        launch.tracing_env = actor_env
     config = tiny_disaggregated(num_kv_blocks=256, worker_cpus=0, ray_cpus=None)
     warm = args.minutes * 60 / 3
     samples: list[tuple[float, dict[str, dict[str, Any]]]] = []
@@ -403,7 +407,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out is not None:
         args.out.write_text(text)
     raise SystemExit(0 if flat else 1)
-
-
-if __name__ == "__main__":
-    main()

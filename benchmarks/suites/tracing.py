@@ -2,24 +2,22 @@
 side in one run on this machine.
 
 A 1P1D cluster (benchmarks/harness/cluster.py: tiny model, CPU, every prompt disaggregated) is
-started in-script with `OTEL_TRACES_EXPORTER=pdserve_memory` (the SDK's in-memory exporter
-behind its BatchSpanProcessor, default settings), so its router and both workers trace. Each
-round sends two requests of the same shape (a prompt of its own random token ids, so no
-prefix-cache hits; greedy; ignore_eos; a traceparent in the metadata) through that router,
-one with its tracing on and one with it paused (`RouterActor.pause_tracing`, called between
-requests, outside the timed window), the order alternating from round to round (benchmarks/harness/ab.py), one request
-in flight at a time, on one grpc.aio channel. Paused, the router opens no span and sends no
-context, so the workers open none either: the two requests differ by exactly what tracing
-adds (7 spans on the router, 3 on the workers, the context in two Ray calls). TTFT is
-measured here from the send to the first message with tokens. After each request the client
-waits `--gap-ms` (20): a traced request's spans are made in the SDK 5 ms after it ends, on the
-router and both workers (~0.1 ms of CPU on the router, measured in-process), which is
-tracing's cost in throughput, not in the traced request's TTFT; without the gap it would fall
-on whichever request came next.
+started in-script with `OTEL_TRACES_EXPORTER=pdserve_memory` (the SDK's in-memory exporter behind
+its BatchSpanProcessor, default settings), so its router and both workers trace. Each round sends
+two requests of the same shape (a prompt of its own random token ids, so no prefix-cache hits;
+greedy; ignore_eos; a traceparent in the metadata) through that router, one with its tracing on and
+one with it paused (`RouterActor.pause_tracing`, called between requests, outside the timed
+window), the order alternating from round to round (benchmarks/harness/ab.py), one request in
+flight at a time, on one grpc.aio channel. Paused, the router opens no span and sends no context,
+so the workers open none either: the two requests differ by exactly what tracing adds (7 spans on
+the router, 3 on the workers, the context in two Ray calls). TTFT is measured here from the send to
+the first message with tokens. After each request the client waits `--gap-ms` (20): a traced
+request's spans are made in the SDK 5 ms after it ends, on the router and both workers (~0.1 ms of
+CPU on the router, measured in-process), which is tracing's cost in throughput, not in the traced
+request's TTFT; without the gap it would fall on whichever request came next.
 
-One router for both: an earlier version compared a traced router with a second, untraced
-router actor, and its A/A run (neither tracing) showed the two routers themselves differing
-by +0.85 ms p50 on this 2-core machine, more than tracing costs.
+One router for both: two router actors differ from each other by more than tracing costs (an
+A/A run over two routers, neither tracing, put them +0.85 ms p50 apart on a 2-core machine).
 
     added = p50(on) - p50(off); paired: p50 over rounds of (on - off)
 
@@ -129,9 +127,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 return await client.send(variant, round_, prompt, args.max_tokens)
 
             async def rounds(n: int, seed: int, first: int = 0) -> list[Sample]:
-                # after each request: its spans are made in the SDK now
-                return await closed_rounds(VARIANTS, send, n, args.prompt_tokens, seed, first,
-                                           before=set_tracing, gap_s=args.gap_ms / 1000)  # fmt: skip
+                gap_s = args.gap_ms / 1000  # after each request: its spans are made now
+                return await closed_rounds(
+                    VARIANTS, send, n, args.prompt_tokens, seed, first, before=set_tracing,
+                    gap_s=gap_s,
+                )  # fmt: skip
 
             try:
                 await rounds(args.warmup, args.seed + 999, first=-args.warmup)

@@ -355,9 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         async def bench() -> tuple[list[OverheadRow], list[Handoff]]:
             rows = [
-                await measure_overhead(
-                    d, d_pid, local, prompts, c, args.max_tokens, args.repeat
-                )
+                await measure_overhead(d, d_pid, local, prompts, c, args.max_tokens, args.repeat)
                 for c in levels
             ]
             sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -393,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]  # fmt: skip
     print(Table.of(header, lines, "r" * len(header)).plain())
     print("\n(ii) hand-off latency, prefill done -> first decode chunk, requests one at a time")
-    lines = []
+    latencies: list[tuple[str, ...]] = []
     for path in ("stream", "channel"):
         hs = [h for h in handoffs if h.path == path]
         totals = [h.total_s * 1e3 for h in hs]
@@ -404,9 +402,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("transfer (transfer_s)", transfers),
             ("rest", rest),
         ):
-            lines.append((name, path, f"{len(xs)}", f"{percentile(xs, 50):.2f}",
+            latencies.append((name, path, f"{len(xs)}", f"{percentile(xs, 50):.2f}",
                           f"{percentile(xs, 99):.2f}"))  # fmt: skip
-    lines.append(("one decode step, in-process", "", "", f"{step_s * 1e3:.2f}", ""))
-    print(Table.of(("ms", "path", "n", "p50", "p99"), lines).plain())
+    latencies.append(("one decode step, in-process", "", "", f"{step_s * 1e3:.2f}", ""))
+    print(Table.of(("ms", "path", "n", "p50", "p99"), latencies).plain())
     toks = [h.num_tokens for h in handoffs]
     print(f"prompt tokens pulled per request: {min(toks)}-{max(toks)}")

@@ -1,8 +1,8 @@
-"""Tensor parallelism on GPUs (issue 19): the TP=2 decode step vs TP=1, and KV hand-off GB/s
+"""Tensor parallelism on GPUs: the TP=2 decode step vs TP=1, and KV hand-off GB/s
 between TP layouts. Needs two GPUs (device kind nvidia-h200-x2); four let every hand-off rank
 have a GPU of its own.
 
-decode (benchmarks/tp_gpu_decode.py): a Llama-3-8B-shaped model from its config alone (dummy
+decode (benchmarks/suites/tp/gpu_decode.py): a Llama-3-8B-shaped model from its config alone (dummy
 bf16 weights made on the device, as `--load-format dummy`), TP=1 on GPU 0, then TP=N (`--tp`,
 default 2) on GPUs 0..N-1, one process per rank as a TP worker runs them (NCCL, flashinfer
 attention, CUDA graphs with the all-reduces inside); the decode step at B = 1 / 16 / 64 with
@@ -13,7 +13,7 @@ slowest rank's). Also one eager all-reduce of [B, hidden], and the logits of one
 dummy weights: they agree to bf16 rounding, or the part fails: its times would be of a model
 that computes something else).
 
-handoff (benchmarks/tp_gpu_handoff.py): one hand-off of a 2048-token prompt of the same shape
+handoff (benchmarks/suites/tp/gpu_handoff.py): one hand-off of a 2048-token prompt of the same shape
 per prefill → decode TP pair (1→1 the reference, 1→2, 2→1, 2→2), head-major pools in VRAM,
 every rank its own process and NIXL agent (UCX picks cuda_ipc: UCX_TLS is never set here),
 pulled by decode rank 0's transfer manager as a worker does: bytes, descriptors (checked
@@ -31,9 +31,9 @@ run); 2 with no CUDA GPU at all (nothing run) or bad arguments. `--cpu` runs the
 the CPU with the tiny model (gloo, torch attention, host pools over UCX shm/tcp): a check
 that the script works, on a machine without a GPU; its figures mean nothing.
 
-    python benchmarks/bench_tp_gpu.py                      # both parts (2 GPUs)
-    python benchmarks/bench_tp_gpu.py --parts handoff --placement spread   # 4 GPUs
-    python benchmarks/bench_tp_gpu.py --cpu                # the plumbing, no GPU
+    python -m benchmarks tp_gpu                      # both parts (2 GPUs)
+    python -m benchmarks tp_gpu --parts handoff --placement spread   # 4 GPUs
+    python -m benchmarks tp_gpu --cpu                # the plumbing, no GPU
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -50,10 +49,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tp_gpu_plan import (
+from benchmarks.harness.table import Table
+from benchmarks.suites.tp.gpu_plan import (
     LOGITS_REL_TOL,
     PairPlacement,
     Skip,
@@ -65,12 +62,11 @@ from tp_gpu_plan import (
     plan_pairs,
     rank_step_bytes,
 )
-
 from vocabulary.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from tp_gpu_decode import DecodeRun
-    from tp_gpu_handoff import PairResult
+    from benchmarks.suites.tp.gpu_decode import DecodeRun
+    from benchmarks.suites.tp.gpu_handoff import PairResult
 
 T = TypeVar("T")
 
@@ -79,14 +75,14 @@ PLACEMENTS = ("auto", "spread", "packed", "single")
 CPU_DEVICES = 8
 """The GPUs a `--cpu` run plans for by default (every rank then runs on the host)."""
 NO_GPU = (
-    "bench_tp_gpu.py: no CUDA GPU here, nothing run. It measures tensor parallelism on GPUs "
+    "tp_gpu: no CUDA GPU here, nothing run. It measures tensor parallelism on GPUs "
     "(the TP=2 decode and the hand-offs need 2: device kind nvidia-h200-x2); --cpu checks "
     "the script itself on the CPU."
 )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
 
     def parts(text: str) -> tuple[str, ...]:
         names = tuple(t.strip() for t in text.split(","))
@@ -183,7 +179,7 @@ def decode_part(
     args: argparse.Namespace, cfg: ModelConfig, model_dir: Path, num_devices: int
 ) -> tuple[list[str], list[Skip]]:
     """Run and print the decode part; (failures, skips)."""
-    from tp_gpu_decode import DecodeSetup, run_decode
+    from benchmarks.suites.tp.gpu_decode import DecodeSetup, run_decode
 
     sizes, skips = plan_decode(args.tp, num_devices)
     for s in skips:
@@ -260,14 +256,15 @@ def _print_decode_table(
         "one rank's weight + KV bytes over its GPU's copy bandwidth; AR us: one eager all-reduce "
         "of [B, hidden] (a step runs 2 a layer, inside its graph); graphs: replays per TP size"
     )
-    head = f"{'B':>4}" + "".join(
-        f" {'TP=' + str(s) + ' ms':>10} {'floor':>7} {'x':>6}" for s in sizes
-    )
+    header = ["B"]
+    for s in sizes:
+        header += [f"TP={s} ms", "floor", "x"]
     if len(sizes) > 1:
-        head += f" {'TP1/TP' + str(sizes[-1]):>9} {'AR us':>7}"
-    print(head + f" {'graphs':>8}")
+        header += [f"TP1/TP{sizes[-1]}", "AR us"]
+    header.append("graphs")
+    rows = []
     for b in args.batches:
-        row, steps = f"{b:>4}", {}
+        row, steps = [f"{b}"], {}
         for s in sizes:
             run = runs[s]
             timing = next(t for t in run.timings if t.batch == b)
@@ -276,23 +273,25 @@ def _print_decode_table(
                 rank_step_bytes(cfg, s, b, args.context, es).total,
                 [r.copy_bytes_per_s for r in run.ranks],
             )
-            row += (
-                f" {timing.step_s * 1e3:>10.3f} {floor * 1e3:>7.3f} {timing.step_s / floor:>6.2f}"
-            )
+            row += [
+                f"{timing.step_s * 1e3:.3f}",
+                f"{floor * 1e3:.3f}",
+                f"{timing.step_s / floor:.2f}",
+            ]
         if len(sizes) > 1:
             big = steps[sizes[-1]]
-            row += f" {steps[1].step_s / big.step_s:>9.2f} {big.all_reduce_s * 1e6:>7.1f}"
-        row += " " + "/".join(str(steps[s].graph_replays) for s in sizes).rjust(8)
-        print(row)
+            row += [f"{steps[1].step_s / big.step_s:.2f}", f"{big.all_reduce_s * 1e6:.1f}"]
+        row.append("/".join(str(steps[s].graph_replays) for s in sizes))
+        rows.append(row)
+    print(Table.of(header, rows, "r" * len(header)).plain())
 
 
 def handoff_part(
     args: argparse.Namespace, cfg: ModelConfig, num_devices: int
 ) -> tuple[list[str], list[Skip]]:
     """Run and print the hand-off part; (failures, skips)."""
-    from bench_tp_handoff import Shape, hand_off
-    from tp_gpu_handoff import PoolShape, run_pair
-
+    from benchmarks.suites.tp.gpu_handoff import PoolShape, run_pair
+    from benchmarks.suites.tp.handoff_plan import Shape, hand_off
     from kv_transfer.config import KVTransferConfig
     from kv_transfer.tp_plan import HEAD_MAJOR, KVSplit, UnsupportedSplit, plan_split
 
@@ -379,11 +378,9 @@ def _print_handoff_table(
         f"the transfer loops poll every {args.busy_poll_us:g} us, which each may add; copy: a "
         "plain copy of the same bytes from prefill rank 0's GPU to decode rank 0's)"
     )
-    print(
-        f"{'P->D':>5} {'GPUs P/D':>10} {'MiB':>6} {'descriptors':>15} {'posted':>6} "
-        f"{'ms':>7} {'GB/s':>6} {'best':>6} {'mgr ms':>7} {'wall ms':>7} {'copy GB/s':>9} "
-        f"{'intact':>6}"
-    )
+    header = ("P->D", "GPUs P/D", "MiB", "descriptors", "posted", "ms", "GB/s", "best", "mgr ms",
+              "wall ms", "copy GB/s", "intact")  # fmt: skip
+    lines = []
     for p, d, where, result in rows:
         pulls = result.pulls
         t = statistics.median(x.read_s for x in pulls)
@@ -399,12 +396,12 @@ def _print_handoff_table(
             else f"{''.join(map(str, where.prefill))}/" + "".join(map(str, where.decode))
         )
         posted = "-" if pulls[0].posted is None else str(pulls[0].posted)
-        intact = "yes" if result.mismatched == 0 else "NO"
-        print(
-            f"{p}->{d:<3} {gpus:>10} {n / 2**20:>6.1f} {desc:>15} {posted:>6} {t * 1e3:>7.3f} "
-            f"{n / t / 1e9:>6.1f} {n / best / 1e9:>6.1f} {mgr * 1e3:>7.3f} {wall * 1e3:>7.3f} "
-            f"{n / copy / 1e9:>9.1f} {intact:>6}"
-        )
+        lines.append((
+            f"{p}->{d}", gpus, f"{n / 2**20:.1f}", desc, posted, f"{t * 1e3:.3f}",
+            f"{n / t / 1e9:.1f}", f"{n / best / 1e9:.1f}", f"{mgr * 1e3:.3f}", f"{wall * 1e3:.3f}",
+            f"{n / copy / 1e9:.1f}", "yes" if result.mismatched == 0 else "NO",
+        ))  # fmt: skip
+    print(Table.of(header, lines).plain())
 
 
 def model_folder(args: argparse.Namespace) -> Path:
@@ -439,8 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tls = os.environ.get("UCX_TLS")
     if not args.cpu and "handoff" in args.parts and tls is not None and "cuda_ipc" not in tls:
         failures.append(
-            f"UCX_TLS={tls!r} leaves out cuda_ipc: NIXL reads VRAM at ~0.4 GB/s (GPU.md); "
-            "unset it on a GPU machine"
+            f"UCX_TLS={tls!r} leaves out cuda_ipc: NIXL then reads VRAM through host memory "
+            "(~0.4 GB/s); unset UCX_TLS on a GPU machine, so UCX picks cuda_ipc between its GPUs"
         )
         print(f"!! {failures[-1]}")
     model_dir = model_folder(args)
@@ -451,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else (f"{num_devices} GPU(s)")
     )
     print(
-        f"bench_tp_gpu: torch {torch.__version__}, {where}; model {model_dir} "
+        f"tp_gpu: torch {torch.__version__}, {where}; model {model_dir} "
         f"({cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads)",
         flush=True,
     )
@@ -473,7 +470,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"every part that ran passed its checks ({len(skips)} skipped)")
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

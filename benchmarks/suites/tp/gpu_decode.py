@@ -1,5 +1,5 @@
-"""The decode part of benchmarks/bench_tp_gpu.py: one process per TP rank, as a TP worker runs
-its ranks (engine/core/tp_runner.py).
+"""The decode part of the tp_gpu suite (benchmarks/suites/tp/gpu.py): one process per TP rank,
+as a TP worker runs its ranks (engine/core/tp_runner.py).
 
 Rank r of TP=N, in its own process on device cuda:r (the CPU in a `--cpu` run):
 1. measures its device's copy bandwidth (read + write counted: the floor's denominator);
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +34,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from benchmarks.harness.cuda_timing import copy_bytes_per_s, seconds_per_call
+from benchmarks.harness.decode_model import decode_batch, weight_read_bytes
+from benchmarks.suites.tp.rank_rpc import free_port
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.kv.kv_cache import KVCache
@@ -131,54 +133,6 @@ class DecodeRun:
     graph_sizes: tuple[int, ...]
 
 
-def measure_copy(device: torch.device, mib: int) -> float:
-    """Bytes/s of a same-device copy of `mib` MiB, read and write counted."""
-    n = mib << 20
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(3)
-    dst = torch.empty_like(src)
-    sec = time_calls(lambda: dst.copy_(src), iters=20, warmup=3, cuda=device.type == "cuda")
-    return 2 * n / sec
-
-
-def time_calls(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    """Mean seconds per call, the device synchronized before and after the timed calls."""
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def read_weight_bytes(model: LlamaModel) -> int:
-    """The weight bytes a decode step of `model` reads (`RankReport.weight_bytes`)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    return total
-
-
-def decode_batch(batch: int, context: int, block_size: int) -> ScheduledBatch:
-    """`batch` one-token decodes, each at position context - 1 over its own blocks."""
-    pages = cdiv(context, block_size)
-    return ScheduledBatch(
-        tuple(
-            SeqChunk(
-                f"seq{i}",
-                (i % 1000 + 1,),
-                context - 1,
-                tuple(range(i * pages, (i + 1) * pages)),
-                sample=True,
-            )
-            for i in range(batch)
-        )
-    )
-
-
 def fill_check_kv(kv_cache: KVCache, cfg: ModelConfig, setup: DecodeSetup) -> None:
     """Write the check's KV (module docstring, 4) into this rank's pool: the same values for
     a model KV head on every TP size (drawn whole on the host, this rank's heads kept)."""
@@ -210,7 +164,9 @@ def _time_all_reduces(
     out = {}
     for b in setup.batches:
         x = torch.ones(b, hidden, dtype=dtype, device=device)
-        out[b] = time_calls(functools.partial(group.all_reduce, x), ALL_REDUCE_ITERS, 5, setup.cuda)
+        out[b] = seconds_per_call(
+            functools.partial(group.all_reduce, x), ALL_REDUCE_ITERS, device, warmup=5
+        )
     return out
 
 
@@ -227,7 +183,7 @@ def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Conne
         else:
             torch.set_num_threads(1)
             device = torch.device("cpu")
-        copy_bw = measure_copy(device, setup.copy_mib)
+        copy_bw = copy_bytes_per_s(device, setup.copy_mib << 20)
         cfg = ModelConfig.from_pretrained(setup.model_dir)
         config = setup.engine_config(size)
         dtype = torch.bfloat16 if setup.cuda else torch.float32
@@ -238,7 +194,7 @@ def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Conne
             reduces = _time_all_reduces(group, setup, cfg.hidden_size, device, dtype)
 
         def report(model: LlamaModel, kv_per_token: int) -> RankReport:
-            weights = read_weight_bytes(model)
+            weights = weight_read_bytes(model)
             return RankReport(rank, str(device), copy_bw, weights, kv_per_token)
 
         if rank > 0:
@@ -263,7 +219,9 @@ def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Conne
             batch = decode_batch(b, setup.context, setup.block_size)
             before = graphs.num_replays if graphs is not None else 0
             warmup = 3
-            sec = time_calls(functools.partial(execute, batch), setup.iters, warmup, setup.cuda)
+            sec = seconds_per_call(
+                functools.partial(execute, batch), setup.iters, device, warmup=warmup
+            )
             replays = (graphs.num_replays if graphs is not None else 0) - before
             timings.append(BatchTiming(b, sec, replays, warmup + setup.iters, reduces.get(b, 0.0)))
         spec = engine.kv_cache.spec
@@ -283,12 +241,6 @@ def decode_rank(rank: int, size: int, port: int, setup: DecodeSetup, conn: Conne
         conn.send(("run", run))
     except BaseException as e:
         conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_decode(setup: DecodeSetup, tp_size: int, timeout_s: float) -> DecodeRun:

@@ -1,6 +1,6 @@
-"""The hand-off part of benchmarks/bench_tp_gpu.py: KV hand-offs between tensor-parallel layouts,
-every rank in its own process with its pool on its own device, over NIXL (VRAM on GPUs: UCX
-picks cuda_ipc; host memory over UCX shm/tcp in a `--cpu` run).
+"""The hand-off part of the tp_gpu suite (benchmarks/suites/tp/gpu.py): KV hand-offs between
+tensor-parallel layouts, every rank in its own process with its pool on its own device, over NIXL
+(VRAM on GPUs: UCX picks cuda_ipc; host memory over UCX shm/tcp in a `--cpu` run).
 
 One pair, prefill TP=p → decode TP=d, head-major pools of the model's shape:
 - prefill rank r (`PrefillRank`): rank 0 holds the `PrefillEndpoint` (leases, notices), the
@@ -8,8 +8,9 @@ One pair, prefill TP=p → decode TP=d, head-major pools of the model's shape:
 - decode followers (`DecodeFollower`): a `RankEndpoint` that runs its rank's part of a pull;
 - decode rank 0 (`DecodeRank0`): the `DecodeEndpoint` (the transfer manager), whose backend
   is a `TPBackend` over its own NIXL agent and one `FollowerBackend` per follower. Here rank
-  0 reaches a follower over a pipe (benchmarks/rank_rpc.py); a worker does it with Ray calls
-  (worker_runtime/tp_ranks.py), which add a round trip (~0.2-1 ms) per follower per pull.
+  0 reaches a follower over a pipe (benchmarks/suites/tp/rank_rpc.py); a worker does it with
+  Ray calls (worker_runtime/tp_ranks.py), which add a round trip (~0.2-1 ms) per follower per
+  pull.
 
 Every pool holds a pattern of (block, model KV head, offset) (`fill_pattern`), so after the
 pulls each decode rank checks that each head it holds of each pulled block has the bytes of
@@ -36,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from rank_rpc import Caller, Child, RemoteError, start_child
 
+from benchmarks.suites.tp.rank_rpc import Caller, Child, RemoteError, start_child
 from engine.kv.kv_cache import HEAD_MAJOR, KVCache, KVCacheSpec
 from kv_transfer.backend import MemoryRegion, TransferBackend, XferId, XferStatus
 from kv_transfer.config import KVTransferConfig

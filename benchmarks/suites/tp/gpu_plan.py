@@ -1,4 +1,5 @@
-"""The arithmetic and the plan of benchmarks/bench_tp_gpu.py, as pure functions: what one TP
+"""The arithmetic and the plan of the tp_gpu suite (benchmarks/suites/tp/gpu.py), as pure
+functions: what one TP
 rank reads in a decode step (the HBM floor's numerator), how far two logit vectors are apart,
 which TP sizes and hand-off pairs a machine of N GPUs runs and where each rank goes.
 """

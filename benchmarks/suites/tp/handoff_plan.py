@@ -17,8 +17,8 @@ loopback, every rank's agent in this process, the decode followers' reads throug
 `RankEndpoint`s as in a worker): rank 0's posted descriptors from NIXL telemetry (checked
 against the computed count) and the wall time of a hand-off, median of `--repeats`.
 
-    python benchmarks/bench_tp_handoff.py
-    python benchmarks/bench_tp_handoff.py --measure --repeats 20
+    python -m benchmarks tp_handoff
+    python -m benchmarks tp_handoff --measure --repeats 20
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ import argparse
 import os
 import queue
 import statistics
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness.table import Table
 from kv_transfer.plan import coalesce_runs
 from kv_transfer.tp_plan import (
     BLOCK_MAJOR,
@@ -107,19 +104,19 @@ def hand_off(shape: Shape, p: int, d: int, layout: str, blocks: int, page: int) 
 
 def print_table(prompt_tokens: int, page: int) -> None:
     blocks = -(-prompt_tokens // page)
+    header = ("P->D", "layout", "served", "descriptors", "(scattered)", "per decode rank",
+              "MiB moved")  # fmt: skip
     for shape in SHAPES:
         print(f"\n{shape.name}: {prompt_tokens}-token prompt = {blocks} blocks of {page}")
-        print(f"{'P->D':>6} {'layout':>12} {'served':>6} {'descriptors':>11} "
-              f"{'(scattered)':>11} {'per decode rank':>18} {'MiB moved':>9}")  # fmt: skip
+        rows = []
         for p, d in PAIRS:
             for layout in (BLOCK_MAJOR, HEAD_MAJOR):
                 h = hand_off(shape, p, d, layout, blocks, page)
-                ranks = "/".join(map(str, h.per_rank))
                 served = "yes" if h.supported else "no"
-                print(
-                    f"{p}->{d:<3} {layout.removesuffix('_v1'):>12} {served:>6} "
-                    f"{h.contiguous:>11} {h.scattered:>11} {ranks:>18} {h.nbytes / 2**20:>9.2f}"
-                )
+                rows.append((f"{p}->{d}", layout.removesuffix("_v1"), served, f"{h.contiguous}",
+                             f"{h.scattered}", "/".join(map(str, h.per_rank)),
+                             f"{h.nbytes / 2**20:.2f}"))  # fmt: skip
+        print(Table.of(header, rows, "lrrrrrr").plain())
 
 
 # ---- measured: real NIXL, tiny model shape ---------------------------------------------------
@@ -162,7 +159,7 @@ def measure(prompt_tokens: int, page: int, repeats: int) -> None:
 
     print(f"\nmeasured (NIXL over UCX, one process, tiny shape, head-major, {blocks} blocks, "
           f"median of {repeats}):")  # fmt: skip
-    print(f"{'P->D':>6} {'rank-0 descriptors':>18} {'computed':>8} {'ms/hand-off':>11}")
+    rows = []
     for p, d in PAIRS:
         released: queue.Queue[str] = queue.Queue()
         outcomes: queue.Queue[TransferOutcome] = queue.Queue()
@@ -203,8 +200,8 @@ def measure(prompt_tokens: int, page: int, repeats: int) -> None:
                     times.append(time.perf_counter() - t0)
                 posted = outcome.posted_descriptors
             computed = plan.for_rank(0).num_descriptors if plan.slices else plan.num_descriptors
-            print(f"{p}->{d:<3} {posted if d == 1 else '-':>18} {computed:>8} "
-                  f"{statistics.median(times) * 1e3:>11.2f}")  # fmt: skip
+            rows.append((f"{p}->{d}", f"{posted}" if d == 1 else "-", f"{computed}",
+                         f"{statistics.median(times) * 1e3:.2f}"))  # fmt: skip
             for r, cache in enumerate(d_caches):  # every decode rank got its heads
                 assert bool(cache.tensor[blocks : 2 * blocks].abs().sum() > 0), r
         finally:
@@ -212,19 +209,17 @@ def measure(prompt_tokens: int, page: int, repeats: int) -> None:
             prefill.close()
             for e in [*p_ranks, *d_ranks]:
                 e.close()
+    header = ("P->D", "rank-0 descriptors", "computed", "ms/hand-off")
+    print(Table.of(header, rows).plain())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--measure", action="store_true", help="also run the tiny shape over NIXL")
     parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print_table(args.prompt_tokens, args.block_size)
     if args.measure:
         measure(args.prompt_tokens, args.block_size, args.repeats)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,33 +4,32 @@ Three figures, each the median over `--steps` repetitions:
 
 - control: what rank 0 adds to every step beside the model: the step message (the pickled
   `ScheduledBatch`, `TPGroup.send` → `receive`) and the ranks' agreement that the step ran
-  (`TPGroup.agree`), for decode batches of B sequences with 64-block tables, without a
-  model (the followers only receive and agree).
+  (`TPGroup.agree`), for decode batches of B sequences with 64-block tables (1024 tokens of
+  context each), without a model (the followers only receive and agree).
 - all-reduce: one device-group all-reduce of a [B, hidden] float32 tensor (a decode step
   does 2 per layer), at the tiny model's hidden size and Llama-3-8B's.
 - engine: `LLMEngine.step()` of B decoding requests on the tiny model, TP=1 (this process)
   vs TP=N (rank 0 of N processes), overlap scheduling on (the default).
 
-    python benchmarks/bench_tp.py                   # TP=2, B = 1, 8, 64
-    python benchmarks/bench_tp.py --size 4 --steps 100
+    python -m benchmarks tp                   # TP=2, B = 1, 8, 64
+    python -m benchmarks tp --size 4 --steps 100
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.batch import ScheduledBatch, SeqChunk
+from benchmarks.harness.decode_model import decode_batch
+from benchmarks.harness.table import Table
+from benchmarks.suites.tp.rank_rpc import free_port
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.tp_runner import StepMessage, run_follower
@@ -39,22 +38,7 @@ from vocabulary.sampling import SamplingParams
 
 HIDDEN_SIZES = (128, 4096)
 TABLE_BLOCKS = 64
-
-
-def decode_batch(num_seqs: int) -> ScheduledBatch:
-    """B single-token decodes at position 1000, each with its own 64-block table."""
-    return ScheduledBatch(
-        tuple(
-            SeqChunk(
-                f"request-{i}",
-                (17,),
-                1000,
-                tuple(range(i * TABLE_BLOCKS, (i + 1) * TABLE_BLOCKS)),
-                sample=True,
-            )
-            for i in range(num_seqs)
-        )
-    )
+BLOCK_SIZE = 16
 
 
 def engine_config(model_dir: Path, size: int, batch: int) -> EngineConfig:
@@ -86,7 +70,7 @@ def time_engine(engine: LLMEngine, batch: int, steps: int) -> float:
 def bench_control(group: TPGroup, batches: list[int], steps: int) -> dict[int, float]:
     out = {}
     for b in batches:
-        batch = decode_batch(b)
+        batch = decode_batch(b, TABLE_BLOCKS * BLOCK_SIZE, BLOCK_SIZE)
         times = []
         for i in range(steps):
             t = time.perf_counter()
@@ -138,19 +122,13 @@ def rank_main(
         conn.send((control, reduce, engine_s))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--size", type=int, default=2, help="TP ranks (processes)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", type=Path, default=None, help="default: the tiny model")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.model is None:
         from deploy.checkpoints.make_model import cached_tiny_model
 
@@ -178,15 +156,11 @@ def main() -> None:
         p.join(30)
     print(f"TP={args.size} over gloo on CPU ({torch.get_num_threads()} thread per rank), "
           f"median of {args.steps} steps")  # fmt: skip
-    print(f"{'B':>4} {'control us':>11} " + " ".join(f"{'AR h=' + str(h) + ' us':>13}"
-          for h in HIDDEN_SIZES) + f" {'step TP=1 ms':>13} {'step TP=N ms':>13}")  # fmt: skip
-    for b in args.batches:
-        ars = " ".join(f"{reduce[(b, h)] * 1e6:>13.0f}" for h in HIDDEN_SIZES)
-        print(
-            f"{b:>4} {control[b] * 1e6:>11.0f} {ars} {one[b] * 1e3:>13.2f} "
-            f"{engine_s[b] * 1e3:>13.2f}"
-        )
-
-
-if __name__ == "__main__":
-    main()
+    header = ("B", "control us", *(f"AR h={h} us" for h in HIDDEN_SIZES), "step TP=1 ms",
+              "step TP=N ms")  # fmt: skip
+    rows = [
+        (f"{b}", f"{control[b] * 1e6:.0f}", *(f"{reduce[(b, h)] * 1e6:.0f}" for h in HIDDEN_SIZES),
+         f"{one[b] * 1e3:.2f}", f"{engine_s[b] * 1e3:.2f}")
+        for b in args.batches
+    ]  # fmt: skip
+    print(Table.of(header, rows, "r" * len(header)).plain())

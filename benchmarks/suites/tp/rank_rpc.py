@@ -1,4 +1,5 @@
-"""Benchmark helper: one object per spawned process, called over pipes, every wait bounded.
+"""Rank processes of the TP suites: one object per spawned process, called over pipes, every
+wait bounded; and a free loopback port for a group of rank processes to meet on.
 
 A GPU benchmark that runs each rank of a worker in its own process (as a worker does: one
 device, one CUDA context, one NIXL agent per process) builds each rank's object in a child
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -234,3 +236,10 @@ def start_child(
     process.start()
     theirs.close()
     return Child(name, process, ours)
+
+
+def free_port() -> int:
+    """A loopback TCP port free now: where the ranks of a spawned group rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
