@@ -12,7 +12,7 @@ NIXL telemetry in the tests).
 Why prepped dlists: building a read's handle from lists prepared once costs the same however
 many runs the plan has (a scattered plan as little as a merged one), while `initialize_xfer`
 over freshly built lists costs more with every descriptor; prepping is paid once per peer, in
-`add_peer`. benchmarks/bench_kv_transfer.py times all of it (figures: docs/benchmarks.md,
+`add_peer`. `python -m benchmarks kv_transfer` times all of it (figures: docs/benchmarks.md,
 "KV transfer and Redis index (CPU)"); `DescriptorMode.COALESCED` and `PER_BLOCK` remain for
 that comparison. On GPU, do not set UCX_TLS: UCX picks cuda_ipc between two GPUs of one host
 by itself.

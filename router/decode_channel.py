@@ -16,7 +16,7 @@ the subscription it was opened on. Why: Ray keeps a record of every item a strea
 has yielded until the call ends, on both sides (the caller's ObjectRefStream keeps each
 item's id in a hash set, the executing worker each item's id in a vector; ~40 bytes an item
 each), so one subscription for the life of the cluster grew the router's and the decode
-worker's memory by tens of MB an hour under load (benchmarks/soak.py), and Ray fails a
+worker's memory by tens of MB an hour under load (`python -m benchmarks soak`), and Ray fails a
 streaming call past 1e8 items.
 
 States (`ChannelState`):

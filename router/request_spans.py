@@ -62,7 +62,7 @@ class RequestTrace:
 
     Every span of it is deferred (vocabulary/tracing.py, `open_span`): while the request
     runs they record times and attributes in plain values; they are made in the SDK when it
-    finishes, so its tokens do not wait for the SDK (benchmarks/bench_tracing.py)."""
+    finishes, so its tokens do not wait for the SDK (`python -m benchmarks tracing`)."""
 
     def __init__(self, root: Span, deferred: DeferredSpans) -> None:
         self.root = root

@@ -52,7 +52,7 @@ class Tokenizer:
 PROMPT_CONTEXT_TOKENS = 8
 """Prompt tokens the detokenizer keeps as context: enough for a decoder that drops a leading
 space or a character split across tokens; not the whole prompt, whose first decode would
-cost the engine thread ~0.4 ms per 1k tokens (benchmarks/bench_detokenize.py)."""
+cost the engine thread ~0.4 ms per 1k tokens (`python -m benchmarks detokenize`)."""
 
 
 class IncrementalDetokenizer:

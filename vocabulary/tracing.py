@@ -58,7 +58,7 @@ request to another process: the `traceparent` and `tracestate` header values (""
 
 A plain tuple, not a class: Ray pickles builtins natively, where a frozen dataclass of these
 two strings cost ~9 µs more per Ray call and a NamedTuple ~17 (a request makes two traced
-calls; benchmarks/bench_ray_payload.py)."""
+calls; docs/benchmarks.md, "Tracing: TTFT overhead")."""
 
 
 class SpanKind(enum.Enum):
@@ -202,7 +202,7 @@ def tracing_enabled() -> bool:
 
 def pause_tracing(paused: bool) -> bool:
     """Stop (or resume) opening spans, keeping the exporters; True when it traces now. A
-    benchmark compares the two in one process (benchmarks/bench_tracing.py)."""
+    benchmark compares the two in one process (`python -m benchmarks tracing`)."""
     global _active
     _active = None if paused else _tracing
     return _active is not None
@@ -284,7 +284,7 @@ def _remote_parent(traceparent: str) -> tuple[int, int, int] | None:
 
 FLUSH_AFTER_S = 0.005
 """How long after a traced call replies (or a stream ends) its deferred spans are made in the
-SDK, so the reply goes out first (benchmarks/bench_tracing.py: made at once, they were on the
+SDK, so the reply goes out first (`python -m benchmarks tracing`: made at once, they were on the
 request's latency)."""
 
 
@@ -352,7 +352,7 @@ def _remote_child(name: str, parent: TraceContext, kind: SpanKind, sink: Deferre
 class _Deferred(Span):
     """A span recorded in plain values (see `open_span`); it joins its sink's
     list as it opens. Opening one is on a request's latency path: a few attribute stores
-    (benchmarks/bench_tracing.py)."""
+    (`python -m benchmarks tracing`)."""
 
     __slots__ = (
         "attributes", "end_ns", "error", "flags", "kind", "name", "parent_id", "sink", "span_id",

@@ -122,8 +122,9 @@ def tp_group_name(worker_id: str) -> str:
 NO_TASK_EVENTS: dict[str, Any] = {"enable_task_events": False}
 """Options of every pdserve actor: Ray records no task events for their method calls. By
 default each call (every generate stream, health probe and token-channel batch) leaves an
-event in the GCS, which keeps up to 100,000 of them: a 30-minute soak grew Ray's gcs_server by
-~1.4 GB/hour with them (benchmarks/soak.py). Ray Serve turns them off for its replicas too."""
+event in the GCS, which keeps up to 100,000 of them: a 30-minute soak (`python -m benchmarks
+soak`) grew Ray's gcs_server by ~1.4 GB/hour with them. Ray Serve turns them off for its
+replicas too."""
 
 
 def follower_name(worker_id: str, rank: int) -> str:

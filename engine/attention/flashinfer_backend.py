@@ -16,7 +16,7 @@ xqa_decode.py) on SM90, or to the Triton split-KV kernel (engine/attention/trito
 elsewhere or when asked (`EngineConfig.decode_attention`). Both read the staged device page
 arrays directly (no host plan). On the H200, over the 70B shape's B=64 x 2048 e4m3 KV, XQA
 reads at 1.31x its floor, the Triton kernel at 1.54x and flashinfer's decode at 1.83x
-(benchmarks/bench_attention.py). In a CUDA-graph step the Triton launch also stores the
+(`python -m benchmarks attention`). In a CUDA-graph step the Triton launch also stores the
 step's k/v (no store kernel), rotates q and k (the backend takes `graph_rope`, so the model
 runs no RoPE op there) and writes o_proj's e4m3 input when the model passes that
 projection's static scale (`out_scale`, model.Attend); XQA's graph step stores and rotates

@@ -81,7 +81,7 @@ class Rope:
 @dataclass(frozen=True)
 class DecodeTiles:
     """Launch shape of the split kernel. The defaults are the fastest of a sweep on the H200
-    (benchmarks/bench_attention.py, e4m3, B=64 x 2048, 64/8 heads: 98.2 µs; the same tiles
+    (`python -m benchmarks attention`, e4m3, B=64 x 2048, 64/8 heads: 98.2 µs; the same tiles
     without kv_first and prefetch 123 µs, BLOCK_N 64 or 256 or 8 warps 138-190 µs)."""
 
     block_n: int = 128

@@ -27,7 +27,7 @@ every later step raises it at once, and followers return from `run_follower` by 
 
 Host cost per step beside the model's 2 x layers all-reduces: one control broadcast of the
 pickled batch (two past INLINE_BYTES), one gather of the reports, and on GPU the sampled ids'
-broadcast when placeholders read them (benchmarks/bench_tp.py measures them on CPU).
+broadcast when placeholders read them (`python -m benchmarks tp` measures them on CPU).
 """
 
 from __future__ import annotations

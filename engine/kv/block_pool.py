@@ -113,8 +113,8 @@ class BlockPool:
         Ascending order matters for KV transfer: a request's blocks are read as runs of ids
         adjacent on both sides, one NIXL descriptor per run. Freed sequences come back to
         the free/LRU lists as groups (tail first), so sorting turns a later allocation
-        from them back into long runs (benchmarks/bench_kv_runs.py measures the descriptors
-        per transfer under churn both ways: docs/benchmarks.md, "GPU: KV transfer").
+        from them back into long runs (the descriptors per transfer under churn, sorted and
+        not: docs/benchmarks.md, "GPU: KV transfer").
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")

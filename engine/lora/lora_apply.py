@@ -33,7 +33,7 @@ ways to compute it, all behind `LoraStep.add`:
   (in + out) per projection), never a per-token copy of them. It relies on every slot holding
   finite values (checked when an adapter is read), so that masked-out slots, including one
   an upload is rewriting, add exact zeros. 15 small kernels a layer: on the H200
-  (benchmarks/bench_lora.py, Llama-3-8B, B=64 decode at context 2048, rank 16 on all seven
+  (`python -m benchmarks lora`, Llama-3-8B, B=64 decode at context 2048, rank 16 on all seven
   projections, 16 slots, CUDA graphs) 12.3 ms a step against 9.9 ms for the base model
   (1.245x) at 1, 4 and 16 adapters alike: bound by kernel count, not by the slots.
 - segment (`graph_step`, kernel "flashinfer"): flashinfer's segment GEMM
@@ -128,7 +128,7 @@ def select_lora_kernel(requested: str, device: torch.device, dtype: torch.dtype)
     """The graph kernel for a request; ValueError when an explicit request cannot run here.
 
     "auto": triton (its "dot" path, engine/lora/lora_dot.py) on CUDA in fp16/bf16 where it imports
-    and passes `check_graph_kernel`, else torch. H200, benchmarks/bench_lora.py (Llama-3-8B B=64
+    and passes `check_graph_kernel`, else torch. H200, `python -m benchmarks lora` (Llama-3-8B B=64
     decode at context 2048, rank 16 on all seven projections, CUDA graphs): dot (its shrink
     beside the base GEMM) 1.065x the base step with 4 slots and 1.120x with 16, the dense
     torch kernel 1.223x / 1.247x; the

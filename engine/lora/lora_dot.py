@@ -24,7 +24,7 @@ Like the dense torch kernel it reads every slot's weights each step (max_loras x
 its cost does not depend on how many adapters the batch uses, and it needs every slot's
 weights finite: a masked slot contributes 0 x B. Shapes depend only on the number of tokens
 and the model, never on the slots: CUDA graphs hold for any slot values. Measured on the
-H200 in benchmarks/bench_lora.py (kernel "triton-dot").
+H200 in `python -m benchmarks lora` (kernel "triton-dot").
 """
 
 from __future__ import annotations

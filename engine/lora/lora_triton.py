@@ -86,7 +86,7 @@ per token reading only its slot's A; "dot", engine/lora/lora_dot.py: the dense s
 tensor-core expand that reads every slot's B once per tile of tokens, masking each token's
 other slots in registers (the per-token expands re-read B for every token)."""
 DEFAULT_SHRINK = "dot"
-"""H200, benchmarks/bench_lora.py (Llama-3-8B, B=64 decode, rank 16 on all seven
+"""H200, `python -m benchmarks lora` (Llama-3-8B, B=64 decode, rank 16 on all seven
 projections, CUDA graphs): "dot" made the step 1.218x the base model's with 16 slots and
 1.155x with 4 (1.120x and 1.065x with its shrink beside the base GEMM, `LoraStep.begin`); the
 per-token expands after either other shrink 1.46-1.49x."""

@@ -156,7 +156,8 @@ def test_a_deferred_span_is_made_at_flush_with_the_span_id_its_carrier_named(
     child = tracing.open_span("inner", span)  # a child of a deferred span is deferred too
     span.set("pdserve.request_id", "r1")
     carrier = span.carrier()
-    # a builtin tuple, not a class: it rides in Ray calls (benchmarks/bench_ray_payload.py)
+    # a builtin tuple, not a class: it rides in Ray calls (docs/benchmarks.md, "Tracing: TTFT
+    # overhead")
     assert type(carrier) is tuple and carrier[1] == "a=1"
     inner = child.carrier()  # the caller's tracestate travels on through the children
     assert inner is not None and inner[1] == "a=1"

@@ -1,21 +1,16 @@
-"""benchmarks/bench_tp_gpu.py's arithmetic and plan (benchmarks/tp_gpu_plan.py): the bytes one TP
+"""The tp_gpu suite's arithmetic and plan (benchmarks/suites/tp/gpu_plan.py): the bytes one TP
 rank reads in a decode step (the HBM floor's numerator) against the parameters of the model a
 rank actually builds, the floor itself, the logits comparison, and which TP sizes and hand-off
 pairs a machine of 0..4 GPUs runs, skips (with the reason) and where each rank goes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from tp_gpu_decode import read_weight_bytes
-from tp_gpu_plan import (
+from benchmarks.harness.decode_model import weight_read_bytes
+from benchmarks.suites.tp.gpu_plan import (
     LOGITS_REL_TOL,
     PairPlacement,
     Skip,
@@ -27,7 +22,6 @@ from tp_gpu_plan import (
     plan_pairs,
     rank_step_bytes,
 )
-
 from deploy.checkpoints.make_model import PRESETS, hf_config
 from engine.kv.kv_sizing import kv_cache_spec
 from engine.modeling.llama import LlamaModel
@@ -78,7 +72,7 @@ def test_step_bytes_equal_what_a_rank_builds(
             local = local_config(cfg, shard)
             model = LlamaModel(local, torch.bfloat16, "meta")
             want = rank_step_bytes(cfg, size, 3, 5, 2)
-            assert read_weight_bytes(model) == want.weights, (size, rank)
+            assert weight_read_bytes(model) == want.weights, (size, rank)
             spec = kv_cache_spec(local, 16, torch.bfloat16, 1, shard=shard,
                                  model_kv_heads=cfg.num_kv_heads)  # fmt: skip
             assert 3 * 5 * spec.block_nbytes // 16 == want.kv, (size, rank)

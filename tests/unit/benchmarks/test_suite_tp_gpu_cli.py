@@ -1,5 +1,6 @@
-"""benchmarks/bench_tp_gpu.py's command line: with no CUDA GPU it runs nothing, says so and
-exits 2; bad arguments exit 2 naming the argument; the `--cpu` defaults are the small ones."""
+"""The tp_gpu suite's command line (`python -m benchmarks tp_gpu`): with no CUDA GPU it runs
+nothing, says so and exits 2; bad arguments exit 2 naming the argument; the `--cpu` defaults
+are the small ones."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from bench_tp_gpu import parse_args
+from benchmarks.suites.tp.gpu import parse_args
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_without_a_gpu_it_says_so_and_exits_2() -> None:
     env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_tp_gpu.py")],
+        [sys.executable, "-m", "benchmarks", "tp_gpu"],
         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
@@ -33,8 +32,8 @@ def test_without_a_gpu_it_says_so_and_exits_2() -> None:
 
 def test_fewer_devices_than_a_part_needs_skip_it_saying_why_and_exit_0() -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_tp_gpu.py"), "--cpu", "--cpu-devices",
-         "1", "--parts", "handoff"],
+        [sys.executable, "-m", "benchmarks", "tp_gpu", "--cpu", "--cpu-devices", "1", "--parts",
+         "handoff"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
