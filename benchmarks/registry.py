@@ -14,30 +14,32 @@ from benchmarks.harness.table import Table
 
 
 class Device(enum.Enum):
-    """Where a suite runs."""
+    """Where a suite runs by default."""
 
     CPU = "CPU"
     GPU = "GPU"
-    """Needs a CUDA GPU (some say so and exit without one)."""
-    GPU_OR_CPU = "GPU (CPU: {})"
-    """A GPU by default; a flag (`Suite.switch`) runs it, or a check of it, on the CPU."""
-    CPU_OR_GPU = "CPU (GPU: {})"
-    """The CPU by default; a flag (`Suite.switch`) runs it on GPUs."""
+    """Needs a CUDA GPU (without one, some say so and exit 2)."""
+
+    @property
+    def other(self) -> Device:
+        return Device.CPU if self is Device.GPU else Device.GPU
 
 
 @dataclass(frozen=True)
 class Suite:
     name: str
     module: str
-    """Under benchmarks.suites; it has `main(argv)`."""
+    """Under benchmarks.suites; it has `main(argv)`, which returns its exit status or None."""
     summary: str
     device: Device
     switch: str = ""
-    """The arguments that run it on the other kind of device, where there are some."""
+    """The arguments that run it (or a check of it) on the other kind of device, if any."""
 
     @property
     def where(self) -> str:
-        return self.device.value.format(self.switch)
+        if not self.switch:
+            return self.device.value
+        return f"{self.device.value} ({self.device.other.value}: {self.switch})"
 
 
 SUITES = (
@@ -50,23 +52,23 @@ SUITES = (
     Suite("detokenize", "detokenize", "the engine thread's detokenization cost per token",
           Device.CPU),
     Suite("engine", "engine", "decode and prefill steps vs the HBM and matmul floors",
-          Device.GPU_OR_CPU, "--cpu"),
+          Device.GPU, "--cpu"),
     Suite("engine_loop", "engine_loop",
-          "continuous batching through LLMEngine vs transformers.generate", Device.CPU_OR_GPU,
+          "continuous batching through LLMEngine vs transformers.generate", Device.CPU,
           "--device cuda"),
     Suite("engine_step", "engine_step",
           "LLMEngine.step(), overlap on/off, vs the pure decode; host profile",
-          Device.GPU_OR_CPU, "--cpu"),
+          Device.GPU, "--cpu"),
     Suite("fp8", "fp8", "FP8 weights and KV vs bf16: decode, prefill, logit error", Device.GPU),
     Suite("goodput", "goodput", "disaggregated vs colocated goodput under an SLO sweep",
           Device.GPU),
     Suite("host_tier", "host_tier", "host KV tier: copy rates, chat with the tier on vs off",
-          Device.GPU_OR_CPU, "plan, copy --smoke"),
+          Device.GPU, "plan, copy --smoke"),
     Suite("http", "http", "TTFT/TPOT through the OpenAI HTTP door vs gRPC (A/B)", Device.CPU),
     Suite("kv_transfer", "kv_transfer", "NIXL READ GB/s vs a plain copy; Redis lookup latency",
-          Device.CPU_OR_GPU, "--gpu"),
+          Device.CPU, "--gpu"),
     Suite("lora", "lora", "multi-LoRA decode vs the base model; adapter loads",
-          Device.GPU_OR_CPU, "--smoke"),
+          Device.GPU, "--smoke"),
     Suite("router", "router", "router overhead: TTFT via gRPC minus straight to the workers",
           Device.CPU),
     Suite("soak", "soak", "steady load for a long time, every process's memory sampled",
@@ -74,7 +76,7 @@ SUITES = (
     Suite("tp", "tp.overhead", "tensor-parallel step overhead on gloo (control, all-reduce)",
           Device.CPU),
     Suite("tp_gpu", "tp.gpu", "TP=2 decode vs TP=1 and hand-offs between TP layouts",
-          Device.GPU_OR_CPU, "--cpu"),
+          Device.GPU, "--cpu"),
     Suite("tp_handoff", "tp.handoff_plan",
           "hand-off descriptors and bytes between TP layouts (NIXL with --measure)", Device.CPU),
     Suite("tracing", "tracing", "TTFT with the router's tracing on vs paused (A/B)", Device.CPU),

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness.cuda_timing import sync as drain
+from benchmarks.harness.cuda_timing import sync
 from benchmarks.harness.decode_model import random_llama3_8b
 from benchmarks.harness.steps import StepLog
 from engine.config import EngineConfig
@@ -55,10 +55,6 @@ from vocabulary.sampling import SamplingParams
 from vocabulary.tokenizer import Tokenizer
 
 PHASES = ("schedule", "launch", "sample", "wait", "postprocess", "other")
-
-
-def sync(engine: LLMEngine) -> None:
-    drain(engine.runner.device)
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, seed: int) -> None:
@@ -80,17 +76,17 @@ def stop_all(engine: LLMEngine) -> None:
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     engine.step()  # reads the step left in flight (its tokens are discarded)
-    sync(engine)
+    sync(engine.runner.device)
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
 
 
 def time_engine_steps(engine: LLMEngine, iters: int) -> float:
     """Seconds per `step()` over a steady batch, the device drained at both ends."""
-    sync(engine)
+    sync(engine.runner.device)
     t0 = time.perf_counter()
     for _ in range(iters):
         engine.step()
-    sync(engine)
+    sync(engine.runner.device)
     return (time.perf_counter() - t0) / iters
 
 
@@ -101,11 +97,11 @@ def time_pure_decode(engine: LLMEngine, iters: int, batch_size: int) -> float:
     if graphs is not None:
         size = next(s for s in graphs.sizes if s >= batch_size)
         engine.step()  # stages a decode of this batch: the graph's inputs
-        sync(engine)
+        sync(engine.runner.device)
         t0 = time.perf_counter()
         for _ in range(iters):
             graphs.replay(size)
-        sync(engine)
+        sync(engine.runner.device)
         return (time.perf_counter() - t0) / iters
     from engine.batch import ScheduledBatch, SeqChunk
 
@@ -158,7 +154,7 @@ class HostProfile:
         t0 = time.perf_counter()
         for _ in range(iters):
             self.engine.step()
-        sync(self.engine)
+        sync(self.engine.runner.device)
         total = time.perf_counter() - t0
         self.steps += iters
         self.totals["postprocess"] -= self.totals["wait"]  # `_complete` includes the wait
