@@ -8,14 +8,14 @@
 #
 #   jit      build flashinfer's fused layer-ops kernels once into /tmp/fiws (~1-2 min fresh)
 #   tests    the GPU tests (tests/gpu)
-#   engine   benchmarks/bench_engine.py (decode/prefill vs the HBM and matmul floors)
-#   enginestep  benchmarks/bench_engine.py --engine-step (LLMEngine.step(), overlap scheduling
+#   engine   python -m benchmarks engine (decode/prefill vs the HBM and matmul floors)
+#   enginestep  python -m benchmarks engine_step (LLMEngine.step(), overlap scheduling
 #            on/off, vs the pure CUDA-graph decode at B=1/8/16/64; host profile of the step)
-#   fp8      the FP8 GPU tests, then benchmarks/bench_fp8.py (bf16 vs FP8 weights, one run)
+#   fp8      the FP8 GPU tests, then python -m benchmarks fp8 (bf16 vs FP8 weights, one run)
 #   fp8t     the FP8 GPU tests alone
-#   fp8big   benchmarks/bench_fp8.py --shape llama3-70b (FP8 dummy weights + FP8 KV)
-#   kv       benchmarks/bench_kv_transfer.py --gpu (needs 2 GPUs for the VRAM->VRAM figure)
-#   router   benchmarks/bench_router.py on this host's CPUs (tiny model, CPU workers)
+#   fp8big   python -m benchmarks fp8 --shape llama3-70b (FP8 dummy weights + FP8 KV)
+#   kv       python -m benchmarks kv_transfer --gpu (needs 2 GPUs for the VRAM->VRAM figure)
+#   router   python -m benchmarks router on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
 #            worker) and PD (prefill + decode sharing the GPU), engine step time vs client TPOT
 #   e2e8b    as e2e1 with the full Llama-3-8B shape (random bf16 weights written here)
@@ -23,22 +23,22 @@
 #   e2e8d    the Llama-3-8B shape from its config alone (--load-format dummy: nothing written to
 #            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
-#   hosttier the host KV tier: its GPU tests, benchmarks/bench_host_tier.py copy (onboard/offload
-#            GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B shape with dummy
-#            weights, one colocated worker, a 1536-block device pool, 24 closed sessions:
-#            tier off, then on, each its own cluster)
+#   hosttier the host KV tier: its GPU tests, python -m benchmarks host_tier copy
+#            (onboard/offload GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B
+#            shape with dummy weights, one colocated worker, a 1536-block device pool, 24 closed
+#            sessions: tier off, then on, each its own cluster)
 #   lora     the LoRA GPU tests (CUDA-graph decode with adapters vs eager), then
-#            benchmarks/bench_lora.py (decode step at B=64 with 1/4/16 adapters vs base; loads)
-#   attention benchmarks/bench_attention.py: paged decode attention kernels (flashinfer, Triton
-#            tile sweep) over e4m3 and bf16 pools against their KV-read floor
+#            python -m benchmarks lora (decode step at B=64 with 1/4/16 adapters vs base; loads)
+#   attention python -m benchmarks attention: paged decode attention kernels (flashinfer,
+#            Triton tile sweep) over e4m3 and bf16 pools against their KV-read floor
 #   e2e70    the Llama-3-70B shape, FP8 dummy weights + e4m3 KV, one colocated worker on one
 #            GPU, two rates: client TPOT vs engine step
 #   tp       NEEDS 2 GPUS (device kind nvidia-h200-x2; on fewer it skips what it cannot run and
-#            says why): benchmarks/bench_tp_gpu.py --parts handoff (hand-off GB/s per TP pair
+#            says why): python -m benchmarks tp_gpu --parts handoff (hand-off GB/s per TP pair
 #            1->1, 1->2, 2->1, 2->2 between VRAM pools over NIXL), tests/gpu/test_tp_gpu.py (NCCL,
-#            CUDA graphs with the all-reduces inside), then bench_tp_gpu.py --parts decode (TP=1
-#            vs TP=2 decode step of the Llama-3-8B shape vs its HBM floor). ~6 min on a warm
-#            machine: on a fresh one run `jit` in a call of its own first
+#            CUDA graphs with the all-reduces inside), then python -m benchmarks tp_gpu --parts
+#            decode (TP=1 vs TP=2 decode step of the Llama-3-8B shape vs its HBM floor). ~6 min
+#            on a warm machine: on a fresh one run `jit` in a call of its own first
 set -u
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT" /tmp/site
@@ -78,60 +78,60 @@ for s in $STEPS; do
 t = time.time(); from engine.modeling.layer_ops import FlashInferOps; FlashInferOps().build_kernels(); \
 print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   tests) step gpu_tests 280 python -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
-  engine) step bench_engine 170 python benchmarks/bench_engine.py ;;
-  enginestep) TAILN=${TAILN:-40} step bench_engine_step 300 python benchmarks/bench_engine.py --engine-step ;;
+  engine) step bench_engine 170 python -m benchmarks engine ;;
+  enginestep) TAILN=${TAILN:-40} step bench_engine_step 300 python -m benchmarks engine_step ;;
   fp8|fp8t) step fp8_tests 200 python -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_gpu.py -q -rA -p no:cacheprovider
-    [ "$s" = fp8 ] && step bench_fp8 400 python benchmarks/bench_fp8.py ;;
-  attention) step bench_attention 240 python benchmarks/bench_attention.py --dtypes e4m3,bf16 \
+    [ "$s" = fp8 ] && step bench_fp8 400 python -m benchmarks fp8 ;;
+  attention) step bench_attention 240 python -m benchmarks attention --dtypes e4m3,bf16 \
     --kernels fi-tc,triton --block-n 64,128 --stages 2,3 --warps 4 --splits 1,2 \
     --kv-first 0,1 --prefetch 0,1 ;;
-  fp8big) step bench_fp8_70b 300 python benchmarks/bench_fp8.py --shape llama3-70b --iters 15 ;;
-  kv) step bench_kv 80 python benchmarks/bench_kv_transfer.py --gpu --skip-redis ;;
-  router) step bench_router 170 python benchmarks/bench_router.py --rates 2,5,10 --requests 120 \
+  fp8big) step bench_fp8_70b 300 python -m benchmarks fp8 --shape llama3-70b --iters 15 ;;
+  kv) step bench_kv 80 python -m benchmarks kv_transfer --gpu --skip-redis ;;
+  router) step bench_router 170 python -m benchmarks router --rates 2,5,10 --requests 120 \
     --markdown ;;
-  e2e1) small_model; step e2e1 300 python benchmarks/bench_goodput.py --model /tmp/small \
+  e2e1) small_model; step e2e1 300 python -m benchmarks goodput --model /tmp/small \
     --out /tmp/e2e1 --modes colocated,pd --colocated-workers 1 --gpu-fraction 0.5 \
     --num-kv-blocks 8192 --workloads decode_heavy,balanced \
     --rates "decode_heavy=2,8;balanced=2,8" --duration 8 --stop-below 0
     tar czf "$OUT/e2e1.tgz" -C /tmp e2e1 ;;
   e2e8b) [ -f /tmp/llama3-8b/config.json ] || python -m deploy.cli make-model /tmp/llama3-8b \
     --preset llama3-8b --device cuda > "$OUT/make_8b.log" 2>&1
-    step e2e8b 420 python benchmarks/bench_goodput.py --model /tmp/llama3-8b \
+    step e2e8b 420 python -m benchmarks goodput --model /tmp/llama3-8b \
     --out /tmp/e2e8b --modes colocated,pd --colocated-workers 1 --gpu-fraction 0.5 \
     --num-kv-blocks 12000 --workloads balanced,prefill_heavy \
     --rates "balanced=2,4;prefill_heavy=2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e8b.tgz" -C /tmp e2e8b ;;
-  e2e2) small_model; step e2e2 190 python benchmarks/bench_goodput.py --model /tmp/small \
+  e2e2) small_model; step e2e2 190 python -m benchmarks goodput --model /tmp/small \
     --out /tmp/e2e2 --workloads balanced --rates "balanced=4" --duration 5
     tar czf "$OUT/e2e2.tgz" -C /tmp e2e2 ;;
   e2e8d|e2e8d8) config_model llama3-8b
     kv=auto; modes=colocated,pd; [ "$s" = e2e8d8 ] && { kv=fp8; modes=pd; }
-    step "$s" 300 python benchmarks/bench_goodput.py --model /tmp/cfg-llama3-8b --out "/tmp/$s" \
+    step "$s" 300 python -m benchmarks goodput --model /tmp/cfg-llama3-8b --out "/tmp/$s" \
     --load-format dummy --kv-cache-dtype "$kv" --modes "$modes" --colocated-workers 1 \
     --gpu-fraction 0.5 --num-kv-blocks 12000 --workloads balanced --rates "balanced=2,4" \
     --duration 8 --stop-below 0
     tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
   e2e70) config_model llama3-70b
-    step e2e70 420 python benchmarks/bench_goodput.py --model /tmp/cfg-llama3-70b --out /tmp/e2e70 \
+    step e2e70 420 python -m benchmarks goodput --model /tmp/cfg-llama3-70b --out /tmp/e2e70 \
     --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --modes colocated \
     --colocated-workers 1 --workloads balanced --rates "balanced=1,2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e70.tgz" -C /tmp e2e70 ;;
   lora) step lora_tests 300 python -m pytest tests/unit/engine/test_lora.py tests/unit/engine/test_lora_triton.py -q -rA -p no:cacheprovider
-    TAILN=${TAILN:-60} step bench_lora 300 python benchmarks/bench_lora.py
+    TAILN=${TAILN:-60} step bench_lora 300 python -m benchmarks lora
     # four slots (a cluster serving four adapters): the dense kernels read every slot
-    TAILN=${TAILN:-30} step bench_lora4 200 python benchmarks/bench_lora.py --adapters 1,4 \
+    TAILN=${TAILN:-30} step bench_lora4 200 python -m benchmarks lora --adapters 1,4 \
     --kernels triton-dot,triton-dot-serial,torch ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
-    step host_tier_copy 90 python benchmarks/bench_host_tier.py copy --blocks 1024 --out /tmp/ht
-    for t in off on; do step host_tier_chat_$t 300 python benchmarks/bench_host_tier.py chat \
+    step host_tier_copy 90 python -m benchmarks host_tier copy --blocks 1024 --out /tmp/ht
+    for t in off on; do step host_tier_chat_$t 300 python -m benchmarks host_tier chat \
       --model /tmp/cfg-llama3-8b --load-format dummy --tiers $t --out /tmp/ht; done
     tar czf "$OUT/host_tier.tgz" -C /tmp ht ;;
   tp) config_model llama3-8b  # the bench's exit: 0 ran (or skipped), 1 a check failed, 2 no GPU
-    TAILN=${TAILN:-30} step tp_handoff 240 python benchmarks/bench_tp_gpu.py --parts handoff \
+    TAILN=${TAILN:-30} step tp_handoff 240 python -m benchmarks tp_gpu --parts handoff \
     --model /tmp/cfg-llama3-8b --part-timeout 100
     step tp_tests 200 python -m pytest tests/gpu/test_tp_gpu.py -q -rA -p no:cacheprovider
-    TAILN=${TAILN:-30} step tp_decode 420 python benchmarks/bench_tp_gpu.py --parts decode \
+    TAILN=${TAILN:-30} step tp_decode 420 python -m benchmarks tp_gpu --parts decode \
     --model /tmp/cfg-llama3-8b --part-timeout 200 ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac

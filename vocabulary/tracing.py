@@ -202,7 +202,7 @@ def tracing_enabled() -> bool:
 
 def pause_tracing(paused: bool) -> bool:
     """Stop (or resume) opening spans, keeping the exporters; True when it traces now. A
-    benchmark compares the two in one process (benchmarks/bench_tracing.py)."""
+    benchmark compares the two in one process (`python -m benchmarks tracing`)."""
     global _active
     _active = None if paused else _tracing
     return _active is not None

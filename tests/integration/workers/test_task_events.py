@@ -1,6 +1,6 @@
 """pdserve's actors leave no task events in Ray's GCS: every method call of an actor would
 otherwise be recorded there (up to 100,000 of them), and a serving cluster makes thousands a
-minute; a 30-minute soak grew gcs_server by ~1.4 GB/hour with them (benchmarks/soak.py)."""
+minute; a 30-minute soak grew gcs_server by ~1.4 GB/hour with them (`python -m benchmarks soak`)."""
 
 from __future__ import annotations
 
