@@ -16,11 +16,15 @@ class EngineMode(enum.Enum):
     DECODE_ONLY: sequences arrive with their prompt KV already in the cache (pulled from a
         prefill worker) plus the first token, and are decoded to completion.
     COLOCATED: both, in one engine (chunked prefill mixed with decodes).
+    SPLIT: both, in two loops over one KV pool (engine/core/prefill_lane.py): prompts are
+        prefilled on a prefill loop and handed to the decode loop by a change of block
+        ownership; on a GPU each loop runs in a partition of the SMs of its own.
     """
 
     PREFILL_ONLY = "prefill_only"
     DECODE_ONLY = "decode_only"
     COLOCATED = "colocated"
+    SPLIT = "split"
 
 
 QUANTIZATIONS = ("none", "fp8")
@@ -155,6 +159,12 @@ class EngineConfig:
     rank 0 runs this engine (scheduler, sampler), the others follow it step by step
     (engine/core/tp_runner.py). Must divide the attention heads and the intermediate size, and
     divide the KV heads or be a multiple of them. Not with LoRA; the host KV tier is off."""
+    split_decode_sms: int = 0
+    """A split engine (mode split): SMs of the decode loop's partition; the prefill loop gets
+    the rest (0: half the device). The driver may grant fewer (status shows what it did)."""
+    split_decode_headroom_blocks: int = 8
+    """A split engine: blocks the prefill loop leaves free beyond one per running decode
+    request, so the decode loop can grow without waiting for a prefill step."""
     tp_timeout_s: float = 60.0
     """Tensor parallelism: the deadline of every wait on another rank (a step's message, its
     all-reduces, the ranks' agreement that it ran); a rank that misses it fails the step on
@@ -175,6 +185,16 @@ class EngineConfig:
                     "host_kv_gb: the host KV tier with tensor parallelism is not supported yet "
                     f"(tensor_parallel_size={self.tensor_parallel_size}); use 0 or -1 (off)"
                 )
+        if self.mode is EngineMode.SPLIT and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "mode: a split engine with tensor parallelism is not supported yet "
+                f"(tensor_parallel_size={self.tensor_parallel_size})"
+            )
+        if self.split_decode_sms < 0 or self.split_decode_headroom_blocks < 0:
+            raise ValueError(
+                "split_decode_sms and split_decode_headroom_blocks: must be >= 0, got "
+                f"{self.split_decode_sms} and {self.split_decode_headroom_blocks}"
+            )
         if self.kv_layout not in KV_LAYOUT_CHOICES:
             choices = ", ".join(KV_LAYOUT_CHOICES)
             raise ValueError(f"kv_layout: one of {choices}, got {self.kv_layout!r}")

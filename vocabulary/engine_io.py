@@ -169,6 +169,29 @@ class HostTierStats:
 
 
 @dataclass(frozen=True)
+class SplitStatus:
+    """A split engine's two loops on one device (engine/core/sm_split.py): how its SMs are
+    shared between the prefill and the decode partition, and its in-worker hand-offs."""
+
+    partitioned: bool
+    """The loops run in SM partitions of their own (CUDA green contexts); False: both run on
+    the whole device, beside each other (CPU, a driver without green contexts)."""
+    reason: str
+    """Why it is not partitioned ("" when it is)."""
+    total_sms: int = 0
+    decode_sms: int = 0
+    """SMs the decode partition was granted (the driver may grant fewer than asked)."""
+    prefill_sms: int = 0
+    resizes: int = 0
+    """Times the split changed since start."""
+    handoffs: int = 0
+    """Requests handed from the prefill loop to the decode loop since start."""
+    handoff_us_mean: float = 0.0
+    handoff_us_max: float = 0.0
+    """Host time of one hand-off (a change of block ownership: nothing is copied)."""
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """Snapshot of one engine's load (admission and placement read it)."""
 
@@ -196,6 +219,8 @@ class EngineLoad:
     loras: tuple[str, ...] = ()
     """Registered LoRA adapters whose weights this engine holds (a device slot or the host
     cache): a request on one starts without a disk read."""
+    split: SplitStatus | None = None
+    """A split engine's partitions and hand-offs (None: not a split engine)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ Hand-off hooks (the Prefill and Hand-off steps of a request, router/orchestrator
 
 Every mode accepts `add_request` (a decode-only worker prefills short prompts itself:
 conditional disaggregation); the mode only decides whether a request stops after its first
-token (prefill-only) or runs to completion.
+token (prefill-only) or runs to completion. A split engine prefills on a loop of its own,
+`prefill_lane` (engine/core/prefill_lane.py), beside the decode loop over the same pool.
 
 LoRA (engine/lora/lora_registry.py): a request's `lora_name` is part of its block hashes and must
 be registered (else LoraNotFound, before anything is queued); it runs only while it holds
@@ -37,6 +38,7 @@ runs the engine on a thread of its own and posts add/abort/hand-off calls to it 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,8 +48,9 @@ import torch
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep
+from engine.core.prefill_lane import PrefillLane
 from engine.core.rank_setup import build_rank, serving_max_model_len
-from engine.core.request import FINISH_REASONS, Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.core.request_limits import RequestLimits
 from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.core.sampler import Sampler, SamplingRow
@@ -133,6 +136,10 @@ class LLMEngine:
             lend_host_copies=config.host_kv_handoff and self.host_tier is not None,
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
+        self.prefill_lane = None
+        if config.mode is EngineMode.SPLIT:
+            self.prefill_lane = PrefillLane.build(self, device)
+        """A split engine's prefill loop (engine/core/prefill_lane.py); None otherwise."""
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -145,6 +152,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
         self._inflight: InflightStep | None = None  # launched, tokens not read yet
+        self._latest_launch: InflightStep | None = None  # the prefill lane orders after it
         self.step_meter = StepMeter()
         self.last_step_idle = False
         """The latest `step()` launched nothing and read nothing: what is unfinished waits on
@@ -179,7 +187,8 @@ class LLMEngine:
         )
         for token_id in prior.token_ids:
             request.append_output(token_id, None)
-        self.scheduler.add_request(request)
+        lane = self.prefill_lane
+        (lane.scheduler if lane is not None else self.scheduler).add_request(request)
         draws = 0 if params.greedy else len(prior.token_ids)
         checker = self._start_tracking(request, prompt_token_ids, params, num_draws_done=draws)
         checker.replay(prior.token_ids)
@@ -189,6 +198,8 @@ class LLMEngine:
         """End a request wherever it is (queued, running, held for hand-off, or reserved for
         a transfer) and free everything it held. False if nothing was held under that id."""
         found = self.scheduler.abort(request_id)
+        if self.prefill_lane is not None:
+            found = self.prefill_lane.abort(request_id) or found
         found = self.release_request_blocks(request_id) or found
         found = self.free_transfer_blocks(request_id) or found
         self._stop_tracking(request_id)
@@ -196,7 +207,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has work (requests waiting or running, or outputs to deliver)."""
-        return self.scheduler.has_unfinished() or bool(self._ready)
+        lane = self.prefill_lane
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._ready)
+            or (lane is not None and lane.has_work())
+        )
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -208,12 +224,21 @@ class LLMEngine:
         """
         started = time.perf_counter()
         outputs, self._ready = self._ready, []
+        lane = self.prefill_lane
+        prefilled = lane.advance(self) if lane is not None else None
+        if prefilled is not None:
+            outputs += prefilled
         previous, self._inflight = self._inflight, None
         decision = self.scheduler.schedule()
+        if lane is not None:
+            lane.take_back(self.scheduler)  # preempted decodes are recomputed by the lane
         shape = self._batch_shape(decision.batch)
         for request in decision.finished:  # ended by the scheduler (pool too small; adapter)
             outputs.append(self._final_output(request))
-        launched = self._launch(decision.batch, previous) if decision.batch.chunks else None
+        launched = None
+        if decision.batch.chunks:
+            with lane.streams.decode() if lane is not None else contextlib.nullcontext():
+                launched = self._launch(decision.batch, previous)
         if previous is not None:
             outputs += self._complete(previous)
         if launched is not None:
@@ -221,9 +246,12 @@ class LLMEngine:
                 self._inflight = launched  # read by the next step(), after it launches
             else:
                 outputs += self._complete(launched)
+            self._latest_launch = launched
         if decision.batch.chunks:
             self.step_meter.record(*shape, time.perf_counter() - started)
-        self.last_step_idle = launched is None and previous is None and not outputs
+        self.last_step_idle = (
+            launched is None and previous is None and not outputs and not prefilled
+        )
         return outputs
 
     def _batch_shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
@@ -236,12 +264,19 @@ class LLMEngine:
             decode += chunk.num_tokens - in_prompt
         return len(batch.chunks), prefill, decode
 
-    def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
+    def _launch(
+        self, batch: ScheduledBatch, previous: InflightStep | None, lane: PrefillLane | None = None
+    ) -> InflightStep:
         """Queue a batch's model run and sampling on the device; returns without waiting.
-        Placeholder inputs and pending outputs (penalties) come from `previous`'s tokens."""
-        requests = tuple(self.scheduler.requests[c.request_id] for c in batch.chunks)
-        self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
-        logits = self.step_runner.execute(batch)
+        Placeholder inputs and pending outputs (penalties) come from `previous`'s tokens.
+        `lane`: a split engine's prefill lane runs the batch (else the engine's own loop)."""
+        scheduler = lane.scheduler if lane is not None else self.scheduler
+        runner = lane.runner if lane is not None else self.step_runner
+        sampler = lane.sampler if lane is not None else self.sampler
+        requests = tuple(scheduler.requests[c.request_id] for c in batch.chunks)
+        if lane is None:
+            self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
+        logits = runner.execute(batch)
         sampled: list[Request] = []
         rows: list[SamplingRow] = []
         for request, chunk in zip(requests, batch.chunks, strict=True):
@@ -264,18 +299,20 @@ class LLMEngine:
                 )
             )
         previous_ids = previous.tokens.token_ids if previous is not None else None
-        tokens = self.sampler.sample(logits, rows, previous_ids)
-        self.step_runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
+        tokens = sampler.sample(logits, rows, previous_ids)
+        runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
         return InflightStep(requests, tuple(sampled), tokens)
 
-    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+    def _complete(
+        self, step: InflightStep, scheduler: Scheduler | None = None
+    ) -> list[RequestOutput]:
         """Read a launched step's tokens (the host's one wait on the device) and postprocess
         them. A request that finished since it was launched (aborted; or stopped by the token
         before, read after this step was launched) gets nothing: its token is discarded."""
         token_ids, logprobs = step.results()
         for request in step.requests:
             if not request.is_finished:
-                self.scheduler.cache_computed_blocks(request)
+                (scheduler or self._owner(request)).cache_computed_blocks(request)
         now = time.time()
         outputs: list[RequestOutput] = []
         for request, token_id, logprob in zip(step.sampled, token_ids, logprobs, strict=True):
@@ -295,30 +332,19 @@ class LLMEngine:
             status = RequestStatus.FINISHED_PREFILLED
         text = checker.take_text_delta(request, finished=status is not None)
         if status is not None:
-            self.scheduler.finish(request, status)
+            self._owner(request).finish(request, status)
             self._stop_tracking(request.request_id)
         return self._output(request, 1, text)
 
+    def _owner(self, request: Request) -> Scheduler:
+        """The scheduler that holds an unfinished request (a split engine has two)."""
+        lane = self.prefill_lane
+        if lane is not None and request.request_id in lane.scheduler.requests:
+            return lane.scheduler
+        return self.scheduler
+
     def _output(self, request: Request, num_new: int, text: str) -> RequestOutput:
-        handoff = self.scheduler.handoffs.kv_handoff(request)
-        new_ids = tuple(request.output_token_ids[len(request.output_token_ids) - num_new :])
-        logprobs = None
-        if request.sampling_params.logprobs:
-            logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - num_new :])
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            text_delta=text,
-            logprobs=logprobs,
-            finish_reason=FINISH_REASONS.get(request.status),
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            timings=request.timings(),
-            kv_handoff=handoff,
-            abort_error=request.abort_error,
-        )
+        return request.output(num_new, text, self.scheduler.handoffs.kv_handoff(request))
 
     def _final_output(self, request: Request) -> RequestOutput:
         """The last output of a request ended outside a sample; stops tracking it."""
@@ -457,11 +483,13 @@ class LLMEngine:
     # ---- observability --------------------------------------------------------------------
 
     def load(self) -> EngineLoad:
-        s = self.scheduler
+        s, lane = self.scheduler, self.prefill_lane
+        p = lane.scheduler if lane is not None else None
         return EngineLoad(
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
-            num_waiting_prefill_tokens=s.num_pending_prefill_tokens(),
+            num_waiting=s.num_waiting + (p.num_waiting if p else 0),
+            num_running=s.num_running + (p.num_running if p else 0),
+            num_waiting_prefill_tokens=s.num_pending_prefill_tokens()
+            + (p.num_pending_prefill_tokens() if p else 0),
             num_free_blocks=self.block_pool.num_free,
             num_total_blocks=self.block_pool.num_blocks,
             num_handoff_blocks=s.num_handoff_blocks(),
@@ -473,6 +501,7 @@ class LLMEngine:
             host_tier=self.host_tier.stats() if self.host_tier is not None else None,
             steps=self.step_meter.snapshot(),
             loras=self.loras.held(),
+            split=lane.status() if lane is not None else None,
         )
 
     def take_kv_events(self) -> list[KVEvent]:

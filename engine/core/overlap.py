@@ -74,6 +74,15 @@ class InflightStep:
         (finished, aborted or preempted): the step may still write one of them."""
         return any(r.is_finished or r.status is RequestStatus.PREEMPTED for r in self.requests)
 
+    def is_done(self) -> bool:
+        """The device has finished the step (never waits; always True on CPU)."""
+        return self._done is None or self._done.query()
+
+    def order_before_current_stream(self) -> None:
+        """Make the current stream wait for this step on the device (the host goes on)."""
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+
     def wait_device(self) -> None:
         """Block until the device has finished the step (its KV writes included)."""
         if self._done is not None:

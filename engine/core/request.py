@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vocabulary.block_hash import BlockHash, hash_chain
-from vocabulary.engine_io import FinishReason, RequestTimings
+from vocabulary.engine_io import FinishReason, KVHandoff, RequestOutput, RequestTimings
 from vocabulary.sampling import SamplingParams
 
 if TYPE_CHECKING:  # vocabulary.engine_io imports this module
@@ -166,4 +166,26 @@ class Request:
             first_scheduled=self.first_scheduled_time,
             first_token=self.first_token_time,
             finished=self.finished_time,
+        )
+
+    def output(self, num_new: int, text: str, handoff: KVHandoff | None) -> RequestOutput:
+        """What the engine reports of this request now: its last `num_new` tokens (with
+        their logprobs when asked for), `text` (the new text), its finish and timings."""
+        new_ids = tuple(self.output_token_ids[len(self.output_token_ids) - num_new :])
+        logprobs = None
+        if self.sampling_params.logprobs:
+            logprobs = tuple(self.output_logprobs[len(self.output_logprobs) - num_new :])
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_ids,
+            text_delta=text,
+            logprobs=logprobs,
+            finish_reason=FINISH_REASONS.get(self.status),
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            timings=self.timings(),
+            kv_handoff=handoff,
+            abort_error=self.abort_error,
         )

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,11 +132,14 @@ class Scheduler:
         finish_after_first_token: bool = False,
         adapters: AdapterSlots | None = None,
         lend_host_copies: bool = False,
+        reserve: Callable[[], int] | None = None,
     ) -> None:
         """`max_model_len` (0: none) and `finish_after_first_token` (prefill-only) say when a
         sample still in flight certainly ends its request (see the module docstring);
         `adapters`: the LoRA slots (None: LoRA off, every request runs the base model);
-        `lend_host_copies`: hand-offs hold host-tier copies where there are (docstring)."""
+        `lend_host_copies`: hand-offs hold host-tier copies where there are (docstring);
+        `reserve`: blocks this scheduler must leave free for another one sharing the pool
+        (a split engine's prefill lane leaves the decode lane room to grow)."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -146,6 +149,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.finish_after_first_token = finish_after_first_token
         self.adapters = adapters
+        self.reserve = reserve
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.handoffs = Handoffs(block_pool, block_size, lend_host_copies)
@@ -283,7 +287,7 @@ class Scheduler:
         running requests (but those a sample in flight certainly ends) as needed. False if
         the request itself had to leave `running`."""
         needed = self._blocks_needed(request, num_new)
-        while not self.block_pool.can_allocate(needed):
+        while not self._can_allocate(needed):
             # `request` itself qualifies, so there is always a victim (never an older one).
             victim = next(r for r in reversed(self.running) if not self._finishes_in_flight(r))
             if victim is request and self._exceeds_pool(request, num_new):
@@ -317,7 +321,7 @@ class Scheduler:
             return 0
         num_new_blocks = cdiv(num_computed + num_new, bs) - len(hits)
         on_device = [b for b in hits if b is not None]
-        if not self.block_pool.can_allocate(
+        if not self._can_allocate(
             num_new_blocks + num_onboard + self.block_pool.num_evictable_among(on_device)
         ):
             return 0
@@ -409,6 +413,10 @@ class Scheduler:
             placeholder=len(known) < num_new,
             lora_slot=request.lora_slot,
         )
+
+    def _can_allocate(self, num_blocks: int) -> bool:
+        extra = self.reserve() if self.reserve is not None else 0
+        return self.block_pool.can_allocate(num_blocks + extra)
 
     def _blocks_needed(self, request: Request, num_new: int) -> int:
         total = cdiv(request.num_computed_tokens + num_new, self.block_size)

@@ -1,0 +1,136 @@
+"""The SMs of one GPU shared between a split engine's two loops (engine/core/prefill_lane.py).
+
+Each loop launches its work on a stream of its own; on a GPU whose driver has CUDA green
+contexts the two streams belong to two partitions of the device's SMs, so a long prefill and
+the decode steps run at once without competing for SMs. Stream priorities alone do not
+isolate: a prefill's thousands of blocks still occupy every SM a decode step needs.
+
+`SMSplit` makes one partition pair per decode share it is asked for and keeps them (a
+share is a green context and a stream on each side; CUDA graphs are captured per stream,
+engine/core/cuda_graphs.py). The driver may grant fewer SMs than asked (it rounds to its
+SM groups): `status()` reports what was granted. Without green contexts (CPU, an older
+driver or torch) both loops run on plain streams of the whole device, and status says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vocabulary.engine_io import SplitStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Partition:
+    """A stream whose kernels run on `sms` SMs (all of them when not partitioned)."""
+
+    stream: torch.cuda.Stream | None
+    sms: int
+    keep: object = None
+    """What must outlive the stream (its green context)."""
+
+
+def green_context_stream(device: torch.device, num_sms: int) -> Partition:
+    """A stream of a green context of `num_sms` SMs on `device` (RuntimeError naming why when
+    this torch or driver cannot make one)."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError as e:
+        raise RuntimeError(f"this torch has no CUDA green contexts ({e})") from None
+    ctx = GreenContext.create(num_sms, device.index or 0)
+    if not hasattr(ctx, "Stream"):
+        raise RuntimeError("this torch's GreenContext makes no stream")
+    return Partition(ctx.Stream(), num_sms, keep=ctx)
+
+
+class SMSplit:
+    """The prefill and decode streams of a split engine, and the share of SMs each has."""
+
+    def __init__(self, device: torch.device, decode_sms: int = 0) -> None:
+        """`decode_sms`: SMs asked for the decode partition (0: half the device)."""
+        self.device = device
+        self.resizes = 0
+        self.reason = ""
+        self.total_sms = 0
+        self._pairs: dict[int, tuple[Partition, Partition]] = {}
+        if device.type != "cuda":
+            self.reason = "no CUDA device: both loops run on the CPU, one after the other"
+            self._current = (Partition(None, 0), Partition(None, 0))
+            return
+        self.total_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        whole = (Partition(torch.cuda.Stream(device), self.total_sms),
+                 Partition(torch.cuda.Stream(device), self.total_sms))  # fmt: skip
+        self._current = whole
+        try:
+            self._current = self._pair(decode_sms or self.total_sms // 2)
+        except RuntimeError as e:
+            self.reason = f"no SM partitions: {e}; both loops share every SM"
+            log.warning("split engine: %s", self.reason)
+
+    @property
+    def partitioned(self) -> bool:
+        return not self.reason
+
+    def _pair(self, decode_sms: int) -> tuple[Partition, Partition]:
+        decode_sms = max(1, min(decode_sms, self.total_sms - 1))
+        if decode_sms not in self._pairs:
+            decode = green_context_stream(self.device, decode_sms)
+            prefill = green_context_stream(self.device, self.total_sms - decode_sms)
+            self._pairs[decode_sms] = (prefill, decode)
+        return self._pairs[decode_sms]
+
+    def resize(self, decode_sms: int) -> bool:
+        """Give the decode loop `decode_sms` SMs from its next step on, the prefill loop the
+        rest; False when nothing changed (not partitioned, or already so)."""
+        if not self.partitioned or self._current[1].sms == decode_sms:
+            return False
+        self._current = self._pair(decode_sms)
+        self.resizes += 1
+        return True
+
+    @property
+    def decode_stream(self) -> torch.cuda.Stream | None:
+        return self._current[1].stream
+
+    @contextlib.contextmanager
+    def prefill(self) -> Iterator[None]:
+        """Work queued inside runs on the prefill partition."""
+        with _on(self._current[0].stream):
+            yield
+
+    @contextlib.contextmanager
+    def decode(self) -> Iterator[None]:
+        """Work queued inside runs on the decode partition."""
+        with _on(self._current[1].stream):
+            yield
+
+    def status(
+        self, handoffs: int = 0, handoff_us: tuple[float, float] = (0.0, 0.0)
+    ) -> SplitStatus:
+        prefill, decode = self._current
+        return SplitStatus(
+            partitioned=self.partitioned,
+            reason=self.reason,
+            total_sms=self.total_sms,
+            decode_sms=decode.sms,
+            prefill_sms=prefill.sms,
+            resizes=self.resizes,
+            handoffs=handoffs,
+            handoff_us_mean=handoff_us[0],
+            handoff_us_max=handoff_us[1],
+        )
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
