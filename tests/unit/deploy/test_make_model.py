@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.checkpoints.make_model import make_model
+from deploy.checkpoints.make_model import PRESETS, make_model
+
+PINNED = Path(__file__).with_name("preset_configs")
+"""The config.json every preset writes, and two with make-model options, byte for byte."""
+TOY = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+       "num_kv_heads": 2, "vocab_size": 1000}  # fmt: skip
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -54,6 +59,26 @@ def test_engine_model_logits_equal_transformers(tiny_model_dir: Path) -> None:
         torch.testing.assert_close(ours.compute_logits(hidden), ref(ids).logits[0])
 
 
+@pytest.mark.parametrize(
+    ("pinned", "preset", "options"),
+    [
+        *((name, name, {}) for name in PRESETS),
+        ("tiny-2-layers-hidden-256-bf16", "tiny",
+         {"num_layers": 2, "hidden_size": 256, "dtype": "bfloat16"}),
+        ("llama3-8b-toy", "llama3-8b", TOY),
+    ],
+)  # fmt: skip
+def test_config_json_is_pinned(
+    tmp_path: Path, pinned: str, preset: str, options: dict[str, object]
+) -> None:
+    out = make_model(tmp_path / pinned, preset=preset, config_only=True, **options)
+    assert (out / "config.json").read_bytes() == (PINNED / f"{pinned}.json").read_bytes()
+
+
+def test_the_presets_are_tiny_and_llama3() -> None:
+    assert sorted(PRESETS) == ["llama3-70b", "llama3-8b", "tiny"]  # each pinned above
+
+
 def test_same_seed_same_bytes_different_seed_different(tmp_path: Path) -> None:
     a = make_model(tmp_path / "a", seed=7, train_steps=3)
     b = make_model(tmp_path / "b", seed=7, train_steps=3)
@@ -71,17 +96,7 @@ def test_llama3_preset_sharded_bf16_loads(tmp_path: Path) -> None:
     from engine.loading.loaders import load_model
     from vocabulary.model_config import ModelConfig
 
-    out = make_model(
-        tmp_path / "l3",
-        preset="llama3-8b",
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=1000,
-        shard_bytes=100_000,
-    )
+    out = make_model(tmp_path / "l3", preset="llama3-8b", shard_bytes=100_000, **TOY)
     assert len(checkpoint_files(out)) > 1
     cfg = ModelConfig.from_pretrained(out)
     assert (cfg.rope.kind, cfg.rope.factor, cfg.torch_dtype) == ("llama3", 8.0, "bfloat16")
