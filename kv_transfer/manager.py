@@ -316,11 +316,10 @@ class TransferManager:
             with self._isolated(t, "starting its read"):
                 self._start(t)
         if self._queued:
-            self.metrics.budget_limited_passes += 1
-            for t in self._queued.values():
-                if not t.deferred:
-                    t.deferred = True
-                    self.metrics.deferred_requests += 1
+            newly_deferred = [t for t in self._queued.values() if not t.deferred]
+            for t in newly_deferred:
+                t.deferred = True
+            self.metrics.record_budget_limited_pass(len(newly_deferred))
 
     def _start(self, t: _Transfer) -> None:
         """Start the read of a queued transfer; it stays QUEUED until the backend took it."""
@@ -337,9 +336,8 @@ class TransferManager:
         t.state, t.xfer, t.started_at = TransferState.TRANSFERRING, xfer, started
         self._transferring[rid] = t
         self.version += 1
-        if self.budget.is_oversized(t.candidate):
-            self.metrics.oversized_requests += 1
-        self.metrics.record_queue_wait(t.started_at - t.submitted_at)
+        oversized = self.budget.is_oversized(t.candidate)
+        self.metrics.record_started(t.started_at - t.submitted_at, oversized)
 
     def _heartbeat(self) -> None:
         now = self._clock()
@@ -358,7 +356,7 @@ class TransferManager:
             try:
                 for msg in encode_heartbeats([t.plan.request_id for t in transfers], deadline):
                     self.backend.send_notif(peer, msg)
-                    self.metrics.heartbeats_sent += 1
+                    self.metrics.record_heartbeat()
                     self.version += 1
             except BackendError as e:
                 if e.peer_lost:
@@ -394,7 +392,7 @@ class TransferManager:
 
     def _unexpected(self, e: Exception, msg: str, *args: object) -> None:
         """Log an exception no path expects, with its traceback, and count it."""
-        self.metrics.unexpected_errors += 1
+        self.metrics.record_unexpected_error()
         log.error(msg, *args, exc_info=e)
 
     def _end(self, t: _Transfer, state: TransferState, error: TransferError) -> None:
@@ -462,12 +460,12 @@ class TransferManager:
             callback = self._on_done
         else:
             if state is TransferState.FAILED:
-                self.metrics.transfers_failed += 1
+                self.metrics.record_failed()
             else:
-                self.metrics.transfers_expired += 1
+                self.metrics.record_expired()
             notify = t.plan.peer in self.peers and not isinstance(error, PeerLost)
             if notify and self._notify(t.plan.peer, rid, encode_abort):
-                self.metrics.abort_notices_sent += 1
+                self.metrics.record_abort_notice()
             callback = self._on_failed
         try:
             callback(outcome)
@@ -477,7 +475,7 @@ class TransferManager:
     def _reject(self, plan: TransferPlan, error: TransferError) -> None:
         """Fail a submission that never entered the tables (its blocks are untouched)."""
         self.version += 1
-        self.metrics.transfers_failed += 1
+        self.metrics.record_failed()
         outcome = TransferOutcome(plan.request_id, TransferState.FAILED, plan, error, 0.0, 0.0)
         try:
             self._on_failed(outcome)
@@ -531,4 +529,4 @@ class TransferManager:
         )
 
     def stats(self) -> TransferStats:
-        return self.metrics.snapshot()
+        return self.metrics.stats

@@ -26,7 +26,6 @@ weights with one scale per tensor, cuBLASLt `_scaled_mm`), measured four ways:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -76,7 +75,7 @@ def dummy_llama3_70b_fp8(layers: int = 0) -> LlamaModel:
 
     shape = PRESETS["llama3-70b"]
     if layers:
-        shape = dataclasses.replace(shape, num_layers=layers)
+        shape = shape.with_options(num_layers=layers)
     cfg = ModelConfig.from_dict(hf_config(shape, 0, 1))
     model = dummy_model(cfg, torch.bfloat16, "cuda", fp8=True)
     print(f"   {model.weight_bytes / 2**30:.1f} GiB of weights")

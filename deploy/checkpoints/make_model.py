@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from deploy.checkpoints.checkpoint_files import CORPUS, save_shards, staged_dir
 from deploy.checkpoints.fp8_writer import corpus_ids, observe_input_amax, quantize_tensors
 from engine.loading.fp8_checkpoint import Fp8Scheme
-from vocabulary.model_config import ModelConfig
+from vocabulary.model_config import ModelConfig, RopeConfig
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 TINY_FORMAT_VERSION = 2  # bump when the tiny model's recipe changes (invalidates caches)
@@ -54,60 +54,75 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Shape and recipe of a generated checkpoint (every field is a make-model option)."""
+    """A generated checkpoint: the architecture it declares and how its weights are made.
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    llama3_rope: bool = False
-    tie_word_embeddings: bool = False
-    dtype: str = "float32"
+    make-model's options name a field of `config` or of the recipe (`with_options`)."""
+
+    config: ModelConfig
+    """The architecture config.json declares (Llama); its token ids are left unset here: the
+    tokenizer's are written (`hf_config`)."""
     tokenizer_vocab: int = 512  # BPE vocabulary trained on the corpus (<= vocab_size)
     train_steps: int = 0
     sharpen: float = 1.0
     init_std: float = 0.02
 
+    def with_options(self, **options: object) -> ModelShape:
+        """This shape with `options` replacing fields of its config or of its recipe (an
+        unknown name is a TypeError); head_dim is hidden_size // num_heads unless given."""
+        architecture = {f.name for f in fields(ModelConfig)}
+        on_config = {k: v for k, v in options.items() if k in architecture}
+        on_recipe = {k: v for k, v in options.items() if k not in architecture}
+        config = replace(self.config, **on_config)  # type: ignore[arg-type]
+        if "head_dim" not in on_config:
+            config = replace(config, head_dim=config.hidden_size // config.num_heads)
+        return replace(self, config=config, **on_recipe)  # type: ignore[arg-type]
 
+
+_TINY = ModelConfig(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=10000.0),
+    tie_word_embeddings=False,
+    attention_bias=False,
+    o_proj_bias=False,
+    qk_norm=False,
+    bos_token_id=None,
+    eos_token_ids=(),
+    torch_dtype="float32",
+)
+_LLAMA3_8B = replace(
+    _TINY,
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope=RopeConfig(
+        theta=500000.0,
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    torch_dtype="bfloat16",
+)
 PRESETS: dict[str, ModelShape] = {
-    "tiny": ModelShape(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=4096,
-        train_steps=150,
-        sharpen=4.0,
-    ),
-    "llama3-8b": ModelShape(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        llama3_rope=True,
-        dtype="bfloat16",
-    ),
+    "tiny": ModelShape(_TINY, train_steps=150, sharpen=4.0),
+    "llama3-8b": ModelShape(_LLAMA3_8B),
     "llama3-70b": ModelShape(
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_layers=80,
-        num_heads=64,
-        num_kv_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        llama3_rope=True,
-        dtype="bfloat16",
+        replace(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)
     ),
 }
 
@@ -143,39 +158,45 @@ def build_tokenizer(vocab_size: int, max_length: int) -> tuple[object, dict[str,
 
 
 def hf_config(shape: ModelShape, bos_id: int, eos_id: int) -> dict[str, object]:
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    if shape.llama3_rope:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": shape.rope_theta,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
+    """The config.json of `shape` with the tokenizer's token ids; ValueError for an
+    architecture a Llama config.json cannot declare."""
+    c = shape.config
+    if c.model_type != "llama" or c.qk_norm or c.o_proj_bias != c.attention_bias:
+        raise ValueError(f"make-model writes Llama checkpoints, not {c.model_type} ones")
+    if c.sliding_window is not None:
+        raise ValueError("make-model writes Llama checkpoints (no sliding window)")
+    rope: dict[str, object] = {"rope_type": c.rope.kind, "rope_theta": c.rope.theta}
+    scaled = c.rope.kind != "default"
+    if scaled:
+        rope |= {
+            "factor": c.rope.factor,
+            "low_freq_factor": c.rope.low_freq_factor,
+            "high_freq_factor": c.rope.high_freq_factor,
+            "original_max_position_embeddings": c.rope.original_max_position_embeddings,
         }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "head_dim": shape.hidden_size // shape.num_heads,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
         "rope_parameters": rope,
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": rope if shape.llama3_rope else None,
-        "attention_bias": False,
+        "rope_theta": c.rope.theta,
+        "rope_scaling": rope if scaled else None,
+        "attention_bias": c.attention_bias,
         "mlp_bias": False,
-        "tie_word_embeddings": shape.tie_word_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "pad_token_id": None,
-        "dtype": shape.dtype,
+        "dtype": c.torch_dtype,
         "use_cache": True,
     }
 
@@ -188,7 +209,7 @@ def random_tensors(
 
     cfg = ModelConfig.from_dict(cfg_dict)
     gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = getattr(torch, shape.dtype)
+    dtype = getattr(torch, shape.config.torch_dtype)
     shapes = _hf_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for name in expected_tensor_names(cfg):
@@ -292,19 +313,21 @@ def make_model(
 ) -> Path:
     """Write a checkpoint folder (config.json, safetensors, tokenizer files) and return it.
 
-    `overrides` replace fields of the preset's ModelShape (e.g. num_layers=2, dtype="bfloat16").
+    `overrides`: options of the preset's ModelShape (`ModelShape.with_options`, e.g.
+    num_layers=2, torch_dtype="bfloat16").
     `fp8`: the weights in that compressed-tensors FP8 scheme; `config_only`: no weights.
     The folder is written under a temporary name and renamed into place, so concurrent
     writers never see a half-written checkpoint.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    shape = replace(PRESETS[preset], **overrides)  # type: ignore[arg-type]
-    if shape.hidden_size % shape.num_heads or shape.num_heads % shape.num_kv_heads:
+    shape = PRESETS[preset].with_options(**overrides)
+    arch = shape.config
+    if arch.hidden_size % arch.num_heads or arch.num_heads % arch.num_kv_heads:
         raise ValueError("hidden_size must divide by heads, and heads by kv heads")
     out = Path(out_dir)
     tok, tok_cfg = build_tokenizer(
-        min(shape.tokenizer_vocab, shape.vocab_size), shape.max_position_embeddings
+        min(shape.tokenizer_vocab, arch.vocab_size), arch.max_position_embeddings
     )
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)  # type: ignore[attr-defined]
     cfg_dict = hf_config(shape, bos_id, eos_id)

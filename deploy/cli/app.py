@@ -109,7 +109,7 @@ def make_model_cmd(
     overrides: dict[str, Any] = {
         k: v
         for k, v in {
-            "dtype": dtype,
+            "torch_dtype": dtype,
             "num_layers": layers,
             "hidden_size": hidden,
             "intermediate_size": intermediate,

@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16-layout") / "model"
-    return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
+    return make_model(out, preset="tiny", num_layers=2, torch_dtype="bfloat16", hidden_size=256)
 
 
 @pytest.fixture(scope="module")

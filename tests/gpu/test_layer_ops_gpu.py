@@ -9,7 +9,6 @@ uses flashinfer attention, so only the layer ops differ between the compared run
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from deploy.checkpoints.make_model import make_model
 
     out = tmp_path_factory.mktemp("tiny-bf16-ops") / "model"
-    return make_model(out, preset="tiny", num_layers=2, dtype="bfloat16", hidden_size=256)
+    return make_model(out, preset="tiny", num_layers=2, torch_dtype="bfloat16", hidden_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def llama3_2l() -> LlamaModel:
     """Two layers of Llama-3-8B with random bf16 weights, made on the GPU (nothing on disk)."""
     from deploy.checkpoints.make_model import PRESETS, hf_config
 
-    cfg = ModelConfig.from_dict(hf_config(replace(PRESETS["llama3-8b"], num_layers=2), 0, 1))
+    cfg = ModelConfig.from_dict(hf_config(PRESETS["llama3-8b"].with_options(num_layers=2), 0, 1))
     m = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda").eval()
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():

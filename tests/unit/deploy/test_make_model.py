@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from deploy.checkpoints.make_model import make_model
+from deploy.checkpoints.make_model import PRESETS, ModelShape, hf_config, make_model
+from vocabulary.model_config import ModelConfig
+
+PINNED = Path(__file__).with_name("preset_configs")
+"""The config.json every preset writes, and two with make-model options, byte for byte."""
+TOY = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+       "num_kv_heads": 2, "vocab_size": 1000}  # fmt: skip
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -54,6 +61,60 @@ def test_engine_model_logits_equal_transformers(tiny_model_dir: Path) -> None:
         torch.testing.assert_close(ours.compute_logits(hidden), ref(ids).logits[0])
 
 
+@pytest.mark.parametrize(
+    ("pinned", "preset", "options"),
+    [
+        *((name, name, {}) for name in PRESETS),
+        ("tiny-2-layers-hidden-256-bf16", "tiny",
+         {"num_layers": 2, "hidden_size": 256, "torch_dtype": "bfloat16"}),
+        ("llama3-8b-toy", "llama3-8b", TOY),
+    ],
+)  # fmt: skip
+def test_config_json_is_pinned(
+    tmp_path: Path, pinned: str, preset: str, options: dict[str, object]
+) -> None:
+    out = make_model(tmp_path / pinned, preset=preset, config_only=True, **options)
+    assert (out / "config.json").read_bytes() == (PINNED / f"{pinned}.json").read_bytes()
+
+
+def test_the_presets_are_tiny_and_llama3() -> None:
+    assert sorted(PRESETS) == ["llama3-70b", "llama3-8b", "tiny"]  # each pinned above
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_engine_reads_each_presets_config_back(name: str) -> None:
+    shape = PRESETS[name]
+    read = ModelConfig.from_dict(hf_config(shape, 0, 1))
+    expected = replace(shape.config, bos_token_id=0, eos_token_ids=(1,))
+    if shape.config.rope.kind == "default":  # not written: read as max_position_embeddings
+        original = shape.config.max_position_embeddings  # (and unused by default RoPE)
+        expected = replace(
+            expected, rope=replace(expected.rope, original_max_position_embeddings=original)
+        )
+    assert read == expected
+
+
+def test_options_name_fields_of_the_config_or_of_the_recipe() -> None:
+    tiny = PRESETS["tiny"]
+    shape = tiny.with_options(hidden_size=256, num_layers=2, torch_dtype="bfloat16", train_steps=3)
+    config = replace(
+        tiny.config, hidden_size=256, head_dim=64, num_layers=2, torch_dtype="bfloat16"
+    )
+    assert shape == ModelShape(config, train_steps=3, sharpen=4.0)
+    assert tiny.with_options(hidden_size=256, head_dim=32).config.head_dim == 32
+    with pytest.raises(TypeError, match="dtype"):
+        tiny.with_options(dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"model_type": "qwen3", "qk_norm": True}, {"o_proj_bias": True}, {"sliding_window": 64}],
+)
+def test_hf_config_refuses_what_a_llama_config_cannot_declare(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="make-model writes Llama checkpoints"):
+        hf_config(PRESETS["tiny"].with_options(**options), 0, 1)
+
+
 def test_same_seed_same_bytes_different_seed_different(tmp_path: Path) -> None:
     a = make_model(tmp_path / "a", seed=7, train_steps=3)
     b = make_model(tmp_path / "b", seed=7, train_steps=3)
@@ -71,17 +132,7 @@ def test_llama3_preset_sharded_bf16_loads(tmp_path: Path) -> None:
     from engine.loading.loaders import load_model
     from vocabulary.model_config import ModelConfig
 
-    out = make_model(
-        tmp_path / "l3",
-        preset="llama3-8b",
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=1000,
-        shard_bytes=100_000,
-    )
+    out = make_model(tmp_path / "l3", preset="llama3-8b", shard_bytes=100_000, **TOY)
     assert len(checkpoint_files(out)) > 1
     cfg = ModelConfig.from_pretrained(out)
     assert (cfg.rope.kind, cfg.rope.factor, cfg.torch_dtype) == ("llama3", 8.0, "bfloat16")

@@ -578,7 +578,7 @@ def test_graph_decode_with_adapters_equals_eager(tmp_path: Path, kernel: str) ->
     reason = lora_kernel_unavailable_reason(kernel, device, torch.bfloat16)
     if reason is not None:
         pytest.skip(reason)
-    cfg = ModelConfig.from_dict(hf_config(replace(PRESETS["tiny"], hidden_size=256), 0, 1))
+    cfg = ModelConfig.from_dict(hf_config(PRESETS["tiny"].with_options(hidden_size=256), 0, 1))
     model = dummy_model(cfg, torch.bfloat16, device).eval()
     cache = LoraCache(cfg, LoraCacheConfig(max_loras=3, kernel=kernel), model.dtype, device)
     for i, (rank, modules) in enumerate([(8, ATTENTION), (16, MLP), (4, ATTENTION + MLP)]):

@@ -19,7 +19,7 @@ test_graph_decode_with_adapters_equals_eager runs a ModelRunner decode graph wit
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -58,9 +58,9 @@ MIXED = [2, 2, -1, 0, 1, 1, -1, 3, 0, 2, 1, 3]  # slots twice and not adjacent, 
 def shape_config(preset: str, num_layers: int | None = None) -> ModelConfig:
     from deploy.checkpoints.make_model import PRESETS, hf_config
 
-    shape = (
-        PRESETS[preset] if num_layers is None else replace(PRESETS[preset], num_layers=num_layers)
-    )
+    shape = PRESETS[preset]
+    if num_layers is not None:
+        shape = shape.with_options(num_layers=num_layers)
     return ModelConfig.from_dict(hf_config(shape, 0, 1))
 
 

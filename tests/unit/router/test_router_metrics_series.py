@@ -4,8 +4,10 @@ every request outcome and rejection reason present from the start (as zeros)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +23,9 @@ from vocabulary.kv_events import PublisherStats
 from vocabulary.step_stats import StepMeter
 from vocabulary.transfer_load import TransferLoad, TransferStats
 from vocabulary.worker_api import WorkerLoad, WorkerRole, WorkerState
+
+WORKER_FAMILIES = Path(__file__).with_name("worker_metric_families.json")
+"""Every per-worker family as exposed: name, type, help and label names, in exposition order."""
 
 
 def scrape(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -112,6 +117,23 @@ def test_worker_series_come_from_the_latest_load_report() -> None:
     assert at("pdserve_worker_index_pending_events") == 4
     assert at("pdserve_worker_index_publish_errors") == 0  # the load's own field
     assert 0 <= at("pdserve_worker_load_age_seconds") < 5
+
+
+def test_worker_families_keep_their_names_types_help_and_labels() -> None:
+    metrics = RouterMetrics()
+    metrics.observe_load(decode_load())  # a worker with every part: host tier, transfers, index
+    text = generate_latest(metrics.registry).decode()
+    got = [
+        {
+            "name": family.name,
+            "type": family.type,
+            "help": family.documentation,
+            "labels": sorted({label for s in family.samples for label in s.labels}),
+        }
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("pdserve_worker_")
+    ]
+    assert got == json.loads(WORKER_FAMILIES.read_text())
 
 
 def test_prefill_worker_without_index_has_no_transfer_or_index_series() -> None:
