@@ -58,35 +58,18 @@ class Partition:
 
 
 def make_partition(num_sms: int) -> Partition:
-    """A green-context stream of `num_sms` SMs: torch's GreenContext where it has a stream,
-    else flashinfer's helper; the whole device when `num_sms` is all of it."""
+    """A green-context stream of `num_sms` SMs (the whole device when that is all of it),
+    made as a split engine makes its partitions (engine/core/sm_split.py)."""
+    from engine.core.sm_split import green_context_stream
+
     total = torch.cuda.get_device_properties(0).multi_processor_count
     if num_sms >= total:
         return Partition(torch.cuda.Stream(), num_sms, total, "whole device")
-    errors = []
-    try:
-        from torch.cuda.green_contexts import GreenContext
-
-        ctx = GreenContext.create(num_sms, 0)
-        if hasattr(ctx, "Stream"):
-            stream = ctx.Stream()
-            p = Partition(stream, num_sms, num_sms, "torch GreenContext.Stream")
-            p.keep = ctx
-            return p
-        errors.append("torch GreenContext has no Stream()")
-    except Exception as e:
-        errors.append(f"torch: {e!r}")
-    try:
-        from flashinfer.green_ctx import split_device_green_ctx_by_sm_count
-
-        streams, resources = split_device_green_ctx_by_sm_count(torch.device("cuda:0"), [num_sms])
-        granted = int(resources[0].sm.smCount)
-        p = Partition(streams[0], num_sms, granted, "flashinfer split_device_green_ctx_by_sm_count")
-        p.keep = (streams, resources)
-        return p
-    except Exception as e:
-        errors.append(f"flashinfer: {e!r}")
-    raise RuntimeError("; ".join(errors))
+    made = green_context_stream(torch.device("cuda", 0), num_sms)
+    assert made.stream is not None
+    part = Partition(made.stream, num_sms, made.sms, type(made.keep).__module__)
+    part.keep = made.keep
+    return part
 
 
 def timed(stream: torch.cuda.Stream, fn: Callable[[], None], reps: int = 10) -> float:

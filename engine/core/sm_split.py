@@ -37,16 +37,30 @@ class Partition:
 
 
 def green_context_stream(device: torch.device, num_sms: int) -> Partition:
-    """A stream of a green context of `num_sms` SMs on `device` (RuntimeError naming why when
-    this torch or driver cannot make one)."""
+    """A stream of a green context of about `num_sms` SMs on `device`, with the count the
+    driver granted where it can be read (RuntimeError naming why none can be made here).
+
+    flashinfer's helper (CUDA's Python bindings) reads the granted count back; torch's own
+    green contexts (beta) do not say it, so the count asked is reported there."""
+    errors = []
+    try:
+        from flashinfer.green_ctx import split_device_green_ctx_by_sm_count
+
+        streams, resources = split_device_green_ctx_by_sm_count(device, [num_sms])
+        return Partition(streams[0], int(resources[0].sm.smCount), keep=(streams, resources))
+    except Exception as e:  # an optional extra and a beta driver API: any failure is "not here"
+        errors.append(f"flashinfer.green_ctx: {e}")
     try:
         from torch.cuda.green_contexts import GreenContext
-    except ImportError as e:
-        raise RuntimeError(f"this torch has no CUDA green contexts ({e})") from None
-    ctx = GreenContext.create(num_sms, device.index or 0)
-    if not hasattr(ctx, "Stream"):
-        raise RuntimeError("this torch's GreenContext makes no stream")
-    return Partition(ctx.Stream(), num_sms, keep=ctx)
+
+        try:
+            ctx = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
+        except TypeError:  # torch < 2.12 takes them by position
+            ctx = GreenContext.create(num_sms, device.index or 0)  # type: ignore[call-arg,arg-type]
+        return Partition(ctx.Stream(), num_sms, keep=ctx)  # type: ignore[attr-defined]
+    except Exception as e:  # RuntimeError, AttributeError (no Stream before 2.12), ...
+        errors.append(f"torch green contexts: {e}")
+    raise RuntimeError("; ".join(errors))
 
 
 class SMSplit:
