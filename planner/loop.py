@@ -216,16 +216,14 @@ class ControllerActuator:
     background, as a pending actor until a node with its resources exists)."""
 
     def __init__(
-        self, host: PlannerHost, colocated: bool, resources: ResourceRequester | None
+        self, host: PlannerHost, decode_role: WorkerRole, resources: ResourceRequester | None
     ) -> None:
         self.host = host
-        self.colocated = colocated
+        self.decode_role = decode_role
         self.resources = resources
 
     def _worker_role(self, role: Role) -> WorkerRole:
-        if role is Role.PREFILL:
-            return WorkerRole.PREFILL
-        return WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+        return WorkerRole.PREFILL if role is Role.PREFILL else self.decode_role
 
     def add_workers(self, role: Role, count: int) -> None:
         started = [self.host.spawn_worker(self._worker_role(role)) for _ in range(count)]
@@ -260,18 +258,18 @@ class PlannerLoop:
         self,
         settings: PlannerSettings,
         host: PlannerHost,
-        colocated: bool,
+        decode_role: WorkerRole,
         resources: ResourceRequester | None = None,
         clock: Callable[[], float] = time.time,
         metrics: PlannerMetrics | None = None,
     ) -> None:
         config = settings.config
-        if colocated:  # no prefill role to scale
+        if decode_role is not WorkerRole.DECODE:  # colocated or split: no prefill role to scale
             config = replace(config, prefill=RoleBounds(0, 0))
         self.settings = replace(settings, config=config)
         self.host = host
         self.planner = Planner(config)
-        self.actuator = ControllerActuator(host, colocated, resources)
+        self.actuator = ControllerActuator(host, decode_role, resources)
         self.clock = clock
         self.metrics = metrics
         self.records: deque[PlannerRecord] = deque(maxlen=1000)

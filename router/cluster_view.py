@@ -316,7 +316,7 @@ class ClusterView:
         return self.serving(WorkerRole.PREFILL)
 
     def decode_workers(self) -> list[WorkerEntry]:
-        return self.serving(WorkerRole.DECODE, WorkerRole.COLOCATED)
+        return self.serving(WorkerRole.DECODE, WorkerRole.COLOCATED, WorkerRole.SPLIT)
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self.entries.get(worker_id)
@@ -378,6 +378,7 @@ class ClusterView:
                     inflight_transfer_blocks=e.load.transfer.pending_blocks,
                     free_kv_blocks=eng.num_free_blocks,
                     cold_lora=_cold(e, lora),
+                    prefills_locally=e.info.role is WorkerRole.SPLIT,
                 )
             )
         return out

@@ -9,11 +9,13 @@ Pure functions over candidate snapshots (the Place step of router/orchestrator.p
 The decode worker is chosen first (least cost; ties go to the longer cached prefix, then to
 the id for determinism). Conditional disaggregation: when the part of the prompt the chosen
 decode worker has not cached is at most `local_prefill_threshold_tokens`, the decode worker
-prefills it itself and no transfer happens. Otherwise the prefill worker with the least cost
-is chosen, so a worker that already holds a long prefix wins unless it is much busier. A
-prefix block a worker holds only in its host tier costs `w_host` (an onboard: a host→device
-copy, far cheaper than computing it, dearer than a device hit), so a host-tier holder beats a
-cold worker and loses to one that has the block on its device.
+prefills it itself and no transfer happens. A split worker (both loops on one device)
+prefills what it decodes, unless a prefill worker caches a longer prefix of the prompt: then
+that one prefills and the split worker pulls the KV. Otherwise the prefill worker with the
+least cost is chosen, so a worker that already holds a long prefix wins unless it is much
+busier. A prefix block a worker holds only in its host tier costs `w_host` (an onboard: a
+host→device copy, far cheaper than computing it, dearer than a device hit), so a host-tier
+holder beats a cold worker and loses to one that has the block on its device.
 A request on a LoRA adapter goes only to workers that have the adapter registered (the router
 filters the candidates); one whose adapter cache does not hold it yet (a read from disk before
 the request runs) costs `w_lora` more, so the workers already holding it are preferred.
@@ -47,6 +49,9 @@ class DecodeCandidate:
     free_kv_blocks: int
     cold_lora: bool = False
     """The request's LoRA adapter is registered here but not in the adapter cache."""
+    prefills_locally: bool = False
+    """A split worker: it prefills on a loop of its own beside its decodes, so a prompt it
+    decodes is prefilled there too unless a prefill worker caches more of it."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,19 @@ def place(
     full_blocks = prompt_tokens // block_size
     local_cached = min(dec.cached_blocks, full_blocks)
     local_uncached = prompt_tokens - local_cached * block_size
-    if local_uncached <= config.local_prefill_threshold_tokens or not prefill:
-        # Short uncached remainder, or no live prefill worker: the decode worker prefills
-        # (its engine runs colocated-capable), so losing every prefill worker degrades
+    better = [p for p in prefill if min(p.cached_blocks, full_blocks) > local_cached]
+    if (
+        local_uncached <= config.local_prefill_threshold_tokens
+        or not prefill
+        or (dec.prefills_locally and not better)
+    ):
+        # Short uncached remainder, no live prefill worker, or a split worker that caches as
+        # much of the prompt as any prefill worker: the decode worker prefills (its engine
+        # runs colocated-capable, or split), so losing every prefill worker degrades
         # throughput instead of failing requests.
         return Placement(dec.worker_id, None, local_cached, local_uncached)
+    if dec.prefills_locally:
+        prefill = better
     pre = min(
         prefill,
         key=lambda p: (

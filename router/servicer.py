@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -272,6 +273,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                 w.prefix_cache_hit_tokens = e.num_cache_hit_tokens
                 w.requests_done = load.requests_done
                 w.inflight_requests = load.inflight_requests
+                if e.split is not None:
+                    w.split.CopyFrom(pb.SplitStatus(**dataclasses.asdict(e.split)))
             workers.append(w)
         redis_ok = self.orchestrator.index is not None and bool(
             await asyncio.to_thread(self.orchestrator.index.live_workers)

@@ -14,9 +14,19 @@ from vocabulary.transfer_load import TransferLoad, TransferStats
 
 
 class WorkerRole(enum.Enum):
+    """What a worker does: PREFILL hands its prompts' KV off; DECODE pulls KV and decodes
+    (prefilling short prompts itself); COLOCATED prefills and decodes in one loop; SPLIT
+    prefills and decodes in two loops on one device (engine mode split)."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+    SPLIT = "split"
+
+    @property
+    def decodes(self) -> bool:
+        """A worker of this role serves decode streams (every role but PREFILL)."""
+        return self is not WorkerRole.PREFILL
 
 
 class WorkerState(enum.Enum):

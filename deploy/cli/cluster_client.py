@@ -357,6 +357,25 @@ def status_table(st: pb.ClusterStatus) -> Table:
     return table
 
 
+def split_lines(st: pb.ClusterStatus) -> list[str]:
+    """One line per split worker: how its SMs are shared and what its hand-offs cost."""
+    lines = []
+    for w in st.workers:
+        if not w.HasField("split"):
+            continue
+        s = w.split
+        if s.partitioned:
+            share = f"decode {s.decode_sms}/{s.total_sms} SMs, prefill {s.prefill_sms}"
+            share += f" ({s.resizes} resizes)" if s.resizes else ""
+        else:
+            share = f"unpartitioned: {s.reason}"
+        lines.append(
+            f"split:    {w.worker_id}: {share} · {s.handoffs} hand-offs, "
+            f"{s.handoff_us_mean:.0f} µs mean, {s.handoff_us_max:.0f} µs max"
+        )
+    return lines
+
+
 def _stored(dtype: str, nbytes: int) -> str:
     """ "fp8 8.46 GiB": a dtype (e4m3 shown as fp8) and a byte count; "-" when not reported."""
     if not dtype:

@@ -162,6 +162,7 @@ def status_view(
     lines: list[RenderableType] = [client.status_table(st)]
     if st.http_url:
         lines.append(Text(f"  api:      gRPC {addr} · OpenAI {st.http_url}/v1"))
+    lines += [Text(f"  {line}") for line in client.split_lines(st)]
     lines += [Text(f"  {line}") for line in (*client.limits_lines(st), *log.events)]
     if log.planner:
         lines.append(Text(f"  {log.planner}", style="cyan"))

@@ -222,6 +222,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("prefill", "workers.num_prefill", int, "Prefill workers [1]."),
     Flag("decode", "workers.num_decode", int, "Decode workers [1]."),
     Flag("colocated", "workers.colocated", bool, "Baseline: no disaggregation.", "--colocated"),
+    Flag("split", "workers.num_split", int, "Split workers: prefill and decode in one worker "
+         "on one device, each loop in its own partition of the SMs [0]; with --split and "
+         "neither --prefill nor --decode (flag or file), split workers only."),
     Flag("prefill_tp", "workers.prefill_tp", int, "Tensor-parallel ranks (devices, on one "
          "node) of each prefill worker [1]."),
     Flag("decode_tp", "workers.decode_tp", int, "Tensor-parallel ranks of each decode worker "
@@ -287,6 +290,7 @@ FLAT_KEYS: dict[str, str] = {
     "prefill": "workers.num_prefill",
     "decode": "workers.num_decode",
     "colocated": "workers.colocated",
+    "split": "workers.num_split",
     "prefill_tp": "workers.prefill_tp",
     "decode_tp": "workers.decode_tp",
     "engine": "workers.engine",
@@ -417,7 +421,22 @@ def config_input(raw: dict[str, Any], flags: Mapping[str, Any]) -> ConfigInput:
                 value = _merged_pairs(f, data, value)
             _put(data, f.path, value, f.option, replace=True)
             set_by_flag[f.path] = f.option
+    if flags.get("split"):  # split workers alone, unless prefill or decode workers are asked for
+        for path in ("workers.num_prefill", "workers.num_decode"):
+            if path not in set_by_flag and _get(data, path) is None:
+                _put(data, path, 0, "--split", replace=True)
+                set_by_flag[path] = "--split"
     return ConfigInput(data, set_by_flag, file_keys)
+
+
+def _get(data: dict[str, Any], path: str) -> Any:
+    """The value at a dotted path of the tree's plain data (None: not there)."""
+    value: Any = data
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
 
 
 def effective_config(given: ConfigInput) -> PdserveConfig:
@@ -438,7 +457,9 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
     if config.router.http_port is not None:  # None (null): no HTTP API
         check_port(config.router.http_port, given.where("router.http_port"), routers)
     check_count(config.workers.num_prefill, given.where("workers.num_prefill"))
-    check_count(config.workers.num_decode, given.where("workers.num_decode"), 1)
+    check_count(config.workers.num_split, given.where("workers.num_split"))
+    decode_at_least = 0 if config.workers.num_split else 1
+    check_count(config.workers.num_decode, given.where("workers.num_decode"), decode_at_least)
     check_count(config.workers.prefill_tp, given.where("workers.prefill_tp"), 1)
     check_count(config.workers.decode_tp, given.where("workers.decode_tp"), 1)
     for f in FLAGS:

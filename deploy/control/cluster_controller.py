@@ -90,8 +90,8 @@ class Controller:
         self.planner: PlannerLoop | None = None
         self._planner_task: asyncio.Task[None] | None = None
         self._prefix_index: PrefixIndex | None = None
-        decode_role = WorkerRole.COLOCATED if spec.colocated else WorkerRole.DECODE
-        self._roles = (WorkerRole.PREFILL.value, decode_role.value)
+        roles = (WorkerRole.PREFILL, spec.decode_role, WorkerRole.SPLIT)
+        self._roles = tuple(dict.fromkeys(r.value for r in roles))
         """The roles of this controller's workers (ids are `<role>-<n>`)."""
         self.metrics = ControllerMetrics(lambda: list(self.workers.values()), self._roles)
         if ray.is_initialized():  # an actor (not a unit test's bare instance)
@@ -116,7 +116,7 @@ class Controller:
             settings = self.spec.planner
             resources = ResourceRequester() if settings.request_resources else None
             self.planner = PlannerLoop(
-                settings, self, self.spec.colocated, resources, metrics=self.metrics.planner
+                settings, self, self.spec.decode_role, resources, metrics=self.metrics.planner
             )
             self._planner_task = asyncio.create_task(self.planner.run())
             c = self.planner.settings.config

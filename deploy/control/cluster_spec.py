@@ -36,7 +36,11 @@ class ClusterSpec:
     num_prefill: int = 1
     """Prefill workers started with the cluster (0: decode workers prefill everything)."""
     num_decode: int = 1
-    """Decode workers started with the cluster (at least 1)."""
+    """Decode workers started with the cluster (with num_split, at least 1 in all)."""
+    num_split: int = 0
+    """Split workers started with the cluster: prefill and decode in one worker on one
+    device, in two loops over one KV pool, each in a partition of the SMs of its own
+    (engine mode split). They serve as decode workers that prefill their own prompts."""
     colocated: bool = False
     """Baseline mode: decode workers get the COLOCATED role and no prefill workers run."""
     prefill_tp: int = 1
@@ -75,11 +79,23 @@ class ClusterSpec:
     """The planner loop (off by default)."""
 
     def __post_init__(self) -> None:
+        if self.num_split and self.decode_tp != 1:
+            raise ValueError("decode_tp: split workers run on one device (decode_tp 1)")
         if self.engine.tensor_parallel_size != 1:
             raise ValueError(
                 "engine.tensor_parallel_size: set prefill_tp / decode_tp (--prefill-tp, "
                 "--decode-tp) for a cluster's workers"
             )
+
+    @property
+    def decode_role(self) -> WorkerRole:
+        """The role the decode side's new workers get: colocated in the baseline mode, split
+        in a cluster of split workers only, else decode."""
+        if self.colocated:
+            return WorkerRole.COLOCATED
+        if self.num_split and not self.num_decode and not self.num_prefill:
+            return WorkerRole.SPLIT
+        return WorkerRole.DECODE
 
     def tp_for(self, role: WorkerRole) -> int:
         """Tensor-parallel ranks of a worker of `role`."""
@@ -99,7 +115,8 @@ class ClusterSpec:
 
     def engine_for(self, role: WorkerRole) -> EngineConfig:
         """The engine of a worker of `role`: its mode, TP size and the cluster's KV layout."""
-        mode = EngineMode.PREFILL_ONLY if role is WorkerRole.PREFILL else EngineMode.COLOCATED
+        modes = {WorkerRole.PREFILL: EngineMode.PREFILL_ONLY, WorkerRole.SPLIT: EngineMode.SPLIT}
+        mode = modes.get(role, EngineMode.COLOCATED)
         return replace(
             self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
             kv_layout=self.kv_layout,
@@ -135,7 +152,7 @@ class ClusterSpec:
         """The role of each worker `Controller.start` starts."""
         roles = [WorkerRole.PREFILL] * (0 if self.colocated else self.num_prefill)
         decode_role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
-        return roles + [decode_role] * self.num_decode
+        return roles + [decode_role] * self.num_decode + [WorkerRole.SPLIT] * self.num_split
 
     def placement_for(self, role: WorkerRole) -> ActorPlacement:
         """Ray resources of a worker of `role` (call with Ray initialized: the default looks

@@ -151,8 +151,7 @@ async def rebalance(
     roles start new workers; a worker is never stopped with requests in flight.
     """
     async with ctl._lock:
-        decode_role = WorkerRole.COLOCATED if ctl.spec.colocated else WorkerRole.DECODE
-        targets = {WorkerRole.PREFILL: prefill, decode_role: decode}
+        targets = {WorkerRole.PREFILL: prefill, ctl.spec.decode_role: decode}
         to_stop = {role: youngest_ready(ctl, role, n) for role, n in targets.items()}
         if ctl.spec.fixed_capacity:
             refuse_unplaceable(ctl, targets, to_stop)
@@ -184,6 +183,6 @@ async def rebalance(
             ctl.planner.actuator.sync_resources()
         infos = await asyncio.gather(*(ctl._await_ready(w) for w in new))
         started += [i.worker_id for i in infos]
-        msg = f"now {prefill} prefill + {decode} {decode_role.value}"
+        msg = f"now {prefill} prefill + {decode} {ctl.spec.decode_role.value}"
         ctl._log(f"rebalance: {msg} (started {started}, stopped {stopped})")
         return started, stopped, msg

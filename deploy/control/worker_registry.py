@@ -40,5 +40,4 @@ WANTED_STATES = (WorkerState.STARTING, WorkerState.READY)
 
 
 def same_role(a: WorkerRole, b: WorkerRole) -> bool:
-    decode_capable = (WorkerRole.DECODE, WorkerRole.COLOCATED)
-    return a is b or (a in decode_capable and b in decode_capable)
+    return a is b or (a.decodes and b.decodes)

@@ -271,7 +271,7 @@ def test_slow_ttft_starts_a_prefill_worker_and_asks_for_its_node() -> None:
     loop = PlannerLoop(
         PlannerSettings(enabled=True, sample_window_s=20.0, config=FAST),
         host,
-        colocated=False,
+        decode_role=WorkerRole.DECODE,
         resources=ResourceRequester(lambda bundles: asked.append(bundles)),
         clock=lambda: NOW,
     )
@@ -300,7 +300,7 @@ def test_idle_extra_worker_is_drained_then_stopped_and_the_request_shrinks() -> 
     loop = PlannerLoop(
         PlannerSettings(enabled=True, config=FAST),
         host,
-        colocated=False,
+        decode_role=WorkerRole.DECODE,
         resources=ResourceRequester(lambda bundles: asked.append(bundles)),
         clock=lambda: NOW,
     )
@@ -328,7 +328,9 @@ def test_busy_draining_worker_is_not_stopped() -> None:
         ],
         [],
     )
-    loop = PlannerLoop(PlannerSettings(enabled=True, config=FAST), host, False, clock=lambda: NOW)
+    loop = PlannerLoop(
+        PlannerSettings(enabled=True, config=FAST), host, WorkerRole.DECODE, clock=lambda: NOW
+    )
     decision = run(loop.tick_once())
     assert decision is not None and decision.prefill.stop == ()
     assert not [c for c in host.calls if c[0] == "stop"]
@@ -337,14 +339,18 @@ def test_busy_draining_worker_is_not_stopped() -> None:
 def test_tick_is_skipped_while_a_rebalance_runs() -> None:
     host = FakeHost([], [])
     host.rebalancing = True
-    loop = PlannerLoop(PlannerSettings(enabled=True, config=FAST), host, False, clock=lambda: NOW)
+    loop = PlannerLoop(
+        PlannerSettings(enabled=True, config=FAST), host, WorkerRole.DECODE, clock=lambda: NOW
+    )
     assert run(loop.tick_once()) is None
     assert host.calls == [] and not loop.records
 
 
 def test_colocated_cluster_never_gets_a_prefill_worker() -> None:
     host = FakeHost([snap("colocated-0", WorkerRole.COLOCATED)], [])
-    loop = PlannerLoop(PlannerSettings(enabled=True, config=FAST), host, True, clock=lambda: NOW)
+    loop = PlannerLoop(
+        PlannerSettings(enabled=True, config=FAST), host, WorkerRole.COLOCATED, clock=lambda: NOW
+    )
     decision = run(loop.tick_once())
     assert decision is not None and decision.prefill.add == 0 and host.calls == []
 
@@ -352,7 +358,9 @@ def test_colocated_cluster_never_gets_a_prefill_worker() -> None:
 def test_prefill_rate_comes_from_prompt_token_counters() -> None:
     t = [NOW]
     host = FakeHost([snap("prefill-0", WorkerRole.PREFILL, prompt_tokens=1000)], [])
-    loop = PlannerLoop(PlannerSettings(enabled=True, config=FAST), host, False, clock=lambda: t[0])
+    loop = PlannerLoop(
+        PlannerSettings(enabled=True, config=FAST), host, WorkerRole.DECODE, clock=lambda: t[0]
+    )
     run(loop.tick_once())
     host.workers = [snap("prefill-0", WorkerRole.PREFILL, prompt_tokens=3000)]
     t[0] = NOW + 4
@@ -366,7 +374,7 @@ def test_every_tick_goes_to_the_replayable_trace(tmp_path: Path) -> None:
         [signals(ttft=[("prefill-0", 50.0)] * 3)],
     )
     settings = PlannerSettings(enabled=True, trace_path=str(trace), config=FAST)
-    loop = PlannerLoop(settings, host, False, clock=lambda: NOW)
+    loop = PlannerLoop(settings, host, WorkerRole.DECODE, clock=lambda: NOW)
     run(loop.tick_once())
     run(loop.tick_once())
     loop.close()
