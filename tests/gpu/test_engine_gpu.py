@@ -72,8 +72,20 @@ def want(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
         {"block_size": 4, "num_kv_blocks": 16},
         {"cuda_graphs": False},
         {"block_size": 4, "max_num_batched_tokens": 7, "overlap_scheduling": False},
+        {"mode": EngineMode.SPLIT},
+        {"mode": EngineMode.SPLIT, "block_size": 4, "max_num_batched_tokens": 7},
+        {"mode": EngineMode.SPLIT, "block_size": 4, "num_kv_blocks": 24},
     ],
-    ids=["colocated", "chunked", "preempting", "eager", "chunked-no-overlap"],
+    ids=[
+        "colocated",
+        "chunked",
+        "preempting",
+        "eager",
+        "chunked-no-overlap",
+        "split",
+        "split-chunked",
+        "split-tight-pool",
+    ],
 )
 def test_greedy_matches_transformers_on_gpu(
     engine: LLMEngine,
@@ -85,8 +97,15 @@ def test_greedy_matches_transformers_on_gpu(
     e = LLMEngine(replace(base, **overrides), model=engine.model, tokenizer=engine.tokenizer)
     assert e.generate(prompts, GREEDY) == want
     assert e.block_pool.num_free == e.block_pool.num_blocks
+    split = e.load().split
+    if overrides.get("mode") is EngineMode.SPLIT:  # partitions where the driver has them
+        assert split is not None and split.handoffs == len(prompts)
+        assert split.partitioned or split.reason, split
+        if split.partitioned:
+            assert 0 < split.decode_sms < split.total_sms
+            assert split.decode_sms + split.prefill_sms <= split.total_sms + 8  # SM groups
     if "num_kv_blocks" in overrides:
-        assert e.load().num_preemptions > 0
+        assert e.load().num_preemptions > 0 or overrides.get("mode") is EngineMode.SPLIT
 
 
 def test_handoff_on_gpu_matches_transformers(

@@ -1,0 +1,246 @@
+"""A split engine (prefill and decode loops on one GPU, each in its own SM partition) against a
+colocated engine with chunked prefill, at the engine level: goodput under Poisson arrivals,
+and the TPOT of running streams while a burst of long prompts arrives.
+
+    python -m benchmarks split_goodput --model DIR --load-format dummy \\
+        --workload prefill_heavy --rates 1,2,3,4,6 --modes colocated:2048,split:66
+    python -m benchmarks split_goodput --cpu      # the tiny model, a smoke of every path
+
+Each mode is one engine in this process (no router, no Ray: what the worker's engine thread
+runs), fed by a driver that adds each request at its Poisson arrival time and steps the
+engine; a request's TTFT runs from its planned arrival to its first token, its TPOT is the
+mean gap after that. Prompts are random token ids (no prefix-cache hits), greedy, eos ignored
+so output lengths are pinned. Goodput is the highest swept rate at which >= 90 % of requests
+meet both SLOs (loadtests/goodput.py); it is printed for each TPOT SLO given.
+A mode is `colocated:CHUNK` (max_num_batched_tokens CHUNK) or `split:DECODE_SMS`
+(split_decode_sms; 0: half the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness.table import Table
+from engine.config import EngineConfig, EngineMode
+from engine.core.engine import LLMEngine
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
+from loadtests.goodput import SLO, max_rate_meeting, summarize
+from loadtests.records import RequestRecord
+from vocabulary.numeric import percentile
+from vocabulary.sampling import SamplingParams
+from vocabulary.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ms: float
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("prefill_heavy", 3000, 150, 2000.0),
+        Workload("balanced", 1000, 300, 1000.0),
+        Workload("decode_heavy", 200, 1000, 1000.0),
+        Workload("cpu_smoke", 40, 8, 60_000.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    """`colocated:CHUNK` or `split:DECODE_SMS`."""
+
+    def engine_config(self, base: EngineConfig) -> EngineConfig:
+        kind, _, value = self.name.partition(":")
+        if kind == "colocated":
+            return replace(base, mode=EngineMode.COLOCATED, max_num_batched_tokens=int(value))
+        if kind == "split":
+            return replace(base, mode=EngineMode.SPLIT, split_decode_sms=int(value or 0))
+        raise ValueError(f"mode: colocated:CHUNK or split:DECODE_SMS, got {self.name!r}")
+
+
+def arrivals(rate: float, count: int, seed: int) -> list[float]:
+    """Poisson arrival times (s) of `count` requests at `rate` per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def drive(
+    engine: LLMEngine, plan: list[tuple[float, list[int], int]], rate: float | None
+) -> list[RequestRecord]:
+    """Add each planned (arrival s, prompt, max tokens) at its time, step until all finish;
+    one record per request."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, _, m in plan]
+    times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    i = 0
+    while i < len(plan) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while i < len(plan) and plan[i][0] <= now:
+            engine.add_request(f"r{i}", plan[i][1], params[i])
+            times[f"r{i}"] = []
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(min(0.001, max(0.0, plan[i][0] - now)) if i < len(plan) else 0.0)
+            continue
+        for out in engine.step():
+            at = time.perf_counter() - start
+            times[out.request_id] += [at] * len(out.new_token_ids)
+    records = []
+    for k, (at, prompt, max_tokens) in enumerate(plan):
+        t = times[f"r{k}"]
+        records.append(
+            RequestRecord(
+                request_id=f"r{k}", index=k, sent_s=at, scheduled_s=at,
+                prompt_tokens=len(prompt), max_tokens=max_tokens, output_tokens=len(t),
+                e2e_ms=(t[-1] - at) * 1e3, ttft_ms=(t[0] - at) * 1e3,
+                tpot_ms=(t[-1] - t[0]) / (len(t) - 1) * 1e3 if len(t) > 1 else None,
+                offered_rate=rate,
+            )
+        )  # fmt: skip
+    return records
+
+
+def sweep(
+    engine: LLMEngine, w: Workload, rates: list[float], count: int, seed: int, vocab: int
+) -> dict[float, list[RequestRecord]]:
+    out = {}
+    for rate in rates:
+        rng = random.Random(seed)
+        plan = [
+            (at, random_prompt(rng, vocab, w.prompt_tokens), w.output_tokens)
+            for at in arrivals(rate, count, seed)
+        ]
+        out[rate] = drive(engine, plan, rate)
+        engine.reset_prefix_cache()
+    return out
+
+
+def burst(
+    engine: LLMEngine, w: Workload, streams: int, burst_prompts: int, seed: int, vocab: int
+) -> dict[str, float]:
+    """TPOT p50/p99 of `streams` running streams (decode-heavy, all started at once), alone
+    and while `burst_prompts` prompts of w.prompt_tokens arrive together mid-way."""
+    rng = random.Random(seed)
+    steady = [(0.0, random_prompt(rng, vocab, 200), 400) for _ in range(streams)]
+    big = [(0.5, random_prompt(rng, vocab, w.prompt_tokens), 4) for _ in range(burst_prompts)]
+    result = {}
+    for label, plan in (("alone", steady), ("burst", steady + big)):
+        records = drive(engine, sorted(plan, key=lambda p: p[0]), None)
+        tpots = [r.tpot_ms for r in records if r.max_tokens == 400 and r.tpot_ms is not None]
+        result[f"tpot_p50_{label}"] = percentile(tpots, 50)
+        result[f"tpot_p99_{label}"] = percentile(tpots, 99)
+        engine.reset_prefix_cache()
+    result["p99_ratio"] = result["tpot_p99_burst"] / result["tpot_p99_alone"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument(
+        "--model", help="checkpoint folder (config.json alone with --load-format dummy)"
+    )
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    ap.add_argument("--workload", default="prefill_heavy", choices=sorted(WORKLOADS))
+    ap.add_argument("--modes", default="colocated:2048,split:0")
+    ap.add_argument("--rates", default="1,2,3,4")
+    ap.add_argument("--requests", type=int, default=40, help="requests per rate")
+    ap.add_argument("--tpot-slo", default="20,40", help="TPOT SLOs (ms), comma-separated")
+    ap.add_argument("--burst", type=int, default=8, help="long prompts in the burst (0: none)")
+    ap.add_argument("--burst-streams", type=int, default=32)
+    ap.add_argument("--kv-blocks", type=int, default=0, help="0: sized from memory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke)")
+    ap.add_argument("--json", help="write every record and summary here")
+    args = ap.parse_args(argv)
+    if args.cpu:
+        from deploy.checkpoints.make_model import cached_tiny_model
+
+        args.model, args.workload = str(cached_tiny_model()), "cpu_smoke"
+        args.rates, args.requests, args.burst_streams, args.burst = "4,8", 6, 4, 2
+        args.modes = args.modes.replace("2048", "32")
+    elif not torch.cuda.is_available():
+        print("split_goodput needs a CUDA GPU (or --cpu)", file=sys.stderr)
+        return 2
+    if not args.model:
+        ap.error("--model is required without --cpu")
+    device = "cpu" if args.cpu else "cuda"
+    base = EngineConfig(
+        model_dir=args.model, device=device, dtype="float32" if args.cpu else "bfloat16",
+        load_format=args.load_format, num_kv_blocks=args.kv_blocks, enable_prefix_caching=True,
+        cuda_graph_max_batch=64, host_kv_gb=0, seed=args.seed,
+        attention_backend="torch" if args.cpu else "auto", cuda_graphs=not args.cpu,
+    )  # fmt: skip
+    w = WORKLOADS[args.workload]
+    rates = [float(r) for r in args.rates.split(",")]
+    slos = [SLO(ttft_ms=w.ttft_ms, tpot_ms=float(t)) for t in args.tpot_slo.split(",")]
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    model: LlamaModel = load_model(args.model, dtype, device, load_format=args.load_format)
+    tokenizer = Tokenizer.from_model_dir(args.model)
+    report: dict[str, Any] = {"workload": asdict(w), "rates": rates, "modes": {}}
+    header = [
+        "mode", *[f"goodput @ tpot {s.tpot_ms:g} ms" for s in slos],
+        "TPOT p99 alone/burst ms", "ratio", "split (SMs)", "hand-off µs mean/max",
+    ]  # fmt: skip
+    rows: list[list[str]] = []
+    for mode in [Mode(m) for m in args.modes.split(",")]:
+        engine = LLMEngine(mode.engine_config(base), model=model, tokenizer=tokenizer)
+        vocab = engine.model_config.vocab_size
+        runs = sweep(engine, w, rates, args.requests, args.seed, vocab)
+        goodputs = [
+            max_rate_meeting([summarize(recs, slo, offered_rate=r) for r, recs in runs.items()])
+            for slo in slos
+        ]
+        bursts = (
+            burst(engine, w, args.burst_streams, args.burst, args.seed, vocab) if args.burst else {}
+        )
+        split = engine.load().split
+        report["modes"][mode.name] = {
+            "goodput": {s.describe(): g for s, g in zip(slos, goodputs, strict=True)},
+            "burst": bursts,
+            "split": asdict(split) if split is not None else None,
+            "records": {str(r): [asdict(x) for x in recs] for r, recs in runs.items()},
+        }
+        rows.append([
+            mode.name, *[f"{g:g} req/s" if g is not None else "< lowest" for g in goodputs],
+            f"{bursts.get('tpot_p99_alone', 0):.1f} / {bursts.get('tpot_p99_burst', 0):.1f}",
+            f"{bursts.get('p99_ratio', 0):.2f}",
+            f"{split.decode_sms}/{split.prefill_sms}" if split and split.partitioned else "-",
+            f"{split.handoff_us_mean:.0f}/{split.handoff_us_max:.0f}" if split else "-",
+        ])  # fmt: skip
+        engine.close()
+        del engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    print(Table.of(header, rows).render())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
