@@ -150,7 +150,9 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                 return
             import ray
 
-            peer = ray.get_actor(actor_name_for(handle.worker_id))
+            peer = ray.get_actor(
+                actor_name_for(handle.worker_id), namespace=self.runtime.config.namespace
+            )
             info = await peer.handshake_info.remote()
             await asyncio.to_thread(endpoint.add_peer, info)
 

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 class PrefixIndexConfig:
     """The Redis prefix-cache index and the KV-event publisher."""
 
+    key_prefix: str = "pdserve"
+    """First part of every key (`{key_prefix}:{model}:...`): the cluster's name, so clusters
+    sharing a Redis keep apart."""
     socket_timeout_s: float = 0.05
     """Redis socket read/write timeout: a lookup never waits longer than about this."""
     connect_timeout_s: float = 0.05

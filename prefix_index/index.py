@@ -1,6 +1,7 @@
 """The Redis prefix-cache index: which live worker holds the longest prefix of a prompt.
 
-Keys (all under `pdserve:{model}:`, so models never share entries):
+Keys (all under `{cluster}:{model}:`, the cluster's name being `PrefixIndexConfig.key_prefix`,
+"pdserve" by default: neither models nor clusters sharing a Redis share entries):
 
     blk:{hash hex}   set of worker ids that hold the block with this chained hash (any tier)
     hblk:{hash hex}  of those, the workers that hold it in their host tier only
@@ -122,10 +123,12 @@ class IndexKeys:
     """Key names of one model's index (see module docstring)."""
 
     model_id: str
+    prefix: str = "pdserve"
+    """The cluster's name (`PrefixIndexConfig.key_prefix`)."""
 
     @property
     def root(self) -> str:
-        return f"pdserve:{self.model_id}:"
+        return f"{self.prefix}:{self.model_id}:"
 
     @property
     def block_prefix(self) -> str:
@@ -190,7 +193,7 @@ class PrefixIndex:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or PrefixIndexConfig()
-        self.keys = IndexKeys(model_id)
+        self.keys = IndexKeys(model_id, self.config.key_prefix)
         self._clock = clock
         self._redis = connect(
             redis_url, self.config.socket_timeout_s, self.config.connect_timeout_s

@@ -135,7 +135,7 @@ class KVEventPublisher:
     ) -> None:
         self.config = config or PrefixIndexConfig()
         self.worker_id = worker_id
-        self.keys = IndexKeys(model_id)
+        self.keys = IndexKeys(model_id, self.config.key_prefix)
         self._snapshot = snapshot
         self._redis = connect(redis_url, socket_timeout_s, socket_timeout_s)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)

@@ -22,7 +22,7 @@ import yaml
 RULES = Path(__file__).resolve().parents[1] / "deploy/observability/prometheus/pdserve.rules.yml"
 
 
-def controller_metrics_url(ray_address: str, external: bool) -> str:
+def controller_metrics_url(ray_address: str, external: bool, cluster_name: str) -> str:
     """The controller's metrics URL ("" when it cannot be asked; the reason goes to stderr)."""
     if not external:
         from deploy.control.local_ray import loopback_env
@@ -31,14 +31,13 @@ def controller_metrics_url(ray_address: str, external: bool) -> str:
     import ray
 
     from deploy.control.cluster_controller import CONTROLLER_NAME
-    from deploy.control.launch import NAMESPACE
 
     try:
         ray.init(
-            address=ray_address, namespace=NAMESPACE, log_to_driver=False,
+            address=ray_address, namespace=cluster_name, log_to_driver=False,
             logging_level=logging.WARNING,
         )  # fmt: skip
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=cluster_name)
         return str(ray.get(controller.metrics_url.remote(), timeout=30))
     except Exception as e:
         print(f"observe: controller metrics unknown ({type(e).__name__}: {e})", file=sys.stderr)
@@ -74,7 +73,7 @@ def main() -> int:
     if not jobs["pdserve-router"]:
         print("observe: the routers serve no metrics (metrics_port: null)", file=sys.stderr)
     if state.ray_address:
-        url = controller_metrics_url(state.ray_address, state.ray_external)
+        url = controller_metrics_url(state.ray_address, state.ray_external, state.cluster_name)
         if url:
             jobs["pdserve-controller"] = [url]
     config = {

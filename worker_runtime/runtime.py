@@ -72,6 +72,9 @@ class WorkerConfig:
     redis_url: str | None = None
     """Prefix-index Redis; None disables KV-event publishing (routing then ignores this
     worker's cache)."""
+    namespace: str | None = None
+    """The Ray namespace the worker and its peers are named in (its cluster's name); None:
+    its creator's (workers started on their own, as tests and benchmarks do)."""
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     torch_threads: int = 1
     """CPU: intra-op threads for this worker's torch (several workers share the cores)."""

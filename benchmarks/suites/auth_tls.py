@@ -94,9 +94,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         import ray
 
         from deploy.control.cluster_controller import CONTROLLER_NAME
-        from deploy.control.launch import NAMESPACE
         from router.router_server import RouterActor
 
+        namespace = config.cluster.name
         ep = cluster.endpoint
         assert ep is not None
         model_dir = str(config.model)
@@ -111,9 +111,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, router_config in variants.items():
             actor: Any = (
                 ray.remote(RouterActor)
-                .options(num_cpus=0, namespace=NAMESPACE)
+                .options(num_cpus=0, namespace=namespace)
                 .remote(
-                    replace(router_config, grpc_port=0, admin_port=0), CONTROLLER_NAME, NAMESPACE
+                    replace(router_config, grpc_port=0, admin_port=0), CONTROLLER_NAME, namespace
                 )
             )
             actors.append(actor)

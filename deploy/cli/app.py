@@ -243,6 +243,7 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
         log=str(log_file or ""),
         ray_address=endpoint.ray_address,
         ray_external=config.cluster.address is not None,
+        cluster_name=config.cluster.name,
         control_log=str(control_log),
         admin_targets=list(endpoint.admin),
         admin_key=cluster.access.admin_key,
@@ -305,6 +306,9 @@ def down(
             "(the detached controller, its workers, routers)."
         ),
     ] = None,
+    cluster_name: Annotated[
+        str, typer.Option(help="With --address: the name of the cluster to remove.")
+    ] = "pdserve",
 ) -> None:
     """Stop the cluster that `pdserve up` started."""
     from deploy.cli import daemon
@@ -319,7 +323,7 @@ def down(
     if address:
         from deploy.control.launch import remove_leftovers
 
-        killed = remove_leftovers(address)
+        killed = remove_leftovers(address, cluster_name)
         console.print(f"removed from {address}: {', '.join(killed) or 'nothing left'}")
 
 

@@ -32,6 +32,7 @@ class ClusterChaos:
         assert cluster.endpoint is not None, "start the cluster first"
         self.cluster = cluster
         self.endpoint = cluster.endpoint
+        self.key_prefix = cluster.config.cluster.name
         # Admin (Status) is on each router's admin plane, not its data port
         self._channels = [grpc.insecure_channel(t) for t in self.endpoint.admin]
 
@@ -102,7 +103,7 @@ class ClusterChaos:
         try:
             indexed = {
                 key.decode().rsplit("seq:", 1)[1]
-                for key in client.scan_iter(match="pdserve:*seq:*")
+                for key in client.scan_iter(match=f"{self.key_prefix}:*seq:*")
             }
         finally:
             client.close()

@@ -46,6 +46,8 @@ class ClusterState:
     ray_address: str = ""
     ray_external: bool = False
     """The Ray cluster was there before `up` (`--address`) and outlives it."""
+    cluster_name: str = "pdserve"
+    """`cluster.name`: the Ray namespace of the cluster's actors."""
     control_log: str = ""
     """File the controller's events are appended to (`pdserve status` shows its tail)."""
     admin_targets: list[str] = field(default_factory=list)
@@ -225,6 +227,6 @@ def stop_cluster(timeout_s: float = 120.0) -> ClusterState | None:
             # The detached controller (and its workers) outlive the killed driver there.
             from deploy.control.launch import remove_leftovers
 
-            remove_leftovers(state.ray_address)
+            remove_leftovers(state.ray_address, state.cluster_name)
     clear_state(state.pid)
     return state

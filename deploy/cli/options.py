@@ -240,6 +240,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("redis_url", "cluster.redis_url", str, "Redis URL (default: start an embedded one)."),
     Flag("address", "cluster.address", str, "Ray address of a cluster (default: a local Ray)."),
     Flag("routers", "cluster.routers", int, "Router replicas [1]."),
+    Flag("cluster_name", "cluster.name", str, "The cluster's name: its Ray namespace and its "
+         "Redis keys' prefix; clusters of different names share a Ray cluster and a Redis "
+         "[pdserve]."),
     Flag("host", "router.host", str, "Address routers bind [127.0.0.1]."),
     Flag("planner", "workers.planner.enabled", bool, "Run the planner (scales roles, asks Ray's "
          "autoscaler for nodes); off unless given.", "--planner/--no-planner"),

@@ -67,8 +67,8 @@ from worker_runtime.runtime import WorkerConfig
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "pdserve-controller"
-ROUTER_NAMESPACE = "pdserve"
-"""Where deploy.control.launch names its routers (its NAMESPACE)."""
+ROUTER_PREFIX = "pdserve-router-"
+"""Router replica i is the actor `pdserve-router-{i}` of the cluster's namespace."""
 ADOPT_TIMEOUT_S = 10.0
 """How long a restarted controller waits for each worker it finds to say who it is."""
 
@@ -134,15 +134,14 @@ class Controller:
         starting) is killed and replaced. Only ids as this controller gives them out
         (`<role>-<n>`, its roles) are its own: a worker actor some other code started in the
         namespace is left alone (adopted, the cluster's stop would kill it)."""
-        # Workers are named in the job's namespace (the controller's creator's), routers in
-        # the cluster's (deploy.control.launch.NAMESPACE, which names this actor too).
-        namespace = ray.get_runtime_context().namespace
+        # Workers and routers are named in the cluster's namespace (its name), as is this actor.
+        namespace = self.spec.cluster_name
         named = [(a["name"], a.get("namespace")) for a in ray.util.list_named_actors(True)]
         highest = -1
         lost: list[WorkerRole] = []
         foreign: list[str] = []
         for name, ns in sorted(named):
-            if name.startswith("pdserve-router-") and ns in (namespace, ROUTER_NAMESPACE):
+            if name.startswith(ROUTER_PREFIX) and ns == namespace:
                 self.routers.append(ray.get_actor(name, namespace=ns))
                 continue
             if not name.startswith(ACTOR_NAME_PREFIX) or ns != namespace:
@@ -159,7 +158,7 @@ class Controller:
                 load = ray.get(handle.load.remote(), timeout=ADOPT_TIMEOUT_S)
             except Exception as e:
                 self._log(f"controller restart: worker {worker_id} did not answer ({e}); killed")
-                stop_worker(worker_id, handle)
+                stop_worker(worker_id, handle, self.spec.cluster_name)
                 with contextlib.suppress(ValueError):
                     lost.append(WorkerRole(role_name))
                 continue
@@ -251,6 +250,7 @@ class Controller:
             role=role,
             engine=self.spec.engine_for(role),
             redis_url=self.spec.redis_url,
+            namespace=self.spec.cluster_name,
             index=self.spec.index,
             torch_threads=self.spec.torch_threads,
             stall_timeout_s=self.spec.stall_timeout_s,
@@ -276,7 +276,7 @@ class Controller:
             info: WorkerInfo = await wait_within(handle.start.remote(), self.spec.start_timeout_s)
         except BaseException as e:
             self.workers.pop(worker_id, None)
-            stop_worker(worker_id, handle)
+            stop_worker(worker_id, handle, self.spec.cluster_name)
             self.metrics.removed.labels(role.value, "start_failed").inc()
             self._log(f"worker {worker_id} failed to start: {e}")
             raise
@@ -373,7 +373,7 @@ class Controller:
             reason = "unhealthy" if why.startswith("unhealthy") else "dead"
             self.metrics.removed.labels(w.role.value, reason).inc()
             self._log(f"worker {w.worker_id} is {why}; removed from placement")
-            stop_worker(w.worker_id, w.handle)
+            stop_worker(w.worker_id, w.handle, self.spec.cluster_name)
             self._spawn(self._purge_index(w.worker_id))
             if self.spec.replace_dead and w.state is WorkerState.READY:
                 self._spawn(self._replace(w.role))
@@ -517,7 +517,7 @@ class Controller:
             self.metrics.removed.labels(w.role.value, "stopped").inc()
         with contextlib.suppress(Exception):
             await wait_within(w.handle.shutdown.remote(), 30)
-        stop_worker(w.worker_id, w.handle)
+        stop_worker(w.worker_id, w.handle, self.spec.cluster_name)
         w.state = WorkerState.STOPPED
         self._log(f"worker {w.worker_id} stopped")
         await self._purge_index(w.worker_id)

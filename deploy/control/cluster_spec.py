@@ -63,6 +63,8 @@ class ClusterSpec:
     stall_timeout_s: float = 60.0
     """A worker whose engine or transfer loop has work and makes no progress this long is
     unhealthy: removed from placement and replaced (WorkerConfig.stall_timeout_s)."""
+    cluster_name: str = "pdserve"
+    """The cluster's name (`cluster.name`): the Ray namespace its workers are named in."""
     fixed_capacity: bool = False
     """The Ray has the resources it started with (a local Ray that pdserve started): a
     rebalance that could never place its new workers is refused before anything drains."""

@@ -27,6 +27,7 @@ import yaml
 
 from deploy.control.cluster_spec import ClusterSpec
 from deploy.control.config_codec import from_data, to_data
+from prefix_index.config import PrefixIndexConfig
 from router.auth import ApiKey
 from router.metrics import SloTargets
 from router.router_server import RouterConfig
@@ -36,12 +37,17 @@ DEFAULT_METRICS_PORT = 9464
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_ADMIN_PORT = 50151
 BLOCK_HASHES = ("auto", *ALGORITHMS)
+DEFAULT_CLUSTER_NAME = "pdserve"
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     """What `Cluster.start` sets up around the controller: Ray, Redis and the routers."""
 
+    name: str = DEFAULT_CLUSTER_NAME
+    """The cluster's name: the Ray namespace its controller, routers and workers are named in,
+    and the prefix of its prefix-index keys in Redis. Clusters of different names share one
+    Ray cluster (and one Redis) without touching each other."""
     address: str | None = None
     """Ray address of an existing cluster; None starts a local Ray."""
     redis_url: str | None = None
@@ -97,7 +103,14 @@ class PdserveConfig:
             engine=replace(self.workers.engine, model_dir=model_dir),
             redis_url=redis_url,
             fixed_capacity=fixed_capacity,
+            cluster_name=self.cluster.name,
+            index=self.index,
         )
+
+    @property
+    def index(self) -> PrefixIndexConfig:
+        """`workers.index` under this cluster's key prefix (its name)."""
+        return replace(self.workers.index, key_prefix=self.cluster.name)
 
     def replica_config(
         self,
@@ -119,7 +132,7 @@ class PdserveConfig:
             model_id=self.workers.engine.model_id or Path(model_dir).name,
             slo=SloTargets(planner.ttft_slo_ms, planner.tpot_slo_ms),
             redis_url=redis_url,
-            index=self.workers.index,
+            index=self.index,
             api_keys=api_keys,
             block_hash=block_hash,
             grpc_port=grpc + replica if grpc else 0,
@@ -135,6 +148,8 @@ FILLED_IN: frozenset[str] = frozenset(
         "workers.engine.mode",  # per role, by the controller
         "workers.redis_url",  # `cluster.redis_url`, or the embedded Redis started
         "workers.fixed_capacity",  # a local Ray that pdserve started
+        "workers.cluster_name",  # `cluster.name`
+        "workers.index.key_prefix",  # `cluster.name`
         "router.model_dir",  # `model`
         "router.model_id",  # `workers.engine.model_id`, or the folder's name
         "router.redis_url",  # as workers.redis_url

@@ -19,9 +19,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.control.cluster_controller import CONTROLLER_NAME, Controller, controller_options
+from deploy.control.cluster_controller import (
+    CONTROLLER_NAME,
+    ROUTER_PREFIX,
+    Controller,
+    controller_options,
+)
 from deploy.control.cluster_spec import ClusterSpec
-from deploy.control.config_tree import PdserveConfig
+from deploy.control.config_tree import DEFAULT_CLUSTER_NAME, PdserveConfig
 from deploy.control.embedded_redis import EmbeddedRedis
 from deploy.control.local_ray import loopback_env
 from deploy.control.security import (
@@ -37,8 +42,6 @@ from vocabulary.block_hash import BLOCK_HASH_ENV
 from vocabulary.tracing import tracing_env
 
 log = logging.getLogger(__name__)
-
-NAMESPACE = "pdserve"
 
 
 class ClusterError(RuntimeError):
@@ -106,7 +109,7 @@ class Cluster:
             if not ray.is_initialized():
                 ray.init(
                     address=launch.address,
-                    namespace=NAMESPACE,
+                    namespace=launch.name,
                     include_dashboard=False,
                     num_cpus=launch.num_cpus if local else None,
                     object_store_memory=launch.object_store_bytes if local else None,
@@ -114,12 +117,12 @@ class Cluster:
                     _node_ip_address="127.0.0.1" if local else None,
                 )
                 self._ray_started = True
-            _refuse_running_controller()
+            _refuse_running_controller(launch.name)
             fixed = self._ray_started and local  # a Ray of our own: it has what it started with
             spec = cfg.controller_spec(model_dir, redis_url, fixed_capacity=fixed)
             if fixed:
                 _refuse_unplaceable(spec)
-            options = {**controller_options(NAMESPACE), "runtime_env": runtime_env}
+            options = {**controller_options(launch.name), "runtime_env": runtime_env}
             self.controller = ray.remote(Controller).options(**options).remote(spec)
             ray.get(self.controller.start.remote())
             host, admin_host = _address(cfg.router.host), _address(cfg.router.admin_host)
@@ -128,8 +131,8 @@ class Cluster:
                 router: Any = (
                     ray.remote(RouterActor)
                     .options(
-                        name=f"pdserve-router-{i}",
-                        namespace=NAMESPACE,
+                        name=f"{ROUTER_PREFIX}{i}",
+                        namespace=launch.name,
                         num_cpus=0,
                         resources=dict(launch.router_resources),
                         runtime_env=runtime_env,
@@ -138,7 +141,7 @@ class Cluster:
                     .remote(
                         cfg.replica_config(i, model_dir, redis_url, self.access.keys, block_hash),
                         CONTROLLER_NAME,
-                        NAMESPACE,
+                        launch.name,
                     )
                 )
                 self.routers.append(router)
@@ -178,7 +181,7 @@ class Cluster:
                 except Exception as e:
                     log.warning("controller shutdown failed: %s", e)
                 ray.kill(self.controller)
-                _wait_name_released(CONTROLLER_NAME, timeout_s=10.0)
+                _wait_name_released(CONTROLLER_NAME, self.config.cluster.name, timeout_s=10.0)
             if self._ray_started:
                 ray.shutdown()
         self.routers = []
@@ -220,18 +223,19 @@ def _address(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _refuse_running_controller() -> None:
+def _refuse_running_controller(name: str) -> None:
     """A detached controller outlives a driver that died without `pdserve down`: refuse to
-    start a second cluster next to it (names would clash), and say how to remove it."""
+    start a second cluster of the same name next to it (names would clash), and say how to
+    remove it or where else to start."""
     import ray
 
     try:
-        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        ray.get_actor(CONTROLLER_NAME, namespace=name)
     except ValueError:
         return
     raise ClusterError(
-        f"a pdserve controller ({CONTROLLER_NAME!r}) already runs on this Ray cluster; "
-        "stop it with `pdserve down --address ADDRESS` (or use another Ray cluster)"
+        f"a pdserve cluster named {name!r} already runs on this Ray cluster; stop it with "
+        "`pdserve down --address ADDRESS`, or give this one another name (--cluster-name)"
     )
 
 
@@ -247,7 +251,7 @@ def _refuse_unplaceable(spec: ClusterSpec) -> None:
         raise ClusterError(why)
 
 
-def _wait_name_released(name: str, timeout_s: float) -> None:
+def _wait_name_released(name: str, namespace: str, timeout_s: float) -> None:
     """`ray.kill` returns before the GCS frees the actor's name; a cluster started next in the
     same Ray (tests, benchmarks) would find it taken."""
     import ray
@@ -255,39 +259,41 @@ def _wait_name_released(name: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get_actor(name, namespace=NAMESPACE)
+            ray.get_actor(name, namespace=namespace)
         except ValueError:
             return
         time.sleep(0.1)
     log.warning("actor name %s still registered %.0fs after ray.kill", name, timeout_s)
 
 
-def remove_leftovers(address: str) -> list[str]:
-    """Kill the pdserve actors (controller, its workers, routers) left on a Ray cluster by a
-    driver that died without stopping them; returns the names killed."""
+def remove_leftovers(address: str, name: str = DEFAULT_CLUSTER_NAME) -> list[str]:
+    """Kill the actors of cluster `name` (controller, its workers, routers) left on a Ray
+    cluster by a driver that died without stopping them; returns the names killed."""
     import ray
 
     from vocabulary.worker_api import ACTOR_NAME_PREFIX
 
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(address=address, namespace=name, log_to_driver=False)
     killed = []
     try:
         names = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a.get("namespace") == NAMESPACE
+            if a.get("namespace") == name
         ]
         # The controller first: its workers share its fate; routers are killed by name.
         ordered = sorted(names, key=lambda n: (n != CONTROLLER_NAME, n))
-        for name in ordered:
-            if name == CONTROLLER_NAME or name.startswith(("pdserve-router-", ACTOR_NAME_PREFIX)):
+        for actor_name in ordered:
+            if actor_name == CONTROLLER_NAME or actor_name.startswith(
+                (ROUTER_PREFIX, ACTOR_NAME_PREFIX)
+            ):
                 try:
-                    actor = ray.get_actor(name, namespace=NAMESPACE)
-                    if name == CONTROLLER_NAME:
+                    actor = ray.get_actor(actor_name, namespace=name)
+                    if actor_name == CONTROLLER_NAME:
                         with contextlib.suppress(Exception):
                             ray.get(actor.shutdown.remote(), timeout=60)
                     ray.kill(actor)
-                    killed.append(name)
+                    killed.append(actor_name)
                 except ValueError:
                     pass  # already gone with the controller
     finally:

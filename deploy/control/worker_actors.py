@@ -114,9 +114,10 @@ def actor_class(role: WorkerRole) -> type:
     return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
 
 
-def tp_group_name(worker_id: str) -> str:
-    """The placement group of a TP worker's ranks."""
-    return f"pdserve-tp-{worker_id}"
+def tp_group_name(worker_id: str, cluster: str = "pdserve") -> str:
+    """The placement group of a TP worker's ranks (its cluster's name in it: placement group
+    names are not namespaced)."""
+    return f"{cluster}-tp-{worker_id}"
 
 
 NO_TASK_EVENTS: dict[str, Any] = {"enable_task_events": False}
@@ -151,6 +152,8 @@ def create_worker(
     placement = placement or default_placement()
     name = actor_name_for(config.worker_id)
     lifetime = {"lifetime": "detached"} if detached else {}
+    # named in the cluster's namespace (the followers too), or the creator's
+    naming = {"namespace": config.namespace} if config.namespace is not None else {}
     options: dict[str, Any] = {
         "num_gpus": placement.num_gpus,
         "num_cpus": placement.num_cpus,
@@ -158,13 +161,14 @@ def create_worker(
         "max_concurrency": 4096,
         **NO_TASK_EVENTS,
         **lifetime,
+        **naming,
     }
     size = config.engine.tensor_parallel_size
     followers: list[Any] = []
     if size > 1:
         group = placement_group(
             [placement.bundle()] * size, strategy="STRICT_PACK",
-            name=tp_group_name(config.worker_id), **lifetime,
+            name=tp_group_name(config.worker_id, config.namespace or "pdserve"), **lifetime,
         )  # fmt: skip
 
         def in_bundle(rank: int) -> PlacementGroupSchedulingStrategy:
@@ -186,7 +190,7 @@ def create_worker(
     )
 
 
-def stop_worker(worker_id: str, handle: Any) -> None:
+def stop_worker(worker_id: str, handle: Any, cluster: str = "pdserve") -> None:
     """Kill a worker's actor and, for a TP worker, remove its placement group (which ends its
     follower ranks); quiet about what is already gone."""
     from ray.util import get_placement_group, remove_placement_group
@@ -194,7 +198,7 @@ def stop_worker(worker_id: str, handle: Any) -> None:
     with contextlib.suppress(Exception):
         ray.kill(handle)
     try:
-        group = get_placement_group(tp_group_name(worker_id))
+        group = get_placement_group(tp_group_name(worker_id, cluster))
     except ValueError:  # no such group: a worker of one rank, or removed already
         return
     except ray.exceptions.RaySystemError:  # no Ray here (any more): nothing of it is left

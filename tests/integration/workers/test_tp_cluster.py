@@ -157,7 +157,7 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    ray.kill(ray.get_actor(follower_name(old, 1)), no_restart=True)
+    ray.kill(ray.get_actor(follower_name(old, 1), namespace="pdserve"), no_restart=True)
     for t in threads:
         t.join(180)
     assert not any(t.is_alive() for t in threads), "a request hung"
@@ -176,7 +176,10 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
 
     assert placement_group_table(old_group)["state"] == "REMOVED"
     assert_only_live_ranks(tp_cluster)
-    assert ray.get(ray.get_actor(follower_name(new, 1)).ping.remote(), timeout=30) == "serving"
+    assert (
+        ray.get(ray.get_actor(follower_name(new, 1), namespace="pdserve").ping.remote(), timeout=30)
+        == "serving"
+    )
     for _, handle in workers(tp_cluster).values():
         wait(lambda h=handle: idle(h), "idle baseline", 30)
     for prompt in corpus_prompts[14:17]:
@@ -239,7 +242,12 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     ray.kill(bystander)
     assert after[tp_id][0].tp_size == 2
     assert rank_actors() == ranks  # the follower rank and the group stay the worker's
-    assert ray.get(ray.get_actor(follower_name(tp_id, 1)).ping.remote(), timeout=30) == "serving"
+    assert (
+        ray.get(
+            ray.get_actor(follower_name(tp_id, 1), namespace="pdserve").ping.remote(), timeout=30
+        )
+        == "serving"
+    )
 
     def listed() -> bool:  # the router's view fills again from the restarted controller
         status = tp_cluster.admin.Status(pb.StatusRequest(), timeout=30)
