@@ -160,8 +160,14 @@ class EngineConfig:
     (engine/core/tp_runner.py). Must divide the attention heads and the intermediate size, and
     divide the KV heads or be a multiple of them. Not with LoRA; the host KV tier is off."""
     split_decode_sms: int = 0
-    """A split engine (mode split): SMs of the decode loop's partition; the prefill loop gets
-    the rest (0: half the device). The driver may grant fewer (status shows what it did)."""
+    """A split engine (mode split): SMs of the decode loop's partition, the prefill loop
+    getting the rest; 0: adaptive (engine/core/split_policy.py: the fewest SMs whose predicted
+    decode step meets split_tpot_target_ms, every SM to the side that has work when the
+    other is idle). The driver may grant fewer than asked (status shows what it did)."""
+    split_tpot_target_ms: float = 20.0
+    """A split engine, adaptive: the decode step time the decode partition is sized for."""
+    split_resize_interval_s: float = 1.0
+    """A split engine, adaptive: the least time between two changes of the split."""
     split_decode_headroom_blocks: int = 8
     """A split engine: blocks the prefill loop leaves free beyond one per running decode
     request, so the decode loop can grow without waiting for a prefill step."""
@@ -189,6 +195,11 @@ class EngineConfig:
             raise ValueError(
                 "mode: a split engine with tensor parallelism is not supported yet "
                 f"(tensor_parallel_size={self.tensor_parallel_size})"
+            )
+        if self.split_tpot_target_ms <= 0 or self.split_resize_interval_s < 0:
+            raise ValueError(
+                "split_tpot_target_ms must be > 0 and split_resize_interval_s >= 0, got "
+                f"{self.split_tpot_target_ms} and {self.split_resize_interval_s}"
             )
         if self.split_decode_sms < 0 or self.split_decode_headroom_blocks < 0:
             raise ValueError(

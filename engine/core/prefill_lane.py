@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -47,7 +47,14 @@ from engine.core.request import Request, RequestStatus
 from engine.core.runner import ModelRunner
 from engine.core.sampler import Sampler
 from engine.core.scheduler import Scheduler
-from engine.core.sm_split import SMSplit
+from engine.core.sm_split import SMSplit, hbm_bytes_per_s
+from engine.core.split_policy import (
+    BandwidthCurve,
+    DecodeLoad,
+    SplitGovernor,
+    SplitModel,
+    choose_decode_sms,
+)
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache import KVCache
 from engine.lora.lora_registry import LoraRegistry
@@ -86,12 +93,19 @@ class PrefillLane:
     pool; `hand_over` moves a prefilled request to the decode loop's scheduler."""
 
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, streams: SMSplit
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        streams: SMSplit,
+        adaptive: Adaptive | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
         self.streams = streams
+        self.adaptive = adaptive
+        """Sizes the decode partition step by step (None: a fixed split, or none)."""
         self.inflight: InflightStep | None = None
         self.pending_aborts: list[str] = []
         """Requests aborted while in the step in flight: freed once it has completed."""
@@ -118,12 +132,25 @@ class PrefillLane:
             engine.model, engine.kv_cache, replace(config, cuda_graphs=False), engine.loras.weights
         )
         sampler = Sampler(config.seed + 1, device, engine.model_config.vocab_size)
-        return cls(scheduler, runner, sampler, SMSplit(device, config.split_decode_sms))
+        streams = SMSplit(device, config.split_decode_sms)
+        adaptive = None
+        if streams.partitioned and not config.split_decode_sms:
+            curve = BandwidthCurve.saturating(streams.total_sms, hbm_bytes_per_s(device))
+            spec = engine.kv_cache.spec
+            adaptive = Adaptive(
+                SplitModel(engine.model.weight_bytes, curve),
+                spec.block_nbytes // spec.block_size,
+                config.split_tpot_target_ms / 1e3,
+                SplitGovernor(config.split_resize_interval_s),
+            )
+        return cls(scheduler, runner, sampler, streams, adaptive)
 
     def advance(self, engine: LaneHost) -> list[RequestOutput]:
         """The prefill loop's turn (never waits for the device): read its step if it has
         finished and hand its prefilled requests to the decode loop, then launch its next
         step (on CPU, where a step runs as it is launched, read at once)."""
+        if self.adaptive is not None:
+            self.adaptive.apply(self.streams, engine.scheduler, self.has_work())
         outputs: list[RequestOutput] = []
         if self.inflight is not None:
             if not self.step_done():
@@ -207,3 +234,21 @@ class PrefillLane:
         times = list(self._handoff_s)
         mean = sum(times) / len(times) * 1e6 if times else 0.0
         return self.streams.status(self.num_handoffs, (mean, max(times, default=0.0) * 1e6))
+
+
+@dataclass
+class Adaptive:
+    """The adaptive split (engine/core/split_policy.py) of a partitioned split engine."""
+
+    model: SplitModel
+    kv_bytes_per_token: int
+    tpot_s: float
+    governor: SplitGovernor
+
+    def apply(self, streams: SMSplit, decode: Scheduler, prefill_waiting: bool) -> None:
+        tokens = sum(r.num_computed_tokens for r in decode.running)
+        load = DecodeLoad(len(decode.running), tokens * self.kv_bytes_per_token, prefill_waiting)
+        wanted = choose_decode_sms(load, streams.shares, streams.total_sms, self.model, self.tpot_s)
+        new = self.governor.decide(wanted, time.monotonic())
+        if new is not None:
+            streams.resize(new)

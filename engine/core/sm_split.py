@@ -67,22 +67,26 @@ class SMSplit:
     """The prefill and decode streams of a split engine, and the share of SMs each has."""
 
     def __init__(self, device: torch.device, decode_sms: int = 0) -> None:
-        """`decode_sms`: SMs asked for the decode partition (0: half the device)."""
+        """`decode_sms`: SMs of the decode partition (0: adaptive, starting at half)."""
         self.device = device
         self.resizes = 0
         self.reason = ""
         self.total_sms = 0
+        self.shares: tuple[int, ...] = ()
+        """The decode shares partitions are made for (the whole device is one more)."""
         self._pairs: dict[int, tuple[Partition, Partition]] = {}
         if device.type != "cuda":
             self.reason = "no CUDA device: both loops run on the CPU, one after the other"
             self._current = (Partition(None, 0), Partition(None, 0))
             return
-        self.total_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        whole = (Partition(torch.cuda.Stream(device), self.total_sms),
-                 Partition(torch.cuda.Stream(device), self.total_sms))  # fmt: skip
+        total = self.total_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.shares = (decode_sms,) if decode_sms else decode_shares(total)
+        whole = (Partition(torch.cuda.Stream(device), total),
+                 Partition(torch.cuda.Stream(device), total))  # fmt: skip
+        self._pairs[total] = whole
         self._current = whole
         try:
-            self._current = self._pair(decode_sms or self.total_sms // 2)
+            self._current = self._pair(decode_sms or total // 2)
         except RuntimeError as e:
             self.reason = f"no SM partitions: {e}; both loops share every SM"
             log.warning("split engine: %s", self.reason)
@@ -92,7 +96,9 @@ class SMSplit:
         return not self.reason
 
     def _pair(self, decode_sms: int) -> tuple[Partition, Partition]:
-        decode_sms = max(1, min(decode_sms, self.total_sms - 1))
+        """(prefill, decode) partitions with `decode_sms` SMs for decode; the whole device
+        for both at the device's SM count."""
+        decode_sms = max(1, min(decode_sms, self.total_sms))
         if decode_sms not in self._pairs:
             decode = green_context_stream(self.device, decode_sms)
             prefill = green_context_stream(self.device, self.total_sms - decode_sms)
@@ -100,8 +106,8 @@ class SMSplit:
         return self._pairs[decode_sms]
 
     def resize(self, decode_sms: int) -> bool:
-        """Give the decode loop `decode_sms` SMs from its next step on, the prefill loop the
-        rest; False when nothing changed (not partitioned, or already so)."""
+        """Give the decode loop `decode_sms` SMs (the device's count: every SM, shared) from
+        its next step on, the prefill loop the rest; False when nothing changed."""
         if not self.partitioned or self._current[1].sms == decode_sms:
             return False
         self._current = self._pair(decode_sms)
@@ -139,6 +145,28 @@ class SMSplit:
             handoff_us_mean=handoff_us[0],
             handoff_us_max=handoff_us[1],
         )
+
+
+def hbm_bytes_per_s(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Device memory bandwidth (read + write) of a plain copy on the whole device."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(4):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 4 * 2 * nbytes / (start.elapsed_time(end) / 1e3)
+
+
+def decode_shares(total_sms: int) -> tuple[int, ...]:
+    """The decode partitions an adaptive split chooses among: an eighth, a quarter, a third,
+    half and two thirds of the device, in whole groups of 8 SMs (the granularity Hopper's
+    driver splits SMs in)."""
+    shares = {max(8, round(total_sms * f / 8) * 8) for f in (1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3)}
+    return tuple(sorted(s for s in shares if s < total_sms))
 
 
 @contextlib.contextmanager
