@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_slot import ClusterSlot
 
 # Loopback-only Ray and UCX, before anything imports them.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -39,7 +38,21 @@ if not HAS_CUDA:  # on a GPU host UCX must pick cuda_ipc itself: a UCX_TLS witho
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
+# Directories whose tests share one session-scoped cluster: under pytest-xdist
+# (`scripts/test.sh` runs `-n 2 --dist loadgroup`) each runs on one worker, which starts that
+# cluster once; every other test file is a group of its own (its module fixtures start once).
+SHARED_CLUSTER_DIRS = ("integration/router", "integration/security", "integration/workers")
+
+
+def xdist_group(path: Path) -> str:
+    """The pytest-xdist group of a test file."""
+    rel = path.relative_to(Path(__file__).parent).as_posix()
+    return next((d for d in SHARED_CLUSTER_DIRS if rel.startswith(d + "/")), rel)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
@@ -72,11 +85,6 @@ def redis_server() -> Iterator[object]:
 
     with EmbeddedRedis() as server:
         yield server
-
-
-@pytest.fixture(scope="session")
-def cluster_slot(ray_cluster: None) -> ClusterSlot:
-    return ClusterSlot()
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(
         "decode": 2,
         "grpc_port": 0,
         "metrics_port": 0,
+        "router": {"admin_port": 0, "http_port": 0},  # free ports: other clusters may run here
         "engine": {"device": "cpu", "dtype": "float32", "num_kv_blocks": 160,
                    "max_model_len": 512, "attention_backend": "torch", "cuda_graphs": False},
         "placement": {"default": {"num_cpus": 0}},  # 4 workers + routers on 2 cores

@@ -36,7 +36,7 @@ def cli_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliCluster
         # No CPU reservations: 2-4 workers + router + controller on a 2-core machine.
         "placement": {"default": {"num_cpus": 0}},
         "thresholds": {"local_prefill_threshold_tokens": 0},  # every prompt disaggregated
-        "router": {"admin_port": 0},  # a free one: other clusters may run on this machine
+        "router": {"admin_port": 0, "http_port": 0},  # free ones: other clusters may run here
     }
     config_path = folder / "pdserve.yaml"
     config_path.write_text(yaml.safe_dump(config))

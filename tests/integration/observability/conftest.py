@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_slot import ClusterSlot
 from cpu_engine import cpu_engine
 from prometheus_server import PrometheusServer, require_prometheus
 
@@ -45,7 +44,6 @@ def observed(
     ray_cluster: None,
     tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    cluster_slot: ClusterSlot,
 ) -> Iterator[Observed]:
     binary = require_prometheus()
     import ray
@@ -66,7 +64,7 @@ def observed(
     )
     config = PdserveConfig(
         model=str(tiny_model_dir),
-        cluster=LaunchConfig(routers=1),
+        cluster=LaunchConfig(name="observed-tests", routers=1),
         router=RouterConfig(
             grpc_port=0,
             metrics_port=0,
@@ -83,7 +81,6 @@ def observed(
         ),
     )
     cluster = Cluster(config)
-    cluster_slot.take(cluster.stop)  # a session fixture's cluster (router, security) stops
     with cluster:
         ep = cluster.endpoint
         assert ep is not None and ep.metrics
@@ -101,7 +98,6 @@ def observed(
             yield Observed(prometheus, ep.target, ep.metrics, controller_url, ep.ray_address, ok)
         finally:
             prometheus.stop()
-            cluster_slot.release(cluster.stop)
 
 
 def send_load(target: str) -> int:

@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-from cluster_slot import ClusterSlot
 from cpu_engine import cpu_engine
 
 from pdserve.v1 import serving_pb2 as pb
@@ -67,9 +66,7 @@ class TracedCluster:
 
 
 @pytest.fixture(scope="module")
-def traced(
-    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot
-) -> Iterator[TracedCluster]:
+def traced(ray_cluster: None, tiny_model_dir: Path) -> Iterator[TracedCluster]:
     import ray
 
     from admission.config import AdmissionConfig, AdmissionThresholds
@@ -80,7 +77,7 @@ def traced(
 
     config = PdserveConfig(
         model=str(tiny_model_dir),
-        cluster=LaunchConfig(routers=1),
+        cluster=LaunchConfig(name="traced-tests", routers=1),
         router=RouterConfig(
             grpc_port=0,
             http_port=0,
@@ -96,7 +93,6 @@ def traced(
         ),
     )
     cluster = Cluster(config)
-    cluster_slot.take(cluster.stop)
     with pytest.MonkeyPatch.context() as env:
         for key, value in TRACE_ENV.items():
             env.setenv(key, value)
@@ -111,7 +107,6 @@ def traced(
         yield TracedCluster(ep.target, status.http_url, actors)
     finally:
         cluster.stop()
-        cluster_slot.release(cluster.stop)
 
 
 def caller_context() -> tuple[str, str, str]:

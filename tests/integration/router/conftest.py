@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_slot import ClusterSlot
 from cpu_engine import cpu_engine
 from router_harness import (
     KV_BLOCKS,
@@ -50,7 +49,7 @@ def lora_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def router_cluster(
-    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot, lora_adapters: LoraAdapters
+    ray_cluster: None, tiny_model_dir: Path, lora_adapters: LoraAdapters
 ) -> Iterator[RouterCluster]:
     import ray
 
@@ -78,14 +77,13 @@ def router_cluster(
     )
     config = PdserveConfig(
         model=str(tiny_model_dir),
-        cluster=LaunchConfig(routers=2),
+        cluster=LaunchConfig(name="router-tests", routers=2),
         router=router,
         workers=ClusterSpec(
             engine=engine, num_prefill=2, num_decode=1, stall_timeout_s=STALL_TIMEOUT_S
         ),
     )
     cluster = Cluster(config)
-    cluster_slot.take(cluster.stop)
     with cluster:
         ep = cluster.endpoint
         assert ep is not None
@@ -109,7 +107,6 @@ def router_cluster(
         finally:
             for ch in channels + admin_channels:
                 ch.close()
-            cluster_slot.release(cluster.stop)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_slot import ClusterSlot
 from conftest import Reference
 from cpu_engine import cpu_engine
 from router_client import generate, greedy_request
@@ -22,15 +21,16 @@ from pdserve.v1 import serving_pb2_grpc as pb_grpc
 
 @pytest.fixture(scope="module")
 def split_cluster(
-    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot
+    ray_cluster: None, tiny_model_dir: Path
 ) -> Iterator[tuple[grpc.Channel, grpc.Channel]]:
     from deploy.control.cluster_spec import ClusterSpec
-    from deploy.control.config_tree import PdserveConfig
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
     from deploy.control.launch import Cluster
     from router.router_server import RouterConfig
 
     config = PdserveConfig(
         model=str(tiny_model_dir),
+        cluster=LaunchConfig(name="split-tests"),
         router=RouterConfig(grpc_port=0, metrics_port=None, http_port=None, admin_port=0),
         workers=ClusterSpec(
             engine=cpu_engine(tiny_model_dir, num_kv_blocks=256, max_model_len=512),
@@ -40,7 +40,6 @@ def split_cluster(
         ),
     )
     cluster = Cluster(config)
-    cluster_slot.take(cluster.stop)
     with cluster:
         ep = cluster.endpoint
         assert ep is not None
@@ -50,7 +49,6 @@ def split_cluster(
         finally:
             data.close()
             admin.close()
-            cluster_slot.release(cluster.stop)
 
 
 def test_split_worker_serves_greedy_tokens_of_transformers(

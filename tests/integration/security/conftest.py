@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from certs import make_certs
-from cluster_slot import ClusterSlot
 from cpu_engine import cpu_engine
 from secure_harness import ADMIN_KEY, KEYS, SLOW_BURST_TOKENS, SecureCluster, bearer
 
@@ -24,7 +23,6 @@ def secure_cluster(
     ray_cluster: None,
     tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    cluster_slot: ClusterSlot,
 ) -> Iterator[SecureCluster]:
     from deploy.control.cluster_spec import ClusterSpec
     from deploy.control.config_tree import LaunchConfig, PdserveConfig
@@ -55,7 +53,9 @@ def secure_cluster(
     )
     config = PdserveConfig(
         model=str(tiny_model_dir),
-        cluster=LaunchConfig(api_keys_file=str(keys_file), block_hash="sha256"),
+        cluster=LaunchConfig(
+            name="security-tests", api_keys_file=str(keys_file), block_hash="sha256"
+        ),
         router=router,
         workers=ClusterSpec(engine=engine, num_prefill=1, num_decode=1),
     )
@@ -63,7 +63,6 @@ def secure_cluster(
     os.environ["PDSERVE_ADMIN_KEY"] = ADMIN_KEY
     try:
         cluster = Cluster(config)
-        cluster_slot.take(cluster.stop)
         cluster.start()
     finally:
         if before is None:
@@ -91,4 +90,3 @@ def secure_cluster(
         yield secure
     finally:
         cluster.stop()
-        cluster_slot.release(cluster.stop)

@@ -28,7 +28,6 @@ from typing import Any
 import grpc
 import pytest
 import ray
-from cluster_slot import ClusterSlot
 from conftest import Reference
 from cpu_engine import cpu_engine
 
@@ -50,18 +49,17 @@ class TPCluster:
 
 
 @pytest.fixture(scope="module")
-def tp_cluster(
-    ray_cluster: None, tiny_model_dir: Path, cluster_slot: ClusterSlot
-) -> Iterator[TPCluster]:
+def tp_cluster(ray_cluster: None, tiny_model_dir: Path) -> Iterator[TPCluster]:
     from admission.config import AdmissionConfig, AdmissionThresholds
     from deploy.control.cluster_spec import ClusterSpec
-    from deploy.control.config_tree import PdserveConfig
+    from deploy.control.config_tree import LaunchConfig, PdserveConfig
     from deploy.control.launch import Cluster
     from router.router_server import RouterConfig
 
     engine = cpu_engine(tiny_model_dir, num_kv_blocks=256, max_model_len=1024, tp_timeout_s=20.0)
     config = PdserveConfig(
         model=str(tiny_model_dir),
+        cluster=LaunchConfig(name="tp-tests"),
         router=RouterConfig(
             grpc_port=0, metrics_port=0, http_port=None, admin_port=0,
             admission=AdmissionConfig(
@@ -74,7 +72,6 @@ def tp_cluster(
         ),
     )  # fmt: skip
     cluster = Cluster(config)
-    cluster_slot.take(cluster.stop)
     with cluster:
         ep = cluster.endpoint
         assert ep is not None
@@ -84,7 +81,6 @@ def tp_cluster(
         finally:
             channel.close()
             admin.close()
-            cluster_slot.release(cluster.stop)
 
 
 def workers(c: TPCluster) -> dict[str, Any]:
@@ -144,7 +140,7 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
     tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy: Reference
 ) -> None:
     old = prefill_id(tp_cluster)
-    old_group = ray.util.get_placement_group(tp_group_name(old))
+    old_group = ray.util.get_placement_group(tp_group_name(old, "tp-tests"))
     prompts = corpus_prompts[6:14]
     outcomes: list[list[int] | grpc.RpcError | None] = [None] * len(prompts)
 
@@ -157,7 +153,7 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    ray.kill(ray.get_actor(follower_name(old, 1), namespace="pdserve"), no_restart=True)
+    ray.kill(ray.get_actor(follower_name(old, 1), namespace="tp-tests"), no_restart=True)
     for t in threads:
         t.join(180)
     assert not any(t.is_alive() for t in threads), "a request hung"
@@ -177,7 +173,9 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
     assert placement_group_table(old_group)["state"] == "REMOVED"
     assert_only_live_ranks(tp_cluster)
     assert (
-        ray.get(ray.get_actor(follower_name(new, 1), namespace="pdserve").ping.remote(), timeout=30)
+        ray.get(
+            ray.get_actor(follower_name(new, 1), namespace="tp-tests").ping.remote(), timeout=30
+        )
         == "serving"
     )
     for _, handle in workers(tp_cluster).values():
@@ -194,17 +192,21 @@ def rank_actors() -> set[str]:
     """Names of live follower-rank actors and live TP placement groups on this Ray."""
     from ray.util import placement_group_table
 
-    actors = {a["name"] for a in ray.util.list_named_actors(True) if "pdserve-tp-rank" in a["name"]}
+    actors = {
+        a["name"]
+        for a in ray.util.list_named_actors(True)
+        if "pdserve-tp-rank" in a["name"] and a.get("namespace") == "tp-tests"
+    }
     groups = {
         g["name"] for g in placement_group_table().values()
-        if g["name"].startswith("pdserve-tp-") and g["state"] != "REMOVED"
+        if g["name"].startswith("tp-tests-tp-") and g["state"] != "REMOVED"
     }  # fmt: skip
     return actors | groups
 
 
 def assert_only_live_ranks(c: TPCluster) -> None:
     live = [w for w, (info, _) in workers(c).items() if info.tp_size > 1]
-    want = {follower_name(w, 1) for w in live} | {tp_group_name(w) for w in live}
+    want = {follower_name(w, 1) for w in live} | {tp_group_name(w, "tp-tests") for w in live}
     wait(lambda: rank_actors() == want, f"only {sorted(want)} on Ray ({sorted(rank_actors())})", 30)
 
 
@@ -221,7 +223,7 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     before = workers(tp_cluster)
     tp_id = prefill_id(tp_cluster)
     ranks = rank_actors()
-    assert {follower_name(tp_id, 1), tp_group_name(tp_id)} <= ranks
+    assert {follower_name(tp_id, 1), tp_group_name(tp_id, "tp-tests")} <= ranks
     # a worker-named actor that some other code started in the namespace: not the cluster's
     bystander = Bystander.options(name=f"{ACTOR_NAME_PREFIX}bystander").remote()  # type: ignore[attr-defined]
     ray.kill(controller, no_restart=False)  # dies; Ray makes it again from the same spec
@@ -244,7 +246,7 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     assert rank_actors() == ranks  # the follower rank and the group stay the worker's
     assert (
         ray.get(
-            ray.get_actor(follower_name(tp_id, 1), namespace="pdserve").ping.remote(), timeout=30
+            ray.get_actor(follower_name(tp_id, 1), namespace="tp-tests").ping.remote(), timeout=30
         )
         == "serving"
     )
