@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from directory_scope import stop_finished_directories
+from references import Reference, greedy_reference
+
+from vocabulary.tokenizer import Tokenizer
 
 # Loopback-only Ray and UCX, before anything imports them.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -48,6 +52,10 @@ def xdist_group(path: Path) -> str:
     """The pytest-xdist group of a test file."""
     rel = path.relative_to(Path(__file__).parent).as_posix()
     return next((d for d in SHARED_CLUSTER_DIRS if rel.startswith(d + "/")), rel)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    stop_finished_directories(item, nextitem)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -101,3 +109,45 @@ def ray_cluster() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir: Path) -> Reference:
+    """transformers float32 greedy continuation, eos ignored (a full recompute), memoized."""
+    return greedy_reference(tiny_model_dir, stop_at_eos=False)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_to_eos(tiny_model_dir: Path) -> Reference:
+    """transformers float32 `generate`: greedy, stops after eos, memoized per prompt."""
+    return greedy_reference(tiny_model_dir, stop_at_eos=True)
+
+
+@pytest.fixture(scope="session")
+def corpus_ids(tokenizer: Tokenizer) -> list[int]:
+    """The bundled training text as token ids (~2,000 tokens): long text-like prompts."""
+    from deploy.checkpoints.checkpoint_files import CORPUS
+
+    return tokenizer.encode(CORPUS.read_text())
+
+
+@pytest.fixture(scope="session")
+def corpus_prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    """32 text-like prompts of 3 to ~90 tokens from the bundled corpus; several share whole
+    leading blocks (same paragraph opening, different lengths)."""
+    from deploy.checkpoints.checkpoint_files import CORPUS
+
+    paragraphs = [p.strip() for p in CORPUS.read_text().split("\n\n") if p.strip()]
+    prompts: list[list[int]] = []
+    lengths = (3, 9, 17, 33, 48, 61, 75, 90)
+    i = 0
+    while len(prompts) < 32:
+        ids = tokenizer.encode(paragraphs[i % len(paragraphs)])
+        prompts.append(ids[: lengths[i % len(lengths)]])
+        i += 1
+    return prompts

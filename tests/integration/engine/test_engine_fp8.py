@@ -25,13 +25,13 @@ MAX_TOKENS = 24
     ("quantization", "kv_cache_dtype"), [("fp8", "auto"), ("none", "fp8"), ("fp8", "fp8")]
 )
 def test_fp8_matches_float32_greedy_but_at_near_ties(
-    tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer,
+    tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer,
     prompts: list[list[int]], quantization: str, kv_cache_dtype: str,
 ) -> None:  # fmt: skip
     fp8_model = copy.deepcopy(tiny_model)
-    ref_engine = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
+    ref_engine = make_engine(tiny_model_dir, tiny_model, tokenizer)
     fp8_engine = make_engine(
-        tiny_model_dir, fp8_model, tiny_tokenizer,
+        tiny_model_dir, fp8_model, tokenizer,
         quantization=quantization, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     kv_scales = fp8_engine.kv_cache.spec.scales
@@ -48,7 +48,7 @@ def test_fp8_matches_float32_greedy_but_at_near_ties(
 
 
 def test_quantizing_at_load_frees_the_dense_projection_weights(
-    tiny_model_dir: Path, tiny_tokenizer: Tokenizer
+    tiny_model_dir: Path, tokenizer: Tokenizer
 ) -> None:
     from engine.config import EngineConfig
     from engine.core.engine import LLMEngine
@@ -57,7 +57,7 @@ def test_quantizing_at_load_frees_the_dense_projection_weights(
         model_dir=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
         cuda_graphs=False, attention_backend="torch", quantization="fp8",
     )  # fmt: skip
-    engine = LLMEngine(config, tokenizer=tiny_tokenizer)
+    engine = LLMEngine(config, tokenizer=tokenizer)
     layer = engine.model.layers[0]
     assert engine.model.quantization == "fp8"
     assert layer.qkv_proj.numel() == 0 and layer.fp8 is not None  # type: ignore[union-attr]

@@ -32,7 +32,7 @@ MAX_TOKENS = 24
     ],
 )  # fmt: skip
 def test_fp8_checkpoint_matches_float32_greedy_but_at_near_ties(
-    tmp_path: Path, tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer,
+    tmp_path: Path, tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer,
     prompts: list[list[int]], options: tuple[str, ...],
 ) -> None:  # fmt: skip
     out = tmp_path / "fp8"
@@ -43,10 +43,10 @@ def test_fp8_checkpoint_matches_float32_greedy_but_at_near_ties(
         model_dir=str(out), device="cpu", dtype="float32", num_kv_blocks=128,
         cuda_graphs=False, attention_backend="torch",
     )  # fmt: skip
-    fp8_engine = LLMEngine(config, tokenizer=tiny_tokenizer)  # loads the checkpoint from disk
+    fp8_engine = LLMEngine(config, tokenizer=tokenizer)  # loads the checkpoint from disk
     fp8_model = fp8_engine.model
     assert fp8_model.quantization == "fp8" and fp8_model.weight_bytes < tiny_model.weight_bytes
-    ref_engine = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
+    ref_engine = make_engine(tiny_model_dir, tiny_model, tokenizer)
     seen = greedy_margin_check(ref_engine, fp8_engine, prompts, greedy(MAX_TOKENS))
     exact, first_flips, errors = seen.exact, seen.first_flips, seen.errors
     # not vacuous: a broken model moves the logits by ~10 (of a spread of ~7) and flips at

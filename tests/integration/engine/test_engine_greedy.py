@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Reference
 from engine_factories import (
     greedy,
     make_engine,
@@ -15,6 +14,7 @@ from engine_factories import (
     text_of,
     tokens_of,
 )
+from references import Reference
 
 from engine.modeling.llama import LlamaModel
 from vocabulary.engine_io import FinishReason
@@ -23,9 +23,9 @@ from vocabulary.tokenizer import Tokenizer
 
 @pytest.fixture()
 def engine_args(
-    tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer
+    tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer
 ) -> tuple[Path, LlamaModel, Tokenizer]:
-    return tiny_model_dir, tiny_model, tiny_tokenizer
+    return tiny_model_dir, tiny_model, tokenizer
 
 
 def add_all(engine, prompts: list[list[int]], max_tokens: int = 10) -> None:  # type: ignore[no-untyped-def]
@@ -46,13 +46,13 @@ def test_batch_of_mixed_prompts_matches_transformers(
 
 
 def test_text_deltas_join_to_the_decoded_tokens(
-    engine_args, prompts: list[list[int]], tiny_tokenizer: Tokenizer
+    engine_args, prompts: list[list[int]], tokenizer: Tokenizer
 ) -> None:
     engine = make_engine(*engine_args)
     add_all(engine, prompts[:3], max_tokens=12)
     outputs = run_to_completion(engine)
     for i in range(3):
-        assert text_of(outputs[f"r{i}"]) == tiny_tokenizer.decode(tokens_of(outputs[f"r{i}"]))
+        assert text_of(outputs[f"r{i}"]) == tokenizer.decode(tokens_of(outputs[f"r{i}"]))
 
 
 def test_chunked_prefill_under_a_small_budget_matches_transformers(

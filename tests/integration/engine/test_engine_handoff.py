@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
+from references import Reference
 
 from engine.config import EngineMode
 from engine.core.engine import LLMEngine
@@ -21,10 +21,10 @@ from vocabulary.tokenizer import Tokenizer
 
 @pytest.fixture()
 def pair(
-    tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer
+    tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer
 ) -> tuple[LLMEngine, LLMEngine]:
     """A prefill-only engine and a decode-only engine sharing the loaded model."""
-    args = (tiny_model_dir, tiny_model, tiny_tokenizer)
+    args = (tiny_model_dir, tiny_model, tokenizer)
     return (
         make_engine(*args, mode=EngineMode.PREFILL_ONLY, num_kv_blocks=64),
         make_engine(*args, mode=EngineMode.DECODE_ONLY, num_kv_blocks=48),
@@ -88,11 +88,11 @@ def test_prefill_only_then_decode_only_gives_the_transformers_tokens(
 def test_held_handoff_blocks_are_never_evicted(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
 ) -> None:
     p = make_engine(
-        tiny_model_dir, tiny_model, tiny_tokenizer, mode=EngineMode.PREFILL_ONLY, num_kv_blocks=8
+        tiny_model_dir, tiny_model, tokenizer, mode=EngineMode.PREFILL_ONLY, num_kv_blocks=8
     )
     out = prefill(p, "held", prompts[2], greedy(10))
     assert out.kv_handoff is not None
@@ -134,10 +134,10 @@ def test_failed_transfer_frees_the_decode_blocks(
 def test_transfer_larger_than_the_free_pool_is_refused(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
 ) -> None:
-    d = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer, num_kv_blocks=5)
+    d = make_engine(tiny_model_dir, tiny_model, tokenizer, num_kv_blocks=5)
     long_chain = hash_chain(prompts[2], 16, hash_extra(d.model_id))
     other_chain = hash_chain(prompts[4], 16, hash_extra(d.model_id))
     d.allocate_for_transfer("a", prompts[2], long_chain)  # 4 of the 5 blocks
@@ -150,7 +150,7 @@ def test_abort_anywhere_returns_every_pool_to_baseline(
     pair: tuple[LLMEngine, LLMEngine],
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
 ) -> None:
     p, d = pair
@@ -160,7 +160,7 @@ def test_abort_anywhere_returns_every_pool_to_baseline(
     # Decode side: one reserved transfer and one decoding request.
     d.allocate_for_transfer("reserved", prompts[0], held.kv_handoff.block_hashes)
     colocated = make_engine(
-        tiny_model_dir, tiny_model, tiny_tokenizer, block_size=4, max_num_batched_tokens=8
+        tiny_model_dir, tiny_model, tokenizer, block_size=4, max_num_batched_tokens=8
     )
     for i, prompt in enumerate(prompts):
         colocated.add_request(f"c{i}", prompt, greedy(10))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
+from references import Reference
 
 from engine.config import EngineMode
 from engine.core.engine import LLMEngine
@@ -31,11 +31,11 @@ def host_gb(engine_blocks: int, tiny_model_dir: Path, model: LlamaModel, tok: To
 
 
 @pytest.fixture()
-def make(tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer):  # type: ignore[no-untyped-def]
+def make(tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer):  # type: ignore[no-untyped-def]
     def make_tiered(host_blocks: int, **overrides: object) -> LLMEngine:
-        gb = host_gb(host_blocks, tiny_model_dir, tiny_model, tiny_tokenizer) if host_blocks else 0
+        gb = host_gb(host_blocks, tiny_model_dir, tiny_model, tokenizer) if host_blocks else 0
         return make_engine(
-            tiny_model_dir, tiny_model, tiny_tokenizer,
+            tiny_model_dir, tiny_model, tokenizer,
             num_kv_blocks=DEVICE_BLOCKS, host_kv_gb=gb, **overrides,
         )  # fmt: skip
 
@@ -234,7 +234,7 @@ def prefill_handoff(engine: LLMEngine, rid: str, prompt: list[int]) -> KVHandoff
 
 def test_a_handoff_lends_its_host_tier_copies_and_gives_the_device_blocks_back(
     make, prompts: list[list[int]], tiny_model_dir: Path, tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
 ) -> None:  # fmt: skip
     engine = make(host_blocks=64, mode=EngineMode.PREFILL_ONLY)
     evicted_to_host(engine, prompts[2])
@@ -246,7 +246,7 @@ def test_a_handoff_lends_its_host_tier_copies_and_gives_the_device_blocks_back(
     tier = engine.host_tier
     assert tier is not None and tier.stats().num_pinned == tier.num_lent == len(lent)
     # the host copies hold the prompt's KV: as a fresh engine without a tier computes it
-    plain = make_engine(tiny_model_dir, tiny_model, tiny_tokenizer, host_kv_gb=0,
+    plain = make_engine(tiny_model_dir, tiny_model, tokenizer, host_kv_gb=0,
                         mode=EngineMode.PREFILL_ONLY, num_kv_blocks=DEVICE_BLOCKS)  # fmt: skip
     fresh = prefill_handoff(plain, "h", prompts[2])
     for i, (block, t) in enumerate(zip(handoff.block_ids, tiers, strict=True)):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
+from references import Reference
 
 from engine.kv.kv_cache import LAYOUT_NAMES
 from engine.modeling.llama import LlamaModel
@@ -21,7 +21,7 @@ TINY_BLOCK_NBYTES = 4 * 2 * 16 * 2 * 32 * 4
 def test_head_and_layer_major_pools_give_block_major_tokens_with_chunks_prefix_hits_host_tier(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
     hf_greedy: Reference,
 ) -> None:
@@ -30,7 +30,7 @@ def test_head_and_layer_major_pools_give_block_major_tokens_with_chunks_prefix_h
         # 8 device blocks: every few prompts cycle the pool, so later rounds onboard from
         # the host tier; 32-token steps chunk the long prompts.
         engine = make_engine(
-            tiny_model_dir, tiny_model, tiny_tokenizer, kv_layout=layout, num_kv_blocks=8,
+            tiny_model_dir, tiny_model, tokenizer, kv_layout=layout, num_kv_blocks=8,
             max_num_batched_tokens=32, host_kv_gb=64 * TINY_BLOCK_NBYTES / 2**30,
         )  # fmt: skip
         assert engine.kv_cache.spec.layout == LAYOUT_NAMES[layout]

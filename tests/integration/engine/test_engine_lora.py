@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Reference
 from engine_factories import greedy, make_engine, record_batches, tokens_of
 from lora_reference import ATTENTION, MLP, make_adapter, peft_model
 from lora_reference import greedy as peft_greedy_tokens
+from references import Reference
 
 from engine.config import EngineMode
 from engine.core.driver import EngineDriver
@@ -74,14 +74,14 @@ def peft_greedy(peft_models: dict[str, Any], hf_greedy: Reference) -> PeftGreedy
 def make(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     adapters: dict[str, Path],
 ) -> EngineFactory:
     """An engine on the shared tiny model with `names` (and `loras`) registered at start."""
 
     def build(*names: str, loras: tuple[tuple[str, str], ...] = (), **overrides: Any) -> LLMEngine:
         loras = tuple((n, str(adapters[n])) for n in names) + loras
-        return make_engine(tiny_model_dir, tiny_model, tiny_tokenizer, loras=loras, **overrides)
+        return make_engine(tiny_model_dir, tiny_model, tokenizer, loras=loras, **overrides)
 
     return build
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, text_of, tokens_of
+from references import Reference
 
 from engine.config import EngineMode
 from engine.core.engine import LLMEngine
@@ -25,8 +25,8 @@ SEEDED = SamplingParams(
 
 
 @pytest.fixture()
-def engine(tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer) -> LLMEngine:
-    return make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
+def engine(tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer) -> LLMEngine:
+    return make_engine(tiny_model_dir, tiny_model, tokenizer)
 
 
 def undisturbed(
@@ -91,14 +91,14 @@ def test_a_stop_string_across_the_point_of_migration_still_stops_it(
 def test_a_hand_off_continues_after_the_clients_tokens(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     engine: LLMEngine,
     prompts: list[list[int]],
 ) -> None:
     """The router's re-prefill: prompt + the tokens sent but the last on a prefill-only
     engine (its own sampled token dropped), pulled by a decode-only engine that goes on
     after the client's last token with the others as its prior."""
-    args = (tiny_model_dir, tiny_model, tiny_tokenizer)
+    args = (tiny_model_dir, tiny_model, tokenizer)
     p = make_engine(*args, mode=EngineMode.PREFILL_ONLY, num_kv_blocks=64)
     d = make_engine(*args, mode=EngineMode.DECODE_ONLY, num_kv_blocks=48)
     whole = undisturbed(engine, prompts[3], SEEDED)

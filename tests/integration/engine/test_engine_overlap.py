@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import Reference
 from engine_factories import greedy, make_engine, record_batches, run_to_completion, tokens_of
+from references import Reference
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineMode
@@ -28,9 +28,9 @@ EOS = 1
 
 @pytest.fixture()
 def engine_args(
-    tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer
+    tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer
 ) -> tuple[Path, LlamaModel, Tokenizer]:
-    return tiny_model_dir, tiny_model, tiny_tokenizer
+    return tiny_model_dir, tiny_model, tokenizer
 
 
 def placeholder_decodes(batches: list[ScheduledBatch], request_id: str) -> list[int]:
@@ -91,7 +91,7 @@ def test_a_request_that_stops_emits_nothing_after_and_frees_its_blocks(
     engine_args,
     prompts: list[list[int]],
     hf_greedy: Reference,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     how: str,
 ) -> None:
     prompt = prompts[5]
@@ -102,9 +102,9 @@ def test_a_request_that_stops_emits_nothing_after_and_frees_its_blocks(
     elif how == "stop_token":
         end, params = ref.index(ref[3]) + 1, greedy(16, stop_token_ids=(ref[3],))
     else:
-        text = tiny_tokenizer.decode(ref)
+        text = tokenizer.decode(ref)
         stop = text[4:7]
-        end = next(k for k in range(1, 17) if stop in tiny_tokenizer.decode(ref[:k]))
+        end = next(k for k in range(1, 17) if stop in tokenizer.decode(ref[:k]))
         params = greedy(16, stop=(stop,))
     engine = make_engine(*engine_args, block_size=4, num_kv_blocks=64)
     batches = record_batches(engine)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, text_of, tokens_of
+from references import Reference
 
 from engine.config import EngineMode
 from engine.core.engine import LLMEngine
@@ -22,8 +22,8 @@ EOS = 1
 
 
 @pytest.fixture()
-def engine(tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer) -> LLMEngine:
-    return make_engine(tiny_model_dir, tiny_model, tiny_tokenizer)
+def engine(tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer) -> LLMEngine:
+    return make_engine(tiny_model_dir, tiny_model, tokenizer)
 
 
 def test_eos_stops_generation_unless_ignored(
@@ -42,7 +42,7 @@ def test_eos_stops_generation_unless_ignored(
 
 
 def test_stop_token_is_included_in_tokens_but_not_in_text(
-    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference, tiny_tokenizer: Tokenizer
+    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference, tokenizer: Tokenizer
 ) -> None:
     ref = hf_greedy(prompts[0], 10)
     stop_token = ref[3]
@@ -52,18 +52,18 @@ def test_stop_token_is_included_in_tokens_but_not_in_text(
     assert tokens_of(outputs) == ref[:end]
     assert outputs[-1].finish_reason is FinishReason.STOP
     assert outputs[-1].stop_reason == stop_token
-    assert text_of(outputs) == tiny_tokenizer.decode(ref[: end - 1])
+    assert text_of(outputs) == tokenizer.decode(ref[: end - 1])
 
 
 def test_stop_string_ends_generation_and_is_cut_from_the_text(
-    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference, tiny_tokenizer: Tokenizer
+    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference, tokenizer: Tokenizer
 ) -> None:
     ref = hf_greedy(prompts[1], 16)
-    text = tiny_tokenizer.decode(ref)
+    text = tokenizer.decode(ref)
     stop = text[10:14]
     cut = text.index(stop)
     # The request ends on the first token whose text completes the stop string.
-    end = next(k for k in range(1, 17) if stop in tiny_tokenizer.decode(ref[:k]))
+    end = next(k for k in range(1, 17) if stop in tokenizer.decode(ref[:k]))
     engine.add_request("r", prompts[1], greedy(16, stop=(stop, "never-seen")))
     outputs = run_to_completion(engine)["r"]
     assert tokens_of(outputs) == ref[:end]
@@ -82,10 +82,10 @@ SAMPLED = SamplingParams(temperature=4.0, top_p=0.95, top_k=50, max_tokens=12, i
 def test_seeded_sampling_is_reproducible_whatever_the_batch(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
 ) -> None:
-    args = (tiny_model_dir, tiny_model, tiny_tokenizer)
+    args = (tiny_model_dir, tiny_model, tokenizer)
     alone = make_engine(*args)
     alone.add_request("s", prompts[3], replace(SAMPLED, seed=1234))
     crowd = make_engine(*args, seed=7)
@@ -101,10 +101,10 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
 def test_seeded_handoff_continues_the_colocated_random_stream(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
 ) -> None:
-    args = (tiny_model_dir, tiny_model, tiny_tokenizer)
+    args = (tiny_model_dir, tiny_model, tokenizer)
     params = replace(SAMPLED, seed=42)
     colocated = make_engine(*args)
     colocated.add_request("r", prompts[4], params)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Reference
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
+from references import Reference
 
 from engine.config import EngineMode
 from engine.modeling.llama import LlamaModel
@@ -18,9 +18,9 @@ from vocabulary.tokenizer import Tokenizer
 
 @pytest.fixture()
 def split_args(
-    tiny_model_dir: Path, tiny_model: LlamaModel, tiny_tokenizer: Tokenizer
+    tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer
 ) -> tuple[Path, LlamaModel, Tokenizer, EngineMode]:
-    return tiny_model_dir, tiny_model, tiny_tokenizer, EngineMode.SPLIT
+    return tiny_model_dir, tiny_model, tokenizer, EngineMode.SPLIT
 
 
 def test_split_engine_greedy_tokens_match_transformers(

@@ -57,7 +57,7 @@ def one_rank_rounds(
 def test_tp_greedy_tokens_equal_one_rank(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
     size: int,
 ) -> None:
@@ -71,7 +71,7 @@ def test_tp_greedy_tokens_equal_one_rank(
         ranks.stop()
     assert all(status == "ok" for status, _ in results), results
     got = results[0][1]
-    want = one_rank_rounds(config, tiny_model, tiny_tokenizer, prompts)
+    want = one_rank_rounds(config, tiny_model, tokenizer, prompts)
     assert got["rounds"] == want["rounds"]
     cached = [c for _, c in got["rounds"][1]]
     assert sum(cached) > 0 and cached[0] == 32  # the 2-block shared prefix
@@ -123,7 +123,7 @@ def test_follower_failing_mid_forward_fails_every_rank(
 def test_follower_failing_after_its_last_all_reduce_fails_the_step_on_every_rank(
     tiny_model_dir: Path,
     tiny_model: LlamaModel,
-    tiny_tokenizer: Tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[list[int]],
 ) -> None:
     """Rank 1's head raises in its 3rd step: the ranks agree that the step failed, rank 0's
@@ -139,22 +139,20 @@ def test_follower_failing_after_its_last_all_reduce_fails_the_step_on_every_rank
     (_, error, message), tokens = leader[1]
     assert error == "TPStepError"
     assert "failed on TP rank 1: RuntimeError: injected fault in compute_logits" in message
-    one = LLMEngine(
-        replace(config, tensor_parallel_size=1), model=tiny_model, tokenizer=tiny_tokenizer
-    )
+    one = LLMEngine(replace(config, tensor_parallel_size=1), model=tiny_model, tokenizer=tokenizer)
     assert tokens == one.generate([prompts[3]], greedy(8))[0]
     assert follower[0] == "ok"
 
 
 def test_tp_fp8_weights_and_kv_follow_one_rank_under_the_margin_rule(
-    tiny_model_dir: Path, tiny_tokenizer: Tokenizer, prompts: list[list[int]]
+    tiny_model_dir: Path, tokenizer: Tokenizer, prompts: list[list[int]]
 ) -> None:
     """--quantization fp8 from the float32 checkpoint and an e4m3 KV pool at TP=2: the ranks
     agree on the calibration's max, so the KV scales are one rank's exactly."""
     config = tp_config(tiny_model_dir, 2, quantization="fp8", kv_cache_dtype="fp8")
     texts = prompts[:6]
     scenario = functools.partial(generate_then_teacher_force, texts, greedy(16))
-    one = LLMEngine(replace(config, tensor_parallel_size=1), tokenizer=tiny_tokenizer)
+    one = LLMEngine(replace(config, tensor_parallel_size=1), tokenizer=tokenizer)
     want = [t for t, _ in generate_rounds(texts, greedy(16), 1, one, None)["rounds"][0]]
     ranks = TPRanks(2, config, scenario).start()
     try:

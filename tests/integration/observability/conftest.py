@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from cpu_engine import cpu_engine
-from prometheus_server import PrometheusServer, require_prometheus
+from prometheus_server import Observed, PrometheusServer, require_prometheus
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
@@ -27,16 +26,6 @@ PROMPTS = (
 )
 """Shared prefixes (prefix-cache hits on the second of each pair)."""
 REQUESTS = 12
-
-
-@dataclass(frozen=True)
-class Observed:
-    prometheus: PrometheusServer
-    target: str
-    router_metrics_urls: tuple[str, ...]
-    controller_metrics_url: str
-    ray_address: str
-    ok_requests: int
 
 
 @pytest.fixture(scope="module")

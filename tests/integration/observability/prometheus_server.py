@@ -16,6 +16,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,15 @@ def _config(jobs: dict[str, list[str]]) -> dict[str, Any]:
             for job, urls in jobs.items()
         ],
     }
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A live cluster watched by Prometheus (the observability tests' `observed` fixture)."""
+
+    prometheus: PrometheusServer
+    target: str
+    router_metrics_urls: tuple[str, ...]
+    controller_metrics_url: str
+    ray_address: str
+    ok_requests: int

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import Observed
-from prometheus_server import DASHBOARD, REPO, RULES, host_port, require_prometheus
+from prometheus_server import DASHBOARD, REPO, RULES, Observed, host_port, require_prometheus
 from promql import alert_operands, dashboard_queries, rules
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cpu_engine import cpu_engine
+from directory_scope import stop_with_directory
 from router_harness import (
     KV_BLOCKS,
     MAX_MESSAGE_BYTES,
@@ -24,12 +25,10 @@ from router_harness import (
     TENANTS,
     TOKEN_GAP_S,
     LoraAdapters,
-    Reference,
     RouterCluster,
 )
 
 from admission.config import AdmissionConfig, AdmissionThresholds
-from vocabulary.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +48,10 @@ def lora_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def router_cluster(
-    ray_cluster: None, tiny_model_dir: Path, lora_adapters: LoraAdapters
+    request: pytest.FixtureRequest,
+    ray_cluster: None,
+    tiny_model_dir: Path,
+    lora_adapters: LoraAdapters,
 ) -> Iterator[RouterCluster]:
     import ray
 
@@ -84,6 +86,7 @@ def router_cluster(
         ),
     )
     cluster = Cluster(config)
+    stop_with_directory(request, cluster.stop)
     with cluster:
         ep = cluster.endpoint
         assert ep is not None
@@ -107,39 +110,3 @@ def router_cluster(
         finally:
             for ch in channels + admin_channels:
                 ch.close()
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="session")
-def corpus_ids(tokenizer: Tokenizer) -> list[int]:
-    """The bundled training text as token ids (~2,000 tokens): long text-like prompts."""
-    from deploy.checkpoints.make_model import __file__ as make_model_file
-
-    text = (Path(make_model_file).parent / "data" / "corpus.txt").read_text()
-    return tokenizer.encode(text)
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(tiny_model_dir: Path) -> Reference:
-    """transformers float32 greedy continuation (eos ignored, full recompute), memoized."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    @torch.inference_mode()
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in memo:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            memo[key] = ids[len(prompt) :]
-        return memo[key]
-
-    return greedy

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,6 @@ MAX_MESSAGE_BYTES = 4 << 20
 TOKEN_GAP_S = 10.0
 STALL_TIMEOUT_S = 5.0
 
-Reference = Callable[[list[int], int], list[int]]
 SERVED_LORA = "tiny-sql"
 """The LoRA adapter the shared cluster serves from the start (test_router_lora)."""
 

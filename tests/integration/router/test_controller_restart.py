@@ -11,8 +11,9 @@ import time
 import grpc
 import pytest
 import ray
+from references import Reference
 from router_client import generate, greedy_request
-from router_harness import Reference, RouterCluster
+from router_harness import RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 from vocabulary.worker_api import ACTOR_NAME_PREFIX

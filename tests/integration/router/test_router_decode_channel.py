@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 import pytest
 import ray
+from references import Reference
 from router_client import Streamed, greedy_request
-from router_harness import KV_BLOCKS, MAX_MODEL_LEN, Reference, RouterCluster
+from router_harness import KV_BLOCKS, MAX_MODEL_LEN, RouterCluster
 
 from admission.config import AdmissionConfig, AdmissionThresholds
 from deploy.control.worker_actors import create_worker

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import ray
+from references import Reference
 from router_client import generate, greedy_request, raw_generate, rpc_error
-from router_harness import Reference, RouterCluster
+from router_harness import RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 from vocabulary.worker_api import WorkerRole

@@ -12,8 +12,9 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from references import Reference
 from router_client import greedy_request, rpc_error
-from router_harness import Reference, RouterCluster
+from router_harness import RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 

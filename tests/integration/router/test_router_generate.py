@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from references import Reference
 from router_client import (
     Streamed,
     generate,
@@ -16,7 +17,7 @@ from router_client import (
     rpc_error,
     trailing,
 )
-from router_harness import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, Reference, RouterCluster
+from router_harness import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 from vocabulary.tokenizer import Tokenizer

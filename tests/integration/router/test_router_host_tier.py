@@ -14,8 +14,9 @@ import uuid
 import grpc
 import pytest
 import ray
+from references import Reference
 from router_client import generate, greedy_request
-from router_harness import KV_BLOCKS, Reference, RouterCluster
+from router_harness import KV_BLOCKS, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 from prefix_index.index import PrefixIndex

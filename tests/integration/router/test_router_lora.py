@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 import pytest
 from lora_reference import greedy, peft_model
+from references import Reference
 from router_client import Streamed, generate, greedy_request, rpc_error
-from router_harness import SERVED_LORA, LoraAdapters, Reference, RouterCluster
+from router_harness import SERVED_LORA, LoraAdapters, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
 from vocabulary.worker_api import WorkerRole

@@ -8,8 +8,9 @@ import time
 import uuid
 
 import ray
+from references import Reference
 from router_client import generate, greedy_request
-from router_harness import Reference, RouterCluster
+from router_harness import RouterCluster
 
 from prefix_index.index import PrefixIndex
 from vocabulary.block_hash import BlockHash, hash_chain, hash_extra

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Reference
 from cpu_engine import cpu_engine
+from references import Reference
 from router_client import generate, greedy_request
 
 from pdserve.v1 import serving_pb2 as pb

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from certs import make_certs
 from cpu_engine import cpu_engine
+from directory_scope import stop_with_directory
 from secure_harness import ADMIN_KEY, KEYS, SLOW_BURST_TOKENS, SecureCluster, bearer
 
 from admission.config import AdmissionConfig, AdmissionThresholds, TenantLimit
@@ -20,6 +21,7 @@ from admission.config import AdmissionConfig, AdmissionThresholds, TenantLimit
 
 @pytest.fixture(scope="session")
 def secure_cluster(
+    request: pytest.FixtureRequest,
     ray_cluster: None,
     tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
@@ -63,6 +65,7 @@ def secure_cluster(
     os.environ["PDSERVE_ADMIN_KEY"] = ADMIN_KEY
     try:
         cluster = Cluster(config)
+        stop_with_directory(request, cluster.stop)
         cluster.start()
     finally:
         if before is None:

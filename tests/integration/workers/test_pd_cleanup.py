@@ -11,7 +11,6 @@ import random
 
 import pytest
 import ray
-from conftest import Reference, Workers
 from pd_client import (
     NUM_KV_BLOCKS,
     consume,
@@ -26,6 +25,8 @@ from pd_client import (
     wait_idle_async,
     wait_until,
 )
+from references import Reference
+from workers_harness import Workers
 
 from vocabulary.decode_api import TokenChunk
 from vocabulary.engine_io import FinishReason
@@ -132,7 +133,7 @@ def test_abort_ends_decode_streams_with_finish_reason_abort_and_frees_every_bloc
 
 
 def test_cancel_and_abort_mid_transfer_free_every_block(
-    workers: Workers, tokenizer, hf_greedy: Reference
+    workers: Workers, tokenizer, hf_greedy_to_eos: Reference
 ) -> None:
     """Reads that have not completed (held by the test gate) and transfers queued behind
     them (4-block budget) are cancelled or aborted; the one left alone completes."""
@@ -184,7 +185,7 @@ def test_cancel_and_abort_mid_transfer_free_every_block(
             await d.open_gate.remote()
             chunks = await consume(gens[3])
             tokens = [results[3].first_token_id] + [t for c in chunks for t in c.token_ids]
-            assert tokens == hf_greedy(prompts[3], 12)
+            assert tokens == hf_greedy_to_eos(prompts[3], 12)
             await wait_idle_async(p, d)
 
         asyncio.run(run())
@@ -251,7 +252,7 @@ def test_abort_while_waiting_for_decode_kv_blocks_frees_every_block(workers: Wor
 
 
 def test_a_fully_reused_prompt_ends_its_prefill_lease_promptly(
-    workers: Workers, tokenizer, hf_greedy: Reference
+    workers: Workers, tokenizer, hf_greedy_to_eos: Reference
 ) -> None:
     """A decode worker that already caches every block of a prompt reads nothing: its
     `done` notice alone ends the prefill lease, well before `lease_s` (30 s here), even
@@ -269,7 +270,7 @@ def test_a_fully_reused_prompt_ends_its_prefill_lease_promptly(
         local = await serve(None, d, "reuse-local", prompt, greedy(4), salt)  # caches 3 blocks
         pulled = await serve(p, d, "reuse-pulled", prompt, greedy(4), salt)
         assert pulled.chunks[0].num_transferred_tokens == 0
-        assert pulled.token_ids == local.token_ids == hf_greedy(prompt, 4)
+        assert pulled.token_ids == local.token_ids == hf_greedy_to_eos(prompt, 4)
         await wait_idle_async(d)
         await wait_idle_async(p, timeout_s=LEASE_NOTICE_S)
 
@@ -314,7 +315,7 @@ def test_prefill_abort_frees_queued_work_and_held_leases(workers: Workers) -> No
 
 
 def test_decode_drain_finishes_in_flight_streams_and_refuses_new_ones(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     p, d = workers.p1, workers.d1
     prompts = corpus_prompts[16:20]
@@ -341,7 +342,7 @@ def test_decode_drain_finishes_in_flight_streams_and_refuses_new_ones(
         for r, x, g, first in zip(results, prompts, gens, firsts, strict=True):
             chunks = [first, *await consume(g)]
             tokens = [r.first_token_id] + [t for c in chunks if c is not None for t in c.token_ids]
-            assert tokens == hf_greedy(x, 24)
+            assert tokens == hf_greedy_to_eos(x, 24)
         assert await asyncio.wait_for(drained, SHORT_WAIT_S) is True
         await d.undrain.remote()
         assert load(d).state is WorkerState.READY
@@ -349,7 +350,7 @@ def test_decode_drain_finishes_in_flight_streams_and_refuses_new_ones(
         after_req = decode_request("drain-d-after", prompts[1], greedy(24), result)
         chunks = await consume(open_stream(d, after_req))
         tokens = [result.first_token_id] + [t for c in chunks for t in c.token_ids]
-        assert tokens == hf_greedy(prompts[1], 24)
+        assert tokens == hf_greedy_to_eos(prompts[1], 24)
 
     asyncio.run(run())
     wait_idle(p, d)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import ray
-from conftest import Reference, Workers
 from pd_client import (
     consume,
     decode_request,
@@ -20,6 +19,8 @@ from pd_client import (
     serve,
     wait_idle,
 )
+from references import Reference
+from workers_harness import Workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +29,7 @@ ERROR_WITHIN_S = 30.0
 
 
 def test_killing_a_decode_actor_mid_stream_ends_its_streams_with_an_actor_error(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     p, victim = workers.p0, workers.victim
     prompts = corpus_prompts[24:30]
@@ -63,5 +64,5 @@ def test_killing_a_decode_actor_mid_stream_ends_its_streams_with_an_actor_error(
     # The hand-offs had completed before the kill, so no lease waits for expiry.
     wait_idle(p)
     survivor = asyncio.run(serve(p, workers.d0, "kill-after", prompts[0], greedy(24)))
-    assert survivor.token_ids == hf_greedy(prompts[0], 24)
+    assert survivor.token_ids == hf_greedy_to_eos(prompts[0], 24)
     wait_idle(p, workers.d0)

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import ray
-from conftest import PLACEMENT, START_TIMEOUT_S, Workers, worker_config
 from pd_client import greedy, serve, wait_idle
+from workers_harness import PLACEMENT, START_TIMEOUT_S, Workers, worker_config
 
 from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig

@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 import ray
-from conftest import Reference, Workers
 from pd_client import Served, greedy, load, serve, wait_idle
+from references import Reference
+from workers_harness import Workers
 
 from vocabulary.engine_io import FinishReason
 
@@ -19,10 +20,10 @@ MAX_TOKENS = 24
 
 
 def check_against_transformers(
-    served: list[Served], prompts: list[list[int]], hf_greedy: Reference
+    served: list[Served], prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     for i, (s, prompt) in enumerate(zip(served, prompts, strict=True)):
-        expected = hf_greedy(prompt, MAX_TOKENS)
+        expected = hf_greedy_to_eos(prompt, MAX_TOKENS)
         assert s.token_ids == expected, f"request {i} ({len(prompt)} prompt tokens)"
         final = s.chunks[-1] if s.chunks else s.prefill
         assert final is not None and final.finish_reason is not None
@@ -42,12 +43,12 @@ async def serve_all(pairs: list[tuple[object, object]], prompts: list[list[int]]
 
 
 def test_1p1d_32_concurrent_greedy_requests_match_transformers(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     stats_before = ray.get(workers.d0.transfer_stats.remote(), timeout=30)
     pairs = [(workers.p0, workers.d0)] * len(corpus_prompts)
     served = asyncio.run(serve_all(pairs, corpus_prompts, "1p1d"))
-    check_against_transformers(served, corpus_prompts, hf_greedy)
+    check_against_transformers(served, corpus_prompts, hf_greedy_to_eos)
     assert any(len(s.token_ids) < MAX_TOKENS for s in served), "no request ended on eos"
     stats = ray.get(workers.d0.transfer_stats.remote(), timeout=30)
     pulled = sum(1 for s in served if s.chunks)
@@ -57,14 +58,14 @@ def test_1p1d_32_concurrent_greedy_requests_match_transformers(
 
 
 def test_2p2d_32_concurrent_greedy_requests_match_transformers(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     prefills, decodes = (workers.p0, workers.p1), (workers.d0, workers.d1)
     before = {w: load(w).requests_done for w in (*prefills, *decodes)}
     # Request i: prefill on p[i % 2], decode on d[(i // 2) % 2]: every pairing serves 8.
     pairs = [(prefills[i % 2], decodes[(i // 2) % 2]) for i in range(len(corpus_prompts))]
     served = asyncio.run(serve_all(pairs, corpus_prompts, "2p2d"))
-    check_against_transformers(served, corpus_prompts, hf_greedy)
+    check_against_transformers(served, corpus_prompts, hf_greedy_to_eos)
     assert {(s.prefill.worker_id if s.prefill else None) for s in served} == {"p0", "p1"}
     for w in (*prefills, *decodes):
         assert load(w).requests_done - before[w] >= 8
@@ -72,11 +73,11 @@ def test_2p2d_32_concurrent_greedy_requests_match_transformers(
 
 
 def test_colocated_decode_worker_prefills_locally_and_matches_transformers(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     pairs = [(None, workers.d1)] * len(corpus_prompts)
     served = asyncio.run(serve_all(pairs, corpus_prompts, "colocated"))
-    check_against_transformers(served, corpus_prompts, hf_greedy)
+    check_against_transformers(served, corpus_prompts, hf_greedy_to_eos)
     for s, prompt in zip(served, corpus_prompts, strict=True):
         first = s.chunks[0]
         assert first.num_transferred_tokens == 0 and first.transfer_s == 0.0
@@ -85,7 +86,7 @@ def test_colocated_decode_worker_prefills_locally_and_matches_transformers(
 
 
 def test_decode_worker_pulls_only_the_blocks_it_does_not_cache(
-    workers: Workers, tokenizer, hf_greedy: Reference
+    workers: Workers, tokenizer, hf_greedy_to_eos: Reference
 ) -> None:
     salt = "shared-prefix-test"  # hashes no other test's blocks share
     text = (
@@ -122,5 +123,5 @@ def test_decode_worker_pulls_only_the_blocks_it_does_not_cache(
         3,
     )
     assert second.chunks[0].num_transferred_tokens == len(b) - 48
-    assert second.token_ids == hf_greedy(b, 8)
+    assert second.token_ids == hf_greedy_to_eos(b, 8)
     wait_idle(workers.p0, workers.p1, workers.d0)

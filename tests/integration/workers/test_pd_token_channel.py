@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import ray
 from channel_client import ChannelReader, engine_blocks, request_of
-from conftest import PLACEMENT, START_TIMEOUT_S, Reference, Workers, worker_config
 from pd_client import decode_request, greedy, load, prefill, wait_idle, wait_idle_async
+from references import Reference
+from workers_harness import PLACEMENT, START_TIMEOUT_S, Workers, worker_config
 
 from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig
@@ -37,7 +38,7 @@ def channel_id(tag: str) -> str:
 
 
 def test_32_concurrent_requests_on_one_channel_each_get_exactly_their_own_tokens(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     """Half the requests are pulled from two prefill workers, half prefilled on the decode
     worker; all share one channel, so most batches carry several requests' tokens."""
@@ -70,7 +71,7 @@ def test_32_concurrent_requests_on_one_channel_each_get_exactly_their_own_tokens
                 items = reader.items[rid]
                 assert all(isinstance(c, TokenChunk) for c in items), items
                 chunks: list[TokenChunk] = items  # type: ignore[assignment]
-                expected = hf_greedy(prompt, MAX_TOKENS)
+                expected = hf_greedy_to_eos(prompt, MAX_TOKENS)
                 first_token = [] if i % 2 else [expected[0]]  # pulled: sent by the prefill
                 assert first_token + reader.tokens(rid) == expected, f"request {i}"
                 assert all(c.finish_reason is None for c in chunks[:-1])
@@ -98,14 +99,14 @@ def test_32_concurrent_requests_on_one_channel_each_get_exactly_their_own_tokens
 
 
 def test_an_aborted_request_frees_its_blocks_while_the_others_on_its_channel_go_on(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     """The router cancels a request with `abort`: it ends with an ABORT chunk on the
     channel, every block it held is free again (all blocks in use belong to the other
     requests) while those are still decoding, and they finish with exactly their tokens."""
     d, p = workers.d0, workers.p1
     n = 48
-    long_runs = [x for x in corpus_prompts if len(x) > 8 and len(hf_greedy(x, n)) == n][:3]
+    long_runs = [x for x in corpus_prompts if len(x) > 8 and len(hf_greedy_to_eos(x, n)) == n][:3]
     assert len(long_runs) == 3, "need 3 prompts that do not end on eos within 48 tokens"
     victim_prompt = [t for x in corpus_prompts[:12] for t in x][:300]  # 19 blocks
     salt = uuid.uuid4().hex  # no block shared with anything: per-request counts add up
@@ -145,7 +146,7 @@ def test_an_aborted_request_frees_its_blocks_while_the_others_on_its_channel_go_
             assert any(rid in keep for rid, _ in reader.seq[at_abort + 1 :])
             for i, rid in enumerate(keep):
                 first = [pulled[i].first_token_id] if i < 2 else []
-                assert first + reader.tokens(rid) == hf_greedy(long_runs[i], n), rid
+                assert first + reader.tokens(rid) == hf_greedy_to_eos(long_runs[i], n), rid
             (info,) = [c for c in await d.channels.remote() if c.channel_id == reader.channel_id]
             assert info.open_requests == 0
         finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
+from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
 
 from deploy.control.cluster_controller import controller_options
 from deploy.control.worker_actors import NO_TASK_EVENTS, create_worker

@@ -9,8 +9,9 @@ import asyncio
 import uuid
 
 import pytest
-from conftest import Reference, Workers
 from pd_client import decode_request, greedy, wait_idle
+from references import Reference
+from workers_harness import Workers
 
 from router.decode_channel import DecodeChannel
 
@@ -20,7 +21,7 @@ MAX_TOKENS = 24
 
 
 def test_requests_across_subscription_rotations_get_exactly_their_tokens(
-    workers: Workers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     d = workers.d0
     prefix = f"rotating-{uuid.uuid4().hex[:8]}"
@@ -50,7 +51,7 @@ def test_requests_across_subscription_rotations_get_exactly_their_tokens(
         try:
             outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-                assert out == hf_greedy(prompt, MAX_TOKENS), f"request {i}"
+                assert out == hf_greedy_to_eos(prompt, MAX_TOKENS), f"request {i}"
             assert channel.num_subscriptions >= 3 and max(draining) > 0  # rotated mid-stream
             assert channel.num_open == 0 and channel.num_draining == 0
             await asyncio.sleep(0.5)  # the drained subscriptions' cancellations land

@@ -28,8 +28,8 @@ from typing import Any
 import grpc
 import pytest
 import ray
-from conftest import Reference
 from cpu_engine import cpu_engine
+from references import Reference
 
 from deploy.control.worker_actors import follower_name, tp_group_name
 from pdserve.v1 import serving_pb2 as pb
@@ -111,7 +111,7 @@ def idle(handle: Any) -> bool:
 
 
 def test_a_tp2_prefill_worker_serves_the_cluster_as_one_worker_token_exact(
-    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy: Reference
+    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     status = tp_cluster.admin.Status(pb.StatusRequest(), timeout=30)
     assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
@@ -131,13 +131,13 @@ def test_a_tp2_prefill_worker_serves_the_cluster_as_one_worker_token_exact(
     for t in threads:
         t.join(120)
     for i, prompt in enumerate(prompts):
-        assert results[i] == hf_greedy(prompt, MAX_TOKENS), f"request {i}"
+        assert results[i] == hf_greedy_to_eos(prompt, MAX_TOKENS), f"request {i}"
     for _, handle in workers(tp_cluster).values():
         wait(lambda h=handle: idle(h), "idle baseline", 30)
 
 
 def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces_all_of_it(
-    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy: Reference
+    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     old = prefill_id(tp_cluster)
     old_group = ray.util.get_placement_group(tp_group_name(old, "tp-tests"))
@@ -161,7 +161,7 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
         if isinstance(got, grpc.RpcError):
             assert got.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
         else:
-            assert got == hf_greedy(prompts[i], MAX_TOKENS), f"request {i}"
+            assert got == hf_greedy_to_eos(prompts[i], MAX_TOKENS), f"request {i}"
     wait(lambda: old not in workers(tp_cluster), f"{old} out of placement", 60)
     wait(lambda: any(w != old for w in prefill_ids(tp_cluster)), "a replacement", 180)
     new = prefill_id(tp_cluster)
@@ -181,7 +181,7 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_the_controller_replaces
     for _, handle in workers(tp_cluster).values():
         wait(lambda h=handle: idle(h), "idle baseline", 30)
     for prompt in corpus_prompts[14:17]:
-        assert generate(tp_cluster, prompt) == hf_greedy(prompt, MAX_TOKENS)
+        assert generate(tp_cluster, prompt) == hf_greedy_to_eos(prompt, MAX_TOKENS)
 
 
 def prefill_ids(c: TPCluster) -> list[str]:
@@ -217,7 +217,7 @@ class Bystander:
 
 
 def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
-    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy: Reference
+    tp_cluster: TPCluster, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     controller = tp_cluster.cluster.controller
     before = workers(tp_cluster)
@@ -259,7 +259,7 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
 
     wait(listed, "the adopted TP worker in the cluster status", 60)
     for prompt in corpus_prompts[17:20]:
-        assert generate(tp_cluster, prompt) == hf_greedy(prompt, MAX_TOKENS)
+        assert generate(tp_cluster, prompt) == hf_greedy_to_eos(prompt, MAX_TOKENS)
     # the tests after this one rebalance and stop the cluster through the restarted controller
 
 

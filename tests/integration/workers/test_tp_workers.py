@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 import ray
-from conftest import PLACEMENT, START_TIMEOUT_S, Reference, worker_config
 from pd_client import greedy, serve, wait_idle
+from references import Reference
+from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
 
 from deploy.control.worker_actors import create_worker, follower_name, stop_worker, tp_group_name
 from kv_transfer.config import KVTransferConfig
@@ -90,7 +91,7 @@ def serve_all(p: Any, d: Any, prompts: list[list[int]], tag: str) -> list[list[i
 def test_hand_offs_across_tp_layouts_give_transformers_tokens_and_leave_every_rank_idle(
     tp_workers: TPWorkers,
     corpus_prompts: list[list[int]],
-    hf_greedy: Reference,
+    hf_greedy_to_eos: Reference,
     prefill: str,
     decode: str,
 ) -> None:
@@ -98,7 +99,7 @@ def test_hand_offs_across_tp_layouts_give_transformers_tokens_and_leave_every_ra
     prompts = corpus_prompts[:8]
     got = serve_all(p, d, prompts, f"{prefill}{decode}")
     for i, (tokens, prompt) in enumerate(zip(got, prompts, strict=True)):
-        assert tokens == hf_greedy(prompt, MAX_TOKENS), f"request {i}"
+        assert tokens == hf_greedy_to_eos(prompt, MAX_TOKENS), f"request {i}"
     stats = ray.get(d.transfer_stats.remote(), timeout=30)
     assert stats.transfers_done > 0 and stats.transfers_failed == 0
     wait_idle(p, d)
@@ -108,11 +109,11 @@ def test_hand_offs_across_tp_layouts_give_transformers_tokens_and_leave_every_ra
 
 
 def test_a_tp_decode_worker_prefills_locally_token_exact(
-    tp_workers: TPWorkers, corpus_prompts: list[list[int]], hf_greedy: Reference
+    tp_workers: TPWorkers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
     prompts = corpus_prompts[8:12]
     got = serve_all(None, tp_workers.d2, prompts, "local")
-    assert got == [hf_greedy(x, MAX_TOKENS) for x in prompts]
+    assert got == [hf_greedy_to_eos(x, MAX_TOKENS) for x in prompts]
     wait_idle(tp_workers.d2)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import ray
-from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
+from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
 
 from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig

@@ -7,8 +7,8 @@ import time
 
 import pytest
 import ray
-from conftest import Workers
 from pd_client import wait_idle
+from workers_harness import Workers
 
 pytestmark = pytest.mark.timeout(120)
 

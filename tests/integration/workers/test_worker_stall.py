@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from conftest import PLACEMENT, START_TIMEOUT_S, worker_config
+from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
 
 from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig

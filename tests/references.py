@@ -1,0 +1,45 @@
+"""transformers float32 on the tiny checkpoint: the reference every exactness test compares
+pdserve's greedy tokens with (the root conftest's `hf_greedy` and `hf_greedy_to_eos`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+Reference = Callable[[list[int], int], list[int]]
+"""(prompt ids, max tokens) -> the reference's output ids."""
+
+
+def greedy_reference(model_dir: Path, stop_at_eos: bool) -> Reference:
+    """Memoized greedy continuations of transformers' float32 model in `model_dir`.
+
+    `stop_at_eos` False: a full recompute each token (no generation-config behaviour: eos
+    ignored, no cache), as a request with `ignore_eos` runs. True: `generate`, which stops
+    after eos, as a request without `ignore_eos` does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key in memo:
+            return memo[key]
+        if stop_at_eos:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+            )
+            memo[key] = out[0, len(prompt) :].tolist()
+        else:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            memo[key] = ids[len(prompt) :]
+        return memo[key]
+
+    return greedy
