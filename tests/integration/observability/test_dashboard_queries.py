@@ -101,6 +101,7 @@ def test_observe_script_points_prometheus_at_the_routers_and_the_controller(
         model_dir="",
         log="",
         ray_address=observed.ray_address,
+        cluster_name="observed-tests",
     )
     state_file.write_text(json.dumps(asdict(state)))
     env = {**os.environ, "PDSERVE_STATE_FILE": str(state_file), "OBSERVE_DIR": str(tmp_path)}

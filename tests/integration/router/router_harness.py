@@ -49,6 +49,15 @@ class RouterCluster:
     admin_targets: tuple[str, ...] = ()
     """Each router's admin plane (the Admin service has its own port)."""
     admin_channels: list[grpc.Channel] = field(default_factory=list)
+    name: str = "router-tests"
+    """`cluster.name`: the Ray namespace of its actors, the prefix of its index keys."""
+
+    def prefix_index(self) -> Any:
+        """A client of the cluster's prefix index (its keys under the cluster's name)."""
+        from prefix_index.config import PrefixIndexConfig
+        from prefix_index.index import PrefixIndex
+
+        return PrefixIndex(self.redis_url, self.model_id, PrefixIndexConfig(key_prefix=self.name))
 
     def channel(self, router: int = 0) -> grpc.Channel:
         return self.channels[router]

@@ -315,7 +315,7 @@ def _index_holds(rc: RouterCluster, worker_id: str) -> bool:
     r = redis.Redis.from_url(rc.redis_url)
     try:
         return any(worker_id.encode() in k or r.sismember(k, worker_id)
-                   for k in r.scan_iter(match=f"pdserve:{rc.model_id}:*", count=1000)
+                   for k in r.scan_iter(match=f"{rc.name}:{rc.model_id}:*", count=1000)
                    if r.type(k) == b"set")  # fmt: skip
     finally:
         r.close()

@@ -19,7 +19,6 @@ from router_client import generate, greedy_request
 from router_harness import KV_BLOCKS, RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
-from prefix_index.index import PrefixIndex
 from vocabulary.block_hash import BlockHash, hash_chain, hash_extra
 from vocabulary.prefill_api import PrefillRequest
 from vocabulary.sampling import SamplingParams
@@ -57,7 +56,7 @@ def host_only_prefix(
         cycled += len(filler) // BLOCK
         if cycled > 2 * KV_BLOCKS:
             break
-    index = PrefixIndex(cluster.redis_url, cluster.model_id)
+    index = cluster.prefix_index()
     chain = _chain(cluster, prefix, salt)
     try:
         end = time.monotonic() + 15
@@ -119,7 +118,7 @@ def test_a_cancel_racing_the_onboard_leaves_both_tiers_at_baseline(
     tier = loads[holder].engine.host_tier
     assert tier is not None and tier.num_pinned == 0
     # nothing was lost: the holder still holds the whole prefix, in one tier or the other
-    index = PrefixIndex(router_cluster.redis_url, router_cluster.model_id)
+    index = router_cluster.prefix_index()
     try:
         chain = _chain(router_cluster, prefix, salt)
         end = time.monotonic() + 15

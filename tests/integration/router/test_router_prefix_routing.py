@@ -57,7 +57,7 @@ def test_shared_prefix_goes_to_the_prefill_worker_that_holds_it(
     seeded = ray.get(handle.prefill.remote(seed), timeout=60)
     assert seeded.handle is not None
     ray.get(handle.abort.remote("seed-prefix"), timeout=30)  # end the lease: blocks stay cached
-    index = PrefixIndex(router_cluster.redis_url, router_cluster.model_id)
+    index = router_cluster.prefix_index()
     try:
         _wait_indexed(index, _chain(router_cluster, prefix, salt), holder)
         match = index.lookup(_chain(router_cluster, prompt, salt))
@@ -86,7 +86,7 @@ def test_second_request_sharing_a_long_prefix_lands_on_the_first_ones_worker(
     first = generate(stub, **greedy_request(first_prompt, 4, cache_salt=salt))
     worker = first.final.timings.prefill_worker
     assert worker in router_cluster.worker_ids(WorkerRole.PREFILL)
-    index = PrefixIndex(router_cluster.redis_url, router_cluster.model_id)
+    index = router_cluster.prefix_index()
     try:
         _wait_indexed(index, _chain(router_cluster, first_prompt, salt), worker)
     finally:

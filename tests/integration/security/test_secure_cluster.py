@@ -352,7 +352,7 @@ def test_index_keys_are_sha256_block_hashes(secure_cluster: SecureCluster) -> No
 
     generate(secure_cluster, KEYS["acme"], token_ids=prompt(16))
     client = redis.Redis.from_url(secure_cluster.redis_url, socket_timeout=5)
-    prefix = f"pdserve:{secure_cluster.model_id}:blk:"
+    prefix = f"security-tests:{secure_cluster.model_id}:blk:"
     deadline = time.monotonic() + 10
     keys: list[bytes] = []
     while not keys and time.monotonic() < deadline:  # published by the workers' KV events

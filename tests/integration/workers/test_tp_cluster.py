@@ -225,7 +225,9 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
     ranks = rank_actors()
     assert {follower_name(tp_id, 1), tp_group_name(tp_id, "tp-tests")} <= ranks
     # a worker-named actor that some other code started in the namespace: not the cluster's
-    bystander = Bystander.options(name=f"{ACTOR_NAME_PREFIX}bystander").remote()  # type: ignore[attr-defined]
+    bystander = Bystander.options(  # type: ignore[attr-defined]
+        name=f"{ACTOR_NAME_PREFIX}bystander", namespace="tp-tests"
+    ).remote()
     ray.kill(controller, no_restart=False)  # dies; Ray makes it again from the same spec
 
     def restarted() -> bool:
