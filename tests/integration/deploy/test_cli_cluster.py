@@ -116,6 +116,12 @@ def test_generate_streams_then_status_table_shows_latency(cli_cluster: CliCluste
     )
     assert result.exit_code == 0, result.output
     assert "TTFT" in result.output and "prefill prefill-" in result.output
+    # the control log follows the controller about once a second (later on a loaded machine)
+    cli_cluster.wait_for(
+        lambda st: any("worker prefill-0 (prefill) ready" in e for e in st["events"]),
+        30,
+        "prefill-0's ready event",
+    )
     table = cli_cluster.cli("status")
     assert table.exit_code == 0, table.output
     header = table.output.splitlines()[2]
