@@ -55,7 +55,8 @@ class CliCluster:
     def status(self) -> dict[str, Any]:
         result = self.cli("status", "--json")
         assert result.exit_code == 0, result.output
-        return dict(json.loads(result.output))
+        # (the JSON; a line an actor of this test process's Ray logs meanwhile may follow it)
+        return dict(json.JSONDecoder().raw_decode(result.output)[0])
 
     def workers(self, role: str | None = None) -> list[dict[str, Any]]:
         return [w for w in self.status()["workers"] if role is None or w["role"] == role]
