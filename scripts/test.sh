@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 rc=0
 workers=${PDSERVE_TEST_WORKERS:-2}
 xdist=()
-[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadgroup)
+[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadscope --no-loadscope-reorder)  # units, order: tests/conftest.py
 python -m pytest "${xdist[@]}" "$@" || rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests: failing" >&2; fi
 exit "$rc"

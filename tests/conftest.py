@@ -43,15 +43,42 @@ if not HAS_CUDA:  # on a GPU host UCX must pick cuda_ipc itself: a UCX_TLS witho
 
 
 # Directories whose tests share one session-scoped cluster: under pytest-xdist
-# (`scripts/test.sh` runs `-n 2 --dist loadgroup`) each runs on one worker, which starts that
-# cluster once; every other test file is a group of its own (its module fixtures start once).
-SHARED_CLUSTER_DIRS = ("integration/router", "integration/security", "integration/workers")
+# (`scripts/test.sh` runs `-n 2`) each runs on one worker, which starts that cluster once;
+# every other test file is a unit of its own (its module fixtures start once).
+SHARED_CLUSTER_DIRS = ("tests/integration/router", "tests/integration/security",
+                       "tests/integration/workers")  # fmt: skip
 
 
-def xdist_group(path: Path) -> str:
-    """The pytest-xdist group of a test file."""
-    rel = path.relative_to(Path(__file__).parent).as_posix()
-    return next((d for d in SHARED_CLUSTER_DIRS if rel.startswith(d + "/")), rel)
+LONG_FIRST = (
+    "tests/integration/router",
+    "tests/integration/chaos/test_chaos_run.py",
+    "tests/integration/deploy/test_autoscaling.py",
+    "tests/integration/workers",
+    "tests/integration/deploy/test_cli_cluster.py",
+)
+"""Units that take a minute or more, started first so that no worker is left with one of
+them at the end (`scripts/test.sh` keeps the collection's order: --no-loadscope-reorder)."""
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit pytest-xdist sends to one worker: the test's shared-cluster directory, or its
+    file."""
+    path = nodeid.split("::", 1)[0]
+    return next((d for d in SHARED_CLUSTER_DIRS if path.startswith(d + "/")), path)
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # (the GPU machine runs tests/gpu without pytest-xdist)
+    pass
+else:
+
+    class _DirectoryScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling:
+        return _DirectoryScopeScheduling(config, log)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
@@ -59,8 +86,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
+    def rank(item: pytest.Item) -> int:
+        scope = xdist_scope(item.nodeid)
+        return next((i for i, s in enumerate(LONG_FIRST) if scope.startswith(s)), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
