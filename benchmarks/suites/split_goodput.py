@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{split.decode_sms}/{split.prefill_sms}" if split and split.partitioned else "-",
             f"{split.handoff_us_mean:.0f}/{split.handoff_us_max:.0f}" if split else "-",
         ])  # fmt: skip
+        print(" | ".join(rows[-1]), flush=True)  # (a run cut short keeps what it measured)
         engine.close()
         del engine
         gc.collect()

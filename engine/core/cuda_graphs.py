@@ -194,7 +194,12 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, into one shared memory pool (with LoRA weights,
-        each size's LoRA graph too)."""
+        each size's LoRA graph too). Captured on the current stream when that is not the
+        default one: a graph runs on the SMs of the stream it was captured on, whatever
+        stream replays it, so a split engine captures its decode graphs inside its decode
+        partition (docs/benchmarks.md, "Split worker")."""
+        current = torch.cuda.current_stream()
+        capture_stream = None if current == torch.cuda.default_stream() else current
         warm = ScheduledBatch(
             (SeqChunk("cuda-graph-warmup", (0,), start_pos=0, block_ids=(0,), sample=True),)
         )
@@ -212,7 +217,7 @@ class DecodeGraphs:
                     self._body(step, with_lora)  # JIT, lazy buffers: never inside a capture
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                     logits = self._body(step, with_lora)
                 graphs, outputs = self._variant(with_lora)
                 graphs[size], outputs[size] = graph, logits

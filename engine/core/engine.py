@@ -55,6 +55,7 @@ from engine.core.request_limits import RequestLimits
 from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.core.sampler import Sampler, SamplingRow
 from engine.core.scheduler import Scheduler
+from engine.core.sm_split import SMSplit
 from engine.core.stop_checker import StopChecker
 from engine.core.tp_runner import TPLeader
 from engine.kv.block_pool import BlockPool
@@ -106,10 +107,15 @@ class LLMEngine:
             dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
         )
         self.max_model_len = serving_max_model_len(config, self.model_config)
-        parts = build_rank(
-            config, self.model_config, device, dtype, self.tokenizer, tp=tp, model=model,
-            lora_weights=self.loras.weights,
-        )  # fmt: skip
+        split = (
+            SMSplit(device, config.split_decode_sms) if config.mode is EngineMode.SPLIT else None
+        )
+        with split.decode() if split is not None else contextlib.nullcontext():
+            # (a split engine's decode graphs are captured in, and run on, its decode SMs)
+            parts = build_rank(
+                config, self.model_config, device, dtype, self.tokenizer, tp=tp, model=model,
+                lora_weights=self.loras.weights,
+            )  # fmt: skip
         self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
         self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
         self.step_runner: ModelRunner | TPLeader = self.tp_leader or self.runner
@@ -137,8 +143,8 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
         self.prefill_lane = None
-        if config.mode is EngineMode.SPLIT:
-            self.prefill_lane = PrefillLane.build(self, device)
+        if split is not None:
+            self.prefill_lane = PrefillLane.build(self, device, split)
         """A split engine's prefill loop (engine/core/prefill_lane.py); None otherwise."""
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,

@@ -75,6 +75,7 @@ class LaneHost(Protocol):
     model: LlamaModel
     kv_cache: KVCache
     scheduler: Scheduler
+    runner: ModelRunner
     _latest_launch: InflightStep | None
 
     def _launch(
@@ -113,9 +114,9 @@ class PrefillLane:
         self._handoff_s: deque[float] = deque(maxlen=1024)
 
     @classmethod
-    def build(cls, engine: LaneHost, device: torch.device) -> PrefillLane:
+    def build(cls, engine: LaneHost, device: torch.device, streams: SMSplit) -> PrefillLane:
         """The prefill loop of `engine`: its own scheduler (leaving the decode loop room to
-        grow) and eager runner over the engine's pool, and the streams of both loops."""
+        grow) and eager runner over the engine's pool, on `streams` (both loops')."""
         config = engine.config
         headroom = config.split_decode_headroom_blocks
         scheduler = Scheduler(
@@ -132,9 +133,12 @@ class PrefillLane:
             engine.model, engine.kv_cache, replace(config, cuda_graphs=False), engine.loras.weights
         )
         sampler = Sampler(config.seed + 1, device, engine.model_config.vocab_size)
-        streams = SMSplit(device, config.split_decode_sms)
         adaptive = None
-        if streams.partitioned and not config.split_decode_sms:
+        # The decode loop's CUDA graphs run on the partition they were captured in
+        # (engine/core/cuda_graphs.py): with them the split stays as it was made (an adaptive
+        # split needs graphs for every share it moves between, which are not made yet).
+        graphs = engine.runner.graphs is not None
+        if streams.partitioned and not config.split_decode_sms and not graphs:
             curve = BandwidthCurve.saturating(streams.total_sms, hbm_bytes_per_s(device))
             spec = engine.kv_cache.spec
             adaptive = Adaptive(

@@ -72,7 +72,7 @@ def test_an_engine_serves_the_70b_fp8_dummy_model_with_its_kv_pool_in_the_rest(
     )
     assert len(tokens) == 4
     print(
-        f"70B FP8 dummy: weights {engine.modeling.llama.weight_bytes / GIB:.1f} GiB, KV pool "
-        f"{engine.kv.kv_cache.spec.nbytes / GIB:.1f} GiB ({engine.kv.kv_cache.spec.dtype}), "
+        f"70B FP8 dummy: weights {engine.model.weight_bytes / GIB:.1f} GiB, KV pool "
+        f"{engine.kv_cache.spec.nbytes / GIB:.1f} GiB ({engine.kv_cache.spec.dtype}), "
         f"free {free / GIB:.1f} of {total / GIB:.1f} GiB"
     )
