@@ -67,18 +67,23 @@ def xdist_scope(nodeid: str) -> str:
     return next((d for d in SHARED_CLUSTER_DIRS if path.startswith(d + "/")), path)
 
 
-try:
-    from xdist.scheduler import LoadScopeScheduling
-except ImportError:  # (the GPU machine runs tests/gpu without pytest-xdist)
-    pass
-else:
+class _UnitScheduling:
+    """pytest-xdist's loadscope scheduling over `xdist_scope`'s units (registered only where
+    the xdist plugin runs: the GPU machine has none, `-p no:xdist` turns it off)."""
 
-    class _DirectoryScopeScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return xdist_scope(nodeid)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: object) -> object:
+        from xdist.scheduler import LoadScopeScheduling
 
-    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling:
-        return _DirectoryScopeScheduling(config, log)
+        class UnitScope(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return xdist_scope(nodeid)
+
+        return UnitScope(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_UnitScheduling(), "pdserve-unit-scheduling")
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
