@@ -39,8 +39,11 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 stamp="$VENV/.pdserve-installed"
-newer=$(find pyproject.toml setup.py requirements*.lock proto -newer "$stamp" \
-  \( -name '*.proto' -o -name '*.toml' -o -name '*.py' -o -name '*.lock' \) 2>/dev/null | head -1)
+newer=""
+if [ -f "$stamp" ]; then  # an install input changed since the last install
+  newer=$(find pyproject.toml setup.py requirements*.lock proto -newer "$stamp" \
+    \( -name '*.proto' -o -name '*.toml' -o -name '*.py' -o -name '*.lock' \) | head -1)
+fi
 if [ ! -f "$stamp" ] || [ -n "$newer" ]; then
   echo "[setup] installing $TORCH and pdserve[$EXTRAS] (takes ~2 min the first time)"
   log="$VENV/pdserve-install.log"
