@@ -69,3 +69,23 @@ class StepLog:
     def print_table(self) -> None:
         print("\n" + "=" * 104)
         print(self.table().plain())
+
+
+def run_steps(
+    on_cpu: bool,
+    cpu_title: str,
+    cpu_main: Callable[[StepLog], None],
+    gpu_main: Callable[[StepLog], None],
+) -> None:
+    """A suite's whole run: its CPU step (`on_cpu`) or its GPU steps, timed, then the table."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log = StepLog()
+    t0 = time.perf_counter()
+    if on_cpu:
+        log.step(cpu_title, lambda: cpu_main(log))
+    else:
+        gpu_main(log)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    log.print_table()

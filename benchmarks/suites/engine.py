@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import time
 from collections.abc import Sequence
 
@@ -38,7 +37,7 @@ import torch
 
 from benchmarks.harness.cuda_timing import copy_bytes_per_s, matmul_flops_per_s, seconds_per_call
 from benchmarks.harness.decode_model import decode_batch, random_llama3_8b, weight_read_bytes
-from benchmarks.harness.steps import StepLog
+from benchmarks.harness.steps import StepLog, run_steps
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.core.runner import ModelRunner
@@ -412,12 +411,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.engine_step:
         engine_step.run(args)
         return
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    log = StepLog()
-    t0 = time.perf_counter()
-    if args.cpu or not torch.cuda.is_available():
-        log.step("CPU: runner greedy loop vs transformers.generate", lambda: cpu_main(args, log))
-    else:
-        gpu_main(args, log)
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
-    log.print_table()
+    run_steps(
+        args.cpu or not torch.cuda.is_available(),
+        "CPU: runner greedy loop vs transformers.generate",
+        lambda log: cpu_main(args, log),
+        lambda log: gpu_main(args, log),
+    )

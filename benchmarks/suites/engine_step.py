@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -45,7 +44,7 @@ import torch
 
 from benchmarks.harness.cuda_timing import sync
 from benchmarks.harness.decode_model import random_llama3_8b
-from benchmarks.harness.steps import StepLog
+from benchmarks.harness.steps import StepLog, run_steps
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.overlap import InflightStep
@@ -327,15 +326,12 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """The suite, on the CPU with `args.cpu` or without CUDA, else on the GPU."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    log = StepLog()
-    t0 = time.perf_counter()
-    if args.cpu or not torch.cuda.is_available():
-        log.step("CPU: engine step vs decode, tiny model", lambda: cpu_engine_step(args, log))
-    else:
-        gpu_engine_step(args, log)
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
-    log.print_table()
+    run_steps(
+        args.cpu or not torch.cuda.is_available(),
+        "CPU: engine step vs decode, tiny model",
+        lambda log: cpu_engine_step(args, log),
+        lambda log: gpu_engine_step(args, log),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
