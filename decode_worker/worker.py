@@ -55,7 +55,7 @@ from vocabulary.tracing import (
     open_span,
     quietly,
 )
-from vocabulary.transfer_errors import TransferCancelled
+from vocabulary.transfer_errors import PeerLost, TransferCancelled
 from vocabulary.transfer_load import TransferLoad, TransferStats
 from vocabulary.worker_api import (
     RequestAborted,
@@ -150,10 +150,18 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
                 return
             import ray
 
-            peer = ray.get_actor(
-                actor_name_for(handle.worker_id), namespace=self.runtime.config.namespace
-            )
-            info = await peer.handshake_info.remote()
+            try:
+                peer = ray.get_actor(
+                    actor_name_for(handle.worker_id), namespace=self.runtime.config.namespace
+                )
+                info = await peer.handshake_info.remote()
+            except (ValueError, ray.exceptions.RayActorError) as e:
+                # The prefill worker died after it handed the prompt off (nothing is held
+                # here yet): a transfer error, which the router retries on other workers.
+                raise PeerLost(
+                    f"prefill worker {handle.worker_id} is gone ({type(e).__name__}): its KV "
+                    "cannot be pulled"
+                ) from None
             await asyncio.to_thread(endpoint.add_peer, info)
 
     async def _allocate(self, req: DecodeRequest, handle: KVHandle) -> TransferAllocation:

@@ -66,3 +66,31 @@ def test_killing_a_decode_actor_mid_stream_ends_its_streams_with_an_actor_error(
     survivor = asyncio.run(serve(p, workers.d0, "kill-after", prompts[0], greedy(24)))
     assert survivor.token_ids == hf_greedy_to_eos(prompts[0], 24)
     wait_idle(p, workers.d0)
+
+
+def test_a_hand_off_from_a_prefill_worker_that_is_gone_fails_as_a_transfer_error(
+    workers: Workers, corpus_prompts: list[list[int]]
+) -> None:
+    """The handle names a prefill worker no actor answers for any more (it died after its
+    hand-off): the decode worker's handshake fails with PeerLost, a TransferError the router
+    retries elsewhere, and nothing stays held."""
+    from dataclasses import replace
+
+    from vocabulary.transfer_errors import PeerLost, TransferError
+
+    p, d = workers.p1, workers.d1
+    prompt = corpus_prompts[30]
+
+    async def run() -> None:
+        result = await prefill(p, "gone-peer", prompt, greedy(4))
+        assert result.handle is not None
+        gone = replace(result.handle, worker_id="prefill-gone", agent_name="agent-of-the-gone")
+        ghost = replace(result, handle=gone)
+        gen = open_stream(d, decode_request("gone-peer", prompt, greedy(4), ghost))
+        with pytest.raises(TransferError) as failed:
+            await consume(gen)
+        assert isinstance(failed.value, PeerLost) and "prefill-gone" in str(failed.value)
+        await asyncio.wait_for(p.abort.remote("gone-peer"), 30)  # its lease, released now
+
+    asyncio.run(run())
+    wait_idle(p, d)
