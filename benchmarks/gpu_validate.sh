@@ -21,7 +21,8 @@
 #   e2e8b    as e2e1 with the full Llama-3-8B shape (random bf16 weights written here)
 #   e2e2     the same model, PD (GPU0 + GPU1) vs colocated (two workers), needs 2 GPUs
 #   e2e8d    the Llama-3-8B shape from its config alone (--load-format dummy: nothing written to
-#            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch
+#            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch;
+#            each worker sizes its KV pool from its half of the card (gpu_memory_share)
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
 #   hosttier the host KV tier: its GPU tests, python -m benchmarks host_tier copy
 #            (onboard/offload GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B
@@ -98,7 +99,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --preset llama3-8b --device cuda > "$OUT/make_8b.log" 2>&1
     step e2e8b 420 python -m benchmarks goodput --model /tmp/llama3-8b \
     --out /tmp/e2e8b --modes colocated,pd --colocated-workers 1 --gpu-fraction 0.5 \
-    --num-kv-blocks 12000 --workloads balanced,prefill_heavy \
+    --workloads balanced,prefill_heavy \
     --rates "balanced=2,4;prefill_heavy=2" --duration 8 --stop-below 0
     tar czf "$OUT/e2e8b.tgz" -C /tmp e2e8b ;;
   e2e2) small_model; step e2e2 190 python -m benchmarks goodput --model /tmp/small \
@@ -108,7 +109,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     kv=auto; modes=colocated,pd; [ "$s" = e2e8d8 ] && { kv=fp8; modes=pd; }
     step "$s" 300 python -m benchmarks goodput --model /tmp/cfg-llama3-8b --out "/tmp/$s" \
     --load-format dummy --kv-cache-dtype "$kv" --modes "$modes" --colocated-workers 1 \
-    --gpu-fraction 0.5 --num-kv-blocks 12000 --workloads balanced --rates "balanced=2,4" \
+    --gpu-fraction 0.5 --workloads balanced --rates "balanced=2,4" \
     --duration 8 --stop-below 0
     tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
   e2e70) config_model llama3-70b

@@ -87,6 +87,10 @@ class EngineConfig:
     """KV blocks in the pool; 0 = size from kv_cache_memory_fraction (GPU) or 4096 blocks (CPU)."""
     kv_cache_memory_fraction: float = 0.85
     """GPU: fraction of free memory (after weights and activations) given to the KV pool."""
+    gpu_memory_share: float = 1.0
+    """GPU: the share of the device's memory this worker may hold in all (weights, activations,
+    KV, graphs), for workers that share one GPU (0 < share <= 1). A worker actor placed on a
+    fraction of a GPU gets that fraction unless this is set below 1 (engine/kv/kv_sizing.py)."""
     max_num_seqs: int = 256
     """Most sequences in the running batch."""
     max_num_batched_tokens: int = 2048
@@ -205,6 +209,11 @@ class EngineConfig:
             raise ValueError(
                 "split_decode_sms and split_decode_headroom_blocks: must be >= 0, got "
                 f"{self.split_decode_sms} and {self.split_decode_headroom_blocks}"
+            )
+        if not 0 < self.kv_cache_memory_fraction <= 1 or not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(
+                "kv_cache_memory_fraction and gpu_memory_share: each must be in (0, 1], got "
+                f"{self.kv_cache_memory_fraction} and {self.gpu_memory_share}"
             )
         if self.kv_layout not in KV_LAYOUT_CHOICES:
             choices = ", ".join(KV_LAYOUT_CHOICES)

@@ -352,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--num-kv-blocks", type=int, default=0,
-        help="KV blocks per worker (0: sized from free memory; set it when workers share a GPU)",
+        help="KV blocks per worker (0: sized from memory; workers sharing a GPU size from their "
+        "--gpu-fraction of it)",
     )  # fmt: skip
     ap.add_argument("--quantization", default="none", help="engine weights: none | fp8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV pool: auto | fp8")

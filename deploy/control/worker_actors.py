@@ -16,6 +16,7 @@ stopped or dead TP worker is left on Ray. It asks N times a rank's placement
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -133,6 +134,16 @@ def follower_name(worker_id: str, rank: int) -> str:
     return f"pdserve-tp-rank{rank}-{worker_id}"
 
 
+def with_memory_share(config: WorkerConfig, placement: ActorPlacement) -> WorkerConfig:
+    """`config` with its engine's `gpu_memory_share` set to the placement's fraction of a GPU
+    (0 < num_gpus < 1: workers sharing a card size their KV pools from their own share,
+    engine/kv/kv_sizing.py) unless the engine config sets a share of its own."""
+    engine = config.engine
+    if 0 < placement.num_gpus < 1 and engine.gpu_memory_share == 1.0:
+        return replace(config, engine=replace(engine, gpu_memory_share=placement.num_gpus))
+    return config
+
+
 def create_worker(
     config: WorkerConfig,
     transfer: KVTransferConfig,
@@ -150,6 +161,7 @@ def create_worker(
     from worker_runtime.tp_follower import TPFollower
 
     placement = placement or default_placement()
+    config = with_memory_share(config, placement)
     name = actor_name_for(config.worker_id)
     lifetime = {"lifetime": "detached"} if detached else {}
     # named in the cluster's namespace (the followers too), or the creator's

@@ -6,11 +6,20 @@ the largest step), divided by the bytes of one block. The activation peak is mea
 running the loaded model once on `max_num_batched_tokens` tokens (dense causal attention, no
 cache) plus logits for `max_num_seqs` rows; CUDA graphs and attention workspaces live in the
 remaining (1 - fraction) share.
+
+Workers that share one GPU (a prefill and a decode worker on one card, each placed on a
+fraction of it) must not each size from what is free when they start: the first would take
+most of the card and the second fail to capture its graphs. A worker with
+`gpu_memory_share` s < 1 sizes from s * total - what it already holds (its weights) instead,
+when that is less, so two workers at 0.5 each fit whichever starts first. A configured number
+of blocks is checked against the free memory too: one that cannot fit is refused with the
+figures, before the allocation fails deep in torch.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -86,6 +95,66 @@ def profile_activation_peak(model: LlamaModel, num_tokens: int, num_logit_rows: 
     return int(peak)
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What sizing reads of the device, in bytes: free and total (`torch.cuda.mem_get_info`),
+    what this worker holds already (`held_bytes`: its weights) and the activation peak of its
+    largest step (`profile_activation_peak`)."""
+
+    free: int
+    total: int
+    held: int
+    peak: int
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (
+            f"{self.free / gib:.2f} GiB free of {self.total / gib:.2f} GiB, this worker holding "
+            f"{self.held / gib:.2f} GiB and needing {self.peak / gib:.2f} GiB for activations"
+        )
+
+
+def kv_budget_bytes(mem: DeviceMemory, fraction: float, share: float) -> float:
+    """Bytes the KV pool may take: `fraction` of what is left after the activation peak, of the
+    free memory or (share < 1) of this worker's share of the device less what it holds,
+    whichever is less."""
+    left: float = mem.free - mem.peak
+    if share < 1.0:
+        left = min(left, share * mem.total - mem.held - mem.peak)
+    return max(0.0, fraction * left)
+
+
+def check_configured_blocks(num_blocks: int, block_bytes: int, mem: DeviceMemory) -> None:
+    """Refuse a configured pool that cannot fit beside the activation peak in the free memory
+    (ValueError naming the figures and what fits)."""
+    need = num_blocks * block_bytes
+    room = mem.free - mem.peak
+    if need > room:
+        fits = max(0, room) // block_bytes
+        raise ValueError(
+            f"num_kv_blocks: {num_blocks} blocks need {need / 2**30:.2f} GiB but the device has "
+            f"{mem.describe()}: at most {fits} blocks fit (another worker on this GPU holds the "
+            "rest?); lower num_kv_blocks, or 0 to size the pool from memory"
+        )
+
+
+def read_device_memory(
+    device: torch.device, model: LlamaModel, config: EngineConfig
+) -> DeviceMemory:
+    """Measure `DeviceMemory` for `model` loaded on `device` under `config`'s step sizes."""
+    tokens = config.max_num_batched_tokens
+    peak = profile_activation_peak(model, tokens, min(config.max_num_seqs, tokens))
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(free, total, held_bytes(model), peak)
+
+
+def held_bytes(model: LlamaModel) -> int:
+    """Bytes of the model's parameters and buffers (its weights: what the worker holds before
+    its pool; per engine, where the process's allocator counts every engine in it)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def decide_num_kv_blocks(
     config: EngineConfig,
     model_cfg: ModelConfig,
@@ -97,29 +166,33 @@ def decide_num_kv_blocks(
     """Number of KV blocks for the pool (see the module docstring); `dtype` and `scales`: the
     pool's (an e4m3 pool's per-layer scales, `kv_cache_spec`).
 
-    On GPU without a configured number, `model` (already loaded on `device`) is required.
-    Raises ValueError when the memory left cannot hold one sequence of max_model_len tokens.
+    On GPU, `model` (already loaded on `device`) is required.
+    Raises ValueError when the memory left cannot hold one sequence of max_model_len tokens, or
+    a configured number of blocks cannot fit.
     """
-    if config.num_kv_blocks > 0:
-        return config.num_kv_blocks
     if device.type != "cuda":
-        return CPU_DEFAULT_KV_BLOCKS
+        return config.num_kv_blocks or CPU_DEFAULT_KV_BLOCKS
     if model is None:
         raise ValueError("sizing the KV pool on GPU needs the loaded model (to profile it)")
     block_bytes = kv_cache_spec(model_cfg, config.block_size, dtype, 1, scales).block_nbytes
-    tokens = config.max_num_batched_tokens
-    peak = profile_activation_peak(model, tokens, min(config.max_num_seqs, tokens))
-    free, _total = torch.cuda.mem_get_info(device)
-    budget = config.kv_cache_memory_fraction * (free - peak)
+    mem = read_device_memory(device, model, config)
+    if config.num_kv_blocks > 0:
+        check_configured_blocks(config.num_kv_blocks, block_bytes, mem)
+        return config.num_kv_blocks
+    budget = kv_budget_bytes(mem, config.kv_cache_memory_fraction, config.gpu_memory_share)
     num_blocks = int(budget // block_bytes)
     max_len = config.max_model_len or model_cfg.max_model_len
     needed = cdiv(max_len, config.block_size)
     if num_blocks < needed:
+        share = (
+            f" and a {config.gpu_memory_share:g} share of the device"
+            if config.gpu_memory_share < 1
+            else ""
+        )
         raise ValueError(
-            f"KV pool of {num_blocks} blocks ({budget / 2**30:.2f} GiB free for KV after "
-            f"weights and a {peak / 2**30:.2f} GiB activation peak) cannot hold one "
-            f"{max_len}-token sequence ({needed} blocks); lower max_model_len or "
-            "max_num_batched_tokens, or raise kv_cache_memory_fraction"
+            f"KV pool of {num_blocks} blocks ({budget / 2**30:.2f} GiB for KV; {mem.describe()}"
+            f"{share}) cannot hold one {max_len}-token sequence ({needed} blocks); lower "
+            "max_model_len or max_num_batched_tokens, or raise kv_cache_memory_fraction"
         )
     return num_blocks
 

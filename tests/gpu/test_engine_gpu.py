@@ -148,3 +148,26 @@ def test_seeded_sampling_on_gpu_is_reproducible_whatever_the_batch(
         [prompts[1], prompts[0], prompts[2]], params
     )
     assert alone[0] == crowd[1]
+
+
+def test_engines_sharing_the_card_size_their_pools_from_their_share(base: EngineConfig) -> None:
+    """Two engines at a quarter of the card each (as two workers placed at num_gpus 0.25 get):
+    each pool within its quarter less what the engine holds, the second as large as the first
+    (not what the first left over); a configured pool larger than the free memory is refused
+    with the figures before any allocation (issue 49)."""
+    total = torch.cuda.mem_get_info()[1]
+    shared = replace(base, num_kv_blocks=0, gpu_memory_share=0.25, host_kv_gb=0)
+    first = LLMEngine(shared)
+    second = LLMEngine(shared)
+    try:
+        pools = [e.kv_cache.spec.num_blocks * e.kv_cache.spec.block_nbytes for e in (first, second)]
+        assert all(0 < p <= 0.25 * total for p in pools), (pools, total)
+        assert pools[1] >= 0.95 * pools[0], pools
+        free = torch.cuda.mem_get_info()[0]
+        too_many = free // first.kv_cache.spec.block_nbytes + 1
+        with pytest.raises(ValueError, match=rf"num_kv_blocks: {too_many} blocks need"):
+            LLMEngine(replace(base, num_kv_blocks=int(too_many), host_kv_gb=0))
+    finally:
+        first.close()
+        second.close()
+        torch.cuda.empty_cache()
