@@ -180,12 +180,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     ref_rotary = None
     gen32 = torch.Generator(device="cuda").manual_seed(1)
 
-    def reference_logits() -> torch.Tensor:
+    def reference_logits() -> torch.Tensor | None:
+        """The float32 copy's logits, or None (said why) where the card cannot hold the copy
+        beside the bf16 model and its pool (an 80 GB card holds the 8B shape's 32 GB copy once:
+        it is filled tensor by tensor, never through a second float32 state dict)."""
         nonlocal ref_layer, ref_rotary
+        need = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # bf16 → fp32
+        free = torch.cuda.mem_get_info()[0]
+        if need + 2 * 2**30 > free:
+            need_gib, free_gib = need / 2**30, free / 2**30
+            print(f"   skipped: a float32 copy needs {need_gib:.1f} GiB, {free_gib:.1f} free")
+            return None
         ref_model = LlamaModel(cfg, dtype=torch.float32, device="cuda").eval()
-        ref_model.load_state_dict(
-            {k: v.float() for k, v in model.state_dict().items()}, strict=False
-        )
+        source = model.state_dict()
+        with torch.no_grad():
+            for name, tensor in ref_model.state_dict().items():
+                if name in source:
+                    tensor.copy_(source[name])
         out = logits_of(ref_model, ids)
         ref_layer = cast(DecoderLayer, ref_model.layers[0])
         ref_rotary = ref_model.rotary
