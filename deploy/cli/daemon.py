@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -132,18 +131,54 @@ def _alive(pid: int) -> bool:
         return True
 
 
+class SignalFlag:
+    """Set by the signals given while installed (`with SignalFlag(SIGINT) as flag:`), waited on
+    without locks. A handler must not call `threading.Event.set`: it runs in the main thread
+    between two bytecodes, possibly inside that same event's `wait` while it holds the event's
+    (non-reentrant) lock, and then waits for itself forever (Python's signal docs warn of it;
+    `status --watch` once did not exit on Ctrl-C in a loaded CI run, with such a handler; not
+    reproduced since). The handler here only assigns; `wait` sleeps in short slices."""
+
+    SLICE_S = 0.05
+
+    def __init__(self, *signums: int) -> None:
+        self.signums = signums or (signal.SIGINT,)
+        self.is_set = False
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.is_set = True
+
+    def install(self) -> SignalFlag:
+        for signum in self.signums:
+            self._previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def __enter__(self) -> SignalFlag:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds` or until a signal came; whether one came."""
+        deadline = time.monotonic() + seconds
+        while not self.is_set:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, self.SLICE_S))
+        return self.is_set
+
+
 def wait_for_signal(on_idle: Callable[[], None] | None = None, every_s: float = 1.0) -> None:
     """Block until SIGINT or SIGTERM, calling `on_idle` about every `every_s` seconds."""
-    stop = threading.Event()
-
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    while not stop.is_set():
-        stop.wait(every_s)
-        if on_idle is not None and not stop.is_set():
+    # left installed: a second signal while the caller shuts down is absorbed, not fatal
+    stop = SignalFlag(signal.SIGTERM, signal.SIGINT).install()
+    while not stop.wait(every_s):
+        if on_idle is not None:
             on_idle()
 
 

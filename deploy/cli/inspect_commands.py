@@ -7,7 +7,6 @@ request, streamed, with the timings its last message carries (one line; every st
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from typing import TYPE_CHECKING, Annotated
 
@@ -184,6 +183,7 @@ def _watch(
     from rich.live import Live
 
     from deploy.cli import cluster_client as client
+    from deploy.cli import daemon
 
     def frame(view: RenderableType | None = None) -> RenderableType:
         if view is None:
@@ -200,10 +200,8 @@ def _watch(
 
     # Ctrl-C sets a flag the loop reads between refreshes: a KeyboardInterrupt raised inside a
     # gRPC call or channel teardown could leave the process hung instead of exiting
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    shown = 1
-    try:
+    with daemon.SignalFlag(signal.SIGINT) as stop:
+        shown = 1
         if console.is_terminal:
             with Live(frame(first), console=console, auto_refresh=False) as live:
                 while (not count or shown < count) and not stop.wait(interval):
@@ -215,9 +213,7 @@ def _watch(
             while (not count or shown < count) and not stop.wait(interval):
                 out.print(frame())
                 shown += 1
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if stop.is_set():
+    if stop.is_set:
         console.print()
 
 
