@@ -72,6 +72,22 @@ def make_partition(num_sms: int) -> Partition:
     return part
 
 
+def make_pair(decode_sms: int) -> tuple[Partition, Partition]:
+    """(decode, prefill) on disjoint SMs, as a split engine makes them (one split of the
+    device: `partition_pair`; two `make_partition`s would share their first SM groups)."""
+    from engine.core.sm_split import partition_pair
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    prefill, decode = partition_pair(torch.device("cuda", 0), decode_sms, total)
+    parts = []
+    for made, asked in ((decode, decode_sms), (prefill, total - decode_sms)):
+        assert made.stream is not None
+        part = Partition(made.stream, asked, made.sms, "flashinfer.green_ctx")
+        part.keep = made.keep
+        parts.append(part)
+    return parts[0], parts[1]
+
+
 def timed(stream: torch.cuda.Stream, fn: Callable[[], None], reps: int = 10) -> float:
     """Median seconds of `fn` on `stream` (after a warm-up)."""
     times = []
@@ -148,8 +164,7 @@ def _loop(part: Partition, fn: Callable[[], None], stop_at: float) -> int:
 def side_by_side(decode_sms: int, work: Work, seconds: float = 2.0) -> dict[str, Any]:
     """The decode GEMMs on a partition of `decode_sms` and the matmul on the rest, each on a
     thread of its own looping for `seconds`: rates beside each other vs alone."""
-    total = torch.cuda.get_device_properties(0).multi_processor_count
-    dec, pre = make_partition(decode_sms), make_partition(total - decode_sms)
+    dec, pre = make_pair(decode_sms)
     names = list(work)
     mm_fn, mm_units, _ = work[names[0]]
     gv_fn, gv_units, _ = work[names[2]]

@@ -7,9 +7,11 @@ isolate: a prefill's thousands of blocks still occupy every SM a decode step nee
 
 `SMSplit` makes one partition pair per decode share it is asked for and keeps them (a
 share is a green context and a stream on each side; CUDA graphs are captured per stream,
-engine/core/cuda_graphs.py). The driver may grant fewer SMs than asked (it rounds to its
-SM groups): `status()` reports what was granted. Without green contexts (CPU, an older
-driver or torch) both loops run on plain streams of the whole device, and status says so.
+engine/core/cuda_graphs.py). Each pair is one split of the device's SMs, so its two sides
+never share an SM (`partition_pair`). The driver rounds the count asked to its SM groups
+(Hopper: up to a multiple of 8, 66 asked gives 72): `status()` reports what was granted.
+Without green contexts (CPU, an older driver, no flashinfer) both loops run on plain streams
+of the whole device, and status says so.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def green_context_stream(device: torch.device, num_sms: int) -> Partition:
     """A stream of a green context of about `num_sms` SMs on `device`, with the count the
     driver granted where it can be read (RuntimeError naming why none can be made here).
 
+    One partition alone (a benchmark's "this many SMs" figure). Two made this way are not
+    disjoint: each is cut from the whole device and the driver hands both the same first SM
+    groups; a split engine takes its pair from `partition_pair`.
+
     flashinfer's helper (CUDA's Python bindings) reads the granted count back; torch's own
     green contexts (beta) do not say it, so the count asked is reported there."""
     errors = []
@@ -61,6 +67,34 @@ def green_context_stream(device: torch.device, num_sms: int) -> Partition:
     except Exception as e:  # RuntimeError, AttributeError (no Stream before 2.12), ...
         errors.append(f"torch green contexts: {e}")
     raise RuntimeError("; ".join(errors))
+
+
+def partition_pair(
+    device: torch.device, decode_sms: int, total_sms: int
+) -> tuple[Partition, Partition]:
+    """(prefill, decode) streams on disjoint SMs: decode on about `decode_sms` (the driver
+    rounds up to its SM groups), prefill on every SM left. Both come from one split of the
+    device's SMs, the only way to make them disjoint (flashinfer's helper splits the device's
+    SM resource into the group asked and the remainder). torch's green contexts cut each
+    context from the whole device, so a pair of them would share SMs: no fallback there.
+    RuntimeError naming why a pair cannot be made (or, never expected, overlaps)."""
+    try:
+        from flashinfer.green_ctx import split_device_green_ctx_by_sm_count
+
+        streams, resources = split_device_green_ctx_by_sm_count(device, [decode_sms])
+    except Exception as e:  # an optional extra and a beta driver API: any failure is "not here"
+        raise RuntimeError(
+            f"flashinfer.green_ctx: {e} (torch's own green contexts cannot make a disjoint pair)"
+        ) from e
+    keep = (streams, resources)
+    decode = Partition(streams[0], int(resources[0].sm.smCount), keep=keep)
+    prefill = Partition(streams[1], int(resources[1].sm.smCount), keep=keep)
+    if decode.sms + prefill.sms > total_sms or min(decode.sms, prefill.sms) < 1:
+        raise RuntimeError(
+            f"SM partitions of {decode.sms} + {prefill.sms} SMs do not split the device's "
+            f"{total_sms}"
+        )
+    return prefill, decode
 
 
 class SMSplit:
@@ -100,17 +134,18 @@ class SMSplit:
         for both at the device's SM count."""
         decode_sms = max(1, min(decode_sms, self.total_sms))
         if decode_sms not in self._pairs:
-            decode = green_context_stream(self.device, decode_sms)
-            prefill = green_context_stream(self.device, self.total_sms - decode_sms)
-            self._pairs[decode_sms] = (prefill, decode)
+            self._pairs[decode_sms] = partition_pair(self.device, decode_sms, self.total_sms)
         return self._pairs[decode_sms]
 
     def resize(self, decode_sms: int) -> bool:
         """Give the decode loop `decode_sms` SMs (the device's count: every SM, shared) from
         its next step on, the prefill loop the rest; False when nothing changed."""
-        if not self.partitioned or self._current[1].sms == decode_sms:
+        if not self.partitioned:
             return False
-        self._current = self._pair(decode_sms)
+        pair = self._pair(decode_sms)
+        if pair is self._current:
+            return False
+        self._current = pair
         self.resizes += 1
         return True
 
