@@ -105,10 +105,11 @@ class DecodeGraphs:
         self._dev = torch.zeros(region, dtype=torch.int32, device=device)
         self._host = torch.zeros(region, dtype=torch.int32, pin_memory=True)
         self._copied: torch.cuda.Event | None = None
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self._lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._lora_logits: dict[int, torch.Tensor] = {}
+        self._sets: dict[int, _GraphSet] = {}
+        """One set of graphs per stream they were captured on (a split engine captures one
+        per decode partition), keyed by the stream's handle."""
+        self._first: _GraphSet | None = None
+        self._pool = torch.cuda.graph_pool_handle()
         self.num_replays = 0
         backend.init_decode_graphs(self.max_batch, self.max_pages)
         self.rope_in_attention = backend.graph_rope(model.rotary)
@@ -120,9 +121,22 @@ class DecodeGraphs:
         if layout.num_tokens != n or n > self.max_batch:
             return None
         size = next(s for s in self.sizes if s >= n)
-        if layout.num_pages + (size - n) > self.max_pages or size not in self._graphs:
+        if layout.num_pages + (size - n) > self.max_pages or size not in self._set().graphs:
             return None
         return size
+
+    @property
+    def num_sets(self) -> int:
+        """How many streams (SM partitions) these graphs were captured on."""
+        return len(self._sets)
+
+    def _set(self) -> _GraphSet:
+        """The graphs captured on the current stream; where none were, the first captured
+        (a graph runs on the SMs of the stream it was captured on, whatever replays it)."""
+        found = self._sets.get(torch.cuda.current_stream().cuda_stream, self._first)
+        if found is None:
+            raise RuntimeError("DecodeGraphs: capture() has not run")
+        return found
 
     def _stage(
         self, layout: BatchLayout, size: int, lora_slots: np.ndarray | None = None
@@ -193,19 +207,24 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one shared memory pool (with LoRA weights,
-        each size's LoRA graph too). Captured on the current stream when that is not the
-        default one: a graph runs on the SMs of the stream it was captured on, whatever
-        stream replays it, so a split engine captures its decode graphs inside its decode
-        partition (docs/benchmarks.md, "Split worker")."""
+        """Capture every size, largest first, into one memory pool shared by every size and
+        set (only one step replays at a time; with LoRA weights, each size's LoRA graph too).
+        Captured on the current stream when that is not the default one, as the set `run`
+        replays on that stream: a graph runs on the SMs of the stream it was captured on,
+        whatever stream replays it, so a split engine captures one set inside each decode
+        partition it may move to (docs/benchmarks.md, "Split worker")."""
         current = torch.cuda.current_stream()
         capture_stream = None if current == torch.cuda.default_stream() else current
+        captured = _GraphSet()
+        self._sets[current.cuda_stream] = captured
+        if self._first is None:
+            self._first = captured
         warm = ScheduledBatch(
             (SeqChunk("cuda-graph-warmup", (0,), start_pos=0, block_ids=(0,), sample=True),)
         )
         layout = build_layout(warm, self.backend.block_size)
         no_adapter = None if self.lora is None else np.full(1, -1, dtype=np.int32)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         variants = (False, True) if self.lora is not None else (False,)
         for size in reversed(self.sizes):
             for with_lora in variants:
@@ -219,16 +238,14 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                     logits = self._body(step, with_lora)
-                graphs, outputs = self._variant(with_lora)
+                graphs, outputs = captured.variant(with_lora)
                 graphs[size], outputs[size] = graph, logits
         torch.cuda.synchronize()
 
     def _variant(
         self, with_lora: bool
     ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
-        if with_lora:
-            return self._lora_graphs, self._lora_logits
-        return self._graphs, self._logits
+        return self._set().variant(with_lora)
 
     def replay(self, size: int, with_lora: bool = False) -> None:
         """Replay graph `size` (the LoRA one with `with_lora`) on the inputs staged last
@@ -259,3 +276,20 @@ class DecodeGraphs:
         if layout.samples_every_row:
             return logits[: layout.num_seqs].clone()
         return logits.index_select(0, step.sample_rows)
+
+
+class _GraphSet:
+    """The graphs of every size captured on one stream, and their output logits."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_logits: dict[int, torch.Tensor] = {}
+
+    def variant(
+        self, with_lora: bool
+    ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+        if with_lora:
+            return self.lora_graphs, self.lora_logits
+        return self.graphs, self.logits

@@ -47,7 +47,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.runner import ModelRunner
 from engine.core.sampler import Sampler
 from engine.core.scheduler import Scheduler
-from engine.core.sm_split import SMSplit, hbm_bytes_per_s
+from engine.core.sm_split import SMSplit
 from engine.core.split_policy import (
     BandwidthCurve,
     DecodeLoad,
@@ -134,12 +134,16 @@ class PrefillLane:
         )
         sampler = Sampler(config.seed + 1, device, engine.model_config.vocab_size)
         adaptive = None
-        # The decode loop's CUDA graphs run on the partition they were captured in
-        # (engine/core/cuda_graphs.py): with them the split stays as it was made (an adaptive
-        # split needs graphs for every share it moves between, which are not made yet).
-        graphs = engine.runner.graphs is not None
-        if streams.partitioned and not config.split_decode_sms and not graphs:
-            curve = BandwidthCurve.saturating(streams.total_sms, hbm_bytes_per_s(device))
+        if streams.partitioned and not config.split_decode_sms:
+            # The decode loop's CUDA graphs run on the partition they were captured in
+            # (engine/core/cuda_graphs.py): one set per share the split may move to, each
+            # replayed when the decode loop runs on that share's stream.
+            graphs = engine.runner.graphs
+            if graphs is not None:
+                for share in streams.all_shares()[1:]:
+                    with streams.decode_on(share):
+                        graphs.capture()
+            curve = BandwidthCurve(streams.decode_bytes_per_s())
             spec = engine.kv_cache.spec
             adaptive = Adaptive(
                 SplitModel(engine.model.weight_bytes, curve),

@@ -101,7 +101,8 @@ class SMSplit:
     """The prefill and decode streams of a split engine, and the share of SMs each has."""
 
     def __init__(self, device: torch.device, decode_sms: int = 0) -> None:
-        """`decode_sms`: SMs of the decode partition (0: adaptive, starting at half)."""
+        """`decode_sms`: SMs of the decode partition (0: adaptive, starting at the largest
+        share of at most half the device)."""
         self.device = device
         self.resizes = 0
         self.reason = ""
@@ -119,8 +120,9 @@ class SMSplit:
                  Partition(torch.cuda.Stream(device), total))  # fmt: skip
         self._pairs[total] = whole
         self._current = whole
+        start = decode_sms or max((s for s in self.shares if s <= total // 2), default=total // 2)
         try:
-            self._current = self._pair(decode_sms or total // 2)
+            self._current = self._pair(start)
         except RuntimeError as e:
             self.reason = f"no SM partitions: {e}; both loops share every SM"
             log.warning("split engine: %s", self.reason)
@@ -145,9 +147,43 @@ class SMSplit:
         pair = self._pair(decode_sms)
         if pair is self._current:
             return False
+        for old, new in zip(self._current, pair, strict=True):
+            # a loop's next step may read what its last one (on the old stream) writes
+            if old.stream is not None and new.stream is not None:
+                new.stream.wait_stream(old.stream)
         self._current = pair
         self.resizes += 1
         return True
+
+    @property
+    def decode_share(self) -> int:
+        """The decode share in use (a key of `shares`, or the device's SM count)."""
+        return next(k for k, pair in self._pairs.items() if pair is self._current)
+
+    def all_shares(self) -> tuple[int, ...]:
+        """Every decode share this split may move to (the device's SM count: all of them),
+        the one in use first; empty when not partitioned."""
+        if not self.partitioned:
+            return ()
+        rest = [s for s in (*self.shares, self.total_sms) if s != self.decode_share]
+        return (self.decode_share, *rest)
+
+    @contextlib.contextmanager
+    def decode_on(self, decode_sms: int) -> Iterator[None]:
+        """Work queued inside runs where the decode loop would with `decode_sms` SMs (to
+        capture its CUDA graphs there), whatever share is in use."""
+        with _on(self._pair(decode_sms)[1].stream):
+            yield
+
+    def decode_bytes_per_s(self) -> tuple[tuple[int, float], ...]:
+        """(SMs granted, copy bytes/s) of the decode side of every share: the measured
+        curve the adaptive split predicts step times from."""
+        points = {}
+        for share in self.all_shares():
+            part = self._pair(share)[1]
+            with _on(part.stream):
+                points[part.sms] = hbm_bytes_per_s(self.device)
+        return tuple(sorted(points.items()))
 
     @property
     def decode_stream(self) -> torch.cuda.Stream | None:
@@ -188,7 +224,7 @@ def hbm_bytes_per_s(device: torch.device, nbytes: int = 256 << 20) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm up
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    start.record()  # (on the current stream: a partition's, inside `_on`)
     for _ in range(4):
         dst.copy_(src)
     end.record()

@@ -75,6 +75,8 @@ def want(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
         {"mode": EngineMode.SPLIT},
         {"mode": EngineMode.SPLIT, "block_size": 4, "max_num_batched_tokens": 7},
         {"mode": EngineMode.SPLIT, "block_size": 4, "num_kv_blocks": 24},
+        {"mode": EngineMode.SPLIT, "split_resize_interval_s": 0.0},
+        {"mode": EngineMode.SPLIT, "split_decode_sms": 32},
     ],
     ids=[
         "colocated",
@@ -85,6 +87,8 @@ def want(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
         "split",
         "split-chunked",
         "split-tight-pool",
+        "split-resizing-every-step",
+        "split-fixed",
     ],
 )
 def test_greedy_matches_transformers_on_gpu(
@@ -102,8 +106,16 @@ def test_greedy_matches_transformers_on_gpu(
         assert split is not None and split.handoffs == len(prompts)
         assert split.partitioned or split.reason, split
         if split.partitioned:
-            assert 0 < split.decode_sms < split.total_sms
-            assert split.decode_sms + split.prefill_sms == split.total_sms  # disjoint, all used
+            assert 0 < split.decode_sms <= split.total_sms
+            if split.decode_sms < split.total_sms:  # (the whole device: both loops on it)
+                assert split.decode_sms + split.prefill_sms == split.total_sms  # disjoint
+            # one set of decode graphs per share the split may move to, each replayed
+            lane, graphs = e.prefill_lane, e.runner.graphs
+            assert lane is not None and graphs is not None
+            adaptive = not overrides.get("split_decode_sms")
+            assert graphs.num_sets == (len(lane.streams.all_shares()) if adaptive else 1)
+            if overrides.get("split_resize_interval_s") == 0.0:
+                assert split.resizes > 0, split
     if "num_kv_blocks" in overrides:
         assert e.load().num_preemptions > 0 or overrides.get("mode") is EngineMode.SPLIT
 
