@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -73,12 +74,12 @@ class TorchAttentionBackend(AttentionBackend):
         width = max(n_pages)
         table = torch.zeros((len(n_pages), width), dtype=torch.long)
         for row, i in enumerate(range(first, lay.num_seqs)):
-            pages = torch.as_tensor(lay.page_indices[kv[i] : kv[i + 1]], dtype=torch.long)
+            pages = torch.from_numpy(lay.page_indices[kv[i] : kv[i + 1]].astype(np.int64))
             table[row, : n_pages[row]] = pages
             table[row, n_pages[row] :] = pages[0]
         device = step.page_indices.device
         keys = torch.arange(width * lay.block_size)[None, :]
-        mask = keys < torch.as_tensor(lens[first:], dtype=torch.long)[:, None]
+        mask = keys < torch.from_numpy(lens[first:].astype(np.int64))[:, None]
         return _Decodes(
             first_row=int(lay.qo_indptr[first]),
             pages=table.to(device),
