@@ -215,10 +215,7 @@ class DecodeGraphs:
         partition it may move to (docs/benchmarks.md, "Split worker")."""
         current = torch.cuda.current_stream()
         capture_stream = None if current == torch.cuda.default_stream() else current
-        captured = _GraphSet()
-        self._sets[current.cuda_stream] = captured
-        if self._first is None:
-            self._first = captured
+        captured = _GraphSet()  # registered once every size is in (a failed capture adds none)
         warm = ScheduledBatch(
             (SeqChunk("cuda-graph-warmup", (0,), start_pos=0, block_ids=(0,), sample=True),)
         )
@@ -241,6 +238,9 @@ class DecodeGraphs:
                 graphs, outputs = captured.variant(with_lora)
                 graphs[size], outputs[size] = graph, logits
         torch.cuda.synchronize()
+        self._sets[current.cuda_stream] = captured
+        if self._first is None:
+            self._first = captured
 
     def _variant(
         self, with_lora: bool

@@ -33,6 +33,7 @@ its step in flight) wait until that step has completed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -61,6 +62,8 @@ from engine.lora.lora_registry import LoraRegistry
 from engine.modeling.llama import LlamaModel
 from vocabulary.engine_io import RequestOutput, SplitStatus
 from vocabulary.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class LaneHost(Protocol):
@@ -139,10 +142,17 @@ class PrefillLane:
             # (engine/core/cuda_graphs.py): one set per share the split may move to, each
             # replayed when the decode loop runs on that share's stream.
             graphs = engine.runner.graphs
-            if graphs is not None:
+            try:
                 for share in streams.all_shares()[1:]:
                     with streams.decode_on(share):
-                        graphs.capture()
+                        if graphs is not None:
+                            graphs.capture()
+            except Exception:  # (out of memory, a partition the graphs fail on): stay fixed
+                log.warning(
+                    "split engine: capturing decode graphs for every SM share failed; the "
+                    "split stays at %d decode SMs", streams.decode_share, exc_info=True,
+                )  # fmt: skip
+                return cls(scheduler, runner, sampler, streams, None)
             curve = BandwidthCurve(streams.decode_bytes_per_s())
             spec = engine.kv_cache.spec
             adaptive = Adaptive(
