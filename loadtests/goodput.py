@@ -183,3 +183,24 @@ def max_rate_meeting(reports: Iterable[GoodputReport], attainment: float = 0.9) 
             break
         best = rate
     return best
+
+
+def goodput_curve(
+    runs: Sequence[tuple[float, Sequence[RequestRecord]]],
+    ttft_ms: float,
+    tpot_slos_ms: Sequence[float],
+    attainment: float = 0.9,
+) -> list[float | None]:
+    """For each TPOT SLO, the highest rate of a sweep ([(rate, records)]) at which
+    `attainment` of requests meet it and TTFT <= `ttft_ms` (`max_rate_meeting`; None where
+    even the lowest rate fails)."""
+    return [
+        max_rate_meeting(
+            [
+                summarize(records, SLO(ttft_ms=ttft_ms, tpot_ms=tpot), offered_rate=rate)
+                for rate, records in runs
+            ],
+            attainment,
+        )
+        for tpot in tpot_slos_ms
+    ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtests.goodput import SLO, GoodputReport, by_rate, max_rate_meeting
+from loadtests.goodput import SLO, GoodputReport, by_rate, goodput_curve, max_rate_meeting
 from loadtests.records import RequestRecord
 
 
@@ -86,5 +86,42 @@ def plot_goodput_sweep(
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_goodput_against_tpot_slo(
+    series: Sequence[tuple[str, Sequence[tuple[float, Sequence[RequestRecord]]]]],
+    ttft_ms: float,
+    tpot_slos_ms: Sequence[float],
+    path: Path,
+    title: str,
+    attainment: float = 0.9,
+) -> Path:
+    """Goodput (the highest swept rate at which `attainment` of requests meet TTFT <=
+    `ttft_ms` and the TPOT SLO) against the TPOT SLO, one line per series (label, [(rate,
+    records)]). A point at a series' highest swept rate is hollow: the rate that breaks it was
+    not reached; where even the lowest rate swept fails, there is no point."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for label, runs in series:
+        top = max(rate for rate, _ in runs)
+        curve = goodput_curve(runs, ttft_ms, tpot_slos_ms, attainment)
+        points = [(t, g) for t, g in zip(tpot_slos_ms, curve, strict=True) if g is not None]
+        xs, ys = [t for t, _ in points], [g for _, g in points]
+        open_xs = [t for t, g in points if g == top]
+        open_ys = [top] * len(open_xs)
+        (line,) = ax.plot(xs, ys, marker="o", label=label)
+        ax.plot(open_xs, open_ys, linestyle="", marker="o", markersize=9,
+                markerfacecolor="white", color=line.get_color())  # fmt: skip
+    ax.set_title(title)
+    ax.set_xlabel(f"TPOT SLO (ms); TTFT SLO {ttft_ms:g} ms, {attainment:.0%} of requests")
+    ax.set_ylabel("goodput (req/s; hollow: highest rate swept)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
     fig.savefig(path, dpi=110)
     return path

@@ -5,6 +5,8 @@ and the TPOT of running streams while a burst of long prompts arrives.
     python -m benchmarks split_goodput --model DIR --load-format dummy \\
         --workload prefill_heavy --rates 1,2,3,4,6 --modes colocated:2048,split:66
     python -m benchmarks split_goodput --cpu      # the tiny model, a smoke of every path
+    python -m benchmarks split_goodput --plot OUT.png --from A.json B.json   # no run: a plot
+
 
 Each mode is one engine in this process (no router, no Ray: what the worker's engine thread
 runs), fed by a driver that adds each request at its Poisson arrival time and steps the
@@ -158,6 +160,47 @@ def burst(
     return result
 
 
+def merged_runs(paths: list[Path]) -> tuple[Workload, dict[str, dict[float, list[RequestRecord]]]]:
+    """The records of several `--json` files of one workload, by mode and rate (a rate run in
+    more than one file: the run with more requests)."""
+    workload: Workload | None = None
+    modes: dict[str, dict[float, list[RequestRecord]]] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        w = Workload(**report["workload"])
+        if workload is not None and w != workload:
+            raise SystemExit(f"{path}: workload {w.name}, the others {workload.name}")
+        workload = w
+        for mode, data in report["modes"].items():
+            split = data.get("split")
+            if split and split.get("partitioned"):
+                mode = f"{mode} ({split['decode_sms']} decode / {split['prefill_sms']} prefill SMs)"
+            runs = modes.setdefault(mode, {})
+            for rate, records in data["records"].items():
+                recs = [RequestRecord(**{**r, "itl_ms": tuple(r["itl_ms"])}) for r in records]
+                if len(recs) > len(runs.get(float(rate), [])):
+                    runs[float(rate)] = recs
+    if workload is None:
+        raise SystemExit("--plot needs --from with at least one --json file")
+    return workload, modes
+
+
+def plot(paths: list[Path], out: Path, tpot_slos: list[float], only: str | None) -> None:
+    """Goodput against the TPOT SLO from `--json` files (`only`: these modes, comma-separated)."""
+    from loadtests.plots import plot_goodput_against_tpot_slo
+
+    w, modes = merged_runs(paths)
+    keep = only.split(",") if only else None
+    series = [
+        (mode, sorted(runs.items()))
+        for mode, runs in modes.items()
+        if keep is None or mode.split(" ")[0] in keep
+    ]
+    title = f"{w.name} ({w.prompt_tokens} in / {w.output_tokens} out)"
+    plot_goodput_against_tpot_slo(series, w.ttft_ms, tpot_slos, out, title)
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument(
@@ -165,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     ap.add_argument("--workload", default="prefill_heavy", choices=sorted(WORKLOADS))
-    ap.add_argument("--modes", default="colocated:2048,split:0")
+    ap.add_argument("--modes", default=None, help="default colocated:2048,split:0")
     ap.add_argument("--rates", default="1,2,3,4")
     ap.add_argument("--requests", type=int, default=40, help="requests per rate")
     ap.add_argument("--tpot-slo", default="20,40", help="TPOT SLOs (ms), comma-separated")
@@ -175,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke)")
     ap.add_argument("--json", help="write every record and summary here")
+    ap.add_argument("--plot", type=Path, help="no run: plot goodput against the TPOT SLO")
+    ap.add_argument("--from", dest="sources", nargs="*", type=Path, default=[],
+                    help="--json files of one workload to plot")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(args.sources, args.plot, [float(t) for t in range(8, 42, 2)], args.modes)
+        return 0
+    args.modes = args.modes or "colocated:2048,split:0"
     if args.cpu:
         from deploy.checkpoints.make_model import cached_tiny_model
 

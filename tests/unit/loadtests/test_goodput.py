@@ -13,6 +13,7 @@ from loadtests.goodput import (
     LatencyStats,
     SLOError,
     by_rate,
+    goodput_curve,
     max_rate_meeting,
     parse_slo,
     run_duration_s,
@@ -169,3 +170,16 @@ def test_reports_without_a_rate_are_left_out_of_sweeps() -> None:
     sweep = [report_at(None, 1.0), report_at(3, 1.0)]
     assert [rate for rate, _ in by_rate(sweep)] == [3]
     assert max_rate_meeting(sweep) == 3
+
+
+def test_goodput_curve_is_the_highest_rate_meeting_each_tpot_slo() -> None:
+    # rate 2: TPOT 12 ms for all; rate 4: 18 ms for 9 of 10 and 30 ms for one; rate 8: TTFT
+    # over the SLO for half
+    runs = [
+        (2.0, [rec(i, tpot=12.0) for i in range(10)]),
+        (4.0, [rec(i, tpot=18.0 if i else 30.0) for i in range(10)]),
+        (8.0, [rec(i, tpot=18.0, ttft=3000.0 if i % 2 else 100.0) for i in range(10)]),
+    ]
+    assert goodput_curve(runs, 1000.0, [10.0, 15.0, 20.0, 40.0]) == [None, 2.0, 4.0, 4.0]
+    assert goodput_curve(runs, 5000.0, [20.0, 40.0]) == [8.0, 8.0]  # TTFT no longer binds
+    assert goodput_curve(runs, 1000.0, [20.0], attainment=1.0) == [2.0]  # 9 of 10 is not all

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.goodput import SLO, summarize
-from loadtests.plots import plot_goodput_sweep, plot_latency_cdfs
+from loadtests.plots import plot_goodput_against_tpot_slo, plot_goodput_sweep, plot_latency_cdfs
 from loadtests.records import (
     RecordSink,
     RequestRecord,
@@ -89,7 +89,11 @@ def test_cdf_and_sweep_plots_are_written_as_png(tmp_path: Path) -> None:
     cdf = plot_latency_cdfs([("2 req/s", low), ("4 req/s", high)], slo, tmp_path / "cdf.png")
     reports = [summarize(low, slo, offered_rate=2.0), summarize(high, slo, offered_rate=4.0)]
     sweep = plot_goodput_sweep(reports, tmp_path / "sweep.png", 0.5)
-    for path in (cdf, sweep):
+    series = [("a", [(2.0, low), (4.0, high)]), ("b (fails everywhere)", [(4.0, high)])]
+    against = plot_goodput_against_tpot_slo(
+        series, 60.0, [10.0, 22.0, 40.0], tmp_path / "against.png", "title"
+    )
+    for path in (cdf, sweep, against):
         data = path.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 

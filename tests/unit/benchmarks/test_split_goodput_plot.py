@@ -1,0 +1,79 @@
+"""`python -m benchmarks split_goodput --plot OUT --from JSON...`: merges the records of
+several runs of one workload by mode and rate (a rate run twice: the run with more requests),
+labels partitioned modes with the SMs granted, refuses files of different workloads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.suites.split_goodput import WORKLOADS, merged_runs
+
+ROOT = Path(__file__).resolve().parents[3]
+BALANCED = WORKLOADS["balanced"]
+TWO_MODES = {"colocated:2048": {8.0: (10, 9.0), 16.0: (10, 30.0)}, "split:32": {8.0: (10, 12.0)}}
+
+
+def record(i: int, rate: float, tpot_ms: float) -> dict[str, Any]:
+    return {
+        "request_id": f"r{i}", "index": i, "sent_s": i / rate, "scheduled_s": i / rate,
+        "prompt_tokens": 1000, "max_tokens": 300, "output_tokens": 300, "e2e_ms": 3000.0,
+        "ttft_ms": 50.0, "tpot_ms": tpot_ms, "itl_ms": [], "status": "OK", "offered_rate": rate,
+    }  # fmt: skip
+
+
+def run_file(path: Path, workload: str, modes: dict[str, dict[float, tuple[int, float]]]) -> Path:
+    """A --json file: for each mode, {rate: (requests, tpot_ms)}; `split:*` modes
+    partitioned 32/100."""
+    w = WORKLOADS[workload]
+    report = {
+        "workload": {"name": w.name, "prompt_tokens": w.prompt_tokens,
+                     "output_tokens": w.output_tokens, "ttft_ms": w.ttft_ms},
+        "modes": {
+            mode: {
+                "split": {"partitioned": True, "decode_sms": 32, "prefill_sms": 100}
+                if mode.startswith("split") else None,
+                "records": {str(rate): [record(i, rate, tpot) for i in range(n)]
+                            for rate, (n, tpot) in runs.items()},
+            }
+            for mode, runs in modes.items()
+        },
+    }  # fmt: skip
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_runs_merge_by_mode_and_rate_keeping_the_larger_run(tmp_path: Path) -> None:
+    a = run_file(tmp_path / "a.json", "balanced", TWO_MODES)
+    b = run_file(tmp_path / "b.json", "balanced", {"colocated:2048": {16.0: (40, 15.0)}})
+    workload, modes = merged_runs([a, b])
+    assert workload == BALANCED
+    assert sorted(modes) == ["colocated:2048", "split:32 (32 decode / 100 prefill SMs)"]
+    coloc = modes["colocated:2048"]
+    assert sorted(coloc) == [8.0, 16.0]
+    assert len(coloc[16.0]) == 40 and coloc[16.0][0].tpot_ms == 15.0  # the larger run won
+    assert isinstance(coloc[8.0][0].itl_ms, tuple)
+
+
+def test_files_of_different_workloads_are_refused(tmp_path: Path) -> None:
+    a = run_file(tmp_path / "a.json", "balanced", {"split:32": {8.0: (4, 10.0)}})
+    b = run_file(tmp_path / "b.json", "decode_heavy", {"split:32": {8.0: (4, 10.0)}})
+    with pytest.raises(SystemExit, match="workload decode_heavy, the others balanced"):
+        merged_runs([a, b])
+
+
+def test_the_door_writes_the_plot_without_running_anything(tmp_path: Path) -> None:
+    a = run_file(tmp_path / "a.json", "balanced", TWO_MODES)
+    out = tmp_path / "plot.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "split_goodput", "--plot", str(out),
+         "--modes", "split:32", "--from", str(a)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in done.stdout
