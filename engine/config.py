@@ -31,6 +31,8 @@ QUANTIZATIONS = ("none", "fp8")
 """Choices of EngineConfig.quantization."""
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Choices of EngineConfig.kv_cache_dtype."""
+FP8_ACTIVATION_SCALES = ("checkpoint", "calibrated")
+"""Choices of EngineConfig.fp8_activation_scales."""
 KV_LAYOUT_CHOICES = ("auto", "block_major", "head_major", "layer_major")
 """Choices of EngineConfig.kv_layout (engine/kv/kv_cache.py describes the layouts)."""
 LOAD_FORMATS = ("auto", "dummy")
@@ -56,10 +58,18 @@ class EngineConfig:
     """Weights/KV dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."""
     quantization: str = "none"
     """Weights of the decoder projections: none (the dtype above) or fp8 (e4m3, one scale per
-    tensor, quantized at load; activations quantized at run time; embeddings, norms and the
-    head stay in the dtype above). GPU: cuBLASLt FP8 GEMMs (Hopper); CPU: dequantized.
-    A pre-quantized FP8 checkpoint (compressed-tensors float-quantized) loads as FP8 whatever
-    this says: the checkpoint decides."""
+    tensor, quantized at load; activations with one static scale per projection, calibrated
+    at load; embeddings, norms and the head stay in the dtype above). GPU: cuBLASLt FP8
+    GEMMs (Hopper); CPU: dequantized. A pre-quantized FP8 checkpoint (compressed-tensors
+    float-quantized) loads as FP8 whatever this says, computed as it declares
+    (fp8_activation_scales): the checkpoint decides."""
+    fp8_activation_scales: str = "checkpoint"
+    """How FP8 projections scale their inputs: checkpoint (what a pre-quantized checkpoint
+    declares: dynamic per token, dynamic per tensor, or its static scales; pdserve's own FP8,
+    quantization=fp8 on a dense checkpoint, calibrates one static scale per projection at
+    load) or calibrated (opt-in: every projection without a static scale in its checkpoint
+    gets one calibrated at load, so the op before it writes e4m3 itself, faster on the GPU,
+    but one scale shared by every request instead of the checkpoint's per-token ones)."""
     kv_cache_dtype: str = "auto"
     """KV pool element type: auto (the dtype above) or fp8 (e4m3 with one static scale per
     layer for K and one for V, calibrated at load; halves KV bytes per block and per
@@ -214,6 +224,11 @@ class EngineConfig:
             raise ValueError(
                 "kv_cache_memory_fraction and gpu_memory_share: each must be in (0, 1], got "
                 f"{self.kv_cache_memory_fraction} and {self.gpu_memory_share}"
+            )
+        if self.fp8_activation_scales not in FP8_ACTIVATION_SCALES:
+            choices = ", ".join(FP8_ACTIVATION_SCALES)
+            raise ValueError(
+                f"fp8_activation_scales: one of {choices}, got {self.fp8_activation_scales!r}"
             )
         if self.kv_layout not in KV_LAYOUT_CHOICES:
             choices = ", ".join(KV_LAYOUT_CHOICES)

@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import yaml
 
-from engine.config import KV_CACHE_DTYPES, KV_LAYOUT_CHOICES, LOAD_FORMATS, QUANTIZATIONS
+from engine.config import (
+    FP8_ACTIVATION_SCALES,
+    KV_CACHE_DTYPES,
+    KV_LAYOUT_CHOICES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+)
 from vocabulary.block_hash import ALGORITHMS as HASH_ALGORITHMS
 
 if TYPE_CHECKING:
@@ -252,6 +258,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("quantization", "workers.engine.quantization", str, "Decoder weights: none or fp8 (e4m3, "
          "quantized at load; an FP8 checkpoint loads as FP8 anyway) [none].",
          choices=QUANTIZATIONS),
+    Flag("fp8_activation_scales", "workers.engine.fp8_activation_scales", str, "FP8 "
+         "activations: checkpoint (as the checkpoint declares, e.g. per token) or calibrated "
+         "(opt-in: one static scale per projection, shared by every request; faster) "
+         "[checkpoint].", choices=FP8_ACTIVATION_SCALES),
     Flag("kv_cache_dtype", "workers.engine.kv_cache_dtype", str, "KV cache: auto (the weights' "
          "dtype) or fp8 (e4m3, scales calibrated at load) [auto].", choices=KV_CACHE_DTYPES),
     Flag("load_format", "workers.engine.load_format", str, "Weights: auto (the checkpoint's) or "

@@ -96,6 +96,7 @@ def build_rank(
         model, tokenizer.encode, config.quantization, config.kv_cache_dtype,
         serving_max_model_len(config, model_config),
         agree_max=tp.reduce_max if tp is not None else None,
+        activation_scales=config.fp8_activation_scales,
     )  # fmt: skip
     kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
     num_blocks = decide_num_kv_blocks(config, cfg, device, kv_dtype, model, kv_scales)

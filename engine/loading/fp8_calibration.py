@@ -122,12 +122,14 @@ def _amax(t: torch.Tensor) -> float:
     return float(t.detach().abs().amax().float())
 
 
-def calibrate_activations(model: LlamaModel, observed: Observed) -> int:
-    """Give every FP8 projection without an `input_scale` (from its checkpoint) a static one
-    from `observed`; returns how many were set."""
+def calibrate_activations(model: LlamaModel, observed: Observed, everyone: bool = False) -> int:
+    """Give every FP8 projection without an `input_scale` (from its checkpoint) and without
+    dynamic activations its checkpoint declares (`Fp8Linear.dynamic`; `everyone`: those too,
+    EngineConfig.fp8_activation_scales "calibrated") a static one from `observed`; returns
+    how many were set."""
     n = 0
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear) and m.input_scale is None:
+        if isinstance(m, Fp8Linear) and m.input_scale is None and (everyone or not m.dynamic):
             scale = pow2_scale(observed.activations[name], ACTIVATION_HEADROOM)
             m.input_scale = torch.tensor(scale, dtype=torch.float32, device=m.weight.device)
             n += 1
@@ -146,13 +148,15 @@ def prepare_fp8(
     kv_cache_dtype: str,
     max_tokens: int,
     agree_max: Callable[[list[float]], list[float]] | None = None,
+    activation_scales: str = "checkpoint",
 ) -> tuple[float, ...]:
     """Make a loaded model serve as configured (EngineConfig.quantization, kv_cache_dtype):
     quantize its projections (unless the checkpoint already was FP8), calibrate static input
     scales on the calibration text (tokenized with `encode`, at most `max_tokens`; only when
     something needs calibrating), and return the KV scales of an e4m3 pool (empty for a
     float pool). `agree_max`: a TP rank's element-wise max over the ranks (module
-    docstring). Raises ValueError naming a bad setting."""
+    docstring). `activation_scales`: EngineConfig.fp8_activation_scales. Raises ValueError
+    naming a bad setting."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -168,7 +172,7 @@ def prepare_fp8(
     if agree_max is not None:
         observed = agreed(observed, agree_max)
     if model.quantization == "fp8":
-        calibrate_activations(model, observed)
+        calibrate_activations(model, observed, everyone=activation_scales == "calibrated")
     return kv_scales(observed) if kv_cache_dtype == "fp8" else ()
 
 

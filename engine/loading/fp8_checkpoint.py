@@ -23,17 +23,18 @@ The format, as config.json and tensor names give it:
     Modules in `ignore` (the head) and all that is not a Linear are stored as in a dense
     checkpoint. A group may carry its own "format"; every group must be FP8 and agree.
 
-What the engine makes of it (engine/quantization/fp8_linear.py runs one scale per tensor, cuBLASLt's
-fastest):
+What the engine makes of it: what the checkpoint declares (engine/quantization/fp8_linear.py).
 - q/k/v and gate/up are separate modules in the checkpoint and one fused projection here.
-  Parts that are per-tensor with one shared scale keep their e4m3 bytes as they are; any
-  other mix (per-tensor scales that differ, per-channel scales, a dense part) is dequantized
-  part by part with its own scales to float32 and quantized again with one scale
-  (`fuse_parts`): one more e4m3 rounding, at the fused tensor's scale. Per-channel o/down get
-  one scale the same way.
+  Parts that are per-tensor with one shared scale keep their e4m3 bytes and that scale; any
+  other mix (per-tensor scales that differ, per-channel scales) keeps every part's bytes with
+  a scale per row (`fuse_parts`: per-tensor parts repeat theirs over their rows; a dense part
+  among quantized ones is quantized per row). No weight is rounded twice.
 - Static input scales of fused parts: their max (the parts read the same input; the max
-  saturates nothing any part's scale covered). Dynamic activations, per token or per tensor
-  (or none, weights only): quantized per tensor at run time.
+  saturates nothing any part's scale covered). Dynamic activations run as declared, per token
+  or per tensor (`Fp8Linear.dynamic`); `fp8_activation_scales: calibrated` (opt-in) gives
+  them one static scale instead, shared by every request (engine/loading/fp8_calibration.py).
+  Weights only (no input_activations) run with per-token activations: pdserve has no
+  FP8-weight, bf16-activation GEMM.
 - KV-cache scales (`kv_cache_scheme`, `self_attn.k_scale`/`v_scale`) are not read:
   `kv_cache_dtype=fp8` calibrates its own at load (engine/loading/fp8_calibration.py).
 - An FP8 head (not in `ignore`) is dequantized: the head and embeddings stay in the dtype.
@@ -60,7 +61,7 @@ from engine.loading.hf_checkpoint import (
     expected_tensor_names,
 )
 from engine.modeling.llama import DecoderLayer, LlamaModel
-from engine.quantization.fp8_linear import FP8_DTYPE, Fp8Linear, quantize_per_tensor
+from engine.quantization.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_per_tensor
 from vocabulary.model_config import ModelConfig
 
 QUANT_METHOD = "compressed-tensors"
@@ -91,8 +92,10 @@ class Fp8Scheme:
     weight_strategy: str = "channel"
     """tensor (one weight_scale per module) or channel (one per output row)."""
     dynamic_activations: bool = True
-    """True: activations are quantized at run time (strategy token, or tensor); False: static,
-    one `input_scale` per module in the checkpoint."""
+    """True: activations are quantized at run time (per `activation_strategy`); False:
+    static, one `input_scale` per module in the checkpoint."""
+    activation_strategy: str = "token"
+    """Dynamic activations: token (a scale per token) or tensor (one over the input)."""
 
     def __post_init__(self) -> None:
         if self.weight_strategy not in WEIGHT_STRATEGIES:
@@ -100,9 +103,13 @@ class Fp8Scheme:
                 f"weight_strategy: one of {', '.join(WEIGHT_STRATEGIES)}, "
                 f"got {self.weight_strategy!r}"
             )
+        if self.activation_strategy not in ("token", "tensor"):
+            raise ValueError(
+                f"activation_strategy: token or tensor, got {self.activation_strategy!r}"
+            )
 
     def __str__(self) -> str:
-        acts = "dynamic" if self.dynamic_activations else "static"
+        acts = f"dynamic per-{self.activation_strategy}" if self.dynamic_activations else "static"
         return f"compressed-tensors FP8, per-{self.weight_strategy} weights, {acts} activations"
 
     def quantization_config(self) -> dict[str, Any]:
@@ -110,7 +117,7 @@ class Fp8Scheme:
         left dense)."""
         activations = {"num_bits": 8, "type": "float", "symmetric": True}
         if self.dynamic_activations:
-            activations |= {"strategy": "token", "dynamic": True}
+            activations |= {"strategy": self.activation_strategy, "dynamic": True}
         else:
             activations |= {"strategy": "tensor", "dynamic": False}
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
@@ -185,7 +192,7 @@ def _group_scheme(qc: Mapping[str, Any], name: str, group: Any, where: str) -> F
     dynamic = acts.get("dynamic", False)
     act_strategy = acts.get("strategy") or "tensor"
     if dynamic is True and act_strategy in ("token", "tensor"):
-        return Fp8Scheme(strategy, dynamic_activations=True)
+        return Fp8Scheme(strategy, dynamic_activations=True, activation_strategy=act_strategy)
     if dynamic is False and act_strategy == "tensor":
         return Fp8Scheme(strategy, dynamic_activations=False)
     raise ValueError(
@@ -232,6 +239,20 @@ class Fp8Part:
     def per_tensor(self) -> bool:
         return self.quantized and self.weight_scale is not None and self.weight_scale.numel() == 1
 
+    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 weight, float32 scale per row [rows]): the checkpoint's bytes with their
+        scale repeated per row, or a dense part quantized row by row."""
+        assert self.weight is not None
+        rows = self.weight.shape[0]
+        if not self.quantized:
+            amax = self.weight.float().abs().amax(dim=1)
+            scale = (amax / FP8_MAX).clamp(min=1e-12)
+            q = (self.weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            return q, scale
+        self.dequantized()  # raises naming a scale of the wrong shape
+        assert self.weight_scale is not None
+        return self.weight, self.weight_scale.float().reshape(-1).expand(rows).contiguous()
+
     def dequantized(self) -> torch.Tensor:
         """The weight in float32 (e4m3 times its per-tensor or per-row scale)."""
         assert self.weight is not None
@@ -254,15 +275,18 @@ class Fp8Part:
 
 
 def fuse_parts(parts: Sequence[Fp8Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(e4m3 weight, float32 scale [], static input scale [] or None) of the row
+    """(e4m3 weight, float32 scale [] or [rows], static input scale [] or None) of the row
     concatenation of `parts` (see the module docstring)."""
     weights = [p.weight for p in parts]
     assert all(w is not None for w in weights)
     scales = [p.weight_scale.float().reshape(()) for p in parts if p.per_tensor]  # type: ignore[union-attr]
     if len(scales) == len(parts) and all(bool(s == scales[0]) for s in scales):
         weight, scale = torch.cat(cast(list[torch.Tensor], weights)), scales[0]
-    else:
+    elif not any(p.quantized for p in parts):  # a dense checkpoint quantized here: per tensor
         weight, scale = quantize_per_tensor(torch.cat([p.dequantized() for p in parts]))
+    else:  # each part's rows keep their e4m3 bytes and scales (a dense part: per row here)
+        rows = [p.per_row() for p in parts]
+        weight, scale = torch.cat([w for w, _ in rows]), torch.cat([s for _, s in rows])
     inputs = [p.input_scale.float().reshape(()) for p in parts if p.input_scale is not None]
     input_scale = torch.stack(inputs).amax() if inputs else None
     return weight, scale, input_scale
@@ -288,9 +312,11 @@ class _Assembler:
     """Collects the parts of each layer's projections and builds each Fp8Linear the moment
     its last part arrives."""
 
-    def __init__(self, model: LlamaModel, static: bool) -> None:
+    def __init__(self, model: LlamaModel, static: bool, dynamic: str | None) -> None:
         self.model = model
         self.static = static
+        self.dynamic = dynamic
+        """How projections without a static input scale quantize their inputs."""
         self.part_shapes = _part_shapes(model.cfg)
         self.parts: dict[tuple[int, str], Fp8Part] = {}
         self.built: dict[int, dict[str, Fp8Linear]] = {}
@@ -323,7 +349,7 @@ class _Assembler:
         weight, scale, input_scale = fuse_parts(parts)
         bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(projection)
         linears = self.built.setdefault(index, {})
-        linears[projection] = Fp8Linear(weight, scale, bias, input_scale)
+        linears[projection] = Fp8Linear(weight, scale, bias, input_scale, self.dynamic)
         for module in FUSED_PARTS[projection]:
             del self.parts[(index, module)]
         if len(linears) == len(PROJECTIONS):
@@ -350,7 +376,8 @@ def load_fp8_weights(
     """Stream a checkpoint into `model` (an `engine.loading.hf_checkpoint.empty_model`): FP8 per
     `scheme`, or dense (None) and quantized here, projection by projection. Sets `model.quantization
     = "fp8"`; raises naming any missing, misshapen or unexpected tensor."""
-    assembler = _Assembler(model, static=scheme is not None and not scheme.dynamic_activations)
+    static = scheme is not None and not scheme.dynamic_activations
+    assembler = _Assembler(model, static, scheme.activation_strategy if scheme else None)
     other: dict[str, Fp8Part] = {}  # an FP8 Linear outside the layers (a head not ignored)
     seen: set[str] = set()
     for name, tensor in tensors:

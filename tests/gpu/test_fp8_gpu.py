@@ -33,6 +33,34 @@ def test_scaled_mm_matches_the_dequantized_matmul(m: int) -> None:
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_row_wise_scaled_mm_per_token_matches_the_dequantized_matmul(
+    m: int, per_channel: bool
+) -> None:
+    """Per-token activations (and per-channel weights) run cuBLASLt row-wise: each row of x by
+    its own scale, as the CPU path computes it; a row 1000x louder leaves the others alone."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    b = torch.randn(512, device="cuda", generator=g).bfloat16()
+    x = torch.randn(m, 256, device="cuda", generator=g).bfloat16()
+    x[0] *= 1000.0
+    dense = Fp8Linear.from_weight(w, b)
+    scale = dense.weight_scale
+    if per_channel:
+        amax = w.float().abs().amax(dim=1)
+        scale = amax / 448.0
+        weight = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    else:
+        weight = dense.weight
+    layer = Fp8Linear(weight, scale, b, dynamic="token")
+    got = layer(x).float()
+    cpu = Fp8Linear(weight.cpu(), scale.cpu(), b.cpu(), dynamic="token")
+    want = cpu(x.cpu().float(), out_dtype=torch.float32).cuda()
+    rows = want.abs().amax(dim=1, keepdim=True)  # bf16 output: each row to ~1 % of its size
+    assert bool(((got - want).abs() <= 2e-2 * rows).all())
+
+
 def test_fp8_linear_replays_in_a_cuda_graph() -> None:
     layer = Fp8Linear.from_weight(torch.randn(256, 128, device="cuda").bfloat16())
     x = torch.randn(8, 128, device="cuda").bfloat16()

@@ -19,7 +19,8 @@ from deploy.checkpoints.make_model import make_model
 from deploy.cli.app import app
 from deploy.cli.options import check_model_dir
 
-FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--load-format", "dummy"]
+FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--load-format", "dummy",
+             "--fp8-activation-scales", "calibrated"]  # fmt: skip
 
 
 def run(tmp_path: Path, *args: str) -> Any:
@@ -33,13 +34,10 @@ def test_fp8_flags_set_the_engine_fields_and_round_trip_through_config_show(
     shown = run(tmp_path, "config", "show", *FP8_FLAGS)
     assert shown.exit_code == 0, shown.output
     engine = yaml.safe_load(shown.output)["workers"]["engine"]
-    assert (engine["quantization"], engine["kv_cache_dtype"], engine["load_format"]) == (
-        "fp8", "fp8", "dummy",
-    )  # fmt: skip
+    keys = ("quantization", "kv_cache_dtype", "load_format", "fp8_activation_scales")
+    assert tuple(engine[k] for k in keys) == ("fp8", "fp8", "dummy", "calibrated")
     defaults = yaml.safe_load(run(tmp_path, "config", "show").output)["workers"]["engine"]
-    assert (defaults["quantization"], defaults["kv_cache_dtype"], defaults["load_format"]) == (
-        "none", "auto", "auto",
-    )  # fmt: skip
+    assert tuple(defaults[k] for k in keys) == ("none", "auto", "auto", "checkpoint")
     path = tmp_path / "tree.yaml"
     path.write_text(shown.output)
     again = run(tmp_path, "config", "show", "--config", str(path))
@@ -52,6 +50,10 @@ def test_fp8_flags_set_the_engine_fields_and_round_trip_through_config_show(
         (["--quantization", "int4"], "error: --quantization: one of none, fp8, got 'int4'"),
         (["--kv-cache-dtype", "fp16"], "error: --kv-cache-dtype: one of auto, fp8, got 'fp16'"),
         (["--load-format", "gguf"], "error: --load-format: one of auto, dummy, got 'gguf'"),
+        (
+            ["--fp8-activation-scales", "static"],
+            "error: --fp8-activation-scales: one of checkpoint, calibrated, got 'static'",
+        ),
     ],
 )
 def test_a_value_outside_the_choices_is_refused_naming_the_flag(
