@@ -240,6 +240,7 @@ class RouterServer:
             self.config.resolved_model_id,
             self.request_limits,
             lambda: self.http_url,
+            lambda: self.grpc_target,
         )
         pb_grpc.add_AdminServicer_to_server(admin, admin_server)
         self.admin_port = self._listen(
@@ -313,6 +314,14 @@ class RouterServer:
         )
         self.http = HttpServer(door.app(), self.config.host, port, tls=self.config.tls)
         self.http_port = await self.http.start()
+
+    @property
+    def grpc_target(self) -> str:
+        """HOST:PORT of the gRPC data plane ("" before it listens)."""
+        if not self.port:
+            return ""
+        host = self.config.host
+        return f"{f'[{host}]' if ':' in host else host}:{self.port}"
 
     @property
     def http_url(self) -> str:

@@ -222,6 +222,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         model_id: str,
         limits: Callable[[], pb.RequestLimits] | None = None,
         http_url: Callable[[], str] | None = None,
+        grpc_target: Callable[[], str] | None = None,
     ) -> None:
         self.view = view
         self.admission = admission
@@ -231,6 +232,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.model_id = model_id
         self.limits = limits
         self.http_url = http_url
+        self.grpc_target = grpc_target
 
     def _thresholds(self) -> pb.AdmissionThresholds:
         t = self.admission.thresholds
@@ -287,6 +289,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             redis_ok=redis_ok,
             limits=self.limits() if self.limits is not None else None,
             http_url=self.http_url() if self.http_url is not None else "",
+            grpc_target=self.grpc_target() if self.grpc_target is not None else "",
         )
 
     async def GetThresholds(self, request: Any, context: Any) -> pb.AdmissionThresholds:

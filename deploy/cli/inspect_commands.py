@@ -160,7 +160,8 @@ def status_view(
 
     lines: list[RenderableType] = [client.status_table(st)]
     if st.http_url:
-        lines.append(Text(f"  api:      gRPC {addr} · OpenAI {st.http_url}/v1"))
+        grpc = st.grpc_target or addr  # (a router older than the field: the admin address)
+        lines.append(Text(f"  api:      gRPC {grpc} · OpenAI {st.http_url}/v1"))
     lines += [Text(f"  {line}") for line in client.split_lines(st)]
     lines += [Text(f"  {line}") for line in (*client.limits_lines(st), *log.events)]
     if log.planner:

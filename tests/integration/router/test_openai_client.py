@@ -65,9 +65,12 @@ def test_models_health_and_ready(router_cluster: RouterCluster, client: openai.O
     admin = router_cluster.admin_targets[0]  # status is on the admin plane
     shown = CliRunner().invoke(app, ["status", "--target", admin])
     assert shown.exit_code == 0, shown.output
-    assert f"OpenAI {base}/v1" in shown.output
+    # the data plane's gRPC address, not the admin plane's the status came from
+    data_plane = router_cluster.targets[0]
+    assert data_plane != admin and f"gRPC {data_plane} · OpenAI {base}/v1" in shown.output
     as_json = CliRunner().invoke(app, ["status", "--json", "--target", admin])
-    assert json.JSONDecoder().raw_decode(as_json.output)[0]["http_url"] == base
+    shown_json = json.JSONDecoder().raw_decode(as_json.output)[0]
+    assert (shown_json["http_url"], shown_json["grpc_target"]) == (base, data_plane)
 
 
 def test_greedy_completion_tokens_equal_the_grpc_path_streamed_and_not(
