@@ -80,7 +80,11 @@ def make_model_cmd(
         str, typer.Option(help="fp8 weight scales: channel (one per output row) or tensor.")
     ] = "channel",
     activations: Annotated[
-        str, typer.Option(help="fp8 activations: dynamic, or static (scales from the corpus).")
+        str,
+        typer.Option(
+            help="fp8 activations: dynamic (per token), static (scales from the "
+            "corpus) or none (weights only)."
+        ),
     ] = "dynamic",
     config_only: Annotated[
         bool, typer.Option("--config-only", help="Only config.json and tokenizer (no weights).")
@@ -140,10 +144,12 @@ def _fp8_scheme(quantization: str, weight_scales: str, activations: str) -> Fp8S
         raise typer.BadParameter(f"--quantization: none or fp8, got {quantization!r}")
     if weight_scales not in WEIGHT_STRATEGIES:
         raise typer.BadParameter(f"--weight-scales: channel or tensor, got {weight_scales!r}")
-    if activations not in ("dynamic", "static"):
-        raise typer.BadParameter(f"--activations: dynamic or static, got {activations!r}")
+    if activations not in ("dynamic", "static", "none"):
+        raise typer.BadParameter(f"--activations: dynamic, static or none, got {activations!r}")
     if quantization == "none":
         return None
+    if activations == "none":
+        return Fp8Scheme(weight_scales, dynamic_activations=True, activation_strategy="none")
     return Fp8Scheme(weight_scales, dynamic_activations=activations == "dynamic")
 
 

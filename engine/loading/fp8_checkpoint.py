@@ -33,8 +33,9 @@ What the engine makes of it: what the checkpoint declares (engine/quantization/f
   saturates nothing any part's scale covered). Dynamic activations run as declared, per token
   or per tensor (`Fp8Linear.dynamic`); `fp8_activation_scales: calibrated` (opt-in) gives
   them one static scale instead, shared by every request (engine/loading/fp8_calibration.py).
-  Weights only (no input_activations) run with per-token activations: pdserve has no
-  FP8-weight, bf16-activation GEMM.
+  Weights only (no input_activations): activations stay in the model dtype and the GEMM
+  reads the weight dequantized (`Fp8Linear.dynamic` "none"; correct, not fast: there is no
+  FP8-weight, bf16-activation GEMM here).
 - KV-cache scales (`kv_cache_scheme`, `self_attn.k_scale`/`v_scale`) are not read:
   `kv_cache_dtype=fp8` calibrates its own at load (engine/loading/fp8_calibration.py).
 - An FP8 head (not in `ignore`) is dequantized: the head and embeddings stay in the dtype.
@@ -95,7 +96,8 @@ class Fp8Scheme:
     """True: activations are quantized at run time (per `activation_strategy`); False:
     static, one `input_scale` per module in the checkpoint."""
     activation_strategy: str = "token"
-    """Dynamic activations: token (a scale per token) or tensor (one over the input)."""
+    """Dynamic activations: token (a scale per token), tensor (one over the input), or none
+    (weights only: activations stay in the model dtype, no input_activations declared)."""
 
     def __post_init__(self) -> None:
         if self.weight_strategy not in WEIGHT_STRATEGIES:
@@ -103,23 +105,30 @@ class Fp8Scheme:
                 f"weight_strategy: one of {', '.join(WEIGHT_STRATEGIES)}, "
                 f"got {self.weight_strategy!r}"
             )
-        if self.activation_strategy not in ("token", "tensor"):
+        if self.activation_strategy not in ("token", "tensor", "none"):
             raise ValueError(
-                f"activation_strategy: token or tensor, got {self.activation_strategy!r}"
+                f"activation_strategy: token, tensor or none, got {self.activation_strategy!r}"
             )
 
     def __str__(self) -> str:
         acts = f"dynamic per-{self.activation_strategy}" if self.dynamic_activations else "static"
+        if self.weights_only:
+            acts = "unquantized"
         return f"compressed-tensors FP8, per-{self.weight_strategy} weights, {acts} activations"
+
+    @property
+    def weights_only(self) -> bool:
+        return self.dynamic_activations and self.activation_strategy == "none"
 
     def quantization_config(self) -> dict[str, Any]:
         """The config.json `quantization_config` of a checkpoint in this scheme (the head
         left dense)."""
-        activations = {"num_bits": 8, "type": "float", "symmetric": True}
-        if self.dynamic_activations:
-            activations |= {"strategy": self.activation_strategy, "dynamic": True}
-        else:
-            activations |= {"strategy": "tensor", "dynamic": False}
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+        activations: dict[str, Any] | None = None  # weights only
+        if self.dynamic_activations and not self.weights_only:
+            activations = fp8 | {"strategy": self.activation_strategy, "dynamic": True}
+        elif not self.dynamic_activations:
+            activations = fp8 | {"strategy": "tensor", "dynamic": False}
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                    "strategy": self.weight_strategy}  # fmt: skip
         return {
@@ -184,8 +193,8 @@ def _group_scheme(qc: Mapping[str, Any], name: str, group: Any, where: str) -> F
     if group.get("output_activations") is not None:
         raise ValueError(f"{where}.output_activations: not supported")
     acts = group.get("input_activations")
-    if acts is None:  # weights only: activations quantized at run time here
-        return Fp8Scheme(strategy, dynamic_activations=True)
+    if acts is None:  # weights only: activations stay in the model dtype
+        return Fp8Scheme(strategy, dynamic_activations=True, activation_strategy="none")
     if not isinstance(acts, Mapping):
         raise ValueError(f"{where}.input_activations: expected a mapping, got {acts!r}")
     _check_fp8_args(acts, f"{where}.input_activations")

@@ -12,6 +12,8 @@
                 numbers never depend on what else is in its batch (the scheme most FP8 Llama
                 checkpoints declare)
     tensor      dynamic per tensor: one amax over the whole input (the batch shares it)
+    none        weights only: the input stays in its dtype and meets the weight dequantized
+                (what a checkpoint without input activations declares; correct, not fast)
 
 A call:
 
@@ -45,7 +47,7 @@ def quantize_per_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-ACTIVATIONS = ("static", "token", "tensor")
+ACTIVATIONS = ("static", "token", "tensor", "none")
 """How an Fp8Linear quantizes its input (the module docstring)."""
 
 
@@ -69,12 +71,12 @@ class Fp8Linear(torch.nn.Module):
         calibrated at load); without one, each input is quantized at run time per `dynamic`,
         what a checkpoint declares: "token" (a scale per row) or "tensor" (one amax over the
         input); None (nothing declared: pdserve's own scheme) is per tensor until load
-        calibrates a static scale."""
+        calibrates a static scale; "none" (weights only) leaves the input in its dtype."""
         super().__init__()
         if weight.dtype != FP8_DTYPE or weight.dim() != 2:
             raise ValueError(f"Fp8Linear: want a 2-D {FP8_DTYPE} weight, got {weight.dtype}")
-        if dynamic not in (None, "token", "tensor"):
-            raise ValueError(f"Fp8Linear: dynamic activations per token or tensor, got {dynamic!r}")
+        if dynamic not in (None, "token", "tensor", "none"):
+            raise ValueError(f"Fp8Linear: dynamic: token, tensor or none, got {dynamic!r}")
         out_features, in_features = weight.shape
         if weight.is_cuda and (in_features % 16 or out_features % 16):
             shape = tuple(weight.shape)
@@ -139,6 +141,8 @@ class Fp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W.T + b in `out_dtype` (default x's dtype). An e4m3 `x` is taken as already
         quantized with `input_scale` (a fused norm/activation wrote it) and needs out_dtype."""
+        if self.activations == "none" and x.dtype != FP8_DTYPE:
+            return F.linear(x, self.dequantized(out_dtype or x.dtype), self.bias)
         if x.dtype == FP8_DTYPE:
             if self.input_scale is None or out_dtype is None:
                 raise ValueError("an e4m3 input needs a static input_scale and an out_dtype")

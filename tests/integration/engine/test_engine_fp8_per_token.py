@@ -1,7 +1,8 @@
-"""The FP8 checkpoint `pdserve make-model --quantization fp8` writes (compressed-tensors:
-per-channel weights, dynamic per-token activations) computed as it declares: greedy tokens
-equal transformers + compressed-tensors (which emulates the scheme) on the same checkpoint,
-and a request's tokens do not depend on its batch neighbours' activations.
+"""The FP8 checkpoints `pdserve make-model --quantization fp8` writes (compressed-tensors:
+per-channel weights with dynamic per-token activations, the default; or weights only,
+`--activations none`) computed as they declare: greedy tokens equal transformers +
+compressed-tensors (which emulates the scheme) on the same checkpoint, and a request's tokens
+do not depend on its batch neighbours' activations.
 
 Near-tie rule: where pdserve's continuation and the reference's part, the reference's top-2
 logit gap at that step must be below NEAR_TIE. The two compute the same quantization (one
@@ -31,22 +32,31 @@ MAX_TOKENS = 24
 NEAR_TIE = 0.01
 
 
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("fp8-per-token") / "fp8"
-    args = ["make-model", str(out), "--quantization", "fp8", "--from", str(tiny_model_dir)]
+def make_fp8(out: Path, tiny_model_dir: Path, activations: str, says: str) -> Path:
+    args = ["make-model", str(out), "--quantization", "fp8", "--from", str(tiny_model_dir),
+            "--activations", activations]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "dynamic per-token activations" in result.output
+    assert says in result.output
     return out
 
 
 @pytest.fixture(scope="module")
-def reference(fp8_dir: Path) -> torch.nn.Module:
-    """transformers on the FP8 checkpoint: compressed-tensors emulates its scheme."""
+def fp8_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("fp8-per-token") / "fp8"
+    return make_fp8(out, tiny_model_dir, "dynamic", "dynamic per-token activations")
+
+
+def hf_on(checkpoint: Path) -> torch.nn.Module:
+    """transformers on an FP8 checkpoint: compressed-tensors emulates its scheme."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(fp8_dir: Path) -> torch.nn.Module:
+    return hf_on(fp8_dir)
 
 
 @torch.inference_mode()
@@ -101,6 +111,22 @@ def test_greedy_matches_transformers_compressed_tensors_on_the_per_token_checkpo
         k = parted_at(want, tokens)
         far += k is not None and gaps[k] >= NEAR_TIE
     assert far >= 1
+
+
+def test_a_weights_only_checkpoint_keeps_activations_in_the_model_dtype(
+    tmp_path: Path, tiny_model_dir: Path, tokenizer: Tokenizer, corpus_prompts: list[list[int]]
+) -> None:
+    out = make_fp8(tmp_path / "wo", tiny_model_dir, "none", "unquantized activations")
+    engine = engine_on(out, tokenizer)
+    linears = [m for m in engine.model.modules() if isinstance(m, Fp8Linear)]
+    assert linears and all(m.activations == "none" for m in linears)  # not calibrated either
+    hf = hf_on(out)
+    prompts = corpus_prompts[1::8]
+    got = engine.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    for prompt, tokens in zip(prompts, got, strict=True):
+        want, gaps = reference_greedy(hf, prompt)
+        k = parted_at(want, tokens)
+        assert k is None or gaps[k] < NEAR_TIE, f"parted at step {k}, gap {gaps[k]:.4f}"
 
 
 def test_a_requests_tokens_do_not_depend_on_its_neighbours_activations(

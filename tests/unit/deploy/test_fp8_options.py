@@ -99,7 +99,10 @@ def test_make_model_refuses_fp8_options_that_do_not_fit(tmp_path: Path) -> None:
     cases = [
         (["--quantization", "int8"], "--quantization: none or fp8, got 'int8'"),
         (["--quantization", "fp8", "--weight-scales", "block"], "--weight-scales: channel or"),
-        (["--quantization", "fp8", "--activations", "token"], "--activations: dynamic or static"),
+        (
+            ["--quantization", "fp8", "--activations", "token"],
+            "--activations: dynamic, static or none",
+        ),
         (["--from", out], "--from: only with --quantization fp8"),
     ]
     for args, message in cases:
@@ -107,7 +110,9 @@ def test_make_model_refuses_fp8_options_that_do_not_fit(tmp_path: Path) -> None:
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 
 
-@pytest.mark.parametrize(("scales", "activations"), [("channel", "dynamic"), ("tensor", "static")])
+@pytest.mark.parametrize(
+    ("scales", "activations"), [("channel", "dynamic"), ("tensor", "static"), ("channel", "none")]
+)
 def test_make_model_fp8_config_is_compressed_tensors_own_format(
     tmp_path: Path, scales: str, activations: str
 ) -> None:
@@ -125,10 +130,15 @@ def test_make_model_fp8_config_is_compressed_tensors_own_format(
     assert config.format == CompressionFormat.float_quantized.value
     assert config.quant_method == "compressed-tensors" and config.ignore == ["lm_head"]
     (scheme,) = config.config_groups.values()
-    assert scheme.weights is not None and scheme.input_activations is not None
+    assert scheme.weights is not None
     assert scheme.weights.strategy == QuantizationStrategy(scales)
     assert scheme.weights.pytorch_dtype().is_floating_point  # float8_e4m3fn
-    assert scheme.input_activations.dynamic is (activations == "dynamic")
-    want = QuantizationStrategy.TOKEN if activations == "dynamic" else QuantizationStrategy.TENSOR
-    assert scheme.input_activations.strategy == want
+    if activations == "none":  # weights only
+        assert scheme.input_activations is None
+    else:
+        assert scheme.input_activations is not None
+        assert scheme.input_activations.dynamic is (activations == "dynamic")
+        dynamic = activations == "dynamic"
+        want = QuantizationStrategy.TOKEN if dynamic else QuantizationStrategy.TENSOR
+        assert scheme.input_activations.strategy == want
     assert QuantizationConfig.model_validate(config.model_dump()) == config

@@ -67,9 +67,13 @@ def test_the_config_llm_compressor_writes_is_read_as_its_scheme() -> None:
         "tensor", dynamic_activations=False
     )
     assert read_fp8_scheme(group({**FP8_W, "strategy": "tensor"}, None)) == Fp8Scheme(
-        "tensor", dynamic_activations=True
-    )  # weights only: activations quantized at run time
-    for scheme in (Fp8Scheme(), Fp8Scheme("tensor", dynamic_activations=False)):
+        "tensor", dynamic_activations=True, activation_strategy="none"
+    )  # weights only: activations stay in the model dtype
+    schemes = (
+        Fp8Scheme(), Fp8Scheme("tensor", dynamic_activations=False),
+        Fp8Scheme(activation_strategy="tensor"), Fp8Scheme(activation_strategy="none"),
+    )  # fmt: skip
+    for scheme in schemes:
         assert read_fp8_scheme({"quantization_config": scheme.quantization_config()}) == scheme
 
 
