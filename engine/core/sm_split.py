@@ -182,7 +182,8 @@ class SMSplit:
         for share in self.all_shares():
             part = self._pair(share)[1]
             with _on(part.stream):
-                points[part.sms] = hbm_bytes_per_s(self.device)
+                points[part.sms] = hbm_bytes_per_s(self.device, 128 << 20)
+        torch.cuda.empty_cache()  # (blocks cached for a stream serve only that stream)
         return tuple(sorted(points.items()))
 
     @property
