@@ -34,7 +34,7 @@ fails the others are cancelled before the read reports FAILED.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -265,33 +265,40 @@ class NixlBackend:
         """One read per region of the peer the plan's blocks are in (its KV pool, its host
         tier); with more than one, the notice goes once all are DONE (as for slices)."""
         pieces = plan.by_tier()
-        parts: list[_Part] = []
-        try:
-            for tier, piece in pieces:
-                peer = self._checked_peer(piece, plan.peer, tier)
-                attached = notif if len(pieces) == 1 else b""
-                parts.append(self._post(plan, self._make_read, piece, peer, attached))
-        except BaseException:
-            for part in parts:
-                self._release_quietly(part.handle)
-            raise
-        self._next_id += 1
-        notify = (plan.peer, notif) if notif and len(pieces) > 1 else None
-        self._reads[self._next_id] = _Read(parts, notify)
-        return self._next_id
+        attached = notif if len(pieces) == 1 else b""
+        posts = (
+            lambda tier=tier, piece=piece: self._post(
+                plan, self._make_read, piece, self._checked_peer(piece, plan.peer, tier), attached
+            )
+            for tier, piece in pieces
+        )
+        return self._read_of(posts, (plan.peer, notif) if notif and len(pieces) > 1 else None)
 
     def _start_slices(self, plan: TransferPlan, notif: bytes) -> XferId:
+        posts = (
+            lambda s=s: self._post(
+                plan, self._make_slice_read, plan, s, self._checked_peer(plan, s.peer)
+            )
+            for s in plan.slices
+        )
+        return self._read_of(posts, (plan.peer, notif) if notif else None)
+
+    def _read_of(
+        self, posts: Iterable[Callable[[], _Part]], notify: tuple[str, bytes] | None
+    ) -> XferId:
+        """A read made of the parts `posts` post, in order; where one fails, the ones
+        already posted are released and the error goes on. `notify`: (peer, notice) to send
+        once every part is DONE."""
         parts: list[_Part] = []
         try:
-            for s in plan.slices:
-                peer = self._checked_peer(plan, s.peer)
-                parts.append(self._post(plan, self._make_slice_read, plan, s, peer))
+            for post in posts:
+                parts.append(post())
         except BaseException:
             for part in parts:
                 self._release_quietly(part.handle)
             raise
         self._next_id += 1
-        self._reads[self._next_id] = _Read(parts, (plan.peer, notif) if notif else None)
+        self._reads[self._next_id] = _Read(parts, notify)
         return self._next_id
 
     def _checked_peer(self, plan: TransferPlan, agent: str, tier: KVTier = KVTier.DEVICE) -> _Peer:
