@@ -6,8 +6,9 @@ deploy/control/lora_admin.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -34,11 +35,9 @@ def load(
     """Serve a PEFT adapter on every worker (and every worker started later)."""
     from deploy.cli import cluster_client as client
 
-    with checked_options():
-        check_seconds(timeout, "--timeout", allow_zero=False)
-    with router_for(target, admin=True) as addr:
-        status = client.load_lora(addr, name, str(path.resolve()), timeout)
-    console.print(status.message)
+    status = _change(
+        target, timeout, lambda addr: client.load_lora(addr, name, str(path.resolve()), timeout)
+    )
     _print(status, as_json=False)
 
 
@@ -51,11 +50,19 @@ def unload(
     """Stop serving an adapter (requests running on it finish)."""
     from deploy.cli import cluster_client as client
 
+    _change(target, timeout, lambda addr: client.unload_lora(addr, name, timeout))
+
+
+def _change(
+    target: str | None, timeout: float, call: Callable[[Any], pb.LoraStatus]
+) -> pb.LoraStatus:
+    """Check --timeout, run `call` against the router's admin plane, print its message."""
     with checked_options():
         check_seconds(timeout, "--timeout", allow_zero=False)
     with router_for(target, admin=True) as addr:
-        status = client.unload_lora(addr, name, timeout)
+        status = call(addr)
     console.print(status.message)
+    return status
 
 
 @app.command("list")
