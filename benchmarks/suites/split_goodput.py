@@ -6,6 +6,9 @@ and the TPOT of running streams while a burst of long prompts arrives.
         --workload prefill_heavy --rates 1,2,3,4,6 --modes colocated:2048,split:66
     python -m benchmarks split_goodput --cpu      # the tiny model, a smoke of every path
     python -m benchmarks split_goodput --plot OUT.png --from A.json B.json   # no run: a plot
+    python -m benchmarks split_goodput --model DIR --load-format dummy --modes split:0 \\
+        --ramp 1:12:60 --json ramp.json     # the split over time while the load ramps
+    python -m benchmarks split_goodput --plot-split OUT.png --from ramp.json
 
 
 Each mode is one engine in this process (no router, no Ray: what the worker's engine thread
@@ -15,7 +18,7 @@ mean gap after that. Prompts are random token ids (no prefix-cache hits), greedy
 so output lengths are pinned. Goodput is the highest swept rate at which >= 90 % of requests
 meet both SLOs (loadtests/goodput.py); it is printed for each TPOT SLO given.
 A mode is `colocated:CHUNK` (max_num_batched_tokens CHUNK) or `split:DECODE_SMS`
-(split_decode_sms; 0: half the device).
+(split_decode_sms; 0: adaptive, engine/core/split_policy.py).
 """
 
 from __future__ import annotations
@@ -84,6 +87,76 @@ def arrivals(rate: float, count: int, seed: int) -> list[float]:
         t += rng.expovariate(rate)
         out.append(t)
     return out
+
+
+def ramp_arrivals(start: float, end: float, seconds: float, seed: int) -> list[float]:
+    """Arrival times (s) of a Poisson process whose rate goes linearly from `start` to `end`
+    per second over `seconds` (thinning a process at the larger rate)."""
+    rng, top, t = random.Random(seed), max(start, end), 0.0
+    out: list[float] = []
+    while True:
+        t += rng.expovariate(top)
+        if t >= seconds:
+            return out
+        if rng.random() * top <= start + (end - start) * t / seconds:
+            out.append(t)
+
+
+def ramp(
+    engine: LLMEngine, w: Workload, spec: tuple[float, float, float], seed: int, vocab: int
+) -> dict[str, Any]:
+    """One run whose arrival rate ramps as `spec` (start, end, seconds): every request's
+    record, and the split over time (s from the start, decode SMs, prefill SMs)."""
+    rng = random.Random(seed)
+    plan = [(at, random_prompt(rng, vocab, w.prompt_tokens), w.output_tokens)
+            for at in ramp_arrivals(*spec, seed)]  # fmt: skip
+    lane = engine.prefill_lane
+    t0 = time.monotonic()
+    records = drive(engine, plan, None)
+    history = list(lane.streams.history) if lane is not None else []
+    before = [h for h in history if h[0] < t0][-1:]  # the split in effect at the start
+    split = [(max(0.0, t - t0), d, p) for t, d, p in before + [h for h in history if h[0] >= t0]]
+    engine.reset_prefix_cache()
+    return {"ramp": list(spec), "records": [asdict(r) for r in records], "history": split}
+
+
+def plot_ramps(paths: list[Path], out: Path) -> None:
+    """The SM split over time against the offered rate, and each request's TPOT at its
+    arrival, one row per mode that ran a ramp (`--ramp` runs' `--json` files)."""
+    from matplotlib.figure import Figure
+
+    runs = []
+    for path in paths:
+        for mode, data in json.loads(path.read_text())["modes"].items():
+            if data.get("ramp"):
+                runs.append((mode, data["ramp"]))
+    if not runs:
+        raise SystemExit("--plot-split: no --ramp run in the --from files")
+    fig = Figure(figsize=(10, 3.2 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(runs), 2, squeeze=False)
+    for (mode, run), (ax_split, ax_tpot) in zip(runs, axes, strict=True):
+        start, end, seconds = run["ramp"]
+        history = run["history"] + [[seconds, *run["history"][-1][1:]]] if run["history"] else []
+        ax_split.step([h[0] for h in history], [h[1] for h in history], where="post",
+                      label="decode SMs")  # fmt: skip
+        ax_split.step([h[0] for h in history], [h[2] for h in history], where="post",
+                      label="prefill SMs")  # fmt: skip
+        rate = ax_split.twinx()
+        rate.plot([0, seconds], [start, end], color="grey", linestyle=":", label="offered rate")
+        rate.set_ylabel("offered req/s")
+        ax_split.set_title(f"{mode}: the split during a ramp")
+        ax_split.set_xlabel("s since the ramp started")
+        ax_split.set_ylabel("SMs")
+        ax_split.legend(fontsize="small", loc="upper left")
+        recs = [r for r in run["records"] if r["tpot_ms"] is not None]
+        ax_tpot.scatter([r["sent_s"] for r in recs], [r["tpot_ms"] for r in recs], s=6)
+        ax_tpot.set_title(f"{mode}: TPOT of each request")
+        ax_tpot.set_xlabel("arrival (s since the ramp started)")
+        ax_tpot.set_ylabel("TPOT (ms)")
+        for ax in (ax_split, ax_tpot):
+            ax.grid(True, alpha=0.3)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -185,6 +258,16 @@ def merged_runs(paths: list[Path]) -> tuple[Workload, dict[str, dict[float, list
     return workload, modes
 
 
+def parse_ramp(text: str) -> tuple[float, float, float]:
+    try:
+        start, end, seconds = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--ramp: START:END:SECONDS, got {text!r}") from None
+    if min(start, end) < 0 or max(start, end) <= 0 or seconds <= 0:
+        raise SystemExit(f"--ramp: rates >= 0 (one > 0) and SECONDS > 0, got {text!r}")
+    return start, end, seconds
+
+
 def plot(paths: list[Path], out: Path, tpot_slos: list[float], only: str | None) -> None:
     """Goodput against the TPOT SLO from `--json` files (`only`: these modes, comma-separated)."""
     from loadtests.plots import plot_goodput_against_tpot_slo
@@ -218,13 +301,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke)")
     ap.add_argument("--json", help="write every record and summary here")
+    ap.add_argument("--ramp", default=None, metavar="START:END:SECONDS",
+                    help="instead of the sweep: one run whose rate ramps from START to END "
+                    "req/s over SECONDS, recording the split over time")  # fmt: skip
     ap.add_argument("--plot", type=Path, help="no run: plot goodput against the TPOT SLO")
+    ap.add_argument("--plot-split", type=Path, help="no run: plot --ramp runs' split over time")
     ap.add_argument("--from", dest="sources", nargs="*", type=Path, default=[],
                     help="--json files of one workload to plot")  # fmt: skip
     args = ap.parse_args(argv)
     if args.plot:
         plot(args.sources, args.plot, [float(t) for t in range(8, 42, 2)], args.modes)
         return 0
+    if args.plot_split:
+        plot_ramps(args.sources, args.plot_split)
+        return 0
+    ramp_spec = parse_ramp(args.ramp) if args.ramp else None
     args.modes = args.modes or "colocated:2048,split:0"
     if args.cpu:
         from deploy.checkpoints.make_model import cached_tiny_model
@@ -259,6 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     for mode in [Mode(m) for m in args.modes.split(",")]:
         engine = LLMEngine(mode.engine_config(base), model=model, tokenizer=tokenizer)
         vocab = engine.model_config.vocab_size
+        if ramp_spec is not None:
+            ramped = ramp(engine, w, ramp_spec, args.seed, vocab)
+            report["modes"][mode.name] = {"ramp": ramped}
+            recs = [RequestRecord(**{**r, "itl_ms": tuple(r["itl_ms"])}) for r in ramped["records"]]
+            tpots = [r.tpot_ms for r in recs if r.tpot_ms is not None]
+            print(f"{mode.name}: ramp {args.ramp}, {len(recs)} requests, "
+                  f"{len(ramped['history']) - 1} resizes, TPOT p50/p90 "
+                  f"{percentile(tpots, 50):.1f}/{percentile(tpots, 90):.1f} ms, TTFT p90 "
+                  f"{percentile([r.ttft_ms for r in recs if r.ttft_ms is not None], 90):.0f} ms",
+                  flush=True)  # fmt: skip
+            engine.close()
+            continue
         runs = sweep(engine, w, rates, args.requests, args.seed, vocab)
         goodputs = [
             max_rate_meeting([summarize(recs, slo, offered_rate=r) for r, recs in runs.items()])
@@ -287,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    print(Table.of(header, rows).render())
+    if rows:
+        print(Table.of(header, rows).render())
     if args.json:
         Path(args.json).write_text(json.dumps(report))
     return 0

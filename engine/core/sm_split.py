@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +28,9 @@ import torch
 from vocabulary.engine_io import SplitStatus
 
 log = logging.getLogger(__name__)
+
+HISTORY = 4096
+"""How many splits `SMSplit.history` keeps (a split changes at most once a second)."""
 
 
 @dataclass
@@ -110,9 +115,12 @@ class SMSplit:
         self.shares: tuple[int, ...] = ()
         """The decode shares partitions are made for (the whole device is one more)."""
         self._pairs: dict[int, tuple[Partition, Partition]] = {}
+        self.history: deque[tuple[float, int, int]] = deque(maxlen=HISTORY)
+        """(time.monotonic(), decode SMs, prefill SMs) at the start and at every resize."""
         if device.type != "cuda":
             self.reason = "no CUDA device: both loops run on the CPU, one after the other"
             self._current = (Partition(None, 0), Partition(None, 0))
+            self._record()
             return
         total = self.total_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.shares = (decode_sms,) if decode_sms else decode_shares(total)
@@ -126,6 +134,10 @@ class SMSplit:
         except RuntimeError as e:
             self.reason = f"no SM partitions: {e}; both loops share every SM"
             log.warning("split engine: %s", self.reason)
+        self._record()
+
+    def _record(self) -> None:
+        self.history.append((time.monotonic(), self._current[1].sms, self._current[0].sms))
 
     @property
     def partitioned(self) -> bool:
@@ -153,6 +165,7 @@ class SMSplit:
                 new.stream.wait_stream(old.stream)
         self._current = pair
         self.resizes += 1
+        self._record()
         return True
 
     @property

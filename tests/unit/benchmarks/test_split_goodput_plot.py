@@ -1,6 +1,7 @@
 """`python -m benchmarks split_goodput --plot OUT --from JSON...`: merges the records of
 several runs of one workload by mode and rate (a rate run twice: the run with more requests),
-labels partitioned modes with the SMs granted, refuses files of different workloads."""
+labels partitioned modes with the SMs granted, refuses files of different workloads; `--ramp`
+arrivals follow their ramp, and `--plot-split` draws the split over time of ramp runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from benchmarks.suites.split_goodput import WORKLOADS, merged_runs
+from benchmarks.suites.split_goodput import (
+    WORKLOADS,
+    merged_runs,
+    parse_ramp,
+    plot_ramps,
+    ramp_arrivals,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 BALANCED = WORKLOADS["balanced"]
@@ -77,3 +84,31 @@ def test_the_door_writes_the_plot_without_running_anything(tmp_path: Path) -> No
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in done.stdout
+
+
+def test_ramp_arrivals_follow_the_ramp() -> None:
+    times = ramp_arrivals(1.0, 21.0, 40.0, seed=3)
+    assert times == sorted(times) and times[0] > 0 and times[-1] < 40.0
+    assert 0.85 * 440 < len(times) < 1.15 * 440  # the ramp's integral: (1 + 21) / 2 * 40
+    first, last = sum(t < 10 for t in times), sum(t >= 30 for t in times)
+    assert last > 3 * first  # rate 1-6 in the first quarter, 16-21 in the last
+    assert ramp_arrivals(1.0, 21.0, 40.0, seed=3) == times  # seeded
+
+
+@pytest.mark.parametrize("text", ["1:2", "a:2:3", "1:2:0", "-1:2:5", "0:0:5"])
+def test_a_bad_ramp_is_refused_naming_the_form(text: str) -> None:
+    with pytest.raises(SystemExit, match="--ramp"):
+        parse_ramp(text)
+
+
+def test_the_split_over_time_is_plotted_from_ramp_runs(tmp_path: Path) -> None:
+    records = [record(i, 4.0, 10.0 + i) for i in range(8)]
+    history = [[0.0, 64, 68], [1.5, 132, 132], [3.0, 32, 100]]
+    run = {"ramp": [1.0, 8.0, 4.0], "records": records, "history": history}
+    path = tmp_path / "ramp.json"
+    path.write_text(json.dumps({"workload": {}, "modes": {"split:0": {"ramp": run}}}))
+    out = tmp_path / "split.png"
+    plot_ramps([path], out)
+    assert out.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit, match="no --ramp run"):
+        plot_ramps([run_file(tmp_path / "a.json", "balanced", TWO_MODES)], out)

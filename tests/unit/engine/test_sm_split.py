@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.core.sm_split import partition_pair
+from engine.core.sm_split import SMSplit, partition_pair
 
 CUDA = torch.device("cuda", 0)
 
@@ -62,3 +62,10 @@ def test_without_flashinfer_there_is_no_pair_and_the_reason_says_why(
     monkeypatch.setitem(sys.modules, "flashinfer.green_ctx", None)
     with pytest.raises(RuntimeError, match="torch's own green contexts cannot make a disjoint"):
         partition_pair(CUDA, 66, 132)
+
+
+def test_without_a_gpu_the_split_says_why_and_records_its_one_state() -> None:
+    split = SMSplit(torch.device("cpu"))
+    assert not split.partitioned and "no CUDA device" in split.reason
+    assert split.all_shares() == () and not split.resize(32)
+    assert [entry[1:] for entry in split.history] == [(0, 0)]
