@@ -160,6 +160,11 @@ def validate(
             "stop_token_ids",
             f"id {bad_stop_ids[0]} is outside the vocabulary [0, {limits.vocab_size})",
         )
+    biased = sorted(t for t in req.logit_bias if t >= limits.vocab_size)
+    if biased:
+        raise InvalidRequest(
+            "logit_bias", f"token id {biased[0]} is outside the vocabulary [0, {limits.vocab_size})"
+        )
     if not PRIORITY_RANGE[0] <= req.priority <= PRIORITY_RANGE[1]:
         raise InvalidRequest("priority", f"must be in [-10, 10], got {req.priority}")
     for name in _FLOAT_FIELDS:
@@ -183,6 +188,7 @@ def validate(
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=req.logprobs,
+            logit_bias=tuple(req.logit_bias.items()),
         )
     except SamplingParamsError as e:
         raise InvalidRequest(e.field, str(e).split(": ", 1)[1]) from e

@@ -7,7 +7,14 @@ greedy), top_p 1.0, top_k 0 (all tokens), min_p 0, no penalties, no seed.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+MAX_LOGIT_BIAS = 1024
+"""Most tokens one request may bias (each is an indexed add on its logits row)."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""A bias's bounds (OpenAI's)."""
 
 
 class SamplingParamsError(ValueError):
@@ -49,6 +56,10 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     logprobs: bool = False
     """Return the log-probability of each chosen token (from the model's raw distribution)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) added to those tokens' logits before penalties and sampling (greedy
+    too), OpenAI's semantics: -100 all but bans a token, +100 all but forces it. Given as a
+    mapping or pairs; stored sorted by token id."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -78,6 +89,7 @@ class SamplingParams:
         # Accept lists from callers but store tuples (the dataclass stays hashable).
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -95,3 +107,28 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         """Length of the longest stop string (0 without stop strings)."""
         return max((len(s) for s in self.stop), default=0)
+
+
+def _logit_bias(
+    given: Mapping[int, float] | Iterable[tuple[int, float]],
+) -> tuple[tuple[int, float], ...]:
+    pairs = list(given.items() if isinstance(given, Mapping) else given)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}"
+        )
+    low, high = LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for token, bias in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise SamplingParamsError("logit_bias", f"token ids must be ints >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise SamplingParamsError("logit_bias", f"token {token}: bias must be a number")
+        if not (math.isfinite(bias) and low <= bias <= high):
+            raise SamplingParamsError(
+                "logit_bias", f"token {token}: bias must be in [{low:g}, {high:g}], got {bias}"
+            )
+        if token in out:
+            raise SamplingParamsError("logit_bias", f"token {token} is given twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))

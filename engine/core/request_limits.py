@@ -40,6 +40,10 @@ class RequestLimits:
                 f"prompt_token_ids: {len(prompt)} tokens do not fit the KV pool "
                 f"({self.num_blocks} blocks of {self.block_size})"
             )
+        if params is not None:
+            biased = [t for t, _ in params.logit_bias if t >= vocab]
+            if biased:
+                raise ValueError(f"logit_bias: token id {biased[0]} is outside [0, {vocab})")
         budget = self.max_num_batched_tokens
         if (
             params is not None

@@ -1,7 +1,7 @@
 """Choose the next token of every sampled sequence of a step, batched on torch.
 
-Order of processing (vLLM's): penalties → greedy argmax for temperature-0 rows → temperature →
-top-k → top-p → min-p → draw. The draw is an exponential race, `argmax(p / q)` with
+Order of processing (vLLM's): logit bias → penalties → greedy argmax for temperature-0 rows →
+temperature → top-k → top-p → min-p → draw. The draw is an exponential race, `argmax(p / q)` with
 `q ~ Exp(1)`, which samples exactly from `p`; `q` comes from the row's own `torch.Generator`
 when the request has a seed (so its tokens do not depend on what else is in the batch) and
 from the engine's generator otherwise. Log-probabilities, when asked for, are those of the
@@ -119,6 +119,8 @@ class Sampler:
             return SampledTokens(torch.empty(0, dtype=torch.long, device=logits.device), None, ())
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants) else None
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits.clone(), rows)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows, previous)
         chosen = logits.argmax(dim=-1)
@@ -255,3 +257,12 @@ def apply_top_k_top_p(
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's `logit_bias` to its logits (in place; one indexed add for the batch)."""
+    where = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+    row_ids = to_device([w[0] for w in where], torch.long, logits.device)
+    token_ids = to_device([w[1] for w in where], torch.long, logits.device)
+    biases = to_device([w[2] for w in where], torch.float32, logits.device)
+    return logits.index_put_((row_ids, token_ids), biases, accumulate=True)

@@ -44,6 +44,8 @@ class GenerationBody(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    """Token id (a string, as JSON keys are) → bias in [-100, 100]."""
     user: StrictStr | None = None
     """The end user, for the client's own monitoring; accepted, no effect on the output."""
     # extensions

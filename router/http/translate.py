@@ -65,7 +65,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (_off("none"), "function calling is not supported"),
     "response_format": (_off({"type": "text"}), 'only {"type": "text"} is supported (no JSON '
                         "mode or schema)"),
-    "logit_bias": (_off({}), "logit biases are not supported"),
     "audio": (_off(), "audio output is not supported"),
     "modalities": (_off(["text"]), 'only ["text"] output is supported'),
     "prediction": (_off(), "predicted outputs are not supported"),
@@ -253,6 +252,13 @@ class Translator:
             if not 0 <= body.seed < 2**64:
                 raise InvalidRequest("seed", f"must be in [0, 2**64), got {body.seed}")
             req.seed = body.seed
+        for key, bias in (body.logit_bias or {}).items():
+            token = int(key) if key.isdigit() else -1  # (digits only: no sign, no spaces)
+            if not 0 <= token < _UINT32:
+                raise InvalidRequest("logit_bias", f"keys are token ids, got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise InvalidRequest("logit_bias", f"token {key}: bias must be a number")
+            req.logit_bias[token] = bias
         return req
 
     def _validate(

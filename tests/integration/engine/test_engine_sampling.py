@@ -137,3 +137,19 @@ def test_repetition_penalty_matches_a_transformers_reference(
             ids.append(int(logits.argmax()))
     engine.add_request("r", prompt, greedy(10, repetition_penalty=penalty))
     assert tokens_of(run_to_completion(engine)["r"]) == ids[len(prompt) :]
+
+
+def test_logit_bias_steers_its_request_and_leaves_its_neighbours_alone(
+    engine: LLMEngine, prompts: list[list[int]], hf_greedy: Reference
+) -> None:
+    ref = hf_greedy(prompts[2], 8)
+    banned = ref[0]  # the reference's first token, -100: never chosen
+    engine.add_request("forced", prompts[0], greedy(8, ignore_eos=True, logit_bias={42: 100.0}))
+    engine.add_request("plain", prompts[2], greedy(8, ignore_eos=True))
+    engine.add_request("banned", prompts[2], greedy(8, ignore_eos=True, logit_bias={banned: -100}))
+    outputs = run_to_completion(engine)
+    assert tokens_of(outputs["forced"]) == [42] * 8  # the first token (prefill) too
+    assert tokens_of(outputs["plain"]) == ref  # in the same batches, untouched
+    assert banned not in tokens_of(outputs["banned"])
+    with pytest.raises(ValueError, match=r"logit_bias: token id \d+ is outside"):
+        engine.add_request("x", prompts[0], greedy(2, logit_bias={10**6: 1.0}))

@@ -107,6 +107,28 @@ def test_greedy_completion_tokens_equal_the_grpc_path_streamed_and_not(
     router_cluster.wait_idle()
 
 
+def test_logit_bias_travels_through_the_disaggregated_path_over_http_and_grpc(
+    router_cluster: RouterCluster, client: openai.OpenAI, corpus_ids: list[int]
+) -> None:
+    """The first token is sampled on a prefill worker, the rest on the decode worker: both
+    apply the bias (the OpenAI SDK's `logit_bias`, the gRPC map)."""
+    prompt = corpus_ids[200:240]
+    body = {"ignore_eos": True, "return_token_ids": True, **_salt()}
+    out = client.completions.create(
+        model=router_cluster.model_id, prompt=prompt, max_tokens=6, temperature=0,
+        logit_bias={"42": 100}, extra_body=body,
+    )  # fmt: skip
+    assert _extra(out.choices[0], "token_ids") == [42] * 6
+    request = greedy_request(prompt, 6, logit_bias={42: 100.0}, cache_salt="bias")
+    assert list(generate(router_cluster.generation(0), **request).token_ids) == [42] * 6
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model=router_cluster.model_id, prompt=prompt, max_tokens=2, logit_bias={"42": 101}
+        )
+    assert "logit_bias" in str(err.value)
+    router_cluster.wait_idle()
+
+
 def test_chat_renders_the_checkpoint_template_and_streams_what_it_returns_whole(
     router_cluster: RouterCluster, client: openai.OpenAI, tokenizer: Tokenizer
 ) -> None:

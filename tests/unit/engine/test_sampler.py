@@ -142,3 +142,20 @@ def test_sample_leaves_tokens_on_the_device_and_matches_the_host_result() -> Non
     assert out.to_host() == host
     assert host.token_ids[0] == 0 and host.token_ids[2] == 0
     assert host.logprobs[1:] == (None, None)
+
+
+def test_logit_bias_moves_only_its_own_rows_tokens_and_not_the_raw_logprobs() -> None:
+    logits = logits_of([0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [5.0, 0.0, 1.0])
+    rows = [
+        row(temperature=0.0, logit_bias={2: 2.5}, logprobs=True),  # 1 + 2.5 > 3
+        row(temperature=0.0),  # its neighbour's bias does not reach it
+        row(temperature=0.0, logit_bias={0: -100.0, 2: 0.5}),  # bans the argmax
+    ]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == (2, 1, 2)
+    raw = torch.log_softmax(logits[0], dim=-1)[2].item()  # raw, as vLLM reports them
+    assert out.logprobs[0] is not None and math.isclose(out.logprobs[0], raw, rel_tol=1e-6)
+    # a sampled row: +100 makes the token certain, -100 all but impossible
+    g = torch.Generator().manual_seed(0)
+    forced = [row(temperature=1.0, logit_bias={0: 100.0}, generator=g)] * 8
+    assert set(Sampler()(logits_of(*[[0.0, 9.0, 9.0]] * 8), forced).token_ids) == {0}

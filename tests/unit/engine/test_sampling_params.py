@@ -27,6 +27,13 @@ from vocabulary.sampling import SamplingParams, SamplingParamsError
         ("seed", 2**64),
         ("stop", ("",)),
         ("stop_token_ids", (-1,)),
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {5: float("nan")}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {5: "1"}),
+        ("logit_bias", ((5, 1.0), (5, 2.0))),
+        ("logit_bias", {t: 1.0 for t in range(1025)}),
     ],
 )
 def test_invalid_value_names_the_field(field: str, value: Any) -> None:
@@ -53,3 +60,10 @@ def test_greedy_and_penalty_predicates() -> None:
     assert SamplingParams(repetition_penalty=1.2).has_penalties
     assert SamplingParams(presence_penalty=0.5).has_penalties
     assert SamplingParams(frequency_penalty=-0.5).has_penalties
+
+
+def test_logit_bias_is_stored_sorted_as_pairs_from_a_mapping_or_pairs() -> None:
+    given = SamplingParams(logit_bias={9: -100, 2: 0.5})
+    assert given.logit_bias == ((2, 0.5), (9, -100.0))
+    assert SamplingParams(logit_bias=[(9, -100), (2, 0.5)]) == given
+    assert hash(given) == hash(SamplingParams(logit_bias=given.logit_bias))

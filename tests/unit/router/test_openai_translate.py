@@ -167,7 +167,7 @@ def test_sampling_fields_and_extensions_reach_the_request() -> None:
     ("field", "value"),
     [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("functions", [{}]),
      ("function_call", "auto"), ("response_format", {"type": "json_object"}),
-     ("logit_bias", {"5": 10}), ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
+     ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
      ("prediction", {"type": "content"}), ("web_search_options", {}),
      ("reasoning_effort", "low"), ("store", True), ("echo", True), ("suffix", "x"),
      ("best_of", 2), ("guided_json", {}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
@@ -184,6 +184,13 @@ def test_values_that_ask_for_nothing_and_unknown_fields_pass() -> None:
                       best_of=1, parallel_tool_calls=True, metadata={"k": "v"},
                       service_tier="auto", some_future_field=3)  # fmt: skip
     assert len(plan.choices) == 1
+
+
+def test_logit_bias_maps_token_id_keys_to_biases_and_names_a_bad_one() -> None:
+    plan = completion(prompt="a", logit_bias={"7": 100, "3": -2.5})
+    assert plan.choices[0].request.sampling.logit_bias == ((3, -2.5), (7, 100.0))
+    for bad in ({"x": 1}, {"-1": 1}, {" 7": 1}, {"7": "high"}, {"7": 101}):
+        assert refused(completion, prompt="a", logit_bias=bad).field == "logit_bias"
 
 
 def test_an_unknown_model_is_404() -> None:

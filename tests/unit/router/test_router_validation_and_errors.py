@@ -50,6 +50,11 @@ def test_valid_request_keeps_every_field() -> None:
     assert v.cache_salt == scoped_salt("acme", "s")  # the tenant scopes its cache entries
 
 
+def test_logit_bias_reaches_the_sampling_params() -> None:
+    s = _validate(token_ids=[1], max_tokens=1, logit_bias={9: -100.0, 2: 0.5}).sampling
+    assert s.logit_bias == ((2, 0.5), (9, -100.0))
+
+
 def test_unset_sampling_fields_get_their_documented_defaults() -> None:
     s = _validate(token_ids=[1], max_tokens=1).sampling
     assert (s.temperature, s.top_p, s.repetition_penalty, s.seed) == (1.0, 1.0, 1.0, None)
@@ -64,6 +69,9 @@ def test_unset_sampling_fields_get_their_documented_defaults() -> None:
         (dict(token_ids=[1] * 64, max_tokens=1), "prompt"),
         (dict(token_ids=[1] * 60, max_tokens=5), "max_tokens"),
         (dict(token_ids=[1], max_tokens=1, tenant="other"), "tenant"),
+        (dict(token_ids=[1], max_tokens=1, logit_bias={100: 1.0}), "logit_bias"),  # vocab 100
+        (dict(token_ids=[1], max_tokens=1, logit_bias={5: 100.5}), "logit_bias"),
+        (dict(token_ids=[1], max_tokens=1, logit_bias={5: float("nan")}), "logit_bias"),
     ],
 )
 def test_invalid_request_names_the_field(fields: dict[str, object], field: str) -> None:
