@@ -253,7 +253,8 @@ class Translator:
                 raise InvalidRequest("seed", f"must be in [0, 2**64), got {body.seed}")
             req.seed = body.seed
         for key, bias in (body.logit_bias or {}).items():
-            token = int(key) if key.isdigit() else -1  # (digits only: no sign, no spaces)
+            digits = key.isascii() and key.isdigit() and len(key) <= 10  # no sign, no spaces
+            token = int(key) if digits else -1
             if not 0 <= token < _UINT32:
                 raise InvalidRequest("logit_bias", f"keys are token ids, got {key!r}")
             if isinstance(bias, bool) or not isinstance(bias, int | float):

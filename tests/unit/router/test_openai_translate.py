@@ -189,7 +189,8 @@ def test_values_that_ask_for_nothing_and_unknown_fields_pass() -> None:
 def test_logit_bias_maps_token_id_keys_to_biases_and_names_a_bad_one() -> None:
     plan = completion(prompt="a", logit_bias={"7": 100, "3": -2.5})
     assert plan.choices[0].request.sampling.logit_bias == ((3, -2.5), (7, 100.0))
-    for bad in ({"x": 1}, {"-1": 1}, {" 7": 1}, {"7": "high"}, {"7": 101}):
+    for bad in ({"x": 1}, {"-1": 1}, {" 7": 1}, {"²": 1}, {"9" * 40: 1}, {"7": "high"},
+                {"7": 101}):  # fmt: skip
         assert refused(completion, prompt="a", logit_bias=bad).field == "logit_bias"
 
 
