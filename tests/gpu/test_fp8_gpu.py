@@ -55,7 +55,7 @@ def test_row_wise_scaled_mm_per_token_matches_the_dequantized_matmul(
         weight = dense.weight
     layer = Fp8Linear(weight, scale, b, dynamic="token")
     got = layer(x).float()
-    cpu = Fp8Linear(weight.cpu(), scale.cpu(), b.cpu(), dynamic="token")
+    cpu = Fp8Linear(weight.cpu(), scale.cpu(), b.cpu().float(), dynamic="token")
     want = cpu(x.cpu().float(), out_dtype=torch.float32).cuda()
     rows = want.abs().amax(dim=1, keepdim=True)  # bf16 output: each row to ~1 % of its size
     assert bool(((got - want).abs() <= 2e-2 * rows).all())
