@@ -112,7 +112,14 @@ class SamplingParams:
 def _logit_bias(
     given: Mapping[int, float] | Iterable[tuple[int, float]],
 ) -> tuple[tuple[int, float], ...]:
-    pairs = list(given.items() if isinstance(given, Mapping) else given)
+    try:
+        pairs = [(token, bias) for token, bias in (
+            given.items() if isinstance(given, Mapping) else given
+        )]  # fmt: skip
+    except (TypeError, ValueError):
+        raise SamplingParamsError(
+            "logit_bias", "a mapping of token id to bias, or (token id, bias) pairs"
+        ) from None
     if len(pairs) > MAX_LOGIT_BIAS:
         raise SamplingParamsError(
             "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}"

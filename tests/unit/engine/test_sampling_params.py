@@ -34,6 +34,8 @@ from vocabulary.sampling import SamplingParams, SamplingParamsError
         ("logit_bias", {5: "1"}),
         ("logit_bias", ((5, 1.0), (5, 2.0))),
         ("logit_bias", {t: 1.0 for t in range(1025)}),
+        ("logit_bias", (5, 1.0)),
+        ("logit_bias", 7),
     ],
 )
 def test_invalid_value_names_the_field(field: str, value: Any) -> None:
