@@ -62,7 +62,12 @@ from engine.loading.hf_checkpoint import (
     expected_tensor_names,
 )
 from engine.modeling.llama import DecoderLayer, LlamaModel
-from engine.quantization.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_per_tensor
+from engine.quantization.fp8_linear import (
+    FP8_DTYPE,
+    Fp8Linear,
+    quantize_per_tensor,
+    quantize_per_token,
+)
 from vocabulary.model_config import ModelConfig
 
 QUANT_METHOD = "compressed-tensors"
@@ -253,34 +258,34 @@ class Fp8Part:
         scale repeated per row, or a dense part quantized row by row."""
         assert self.weight is not None
         rows = self.weight.shape[0]
-        if not self.quantized:
-            amax = self.weight.float().abs().amax(dim=1)
-            scale = (amax / FP8_MAX).clamp(min=1e-12)
-            q = (self.weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            return q, scale
-        self.dequantized()  # raises naming a scale of the wrong shape
-        assert self.weight_scale is not None
-        return self.weight, self.weight_scale.float().reshape(-1).expand(rows).contiguous()
+        if not self.quantized:  # each row by its own amax, as an activation per token
+            q, scale = quantize_per_token(self.weight)
+            return q, scale.reshape(rows)
+        return self.weight, self._scale().reshape(-1).expand(rows).contiguous()
 
     def dequantized(self) -> torch.Tensor:
         """The weight in float32 (e4m3 times its per-tensor or per-row scale)."""
         assert self.weight is not None
         if not self.quantized:
             return self.weight.float()
+        return self.weight.float() * self._scale()
+
+    def _scale(self) -> torch.Tensor:
+        """The float32 weight scale as [] (per tensor) or [rows, 1] (per channel); ValueError
+        naming a missing one or one of another shape."""
+        assert self.weight is not None
         if self.weight_scale is None:
             raise ValueError(f"checkpoint is missing {self.name}.weight_scale")
         rows = self.weight.shape[0]
         scale = self.weight_scale.float()
         if scale.numel() == 1:
-            scale = scale.reshape(())
-        elif tuple(scale.shape) in ((rows, 1), (rows,)):
-            scale = scale.reshape(rows, 1)
-        else:
-            raise ValueError(
-                f"tensor {self.name}.weight_scale has shape {tuple(scale.shape)}: want [] or "
-                f"[1] (per tensor) or [{rows}, 1] (per channel)"
-            )
-        return self.weight.float() * scale
+            return scale.reshape(())
+        if tuple(scale.shape) in ((rows, 1), (rows,)):
+            return scale.reshape(rows, 1)
+        raise ValueError(
+            f"tensor {self.name}.weight_scale has shape {tuple(scale.shape)}: want [] or "
+            f"[1] (per tensor) or [{rows}, 1] (per channel)"
+        )
 
 
 def fuse_parts(parts: Sequence[Fp8Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
