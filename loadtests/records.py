@@ -65,7 +65,11 @@ class RequestRecord:
 
     @classmethod
     def from_json(cls, line: str) -> RequestRecord:
-        data = json.loads(line)
+        return cls.from_dict(json.loads(line))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
+        """A record from `asdict`'s form (unknown keys ignored, itl_ms as a tuple)."""
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {k: v for k, v in data.items() if k in known}
         values["itl_ms"] = tuple(values.get("itl_ms", ()))

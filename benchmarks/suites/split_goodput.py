@@ -104,7 +104,7 @@ def ramp_arrivals(start: float, end: float, seconds: float, seed: int) -> list[f
 
 def ramp(
     engine: LLMEngine, w: Workload, spec: tuple[float, float, float], seed: int, vocab: int
-) -> dict[str, Any]:
+) -> tuple[list[RequestRecord], list[tuple[float, int, int]]]:
     """One run whose arrival rate ramps as `spec` (start, end, seconds): every request's
     record, and the split over time (s from the start, decode SMs, prefill SMs)."""
     rng = random.Random(seed)
@@ -117,7 +117,7 @@ def ramp(
     before = [h for h in history if h[0] < t0][-1:]  # the split in effect at the start
     split = [(max(0.0, t - t0), d, p) for t, d, p in before + [h for h in history if h[0] >= t0]]
     engine.reset_prefix_cache()
-    return {"ramp": list(spec), "records": [asdict(r) for r in records], "history": split}
+    return records, split
 
 
 def plot_ramps(paths: list[Path], out: Path) -> None:
@@ -250,7 +250,7 @@ def merged_runs(paths: list[Path]) -> tuple[Workload, dict[str, dict[float, list
                 mode = f"{mode} ({split['decode_sms']} decode / {split['prefill_sms']} prefill SMs)"
             runs = modes.setdefault(mode, {})
             for rate, records in data["records"].items():
-                recs = [RequestRecord(**{**r, "itl_ms": tuple(r["itl_ms"])}) for r in records]
+                recs = [RequestRecord.from_dict(r) for r in records]
                 if len(recs) > len(runs.get(float(rate), [])):
                     runs[float(rate)] = recs
     if workload is None:
@@ -351,12 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(mode.engine_config(base), model=model, tokenizer=tokenizer)
         vocab = engine.model_config.vocab_size
         if ramp_spec is not None:
-            ramped = ramp(engine, w, ramp_spec, args.seed, vocab)
-            report["modes"][mode.name] = {"ramp": ramped}
-            recs = [RequestRecord(**{**r, "itl_ms": tuple(r["itl_ms"])}) for r in ramped["records"]]
+            recs, history = ramp(engine, w, ramp_spec, args.seed, vocab)
+            report["modes"][mode.name] = {"ramp": {
+                "ramp": list(ramp_spec), "records": [asdict(r) for r in recs], "history": history,
+            }}  # fmt: skip
             tpots = [r.tpot_ms for r in recs if r.tpot_ms is not None]
             print(f"{mode.name}: ramp {args.ramp}, {len(recs)} requests, "
-                  f"{len(ramped['history']) - 1} resizes, TPOT p50/p90 "
+                  f"{len(history) - 1} resizes, TPOT p50/p90 "
                   f"{percentile(tpots, 50):.1f}/{percentile(tpots, 90):.1f} ms, TTFT p90 "
                   f"{percentile([r.ttft_ms for r in recs if r.ttft_ms is not None], 90):.0f} ms",
                   flush=True)  # fmt: skip
