@@ -36,7 +36,8 @@
 #            GPU, two rates: client TPOT vs engine step
 #   split    the split worker: its GPU tests, split_goodput prefill-heavy and balanced sweeps
 #            (colocated, the adaptive split, a fixed 32-SM split) and a load ramp with the
-#            split over time (their JSON files and split-ramp.png in $OUT/split.tgz)
+#            split over time (their JSON files and split-ramp.png in $OUT/split.tgz);
+#            splitt: the tests alone, splitb: the benchmarks alone (each fits one call)
 #   tp       NEEDS 2 GPUS (device kind nvidia-h200-x2; on fewer it skips what it cannot run and
 #            says why): python -m benchmarks tp_gpu --parts handoff (hand-off GB/s per TP pair
 #            1->1, 1->2, 2->1, 2->2 between VRAM pools over NIXL), tests/gpu/test_tp_gpu.py (NCCL,
@@ -137,10 +138,12 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     step tp_tests 200 python -m pytest tests/gpu/test_tp_gpu.py -q -rA -p no:cacheprovider
     TAILN=${TAILN:-30} step tp_decode 420 python -m benchmarks tp_gpu --parts decode \
     --model /tmp/cfg-llama3-8b --part-timeout 200 ;;
-  split) config_model llama3-8b  # ~8 min warm: the split worker's figures (docs/benchmarks.md)
+  split|splitt|splitb) config_model llama3-8b  # ~8 min warm: the split worker's figures
     G="python -m benchmarks split_goodput --model /tmp/cfg-llama3-8b --load-format dummy"
     mkdir -p /tmp/split
-    step split_tests 120 python -m pytest tests/gpu/test_engine_gpu.py -k split -q -rA -p no:cacheprovider
+    [ "$s" != splitb ] && step split_tests 120 python -m pytest tests/gpu/test_engine_gpu.py \
+      -k split -q -rA -p no:cacheprovider
+    [ "$s" = splitt ] && continue
     step split_ph 200 $G --workload prefill_heavy --rates 10,12,14,16 --requests 48 \
       --modes colocated:2048,split:0,split:32 --burst 8 --json /tmp/split/ph.json
     step split_bal 150 $G --workload balanced --rates 12,20,28 --requests 120 \

@@ -8,6 +8,11 @@ weights with one scale per tensor, cuBLASLt `_scaled_mm`), measured four ways:
 - bf16;
 - fp8-dynamic: activations quantized per tensor at run time (an amax reduction and a cast
   kernel before every GEMM);
+- fp8-token: activations quantized per token at run time (one amax per row), weights still one
+  scale per tensor: the GEMM runs row-wise (cuBLASLt's row-wise `_scaled_mm`);
+- fp8-token-channel: per-token activations and one weight scale per output channel, the scheme
+  most FP8 Llama checkpoints declare (compressed-tensors' FP8_DYNAMIC), also row-wise
+  (timed only: its weights are requantized from the per-tensor e4m3, so rounded twice);
 - fp8: static activation scales calibrated at load (engine/loading/fp8_calibration.py), so RMSNorm,
   SiLU·mul and attention's output write e4m3 themselves (engine/modeling/layer_ops.py,
   fp8_kernels.py);
@@ -45,7 +50,7 @@ from engine.kv.kv_sizing import kv_cache_spec
 from engine.loading.fp8_calibration import calibrate_activations, kv_scales, observe
 from engine.modeling.layer_ops import TORCH_OPS
 from engine.modeling.llama import DecoderLayer, LlamaModel, causal_attend
-from engine.quantization.fp8_linear import quantize_per_tensor
+from engine.quantization.fp8_linear import Fp8Linear, quantize_per_tensor, quantize_per_token
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
@@ -80,6 +85,26 @@ def dummy_llama3_70b_fp8(layers: int = 0) -> LlamaModel:
     model = dummy_model(cfg, torch.bfloat16, "cuda", fp8=True)
     print(f"   {model.weight_bytes / 2**30:.1f} GiB of weights")
     return model
+
+
+def fp8_linears(model: LlamaModel) -> list[Fp8Linear]:
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def set_dynamic(model: LlamaModel, dynamic: str | None) -> None:
+    """Every FP8 projection quantizes its input at run time as `dynamic` says."""
+    for linear in fp8_linears(model):
+        linear.dynamic = dynamic
+
+
+def per_channel(model: LlamaModel) -> None:
+    """Requantize every (per-tensor) FP8 weight with one scale per output row, in place, 4096
+    rows at a time through float32 so the largest weight of the 70B shape fits."""
+    for linear in fp8_linears(model):
+        parts = [quantize_per_token(rows.float() * linear.weight_scale)
+                 for rows in linear.weight.split(4096)]  # fmt: skip
+        linear.weight = torch.cat([q for q, _ in parts])
+        linear.weight_scale = torch.cat([s.reshape(-1) for _, s in parts])
 
 
 def matmul_flops(model: LlamaModel, tokens: int) -> float:
@@ -312,6 +337,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         if ref is not None:
             log.step("FP8 (dynamic) logit error", functools.partial(logit_error, "fp8-dynamic"))
         results["fp8-dynamic"] = bench("fp8-dynamic")
+        set_dynamic(model, "token")
+        if ref is not None:
+            log.step("FP8 (per token) logit error", functools.partial(logit_error, "fp8-token"))
+        results["fp8-token"] = bench("fp8-token")
+        # timing only: the per-channel weights are rounded twice (from the per-tensor e4m3)
+        kept = [(linear.weight, linear.weight_scale) for linear in fp8_linears(model)]
+        log.step("requantize the FP8 weights per output channel", lambda: per_channel(model))
+        results["fp8-token-channel"] = bench("fp8-token-channel")
+        for linear, (weight, scale) in zip(fp8_linears(model), kept, strict=True):
+            linear.weight, linear.weight_scale = weight, scale  # the rest runs per tensor
+        del kept
+        set_dynamic(model, None)
     calib = [int(t) for t in torch.randint(1, cfg.vocab_size, (512,))]
     observed = log.step("calibrate static FP8 scales (512 tokens)", lambda: observe(model, calib))
     if observed is not None:
