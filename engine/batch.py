@@ -11,7 +11,14 @@ Slot of the token at position p of a sequence: block_ids[p // block_size] * bloc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class HasPromptLength(Protocol):
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -58,3 +65,14 @@ class ScheduledBatch:
     def is_decode_only(self) -> bool:
         """Every chunk is one token with cached context (eligible for CUDA-graph replay)."""
         return all(c.num_tokens == 1 for c in self.chunks)
+
+    def shape(self, requests: Mapping[str, HasPromptLength]) -> tuple[int, int, int]:
+        """(requests, prompt tokens, generated tokens) of the batch (the engine's step meter);
+        `requests`: the scheduler's, by id."""
+        prefill = decode = 0
+        for chunk in self.chunks:
+            prompt_len = requests[chunk.request_id].num_prompt_tokens
+            in_prompt = max(0, min(chunk.num_tokens, prompt_len - chunk.start_pos))
+            prefill += in_prompt
+            decode += chunk.num_tokens - in_prompt
+        return len(self.chunks), prefill, decode

@@ -150,6 +150,12 @@ class EngineConfig:
     the next is scheduled (same outputs; for comparison)."""
     seed: int = 0
     """Seed of the default sampling generator (requests may carry their own)."""
+    grammar_cache_size: int = 256
+    """Compiled structured-output constraints kept (LRU, engine/structured/grammars.py):
+    requests with a schema, regex or grammar seen before skip the compile."""
+    grammar_compile_timeout_s: float = 10.0
+    """A constraint that has not compiled within this is refused (INVALID_ARGUMENT naming
+    structured_output); its compile goes on beside, and a later request may find it done."""
     enable_lora: bool = False
     """Serve LoRA adapters (engine/lora/lora_cache.py): requests name one in `lora_name`, and
     adapters are registered at run time (`LLMEngine.load_lora`). On with any `loras`."""
@@ -191,6 +197,12 @@ class EngineConfig:
     every rank and breaks the group (the worker must be replaced)."""
 
     def __post_init__(self) -> None:
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size: must be >= 1, got {self.grammar_cache_size}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s: must be > 0, got {self.grammar_compile_timeout_s}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:

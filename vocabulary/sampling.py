@@ -15,6 +15,13 @@ MAX_LOGIT_BIAS = 1024
 """Most tokens one request may bias (each is an indexed add on its logits row)."""
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 """A bias's bounds (OpenAI's)."""
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+"""What a `StructuredOutput` constrains the output to (see its fields)."""
+MAX_STRUCTURED_SPEC_CHARS = 65536
+"""Longest schema, regex, grammar or choice list a request may carry (the router's
+`max_structured_spec_chars` may lower it)."""
+MAX_CHOICES = 1024
+"""Most alternatives of a `choice` constraint."""
 
 
 class SamplingParamsError(ValueError):
@@ -23,6 +30,59 @@ class SamplingParamsError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[SamplingParamsError], tuple[str, str]]:
+        # raised in a worker (a grammar that does not compile) and re-raised in the router
+        return type(self), (self.field, self.message)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text, enforced token by token (a mask over the
+    vocabulary each step, engine/structured/grammars.py):
+
+        json_schema  `spec` is a JSON schema (its JSON text); `strict`: no properties beyond
+                     those declared (OpenAI's strict; false lets the schema's own
+                     additionalProperties decide)
+        json_object  any JSON object (`spec` empty)
+        regex        `spec` is a regular expression the whole output matches
+        grammar      `spec` is an EBNF grammar (GBNF-like, rule `root` first: xgrammar's dialect)
+        choice       exactly one of `choices`
+
+    The output ends when the constraint is complete (finish reason stop) or at max_tokens
+    (length, the text then a prefix of a valid one)."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        field = "structured_output"
+        if self.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError(
+                field, f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind == "choice":
+            if not self.choices or len(self.choices) > MAX_CHOICES:
+                raise SamplingParamsError(
+                    field, f"choice: 1 to {MAX_CHOICES} alternatives, got {len(self.choices)}"
+                )
+            if any(not isinstance(c, str) or not c for c in self.choices):
+                raise SamplingParamsError(field, "choice: each alternative a non-empty string")
+        elif self.choices:
+            raise SamplingParamsError(field, f"choices are for kind choice, not {self.kind}")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            raise SamplingParamsError(field, f"{self.kind}: empty")
+        if self.kind == "json_object" and self.spec:
+            raise SamplingParamsError(field, "json_object takes no spec")
+        size = len(self.spec) + sum(len(c) for c in self.choices)
+        if size > MAX_STRUCTURED_SPEC_CHARS:
+            raise SamplingParamsError(
+                field, f"{self.kind}: {size} characters, at most {MAX_STRUCTURED_SPEC_CHARS}"
+            )
 
 
 @dataclass(frozen=True)
@@ -60,6 +120,8 @@ class SamplingParams:
     """(token id, bias) added to those tokens' logits before penalties and sampling (greedy
     too), OpenAI's semantics: -100 all but bans a token, +100 all but forces it. Given as a
     mapping or pairs; stored sorted by token id."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, a regex, a grammar or a choice (None: free)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

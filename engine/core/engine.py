@@ -39,6 +39,7 @@ runs the engine on a thread of its own and posts add/abort/hand-off calls to it 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,13 +48,13 @@ import torch
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
-from engine.core.overlap import InflightStep
+from engine.core.overlap import InflightStep, sampling_rows
 from engine.core.prefill_lane import PrefillLane
 from engine.core.rank_setup import build_rank, serving_max_model_len
 from engine.core.request import Request, RequestStatus
 from engine.core.request_limits import RequestLimits
 from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
-from engine.core.sampler import Sampler, SamplingRow
+from engine.core.sampler import Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.sm_split import SMSplit
 from engine.core.stop_checker import StopChecker
@@ -63,6 +64,8 @@ from engine.kv.host_tier import CopyBudget, HostTier
 from engine.kv.kv_sizing import decide_num_host_blocks
 from engine.lora.lora_registry import LoraRegistry
 from engine.modeling.llama import LlamaModel
+from engine.structured.constrained import ConstrainedRequests
+from engine.structured.grammars import Grammars
 from engine.tp.tensor_parallel import TPGroup
 from vocabulary.block_hash import BlockHash, hash_extra
 from vocabulary.engine_io import (
@@ -154,6 +157,12 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             chunked_prefill=config.enable_chunked_prefill,
         )
+        self.constrained = ConstrainedRequests(functools.partial(
+            Grammars, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            cache_size=config.grammar_cache_size,
+            compile_timeout_s=config.grammar_compile_timeout_s,
+        ))  # fmt: skip
+        """Structured output: the matchers of constrained requests (engine/structured)."""
         self._checkers: dict[str, StopChecker] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
@@ -188,11 +197,19 @@ class LLMEngine:
         self.loras.check(lora_name)
         prior = prior or NO_PRIOR
         self.limits.check_prior(prompt_token_ids, params, prior)
-        request = self._new_request(
-            request_id, prompt_token_ids, params, cache_salt, lora_name, arrival_time
+        self.constrained.compile(params.structured)  # (a worker compiled it beside the loop)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling_params=params,
+            block_size=self.config.block_size,
+            hash_extra=hash_extra(self.model_id, cache_salt, lora_name),
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            lora_name=lora_name,
         )
         for token_id in prior.token_ids:
             request.append_output(token_id, None)
+        self.constrained.start(request_id, params.structured, prior.token_ids)
         lane = self.prefill_lane
         (lane.scheduler if lane is not None else self.scheduler).add_request(request)
         draws = 0 if params.greedy else len(prior.token_ids)
@@ -238,7 +255,7 @@ class LLMEngine:
         decision = self.scheduler.schedule()
         if lane is not None:
             lane.take_back(self.scheduler)  # preempted decodes are recomputed by the lane
-        shape = self._batch_shape(decision.batch)
+        shape = decision.batch.shape(self.scheduler.requests)
         for request in decision.finished:  # ended by the scheduler (pool too small; adapter)
             outputs.append(self._final_output(request))
         launched = None
@@ -260,16 +277,6 @@ class LLMEngine:
         )
         return outputs
 
-    def _batch_shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
-        """(requests, prompt tokens, generated tokens) of a batch, for `step_meter`."""
-        prefill = decode = 0
-        for chunk in batch.chunks:
-            prompt_len = self.scheduler.requests[chunk.request_id].num_prompt_tokens
-            in_prompt = max(0, min(chunk.num_tokens, prompt_len - chunk.start_pos))
-            prefill += in_prompt
-            decode += chunk.num_tokens - in_prompt
-        return len(batch.chunks), prefill, decode
-
     def _launch(
         self, batch: ScheduledBatch, previous: InflightStep | None, lane: PrefillLane | None = None
     ) -> InflightStep:
@@ -283,29 +290,23 @@ class LLMEngine:
         if lane is None:
             self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
         logits = runner.execute(batch)
-        sampled: list[Request] = []
-        rows: list[SamplingRow] = []
-        for request, chunk in zip(requests, batch.chunks, strict=True):
-            if not chunk.sample:
-                continue
-            pending = -1
-            if chunk.placeholder:
-                if previous is None:
-                    raise RuntimeError(f"request {request.request_id}: placeholder, no step read")
-                pending = previous.row_of(request)
-            sampled.append(request)
-            generator = self._generators.get(request.request_id)
-            rows.append(
-                SamplingRow(
-                    request.sampling_params,
-                    request.prompt_token_ids,
-                    request.output_token_ids,
-                    generator,
-                    pending,
-                )
-            )
+        chunks = [(r, c) for r, c in zip(requests, batch.chunks, strict=True) if c.sample]
+        # a constrained row's mask needs its newest token, still in `previous`: read it now,
+        # while the device runs this step's model (the overlap's slack)
+        constrained = self.constrained
+        if (
+            previous is not None
+            and constrained
+            and not previous.read_early
+            and any(c.placeholder and r.request_id in constrained for r, c in chunks)
+        ):
+            previous.keep_outputs(self._complete(previous))
+        sampled, rows = sampling_rows(chunks, previous, self._generators)
+        mask = None
+        if self.constrained:
+            mask = self.constrained.mask([None if r.is_finished else r.request_id for r in sampled])
         previous_ids = previous.tokens.token_ids if previous is not None else None
-        tokens = sampler.sample(logits, rows, previous_ids)
+        tokens = sampler.sample(logits, rows, previous_ids, mask)
         runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
         return InflightStep(requests, tuple(sampled), tokens)
 
@@ -315,6 +316,8 @@ class LLMEngine:
         """Read a launched step's tokens (the host's one wait on the device) and postprocess
         them. A request that finished since it was launched (aborted; or stopped by the token
         before, read after this step was launched) gets nothing: its token is discarded."""
+        if step.read_early:
+            return step.take_outputs()
         token_ids, logprobs = step.results()
         for request in step.requests:
             if not request.is_finished:
@@ -334,6 +337,8 @@ class LLMEngine:
             request.first_token_time = now
         checker = self._checkers[request.request_id]
         status = checker.update(request, token_id)
+        if self.constrained.accept(request.request_id, token_id) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
         if status is None and self.config.mode is EngineMode.PREFILL_ONLY:
             status = RequestStatus.FINISHED_PREFILLED
         text = checker.take_text_delta(request, finished=status is not None)
@@ -442,6 +447,10 @@ class LLMEngine:
             lora_name=reserved.lora_name,
         )
         self.limits.check_prior(request.prompt_token_ids, sampling_params, prior, with_next=True)
+        # the matcher resumes from the tokens so far (the hand-off carries no grammar state)
+        done = self.constrained.start(
+            request_id, sampling_params.structured, (*prior.token_ids, first_token_id)
+        )
         for token_id in prior.token_ids:
             request.append_output(token_id, None)
         request.append_output(first_token_id, first_token_logprob)
@@ -457,6 +466,8 @@ class LLMEngine:
             checker.mark_released(prior.text_chars)
         else:
             checker.take_text_delta(request, finished=True)  # the prefill side sent this text
+        if done and status is None:
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(request, status)
             self._stop_tracking(request_id)
@@ -533,7 +544,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Tell a TP engine's follower ranks to return (their group stays the caller's to
-        close); nothing to do with one rank."""
+        close); nothing to do with one rank. Stops the grammar compiles."""
+        self.constrained.close()
         if self.tp_leader is not None:
             self.tp_leader.close()
 
@@ -558,25 +570,6 @@ class LLMEngine:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _new_request(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        cache_salt: str,
-        lora_name: str,
-        arrival_time: float | None,
-    ) -> Request:
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=tuple(prompt),
-            sampling_params=params,
-            block_size=self.config.block_size,
-            hash_extra=hash_extra(self.model_id, cache_salt, lora_name),
-            arrival_time=arrival_time if arrival_time is not None else time.time(),
-            lora_name=lora_name,
-        )
-
     def _start_tracking(
         self,
         request: Request,
@@ -595,5 +588,6 @@ class LLMEngine:
         return checker
 
     def _stop_tracking(self, request_id: str) -> None:
+        self.constrained.stop(request_id)
         self._checkers.pop(request_id, None)
         self._generators.pop(request_id, None)

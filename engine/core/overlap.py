@@ -28,14 +28,18 @@ On CPU the device work is synchronous, so the same code runs without any overlap
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.batch import SeqChunk
 from engine.core.request import Request, RequestStatus
+from engine.core.sampler import SamplingRow
 
 if TYPE_CHECKING:
     from engine.core.sampler import SampledTokens
+    from vocabulary.engine_io import RequestOutput
 
 
 class InflightStep:
@@ -61,6 +65,19 @@ class InflightStep:
             self._done = torch.cuda.Event()
             self._done.record()
         self._host_ids, self._host_logprobs = ids, logprobs
+        self.read_early = False
+        """Read before the next step sampled (`keep_outputs`): that step has constrained
+        rows whose mask needed these tokens (engine/structured)."""
+        self._outputs: list[RequestOutput] = []
+
+    def keep_outputs(self, outputs: list[RequestOutput]) -> None:
+        """This step was read early; its outputs go out with the step that reads it."""
+        self.read_early = True
+        self._outputs = outputs
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
 
     def row_of(self, request: Request) -> int:
         """The row of `request`'s token in `tokens` (KeyError if it sampled nothing here)."""
@@ -97,3 +114,32 @@ class InflightStep:
             return tuple(ids), (None,) * len(ids)
         values = self._host_logprobs.tolist()
         return tuple(ids), tuple(v if w else None for v, w in zip(values, wanted, strict=True))
+
+
+def sampling_rows(
+    chunks: Sequence[tuple[Request, SeqChunk]],
+    previous: InflightStep | None,
+    generators: Mapping[str, torch.Generator],
+) -> tuple[list[Request], list[SamplingRow]]:
+    """The requests a launched step samples and their sampler rows. A placeholder's newest
+    output is still `previous`'s (the row points at it, for penalties), unless `previous`
+    was read early: then the request holds it."""
+    sampled: list[Request] = []
+    rows: list[SamplingRow] = []
+    for request, chunk in chunks:
+        pending = -1
+        if chunk.placeholder and not (previous is not None and previous.read_early):
+            if previous is None:
+                raise RuntimeError(f"request {request.request_id}: placeholder, no step read")
+            pending = previous.row_of(request)
+        sampled.append(request)
+        rows.append(
+            SamplingRow(
+                request.sampling_params,
+                request.prompt_token_ids,
+                request.output_token_ids,
+                generators.get(request.request_id),
+                pending,
+            )
+        )
+    return sampled, rows

@@ -1,6 +1,7 @@
 """Choose the next token of every sampled sequence of a step, batched on torch.
 
-Order of processing (vLLM's): logit bias → penalties → greedy argmax for temperature-0 rows →
+Order of processing (vLLM's): the grammar mask of constrained rows (engine/structured) →
+logit bias → penalties → greedy argmax for temperature-0 rows →
 temperature → top-k → top-p → min-p → draw. The draw is an exponential race, `argmax(p / q)` with
 `q ~ Exp(1)`, which samples exactly from `p`; `q` comes from the row's own `torch.Generator`
 when the request has a seed (so its tokens do not depend on what else is in the batch) and
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import to_device
+from engine.structured.grammars import TokenMask, apply_token_bitmask
 from vocabulary.sampling import SamplingParams
 
 
@@ -98,9 +100,10 @@ class Sampler:
         logits: torch.Tensor,
         rows: Sequence[SamplingRow],
         previous: torch.Tensor | None = None,
+        mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """`sample`, copied to the host (waits for the device)."""
-        return self.sample(logits, rows, previous).to_host()
+        return self.sample(logits, rows, previous, mask).to_host()
 
     @torch.no_grad()
     def sample(
@@ -108,10 +111,12 @@ class Sampler:
         logits: torch.Tensor,
         rows: Sequence[SamplingRow],
         previous: torch.Tensor | None = None,
+        mask: TokenMask | None = None,
     ) -> SampledTokens:
         """One token per row of `logits` [len(rows), vocab] (float32), left on the device.
 
-        `previous`: the previous step's sampled ids, which rows with `pending` >= 0 index."""
+        `previous`: the previous step's sampled ids, which rows with `pending` >= 0 index.
+        `mask`: the tokens constrained rows may sample (the others pay nothing)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         wants = tuple(r.params.logprobs for r in rows)
@@ -119,6 +124,13 @@ class Sampler:
             return SampledTokens(torch.empty(0, dtype=torch.long, device=logits.device), None, ())
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants) else None
+        if mask is not None and mask.rows:
+            logits = logits.clone()
+            bitmask = mask.bitmask
+            if logits.device.type == "cuda":
+                bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+            row_ids = to_device(mask.rows, torch.long, logits.device)
+            apply_token_bitmask(logits, row_ids, bitmask)
         if any(r.params.logit_bias for r in rows):
             logits = apply_logit_bias(logits.clone(), rows)
         if any(r.params.has_penalties for r in rows):
