@@ -340,6 +340,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         # span work competes with the first token or the stream (prefill worker: the same).
         spans = DeferredSpans()
         try:
+            await rt.compile_constraint(req.sampling)  # a bad one fails before any pull
             if req.handle is None:
                 span = self._decode_span(req, spans)
                 in_engine = True

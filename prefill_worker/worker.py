@@ -102,6 +102,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
         rid = req.request_id
         queue = rt.open_stream(rid)
         try:
+            await rt.compile_constraint(req.sampling)
             await rt.call(
                 lambda e: e.add_request(
                     rid,

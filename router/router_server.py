@@ -48,6 +48,7 @@ from router.validation import ValidationLimits
 from vocabulary import tracing
 from vocabulary.block_hash import set_algorithm
 from vocabulary.model_config import ModelConfig
+from vocabulary.sampling import MAX_STRUCTURED_SPEC_CHARS
 from vocabulary.tokenizer import Tokenizer
 from vocabulary.worker_api import WorkerRole
 
@@ -98,6 +99,17 @@ class RouterLimits:
     RESOURCE_EXHAUSTED with retry-after before it is validated."""
     max_concurrent_streams: int = 1024
     """HTTP/2 streams per client connection (gRPC's `max_concurrent_streams`)."""
+    max_structured_chars: int = MAX_STRUCTURED_SPEC_CHARS
+    """Longest structured-output constraint a request may carry (a JSON schema's text, a
+    regex, a grammar, a choice list's characters); at most 65536. How long one may take to
+    compile is the workers' `grammar_compile_timeout_s`."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_structured_chars <= MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(
+                f"max_structured_chars: must be in [1, {MAX_STRUCTURED_SPEC_CHARS}], "
+                f"got {self.max_structured_chars}"
+            )
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,7 @@ class RouterServer:
             max_model_len=model.max_model_len,
             vocab_size=model.vocab_size,
             tenants=frozenset(config.tenants),
+            max_structured_chars=config.limits.max_structured_chars,
         )
         self.health = health.aio.HealthServicer()
         self.control = control
@@ -344,6 +357,7 @@ class RouterServer:
                 max_model_len=min(self.model_max_len, *(i.max_model_len for i in infos)),
                 vocab_size=self.limits.vocab_size,
                 tenants=self.limits.tenants,
+                max_structured_chars=self.limits.max_structured_chars,
                 # every role may compute a prompt (decode workers prefill short ones)
                 max_prompt_tokens=min(i.num_kv_blocks * i.block_size for i in infos),
                 max_sequence_tokens=min(decode_pools) if decode_pools else None,

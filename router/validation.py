@@ -7,6 +7,7 @@ passes. Prompt text is tokenized here (the router owns the tokenizer for hashing
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -15,7 +16,12 @@ from dataclasses import dataclass
 from pdserve.v1 import serving_pb2 as pb
 from vocabulary.block_hash import scoped_salt
 from vocabulary.lora_names import MAX_LORA_NAME_CHARS
-from vocabulary.sampling import SamplingParams, SamplingParamsError
+from vocabulary.sampling import (
+    MAX_STRUCTURED_SPEC_CHARS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutput,
+)
 from vocabulary.tokenizer import Tokenizer
 from vocabulary.tracing import TraceContext
 
@@ -87,6 +93,8 @@ class ValidationLimits:
     """The most prompt tokens the smallest prefill-capable KV pool can hold (None: unknown)."""
     max_sequence_tokens: int | None = None
     """The most prompt + generated tokens the smallest decode KV pool can hold."""
+    max_structured_chars: int = MAX_STRUCTURED_SPEC_CHARS
+    """Longest structured-output constraint (RouterLimits.max_structured_chars)."""
 
 
 def validate(
@@ -189,6 +197,7 @@ def validate(
             ignore_eos=req.ignore_eos,
             logprobs=req.logprobs,
             logit_bias=tuple(req.logit_bias.items()),
+            structured=structured_output(req, limits.max_structured_chars),
         )
     except SamplingParamsError as e:
         raise InvalidRequest(e.field, str(e).split(": ", 1)[1]) from e
@@ -202,6 +211,39 @@ def validate(
         lora=req.lora,
         trace=trace,
     )
+
+
+def structured_output(req: pb.GenerateRequest, max_chars: int) -> StructuredOutput | None:
+    """The request's constraint (None: free text), checked as far as the router can: its
+    kind, its size, a schema that is JSON. Whether it compiles the worker says (its
+    compiler's words, INVALID_ARGUMENT naming structured_output, before any model work)."""
+    if not req.HasField("structured_output"):
+        return None
+    field = "structured_output"
+    so = req.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(field, "set one of json_schema, json_object, regex, grammar, choice")
+    if so.HasField("strict") and kind != "json_schema":
+        raise InvalidRequest(field, "strict is for json_schema")
+    spec = getattr(so, kind) if kind in ("json_schema", "regex", "grammar") else ""
+    choices = tuple(so.choice.choices) if kind == "choice" else ()
+    if kind == "json_object" and not so.json_object:
+        raise InvalidRequest(
+            field, "json_object: set it to true (unset the constraint for free text)"
+        )
+    size = len(spec) + sum(len(c) for c in choices)
+    if size > max_chars:
+        raise InvalidRequest(field, f"{kind}: {size} characters, at most {max_chars}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(field, f"json_schema: not JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise InvalidRequest(field, "json_schema: a schema is a JSON object")
+    strict = so.strict if so.HasField("strict") else True
+    return StructuredOutput(kind, spec, strict, choices)  # SamplingParamsError: the caller's
 
 
 def check_name(field: str, value: str, max_chars: int) -> None:

@@ -39,6 +39,7 @@ from prefix_index.publisher import KVEventPublisher
 from vocabulary.engine_io import LoraInfo, RequestOutput
 from vocabulary.kv_events import CacheSnapshot, PublisherStats
 from vocabulary.loop_progress import LoopProgress, LoopState
+from vocabulary.sampling import SamplingParams
 from vocabulary.waits import wait_within
 from vocabulary.worker_api import (
     RequestDeadlineExceeded,
@@ -294,6 +295,15 @@ class WorkerRuntime:
             return await asyncio.wrap_future(self.driver.call(fn))
         except EngineStopped as e:
             raise WorkerStopped(f"worker {self.config.worker_id} is stopped") from e
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output constraint on the engine's grammar threads
+        before the engine sees the request, so the engine thread never waits on a compile
+        (the request waits for its own); SamplingParamsError naming structured_output when
+        it does not compile. Nothing to do for a free request."""
+        engine = self.engine
+        if params.structured is not None and engine is not None:
+            await asyncio.to_thread(engine.constrained.compile, params.structured)
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the engine thread, fire and forget (any thread may call)."""

@@ -190,7 +190,7 @@ class OpenAIDoor:
                 elif isinstance(item, BaseException):
                     if item is _CLIENT_GONE:
                         return Response(status_code=499)  # nobody reads it
-                    return _error(_logged(item, redact))
+                    return _error(_logged(item, redact, plan))
                 else:
                     outputs[index].add(item)
         finally:
@@ -208,7 +208,7 @@ class OpenAIDoor:
         except StopAsyncIteration:
             return _error(to_http_failure(RuntimeError("the request ended without output")))
         except Exception as e:
-            return _error(_logged(e, redact))
+            return _error(_logged(e, redact, plan))
         out = ChoiceOutput(0, 0)
 
         async def events() -> AsyncIterator[bytes]:
@@ -221,7 +221,7 @@ class OpenAIDoor:
                 if plan.include_usage:
                     yield writer.usage_chunk([out])
             except Exception as e:
-                yield writer.error_event(_logged(e, redact).body())
+                yield writer.error_event(_logged(e, redact, plan).body())
             yield DONE
 
         return _EventStream(events(), stream.aclose)
@@ -236,7 +236,7 @@ class OpenAIDoor:
         index, item = await fanout.next()
         if isinstance(item, BaseException) or item is None:
             await fanout.close()
-            return _error(_logged(item or RuntimeError("ended without output"), redact))
+            return _error(_logged(item or RuntimeError("ended without output"), redact, plan))
         first: StreamDelta = item
 
         async def events() -> AsyncIterator[bytes]:
@@ -256,7 +256,7 @@ class OpenAIDoor:
                 if plan.include_usage:
                     yield writer.usage_chunk(outputs)
             except Exception as e:
-                yield writer.error_event(_logged(e, redact).body())
+                yield writer.error_event(_logged(e, redact, plan).body())
             yield DONE
 
         return _EventStream(events(), fanout.close)
@@ -374,9 +374,12 @@ def _error(f: HttpFailure) -> Response:
     return Response(f.body(), f.status, f.headers(), media_type="application/json")
 
 
-def _logged(exc: BaseException, redact: bool = False) -> HttpFailure:
-    """The failure `exc` ends a request with (worker ids replaced for a tenant)."""
-    f = to_http_failure(exc)
+def _logged(
+    exc: BaseException, redact: bool = False, plan: GenerationPlan | None = None
+) -> HttpFailure:
+    """The failure `exc` ends a request with (worker ids replaced for a tenant), a field
+    named as `plan`'s body names it."""
+    f = to_http_failure(exc, plan.param_name if plan is not None else str)
     if f.status == 500:
         log.error("request failed with an internal error", exc_info=exc)
     return replace(f, message=redact_workers(f.message)) if redact else f

@@ -3,14 +3,15 @@
 Shapes only: a field that has the wrong JSON type fails here (400 naming it, see
 router/http/errors.py); what a value means (ranges, lengths, the vocabulary, the context) is
 checked by the same `router.validation.validate` that checks gRPC requests
-(router/http/translate.py). Fields that OpenAI defines and pdserve cannot honour (`tools`,
-`response_format` with a schema, ...) land in `model_extra` with every unknown field; the
+(router/http/translate.py). Fields that OpenAI defines and pdserve cannot honour (`audio`,
+`prediction`, ...) land in `model_extra` with every unknown field; the
 translation refuses the first ones by name and ignores the rest, as OpenAI ignores unknown
 fields.
 
 Extensions beside OpenAI's fields, with vLLM's names: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `priority`, `cache_salt`,
-`return_token_ids`.
+`return_token_ids`, and structured output as vLLM takes it (`structured_outputs`, the older
+`guided_*`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ class GenerationBody(BaseModel):
     cache_salt: StrictStr | None = None
     return_token_ids: StrictBool | None = None
     """Add `token_ids` (and `prompt_token_ids`) to each choice (each chunk's new ones)."""
+    # structured output (router/http/structured.py reads the shapes, to name the field)
+    response_format: Any = None
+    """OpenAI's: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`."""
+    structured_outputs: Any = None
+    """vLLM's: one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`."""
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    """vLLM's older names of the same (one at most)."""
 
 
 class CompletionRequest(GenerationBody):

@@ -7,7 +7,7 @@ the names differ: an error names the body's field (`prompt`, `messages`,
 `max_completion_tokens`, `prompt[2]`) or header (`x-request-id`), not the gRPC field.
 
 Before that, this module checks what only the HTTP door has: the model name (404), fields
-pdserve cannot honour (`tools`, `response_format` with a schema, `logprobs` > 0, ...: 400
+pdserve cannot honour (`tools`, `audio`, `logprobs` > 0, ...: 400
 naming the field, never a silent ignore), the JSON shapes of `prompt`, `stop` and
 `messages`, integers that a protobuf field cannot hold, and renders chat messages with the
 checkpoint's template (router/http/chat.py).
@@ -29,6 +29,7 @@ from pdserve.v1 import serving_pb2 as pb
 from router.http.chat import ChatTemplate, template_messages
 from router.http.errors import ApiError, failure
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, GenerationBody
+from router.http.structured import structured_output
 from router.request_spans import http_caller_context
 from router.validation import (
     MAX_PROMPT_BYTES_PER_TOKEN,
@@ -63,8 +64,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (_off("none"), "tool calling is not supported"),
     "functions": (_off([]), "function calling is not supported"),
     "function_call": (_off("none"), "function calling is not supported"),
-    "response_format": (_off({"type": "text"}), 'only {"type": "text"} is supported (no JSON '
-                        "mode or schema)"),
     "audio": (_off(), "audio output is not supported"),
     "modalities": (_off(["text"]), 'only ["text"] output is supported'),
     "prediction": (_off(), "predicted outputs are not supported"),
@@ -74,11 +73,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_off(False), "echoing the prompt is not supported"),
     "suffix": (_off(""), "suffixes (insertion) are not supported"),
     "best_of": (_off(1), "best_of is not supported (n is)"),
-    "guided_json": (_off(), "guided decoding is not supported"),
-    "guided_regex": (_off(), "guided decoding is not supported"),
-    "guided_choice": (_off(), "guided decoding is not supported"),
-    "guided_grammar": (_off(), "guided decoding is not supported"),
-    "structured_outputs": (_off(), "structured outputs are not supported"),
 }  # fmt: skip
 """Fields OpenAI (or vLLM) defines that pdserve cannot honour, with the values that ask for
 nothing (those pass)."""
@@ -112,6 +106,15 @@ class GenerationPlan:
     """From the timeout header; None: the router's default request deadline."""
     model: str = ""
     """The body's `model`: the served model's id, or a LoRA adapter's name."""
+    constraint_field: str = ""
+    """The body's field that carries the structured-output constraint ("": none)."""
+
+    def param_name(self, field: str) -> str:
+        """A request field as the body names it (a worker's error on the constraint names
+        structured_output; the client sent response_format, structured_outputs, ...)."""
+        if field == "structured_output" and self.constraint_field:
+            return self.constraint_field
+        return field
 
     @property
     def response_id(self) -> str:
@@ -159,7 +162,7 @@ class Translator:
                 req.prompt = prompt
             else:
                 req.token_ids.extend(prompt)
-            requests.append(self._validate(req, name, "max_tokens", tenant, trace))
+            requests.append(self._validate(req, body, name, "max_tokens", tenant, trace))
         return self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
 
     def chat(
@@ -196,7 +199,8 @@ class Translator:
         logprobs = bool(body.logprobs)
         req = self._proto(body, headers, name, max_tokens, logprobs)
         req.token_ids.extend(ids)
-        valid = self._validate(req, "messages", name, tenant, http_caller_context(headers))
+        trace = http_caller_context(headers)
+        valid = self._validate(req, body, "messages", name, tenant, trace)
         return self._plan(Endpoint.CHAT, body, headers, [valid], _n(body, 1), logprobs)
 
     # ---- shared ------------------------------------------------------------------------------
@@ -260,11 +264,15 @@ class Translator:
             if isinstance(bias, bool) or not isinstance(bias, int | float):
                 raise InvalidRequest("logit_bias", f"token {key}: bias must be a number")
             req.logit_bias[token] = bias
+        constraint = structured_output(body)[1]
+        if constraint is not None:
+            req.structured_output.CopyFrom(constraint)
         return req
 
     def _validate(
         self,
         req: pb.GenerateRequest,
+        body: GenerationBody,
         prompt_name: str,
         max_name: str,
         tenant: str | None,
@@ -275,7 +283,8 @@ class Translator:
             return validate(req, self.tokenizer, self.limits(), tenant, trace)
         except InvalidRequest as e:
             names = {"prompt": prompt_name, "token_ids": prompt_name, "max_tokens": max_name,
-                     "request_id": REQUEST_ID_HEADER, "tenant": TENANT_HEADER}  # fmt: skip
+                     "request_id": REQUEST_ID_HEADER, "tenant": TENANT_HEADER,
+                     "structured_output": structured_output(body)[0]}  # fmt: skip
             param = names.get(e.field, e.field)
             raise InvalidRequest(param, str(e)[len(e.field) + 2 :]) from e
 
@@ -303,6 +312,7 @@ class Translator:
             return_token_ids=bool(body.return_token_ids),
             timeout_s=_timeout(headers.get(TIMEOUT_HEADER)),
             model=body.model,
+            constraint_field=structured_output(body)[0],
         )
 
 

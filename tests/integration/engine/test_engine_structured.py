@@ -145,7 +145,8 @@ def test_overlap_on_and_off_give_the_same_constrained_tokens(
     for overlap in (True, False):
         engine = make_engine(*args, overlap_scheduling=overlap)
         for i in range(4):
-            engine.add_request(f"r{i}", prompts[i], replace(SAMPLED, seed=i, structured=JSON_SCHEMA))
+            params = replace(SAMPLED, seed=i, structured=JSON_SCHEMA)
+            engine.add_request(f"r{i}", prompts[i], params)
         results.append({rid: tokens_of(o) for rid, o in run_to_completion(engine).items()})
     assert results[0] == results[1]
 
@@ -217,7 +218,7 @@ def test_a_constraint_that_does_not_compile_is_refused_naming_the_field(
     assert not engine.has_unfinished()
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
     # the engine goes on serving, the same constraint fixed included
-    text, reason, _ = run(engine, prompts[0], replace(SAMPLED, seed=1, structured=JSON_SCHEMA))
+    reason = run(engine, prompts[0], replace(SAMPLED, seed=1, structured=JSON_SCHEMA))[1]
     assert reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 

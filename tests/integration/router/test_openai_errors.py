@@ -113,6 +113,9 @@ def _bad_inputs(model: str) -> list[tuple[str, dict[str, Any], int, str]]:
         ),
         (cc, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         (cc, {**chat, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+        (cc, {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+         "schema": {"type": "nonsense"}}}}, 400, "response_format"),  # a worker's compiler
+        (cc, {**chat, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
         (cc, {**chat, "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs"),
         (cc, {**chat, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ]

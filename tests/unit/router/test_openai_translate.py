@@ -5,6 +5,7 @@ transformers renders it. Exact answers on hand-made inputs (no cluster)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from router.http.translate import (
     Translator,
 )
 from router.validation import InvalidRequest, ValidationLimits
+from vocabulary.sampling import StructuredOutput
 
 MODEL = "tiny"
 LIMITS = ValidationLimits(max_model_len=64, vocab_size=100, tenants=frozenset({"", "acme"}),
@@ -166,12 +168,11 @@ def test_sampling_fields_and_extensions_reach_the_request() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("functions", [{}]),
-     ("function_call", "auto"), ("response_format", {"type": "json_object"}),
+     ("function_call", "auto"),
      ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
      ("prediction", {"type": "content"}), ("web_search_options", {}),
      ("reasoning_effort", "low"), ("store", True), ("echo", True), ("suffix", "x"),
-     ("best_of", 2), ("guided_json", {}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
-     ("guided_grammar", "g"), ("structured_outputs", {"json": {}})],
+     ("best_of", 2)],
 )  # fmt: skip
 def test_fields_pdserve_cannot_honour_are_refused_by_name(field: str, value: Any) -> None:
     err = refused(completion, prompt="a", **{field: value})
@@ -286,3 +287,70 @@ def test_the_tiny_models_template_renders_as_transformers_does(tiny_model_dir: P
     )
     err = refused(template.render, [{"role": "tool", "content": "x"}])
     assert err.field == "messages" and "roles are system, user or assistant" in str(err)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": SCHEMA}}}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": SCHEMA, "strict": False}}},
+         StructuredOutput("json_schema", json.dumps(SCHEMA), strict=False)),
+        ({"structured_outputs": {"json": SCHEMA}},
+         StructuredOutput("json_schema", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}},
+         StructuredOutput("json_schema", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutput("regex", "a+")),
+        ({"structured_outputs": {"choice": ["x", "y"]}},
+         StructuredOutput("choice", choices=("x", "y"))),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}},
+         StructuredOutput("grammar", 'root ::= "a"')),
+        ({"guided_json": SCHEMA}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+        ({"guided_regex": "[0-9]+"}, StructuredOutput("regex", "[0-9]+")),
+        ({"guided_choice": ["a"]}, StructuredOutput("choice", choices=("a",))),
+        ({"guided_grammar": 'root ::= "b"'}, StructuredOutput("grammar", 'root ::= "b"')),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)  # fmt: skip
+def test_each_way_to_ask_for_structured_output_gives_its_constraint(
+    body: dict[str, Any], want: StructuredOutput | None
+) -> None:
+    assert completion(prompt="a", **body).choices[0].request.sampling.structured == want
+    assert (
+        chat(messages=[{"role": "user", "content": "hi"}], **body)
+        .choices[0]
+        .request.sampling.structured
+        == want
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format", "type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA,
+          "strict": "yes"}}}, "response_format", "strict"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+         "exactly one"),
+        ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "not JSON"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "1 to 1024"),
+        ({"structured_outputs": {"regex": "x" * 70000}}, "structured_outputs", "at most"),
+        ({"guided_regex": 5}, "guided_regex", "a string"),
+        ({"guided_choice": "a"}, "guided_choice", "list of strings"),
+        ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "not several"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+         "not several"),
+    ],
+)  # fmt: skip
+def test_a_bad_constraint_is_refused_naming_the_bodys_field(
+    body: dict[str, Any], field: str, words: str
+) -> None:
+    err = refused(completion, prompt="a", **body)
+    assert err.field == field and words in str(err), str(err)
