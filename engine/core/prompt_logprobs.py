@@ -47,7 +47,7 @@ class PromptLogprobsStep:
         top: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         self.spans = spans
-        tensors = (chosen, *top) if top is not None else (chosen,)
+        tensors: tuple[torch.Tensor, ...] = (chosen, *top) if top is not None else (chosen,)
         if chosen.device.type == "cuda":
             tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)
         self._host = tensors

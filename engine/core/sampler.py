@@ -94,9 +94,7 @@ class SampledTokens:
         if top_ids_t is None or top_lps_t is None:
             return SamplerOutput(ids, logprobs)
         tops = zip(top_ids_t.tolist(), top_lps_t.tolist(), self.num_top, strict=True)
-        top = tuple(
-            TopLogprobs(tuple(t[:k]), tuple(v[:k])) if k else None for t, v, k in tops
-        )
+        top = tuple(TopLogprobs(tuple(t[:k]), tuple(v[:k])) if k else None for t, v, k in tops)
         return SamplerOutput(ids, logprobs, top)
 
     def to_host(self) -> SamplerOutput:

@@ -11,8 +11,9 @@ Policy (vLLM v1's): running requests first, then waiting ones, under one token b
 2. If nobody was preempted, waiting requests are admitted in FCFS order (preempted ones sit
    at the head): the longest cached prefix of full blocks is reused (at most all but the last
    token, which must be computed to sample; none for a request computing prompt logprobs,
-   `Request.needs_prompt_logprobs`), the rest is prefilled in chunks of the budget left. The first request that does not fit stops admission for this step (no reordering;
-   a request whose LoRA adapter is still loading is passed over, see below).
+   `Request.needs_prompt_logprobs`), the rest is prefilled in chunks of the budget left. The
+   first request that does not fit stops admission for this step (no reordering; a request
+   whose LoRA adapter is still loading is passed over, see below).
    Prefix blocks found only in the host tier are onboarded into fresh device blocks (copies
    queued before the step), at most the host tier's `max_blocks_per_step` per step (a request
    needing more than is left waits for the next step; alone, it may take more) and only when
