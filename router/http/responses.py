@@ -107,7 +107,7 @@ class ResponseWriter:
         else:
             choice["text"] = self._echo_text(out) + delta.text if echo else delta.text
         choice["logprobs"] = self._logprobs(out, delta, echo) if self.plan.logprobs else None
-        choice["finish_reason"] = out.finish_reason if delta.finish_reason is not None else None
+        choice["finish_reason"] = self._finish(out) if delta.finish_reason is not None else None
         if self.plan.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
             if first:
@@ -136,7 +136,7 @@ class ResponseWriter:
                 choice["text"] = self._echo_text(out) + text if self.plan.echo else text
             logprobs = self._logprobs(out, None, self.plan.echo) if self.plan.logprobs else None
             choice["logprobs"] = logprobs
-            choice["finish_reason"] = out.finish_reason
+            choice["finish_reason"] = self._finish(out)
             if self.plan.return_token_ids:
                 choice["token_ids"] = out.token_ids
                 choice["prompt_token_ids"] = self._prompt_ids(out)
@@ -169,6 +169,13 @@ class ResponseWriter:
 
     def _prompt_ids(self, out: ChoiceOutput) -> list[int]:
         return list(self.plan.choices[out.index].request.prompt_token_ids)
+
+    def _finish(self, out: ChoiceOutput) -> str | None:
+        """The choice's finish reason ("length" for max_tokens 0: nothing was generated,
+        whatever ended the one token the engine sampled)."""
+        if self.plan.discard_output and out.finish_reason is not None:
+            return "length"
+        return out.finish_reason
 
     def _echo_text(self, out: ChoiceOutput) -> str:
         return self.plan.echo_texts[out.prompt_index]

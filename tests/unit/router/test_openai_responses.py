@@ -195,7 +195,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
     p0 = plan(prompt=[3, 4], logprobs=1, echo=True, max_tokens=0, stream=True)
     w, streamed = writer(p0), ChoiceOutput(0, 0)
     events = []
-    for d in (first, final((), "", usage(2, 1, 0))):
+    for d in (first, final((), "", usage(2, 1, 0), reason=FinishReason.STOP)):  # (eos sampled)
         streamed.add(d)
         events.append(sse(w.chunk(streamed, d))["choices"][0])
     assert events[0]["text"] == "de" and events[0]["logprobs"]["tokens"] == ["d", "e"]
