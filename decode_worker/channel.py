@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from vocabulary.decode_api import ChannelInfo, ChannelItem, ChunkError, TokenChunk
 from vocabulary.engine_io import RequestOutput
+from vocabulary.logprobs import TopLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -302,12 +303,17 @@ def merge_outputs(
     logprobs: tuple[float, ...] | None = None
     if any(o.logprobs is not None for o in outs):
         logprobs = tuple(lp for o in outs for lp in (o.logprobs or ()))
+    top: tuple[TopLogprobs, ...] | None = None
+    if any(o.top_logprobs is not None for o in outs):
+        top = tuple(t for o in outs for t in (o.top_logprobs or ()))
     t = last.timings
     scheduled = t.first_scheduled or t.arrival
     return TokenChunk(
         token_ids=tuple(tok for o in outs for tok in o.new_token_ids),
         text="".join(o.text_delta for o in outs),
         logprobs=logprobs,
+        top_logprobs=top,
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
         finish_reason=last.finish_reason,
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,

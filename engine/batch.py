@@ -41,6 +41,9 @@ class SeqChunk:
     lora_slot: int = -1
     """The LoRA device slot every token of the chunk reads (`LoraCache.acquire`), or -1 for
     the base model."""
+    all_logits: bool = False
+    """Return logits for every token of this chunk, not only the sampled last one (a prompt
+    whose request asked for prompt logprobs)."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +63,23 @@ class ScheduledBatch:
     @property
     def num_sampled(self) -> int:
         return sum(1 for c in self.chunks if c.sample)
+
+    @property
+    def has_all_logits(self) -> bool:
+        return any(c.all_logits for c in self.chunks)
+
+    def logit_rows(self) -> list[int]:
+        """Rows of the step's tokens whose logits `ModelRunner.execute` returns, in batch
+        order: every token of an `all_logits` chunk, the last token of another sampled one."""
+        rows: list[int] = []
+        at = 0
+        for c in self.chunks:
+            if c.all_logits:
+                rows += range(at, at + c.num_tokens)
+            elif c.sample:
+                rows.append(at + c.num_tokens - 1)
+            at += c.num_tokens
+        return rows
 
     @property
     def is_decode_only(self) -> bool:

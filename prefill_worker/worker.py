@@ -156,6 +156,8 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             queue_s=max(scheduled - t.arrival, 0.0),
             prefill_s=prefill_s,
             worker_id=self.runtime.config.worker_id,
+            first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     async def abort(self, request_id: str) -> bool:

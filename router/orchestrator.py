@@ -536,13 +536,7 @@ class Orchestrator:
                 if chunk.transfer_s:
                     self.metrics.transfer.observe(chunk.transfer_s)
                 finished = chunk.finish_reason is not None
-                if chunk.finish_reason is None:
-                    yield StreamDelta(chunk.token_ids, chunk.text, chunk.logprobs)
-                else:
-                    final = progress.final_delta(chunk.finish_reason)
-                    yield replace(
-                        final, token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs
-                    )
+                yield progress.chunk_delta(chunk)
         except BaseException as e:
             error = e
             raise

@@ -11,11 +11,12 @@ reads the few counts the recovery policy and the error messages need; nothing el
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.placement import Placement
 from vocabulary.decode_api import TokenChunk
 from vocabulary.engine_io import FinishReason, PriorOutput
+from vocabulary.logprobs import PromptLogprobs, TopLogprobs
 from vocabulary.prefill_api import PrefillResult
 
 
@@ -50,6 +51,10 @@ class StreamDelta:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each token's alternatives, when the request asked for them."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's logprobs, when asked for: on the client's first delta only."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,26 @@ class RequestProgress:
         self._tokens_out((result.first_token_id,), result.first_text)
         self._last_logprob = result.first_logprob
         logprobs = (result.first_logprob,) if result.first_logprob is not None else None
-        return StreamDelta((result.first_token_id,), result.first_text, logprobs)
+        top = (result.first_top_logprobs,) if result.first_top_logprobs is not None else None
+        return StreamDelta(
+            (result.first_token_id,), result.first_text, logprobs,
+            top_logprobs=top, prompt_logprobs=result.prompt_logprobs,
+        )  # fmt: skip
+
+    def chunk_delta(self, chunk: TokenChunk) -> StreamDelta:
+        """What the client gets of a decode worker's chunk (after `chunk(chunk)`): its tokens,
+        and the final delta's usage and timings when it is the last. A prompt's logprobs pass
+        only before the client has anything (a local prefill's first chunk)."""
+        if chunk.finish_reason is not None:
+            delta = self.final_delta(chunk.finish_reason)
+        else:
+            delta = StreamDelta((), "")
+        first = self._sent_ids == list(chunk.token_ids)
+        return replace(
+            delta, token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs,
+            top_logprobs=chunk.top_logprobs,
+            prompt_logprobs=chunk.prompt_logprobs if first else None,
+        )  # fmt: skip
 
     def chunk(self, chunk: TokenChunk) -> None:
         """A chunk from the decode worker (the delta it becomes is the caller's)."""

@@ -100,6 +100,13 @@ def to_proto(delta: StreamDelta, request_id: str, show_workers: bool = True) -> 
     msg = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
     if delta.logprobs is not None:
         msg.logprobs.extend(delta.logprobs)
+    for top in delta.top_logprobs or ():
+        msg.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
+    prompt = delta.prompt_logprobs
+    if prompt is not None:
+        msg.prompt_logprobs.logprobs.extend(lp for lp in prompt.logprobs[1:] if lp is not None)
+        for top in prompt.top[1:]:
+            msg.prompt_logprobs.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
     if delta.finish_reason is not None:
         msg.finish_reason = _FINISH[delta.finish_reason]
     if delta.usage is not None:

@@ -198,6 +198,8 @@ def validate(
             logprobs=req.logprobs,
             logit_bias=tuple(req.logit_bias.items()),
             structured=structured_output(req, limits.max_structured_chars),
+            top_logprobs=int(req.top_logprobs),
+            prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         )
     except SamplingParamsError as e:
         raise InvalidRequest(e.field, str(e).split(": ", 1)[1]) from e

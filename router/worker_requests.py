@@ -28,9 +28,11 @@ from vocabulary.tracing import TraceContext
 
 def handoff_sampling(sampling: SamplingParams) -> SamplingParams:
     """Sampling for a retry's prefill: nothing ends the request on its first token (that
-    token is dropped; the KV must be handed off)."""
+    token is dropped; the KV must be handed off) and no prompt logprobs (the client has
+    them with its first token)."""
     return replace(
         sampling,
+        prompt_logprobs=None,
         ignore_eos=True,
         stop=(),
         stop_token_ids=(),
@@ -65,10 +67,13 @@ def _decode_request(
     prior: PriorOutput = NO_PRIOR,
     trace: TraceContext | None = None,
 ) -> DecodeRequest:
+    sampling = req.sampling
+    if handle is not None or prior.token_ids:  # the prompt's logprobs went with the first token
+        sampling = replace(sampling, prompt_logprobs=None)
     return DecodeRequest(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
-        sampling=req.sampling,
+        sampling=sampling,
         cache_salt=req.cache_salt,
         lora=req.lora,
         handle=handle,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from directory_scope import stop_finished_directories
-from references import Reference, greedy_reference
+from references import LogprobsReference, Reference, greedy_reference, logprobs_reference
 
 from vocabulary.tokenizer import Tokenizer
 
@@ -161,6 +161,12 @@ def hf_greedy(tiny_model_dir: Path) -> Reference:
 def hf_greedy_to_eos(tiny_model_dir: Path) -> Reference:
     """transformers float32 `generate`: greedy, stops after eos, memoized per prompt."""
     return greedy_reference(tiny_model_dir, stop_at_eos=True)
+
+
+@pytest.fixture(scope="session")
+def hf_logprobs(tiny_model_dir: Path) -> LogprobsReference:
+    """transformers float32 log-softmax at every position of a sequence."""
+    return logprobs_reference(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,15 @@
 """transformers float32 on the tiny checkpoint: the reference every exactness test compares
-pdserve's greedy tokens with (the root conftest's `hf_greedy` and `hf_greedy_to_eos`)."""
+pdserve's greedy tokens with (the root conftest's `hf_greedy` and `hf_greedy_to_eos`), and its
+log-probabilities with (`hf_logprobs`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 Reference = Callable[[list[int], int], list[int]]
 """(prompt ids, max tokens) -> the reference's output ids."""
@@ -43,3 +48,22 @@ def greedy_reference(model_dir: Path, stop_at_eos: bool) -> Reference:
         return memo[key]
 
     return greedy
+
+
+LogprobsReference = Callable[[list[int]], "torch.Tensor"]
+"""(token ids) -> [len, vocab] float32 log-softmax of the logits at every position."""
+
+
+def logprobs_reference(model_dir: Path) -> LogprobsReference:
+    """transformers' float32 log-probabilities over a whole sequence (one forward pass): row p
+    is the distribution of the token after position p, the raw one pdserve's logprobs use."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs

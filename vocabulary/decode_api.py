@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from vocabulary.engine_io import NO_PRIOR, FinishReason, PriorOutput
 from vocabulary.kv_handle import KVHandle
+from vocabulary.logprobs import PromptLogprobs, TopLogprobs
 from vocabulary.sampling import SamplingParams
 from vocabulary.tracing import TraceContext
 
@@ -57,6 +58,10 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each token's alternatives, when the request asked for them."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Local prefill: the prompt's logprobs, on the chunk with the first token, when asked."""
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

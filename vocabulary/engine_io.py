@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from vocabulary.block_hash import BlockHash
 from vocabulary.kv_events import KVTier
+from vocabulary.logprobs import PromptLogprobs, TopLogprobs
 from vocabulary.step_stats import StepStats
 
 
@@ -114,6 +115,10 @@ class RequestOutput:
     was unloaded before it ran, or could not be loaded); None for a caller's abort. A worker
     hands it to the request's reader as the request's error (worker_runtime/runtime.py), so
     the caller gets NOT_FOUND / FAILED_PRECONDITION naming the adapter."""
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    """Each new token's most likely alternatives, when the request asked for them."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's logprobs, when asked for: on the output with the first token only."""
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from vocabulary.engine_io import FinishReason
 from vocabulary.kv_handle import KVHandle
+from vocabulary.logprobs import PromptLogprobs, TopLogprobs
 from vocabulary.sampling import SamplingParams
 from vocabulary.tracing import TraceContext
 
@@ -47,3 +48,7 @@ class PrefillResult:
     queue_s: float
     prefill_s: float
     worker_id: str
+    first_top_logprobs: TopLogprobs | None = None
+    """The first token's alternatives, when the request asked for them (top_logprobs)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's logprobs, when the request asked for them (prompt_logprobs)."""

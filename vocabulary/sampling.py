@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from vocabulary.logprobs import MAX_TOP_LOGPROBS
+
 MAX_LOGIT_BIAS = 1024
 """Most tokens one request may bias (each is an indexed add on its logits row)."""
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -116,6 +118,12 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     logprobs: bool = False
     """Return the log-probability of each chosen token (from the model's raw distribution)."""
+    top_logprobs: int = 0
+    """Also return the k most likely tokens at each generated position, with their raw
+    log-probabilities (0..20); > 0 implies `logprobs`."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's raw log-probability and the k most likely tokens at its
+    position (0..20); None: none. The prompt is then computed in full (no prefix-cache hits)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) added to those tokens' logits before penalties and sampling (greedy
     too), OpenAI's semantics: -100 all but bans a token, +100 all but forces it. Given as a
@@ -142,6 +150,15 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise SamplingParamsError(name, f"must be in [-2, 2], got {value}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                "prompt_logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}] or unset, got {self.prompt_logprobs}",
+            )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise SamplingParamsError("seed", f"must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
@@ -156,6 +173,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The chosen tokens' logprobs are returned (asked for, or implied by top_logprobs)."""
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def has_penalties(self) -> bool:

@@ -50,11 +50,12 @@ from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep, sampling_rows
 from engine.core.prefill_lane import PrefillLane
+from engine.core.prompt_logprobs import PromptLogprobsStep
 from engine.core.rank_setup import build_rank, serving_max_model_len
 from engine.core.request import Request, RequestStatus
 from engine.core.request_limits import RequestLimits
 from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
-from engine.core.sampler import Sampler
+from engine.core.sampler import SampledRow, Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.sm_split import SMSplit
 from engine.core.stop_checker import StopChecker
@@ -289,7 +290,7 @@ class LLMEngine:
         requests = tuple(scheduler.requests[c.request_id] for c in batch.chunks)
         if lane is None:
             self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
-        logits = runner.execute(batch)
+        logits, prompt = PromptLogprobsStep.split(runner.execute(batch), batch, requests)
         chunks = [(r, c) for r, c in zip(requests, batch.chunks, strict=True) if c.sample]
         # a constrained row's mask needs its newest token, still in `previous`: read it now,
         # while the device runs this step's model (the overlap's slack)
@@ -308,7 +309,7 @@ class LLMEngine:
         previous_ids = previous.tokens.token_ids if previous is not None else None
         tokens = sampler.sample(logits, rows, previous_ids, mask)
         runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
-        return InflightStep(requests, tuple(sampled), tokens)
+        return InflightStep(requests, tuple(sampled), tokens, prompt)
 
     def _complete(
         self, step: InflightStep, scheduler: Scheduler | None = None
@@ -318,21 +319,20 @@ class LLMEngine:
         before, read after this step was launched) gets nothing: its token is discarded."""
         if step.read_early:
             return step.take_outputs()
-        token_ids, logprobs = step.results()
+        out = step.results()
         for request in step.requests:
             if not request.is_finished:
                 (scheduler or self._owner(request)).cache_computed_blocks(request)
         now = time.time()
         outputs: list[RequestOutput] = []
-        for request, token_id, logprob in zip(step.sampled, token_ids, logprobs, strict=True):
+        for request, sample in zip(step.sampled, out.rows(), strict=True):
             if not request.is_finished:
-                outputs.append(self._postprocess(request, token_id, logprob, now))
+                outputs.append(self._postprocess(request, sample, now))
         return outputs
 
-    def _postprocess(
-        self, request: Request, token_id: int, logprob: float | None, now: float
-    ) -> RequestOutput:
-        request.append_output(token_id, logprob)
+    def _postprocess(self, request: Request, sample: SampledRow, now: float) -> RequestOutput:
+        token_id = sample[0]
+        request.append_output(*sample)
         if request.first_token_time is None:
             request.first_token_time = now
         checker = self._checkers[request.request_id]

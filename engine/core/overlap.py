@@ -38,7 +38,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sampler import SamplingRow
 
 if TYPE_CHECKING:
-    from engine.core.sampler import SampledTokens
+    from engine.core.prompt_logprobs import PromptLogprobsStep
+    from engine.core.sampler import SampledTokens, SamplerOutput
     from vocabulary.engine_io import RequestOutput
 
 
@@ -51,20 +52,25 @@ class InflightStep:
     """
 
     def __init__(
-        self, requests: tuple[Request, ...], sampled: tuple[Request, ...], tokens: SampledTokens
+        self,
+        requests: tuple[Request, ...],
+        sampled: tuple[Request, ...],
+        tokens: SampledTokens,
+        prompt: PromptLogprobsStep | None = None,
     ) -> None:
+        """`prompt`: the step's prompt logprobs (their copies to the host queued already)."""
         self.requests = requests
         self.sampled = sampled
         self.tokens = tokens
+        self.prompt = prompt
         self._rows = {r.request_id: i for i, r in enumerate(sampled)}
-        ids, logprobs = tokens.token_ids, tokens.logprobs
+        host = tokens.device_tensors()
         self._done: torch.cuda.Event | None = None
-        if ids.device.type == "cuda":  # D2H into pinned memory, then an event to wait on
-            ids = ids.to("cpu", non_blocking=True)
-            logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
+        if tokens.token_ids.device.type == "cuda":  # D2H into pinned memory, then an event
+            host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in host)
             self._done = torch.cuda.Event()
             self._done.record()
-        self._host_ids, self._host_logprobs = ids, logprobs
+        self._host = host
         self.read_early = False
         """Read before the next step sampled (`keep_outputs`): that step has constrained
         rows whose mask needed these tokens (engine/structured)."""
@@ -105,15 +111,13 @@ class InflightStep:
         if self._done is not None:
             self._done.synchronize()
 
-    def results(self) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
-        """(token id, raw logprob or None) per sampled row; waits for the device."""
+    def results(self) -> SamplerOutput:
+        """Token id, raw logprob and top alternatives (None where not asked) per sampled
+        row; waits for the device. The step's prompt logprobs go to their requests here."""
         self.wait_device()
-        ids = self._host_ids.tolist()
-        wanted = self.tokens.wants_logprobs
-        if self._host_logprobs is None:
-            return tuple(ids), (None,) * len(ids)
-        values = self._host_logprobs.tolist()
-        return tuple(ids), tuple(v if w else None for v, w in zip(values, wanted, strict=True))
+        if self.prompt is not None:
+            self.prompt.apply()
+        return self.tokens.host_output(self._host)
 
 
 def sampling_rows(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from vocabulary.block_hash import BlockHash, hash_chain
 from vocabulary.engine_io import FinishReason, KVHandoff, RequestOutput, RequestTimings
+from vocabulary.logprobs import NO_TOP, PromptLogprobs, TopLogprobs
 from vocabulary.sampling import SamplingParams
 
 if TYPE_CHECKING:  # vocabulary.engine_io imports this module
@@ -90,6 +91,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, TopLogprobs]] = field(default_factory=list)
+    """With `sampling_params.prompt_logprobs`: prompt tokens 1, 2, ... as computed so far
+    (their logprob and top alternatives; the first token has none)."""
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Hashes of every full block of `all_token_ids` (grows as outputs fill blocks)."""
@@ -144,7 +149,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output(self, token_id: int, logprob: float | None) -> None:
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are not computed yet: its prompt is computed
+        from position 0, without prefix-cache hits (those positions would have no logits)."""
+        p = self.sampling_params.prompt_logprobs
+        return p is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def wants_prompt_logits(self, start: int) -> bool:
+        """A chunk from `start` must return the logits of all its positions (it covers prompt
+        positions whose next token's logprob is not computed yet)."""
+        return self.needs_prompt_logprobs and start <= self.num_prompt_tokens - 2
+
+    def append_output(
+        self, token_id: int, logprob: float | None, top: TopLogprobs | None = None
+    ) -> None:
         """Add a sampled token (resolving the oldest placeholder, if any); hash the block it
         completes, if any."""
         if self.num_output_placeholders:
@@ -153,6 +172,8 @@ class Request:
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
         if self.num_tokens % self.block_size == 0:
             start = self.num_tokens - self.block_size
             parent = self.block_hashes[-1] if self.block_hashes else None
@@ -170,16 +191,27 @@ class Request:
 
     def output(self, num_new: int, text: str, handoff: KVHandoff | None) -> RequestOutput:
         """What the engine reports of this request now: its last `num_new` tokens (with
-        their logprobs when asked for), `text` (the new text), its finish and timings."""
+        their logprobs and alternatives when asked for), `text` (the new text), its finish and
+        timings; the output with the first token carries the prompt logprobs, when asked."""
         new_ids = tuple(self.output_token_ids[len(self.output_token_ids) - num_new :])
-        logprobs = None
-        if self.sampling_params.logprobs:
+        params = self.sampling_params
+        logprobs = top = prompt = None
+        if params.wants_logprobs:
             logprobs = tuple(self.output_logprobs[len(self.output_logprobs) - num_new :])
+        if params.top_logprobs:
+            top = tuple(self.output_top_logprobs[len(self.output_top_logprobs) - num_new :])
+        if params.prompt_logprobs is not None and num_new and num_new == self.num_output_tokens:
+            prompt = PromptLogprobs(
+                (None, *(lp for lp, _ in self.prompt_logprobs)),
+                (NO_TOP, *(t for _, t in self.prompt_logprobs)),
+            )
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_ids,
             text_delta=text,
             logprobs=logprobs,
+            top_logprobs=top,
+            prompt_logprobs=prompt,
             finish_reason=FINISH_REASONS.get(self.status),
             stop_reason=self.stop_reason,
             num_prompt_tokens=self.num_prompt_tokens,

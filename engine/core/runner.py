@@ -168,7 +168,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [batch.num_sampled, vocab] of the sampled chunks, in batch order
-        (queued on the device; nothing here waits for it)."""
+        (queued on the device; nothing here waits for it). With `all_logits` chunks, the
+        rows of `batch.logit_rows()` instead (every token of those chunks)."""
         if not batch.chunks:
             return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
         layout = build_layout(batch, self.block_size)
@@ -178,7 +179,8 @@ class ModelRunner:
         )
         fill = self._placeholder_fill(batch, layout)
         seq_slots = self._lora_slots(batch)
-        if self.graphs is not None and batch.is_decode_only:
+        all_logits = batch.has_all_logits
+        if self.graphs is not None and batch.is_decode_only and not all_logits:
             size = self.graphs.batch_size_for(layout)
             if size is not None:
                 return self.graphs.run(layout, size, fill, seq_slots)
@@ -199,12 +201,14 @@ class ModelRunner:
         hidden = self.model(
             step.input_ids, step.positions, self.backend.forward, self.layer_ops, lora
         )
-        if batch.num_sampled == 0:
+        if batch.num_sampled == 0 and not all_logits:
             # Only mid-prompt chunks (a prompt longer than the step's token budget): the KV is
             # written, nothing is sampled. No head matmul, and no empty tensor for a kernel
             # (flashinfer's RMSNorm fails on zero rows with cudaErrorInvalidValue).
             return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
-        if not layout.samples_every_row:
+        if all_logits:
+            hidden = hidden.index_select(0, to_device(batch.logit_rows(), torch.long, self.device))
+        elif not layout.samples_every_row:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden, self.layer_ops)
 

@@ -7,7 +7,8 @@ temperature → top-k → top-p → min-p → draw. The draw is an exponential r
 when the request has a seed (so its tokens do not depend on what else is in the batch) and
 from the engine's generator otherwise. Log-probabilities, when asked for, are those of the
 chosen token under the model's raw distribution (log-softmax of the logits before any
-processing), as vLLM v1 reports them.
+processing), as vLLM v1 reports them; a row with `top_logprobs` k also gets the k most likely
+tokens of that distribution (one top-k over the batch, at the most any row asked for).
 
 The sampler only picks tokens; deciding that a request stops is `engine.core.stop_checker`'s job.
 
@@ -20,13 +21,14 @@ ids); penalties count it like the outputs the host knows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.device import to_device
 from engine.structured.grammars import TokenMask, apply_token_bitmask
+from vocabulary.logprobs import TopLogprobs
 from vocabulary.sampling import SamplingParams
 
 
@@ -43,11 +45,22 @@ class SamplingRow:
     sequence's newest output, not yet in output_token_ids; -1: none."""
 
 
+SampledRow = tuple[int, float | None, TopLogprobs | None]
+"""One row's sample: token id, its raw logprob, its alternatives (None where not asked)."""
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...]
     """Chosen token's raw log-probability per row; None where the request did not ask."""
+    top_logprobs: tuple[TopLogprobs | None, ...] = ()
+    """Per row, its `top_logprobs` most likely tokens; None where the request did not ask
+    (empty: no row asked)."""
+
+    def rows(self) -> Iterator[SampledRow]:
+        tops = self.top_logprobs or (None,) * len(self.token_ids)
+        return zip(self.token_ids, self.logprobs, tops, strict=True)
 
 
 @dataclass(frozen=True)
@@ -59,15 +72,36 @@ class SampledTokens:
     logprobs: torch.Tensor | None
     """[rows] float32 raw log-probabilities of the chosen tokens; None when no row asked."""
     wants_logprobs: tuple[bool, ...]
+    top_ids: torch.Tensor | None = None
+    """[rows, k] int64: each row's k most likely tokens (k: the most any row asked for),
+    most likely first; None when no row asked for alternatives."""
+    top_logprobs: torch.Tensor | None = None
+    """[rows, k] float32: their raw log-probabilities."""
+    num_top: tuple[int, ...] = ()
+    """Per row, how many of the k alternatives it asked for (0: none)."""
+
+    def device_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """What the host reads of this step: ids, logprobs, top ids, top logprobs."""
+        return self.token_ids, self.logprobs, self.top_ids, self.top_logprobs
+
+    def host_output(self, host: tuple[torch.Tensor | None, ...]) -> SamplerOutput:
+        """The output from `device_tensors()` copied to the host (same order)."""
+        ids_t, lps_t, top_ids_t, top_lps_t = host
+        assert ids_t is not None
+        ids = tuple(ids_t.tolist())
+        logprobs: tuple[float | None, ...] = (None,) * len(ids)
+        if lps_t is not None:
+            picked = zip(lps_t.tolist(), self.wants_logprobs, strict=True)
+            logprobs = tuple(v if w else None for v, w in picked)
+        if top_ids_t is None or top_lps_t is None:
+            return SamplerOutput(ids, logprobs)
+        tops = zip(top_ids_t.tolist(), top_lps_t.tolist(), self.num_top, strict=True)
+        top = tuple(TopLogprobs(tuple(t[:k]), tuple(v[:k])) if k else None for t, v, k in tops)
+        return SamplerOutput(ids, logprobs, top)
 
     def to_host(self) -> SamplerOutput:
         """Copy to the host (waits for the device)."""
-        ids = tuple(self.token_ids.tolist())
-        if self.logprobs is None:
-            return SamplerOutput(ids, (None,) * len(ids))
-        values = self.logprobs.tolist()
-        picked = zip(values, self.wants_logprobs, strict=True)
-        return SamplerOutput(ids, tuple(v if w else None for v, w in picked))
+        return self.host_output(self.device_tensors())
 
 
 class Sampler:
@@ -119,7 +153,7 @@ class Sampler:
         `mask`: the tokens constrained rows may sample (the others pay nothing)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-        wants = tuple(r.params.logprobs for r in rows)
+        wants = tuple(r.params.wants_logprobs for r in rows)
         if not rows:
             return SampledTokens(torch.empty(0, dtype=torch.long, device=logits.device), None, ())
         logits = logits.float()
@@ -146,10 +180,14 @@ class Sampler:
                 idx = to_device(random_rows, torch.long, logits.device)
                 probs = self._probs(params, logits.index_select(0, idx))
                 chosen.index_copy_(0, idx, self._draw(probs, generators))
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
-        return SampledTokens(chosen, logprobs, wants)
+        if raw_logprobs is None:
+            return SampledTokens(chosen, None, wants)
+        logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+        num_top = tuple(r.params.top_logprobs for r in rows)
+        if not any(num_top):
+            return SampledTokens(chosen, logprobs, wants)
+        top = raw_logprobs.topk(max(num_top), dim=-1)  # one batched top-k, sliced on the host
+        return SampledTokens(chosen, logprobs, wants, top.indices, top.values, num_top)
 
     def _probs(self, params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         device = logits.device

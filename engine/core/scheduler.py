@@ -10,9 +10,10 @@ Policy (vLLM v1's): running requests first, then waiting ones, under one token b
    more blocks than the whole pool holds, finished with LENGTH), so a step never fails.
 2. If nobody was preempted, waiting requests are admitted in FCFS order (preempted ones sit
    at the head): the longest cached prefix of full blocks is reused (at most all but the last
-   token, which must be computed to sample), the rest is prefilled in chunks of the budget
-   left. The first request that does not fit stops admission for this step (no reordering;
-   a request whose LoRA adapter is still loading is passed over, see below).
+   token, which must be computed to sample; none for a request computing prompt logprobs,
+   `Request.needs_prompt_logprobs`), the rest is prefilled in chunks of the budget left. The
+   first request that does not fit stops admission for this step (no reordering; a request
+   whose LoRA adapter is still loading is passed over, see below).
    Prefix blocks found only in the host tier are onboarded into fresh device blocks (copies
    queued before the step), at most the host tier's `max_blocks_per_step` per step (a request
    needing more than is left waits for the next step; alone, it may take more) and only when
@@ -307,9 +308,8 @@ class Scheduler:
         if request.num_output_placeholders:  # preempted under a step in flight: wait for it
             return 0
         bs = self.block_size
-        hits = self.block_pool.match_prefix_tiers(
-            request.block_hashes[: (request.num_tokens - 1) // bs]
-        )
+        full = 0 if request.needs_prompt_logprobs else (request.num_tokens - 1) // bs
+        hits = self.block_pool.match_prefix_tiers(request.block_hashes[:full])
         num_onboard = hits.count(None)
         spent = self._onboard_left < self._onboard_budget()
         if num_onboard > self._onboard_left and spent:
@@ -412,6 +412,7 @@ class Scheduler:
             sample=sample,
             placeholder=len(known) < num_new,
             lora_slot=request.lora_slot,
+            all_logits=request.wants_prompt_logits(start),
         )
 
     def _can_allocate(self, num_blocks: int) -> bool:

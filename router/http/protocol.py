@@ -79,7 +79,11 @@ class CompletionRequest(GenerationBody):
     prompt: Any = None
     """A string, a list of strings, a list of token ids or a list of lists of token ids."""
     logprobs: StrictInt | None = None
-    """0: the log-probability of each sampled token (top alternatives are not computed)."""
+    """The log-probability of each sampled token and its N most likely alternatives
+    (0..20; OpenAI allows 5, vLLM 20)."""
+    echo: StrictBool | None = None
+    """Return the prompt before the completion (with `logprobs`, the prompt's logprobs too);
+    `max_tokens: 0` then generates nothing."""
 
 
 class ChatMessage(BaseModel):
@@ -98,4 +102,4 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    """0 only (top alternatives are not computed)."""
+    """The N most likely alternatives of each token (0..20; needs `logprobs: true`)."""

@@ -9,10 +9,17 @@ Usage follows OpenAI's rules for several choices: a prompt counts once however m
 siblings it has (its first sibling's counts, prefix-cache hits included), completion tokens
 add up over every choice.
 
-Log-probabilities are of the sampled token only (what the engine computes):
-completions get `tokens`, `token_logprobs`, `top_logprobs` (the sampled token alone, which
-OpenAI's definition allows for `logprobs: 0`) and `text_offset`; chat gets `content` entries
-with empty `top_logprobs`. A token's text is its own decoding, special tokens included.
+Log-probabilities: completions get `tokens`, `token_logprobs`, `top_logprobs` (per token a
+{text: logprob} dict of the `logprobs: N` most likely tokens plus the sampled one, as OpenAI's
+legacy API and vLLM give it; the sampled token alone for `logprobs: 0`) and `text_offset`;
+chat gets `content` entries whose `top_logprobs` list the `top_logprobs: N` most likely tokens.
+A token's text is its own decoding, special tokens included.
+
+`echo` (completions): the text starts with the prompt (its string as sent, or its ids
+decoded), and with `logprobs` the prompt's tokens come first in every list, the first one
+with a null logprob and null top entries; a stream's first event carries it. With
+`max_tokens: 0` (echo only) the one token the engine samples is not shown: the choice is the
+prompt, finish reason "length", no completion tokens.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.http.translate import Endpoint, GenerationPlan
 from router.progress import StreamDelta, Usage
 from vocabulary.engine_io import FinishReason
+from vocabulary.logprobs import NO_TOP, PromptLogprobs, TopLogprobs
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "stop"}
 DONE = b"data: [DONE]\n\n"
@@ -40,6 +48,8 @@ class ChoiceOutput:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
     text_chars: int = 0
@@ -52,6 +62,9 @@ class ChoiceOutput:
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs.extend(delta.logprobs)
+        self.top_logprobs.extend(delta.top_logprobs or ())
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = _FINISH[delta.finish_reason]
             self.usage = delta.usage
@@ -76,8 +89,11 @@ class ResponseWriter:
     def chunk(self, out: ChoiceOutput, delta: StreamDelta) -> bytes | None:
         """The event for `delta` of choice `out` (after `out.add(delta)`); None when it has
         nothing to say (no text and no tokens to report, not the end)."""
+        if self.plan.discard_output:  # max_tokens 0: the sampled token is not shown
+            delta = replace(delta, token_ids=(), text="", logprobs=None, top_logprobs=None)
+        echo = self.plan.echo and not out.streamed
         shows_tokens = self.plan.logprobs or self.plan.return_token_ids
-        if not delta.text and delta.finish_reason is None and not (
+        if not delta.text and delta.finish_reason is None and not echo and not (
             shows_tokens and delta.token_ids
         ):  # fmt: skip
             return None
@@ -89,9 +105,9 @@ class ResponseWriter:
                 message["content"] = delta.text
             choice["delta"] = message
         else:
-            choice["text"] = delta.text
-        choice["logprobs"] = self._logprobs(out, delta) if self.plan.logprobs else None
-        choice["finish_reason"] = out.finish_reason if delta.finish_reason is not None else None
+            choice["text"] = self._echo_text(out) + delta.text if echo else delta.text
+        choice["logprobs"] = self._logprobs(out, delta, echo) if self.plan.logprobs else None
+        choice["finish_reason"] = self._finish(out) if delta.finish_reason is not None else None
         if self.plan.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
             if first:
@@ -112,14 +128,15 @@ class ResponseWriter:
     def response(self, outputs: Sequence[ChoiceOutput]) -> dict[str, Any]:
         choices = []
         for out in outputs:
-            text = "".join(out.text)
+            text = "" if self.plan.discard_output else "".join(out.text)
             choice: dict[str, Any] = {"index": out.index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
-            choice["logprobs"] = self._logprobs(out, None) if self.plan.logprobs else None
-            choice["finish_reason"] = out.finish_reason
+                choice["text"] = self._echo_text(out) + text if self.plan.echo else text
+            logprobs = self._logprobs(out, None, self.plan.echo) if self.plan.logprobs else None
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = self._finish(out)
             if self.plan.return_token_ids:
                 choice["token_ids"] = out.token_ids
                 choice["prompt_token_ids"] = self._prompt_ids(out)
@@ -137,7 +154,7 @@ class ResponseWriter:
             u = out.usage
             if u is None:
                 continue
-            completion += u.completion_tokens
+            completion += 0 if self.plan.discard_output else u.completion_tokens
             if out.index % self.plan.n == 0:  # the prompt's first sibling
                 prompt += u.prompt_tokens
                 cached += u.cached_prompt_tokens
@@ -153,33 +170,93 @@ class ResponseWriter:
     def _prompt_ids(self, out: ChoiceOutput) -> list[int]:
         return list(self.plan.choices[out.index].request.prompt_token_ids)
 
-    def _logprobs(self, out: ChoiceOutput, delta: StreamDelta | None) -> dict[str, Any]:
-        """Of the delta's tokens (streaming, after `out.add(delta)`), or of all of them."""
+    def _finish(self, out: ChoiceOutput) -> str | None:
+        """The choice's finish reason ("length" for max_tokens 0: nothing was generated,
+        whatever ended the one token the engine sampled)."""
+        if self.plan.discard_output and out.finish_reason is not None:
+            return "length"
+        return out.finish_reason
+
+    def _echo_text(self, out: ChoiceOutput) -> str:
+        return self.plan.echo_texts[out.prompt_index]
+
+    def _logprobs(
+        self, out: ChoiceOutput, delta: StreamDelta | None, echo: bool = False
+    ) -> dict[str, Any]:
+        """Of the delta's tokens (streaming, after `out.add(delta)`), or of all of them; with
+        `echo`, the prompt's tokens first."""
         if delta is None:
-            ids, lps, start = out.token_ids, out.logprobs, 0
+            k = 0 if self.plan.discard_output else len(out.token_ids)
+            start = len(self._echo_text(out)) if echo else 0
         else:
             k = len(delta.token_ids)
-            ids = out.token_ids[len(out.token_ids) - k :]
-            lps = out.logprobs[len(out.logprobs) - k :]
-            start = out.text_chars
-        texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            start = len(self._echo_text(out)) if echo else out.text_chars
+        ids = out.token_ids[len(out.token_ids) - k :]
+        lps: list[float | None] = list(out.logprobs[len(out.logprobs) - k :])
+        tops: list[TopLogprobs | None] = list(out.top_logprobs[len(out.top_logprobs) - k :])
+        if len(tops) != len(ids):  # no alternatives asked for
+            tops = [None] * len(ids)
+        texts = [self._text(t) for t in ids]
         out.text_chars = start + sum(len(t) for t in texts)
+        offsets = _offsets(texts, start)
+        if echo:
+            prompt = out.prompt_logprobs
+            prompt_ids = self._prompt_ids(out)
+            prompt_texts = [self._text(t) for t in prompt_ids]
+            texts = prompt_texts + texts
+            ids = prompt_ids + ids
+            offsets = _offsets(prompt_texts, 0) + offsets
+            if prompt is None:  # (validation asks for them whenever echo has logprobs)
+                prompt = PromptLogprobs((None,) * len(prompt_ids), (NO_TOP,) * len(prompt_ids))
+            lps = [*prompt.logprobs, *lps]
+            tops = [None, *prompt.top[1:], *tops]
         if self.chat:
             content = [
-                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                for s, lp in zip(texts, lps, strict=False)
-            ]
+                {
+                    "token": s, "logprob": lp, "bytes": list(s.encode()),
+                    "top_logprobs": self._chat_top(top),
+                }
+                for s, lp, top in zip(texts, lps, tops, strict=False)
+            ]  # fmt: skip
             return {"content": content, "refusal": None}
-        offsets, at = [], start
-        for s in texts:
-            offsets.append(at)
-            at += len(s)
         return {
             "tokens": texts,
-            "token_logprobs": list(lps),
-            "top_logprobs": [{s: lp} for s, lp in zip(texts, lps, strict=False)],
+            "token_logprobs": lps,
+            "top_logprobs": [
+                None if lp is None else self._completion_top(s, lp, top)
+                for s, lp, top in zip(texts, lps, tops, strict=False)
+            ],
             "text_offset": offsets,
         }
+
+    def _text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def _chat_top(self, top: TopLogprobs | None) -> list[dict[str, Any]]:
+        if top is None:
+            return []
+        return [
+            {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            for s, lp in zip(map(self._text, top.token_ids), top.logprobs, strict=True)
+        ]
+
+    def _completion_top(
+        self, text: str, logprob: float, top: TopLogprobs | None
+    ) -> dict[str, float]:
+        """The {text: logprob} of a position: its top alternatives and the token itself."""
+        entries: dict[str, float] = {}
+        if top is not None:
+            entries = dict(zip(map(self._text, top.token_ids), top.logprobs, strict=True))
+        entries.setdefault(text, logprob)
+        return entries
+
+
+def _offsets(texts: Sequence[str], start: int) -> list[int]:
+    offsets, at = [], start
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    return offsets
 
 
 def _event(body: dict[str, Any]) -> bytes:

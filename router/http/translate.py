@@ -7,7 +7,7 @@ the names differ: an error names the body's field (`prompt`, `messages`,
 `max_completion_tokens`, `prompt[2]`) or header (`x-request-id`), not the gRPC field.
 
 Before that, this module checks what only the HTTP door has: the model name (404), fields
-pdserve cannot honour (`tools`, `audio`, `logprobs` > 0, ...: 400
+pdserve cannot honour (`tools`, `audio`, `suffix`, ...: 400
 naming the field, never a silent ignore), the JSON shapes of `prompt`, `stop` and
 `messages`, integers that a protobuf field cannot hold, and renders chat messages with the
 checkpoint's template (router/http/chat.py).
@@ -38,6 +38,7 @@ from router.validation import (
     ValidRequest,
     validate,
 )
+from vocabulary.logprobs import MAX_TOP_LOGPROBS
 from vocabulary.tracing import TraceContext
 
 MAX_CHOICES = 64
@@ -70,7 +71,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_off(), "web search is not supported"),
     "reasoning_effort": (_off(), "this model does not reason"),
     "store": (_off(False), "pdserve does not store completions"),
-    "echo": (_off(False), "echoing the prompt is not supported"),
     "suffix": (_off(""), "suffixes (insertion) are not supported"),
     "best_of": (_off(1), "best_of is not supported (n is)"),
 }  # fmt: skip
@@ -116,6 +116,13 @@ class GenerationPlan:
             return self.constraint_field
         return field
 
+    echo: bool = False
+    """Completions: the text (and logprobs) start with the prompt's."""
+    echo_texts: tuple[str, ...] = ()
+    """With `echo`: per prompt, the text it is echoed as."""
+    discard_output: bool = False
+    """`max_tokens: 0` (with echo): the one token the engine samples is not shown."""
+
     @property
     def response_id(self) -> str:
         prefix = "chatcmpl-" if self.endpoint is Endpoint.CHAT else "cmpl-"
@@ -145,35 +152,39 @@ class Translator:
     ) -> GenerationPlan:
         """`tenant`: the caller's API key's (None: auth off, the tenant header counts)."""
         self._common(body)
-        if body.logprobs is not None and body.logprobs != 0:
-            raise InvalidRequest(
-                "logprobs", f"only 0 is supported (the sampled token's log-probability; top "
-                f"alternatives are not computed), got {body.logprobs}",
-            )  # fmt: skip
+        top = _top_logprobs("logprobs", body.logprobs)
+        echo = bool(body.echo)
         prompts = _prompts(body.prompt)
         n = _n(body, len(prompts))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not echo:
+            raise InvalidRequest("max_tokens", "must be >= 1 (0 only with echo: true), got 0")
+        discard = max_tokens == 0
         logprobs = body.logprobs is not None
-        requests = []
+        requests, texts = [], []
         trace = http_caller_context(headers)
         for name, prompt in prompts:
-            req = self._proto(body, headers, "max_tokens", max_tokens, logprobs)
+            req = self._proto(body, headers, "max_tokens", 1 if discard else max_tokens, logprobs)
+            req.top_logprobs = top
+            if echo and logprobs:
+                req.prompt_logprobs = top
             if isinstance(prompt, str):
                 req.prompt = prompt
             else:
                 req.token_ids.extend(prompt)
             requests.append(self._validate(req, body, name, "max_tokens", tenant, trace))
-        return self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
+            if echo:
+                texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt))
+        plan = self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
+        return replace(plan, echo=echo, echo_texts=tuple(texts), discard_output=discard)
 
     def chat(
         self, body: ChatCompletionRequest, headers: Mapping[str, str], tenant: str | None = None
     ) -> GenerationPlan:
         self._common(body)
-        if body.top_logprobs:
-            raise InvalidRequest(
-                "top_logprobs", f"only 0 is supported (top alternatives are not computed), "
-                f"got {body.top_logprobs}",
-            )  # fmt: skip
+        top = _top_logprobs("top_logprobs", body.top_logprobs)
+        if (body.model_extra or {}).get("echo"):
+            raise InvalidRequest("echo", "only /v1/completions echoes the prompt")
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         if self.chat_template is None:
@@ -198,6 +209,7 @@ class Translator:
             name, max_tokens = "max_completion_tokens", max(room - len(ids), 1)
         logprobs = bool(body.logprobs)
         req = self._proto(body, headers, name, max_tokens, logprobs)
+        req.top_logprobs = top
         req.token_ids.extend(ids)
         trace = http_caller_context(headers)
         valid = self._validate(req, body, "messages", name, tenant, trace)
@@ -325,6 +337,13 @@ def _n(body: GenerationBody, num_prompts: int) -> int:
             "n", f"{n} choices of {num_prompts} prompts is more than {MAX_CHOICES} per request"
         )
     return n
+
+
+def _top_logprobs(name: str, value: int | None) -> int:
+    """Completions' `logprobs: N` or chat's `top_logprobs: N`: alternatives per token."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value or 0
 
 
 def _sibling(first: ValidRequest, j: int) -> ValidRequest:

@@ -79,7 +79,7 @@ def test_json_schema_outputs_validate_over_many_seeds(
             id="regex",
         ),
         pytest.param(
-            StructuredOutput("choice", choices=("red", "green", "blue \"sky\"")),
+            StructuredOutput("choice", choices=("red", "green", 'blue "sky"')),
             lambda text: text in ("red", "green", 'blue "sky"'),
             id="choice",
         ),

@@ -86,8 +86,8 @@ def _bad_inputs(model: str) -> list[tuple[str, dict[str, Any], int, str]]:
         (c, {**ok, "stop": ["s"] * 17}, 400, "stop"),
         (c, {**ok, "n": 0}, 400, "n"),
         (c, {**ok, "n": 65}, 400, "n"),
-        (c, {**ok, "logprobs": 3}, 400, "logprobs"),
-        (c, {**ok, "echo": True}, 400, "echo"),
+        (c, {**ok, "logprobs": 21}, 400, "logprobs"),
+        (cc, {**chat, "echo": True}, 400, "echo"),
         (c, {**ok, "best_of": 3}, 400, "best_of"),
         (c, {**ok, "suffix": "end"}, 400, "suffix"),
         (c, {**ok, "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -113,10 +113,20 @@ def _bad_inputs(model: str) -> list[tuple[str, dict[str, Any], int, str]]:
         ),
         (cc, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         (cc, {**chat, "response_format": {"type": "json_schema"}}, 400, "response_format"),
-        (cc, {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
-         "schema": {"type": "nonsense"}}}}, 400, "response_format"),  # a worker's compiler
+        (
+            cc,
+            {
+                **chat,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                },
+            },
+            400,
+            "response_format",
+        ),  # a worker's compiler
         (cc, {**chat, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
-        (cc, {**chat, "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs"),
+        (cc, {**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         (cc, {**chat, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ]
 

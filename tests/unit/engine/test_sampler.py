@@ -159,3 +159,30 @@ def test_logit_bias_moves_only_its_own_rows_tokens_and_not_the_raw_logprobs() ->
     g = torch.Generator().manual_seed(0)
     forced = [row(temperature=1.0, logit_bias={0: 100.0}, generator=g)] * 8
     assert set(Sampler()(logits_of(*[[0.0, 9.0, 9.0]] * 8), forced).token_ids) == {0}
+
+
+def test_top_logprobs_are_the_raw_top_k_of_each_row_that_asks() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    rows = [
+        row(temperature=0.0, top_logprobs=3),
+        row(temperature=0.0),  # asks for nothing
+        row(generator=Sampler().make_generator(1), top_logprobs=20, repetition_penalty=1.5),
+        row(temperature=0.0, logprobs=True),  # the chosen token only
+    ]
+    out = Sampler()(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.top_logprobs[1] is None and out.top_logprobs[3] is None
+    assert out.logprobs[1] is None and out.logprobs[3] is not None
+    for i, k in ((0, 3), (2, 20)):
+        top, want = out.top_logprobs[i], raw[i].topk(k)
+        assert top is not None and list(top.token_ids) == want.indices.tolist()
+        assert list(top.logprobs) == pytest.approx(want.values.tolist(), abs=1e-6)
+        chosen = out.token_ids[i]  # top_logprobs implies the chosen token's logprob
+        assert out.logprobs[i] == pytest.approx(raw[i, chosen].item(), abs=1e-6)
+    assert out.top_logprobs[0].token_ids[0] == out.token_ids[0]  # greedy: the top token
+
+
+def test_no_top_logprobs_asked_computes_no_top_k() -> None:
+    tokens = Sampler().sample(logits_of([0.0, 1.0]), [row(temperature=0.0, logprobs=True)])
+    assert tokens.top_ids is None and tokens.to_host().top_logprobs == ()

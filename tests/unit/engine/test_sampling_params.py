@@ -28,6 +28,10 @@ from vocabulary.sampling import SamplingParams, SamplingParamsError
         ("stop", ("",)),
         ("stop_token_ids", (-1,)),
         ("logit_bias", {5: 100.5}),
+        ("top_logprobs", 21),
+        ("top_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -1),
         ("logit_bias", {5: float("nan")}),
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {"5": 1.0}),
@@ -69,3 +73,9 @@ def test_logit_bias_is_stored_sorted_as_pairs_from_a_mapping_or_pairs() -> None:
     assert given.logit_bias == ((2, 0.5), (9, -100.0))
     assert SamplingParams(logit_bias=[(9, -100), (2, 0.5)]) == given
     assert hash(given) == hash(SamplingParams(logit_bias=given.logit_bias))
+
+
+def test_top_logprobs_imply_the_chosen_tokens_logprobs() -> None:
+    assert SamplingParams(top_logprobs=20).wants_logprobs
+    assert SamplingParams(logprobs=True).wants_logprobs
+    assert not SamplingParams(prompt_logprobs=5).wants_logprobs

@@ -6,6 +6,7 @@ headers. Exact answers, no cluster."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from router.placement import NoWorkerError
 from router.progress import StreamDelta, Usage
 from router.validation import InvalidRequest, ValidationLimits
 from vocabulary.engine_io import FinishReason
+from vocabulary.logprobs import NO_TOP, PromptLogprobs, TopLogprobs
 from vocabulary.worker_api import RequestAborted, RequestDeadlineExceeded, WorkerOverloaded
 
 LIMITS = ValidationLimits(max_model_len=64, vocab_size=100)
@@ -155,6 +157,51 @@ def test_logprobs_are_of_the_sampled_token_in_each_endpoints_shape() -> None:
         streamed.add(d)
         offsets.append(sse(w.chunk(streamed, d))["choices"][0]["logprobs"]["text_offset"])
     assert offsets == [[0, 3], [4]]
+
+
+def test_top_logprobs_list_the_alternatives_in_each_endpoints_shape() -> None:
+    out = ChoiceOutput(0, 0)
+    tops = (TopLogprobs((1, 2), (-0.1, -2.5)), TopLogprobs((3, 4), (-0.2, -1.9)))
+    out.add(StreamDelta((1,), "b", (-0.1,), top_logprobs=tops[:1]))
+    out.add(replace(final((5,), "f", usage(2, 2, 0), (-3.0,)), top_logprobs=tops[1:]))
+    completion = writer(plan(logprobs=2)).response([out])["choices"][0]["logprobs"]
+    # the sampled token is added when it is not among the alternatives (OpenAI, vLLM)
+    assert completion["top_logprobs"] == [{"b": -0.1, "c": -2.5}, {"d": -0.2, "e": -1.9, "f": -3.0}]
+    chat = writer(plan("chat", logprobs=True, top_logprobs=2)).response([out])
+    entry = chat["choices"][0]["logprobs"]["content"][0]
+    assert entry["top_logprobs"] == [
+        {"token": "b", "logprob": -0.1, "bytes": [98]},
+        {"token": "c", "logprob": -2.5, "bytes": [99]},
+    ]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
+    prompt = PromptLogprobs((None, -1.5), (NO_TOP, TopLogprobs((4, 5), (-1.5, -0.7))))
+    first = StreamDelta((6,), "g", (-0.3,), top_logprobs=(TopLogprobs((6,), (-0.3,)),),
+                        prompt_logprobs=prompt)  # fmt: skip
+    out = ChoiceOutput(0, 0)
+    out.add(first)
+    out.add(final((), "", usage(2, 1, 0)))
+    p = plan(prompt=[3, 4], logprobs=1, echo=True, max_tokens=1)
+    choice = writer(p).response([out])["choices"][0]
+    assert choice["text"] == "deg"
+    assert choice["logprobs"] == {
+        "tokens": ["d", "e", "g"],
+        "token_logprobs": [None, -1.5, -0.3],
+        "top_logprobs": [None, {"e": -1.5, "f": -0.7}, {"g": -0.3}],
+        "text_offset": [0, 1, 2],
+    }
+    # max_tokens 0: the prompt alone, no completion tokens; streamed, the first event has it
+    p0 = plan(prompt=[3, 4], logprobs=1, echo=True, max_tokens=0, stream=True)
+    w, streamed = writer(p0), ChoiceOutput(0, 0)
+    events = []
+    for d in (first, final((), "", usage(2, 1, 0), reason=FinishReason.STOP)):  # (eos sampled)
+        streamed.add(d)
+        events.append(sse(w.chunk(streamed, d))["choices"][0])
+    assert events[0]["text"] == "de" and events[0]["logprobs"]["tokens"] == ["d", "e"]
+    assert events[1]["finish_reason"] == "length" and events[1]["text"] == ""
+    whole = writer(replace(p0, stream=False)).response([out])
+    assert whole["choices"][0]["text"] == "de" and whole["usage"]["completion_tokens"] == 0
 
 
 def test_an_error_event_is_the_error_body() -> None:

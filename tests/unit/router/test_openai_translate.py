@@ -37,6 +37,9 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens else []) + [ord(c) % 100 for c in text]
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in ids)
+
 
 class Template:
     """A chat template that writes `role:content|` per message (what the translator sends
@@ -102,7 +105,7 @@ def test_errors_name_the_bodys_field() -> None:
         ({"prompt": {"text": "a"}}, "prompt", "must be a string"),
         ({}, "prompt", "is required"),
         ({"prompt": []}, "prompt", "must not be empty"),
-        ({"prompt": "a", "max_tokens": 0}, "max_tokens", "must be >= 1, got 0"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens", "0 only with echo: true), got 0"),
         ({"prompt": "a", "max_tokens": -4}, "max_tokens", "must be >= 1, got -4"),
         ({"prompt": "a", "max_tokens": 2**32}, "max_tokens", "must be in [0, 4294967295]"),
         ({"prompt": "a", "max_tokens": 63}, "max_tokens", "exceeds the context length of 64"),
@@ -114,7 +117,7 @@ def test_errors_name_the_bodys_field() -> None:
         ({"prompt": "a", "temperature": -0.5}, "temperature", "must be >= 0"),
         ({"prompt": "a", "n": 0}, "n", "must be >= 1, got 0"),
         ({"prompt": ["a", "b"], "n": 33}, "n", f"more than {MAX_CHOICES} per request"),
-        ({"prompt": "a", "logprobs": 1}, "logprobs", "only 0 is supported"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs", "must be in [0, 20], got 21"),
         (
             {"prompt": "a", "stream_options": {"include_usage": True}},
             "stream_options",
@@ -171,7 +174,7 @@ def test_sampling_fields_and_extensions_reach_the_request() -> None:
      ("function_call", "auto"),
      ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
      ("prediction", {"type": "content"}), ("web_search_options", {}),
-     ("reasoning_effort", "low"), ("store", True), ("echo", True), ("suffix", "x"),
+     ("reasoning_effort", "low"), ("store", True), ("suffix", "x"),
      ("best_of", 2)],
 )  # fmt: skip
 def test_fields_pdserve_cannot_honour_are_refused_by_name(field: str, value: Any) -> None:
@@ -255,7 +258,8 @@ def test_chat_errors_name_the_message_and_field() -> None:
         ),
         ({"messages": [user], "max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": [user], "max_tokens": 60}, "max_tokens"),
-        ({"messages": [user], "top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"messages": [user], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"messages": [user], "echo": True}, "echo"),
         ({"messages": [user], "top_logprobs": 0}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x" * 60}]}, "messages"),
     ]
@@ -354,3 +358,17 @@ def test_a_bad_constraint_is_refused_naming_the_bodys_field(
 ) -> None:
     err = refused(completion, prompt="a", **body)
     assert err.field == field and words in str(err), str(err)
+
+
+def test_top_logprobs_and_echo_become_the_requests_logprob_fields() -> None:
+    plain = completion(prompt="ab", logprobs=3).choices[0].request.sampling
+    assert (plain.logprobs, plain.top_logprobs, plain.prompt_logprobs) == (True, 3, None)
+    echo = completion(prompt="ab", logprobs=2, echo=True, max_tokens=0)
+    s = echo.choices[0].request.sampling
+    assert (s.top_logprobs, s.prompt_logprobs, s.max_tokens) == (2, 2, 1)
+    assert (echo.echo, echo.echo_texts, echo.discard_output) == (True, ("ab",), True)
+    text_only = completion(prompt=[1, 2], echo=True)
+    assert text_only.choices[0].request.sampling.prompt_logprobs is None
+    assert not text_only.discard_output
+    chat_plan = chat(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=20)
+    assert chat_plan.choices[0].request.sampling.top_logprobs == 20
