@@ -314,6 +314,27 @@ def test_prefill_abort_frees_queued_work_and_held_leases(workers: Workers) -> No
         end_leases(p, "pabort-0", "pabort-1", "pabort-2")
 
 
+def test_an_abort_that_comes_before_its_prefill_call_ends_that_call(workers: Workers) -> None:
+    """Ray runs an async actor's calls as they arrive, not in their caller's order: a router
+    that cancels a prefill call at once and aborts it can have the abort run first. The call
+    that comes after its abort ends with `RequestAborted` and leases nothing, rather than
+    leasing its blocks to nobody until `lease_s` (30 s here) runs out."""
+    p = workers.p1
+
+    async def run() -> None:
+        assert await p.abort.remote("early-abort") is False  # nothing here yet
+        with pytest.raises(RequestAborted):
+            await prefill(p, "early-abort", random_prompt(100, 30), greedy(8))
+        w = load(p)
+        assert (w.leases_held, w.leased_blocks, w.inflight_requests) == (0, 0, 0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        end_leases(p, "early-abort")
+    wait_idle(p, timeout_s=LEASE_NOTICE_S)
+
+
 def test_decode_drain_finishes_in_flight_streams_and_refuses_new_ones(
     workers: Workers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
 ) -> None:
