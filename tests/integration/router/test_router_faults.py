@@ -26,6 +26,7 @@ from router_client import generate, greedy_request, raw_generate, rpc_error
 from router_harness import RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
+from vocabulary.tokenizer import Tokenizer
 from vocabulary.worker_api import WorkerRole
 
 pytestmark = pytest.mark.timeout(420)
@@ -372,33 +373,51 @@ def test_a_decode_worker_whose_engine_blocks_forever_is_replaced(
     _wait_replaced(router_cluster, spare_decode, own)
 
 
+MID_JSON = {  # ~400 tokens of JSON: still open when the worker is killed
+    "type": "object",
+    "properties": {"log": {"type": "array", "minItems": 100, "maxItems": 100,
+                           "items": {"type": "integer", "minimum": 0, "maximum": 999}}},
+    "required": ["log"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
 def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
-    router_cluster: RouterCluster, spare_decode: str, corpus_ids: list[int], hf_greedy: Reference
+    router_cluster: RouterCluster,
+    spare_decode: str,
+    corpus_ids: list[int],
+    hf_greedy: Reference,
+    tokenizer: Tokenizer,
 ) -> None:
     """ray.kill breaks the token channel at once: the streams move without waiting for the
     token gap. A greedy stream equals transformers; a seeded one with penalties equals the
-    same request served undisturbed (its random stream goes on where it was). The kill
-    comes once every stream has tokens from the spare and the own worker is back (480
-    tokens each leave the undrain's seconds to spare: every stream is still running then)."""
+    same request served undisturbed (its random stream goes on where it was), and so does a
+    seeded one killed mid-JSON under a schema (its matcher resumes from the tokens so far on
+    the new worker): its JSON validates. The kill comes once every stream has tokens from
+    the spare and the own worker is back (480 tokens each leave the undrain's seconds to
+    spare: every stream is still running then)."""
+    import json
+
+    import jsonschema
+
     stub = router_cluster.generation(0)
-    prompts = _prompts(corpus_ids, 4, 1100)
+    prompts = _prompts(corpus_ids, 5, 1100)
     n = 480
     seeded = dict(temperature=0.9, top_k=50, seed=1234, repetition_penalty=1.2,
                   presence_penalty=0.3, ignore_eos=True)  # fmt: skip
-    undisturbed = [
-        generate(stub, token_ids=p, max_tokens=n, **seeded).token_ids for p in prompts[2:]
-    ]
+    mid_json = dict(temperature=1.0, seed=99, structured_output=pb.StructuredOutput(
+        json_schema=json.dumps(MID_JSON)))  # fmt: skip
+    fields = [greedy_request(p, n) for p in prompts[:2]]
+    fields += [dict(token_ids=p, max_tokens=n, **seeded) for p in prompts[2:4]]
+    fields.append(dict(token_ids=prompts[4], max_tokens=800, **mid_json))
+    undisturbed = [generate(stub, **f).token_ids for f in fields[2:]]  # type: ignore[arg-type]
     own = _isolate(router_cluster, spare_decode)
     results: list[list[int] | grpc.RpcError] = [[] for _ in prompts]
     finals: list[pb.GenerateResponse | None] = [None] * len(prompts)
 
     def run(i: int) -> None:
-        if i < 2:
-            fields = greedy_request(prompts[i], n)
-        else:
-            fields = dict(token_ids=prompts[i], max_tokens=n, **seeded)
         try:
-            for msg in stub.Generate(pb.GenerateRequest(**fields), timeout=240):  # type: ignore[arg-type]
+            for msg in stub.Generate(pb.GenerateRequest(**fields[i]), timeout=240):  # type: ignore[arg-type]
                 results[i].extend(msg.token_ids)  # type: ignore[union-attr]
                 if msg.HasField("usage"):
                     finals[i] = msg
@@ -422,7 +441,10 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
         assert got == expected, i
         final = finals[i]
         assert final is not None and final.timings.decode_worker == own
-        assert final.usage.completion_tokens == n
+        assert final.usage.completion_tokens == len(expected)
+    assert finals[4] is not None and finals[4].finish_reason == pb.FINISH_REASON_STOP
+    text = tokenizer.decode(results[4])  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(text), MID_JSON)
     _wait_replaced(router_cluster, spare_decode, own)
 
 
