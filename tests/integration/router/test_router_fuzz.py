@@ -6,6 +6,7 @@ is still served token-exact through the hand-off."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -145,4 +146,94 @@ def test_fuzzed_requests_get_clear_statuses_in_time_and_leave_the_cluster_health
         timeout=10,
     )
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    router_cluster.wait_idle()
+
+
+names = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+leaf_schemas = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])},
+        optional={
+            "minimum": st.integers(-100, 100),
+            "maximum": st.integers(-100, 100),
+            "minLength": st.integers(0, 5),
+            "maxLength": st.integers(0, 8),
+            "pattern": st.sampled_from(["^[a-z]+$", "[0-9]{2}", "(", "a|b", ".*"]),
+            "format": st.sampled_from(["date", "email", "uuid", "nonsense"]),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"enum": st.lists(st.one_of(names, st.integers(), st.none()), max_size=4)}
+    ),
+    st.fixed_dictionaries({"const": st.one_of(names, st.integers(), st.booleans())}),
+    st.dictionaries(names, st.one_of(names, st.integers(), st.booleans()), max_size=3),
+)
+schemas = st.recursive(
+    leaf_schemas,
+    lambda inner: st.one_of(
+        st.builds(
+            lambda props, required, extra: {
+                "type": "object", "properties": props,
+                "required": [k for k in props if k in required], "additionalProperties": extra,
+            },
+            st.dictionaries(names, inner, max_size=4), st.sets(names), st.booleans(),
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("array"), "items": inner},
+            optional={"minItems": st.integers(0, 3), "maxItems": st.integers(0, 4)},
+        ),
+        st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=3)}),
+        st.fixed_dictionaries({"$ref": st.sampled_from(["#/nowhere", "#"])}),
+    ),
+    max_leaves=8,
+)  # fmt: skip
+constraints = st.one_of(
+    schemas.map(lambda s: pb.StructuredOutput(json_schema=json.dumps(s))),
+    st.text(alphabet=printable, max_size=60).map(lambda t: pb.StructuredOutput(json_schema=t)),
+    st.sampled_from(["[a-c]{1,4}", "(yes|no)", "[", "a{2,1}", "\\d+", "(?=a)b", ".{0,5}"]).map(
+        lambda r: pb.StructuredOutput(regex=r)
+    ),
+    st.text(alphabet=printable, max_size=40).map(lambda r: pb.StructuredOutput(regex=r)),
+    st.sampled_from(['root ::= "a" | "b"', "root ::= ", 'root ::= x\nx ::= "1"+', "nope"]).map(
+        lambda g: pb.StructuredOutput(grammar=g)
+    ),
+    st.lists(st.text(alphabet=printable, max_size=6), max_size=5).map(
+        lambda c: pb.StructuredOutput(choice=pb.Choices(choices=c))
+    ),
+    st.just(pb.StructuredOutput()),
+    st.just(pb.StructuredOutput(json_object=True)),
+)
+
+
+def test_fuzzed_constraints_compile_or_get_invalid_argument_never_internal(
+    router_cluster: RouterCluster,
+) -> None:
+    """Generated JSON schemas (nested, contradictory, with unsupported keywords), regexes,
+    grammars and choices: each request is served or refused with INVALID_ARGUMENT naming
+    structured_output, in time; the cluster is idle afterwards."""
+    seen: dict[str, int] = {}
+
+    @settings(
+        max_examples=60, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )  # fmt: skip
+    @given(constraint=constraints, router=st.sampled_from([0, 1]))
+    def one(constraint: pb.StructuredOutput, router: int) -> None:
+        t0 = time.monotonic()
+        code, details = grpc.StatusCode.OK, ""
+        req = pb.GenerateRequest(prompt="The baker", max_tokens=8, temperature=1.0, seed=3,
+                                 structured_output=constraint)  # fmt: skip
+        try:
+            for _ in router_cluster.generation(router).Generate(req, timeout=CALL_S):
+                pass
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+        assert code in ACCEPTABLE, (code, details, constraint)
+        assert time.monotonic() - t0 < CALL_S - 1, constraint
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            assert details.startswith("structured_output: "), details
+        seen[code.name] = seen.get(code.name, 0) + 1
+
+    one()
+    assert seen.get("OK", 0) > 5 and seen.get("INVALID_ARGUMENT", 0) > 5, seen
     router_cluster.wait_idle()
