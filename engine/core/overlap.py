@@ -19,6 +19,10 @@ Invariants the engine keeps:
   more: that token is read and discarded, its blocks were freed by `Scheduler.finish`
   (the step in flight may still write the freed slot: only later steps on the same stream
   reuse it, and a KV transfer into the pool waits for the step first, `wait_device`);
+- a step with a constrained request (structured output, engine/structured) whose newest
+  token is still in the step before reads that step early, after queuing its own model run
+  and before sampling (`InflightStep.keep_outputs`): the mask needs the token, and is filled
+  on the host while the device runs the model; those outputs go out as usual;
 - host→device values of a step (sampling parameters, placeholder indices) go through pinned
   memory with non-blocking copies (`to_device`): a plain `torch.tensor(..., device="cuda")`
   waits for the device to drain, which would serialize the loop again.
