@@ -5,7 +5,11 @@ reads (the numerator of its HBM floor)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import json
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -13,6 +17,19 @@ from engine.batch import ScheduledBatch, SeqChunk
 from engine.modeling.llama import LlamaModel
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
+from vocabulary.tokenizer import Tokenizer
+
+
+@contextlib.contextmanager
+def llama3_8b_folder() -> Iterator[tuple[Path, Tokenizer]]:
+    """(a folder holding just the Llama-3-8B preset's config.json, the benchmarks' 512-token
+    tokenizer, eos 1): what an engine over `random_llama3_8b` reads its shape from."""
+    from deploy.checkpoints.make_model import PRESETS, build_tokenizer, hf_config
+
+    tok, _ = build_tokenizer(512, 8192)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(hf_config(PRESETS["llama3-8b"], 0, 1)))
+        yield Path(tmp), Tokenizer(tok, (1,))  # type: ignore[arg-type]
 
 
 def random_llama3_8b() -> LlamaModel:

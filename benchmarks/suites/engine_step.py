@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.cuda_timing import sync
-from benchmarks.harness.decode_model import random_llama3_8b
+from benchmarks.harness.decode_model import llama3_8b_folder, random_llama3_8b
 from benchmarks.harness.steps import StepLog, run_steps
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
@@ -252,20 +251,15 @@ def make_engines(
 
 
 def gpu_engine_step(args: argparse.Namespace, log: StepLog) -> None:
-    from deploy.checkpoints.make_model import PRESETS, build_tokenizer, hf_config
-
     batches = [int(b) for b in args.step_batches.split(",")]
     context, bs = args.context, 16
     model = log.step("build Llama-3-8B-shaped model with random bf16 weights", random_llama3_8b)
     if model is None:
         return
-    tok, _ = build_tokenizer(512, 8192)
-    tokenizer = Tokenizer(tok, (1,))  # type: ignore[arg-type]
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(hf_config(PRESETS["llama3-8b"], 0, 1)))
+    with llama3_8b_folder() as (folder, tokenizer):
         steps = steps_needed(args.iters, args.rounds)
         config = EngineConfig(
-            model_dir=tmp,
+            model_dir=str(folder),
             model_id="llama3-8b-random",
             device="cuda",
             dtype="bfloat16",
@@ -279,7 +273,7 @@ def gpu_engine_step(args: argparse.Namespace, log: StepLog) -> None:
         )
         engines = log.step(
             "two engines, overlap on / off (each captures its CUDA graphs)",
-            lambda: make_engines(model, Path(tmp), tokenizer, config),
+            lambda: make_engines(model, folder, tokenizer, config),
         )
     if engines:
         log.step(

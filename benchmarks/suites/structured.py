@@ -27,16 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from benchmarks.harness.cuda_timing import sync
-from benchmarks.harness.decode_model import random_llama3_8b
+from benchmarks.harness.decode_model import llama3_8b_folder, random_llama3_8b
 from benchmarks.harness.steps import StepLog, run_steps
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
@@ -184,19 +182,14 @@ def pool(batches: list[int], context: int, steps: int) -> dict[str, int]:
 
 
 def gpu(args: argparse.Namespace, log: StepLog) -> None:
-    from deploy.checkpoints.make_model import PRESETS, build_tokenizer, hf_config
-
     batches = [int(b) for b in args.batches.split(",")]
     model = log.step("build Llama-3-8B-shaped model with random bf16 weights", random_llama3_8b)
     if model is None:
         return
-    tok, _ = build_tokenizer(512, 8192)
-    tokenizer = Tokenizer(tok, (1,))  # type: ignore[arg-type]
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(hf_config(PRESETS["llama3-8b"], 0, 1)))
+    with llama3_8b_folder() as (folder, tokenizer):
         config = EngineConfig(
-            model_dir=tmp, model_id="llama3-8b-random", device="cuda", dtype="bfloat16",
-            attention_backend="flashinfer", cuda_graph_max_batch=max(batches),
+            model_dir=str(folder), model_id="llama3-8b-random", device="cuda",
+            dtype="bfloat16", attention_backend="flashinfer", cuda_graph_max_batch=max(batches),
             **pool(batches, args.context, (args.iters + 8) * args.rounds),  # type: ignore[arg-type]
         )  # fmt: skip
         engine = log.step(

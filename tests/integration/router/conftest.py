@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from cpu_engine import cpu_engine
 from directory_scope import stop_with_directory
+from router_client import http_url
 from router_harness import (
     KV_BLOCKS,
     MAX_MESSAGE_BYTES,
@@ -110,3 +112,12 @@ def router_cluster(
         finally:
             for ch in channels + admin_channels:
                 ch.close()
+
+
+@pytest.fixture(scope="module")
+def client(router_cluster: RouterCluster) -> Iterator[openai.OpenAI]:
+    """The `openai` SDK on router 0's HTTP API (no retries: a test sees every error)."""
+    with openai.OpenAI(
+        base_url=http_url(router_cluster) + "/v1", api_key="unused", max_retries=0, timeout=60
+    ) as c:
+        yield c

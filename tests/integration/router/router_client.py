@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from router_harness import RouterCluster
 
 GENERATE_METHOD = "/pdserve.v1.Generation/Generate"
 
@@ -64,3 +68,10 @@ def raw_generate(channel: grpc.Channel, payload: bytes, timeout: float = 30.0) -
 
 def trailing(err: grpc.RpcError) -> dict[str, str]:
     return {k: v for k, v in (err.trailing_metadata() or ())}  # type: ignore[attr-defined]
+
+
+def http_url(rc: RouterCluster, router: int = 0) -> str:
+    """The OpenAI HTTP API's base URL of router `router` (from its Status)."""
+    url = rc.admin(router).Status(pb.StatusRequest(), timeout=10).http_url
+    assert url.startswith("http://127.0.0.1:"), url
+    return url

@@ -9,32 +9,16 @@ from __future__ import annotations
 import json
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from router_client import generate, greedy_request
+from router_client import generate, greedy_request, http_url
 from router_harness import SERVED_LORA, RouterCluster
 
-from pdserve.v1 import serving_pb2 as pb
 from vocabulary.tokenizer import Tokenizer
 
 MAX_TOKENS = 12
-
-
-def http_url(rc: RouterCluster, router: int = 0) -> str:
-    url = rc.admin(router).Status(pb.StatusRequest(), timeout=10).http_url
-    assert url.startswith("http://127.0.0.1:"), url
-    return url
-
-
-@pytest.fixture(scope="module")
-def client(router_cluster: RouterCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=http_url(router_cluster) + "/v1", api_key="unused", max_retries=0, timeout=60
-    ) as c:
-        yield c
 
 
 def _salt() -> dict[str, Any]:

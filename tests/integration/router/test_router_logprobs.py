@@ -6,7 +6,6 @@ against transformers' float32 log-softmax of the same checkpoint."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,19 +15,10 @@ import torch
 from references import LogprobsReference
 from router_client import generate, greedy_request, rpc_error
 from router_harness import RouterCluster
-from test_openai_client import http_url
 
 from vocabulary.tokenizer import Tokenizer
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def client(router_cluster: RouterCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=http_url(router_cluster) + "/v1", api_key="unused", max_retries=0, timeout=60
-    ) as c:
-        yield c
 
 
 def _salt() -> str:

@@ -19,7 +19,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from router_client import generate, rpc_error
+from router_client import generate, http_url, rpc_error
 from router_harness import RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
@@ -36,10 +36,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
-
-
-def http_url(rc: RouterCluster, router: int) -> str:
-    return rc.admin(router).Status(pb.StatusRequest(), timeout=10).http_url
 
 
 @pytest.fixture(scope="module")
