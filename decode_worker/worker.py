@@ -24,8 +24,11 @@ Failure paths free everything: a transfer that fails or expires frees its destin
 still write into them has ended); a cancelled `generate`, a deadline or an error aborts the
 request in the engine, or cancels its transfer and lets the outcome free the blocks.
 `abort(request_id)` takes the same paths (at whatever stage the request is) and ends the
-request with a last chunk whose finish reason is ABORT. A channel whose subscriber is gone
-for `CHANNEL_ORPHAN_S` aborts its requests.
+request with a last chunk whose finish reason is ABORT. An abort that comes before its
+`submit` or `generate` call (Ray does not order an async actor's calls) is remembered
+(worker_runtime/early_aborts.py): the call, if it still comes, is accepted and its request
+ends at once with that ABORT chunk, before it pulls, allocates or computes anything. A
+channel whose subscriber is gone for `CHANNEL_ORPHAN_S` aborts its requests.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from vocabulary.worker_api import (
     WorkerOverloaded,
     actor_name_for,
 )
+from worker_runtime.early_aborts import EarlyAborts
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, within_deadline
 
@@ -92,6 +96,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
+        self._early_aborts = EarlyAborts()  # aborts that found no `submit`/`generate` (yet)
         self._channels: ChannelRegistry | None = None  # set by `start` (needs the loop)
         self._tasks: set[asyncio.Task[Any]] = set()  # request pipelines and reaper aborts
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,6 +331,8 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         sink = RequestSink(channel, req.request_id)
         rt.open_sink(req.request_id, sink)  # raises if the id is in flight here
         channel.adopt(sink)
+        if self._early_aborts.take(req.request_id):
+            self._aborted.add(req.request_id)  # `_serve` ends it at once, with ABORT
         return self._spawn(self._serve(req, sink))
 
     async def _serve(self, req: DecodeRequest, sink: RequestSink) -> None:
@@ -340,6 +347,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         # span work competes with the first token or the stream (prefill worker: the same).
         spans = DeferredSpans()
         try:
+            self._raise_if_aborted(rid)  # its abort came before it (see `abort`)
             await rt.compile_constraint(req.sampling)  # a bad one fails before any pull
             if req.handle is None:
                 span = self._decode_span(req, spans)
@@ -410,12 +418,18 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
     async def abort(self, request_id: str) -> bool:
         """End a request here and free what it holds: cancel its transfer (the outcome frees
         the blocks) or abort it in the engine. Its stream, if open, ends with a last chunk
-        whose finish reason is ABORT. False if nothing was held under that id."""
+        whose finish reason is ABORT. False if nothing was held under that id; a `submit` or
+        `generate` of that id that comes after this is then ended at once (with ABORT)."""
         streaming = self.runtime.has_stream(request_id)
         if streaming:
             # Seen by the pipeline at each stage (peer, allocation, submit, engine), so a
             # request between two stages never goes on to reserve or pull anything.
             self._aborted.add(request_id)
+        else:
+            # No call holds it: it ended, or it has not come yet. The router aborts a request
+            # whose `submit` it gave up waiting for; if that call runs after this abort, it
+            # would decode to `max_tokens` for nobody, holding its KV blocks.
+            self._early_aborts.remember(request_id)
         if request_id in self._outcomes:
             self._endpoint.cancel(request_id)
             return True

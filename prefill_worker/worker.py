@@ -19,14 +19,13 @@ Lifecycle of a request in this worker (the router's Prefill step, router/orchest
 Aborts: before step 3 the engine aborts the request (blocks freed at once); after it,
 `abort(request_id)` ends the lease. A cancelled or timed-out `prefill` call aborts too. An
 abort that comes before its `prefill` call (Ray does not order an async actor's calls) is
-remembered for `EARLY_ABORT_MEMORY_S`, and the call, if it still comes, ends at once.
+remembered (worker_runtime/early_aborts.py), and the call, if it still comes, ends at once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from vocabulary.kv_events import KVTier
 from vocabulary.prefill_api import PrefillRequest, PrefillResult
 from vocabulary.tracing import FLUSH_AFTER_S, DeferredSpans, Span, SpanKind, open_span, quietly
 from vocabulary.worker_api import RequestAborted, WorkerLoad
+from worker_runtime.early_aborts import EarlyAborts
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, next_output
 
@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 _EWMA = 0.2
 PREFILL_SPAN = "pdserve.prefill_worker.prefill"
 """This worker's span of a traced `prefill` call (router/request_spans.py draws the tree)."""
-EARLY_ABORT_MEMORY_S = 60.0
-"""How long an abort that found no `prefill` call is remembered, in case the call comes after
-it: far longer than Ray takes to deliver a call sent before the abort, and than the 2 s after
-which Ray retries a `ray.cancel` that reached the worker before the call it cancels."""
 
 
 class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
@@ -66,8 +62,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
         super().__init__(config, transfer, actor_name, followers)
         self._tokens_per_s = 0.0
         self._aborted: set[str] = set()  # calls that `abort` ended (they raise RequestAborted)
-        # Aborts that found no call (see `abort`): request id → when, oldest first.
-        self._early_aborts: OrderedDict[str, float] = OrderedDict()
+        self._early_aborts = EarlyAborts()  # aborts that found no `prefill` call (yet)
 
     def _make_endpoint(self, engine: LLMEngine) -> PrefillEndpoint:
         return PrefillEndpoint(
@@ -107,7 +102,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.request_id
-        if self._early_aborts.pop(rid, None) is not None:
+        if self._early_aborts.take(rid):
             raise RequestAborted(f"request {rid} aborted before its prefill call came")
         self.admit()
         rt = self.runtime
@@ -187,28 +182,15 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
         if waiting:
             self._aborted.add(request_id)
         else:
-            self._remember_early_abort(request_id)
+            # No call holds it: it ended, or it has not come yet (Ray does not order an async
+            # actor's calls); one that comes after this ends at once instead of leasing its
+            # blocks to nobody until the lease expires.
+            self._early_aborts.remember(request_id)
         found = await rt.call(lambda e: e.abort_request(request_id))
         self._endpoint.cancel(request_id)
         if waiting:
             rt.fail_stream(request_id, RequestAborted(f"request {request_id} aborted"))
         return bool(found) or waiting
-
-    def _remember_early_abort(self, request_id: str) -> None:
-        """No `prefill` call holds `request_id`: it ended, or it has not come yet. Ray runs an
-        async actor's calls as they arrive, not in the caller's order, so the router's abort
-        of a call it cancelled at once can run first (and its `ray.cancel`, which came before
-        the call too, is retried only later); that call would then lease its blocks to nobody
-        until the lease expired. Ids are never reused, so remembering an ended one is
-        harmless."""
-        now = time.monotonic()
-        self._early_aborts[request_id] = now
-        self._early_aborts.move_to_end(request_id)
-        while self._early_aborts:
-            oldest, at = next(iter(self._early_aborts.items()))
-            if now - at < EARLY_ABORT_MEMORY_S:
-                break
-            del self._early_aborts[oldest]
 
     # ---- status and drain -------------------------------------------------------------------
 

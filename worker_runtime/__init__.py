@@ -1,2 +1,2 @@
 """worker_runtime: what both worker roles share (engine thread, output sinks, health,
-lifecycle)."""
+lifecycle, early aborts)."""

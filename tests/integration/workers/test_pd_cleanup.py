@@ -11,6 +11,7 @@ import random
 
 import pytest
 import ray
+from channel_client import ChannelReader
 from pd_client import (
     NUM_KV_BLOCKS,
     consume,
@@ -332,6 +333,61 @@ def test_an_abort_that_comes_before_its_prefill_call_ends_that_call(workers: Wor
         asyncio.run(run())
     finally:
         end_leases(p, "early-abort")
+    wait_idle(p, timeout_s=LEASE_NOTICE_S)
+
+
+def test_an_abort_that_comes_before_its_decode_call_ends_that_request(workers: Workers) -> None:
+    """The decode side of the same race: a router that gives up on a `submit` and aborts the
+    request can have the abort run first. A `submit` or `generate` that comes after its abort
+    is accepted and its request ends at once with an ABORT chunk, having pulled, allocated and
+    computed nothing, rather than decoding to `max_tokens` for nobody. The prefill lease of
+    the pulled one is left to its caller (the router aborts it), as the decode side never
+    read it."""
+    p, d = workers.p0, workers.d0
+    pulled_prompt = random_prompt(100, 31)
+
+    def nothing_held(w: WorkerLoad) -> None:
+        e = w.engine
+        assert (e.num_running, e.num_waiting, e.num_transfer_blocks) == (0, 0, 0)
+        assert (w.transfer.in_flight_transfers, w.transfer.queued_transfers) == (0, 0)
+        assert w.inflight_requests == 0
+
+    async def run() -> None:
+        # generate, local prefill
+        assert await d.abort.remote("early-local") is False  # nothing here yet
+        gen = open_stream(d, decode_request("early-local", random_prompt(100, 30), ENDLESS))
+        try:
+            chunk = await next_chunk(gen, SHORT_WAIT_S)
+            assert chunk is not None
+            assert (chunk.finish_reason, chunk.token_ids) == (FinishReason.ABORT, ())
+            assert await next_chunk(gen, SHORT_WAIT_S) is None
+        finally:
+            ray.cancel(gen)
+        nothing_held(load(d))
+
+        # submit on a token channel, with a KV handle to pull
+        result = await prefill(p, "early-pulled", pulled_prompt, ENDLESS)
+        assert result.handle is not None
+        assert await d.abort.remote("early-pulled") is False
+        reader = ChannelReader(d, "early-abort/0")
+        try:
+            await reader.submit(decode_request("early-pulled", pulled_prompt, ENDLESS, result))
+            await reader.wait(lambda: bool(reader.items.get("early-pulled")), "its first item")
+            items = reader.items["early-pulled"]
+            assert len(items) == 1 and isinstance(items[0], TokenChunk)
+            assert (items[0].finish_reason, items[0].token_ids) == (FinishReason.ABORT, ())
+        finally:
+            await reader.close()
+        nothing_held(load(d))
+        assert load(p).leases_held == 1  # never read: the router's abort ends it
+        assert await p.abort.remote("early-pulled") is True
+
+    try:
+        asyncio.run(run())
+    finally:
+        ray.get([d.abort.remote(rid) for rid in ("early-local", "early-pulled")], timeout=30)
+        end_leases(p, "early-pulled")
+    wait_idle(d)
     wait_idle(p, timeout_s=LEASE_NOTICE_S)
 
 
