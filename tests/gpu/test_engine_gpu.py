@@ -109,11 +109,13 @@ def test_greedy_matches_transformers_on_gpu(
             assert 0 < split.decode_sms <= split.total_sms
             if split.decode_sms < split.total_sms:  # (the whole device: both loops on it)
                 assert split.decode_sms + split.prefill_sms == split.total_sms  # disjoint
-            # one set of decode graphs per share the split may move to, each replayed
+            # one set of decode graphs per share the split may move to, each replayed (when
+            # the backend captures graphs at all: float32 runs torch attention, eager)
             lane, graphs = e.prefill_lane, e.runner.graphs
-            assert lane is not None and graphs is not None
-            adaptive = not overrides.get("split_decode_sms")
-            assert graphs.num_sets == (len(lane.streams.all_shares()) if adaptive else 1)
+            assert lane is not None and (graphs is not None) == (engine.runner.graphs is not None)
+            if graphs is not None:
+                adaptive = not overrides.get("split_decode_sms")
+                assert graphs.num_sets == (len(lane.streams.all_shares()) if adaptive else 1)
             if overrides.get("split_resize_interval_s") == 0.0:
                 assert split.resizes > 0, split
     if "num_kv_blocks" in overrides:
@@ -183,3 +185,31 @@ def test_engines_sharing_the_card_size_their_pools_from_their_share(base: Engine
         first.close()
         second.close()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("decode_sms", [0, 32])
+def test_split_with_cuda_graphs_decodes_as_the_colocated_engine(
+    engine: LLMEngine, base: EngineConfig, prompts: list[list[int]], decode_sms: int
+) -> None:
+    """bf16 with flashinfer: the split engine's decode runs CUDA graphs captured per SM share
+    (adaptive: every share it may move to; fixed: one) and gives the colocated engine's
+    greedy tokens, graphs and all."""
+    bf16 = replace(base, dtype="bfloat16", attention_backend="flashinfer")
+    colocated = LLMEngine(bf16, tokenizer=engine.tokenizer)
+    want = colocated.generate(prompts, GREEDY)
+    assert colocated.runner.graphs is not None
+    split = LLMEngine(
+        replace(bf16, mode=EngineMode.SPLIT, split_decode_sms=decode_sms,
+                split_resize_interval_s=0.0),
+        model=colocated.model, tokenizer=engine.tokenizer,
+    )  # fmt: skip
+    got = split.generate(prompts, GREEDY)
+    status = split.load().split
+    assert status is not None and status.handoffs == len(prompts)
+    graphs, lane = split.runner.graphs, split.prefill_lane
+    assert graphs is not None and lane is not None
+    if status.partitioned:
+        assert graphs.num_sets == (len(lane.streams.all_shares()) if not decode_sms else 1)
+    same = sum(g == w for g, w in zip(got, want, strict=True))
+    assert same == len(prompts), (got, want)
+    assert split.block_pool.num_free == split.block_pool.num_blocks
