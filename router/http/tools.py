@@ -14,7 +14,7 @@ preamble, deploy/checkpoints/make_model.py). The response carries each call as O
     auto          free text (default with tools)                    yes: tool calls if the
                                                                     whole text is calls of
                                                                     declared tools, else text
-    required      constrained: an array of one or more calls of     yes (always parses, unless
+    required      constrained: an array of 1 to 8 calls of           yes (always parses, unless
                   declared tools (one with parallel_tool_calls      max_tokens cuts it)
                   false), each `arguments` that tool's parameters
     {"type": "function", "function": {"name": N}}
@@ -45,6 +45,9 @@ from router.validation import InvalidRequest
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """OpenAI's rule for a function's name."""
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_CALLS = 8
+"""The most calls one answer makes. A bound, so that a constrained answer ends: a model that
+repeats itself (the tiny one does, at temperature 1) would fill max_tokens with calls."""
 
 
 class ToolChoice(enum.Enum):
@@ -82,11 +85,11 @@ class ToolCalling:
         return frozenset(t.name for t in self.tools)
 
     @property
-    def max_calls(self) -> int | None:
-        """The most calls one answer may make (None: no limit)."""
+    def max_calls(self) -> int:
+        """The most calls one answer may make."""
         if self.choice is ToolChoice.NAMED or not self.parallel:
             return 1
-        return None
+        return MAX_CALLS
 
     def constraint(self) -> pb.StructuredOutput | None:
         """The output's constraint: with required or a named function, the calls' schema."""
@@ -104,9 +107,8 @@ class ToolCalling:
             "type": "array",
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
             "minItems": 1,
+            "maxItems": self.max_calls,
         }
-        if self.max_calls is not None:
-            schema["maxItems"] = self.max_calls
         return schema
 
 
@@ -265,14 +267,16 @@ class ToolCall:
 
 def parse_tool_calls(text: str, calling: ToolCalling) -> tuple[ToolCall, ...] | None:
     """The calls `text` makes in the format (a JSON array of {"name", "arguments"}, or one
-    such object alone), of declared tools and within `max_calls`; None when it is not that."""
+    such object alone), of declared tools and within `max_calls`; None when it is not that.
+    The arguments are not checked against the tool's parameters (with auto the model may
+    call a tool wrongly, and the client hears it as it was said)."""
     try:
         value = json.loads(text)
     except ValueError:
         return None
     items = value if isinstance(value, list) else [value]
     limit = calling.max_calls
-    if not items or (limit is not None and len(items) > limit):
+    if not items or len(items) > limit:
         return None
     names = {calling.named} if calling.choice is ToolChoice.NAMED else calling.names
     calls = []

@@ -14,6 +14,7 @@ import pytest
 from router.http.protocol import ChatCompletionRequest
 from router.http.responses import ChoiceOutput, ResponseWriter
 from router.http.tools import (
+    MAX_CALLS,
     ToolCalling,
     ToolCallStream,
     ToolChoice,
@@ -55,7 +56,7 @@ def refused(*args: Any) -> InvalidRequest:
 def test_tools_default_to_auto_and_parallel_and_no_tools_is_none() -> None:
     auto = calling()
     assert (auto.choice, auto.parallel, auto.parses, auto.max_calls) == (
-        ToolChoice.AUTO, True, True, None,
+        ToolChoice.AUTO, True, True, MAX_CALLS,
     )  # fmt: skip
     assert auto.names == {"get_weather", "add"} and auto.constraint() is None
     assert auto.definitions == tuple(TOOLS)
@@ -156,13 +157,16 @@ def _call(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_schema_is_an_array_of_calls_of_the_allowed_tools() -> None:
     both = {"anyOf": [_call("get_weather", WEATHER), _call("add", ADD)]}
-    assert calling("required").schema() == {"type": "array", "items": both, "minItems": 1}
+    assert calling("required").schema() == {
+        "type": "array", "items": both, "minItems": 1, "maxItems": 8,
+    }  # fmt: skip
     assert calling("required", False).schema() == {
         "type": "array", "items": both, "minItems": 1, "maxItems": 1,
     }  # fmt: skip
     assert calling({"type": "function", "function": {"name": "add"}}).schema() == {
         "type": "array", "items": _call("add", ADD), "minItems": 1, "maxItems": 1,
     }  # fmt: skip
+    assert MAX_CALLS == 8
     bare = tool_calling([{"type": "function", "function": {"name": "now"}}], "required", None)
     assert bare is not None
     assert bare.schema()["items"] == _call("now", {"type": "object", "properties": {}})
@@ -221,6 +225,8 @@ def test_parsing_reads_calls_of_declared_tools_and_nothing_else() -> None:
         assert parse_tool_calls(text, auto) is None, text
     pair = '[{"name": "add", "arguments": {}}, {"name": "add", "arguments": {}}]'
     assert parse_tool_calls(pair, auto) is not None
+    many = json.dumps([{"name": "add", "arguments": {}}] * (MAX_CALLS + 1))
+    assert parse_tool_calls(many, auto) is None
     assert parse_tool_calls(pair, calling("auto", False)) is None
     named = calling({"type": "function", "function": {"name": "get_weather"}})
     assert parse_tool_calls('[{"name": "add", "arguments": {}}]', named) is None
