@@ -36,17 +36,39 @@ from engine.loading.fp8_checkpoint import Fp8Scheme
 from vocabulary.model_config import ModelConfig, RopeConfig
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
-TINY_FORMAT_VERSION = 2  # bump when the tiny model's recipe changes (invalidates caches)
+TINY_FORMAT_VERSION = 3  # bump when the tiny model's recipe changes (invalidates caches)
 # The chat template tokenizer_config.json carries (the router's OpenAI chat API renders it
-# with transformers): plain "User:" / "Assistant:" turns, like the corpus's prose.
+# with transformers): plain "User:" / "Assistant:" turns, like the corpus's prose. With
+# `tools` a preamble lists them (one JSON line each) and says how to call them: the
+# assistant answers with a JSON array of calls, `[{"name": ..., "arguments": {...}}]`, the
+# format the router constrains and parses (router/http/tools.py). An assistant message's
+# `tool_calls` render in that format, a `tool` message as a "Tool:" turn. A conversation
+# without tools renders as it did before tools were known.
+TOOL_CALL = (
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    '{"name": {{ f[\'name\'] | tojson }}, "arguments": '
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}"
+    "{% else %}{{ f['arguments'] | tojson }}{% endif %}}"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}Tools (call them by answering with a JSON array of calls, "
+    '[{"name": ..., "arguments": {...}}]):\n'
+    "{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}\n"
+    "{% endfor %}{{ '\\n' }}{% endif %}"  # (a newline right after a tag is trimmed)
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] | trim }}\n\n"
     "{% elif message['role'] == 'user' %}User: {{ message['content'] | trim }}\n"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "Assistant: {% if message['content'] %}{{ message['content'] | trim }} {% endif %}["
+    "{% for call in message['tool_calls'] %}{% if not loop.first %}, {% endif %}"
+    + TOOL_CALL
+    + "{% endfor %}]{{ eos_token }}\n"
     "{% elif message['role'] == 'assistant' %}"
     "Assistant: {{ message['content'] | trim }}{{ eos_token }}\n"
-    "{% else %}{{ raise_exception('roles are system, user or assistant') }}{% endif %}"
+    "{% elif message['role'] == 'tool' %}Tool: {{ message['content'] | trim }}\n"
+    "{% else %}{{ raise_exception('roles are system, user, assistant or tool') }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )

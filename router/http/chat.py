@@ -9,15 +9,19 @@ are refused (400) saying so.
 
 The rendered text already holds the template's special tokens (a BOS among them): it is
 tokenized without adding any. `template_messages` turns the request's messages into what a
-template takes: roles system (`developer` is read as system), user, assistant, and text.
+template takes: roles system (`developer` is read as system), user, assistant (with its
+`tool_calls`), tool (with its `tool_call_id`), and text. The request's tools reach the
+template as transformers passes them (`tools=`, OpenAI's tool objects).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from router.http.protocol import ChatMessage
+from router.http.tools import assistant_tool_calls
 from router.validation import InvalidRequest
 
 
@@ -37,25 +41,30 @@ class ChatTemplate:
             return None
         return cls(tokenizer)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt for `messages` (role and text content each), ending where the
-        assistant's answer starts. A template that refuses them (many raise on roles that
-        do not alternate) is an InvalidRequest naming `messages`."""
+    def render(
+        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt for `messages` (role and text content each) and `tools` (None: no
+        tools section), ending where the assistant's answer starts. A template that refuses
+        them (many raise on roles that do not alternate) is an InvalidRequest naming
+        `messages`."""
         from jinja2 import TemplateError
 
         try:
             text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+                messages, tools=list(tools) if tools else None, tokenize=False,
+                add_generation_prompt=True,
+            )  # fmt: skip
         except TemplateError as e:
             raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from e
         return str(text)
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}  # fmt: skip
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as a chat template takes them: role and the text of the content
     (InvalidRequest naming the message and field that pdserve cannot take)."""
     if not messages:
@@ -63,19 +72,23 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.role in ("tool", "function"):
-            raise InvalidRequest(f"{where}.role", f"{m.role!r} messages need tool calling, "
-                                 "which is not supported")  # fmt: skip
         role = _ROLES.get(m.role)
         if role is None:
-            raise InvalidRequest(
-                f"{where}.role", f"must be system, developer, user or assistant, got {m.role!r}"
-            )
-        extra = m.model_extra or {}
-        for name in ("tool_calls", "function_call"):
-            if extra.get(name):
-                raise InvalidRequest(f"{where}.{name}", "tool calling is not supported")
-        message = {"role": role, "content": _content(where, role, m.content)}
+            raise InvalidRequest(f"{where}.role", "must be system, developer, user, assistant or "
+                                 f"tool, got {m.role!r}")  # fmt: skip
+        if (m.model_extra or {}).get("function_call"):
+            raise InvalidRequest(f"{where}.function_call", "the legacy function_call is not "
+                                 "supported (tool_calls is)")  # fmt: skip
+        calls = m.tool_calls not in (None, [])
+        if calls and role != "assistant":
+            raise InvalidRequest(f"{where}.tool_calls", "only assistant messages carry them")
+        message: dict[str, Any] = {"role": role, "content": _content(where, role, m.content)}
+        if calls:
+            message["tool_calls"] = assistant_tool_calls(f"{where}.tool_calls", m.tool_calls)
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequest(f"{where}.tool_call_id", "is required in a tool message")
+            message["tool_call_id"] = m.tool_call_id
         if m.name:
             message["name"] = m.name
         out.append(message)

@@ -11,7 +11,8 @@ fields.
 Extensions beside OpenAI's fields, with vLLM's names: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `priority`, `cache_salt`,
 `return_token_ids`, and structured output as vLLM takes it (`structured_outputs`, the older
-`guided_*`).
+`guided_*`). Chat bodies carry OpenAI's tool calling (`tools`, `tool_choice`,
+`parallel_tool_calls`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class ChatMessage(BaseModel):
     content: Any = None
     """A string, or a list of content parts of which only `text` ones are supported."""
     name: StrictStr | None = None
+    tool_calls: Any = None
+    """An assistant's: the calls it made (router/http/tools.py reads the shapes)."""
+    tool_call_id: StrictStr | None = None
+    """A `tool` message's: the call it answers."""
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -103,3 +108,12 @@ class ChatCompletionRequest(GenerationBody):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     """The N most likely alternatives of each token (0..20; needs `logprobs: true`)."""
+    # tool calling (router/http/tools.py reads the shapes, to name the field)
+    tools: Any = None
+    """Function tools: `{"type": "function", "function": {"name", "description",
+    "parameters"}}` each."""
+    tool_choice: Any = None
+    """"none", "auto" (the default with tools), "required" or `{"type": "function",
+    "function": {"name": ...}}`."""
+    parallel_tool_calls: Any = None
+    """Whether one answer may call several tools (default true)."""

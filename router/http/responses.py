@@ -15,6 +15,12 @@ legacy API and vLLM give it; the sampled token alone for `logprobs: 0`) and `tex
 chat gets `content` entries whose `top_logprobs` list the `top_logprobs: N` most likely tokens.
 A token's text is its own decoding, special tokens included.
 
+Tool calls (chat with tools, router/http/tools.py): a choice whose text parses as calls of
+declared tools gets `message.tool_calls` (content null) and finish reason "tool_calls"; a
+stream holds such text back and sends the calls at the end as `delta.tool_calls`: per call
+one delta with its index, id, type and name (arguments "") and one with its arguments, then
+the finish reason in a delta of its own.
+
 `echo` (completions): the text starts with the prompt (its string as sent, or its ids
 decoded), and with `logprobs` the prompt's tokens come first in every list, the first one
 with a null logprob and null top entries; a stream's first event carries it. With
@@ -30,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.http.tools import ToolCall, ToolCallStream, parse_tool_calls
 from router.http.translate import Endpoint, GenerationPlan
 from router.progress import StreamDelta, Usage
 from vocabulary.engine_io import FinishReason
@@ -56,6 +63,10 @@ class ChoiceOutput:
     """Characters of text so far (where the next token's text starts)."""
     streamed: bool = False
     """A chunk of it went out (the first one carries the role and the prompt's ids)."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls its text made (chat with tools, once it ended)."""
+    tool_stream: ToolCallStream | None = None
+    """Streamed chat with tools: what of the text is held back."""
 
     def add(self, delta: StreamDelta) -> None:
         self.text.append(delta.text)
@@ -92,17 +103,27 @@ class ResponseWriter:
         if self.plan.discard_output:  # max_tokens 0: the sampled token is not shown
             delta = replace(delta, token_ids=(), text="", logprobs=None, top_logprobs=None)
         echo = self.plan.echo and not out.streamed
+        text = delta.text
+        calls: tuple[ToolCall, ...] = ()
+        if self.chat and self.plan.tools is not None and self.plan.tools.parses:
+            if out.tool_stream is None:
+                out.tool_stream = ToolCallStream(self.plan.tools)
+            ended = out.finish_reason if delta.finish_reason is not None else None
+            text, calls = out.tool_stream.feed(delta.text, ended)
+            out.tool_calls = calls
         shows_tokens = self.plan.logprobs or self.plan.return_token_ids
-        if not delta.text and delta.finish_reason is None and not echo and not (
+        if not text and delta.finish_reason is None and not echo and not (
             shows_tokens and delta.token_ids
         ):  # fmt: skip
             return None
         first, out.streamed = not out.streamed, True
         choice: dict[str, Any] = {"index": out.index}
+        calls_events = self._call_events(out, calls, first) if calls else b""
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant"} if first else {}
-            if delta.text or first:
-                message["content"] = delta.text
+            says_role = first and not calls  # (else the calls' first delta said it)
+            message: dict[str, Any] = {"role": "assistant"} if says_role else {}
+            if text or says_role:
+                message["content"] = text
             choice["delta"] = message
         else:
             choice["text"] = self._echo_text(out) + delta.text if echo else delta.text
@@ -112,10 +133,30 @@ class ResponseWriter:
             choice["token_ids"] = list(delta.token_ids)
             if first:
                 choice["prompt_token_ids"] = self._prompt_ids(out)
+        return calls_events + self._chunk_event(choice)
+
+    def _chunk_event(self, choice: dict[str, Any]) -> bytes:
         body: dict[str, Any] = {**self._head, "choices": [choice]}
         if self.plan.include_usage:
             body["usage"] = None
         return _event(body)
+
+    def _call_events(self, out: ChoiceOutput, calls: Sequence[ToolCall], first: bool) -> bytes:
+        """The deltas that carry `calls` (the first of the choice carries the role)."""
+        events = []
+        for i, call in enumerate(calls):
+            head = call.as_json(i)
+            head["function"] = {"name": call.name, "arguments": ""}
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            for part in (head, args):
+                message: dict[str, Any] = {"tool_calls": [part]}
+                if first:
+                    message = {"role": "assistant", "content": None, **message}
+                    first = False
+                delta = {"index": out.index, "delta": message, "logprobs": None,
+                         "finish_reason": None}  # fmt: skip
+                events.append(self._chunk_event(delta))
+        return b"".join(events)
 
     def usage_chunk(self, outputs: Sequence[ChoiceOutput]) -> bytes:
         return _event({**self._head, "choices": [], "usage": self.usage(outputs)})
@@ -131,7 +172,7 @@ class ResponseWriter:
             text = "" if self.plan.discard_output else "".join(out.text)
             choice: dict[str, Any] = {"index": out.index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = self._message(out, text)
             else:
                 choice["text"] = self._echo_text(out) + text if self.plan.echo else text
             logprobs = self._logprobs(out, None, self.plan.echo) if self.plan.logprobs else None
@@ -170,11 +211,23 @@ class ResponseWriter:
     def _prompt_ids(self, out: ChoiceOutput) -> list[int]:
         return list(self.plan.choices[out.index].request.prompt_token_ids)
 
+    def _message(self, out: ChoiceOutput, text: str) -> dict[str, Any]:
+        """A whole chat choice's message: its text, or the tool calls the text makes."""
+        tools = self.plan.tools
+        if tools is not None and tools.parses and out.finish_reason == "stop":
+            out.tool_calls = parse_tool_calls(text, tools) or ()
+        if not out.tool_calls:
+            return {"role": "assistant", "content": text}
+        calls = [call.as_json() for call in out.tool_calls]
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
     def _finish(self, out: ChoiceOutput) -> str | None:
         """The choice's finish reason ("length" for max_tokens 0: nothing was generated,
-        whatever ended the one token the engine sampled)."""
+        whatever ended the one token the engine sampled; "tool_calls" when it made calls)."""
         if self.plan.discard_output and out.finish_reason is not None:
             return "length"
+        if out.tool_calls:
+            return "tool_calls"
         return out.finish_reason
 
     def _echo_text(self, out: ChoiceOutput) -> str:

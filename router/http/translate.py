@@ -7,10 +7,11 @@ the names differ: an error names the body's field (`prompt`, `messages`,
 `max_completion_tokens`, `prompt[2]`) or header (`x-request-id`), not the gRPC field.
 
 Before that, this module checks what only the HTTP door has: the model name (404), fields
-pdserve cannot honour (`tools`, `audio`, `suffix`, ...: 400
+pdserve cannot honour (`audio`, `suffix`, `functions`, ...: 400
 naming the field, never a silent ignore), the JSON shapes of `prompt`, `stop` and
-`messages`, integers that a protobuf field cannot hold, and renders chat messages with the
-checkpoint's template (router/http/chat.py).
+`messages`, integers that a protobuf field cannot hold, chat's tools (router/http/tools.py:
+with `tool_choice` required or a named function they become the output's constraint), and
+renders chat messages and tools with the checkpoint's template (router/http/chat.py).
 
 `n` choices of one prompt are siblings: one request validated and tokenized once, then
 copied with seeds `seed`, `seed + 1`, ... (so they differ and each stays reproducible).
@@ -30,6 +31,7 @@ from router.http.chat import ChatTemplate, template_messages
 from router.http.errors import ApiError, failure
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, GenerationBody
 from router.http.structured import structured_output
+from router.http.tools import ToolCalling, tool_calling
 from router.request_spans import http_caller_context
 from router.validation import (
     MAX_PROMPT_BYTES_PER_TOKEN,
@@ -61,8 +63,8 @@ def _off(*allowed: Any) -> Callable[[Any], bool]:
 
 
 _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_off([]), "tool calling is not supported"),
-    "tool_choice": (_off("none"), "tool calling is not supported"),
+    "tools": (_off([]), "tool calling is on /v1/chat/completions"),
+    "tool_choice": (_off("none"), "tool calling is on /v1/chat/completions"),
     "functions": (_off([]), "function calling is not supported"),
     "function_call": (_off("none"), "function calling is not supported"),
     "audio": (_off(), "audio output is not supported"),
@@ -108,6 +110,8 @@ class GenerationPlan:
     """The body's `model`: the served model's id, or a LoRA adapter's name."""
     constraint_field: str = ""
     """The body's field that carries the structured-output constraint ("": none)."""
+    tools: ToolCalling | None = None
+    """Chat's tools (None: none declared); the output is read as calls when they parse."""
 
     def param_name(self, field: str) -> str:
         """A request field as the body names it (a worker's error on the constraint names
@@ -163,8 +167,10 @@ class Translator:
         logprobs = body.logprobs is not None
         requests, texts = [], []
         trace = http_caller_context(headers)
+        constraint = structured_output(body)
+        sampled = 1 if discard else max_tokens
         for name, prompt in prompts:
-            req = self._proto(body, headers, "max_tokens", 1 if discard else max_tokens, logprobs)
+            req = self._proto(body, headers, "max_tokens", sampled, logprobs, constraint[1])
             req.top_logprobs = top
             if echo and logprobs:
                 req.prompt_logprobs = top
@@ -172,11 +178,12 @@ class Translator:
                 req.prompt = prompt
             else:
                 req.token_ids.extend(prompt)
-            requests.append(self._validate(req, body, name, "max_tokens", tenant, trace))
+            requests.append(self._validate(req, constraint[0], name, "max_tokens", tenant, trace))
             if echo:
                 texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt))
         plan = self._plan(Endpoint.COMPLETIONS, body, headers, requests, n, logprobs)
-        return replace(plan, echo=echo, echo_texts=tuple(texts), discard_output=discard)
+        return replace(plan, echo=echo, echo_texts=tuple(texts), discard_output=discard,
+                       constraint_field=constraint[0])  # fmt: skip
 
     def chat(
         self, body: ChatCompletionRequest, headers: Mapping[str, str], tenant: str | None = None
@@ -192,7 +199,12 @@ class Translator:
                 "messages", f"model {self.model_id!r} has no chat template (no chat_template in "
                 "its tokenizer_config.json): use /v1/completions",
             )  # fmt: skip
-        text = self.chat_template.render(template_messages(body.messages))
+        field, constraint = structured_output(body)
+        tools = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, field)
+        if tools is not None and tools.constraint() is not None:
+            field, constraint = "tools", tools.constraint()
+        messages = template_messages(body.messages)
+        text = self.chat_template.render(messages, tools.definitions if tools else None)
         limits = self.limits()
         if len(text) > limits.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN:
             raise InvalidRequest(
@@ -208,12 +220,13 @@ class Translator:
             room = min(limits.max_model_len, limits.max_sequence_tokens or limits.max_model_len)
             name, max_tokens = "max_completion_tokens", max(room - len(ids), 1)
         logprobs = bool(body.logprobs)
-        req = self._proto(body, headers, name, max_tokens, logprobs)
+        req = self._proto(body, headers, name, max_tokens, logprobs, constraint)
         req.top_logprobs = top
         req.token_ids.extend(ids)
         trace = http_caller_context(headers)
-        valid = self._validate(req, body, "messages", name, tenant, trace)
-        return self._plan(Endpoint.CHAT, body, headers, [valid], _n(body, 1), logprobs)
+        valid = self._validate(req, field, "messages", name, tenant, trace)
+        plan = self._plan(Endpoint.CHAT, body, headers, [valid], _n(body, 1), logprobs)
+        return replace(plan, constraint_field=field, tools=tools)
 
     # ---- shared ------------------------------------------------------------------------------
 
@@ -239,8 +252,10 @@ class Translator:
         max_name: str,
         max_tokens: int,
         logprobs: bool,
+        constraint: pb.StructuredOutput | None,
     ) -> pb.GenerateRequest:
-        """The body's sampling fields as a GenerateRequest (the prompt is the caller's)."""
+        """The body's sampling fields and `constraint` as a GenerateRequest (the prompt is
+        the caller's)."""
         req = pb.GenerateRequest(
             request_id=headers.get(REQUEST_ID_HEADER, ""),
             tenant=headers.get(TENANT_HEADER, ""),
@@ -276,7 +291,6 @@ class Translator:
             if isinstance(bias, bool) or not isinstance(bias, int | float):
                 raise InvalidRequest("logit_bias", f"token {key}: bias must be a number")
             req.logit_bias[token] = bias
-        constraint = structured_output(body)[1]
         if constraint is not None:
             req.structured_output.CopyFrom(constraint)
         return req
@@ -284,19 +298,20 @@ class Translator:
     def _validate(
         self,
         req: pb.GenerateRequest,
-        body: GenerationBody,
+        constraint_field: str,
         prompt_name: str,
         max_name: str,
         tenant: str | None,
         trace: TraceContext | None,
     ) -> ValidRequest:
-        """`validate`, with its field names turned into the body's."""
+        """`validate`, with its field names turned into the body's (`constraint_field`:
+        the one that carries the constraint)."""
         try:
             return validate(req, self.tokenizer, self.limits(), tenant, trace)
         except InvalidRequest as e:
             names = {"prompt": prompt_name, "token_ids": prompt_name, "max_tokens": max_name,
                      "request_id": REQUEST_ID_HEADER, "tenant": TENANT_HEADER,
-                     "structured_output": structured_output(body)[0]}  # fmt: skip
+                     "structured_output": constraint_field}  # fmt: skip
             param = names.get(e.field, e.field)
             raise InvalidRequest(param, str(e)[len(e.field) + 2 :]) from e
 
@@ -324,7 +339,6 @@ class Translator:
             return_token_ids=bool(body.return_token_ids),
             timeout_s=_timeout(headers.get(TIMEOUT_HEADER)),
             model=body.model,
-            constraint_field=structured_output(body)[0],
         )
 
 

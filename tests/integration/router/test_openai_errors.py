@@ -66,6 +66,11 @@ def _bad_inputs(model: str) -> list[tuple[str, dict[str, Any], int, str]]:
     ok = {"model": model, "prompt": "The river", "max_tokens": 2}
     chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     c, cc = "/v1/completions", "/v1/chat/completions"
+    fn = {"type": "function", "function": {"name": "f"}}
+
+    def named(name: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name}}
+
     return [
         (c, {**ok, "model": "gpt-4o"}, 404, "model"),
         (c, {k: v for k, v in ok.items() if k != "model"}, 400, "model"),
@@ -95,7 +100,13 @@ def _bad_inputs(model: str) -> list[tuple[str, dict[str, Any], int, str]]:
         (c, {**ok, "priority": 11}, 400, "priority"),
         (cc, {**chat, "messages": []}, 400, "messages"),
         (cc, {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
-        (cc, {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        (cc, {**chat, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
+        (
+            cc,
+            {**chat, "messages": [{"role": "tool", "content": "x"}]},
+            400,
+            "messages[0].tool_call_id",
+        ),
         (cc, {**chat, "messages": [{"content": "x"}]}, 400, "messages[0].role"),
         (
             cc,
@@ -111,7 +122,54 @@ def _bad_inputs(model: str) -> list[tuple[str, dict[str, Any], int, str]]:
             400,
             "messages[0].content[0].type",
         ),
-        (cc, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (c, {**ok, "tools": [fn]}, 400, "tools"),
+        (cc, {**chat, "tool_choice": "required"}, 400, "tool_choice"),
+        (cc, {**chat, "tools": [fn], "tool_choice": named("g")}, 400, "tool_choice"),
+        (cc, {**chat, "tools": [fn, fn]}, 400, "tools[1].function.name"),
+        (
+            cc,
+            {**chat, "tools": [{"type": "function", "function": {}}]},
+            400,
+            "tools[0].function.name",
+        ),
+        (
+            cc,
+            {**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+            400,
+            "tools[0].function.parameters",
+        ),
+        (
+            cc,
+            {
+                **chat,
+                "tools": [fn],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "tool_choice",
+        ),
+        (
+            cc,
+            {
+                **chat,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "nonsense"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            400,
+            "tools",
+        ),  # a worker's compiler
         (cc, {**chat, "response_format": {"type": "json_schema"}}, 400, "response_format"),
         (
             cc,

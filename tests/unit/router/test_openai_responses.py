@@ -39,7 +39,7 @@ class Tokenizer:
 
 
 class Template:
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
         return "|".join(m["content"] for m in messages)
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from router.http.chat import ChatTemplate
+from router.http.chat import ChatTemplate, template_messages
 from router.http.errors import ApiError
-from router.http.protocol import ChatCompletionRequest, CompletionRequest
+from router.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.http.translate import (
     MAX_CHOICES,
     REQUEST_ID_HEADER,
@@ -46,10 +46,12 @@ class Template:
     it is what these tests check)."""
 
     def __init__(self) -> None:
-        self.seen: list[list[dict[str, str]]] = []
+        self.seen: list[list[dict[str, Any]]] = []
+        self.tools: list[Any] = []
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
         self.seen.append(messages)
+        self.tools.append(tools)
         return "".join(f"{m['role']}:{m['content']}|" for m in messages)
 
 
@@ -241,7 +243,8 @@ def test_chat_errors_name_the_message_and_field() -> None:
     user = {"role": "user", "content": "hi"}
     cases: list[tuple[dict[str, Any], str]] = [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         ({"messages": [user, {"role": "critic", "content": "x"}]}, "messages[1].role"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         (
@@ -254,7 +257,28 @@ def test_chat_errors_name_the_message_and_field() -> None:
         ),
         (
             {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]},
             "messages[0].tool_calls",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "1", "function": {"name": "f", "arguments": {"a": 1}}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]},
+            "messages[0].function_call",
         ),
         ({"messages": [user], "max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": [user], "max_tokens": 60}, "max_tokens"),
@@ -289,8 +313,51 @@ def test_the_tiny_models_template_renders_as_transformers_does(tiny_model_dir: P
         "<|begin_of_text|>Be brief.\n\nUser: Tell a story.\nAssistant: Once.<|end_of_text|>\n"
         "User: More\nAssistant:"
     )
-    err = refused(template.render, [{"role": "tool", "content": "x"}])
-    assert err.field == "messages" and "roles are system, user or assistant" in str(err)
+    err = refused(template.render, [{"role": "critic", "content": "x"}])
+    assert err.field == "messages" and "roles are system, user, assistant or tool" in str(err)
+
+
+def test_the_tiny_models_template_renders_tools_calls_and_results(tiny_model_dir: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Now",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    text = template.render(template_messages([ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "?"}]},
+    ]]), tools)  # fmt: skip
+    assert text == (
+        '<|begin_of_text|>Tools (call them by answering with a JSON array of calls, [{"name": '
+        '..., "arguments": {...}}]):\n{"name": "get_weather", "description": "Now", "parameters": '
+        '{"type": "object", "properties": {"city": {"type": "string"}}}}\n\n'
+        "User: Paris?\n"
+        'Assistant: [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_weather", "arguments": not json}]<|end_of_text|>\n'
+        "Tool: sunny\nTool: ?\nAssistant:"
+    )
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tiny_model_dir))
+    messages = [{"role": "user", "content": "Paris?"}]
+    assert template.render(messages, tools) == hf.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    # no tools: no section, the rendering it always had
+    assert template.render(messages, []) == "<|begin_of_text|>User: Paris?\nAssistant:"
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
