@@ -95,7 +95,7 @@ def observe_input_amax(
         for projection, modules in FUSED_PARTS.items():
             for module in modules:  # fused parts read the same input
                 amax[f"model.layers.{i}.{module}"] = observed.activations[
-                    f"layers.{i}.fp8.{projection}"
+                    f"layers.{i}.quantized.{projection}"
                 ]
     return amax
 
