@@ -22,16 +22,12 @@ quantized; the head, embeddings and norms stay dense (`ignore: [lm_head]`).
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from deploy.checkpoints.fp8_writer import LINEAR_WEIGHT
 from engine.loading.int_checkpoint import IntScheme
 from engine.quantization.int4_linear import INT4_MAX, INT4_MIN, pack_int4
 
-_LINEAR_WEIGHT = re.compile(
-    r"^(model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight$"
-)
 _MIN_SCALE = 1e-12
 
 
@@ -43,7 +39,7 @@ def quantize_int_tensors(
     out: dict[str, torch.Tensor] = {}
     for name in list(tensors):
         t = tensors.pop(name)
-        m = _LINEAR_WEIGHT.match(name)
+        m = LINEAR_WEIGHT.match(name)
         if m is None:
             out[name] = t
             continue

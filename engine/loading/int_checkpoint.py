@@ -34,7 +34,6 @@ rounded again. Tensor parallelism slices packed words and group scales by whole 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -52,7 +51,7 @@ from engine.loading.hf_checkpoint import (
 from engine.modeling.llama import DecoderLayer, LlamaModel
 from engine.quantization.int4_linear import Int4Linear
 from engine.quantization.int8_linear import Int8Linear
-from engine.tp.tp_shard import FUSED_MODULES
+from engine.tp.tp_shard import FUSED_MODULES, LAYER_TENSOR
 from vocabulary.model_config import ModelConfig
 
 INT_QUANTIZED = "int-quantized"
@@ -60,9 +59,6 @@ PACK_QUANTIZED = "pack-quantized"
 INT_FORMATS = (INT_QUANTIZED, PACK_QUANTIZED)
 
 _PROJECTION_OF = {part: proj for proj, parts in FUSED_MODULES.items() for part in parts}
-_PART_TENSOR = re.compile(
-    r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$"
-)
 _KINDS = {8: ("weight", "weight_scale"), 4: ("weight_packed", "weight_scale", "weight_shape")}
 """The tensors a module stores, per bit width."""
 _REFUSED_KINDS = {
@@ -308,15 +304,16 @@ def load_int_weights(
     assembler = _Assembler(model, whole or model.cfg, scheme)
     seen: set[str] = set()
     for name, tensor in tensors:
-        m = _PART_TENSOR.match(name)
+        m = LAYER_TENSOR.match(name)
         if m is not None:
-            if m[3] == "weight" and tensor.is_floating_point():
+            if m[2] == "weight" and tensor.is_floating_point():
                 raise ValueError(
                     f"tensor {name} is dense ({tensor.dtype}) in an {scheme.name} checkpoint: "
                     "unquantized decoder projections (`ignore` beyond lm_head) are not supported"
                 )
-            if m[3] != "bias":
-                assembler.add(int(m[1]), m[2], m[3], tensor)
+            if m[2] != "bias":
+                layer = int(name.split(".")[2])
+                assembler.add(layer, m[1], m[2], tensor)
                 continue
         if not tensor.is_floating_point():
             raise ValueError(

@@ -38,9 +38,10 @@ import torch
 
 from vocabulary.model_config import ModelConfig
 
-_LAYER_TENSOR = re.compile(
+LAYER_TENSOR = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$"
 )
+"""A decoder Linear module's tensor by its Hugging Face name (groups: the module, the kind)."""
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                    "mlp.gate_proj", "mlp.up_proj")  # fmt: skip
 """Checkpoint modules split by output rows."""
@@ -153,7 +154,7 @@ def tensor_slice(name: str, shape: tuple[int, ...], cfg: ModelConfig, shard: TPS
     """What rank `shard.rank` holds of the checkpoint tensor `name` (of `shape`); see the
     module docstring. Kinds other than weight and bias (FP8 scales and zero points) follow
     the weight's rows when they have one value per row, and are whole otherwise."""
-    m = _LAYER_TENSOR.match(name)
+    m = LAYER_TENSOR.match(name)
     if shard.size == 1 or m is None:
         return WHOLE
     module, kind = m.group(1), m.group(2)
