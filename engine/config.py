@@ -62,7 +62,8 @@ class EngineConfig:
     at load; embeddings, norms and the head stay in the dtype above). GPU: cuBLASLt FP8
     GEMMs (Hopper); CPU: dequantized. A pre-quantized FP8 checkpoint (compressed-tensors
     float-quantized) loads as FP8 whatever this says, computed as it declares
-    (fp8_activation_scales): the checkpoint decides."""
+    (fp8_activation_scales), and an INT8 W8A8 or INT4 W4A16 one (int-quantized,
+    pack-quantized) as INT: the checkpoint decides."""
     fp8_activation_scales: str = "checkpoint"
     """How FP8 projections scale their inputs: checkpoint (what a pre-quantized checkpoint
     declares: dynamic per token, dynamic per tensor, or its static scales; pdserve's own FP8,

@@ -28,7 +28,10 @@ def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
     the tensor-parallel split: `num_kv_heads` is the model's (every rank's), and which heads
     a rank holds is the handshake's `KVSplit`, which both sides check against a plan of the
     pulls (kv_transfer/tp_plan.py), so pools of different TP sizes may exchange blocks. A pool
-    of one rank hashes as it did before tensor parallelism.
+    of one rank hashes as it did before tensor parallelism. The weight format of the model
+    (fp8, int8, int4) is named when the weights are quantized: a prefill and a decode worker
+    on different formats compute different K and V, and refuse each other; a pool of a dense
+    model hashes as it did before quantized formats.
     """
     return ";".join(
         [
@@ -40,6 +43,7 @@ def compat_fields(spec: KVCacheSpec, model_id: str) -> str:
             f"num_kv_heads={spec.total_kv_heads}",
             f"head_dim={spec.head_dim}",
             *([f"kv_scales={_digest(spec.scales)}"] if spec.scales else []),
+            *([f"weights={spec.weights}"] if spec.weights != "none" else []),
         ]
     )
 
@@ -56,7 +60,7 @@ def _digest(scales: tuple[float, ...]) -> str:
 
 def compat_hash(spec: KVCacheSpec, model_id: str) -> str:
     """32 hex digits over model, dtype, layout, block size, layers, the model's KV heads,
-    head dim and an e4m3 pool's scales."""
+    head dim, an e4m3 pool's scales and a quantized model's weight format."""
     return hashlib.sha256(compat_fields(spec, model_id).encode()).hexdigest()[:32]
 
 

@@ -1,4 +1,5 @@
-"""TEST-ONLY: the references FP8 accuracy tests share (CPU and GPU).
+"""TEST-ONLY: the references quantized-checkpoint accuracy tests share (CPU and GPU): FP8,
+and INT8 / INT4 against transformers + compressed-tensors.
 
 Margin rule (issue 17): along the reference's greedy continuation (teacher-forced), let err_t
 be the largest absolute difference between the FP8 and reference logits at step t, the FP8
@@ -12,6 +13,7 @@ best tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -127,4 +129,52 @@ def greedy_margin_check(
         got_logits = teacher_forced_logits(fp8.model, seq, fp8.kv_cache.spec.scales)
         what = f"prompt {i}, token {t}"
         report.errors.append(assert_flip_at_near_tie(want, got_logits, what, inclusive))
+    return report
+
+
+def hf_on(checkpoint: Path) -> torch.nn.Module:
+    """transformers on a compressed-tensors checkpoint (float32): it emulates the scheme."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference_greedy(
+    hf: torch.nn.Module, prompt: list[int], max_tokens: int
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and its top-2 logit gap at every step."""
+    ids, gaps = list(prompt), []
+    for _ in range(max_tokens):
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+        top2 = logits.topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], gaps
+
+
+def parted_at(want: list[int], got: list[int]) -> int | None:
+    return next((k for k, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+
+
+def margin_check_against_transformers(
+    hf: torch.nn.Module, model: LlamaModel, prompts: list[list[int]], got: list[list[int]]
+) -> MarginReport:
+    """The margin rule (module docstring) between transformers' greedy continuations and the
+    engine's (`got`, from `model`): where they part, both are teacher-forced on the
+    reference's prefix and the reference's top-2 gap must be below twice the largest logit
+    difference there."""
+    report = MarginReport()
+    for i, (prompt, tokens) in enumerate(zip(prompts, got, strict=True)):
+        want, _ = reference_greedy(hf, prompt, len(tokens))
+        t = parted_at(want, tokens)
+        if t is None:
+            report.exact += 1
+            continue
+        report.first_flips.append(t)
+        seq = prompt + want[:t]
+        with torch.inference_mode():
+            ref_logits = hf(torch.tensor([seq])).logits[0, -1].float()
+        have = teacher_forced_logits(model, seq)
+        report.errors.append(assert_flip_at_near_tie(ref_logits, have, f"prompt {i}, token {t}"))
     return report

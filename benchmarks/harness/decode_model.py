@@ -76,11 +76,13 @@ def decode_batch(
 
 
 def weight_read_bytes(model: LlamaModel) -> int:
-    """Weight bytes a decode step of `model` reads: its parameters and FP8 buffers, less the
+    """Weight bytes a decode step of `model` reads: its parameters and quantized buffers, less the
     embedding table where the head is separate (the table is only gathered); not the RoPE
     tables."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:
         params -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    fp8 = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".fp8." in f".{n}")
-    return params + fp8
+    quantized = sum(
+        b.numel() * b.element_size() for n, b in model.named_buffers() if ".quantized." in f".{n}"
+    )
+    return params + quantized

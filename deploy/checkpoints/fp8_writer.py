@@ -32,9 +32,10 @@ from engine.quantization.fp8_linear import FP8_DTYPE, FP8_MAX
 from vocabulary.model_config import ModelConfig
 
 _MIN_SCALE = 1e-12
-_LINEAR_WEIGHT = re.compile(
+LINEAR_WEIGHT = re.compile(
     r"^(model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight$"
 )
+"""A decoder Linear's weight by its Hugging Face name (group 1: the module)."""
 CALIBRATION_TOKENS = 256
 """Tokens of the bundled corpus the static input scales are observed on."""
 
@@ -53,7 +54,7 @@ def quantize_tensors(
     out: dict[str, torch.Tensor] = {}
     for name in list(tensors):
         t = tensors.pop(name)
-        m = _LINEAR_WEIGHT.match(name)
+        m = LINEAR_WEIGHT.match(name)
         if m is None:
             out[name] = t
             continue
@@ -95,7 +96,7 @@ def observe_input_amax(
         for projection, modules in FUSED_PARTS.items():
             for module in modules:  # fused parts read the same input
                 amax[f"model.layers.{i}.{module}"] = observed.activations[
-                    f"layers.{i}.fp8.{projection}"
+                    f"layers.{i}.quantized.{projection}"
                 ]
     return amax
 

@@ -14,7 +14,8 @@ Presets:
   the device. The tokenizer's 512 tokens are fewer than the model's 128256, which is fine for
   random weights (ids past the tokenizer's decode to no text).
 
-`fp8` writes the checkpoint in the compressed-tensors FP8 format (deploy/checkpoints/fp8_writer.py).
+`fp8` writes the checkpoint in the compressed-tensors FP8 format (deploy/checkpoints/fp8_writer.py);
+`int_scheme` in its INT8 W8A8 or INT4 W4A16 formats (deploy/checkpoints/int_writer.py).
 
 Output is deterministic for a given seed on a given machine (training runs single-threaded).
 Everything is built locally; nothing is downloaded.
@@ -32,7 +33,9 @@ import torch
 
 from deploy.checkpoints.checkpoint_files import CORPUS, save_shards, staged_dir
 from deploy.checkpoints.fp8_writer import corpus_ids, observe_input_amax, quantize_tensors
+from deploy.checkpoints.int_writer import quantize_int_tensors
 from engine.loading.fp8_checkpoint import Fp8Scheme
+from engine.loading.int_checkpoint import IntScheme
 from vocabulary.model_config import ModelConfig, RopeConfig
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -330,6 +333,7 @@ def make_model(
     shard_bytes: int = 5 << 30,
     *,
     fp8: Fp8Scheme | None = None,
+    int_scheme: IntScheme | None = None,
     config_only: bool = False,
     **overrides: object,
 ) -> Path:
@@ -337,12 +341,15 @@ def make_model(
 
     `overrides`: options of the preset's ModelShape (`ModelShape.with_options`, e.g.
     num_layers=2, torch_dtype="bfloat16").
-    `fp8`: the weights in that compressed-tensors FP8 scheme; `config_only`: no weights.
+    `fp8`: the weights in that compressed-tensors FP8 scheme; `int_scheme`: in that INT8 or
+    INT4 scheme (not with `fp8`); `config_only`: no weights.
     The folder is written under a temporary name and renamed into place, so concurrent
     writers never see a half-written checkpoint.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if fp8 is not None and int_scheme is not None:
+        raise ValueError("one quantization: fp8 or an int scheme, not both")
     shape = PRESETS[preset].with_options(**overrides)
     arch = shape.config
     if arch.hidden_size % arch.num_heads or arch.num_heads % arch.num_kv_heads:
@@ -362,6 +369,9 @@ def make_model(
     if fp8 is not None:
         tensors = _quantized(tensors, ModelConfig.from_dict(cfg_dict), fp8, tok)
         cfg_dict["quantization_config"] = fp8.quantization_config()
+    if int_scheme is not None:
+        tensors = quantize_int_tensors(tensors, int_scheme)
+        cfg_dict["quantization_config"] = int_scheme.quantization_config()
     with staged_dir(out) as tmp:
         if tensors:
             save_shards(tensors, tmp, shard_bytes)
@@ -375,6 +385,7 @@ def make_model(
         (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
         recipe = {"preset": preset, "seed": seed, **asdict(shape)}
         recipe |= {"fp8": asdict(fp8) if fp8 else None, "config_only": config_only}
+        recipe |= {"int": asdict(int_scheme) if int_scheme else None}
         (tmp / "pdserve_recipe.json").write_text(json.dumps(recipe, indent=2))
     return out
 

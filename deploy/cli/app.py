@@ -44,6 +44,7 @@ from deploy.cli.options import (
 if TYPE_CHECKING:
     from deploy.control.config_tree import PdserveConfig
     from engine.loading.fp8_checkpoint import Fp8Scheme
+    from engine.loading.int_checkpoint import IntScheme
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode LLM serving on Ray, NIXL and Redis.",
@@ -74,8 +75,13 @@ def make_model_cmd(
     train_steps: Annotated[int | None, typer.Option(help="Training steps on the corpus.")] = None,
     device: Annotated[str, typer.Option(help="Where random weights are drawn.")] = "cpu",
     quantization: Annotated[
-        str, typer.Option(help="none, or fp8: compressed-tensors FP8 (llm-compressor's format).")
+        str,
+        typer.Option(
+            help="none; fp8: compressed-tensors FP8; int8: W8A8 (int-quantized); int4: W4A16 "
+            "(pack-quantized): llm-compressor's formats."
+        ),
     ] = "none",
+    group_size: Annotated[int, typer.Option(help="int4: input columns per weight scale.")] = 128,
     weight_scales: Annotated[
         str, typer.Option(help="fp8 weight scales: channel (one per output row) or tensor.")
     ] = "channel",
@@ -99,7 +105,8 @@ def make_model_cmd(
     from deploy.checkpoints.make_model import make_model
 
     with checked_options():
-        fp8 = _fp8_scheme(quantization, weight_scales, activations)
+        int_scheme = _int_scheme(quantization, group_size)
+        fp8 = None if int_scheme else _fp8_scheme(quantization, weight_scales, activations)
         if source is not None and (fp8 is None or config_only):
             raise typer.BadParameter("--from: only with --quantization fp8 (and weights)")
     if source is not None and fp8 is not None:
@@ -126,13 +133,27 @@ def make_model_cmd(
     }
     try:
         path = make_model(
-            out_dir, preset=preset, seed=seed, device=device, fp8=fp8, config_only=config_only,
-            **overrides,
+            out_dir, preset=preset, seed=seed, device=device, fp8=fp8, int_scheme=int_scheme,
+            config_only=config_only, **overrides,
         )  # fmt: skip
     except ValueError as e:
         fail(str(e), 2)
     what = "config and tokenizer" if config_only else "checkpoint"
-    console.print(f"wrote {preset} {what}{f' ({fp8})' if fp8 else ''} to [bold]{path}[/bold]")
+    scheme = fp8 or int_scheme
+    console.print(f"wrote {preset} {what}{f' ({scheme})' if scheme else ''} to [bold]{path}[/bold]")
+
+
+def _int_scheme(quantization: str, group_size: int) -> IntScheme | None:
+    """make-model's INT options as a scheme (None: not an INT quantization)."""
+    from engine.loading.int_checkpoint import IntScheme
+
+    if quantization not in ("int8", "int4"):
+        return None
+    if quantization == "int8":
+        return IntScheme(8)
+    if group_size <= 0:
+        raise typer.BadParameter(f"--group-size: a positive number, got {group_size}")
+    return IntScheme(4, group_size)
 
 
 def _fp8_scheme(quantization: str, weight_scales: str, activations: str) -> Fp8Scheme | None:
@@ -141,7 +162,7 @@ def _fp8_scheme(quantization: str, weight_scales: str, activations: str) -> Fp8S
     from engine.loading.fp8_checkpoint import WEIGHT_STRATEGIES, Fp8Scheme
 
     if quantization not in ("none", "fp8"):
-        raise typer.BadParameter(f"--quantization: none or fp8, got {quantization!r}")
+        raise typer.BadParameter(f"--quantization: none, fp8, int8 or int4, got {quantization!r}")
     if weight_scales not in WEIGHT_STRATEGIES:
         raise typer.BadParameter(f"--weight-scales: channel or tensor, got {weight_scales!r}")
     if activations not in ("dynamic", "static", "none"):

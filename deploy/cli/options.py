@@ -118,7 +118,7 @@ def check_model_dir(model_dir: str | None, where: str = "--model", weights: bool
     written on demand) passes."""
     if model_dir is None:
         return
-    from engine.loading.fp8_checkpoint import read_fp8_scheme
+    from engine.loading.checkpoint_scheme import read_checkpoint_scheme
     from engine.loading.hf_checkpoint import (
         checkpoint_files,  # what the loader reads, shards and all
     )
@@ -133,7 +133,7 @@ def check_model_dir(model_dir: str | None, where: str = "--model", weights: bool
     config = root / "config.json"
     try:
         ModelConfig.from_pretrained(root)
-        read_fp8_scheme(json.loads(config.read_text()))
+        read_checkpoint_scheme(json.loads(config.read_text()))
     except FileNotFoundError as e:
         raise typer.BadParameter(f"{where}: {model_dir} has no config.json; expected {hint}") from e
     except json.JSONDecodeError as e:

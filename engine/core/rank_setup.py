@@ -105,6 +105,7 @@ def build_rank(
     spec = kv_cache_spec(
         cfg, config.block_size, kv_dtype, num_blocks, kv_scales, shard,
         layout=kv_layout(config, device), model_kv_heads=model_config.num_kv_heads,
+        weights=model.quantization,
     )  # fmt: skip
     kv_cache = KVCache(spec, device)
     runner = ModelRunner(model, kv_cache, config, lora_weights)

@@ -99,6 +99,10 @@ class KVCacheSpec:
     tp_rank: int = 0
     model_kv_heads: int = 0
     """The model's KV heads (over every rank); 0: `num_kv_heads` (one rank holds them all)."""
+    weights: str = "none"
+    """The weight format of the model whose K and V the pool holds (`LlamaModel.quantization`:
+    none, fp8, int8, int4): pools of models that compute different numbers do not exchange
+    blocks (part of the hand-off's compatibility hash)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -215,8 +219,9 @@ class KVCache:
         self, src: KVCache, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> None:
         """Copy whole blocks from another cache (an in-process hand-off, for tests)."""
-        same = (src.spec.dtype, src.spec.scales, src.spec.tp_size, src.spec.layout) == (
-            self.spec.dtype, self.spec.scales, self.spec.tp_size, self.spec.layout
+        a, b = src.spec, self.spec
+        same = (a.dtype, a.scales, a.tp_size, a.layout, a.weights) == (
+            b.dtype, b.scales, b.tp_size, b.layout, b.weights
         )  # fmt: skip
         dim = self.spec.block_dim
         src_shape, shape = list(src.spec.shape), list(self.spec.shape)

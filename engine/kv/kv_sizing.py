@@ -42,11 +42,13 @@ def kv_cache_spec(
     shard: TPShard | None = None,
     layout: str = KV_LAYOUT,
     model_kv_heads: int = 0,
+    weights: str = "none",
 ) -> KVCacheSpec:
     """The pool spec of this model at this block size and dtype (an e4m3 pool: with its
     per-layer scales, engine/loading/fp8_calibration.py); a TP rank's pool with `shard` (then
     `model_cfg` is the rank's part, engine/tp/tp_shard.py `local_config`, and `model_kv_heads`
-    the whole model's KV heads); `layout`: engine/kv/kv_cache.py's."""
+    the whole model's KV heads); `layout`: engine/kv/kv_cache.py's; `weights`: the model's
+    weight format (`LlamaModel.quantization`)."""
     tp = shard or TPShard(1, 0)
     return KVCacheSpec(
         num_blocks=num_blocks,
@@ -60,6 +62,7 @@ def kv_cache_spec(
         tp_rank=tp.rank,
         layout=layout,
         model_kv_heads=model_kv_heads if tp.size > 1 else 0,
+        weights=weights,
     )
 
 

@@ -80,7 +80,7 @@ def dummy_model(
                 getattr(layer, name).copy_(weight)
             del weight
         if fp8:
-            layer.fp8 = nn.ModuleDict(linears)
+            layer.quantized = nn.ModuleDict(linears)
     model.norm.weight.fill_(1.0)
     if model.lm_head is not None:
         model.lm_head.copy_(normal(tuple(model.lm_head.shape)))

@@ -162,7 +162,7 @@ def prepare_fp8(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         choices = ", ".join(KV_CACHE_DTYPES)
         raise ValueError(f"kv_cache_dtype: one of {choices}, got {kv_cache_dtype!r}")
-    if quantization == "fp8" and model.quantization != "fp8":
+    if quantization == "fp8" and model.quantization == "none":  # an INT checkpoint stays INT
         model.quantize_fp8()
         if model.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool is sized after this: it gets the memory

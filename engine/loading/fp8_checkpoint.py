@@ -60,6 +60,7 @@ from engine.loading.hf_checkpoint import (
     check_complete,
     copy_tensor,
     expected_tensor_names,
+    module_shapes,
 )
 from engine.modeling.llama import DecoderLayer, LlamaModel
 from engine.quantization.fp8_linear import (
@@ -68,7 +69,6 @@ from engine.quantization.fp8_linear import (
     quantize_per_tensor,
     quantize_per_token,
 )
-from vocabulary.model_config import ModelConfig
 
 QUANT_METHOD = "compressed-tensors"
 FLOAT_QUANTIZED = "float-quantized"
@@ -313,15 +313,6 @@ def _check_zero(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def _part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {
-        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-    }  # fmt: skip
-
-
 class _Assembler:
     """Collects the parts of each layer's projections and builds each Fp8Linear the moment
     its last part arrives."""
@@ -331,7 +322,7 @@ class _Assembler:
         self.static = static
         self.dynamic = dynamic
         """How projections without a static input scale quantize their inputs."""
-        self.part_shapes = _part_shapes(model.cfg)
+        self.part_shapes = module_shapes(model.cfg)
         self.parts: dict[tuple[int, str], Fp8Part] = {}
         self.built: dict[int, dict[str, Fp8Linear]] = {}
 
@@ -367,7 +358,7 @@ class _Assembler:
         for module in FUSED_PARTS[projection]:
             del self.parts[(index, module)]
         if len(linears) == len(PROJECTIONS):
-            layer.fp8 = nn.ModuleDict({name: linears[name] for name in PROJECTIONS})
+            layer.quantized = nn.ModuleDict({name: linears[name] for name in PROJECTIONS})
 
     def check_complete(self) -> None:
         if self.parts:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-"""The fused decoder projections (`DecoderLayer` parameters; keys of `DecoderLayer.fp8`)."""
+"""The fused decoder projections (`DecoderLayer` parameters; keys of `DecoderLayer.quantized`)."""
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -43,6 +43,17 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "gate_up_proj": (2 * inter, h),
         "down_proj": (h, inter),
     }
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of each decoder Linear module as a checkpoint names it (`self_attn.q_proj`,
+    ..., `mlp.down_proj`)."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {
+        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }  # fmt: skip
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -206,7 +217,7 @@ def load_weights(model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor]])
 def empty_model(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> LlamaModel:
-    """A model for loaders that fill `DecoderLayer.fp8` themselves: embeddings, norms, biases
+    """A model for loaders that fill `DecoderLayer.quantized` themselves: embeddings, norms, biases
     and head allocated (uninitialized) on `device`, the dense projections empty placeholders
     in the model dtype (as `quantize_fp8` leaves them). It is built on the meta device, so the
     dense projections are never allocated anywhere."""

@@ -11,13 +11,19 @@ loader from `LOADERS`:
              quantization says (logged); or a dense checkpoint with quantization fp8, each
              fused projection quantized as soon as its parts are read, so the dense
              projections never exist on the device (engine/loading/fp8_checkpoint.py)
+    int      an INT8 W8A8 or INT4 W4A16 checkpoint (compressed-tensors `int-quantized` /
+             `pack-quantized`), read as declared whatever quantization says (logged)
+             (engine/loading/int_checkpoint.py); INT is never made at load from a dense one
     dummy    load_format dummy: random weights from config.json, FP8 made layer by layer
-             straight into FP8 when fp8 (engine/loading/dummy_weights.py)
+             straight into FP8 when fp8 (engine/loading/dummy_weights.py); refused for a
+             config.json that declares an INT scheme (dummy weights are dense or FP8)
 
-The FP8 loaders build the model with `empty_model` (its projections allocated by nobody but
-the loader) and set `model.quantization = "fp8"`. With a `TPShard` of size > 1 every loader
-builds that rank's part (engine/tp/tp_shard.py): a model of the part's config, dummy weights
-drawn whole and cut, so each rank's part is the same whatever the size.
+What a config.json declares is read by engine/loading/checkpoint_scheme.py, which refuses any
+scheme not computed. The FP8 and INT loaders build the model with `empty_model` (its
+projections allocated by nobody but the loader) and set `model.quantization` to the format.
+With a `TPShard` of size > 1 every loader builds that rank's part (engine/tp/tp_shard.py): a
+model of the part's config, dummy weights drawn whole and cut, so each rank's part is the same
+whatever the size.
 
 A new format registers a loader here and, when a checkpoint declares it, its detection in
 `weight_format`; the format joins the hand-off compatibility hash through the pool spec.
@@ -34,9 +40,11 @@ from pathlib import Path
 import torch
 
 from engine.config import LOAD_FORMATS, QUANTIZATIONS
+from engine.loading.checkpoint_scheme import read_checkpoint_scheme
 from engine.loading.dummy_weights import dummy_model
-from engine.loading.fp8_checkpoint import Fp8Scheme, load_fp8_weights, read_fp8_scheme
+from engine.loading.fp8_checkpoint import Fp8Scheme, load_fp8_weights
 from engine.loading.hf_checkpoint import empty_model, iter_checkpoint, load_weights
+from engine.loading.int_checkpoint import IntScheme, load_int_weights
 from engine.modeling.llama import LlamaModel
 from engine.tp.tp_shard import TPShard, check_tp_size, local_config
 from vocabulary.model_config import ModelConfig
@@ -58,6 +66,8 @@ class LoadSpec:
     fp8: bool
     """The model computes in FP8 (declared by the checkpoint, or asked for)."""
     fp8_scheme: Fp8Scheme | None
+    int_scheme: IntScheme | None
+    """The INT scheme the checkpoint declares (then `fp8` is False)."""
     seed: int
 
 
@@ -76,20 +86,37 @@ def _load_fp8(spec: LoadSpec) -> LlamaModel:
     return model
 
 
+def _load_int(spec: LoadSpec) -> LlamaModel:
+    assert spec.int_scheme is not None
+    model = empty_model(spec.local_cfg, spec.dtype, spec.device)
+    tensors = iter_checkpoint(spec.model_dir, spec.cfg, spec.shard)
+    load_int_weights(model, tensors, spec.int_scheme, spec.cfg)
+    return model
+
+
 def _load_dummy(spec: LoadSpec) -> LlamaModel:
+    if spec.int_scheme is not None:
+        raise ValueError(
+            f"load_format dummy: {spec.model_dir} declares {spec.int_scheme}; dummy weights "
+            "are dense or FP8 (load the checkpoint's own weights)"
+        )
     return dummy_model(
         spec.cfg, spec.dtype, spec.device, fp8=spec.fp8, seed=spec.seed, shard=spec.shard
     )
 
 
-LOADERS: dict[str, Loader] = {"dense": _load_dense, "fp8": _load_fp8, "dummy": _load_dummy}
+LOADERS: dict[str, Loader] = {
+    "dense": _load_dense, "fp8": _load_fp8, "int": _load_int, "dummy": _load_dummy,
+}  # fmt: skip
 """Weight format → its loader."""
 
 
-def weight_format(load_format: str, fp8: bool) -> str:
+def weight_format(load_format: str, fp8: bool, int_scheme: IntScheme | None = None) -> str:
     """The `LOADERS` key for a checkpoint: dummy when asked for, else what its weights are."""
     if load_format == "dummy":
         return "dummy"
+    if int_scheme is not None:
+        return "int"
     return "fp8" if fp8 else "dense"
 
 
@@ -119,10 +146,14 @@ def load_model(
         shard = None
     if shard is not None:
         check_tp_size(cfg, shard.size)
-    scheme = read_fp8_scheme(raw)
-    if scheme is not None and quantization != "fp8":
+    scheme = read_checkpoint_scheme(raw)
+    int_scheme = scheme if isinstance(scheme, IntScheme) else None
+    fp8_scheme = scheme if isinstance(scheme, Fp8Scheme) else None
+    if fp8_scheme is not None and quantization != "fp8":
         log.info("%s is an FP8 checkpoint (%s): loading FP8 weights", model_dir, scheme)
-    fp8 = quantization == "fp8" or scheme is not None
+    if int_scheme is not None:
+        log.info("%s is an INT checkpoint (%s): loading it as declared", model_dir, scheme)
+    fp8 = int_scheme is None and (quantization == "fp8" or fp8_scheme is not None)
     spec = LoadSpec(
         model_dir=Path(model_dir),
         cfg=cfg,
@@ -131,9 +162,10 @@ def load_model(
         device=device,
         shard=shard,
         fp8=fp8,
-        fp8_scheme=scheme,
+        fp8_scheme=fp8_scheme,
+        int_scheme=int_scheme,
         seed=seed,
     )
-    model = LOADERS[weight_format(load_format, fp8)](spec)
+    model = LOADERS[weight_format(load_format, fp8, int_scheme)](spec)
     model.tp_shard = shard
     return model.eval()

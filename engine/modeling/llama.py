@@ -74,6 +74,15 @@ class Attend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class QuantizedLinear(Protocol):
+    """What the model asks of a quantized projection (`Fp8Linear`, `Int8Linear`,
+    `Int4Linear`): `input_scale`, a static activation scale the op before may quantize with
+    (None: the projection takes its input in the activation dtype), and a call
+    `(x, out_dtype) -> x @ W.T + b`."""
+
+    input_scale: torch.Tensor | None
+
+
 AllReduce = Callable[[torch.Tensor], None]
 """Sums a tensor in place over the tensor-parallel ranks (engine/tp/tensor_parallel.py)."""
 
@@ -154,15 +163,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = _param((2 * cfg.intermediate_size, h), dtype, device)
         self.down_proj = _param((h, cfg.intermediate_size), dtype, device)
-        self.fp8: nn.ModuleDict | None = None
-        """The four projections in FP8 (`quantize_fp8`); then the dense ones are dropped."""
+        self.quantized: nn.ModuleDict | None = None
+        """The four projections in a quantized format (`Fp8Linear` by `quantize_fp8` or an
+        FP8 loader, `Int8Linear` or `Int4Linear` by the INT loader); the dense ones are then
+        empty."""
         self.all_reduce: AllReduce | None = None
         """A tensor-parallel shard's sum of the row-parallel outputs (None: a whole model)."""
 
     def quantize_fp8(self) -> None:
         """Replace qkv, o, gate/up and down by FP8 copies (engine/quantization/fp8_linear.py),
         freeing the dense weights; norms stay in the model dtype."""
-        self.fp8 = nn.ModuleDict(
+        self.quantized = nn.ModuleDict(
             {
                 "qkv_proj": Fp8Linear.from_weight(self.qkv_proj, self.qkv_bias),
                 "o_proj": Fp8Linear.from_weight(self.o_proj, self.o_bias),
@@ -176,18 +187,18 @@ class DecoderLayer(nn.Module):
 
     def _static_scale(self, name: str, lora: LoraStep | None = None) -> torch.Tensor | None:
         """The static input scale of FP8 projection `name` (the op before it then writes
-        e4m3 itself), or None (dense, FP8 with dynamic input scales, or adapted by `lora`:
-        the adapter reads the input in the activation dtype)."""
-        if self.fp8 is None or (lora is not None and name in lora.projections):
+        e4m3 itself), or None (dense, FP8 with dynamic input scales, INT, or adapted by
+        `lora`: the adapter reads the input in the activation dtype)."""
+        if self.quantized is None or (lora is not None and name in lora.projections):
             return None
-        return cast(Fp8Linear, self.fp8[name]).input_scale
+        return cast(QuantizedLinear, self.quantized[name]).input_scale
 
     def _linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """Projection `name` of x (model dtype, or e4m3 made with its static input scale)."""
-        if self.fp8 is not None:
-            out: torch.Tensor = self.fp8[name](x, out_dtype=weight.dtype)
+        if self.quantized is not None:
+            out: torch.Tensor = self.quantized[name](x, out_dtype=weight.dtype)
             return out
         return F.linear(x, weight, bias)
 
@@ -303,7 +314,8 @@ class LlamaModel(nn.Module):
         )
         self.rotary = Rotary(cfg, device)
         self.quantization = "none"
-        """How the projections are stored: none (the model dtype) or fp8."""
+        """How the projections are stored (the weight format; part of the hand-off's
+        compatibility hash): none (the model dtype), fp8, int8 or int4."""
         self.tp_shard: TPShard | None = None
         """The tensor-parallel part this model holds (`cfg` is then that part's config,
         engine/tp/tp_shard.py); None: the whole model."""

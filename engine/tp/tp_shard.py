@@ -24,7 +24,9 @@ A rank's model is a `LlamaModel` of `local_config(cfg, shard)` (its head and int
 counts), so the attention backends, the KV pool (its KV heads only), CUDA graphs and FP8
 calibration see local shapes and need no TP awareness. The loader slices every checkpoint
 tensor as it streams (`tensor_slice`; safetensors reads only the slice), FP8 checkpoints
-included: a per-output-channel weight scale follows its rows, a per-tensor one is kept.
+included: a per-output-channel weight scale follows its rows, a per-tensor one is kept. INT4's
+packed words and group scales of a row-parallel module are cut by input columns in whole
+groups; a split inside a group (or inside a packed word) is refused.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import torch
 
 from vocabulary.model_config import ModelConfig
 
-_LAYER_TENSOR = re.compile(
+LAYER_TENSOR = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$"
 )
+"""A decoder Linear module's tensor by its Hugging Face name (groups: the module, the kind)."""
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                    "mlp.gate_proj", "mlp.up_proj")  # fmt: skip
 """Checkpoint modules split by output rows."""
@@ -151,7 +154,7 @@ def tensor_slice(name: str, shape: tuple[int, ...], cfg: ModelConfig, shard: TPS
     """What rank `shard.rank` holds of the checkpoint tensor `name` (of `shape`); see the
     module docstring. Kinds other than weight and bias (FP8 scales and zero points) follow
     the weight's rows when they have one value per row, and are whole otherwise."""
-    m = _LAYER_TENSOR.match(name)
+    m = LAYER_TENSOR.match(name)
     if shard.size == 1 or m is None:
         return WHOLE
     module, kind = m.group(1), m.group(2)
@@ -159,12 +162,27 @@ def tensor_slice(name: str, shape: tuple[int, ...], cfg: ModelConfig, shard: TPS
     if module in ROW_PARALLEL:
         if kind == "weight":
             return Slice(1, start, stop)
+        if kind in ("weight_packed", "weight_scale") and len(shape) == 2 and shape[1] > 1:
+            return _column_groups(name, shape[1], full, start, stop)
         if kind == "bias" and shard.rank != 0:
             return Slice(zeros=True)
         return WHOLE  # bias on rank 0; scales of the (unsplit) output rows
     if kind in ("weight", "bias") or (len(shape) >= 1 and shape[0] == full):
         return Slice(0, start, stop)
     return WHOLE  # a per-tensor scale
+
+
+def _column_groups(name: str, columns: int, full: int, start: int, stop: int) -> Slice:
+    """The slice of a row-parallel tensor with one column per group of `full // columns`
+    input columns (INT4's packed words and group scales): input columns [start, stop) in
+    whole groups, or ValueError naming a split inside one."""
+    per = full // columns
+    if per * columns != full or start % per or stop % per:
+        raise ValueError(
+            f"tensor {name}: this rank's input columns [{start}, {stop}) split a group of "
+            f"{per} (a TP size whose shards hold whole quantization groups only)"
+        )
+    return Slice(1, start // per, stop // per)
 
 
 def apply_slice(tensor: torch.Tensor, part: Slice) -> torch.Tensor:

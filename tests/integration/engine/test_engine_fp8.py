@@ -60,7 +60,7 @@ def test_quantizing_at_load_frees_the_dense_projection_weights(
     engine = LLMEngine(config, tokenizer=tokenizer)
     layer = engine.model.layers[0]
     assert engine.model.quantization == "fp8"
-    assert layer.qkv_proj.numel() == 0 and layer.fp8 is not None  # type: ignore[union-attr]
-    assert layer.fp8["qkv_proj"].weight.dtype == torch.float8_e4m3fn  # type: ignore[index]
+    assert layer.qkv_proj.numel() == 0 and layer.quantized is not None  # type: ignore[union-attr]
+    assert layer.quantized["qkv_proj"].weight.dtype == torch.float8_e4m3fn  # type: ignore[index]
     engine.add_request("a", list(range(5, 30)), greedy(4))
     assert len(tokens_of(run_to_completion(engine)["a"])) == 4

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_factories import greedy, make_engine
+from fp8_reference import hf_on, parted_at
+from fp8_reference import reference_greedy as greedy_of
 from typer.testing import CliRunner
 
 from deploy.cli.app import app
@@ -47,32 +49,13 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> P
     return make_fp8(out, tiny_model_dir, "dynamic", "dynamic per-token activations")
 
 
-def hf_on(checkpoint: Path) -> torch.nn.Module:
-    """transformers on an FP8 checkpoint: compressed-tensors emulates its scheme."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def reference(fp8_dir: Path) -> torch.nn.Module:
     return hf_on(fp8_dir)
 
 
-@torch.inference_mode()
 def reference_greedy(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """The reference's greedy continuation and its top-2 logit gap at every step."""
-    ids, gaps = list(prompt), []
-    for _ in range(MAX_TOKENS):
-        logits = hf(torch.tensor([ids])).logits[0, -1]
-        top2 = logits.topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt) :], gaps
-
-
-def parted_at(want: list[int], got: list[int]) -> int | None:
-    return next((k for k, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+    return greedy_of(hf, prompt, MAX_TOKENS)
 
 
 def engine_on(fp8_dir: Path, tokenizer: Tokenizer, scales: str = "checkpoint") -> LLMEngine:

@@ -73,8 +73,8 @@ def test_fp8_dummy_is_built_straight_into_fp8_and_equals_the_dense_one_quantized
     assert fp8.quantization == "fp8"
     for ours, ref in zip(fp8.layers, quantized.layers, strict=True):
         assert ours.qkv_proj.numel() == 0  # no dense projection was ever allocated for it
-        for name, linear in ours.fp8.items():  # type: ignore[union-attr]
-            other = ref.fp8[name]  # type: ignore[index]
+        for name, linear in ours.quantized.items():  # type: ignore[union-attr]
+            other = ref.quantized[name]  # type: ignore[index]
             assert linear.weight.dtype == FP8_DTYPE
             assert torch.equal(linear.weight.view(torch.uint8), other.weight.view(torch.uint8))
             assert torch.equal(linear.weight_scale, other.weight_scale)

@@ -81,7 +81,7 @@ def test_calibration_sets_static_scales_only_where_the_checkpoint_gave_none(
     model = tiny_model()
     model.quantize_fp8()
     seen = observe(model, list(range(3, 40)))
-    kept = model.layers[0].fp8["down_proj"]  # type: ignore[index]
+    kept = model.layers[0].quantized["down_proj"]  # type: ignore[index]
     kept.input_scale = torch.tensor(0.125)
     assert calibrate_activations(model, seen) == 4 * model.cfg.num_layers - 1
     assert float(kept.input_scale) == 0.125

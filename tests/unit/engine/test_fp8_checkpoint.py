@@ -182,9 +182,9 @@ def test_make_model_fp8_checkpoint_loads_into_fp8_layers(
     assert model.weight_bytes < dense.weight_bytes
     torch.testing.assert_close(model.lm_head, dense.lm_head, rtol=0, atol=0)
     for i, (ours, ref) in enumerate(zip(model.layers, dense.layers, strict=True)):
-        assert ours.fp8 is not None and ours.qkv_proj.numel() == 0
+        assert ours.quantized is not None and ours.qkv_proj.numel() == 0
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            linear = ours.fp8[name]
+            linear = ours.quantized[name]
             assert isinstance(linear, Fp8Linear) and linear.weight.dtype == FP8_DTYPE
             assert (linear.input_scale is None) is per_channel
             # as the checkpoint declares: dynamic per-token activations, or its static scales
@@ -195,7 +195,7 @@ def test_make_model_fp8_checkpoint_loads_into_fp8_layers(
             bound = want.abs() * REL_STEP * 1.01 + rows * SUBNORMAL_STEP
             assert bool(((got - want).abs() <= bound).all()), (i, name)
     if not per_channel:  # static: the max of q/k/v's observed input scales (all one input)
-        scale = float(model.layers[1].fp8["qkv_proj"].input_scale)  # type: ignore[index]
+        scale = float(model.layers[1].quantized["qkv_proj"].input_scale)  # type: ignore[index]
         assert scale == pytest.approx(float(tensors[f"{q}.input_scale"]))
 
 
@@ -206,8 +206,8 @@ def test_dense_checkpoint_quantized_while_loading_equals_quantizing_after(
     after = copy.deepcopy(load_model(tiny_model_dir, torch.float32))
     after.quantize_fp8()
     for a, b in zip(streamed.layers, after.layers, strict=True):
-        for name, linear in a.fp8.items():  # type: ignore[union-attr]
-            other = b.fp8[name]  # type: ignore[index]
+        for name, linear in a.quantized.items():  # type: ignore[union-attr]
+            other = b.quantized[name]  # type: ignore[index]
             assert torch.equal(linear.weight.view(torch.uint8), other.weight.view(torch.uint8))
             assert torch.equal(linear.weight_scale, other.weight_scale)
     assert streamed.weight_bytes == after.weight_bytes

@@ -128,9 +128,9 @@ def test_an_fp8_checkpoints_shard_dequantizes_to_the_dense_shard(
     part = load_model(out, torch.float32, shard=shard)
     assert part.quantization == "fp8"
     for ours, ref in zip(part.layers, dense.layers, strict=True):
-        assert ours.fp8 is not None
+        assert ours.quantized is not None
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            linear = ours.fp8[name]
+            linear = ours.quantized[name]
             want = shard_fused(name, getattr(ref, name), cfg, shard)
             got = linear.dequantized(torch.float32)
             assert linear.per_channel and linear.weight_scale.shape == (want.shape[0],)

@@ -1,0 +1,70 @@
+"""Write INT8 W8A8 and INT4 W4A16 checkpoints in the compressed-tensors formats
+engine/loading/int_checkpoint.py reads (its docstring shows the config keys and tensor names),
+as llm-compressor's W8A8 and W4A16 presets lay them out:
+
+    int8  (int-quantized)
+        <module>.weight         int8 [out, in]      round(weight / scale), clamped to ±127
+        <module>.weight_scale   [out, 1]            amax of each row / 127
+    int4  (pack-quantized, group size G, 128 by default)
+        <module>.weight_packed  int32 [out, in / 8] round(weight / scale) per group, in
+                                                    [-7, 7], packed (pack_int4)
+        <module>.weight_scale   [out, in / G]       amax of each group / 7
+        <module>.weight_shape   int64 [2]           out, in
+
+Round-to-nearest, no calibration: INT8 activations are dynamic per token (nothing to observe)
+and INT4 leaves them in the model dtype. Scales divide by 127 and 7 (not compressed-tensors'
+own 127.5 and 7.5), so each row's or group's largest weight is stored exactly and none is
+clipped; a reader needs only the stored scales. A scale is stored in the checkpoint's dtype,
+and the weight is rounded with the stored scale. Only the decoder's Linear modules are
+quantized; the head, embeddings and norms stay dense (`ignore: [lm_head]`).
+`pdserve make-model --quantization int8|int4` writes one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deploy.checkpoints.fp8_writer import LINEAR_WEIGHT
+from engine.loading.int_checkpoint import IntScheme
+from engine.quantization.int4_linear import INT4_MAX, INT4_MIN, pack_int4
+
+_MIN_SCALE = 1e-12
+
+
+def quantize_int_tensors(
+    tensors: dict[str, torch.Tensor], scheme: IntScheme
+) -> dict[str, torch.Tensor]:
+    """The checkpoint `tensors` (HF names, dense) in `scheme`. Empties `tensors` as it goes
+    (one copy of the weights at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in list(tensors):
+        t = tensors.pop(name)
+        m = LINEAR_WEIGHT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        module = m[1]
+        if scheme.bits == 8:
+            q, scale = _quantized(t.float(), 127, -128, 127, t.dtype)
+            out[name] = q.to(torch.int8)
+            out[f"{module}.weight_scale"] = scale
+            continue
+        rows, cols = t.shape
+        size = scheme.group_size
+        if cols % size:
+            raise ValueError(f"{name}: {cols} columns are not a multiple of group_size {size}")
+        groups = t.float().reshape(rows * cols // size, size)
+        q, scale = _quantized(groups, INT4_MAX, INT4_MIN, INT4_MAX, t.dtype)
+        out[f"{module}.weight_packed"] = pack_int4(q.reshape(rows, cols))
+        out[f"{module}.weight_scale"] = scale.reshape(rows, cols // size)
+        out[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+    return out
+
+
+def _quantized(
+    w: torch.Tensor, top: int, lo: int, hi: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int values [rows, cols] in [lo, hi], scales [rows, 1] in `dtype`): each row of the
+    float32 `w` by amax / `top`, rounded with the scale as stored."""
+    scale = (w.abs().amax(dim=1, keepdim=True) / top).clamp(min=_MIN_SCALE).to(dtype)
+    return (w / scale.float()).round().clamp(lo, hi), scale

@@ -1,0 +1,46 @@
+"""What a checkpoint's config.json declares about its weights: dense (no
+`quantization_config`), FP8 (compressed-tensors `float-quantized`,
+engine/loading/fp8_checkpoint.py) or INT8 / INT4 (compressed-tensors `int-quantized` /
+`pack-quantized`, engine/loading/int_checkpoint.py). The checkpoint decides how it loads;
+anything else is refused here, before a worker starts, naming the config key and value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.loading.fp8_checkpoint import FLOAT_QUANTIZED, QUANT_METHOD, Fp8Scheme, read_fp8_scheme
+from engine.loading.int_checkpoint import INT_FORMATS, IntScheme, read_int_scheme
+
+CheckpointScheme = Fp8Scheme | IntScheme
+
+
+def read_checkpoint_scheme(raw_config: Mapping[str, Any]) -> CheckpointScheme | None:
+    """The quantization scheme config.json declares; None for a dense checkpoint. Raises
+    ValueError naming the key of any quantization the engine does not compute."""
+    qc = raw_config.get("quantization_config")
+    if qc is None:
+        return None
+    where = "config.json: quantization_config"
+    if not isinstance(qc, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != QUANT_METHOD:
+        raise ValueError(
+            f"{where}.quant_method {method!r} is not supported (quantized checkpoints load in "
+            f"the {QUANT_METHOD} formats {FLOAT_QUANTIZED!r}, {', '.join(map(repr, INT_FORMATS))};"
+            " GPTQ and AWQ checkpoints convert to them with llm-compressor)"
+        )
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{where}.config_groups: expected a mapping of quantized groups")
+    formats = {
+        (g.get("format") if isinstance(g, Mapping) else None) or qc.get("format")
+        for g in groups.values()
+    }
+    if formats <= set(INT_FORMATS):
+        return read_int_scheme(qc, where)
+    if formats == {FLOAT_QUANTIZED} or not formats & set(INT_FORMATS):
+        return read_fp8_scheme(raw_config)  # it names an unsupported format
+    raise ValueError(f"{where}: groups in formats {sorted(map(str, formats))} do not load together")

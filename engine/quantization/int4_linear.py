@@ -1,0 +1,171 @@
+"""INT4 W4A16 linear layers: weight-only int4 with one scale per group of input columns,
+packed eight to an int32 as compressed-tensors' `pack-quantized` format stores them;
+activations stay in the model dtype.
+
+Packing (compressed-tensors `pack_to_int32` with num_bits 4): a value q in [-8, 7] is stored
+as q + 8 in four bits; int32 word j of a row holds the row's columns 8j .. 8j+7, column 8j+i
+in bits 4i .. 4i+3 (the first column in the lowest bits). A row of `in` columns takes
+ceil(in / 8) words. The weight is
+
+    W[n, k] = q[n, k] * weight_scale[n, k // group_size]
+
+(symmetric: no zero point). A call:
+
+    CPU   dequantize W as above in float32, cast to x's dtype, then x @ W.T: what
+          transformers + compressed-tensors compute on such a checkpoint (they decompress
+          the weight the same way and run the Linear in the model dtype)
+    CUDA  bf16 inputs, group size 32/64/128/256, in a multiple of 128 and out of 8:
+          PyTorch's tinygemm int4 GEMM (`torch._weight_int4pack_mm`, the weight repacked
+          once at load by `_convert_weight_to_int4pack` with scales and zero offsets
+          `[groups, out, 2]`, zeros 0); anything else: the CPU path on the device
+
+Figures: none yet (docs/operations.md, "Quantized checkpoints", says which command takes them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+INT4_MIN, INT4_MAX = -8, 7
+PACK = 8
+"""int4 values per int32 word."""
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+_TINYGEMM_INNER_K_TILES = 8
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, ceil(cols / 8)] of int values q [rows, cols] in [-8, 7] (module
+    docstring's layout)."""
+    if q.dim() != 2:
+        raise ValueError(f"pack_int4: want a 2-D tensor, got {q.dim()}-D")
+    if bool((q < INT4_MIN).any() or (q > INT4_MAX).any()):
+        raise ValueError("pack_int4: values outside [-8, 7]")
+    rows, cols = q.shape
+    words = -(-cols // PACK)
+    u = torch.zeros((rows, words * PACK), dtype=torch.int64, device=q.device)
+    u[:, :cols] = q.to(torch.int64) + 8
+    shifts = torch.arange(PACK, device=q.device, dtype=torch.int64) * 4
+    packed = (u.view(rows, words, PACK) << shifts).sum(dim=-1)
+    # bits 28..31 hold column 8j+7: values above 2^31 wrap to int32's negative range
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """int8 [rows, cols] in [-8, 7] of `pack_int4`'s output."""
+    rows, words = packed.shape
+    if cols > words * PACK or cols <= (words - 1) * PACK:
+        raise ValueError(f"unpack_int4: {words} words per row cannot hold {cols} columns")
+    shifts = torch.arange(PACK, device=packed.device, dtype=torch.int32) * 4
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.reshape(rows, words * PACK)[:, :cols] - 8).to(torch.int8)
+
+
+def quantize_groups_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values in [-7, 7] [out, in], float32 scales [out, in / group_size]) of w by
+    round-to-nearest per group with scale = amax(|group|) / 7 (the writer's choice: every
+    group's largest value is exact; -8 is never used)."""
+    out, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"in_features {cols} is not a multiple of group_size {group_size}")
+    groups = w.float().reshape(out, cols // group_size, group_size)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / INT4_MAX).clamp(
+        min=torch.finfo(torch.float32).eps
+    )
+    q = (groups / scale).round().clamp(INT4_MIN, INT4_MAX).to(torch.int8)
+    return q.reshape(out, cols), scale.reshape(out, cols // group_size)
+
+
+class Int4Linear(torch.nn.Module):
+    """`y = x @ W.T + b` with W in packed int4 per group (see the module docstring)."""
+
+    weight_packed: torch.Tensor
+    """int32 [out, in / 8] (compressed-tensors' layout)."""
+    weight_scale: torch.Tensor
+    """float32 [out, in / group_size]."""
+    input_scale: torch.Tensor | None = None
+    """Always None: activations stay in the model dtype."""
+
+    def __init__(
+        self,
+        weight_packed: torch.Tensor,
+        weight_scale: torch.Tensor,
+        in_features: int,
+        group_size: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        rows = weight_packed.shape[0]
+        if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
+            raise ValueError(f"Int4Linear: want a 2-D int32 weight, got {weight_packed.dtype}")
+        if in_features % group_size:
+            raise ValueError(
+                f"Int4Linear: in_features {in_features} is not a multiple of group_size "
+                f"{group_size}"
+            )
+        if weight_packed.shape[1] != -(-in_features // PACK):
+            raise ValueError(
+                f"Int4Linear: {weight_packed.shape[1]} packed words per row for "
+                f"{in_features} columns"
+            )
+        want = (rows, in_features // group_size)
+        if tuple(weight_scale.shape) != want:
+            raise ValueError(
+                f"Int4Linear: weight_scale of shape {tuple(weight_scale.shape)}, want {want}"
+            )
+        self.in_features = in_features
+        self.group_size = group_size
+        self.register_buffer("weight_packed", weight_packed.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        self.bias = bias
+        self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
+        if weight_packed.is_cuda and tinygemm_fits(rows, in_features, group_size):
+            try:
+                self._tinygemm = self._tinygemm_weights()
+            except RuntimeError as e:  # a GPU tinygemm was not built for: the CPU arithmetic
+                log.warning("int4: PyTorch's int4 GEMM unavailable (%s); dequantizing", e)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_packed.numel() * 4
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [out, in] in `dtype`: the int4 values times their group's scale in float32."""
+        q = unpack_int4(self.weight_packed, self.in_features).float()
+        rows = q.shape[0]
+        groups = q.view(rows, -1, self.group_size) * self.weight_scale.unsqueeze(-1)
+        return groups.reshape(rows, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
+        out_dtype = out_dtype or x.dtype
+        if self._tinygemm is not None and x.dtype == torch.bfloat16 and x.shape[0] > 0:
+            packed, scales_zeros = self._tinygemm
+            out = torch._weight_int4pack_mm(x.contiguous(), packed, self.group_size, scales_zeros)
+            out = out.to(out_dtype)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.dequantized(x.dtype), self.bias).to(out_dtype)
+
+    def _tinygemm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """tinygemm's operands: the weight as `_convert_weight_to_int4pack` takes it (two
+        unsigned nibbles per byte, the even column in the high one: w = (u - 8) * scale +
+        zero), and bf16 scales with zero offsets [groups, out, 2]."""
+        u = (unpack_int4(self.weight_packed, self.in_features).to(torch.int32) + 8).to(torch.uint8)
+        pairs = (u[:, ::2] << 4 | u[:, 1::2]).contiguous()
+        packed = torch._convert_weight_to_int4pack(pairs, _TINYGEMM_INNER_K_TILES)
+        scale = self.weight_scale.t().to(torch.bfloat16)
+        scales_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous()
+        return packed, scales_zeros
+
+
+def tinygemm_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether PyTorch's int4 GEMM takes this shape (module docstring)."""
+    return (
+        group_size in TINYGEMM_GROUPS
+        and in_features % (16 * _TINYGEMM_INNER_K_TILES) == 0
+        and out_features % 8 == 0
+    )

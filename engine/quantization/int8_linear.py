@@ -1,0 +1,104 @@
+"""INT8 W8A8 linear layers: int8 weights with one scale per output row (channel), inputs
+quantized to int8 at run time with one scale per token, the product accumulated in int32.
+
+This is the scheme of compressed-tensors' `int-quantized` W8A8 checkpoints (llm-compressor's
+W8A8, SmoothQuant-style): symmetric int8 both sides, `weight ≈ q_w * weight_scale[row]`,
+`x ≈ q_x * x_scale[token]`, so
+
+    y[t, n] = x_scale[t] * weight_scale[n] * sum_k q_x[t, k] * q_w[n, k]   (+ bias)
+
+A token's scale is compressed-tensors' symmetric one: amax(|row|) / 127.5 (its int range
+[-128, 127] halved), `q_x = clamp(round(x / scale), -128, 127)` with round-half-even: the
+numbers transformers + compressed-tensors compute when it runs such a checkpoint. A request's
+numbers never depend on what else is in its batch (every scale is its own token's).
+
+A call:
+
+    CUDA  x → per-token scales and int8 x (torch ops) → `torch._int_mm` (cuBLASLt int8 by
+          int8 → int32; it wants more than 16 rows and both dims a multiple of 8: fewer rows
+          are padded with zeros to 17; other dims run the CPU arithmetic) → int32 times the
+          outer product of the scales, in float32, then the out dtype
+    CPU   the same quantization of x, `torch._int_mm` on the CPU (exact int32), the same
+          rescale: the GPU's numbers exactly (integer sums have no order)
+
+Figures: none yet (docs/operations.md, "Quantized checkpoints", says which command takes them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+HALF_RANGE = 127.5
+"""compressed-tensors' symmetric int8 scale divisor: (127 - (-128)) / 2."""
+_MIN_SCALE = torch.finfo(torch.float32).eps  # compressed-tensors' stand-in for a zero scale
+_INT_MM_MIN_ROWS = 17
+
+
+def quantize_rows_int8(
+    x: torch.Tensor, divisor: float = HALF_RANGE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [rows, cols], float32 scales [rows, 1]): each row by its own amax / `divisor`,
+    rounded half-to-even and clamped to [-128, 127]."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / divisor).clamp(min=_MIN_SCALE)
+    return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+
+class Int8Linear(torch.nn.Module):
+    """`y = x @ W.T + b` with W in int8 per channel and x quantized per token (see the module
+    docstring)."""
+
+    weight: torch.Tensor
+    """int8 [out, in]."""
+    weight_scale: torch.Tensor
+    """float32 [out]."""
+    input_scale: torch.Tensor | None = None
+    """Always None: activations are dynamic (the op before never writes int8)."""
+
+    def __init__(
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        if weight.dtype != torch.int8 or weight.dim() != 2:
+            raise ValueError(f"Int8Linear: want a 2-D int8 weight, got {weight.dtype}")
+        rows = weight.shape[0]
+        if weight_scale.numel() != rows:
+            raise ValueError(
+                f"Int8Linear: weight_scale of {weight_scale.numel()} values for {rows} rows "
+                "(want one per row)"
+            )
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().reshape(rows).contiguous())
+        self.bias = bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
+        out_dtype = out_dtype or x.dtype
+        x_q, x_scale = quantize_rows_int8(x)
+        acc = int_matmul(x_q, self.weight)
+        out = (acc.float() * x_scale * self.weight_scale).to(out_dtype)
+        return out if self.bias is None else out + self.bias
+
+
+def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b[N, K].T in exact int32 for int8 a and b."""
+    rows, k = a.shape
+    n = b.shape[0]
+    if rows == 0:
+        return torch.zeros((0, n), dtype=torch.int32, device=a.device)
+    if a.is_cuda and (k % 8 or n % 8):
+        # cuBLASLt's int8 GEMM refuses these; float64 holds every int8 dot product exactly
+        return (a.double() @ b.double().t()).to(torch.int32)
+    if a.is_cuda and rows < _INT_MM_MIN_ROWS:
+        padded = torch.zeros((_INT_MM_MIN_ROWS, k), dtype=torch.int8, device=a.device)
+        padded[:rows] = a
+        return torch._int_mm(padded, b.t())[:rows]
+    return torch._int_mm(a.contiguous(), b.t())

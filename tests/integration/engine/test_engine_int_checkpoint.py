@@ -1,0 +1,188 @@
+"""The INT8 W8A8 and INT4 W4A16 checkpoints `pdserve make-model --quantization int8|int4`
+writes (compressed-tensors int-quantized / pack-quantized) computed as they declare: greedy
+tokens equal transformers + compressed-tensors (which emulates the scheme) on the same
+checkpoint under the margin rule of tests/fp8_reference.py; a request's INT8 tokens do not
+depend on its batch neighbours' activations; a prefill-only → decode-only hand-off on an INT
+checkpoint gives the colocated tokens, and pools of different weight formats refuse each
+other; schemes not computed are refused at load naming the config key.
+
+INT4 dequantizes in float32 as compressed-tensors does, so its logits equal the reference's
+(measured: 0.0). INT8 accumulates in int32 and rescales once (what the GPU computes), where
+the reference multiplies dequantized floats: float noise of ~1e-6 flips an activation's int8
+rounding now and then, and those flips move the tiny model's logits by ~0.2 (of a range of
+~40) after four layers; the margin rule lets a token part only where that error is more
+than half the reference's top-2 gap."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from engine_factories import greedy, make_engine, run_to_completion, tokens_of
+from fp8_reference import hf_on, margin_check_against_transformers
+from test_engine_handoff import hand_off, prefill
+from typer.testing import CliRunner
+
+from deploy.cli.app import app
+from engine.config import EngineMode
+from engine.loading.loaders import load_model
+from engine.modeling.llama import LlamaModel
+from engine.quantization.int4_linear import Int4Linear
+from engine.quantization.int8_linear import Int8Linear
+from kv_transfer.types import compat_fields
+from vocabulary.engine_io import KVHandoff
+from vocabulary.tokenizer import Tokenizer
+
+MAX_TOKENS = 24
+
+
+def make_int(out: Path, quantization: str, says: str) -> Path:
+    result = CliRunner().invoke(app, ["make-model", str(out), "--quantization", quantization])
+    assert result.exit_code == 0, result.output
+    assert says in " ".join(result.output.split())
+    return out
+
+
+@pytest.fixture(scope="module")
+def int8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_int(tmp_path_factory.mktemp("int8") / "int8", "int8", "INT8 W8A8")
+
+
+@pytest.fixture(scope="module")
+def int4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_int(tmp_path_factory.mktemp("int4") / "int4", "int4", "group of 128")
+
+
+@pytest.fixture(scope="module")
+def int8_model(int8_dir: Path) -> LlamaModel:
+    return load_model(int8_dir, torch.float32, quantization="fp8")  # the checkpoint decides
+
+
+@pytest.mark.parametrize("which", ["int8", "int4"])
+def test_greedy_matches_transformers_compressed_tensors(
+    which: str, request: pytest.FixtureRequest, tokenizer: Tokenizer,
+    corpus_prompts: list[list[int]],
+) -> None:  # fmt: skip
+    checkpoint: Path = request.getfixturevalue(f"{which}_dir")
+    model = load_model(checkpoint, torch.float32)
+    kind = Int8Linear if which == "int8" else Int4Linear
+    assert model.quantization == which
+    assert all(isinstance(m, kind) for layer in model.layers for m in layer.quantized.values())  # type: ignore[union-attr]
+    engine = make_engine(checkpoint, model, tokenizer)
+    prompts = corpus_prompts[::4]  # 8 prompts, 3 to ~90 tokens
+    got = engine.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    report = margin_check_against_transformers(hf_on(checkpoint), model, prompts, got)
+    assert report.exact >= len(prompts) - 2, report
+    assert all(err < 1.0 for err in report.errors), report  # the scheme, not another one
+
+
+def test_an_int8_requests_tokens_do_not_depend_on_its_neighbours_activations(
+    int8_dir: Path, tokenizer: Tokenizer, corpus_prompts: list[list[int]]
+) -> None:
+    """A neighbour whose every token embeds 64x larger than any other: each token's own
+    activation scale keeps the request's tokens (integer sums: bit-for-bit)."""
+    loud = 7
+    model = load_model(int8_dir, torch.float32)
+    model.embed_tokens.data[loud] *= 64.0
+    prompt, neighbour = corpus_prompts[9], [loud] * 40
+    params = greedy(MAX_TOKENS, ignore_eos=True)
+    engine = make_engine(int8_dir, model, tokenizer)
+    alone = engine.generate([prompt], params)[0]
+    assert engine.generate([neighbour, prompt, neighbour], params)[1] == alone
+
+
+def test_a_prefill_only_to_decode_only_handoff_on_int8_gives_the_colocated_tokens(
+    int8_dir: Path, int8_model: LlamaModel, tokenizer: Tokenizer, prompts: list[list[int]]
+) -> None:
+    args = (int8_dir, int8_model, tokenizer)
+    p = make_engine(*args, mode=EngineMode.PREFILL_ONLY, num_kv_blocks=64)
+    d = make_engine(*args, mode=EngineMode.DECODE_ONLY, num_kv_blocks=48)
+    colocated = make_engine(*args).generate([prompts[2]], greedy(10))[0]
+    out = prefill(p, "r", prompts[2], greedy(10))
+    assert isinstance(out.kv_handoff, KVHandoff)
+    hand_off(p, d, out, prompts[2], greedy(10))
+    assert [out.kv_handoff.first_token_id, *tokens_of(run_to_completion(d)["r"])] == colocated
+    assert "weights=int8" in compat_fields(p.kv_cache.spec, "m")
+
+
+def test_pools_of_different_weight_formats_refuse_each_other(
+    int8_dir: Path, int4_dir: Path, int8_model: LlamaModel, tokenizer: Tokenizer,
+    tiny_model_dir: Path, tiny_model: LlamaModel, prompts: list[list[int]],
+) -> None:  # fmt: skip
+    p = make_engine(int8_dir, int8_model, tokenizer, mode=EngineMode.PREFILL_ONLY)
+    int4 = load_model(int4_dir, torch.float32)
+    others = [
+        make_engine(int4_dir, int4, tokenizer, mode=EngineMode.DECODE_ONLY),
+        make_engine(tiny_model_dir, tiny_model, tokenizer, mode=EngineMode.DECODE_ONLY),
+    ]
+    fields = {compat_fields(e.kv_cache.spec, "m") for e in (p, *others)}
+    assert len(fields) == 3  # int8, int4 and the dense model hash apart
+    out = prefill(p, "r", prompts[2], greedy(10))
+    assert out.kv_handoff is not None
+    for d in others:
+        with pytest.raises(ValueError, match="incompatible KV caches"):
+            hand_off(p, d, out, prompts[2], greedy(10))
+
+
+def _edited(src: Path, out: Path, edit_config=None, edit_tensors=None) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of checkpoint `src` with its config and/or tensors changed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    if edit_config is not None:
+        raw = json.loads((out / "config.json").read_text())
+        edit_config(raw["quantization_config"])
+        (out / "config.json").write_text(json.dumps(raw))
+    if edit_tensors is not None:
+        tensors = load_file(str(out / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _weights(qc: dict) -> dict:
+    return qc["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(
+    ("which", "edit_config", "edit_tensors", "message"),
+    [
+        ("int8", lambda qc: _weights(qc).update(num_bits=6), None,
+         "group_0.weights: 6-bit int is not supported"),
+        ("int4", lambda qc: _weights(qc).update(symmetric=False), None,
+         r"weights.symmetric: false \(zero points\) is not supported"),
+        ("int4", lambda qc: _weights(qc).update(actorder="group"), None,
+         "weights.actorder: 'group' is not supported"),
+        ("int4", lambda qc: _weights(qc).update(group_size=256), None,
+         "not a whole number of groups of 256"),
+        ("int8", lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(
+            dynamic=False, strategy="tensor"), None,
+         "input_activations: dynamic=False strategy 'tensor' is not supported"),
+        ("int8", lambda qc: qc.update(quant_method="gptq"), None,
+         "quant_method 'gptq' is not supported"),
+        ("int8", None, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"),
+         "missing model.layers.1.mlp.up_proj.weight_scale"),
+        ("int4", None, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_g_idx":
+                                           torch.zeros(128, dtype=torch.int32)}),
+         "weight_g_idx: activation ordering"),
+        ("int4", None, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_zero_point":
+                                           torch.zeros(384, 1, dtype=torch.int32)}),
+         "a zero point"),
+    ],
+)  # fmt: skip
+def test_schemes_not_computed_are_refused_at_load_naming_the_key(
+    which: str, edit_config, edit_tensors, message: str,  # type: ignore[no-untyped-def]
+    request: pytest.FixtureRequest, tmp_path: Path,
+) -> None:  # fmt: skip
+    src: Path = request.getfixturevalue(f"{which}_dir")
+    bad = _edited(src, tmp_path / "bad", edit_config, edit_tensors)
+    with pytest.raises(ValueError, match=message):
+        load_model(bad, torch.float32)
+
+
+def test_dummy_weights_refuse_an_int_config(int4_dir: Path) -> None:
+    with pytest.raises(ValueError, match="dummy weights are dense or FP8"):
+        load_model(int4_dir, torch.float32, load_format="dummy")
