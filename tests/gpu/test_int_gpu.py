@@ -1,0 +1,50 @@
+"""The INT8 and INT4 linear layers on CUDA compute what their CPU path computes: INT8's
+`torch._int_mm` (padded below 17 rows; dims off the multiple of 8 in float64) is exact in
+int32, so only the bf16 output rounds; INT4's PyTorch int4 GEMM (`_weight_int4pack_mm`, bf16
+scales) and its dequantized fallback agree with the CPU's group-wise dequantized matmul to
+bf16 precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
+from engine.quantization.int8_linear import Int8Linear, quantize_rows_int8
+
+pytestmark = pytest.mark.gpu
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    rows = want.abs().amax(dim=1, keepdim=True)
+    worst = float(((got.float() - want.float()).abs() / rows).max())
+    assert worst <= rel, worst
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+@pytest.mark.parametrize("shape", [(512, 256), (520, 264)])  # the second: float64 fallback
+def test_int8_linear_on_cuda_equals_the_cpu_path(m: int, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(*shape, generator=g)
+    q, scale = quantize_rows_int8(w, 127.0)
+    b = torch.randn(shape[0], generator=g)
+    x = torch.randn(m, shape[1], generator=g)
+    x[0] *= 1000.0  # per-token scales: the loud row leaves the others alone
+    cpu = Int8Linear(q, scale.reshape(-1), b)(x, out_dtype=torch.float32)
+    gpu = Int8Linear(q.cuda(), scale.reshape(-1).cuda(), b.cuda().bfloat16())
+    got = gpu(x.cuda().bfloat16(), out_dtype=torch.float32).cpu()
+    _close(got, cpu, 2e-2)  # x rounded to bf16 before it is quantized, the output to bf16
+
+
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_linear_on_cuda_equals_the_cpu_path(m: int, group_size: int) -> None:
+    g = torch.Generator().manual_seed(m + group_size)
+    w = torch.randn(512, 256, generator=g)
+    q, scale = quantize_groups_int4(w, group_size)
+    packed = pack_int4(q)
+    x = torch.randn(m, 256, generator=g).bfloat16()
+    cpu = Int4Linear(packed, scale, 256, group_size, None)(x.float(), out_dtype=torch.float32)
+    gpu = Int4Linear(packed.cuda(), scale.cuda(), 256, group_size, None)
+    assert gpu._tinygemm is not None  # the int4 GEMM, not the fallback, on this shape
+    _close(gpu(x.cuda()).cpu(), cpu, 2e-2)  # bf16 scales and output
