@@ -162,38 +162,16 @@ class Fp8Linear(torch.nn.Module):
             )
         if x_q.is_cuda and out_dtype == torch.bfloat16:
             rows, cols = x_q.shape[0], self.weight.shape[0]
-            x_q, scale_a = pad_rows(x_q, x_scale.expand(rows, 1))
             out = torch._scaled_mm(
                 x_q,
                 self.weight.t(),
-                scale_a=scale_a,
+                scale_a=x_scale.expand(rows, 1).contiguous(),
                 scale_b=self.weight_scale.expand(1, cols).contiguous(),
                 out_dtype=out_dtype,
-            )[:rows]
+            )
             return out if self.bias is None else out + self.bias
         x_dq = (x_q.float() * x_scale).to(out_dtype)
         return F.linear(x_dq, self.dequantized(out_dtype), self.bias)
-
-
-ROW_WISE_ROWS = 256
-"""Row-wise `_scaled_mm` inputs of more rows than this are padded to a multiple of it:
-CUTLASS's row-wise FP8 kernel misreads a partial last tile of rows (pytorch/pytorch#133334:
-M % 256 != 0; on an H100 a 300-row input came out wrong, 1 and 16 rows right)."""
-
-
-def pad_rows(x_q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_q, its row scales [rows, 1]) padded with zero rows of scale 1 to a multiple of
-    ROW_WISE_ROWS when there are more rows than that (else as they are, scales contiguous)."""
-    rows = x_q.shape[0]
-    pad = -rows % ROW_WISE_ROWS if rows > ROW_WISE_ROWS else 0
-    if not pad:
-        return x_q, scale.contiguous()
-    padded = torch.empty((rows + pad, x_q.shape[1]), dtype=x_q.dtype, device=x_q.device)
-    padded[:rows].copy_(x_q)
-    padded[rows:].view(torch.uint8).zero_()
-    scales = torch.ones((rows + pad, 1), dtype=scale.dtype, device=scale.device)
-    scales[:rows].copy_(scale)
-    return padded, scales
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
