@@ -187,21 +187,35 @@ def test_engines_sharing_the_card_size_their_pools_from_their_share(base: Engine
         torch.cuda.empty_cache()
 
 
+@pytest.fixture(scope="module")
+def llama_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """config.json and tokenizer of a 2-layer Llama-3-8B-shaped model (head_dim 128, which
+    flashinfer takes; the tiny model's 32 it does not), for dummy weights."""
+    from deploy.checkpoints.make_model import make_model
+
+    out = tmp_path_factory.mktemp("llama-shaped")
+    return make_model(out / "model", preset="llama3-8b", config_only=True, num_layers=2)
+
+
 @pytest.mark.parametrize("decode_sms", [0, 32])
 def test_split_with_cuda_graphs_decodes_as_the_colocated_engine(
-    engine: LLMEngine, base: EngineConfig, prompts: list[list[int]], decode_sms: int
+    llama_shaped: Path, prompts: list[list[int]], decode_sms: int
 ) -> None:
-    """bf16 with flashinfer: the split engine's decode runs CUDA graphs captured per SM share
-    (adaptive: every share it may move to; fixed: one) and gives the colocated engine's
-    greedy tokens, graphs and all."""
-    bf16 = replace(base, dtype="bfloat16", attention_backend="flashinfer")
-    colocated = LLMEngine(bf16, tokenizer=engine.tokenizer)
+    """bf16 with flashinfer and CUDA graphs (dummy weights): the split engine's decode runs
+    graphs captured per SM share (adaptive: every share it may move to; fixed: one) and
+    gives the colocated engine's greedy tokens."""
+    bf16 = EngineConfig(
+        model_dir=str(llama_shaped), device="cuda", dtype="bfloat16", load_format="dummy",
+        attention_backend="flashinfer", num_kv_blocks=256, max_num_seqs=8,
+        cuda_graph_max_batch=8, max_model_len=512,
+    )  # fmt: skip
+    colocated = LLMEngine(bf16)
     want = colocated.generate(prompts, GREEDY)
     assert colocated.runner.graphs is not None
     split = LLMEngine(
         replace(bf16, mode=EngineMode.SPLIT, split_decode_sms=decode_sms,
                 split_resize_interval_s=0.0),
-        model=colocated.model, tokenizer=engine.tokenizer,
+        model=colocated.model, tokenizer=colocated.tokenizer,
     )  # fmt: skip
     got = split.generate(prompts, GREEDY)
     status = split.load().split
@@ -210,6 +224,5 @@ def test_split_with_cuda_graphs_decodes_as_the_colocated_engine(
     assert graphs is not None and lane is not None
     if status.partitioned:
         assert graphs.num_sets == (len(lane.streams.all_shares()) if not decode_sms else 1)
-    same = sum(g == w for g, w in zip(got, want, strict=True))
-    assert same == len(prompts), (got, want)
+    assert got == want
     assert split.block_pool.num_free == split.block_pool.num_blocks

@@ -14,7 +14,7 @@ from fp8_reference import GPU_GREEDY, GPU_TEXTS, greedy_margin_check
 
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
-from engine.quantization.fp8_linear import Fp8Linear
+from engine.quantization.fp8_linear import Fp8Linear, quantize_per_token
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,17 @@ def test_scaled_mm_matches_the_dequantized_matmul(m: int) -> None:
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("m", [1, 16, 300, 1000])
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_row_wise_scaled_mm_per_token_matches_the_dequantized_matmul(
     m: int, per_channel: bool
 ) -> None:
     """Per-token activations (and per-channel weights) run cuBLASLt row-wise: each row of x by
-    its own scale, as the CPU path computes it; a row 1000x louder leaves the others alone."""
+    its own scale; a row 1000x louder leaves the others alone. The GEMM is checked against
+    float32 over the same e4m3 operands (each row to ~1 % of its size: bf16 output). The
+    quantization of x is the CPU path's but for rare elements where the GPU's float -> e4m3
+    conversion rounds the other way (an H100 showed 1-5 rows of 512 with one such element):
+    at most one e4m3 step apart, in at most 1 element in 10,000."""
     g = torch.Generator(device="cuda").manual_seed(m)
     w = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
     b = torch.randn(512, device="cuda", generator=g).bfloat16()
@@ -55,10 +59,17 @@ def test_row_wise_scaled_mm_per_token_matches_the_dequantized_matmul(
         weight = dense.weight
     layer = Fp8Linear(weight, scale, b, dynamic="token")
     got = layer(x).float()
-    cpu = Fp8Linear(weight.cpu(), scale.cpu(), b.cpu().float(), dynamic="token")
-    want = cpu(x.cpu().float(), out_dtype=torch.float32).cuda()
+    x_q, x_scale = layer.quantize_input(x)
+    want = F.linear(x_q.float() * x_scale, layer.dequantized(torch.float32), b.float())
     rows = want.abs().amax(dim=1, keepdim=True)  # bf16 output: each row to ~1 % of its size
-    assert bool(((got - want).abs() <= 2e-2 * rows).all())
+    assert bool(((got - want).abs() <= 1e-2 * rows).all())
+    cpu_q, cpu_scale = quantize_per_token(x.cpu().float())
+    assert torch.equal(cpu_scale.cuda(), x_scale)
+    differ = (cpu_q.float().cuda() != x_q.float()).sum().item()
+    assert differ <= max(1, x.numel() // 10_000), differ
+    # one e4m3 step at most: 1/8 of the value (3 mantissa bits), 2**-9 among the subnormals
+    gap = (cpu_q.float().cuda() - x_q.float()).abs()
+    assert bool((gap <= 0.125 * x_q.float().abs() + 2**-9).all())
 
 
 def test_fp8_linear_replays_in_a_cuda_graph() -> None:
