@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -40,6 +40,17 @@ CALIBRATION_TOKENS = 256
 """Tokens of the bundled corpus the static input scales are observed on."""
 
 
+def popped(
+    tensors: dict[str, torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """(name, tensor, its decoder projection's module name or None) of every tensor, each
+    taken out of `tensors` as it is yielded (one copy of the weights at a time)."""
+    for name in list(tensors):
+        t = tensors.pop(name)
+        m = LINEAR_WEIGHT.match(name)
+        yield name, t, (m[1] if m is not None else None)
+
+
 def quantize_tensors(
     tensors: dict[str, torch.Tensor],
     scheme: Fp8Scheme,
@@ -52,13 +63,10 @@ def quantize_tensors(
     if static and input_amax is None:
         raise ValueError("static activations need the input amax of every module")
     out: dict[str, torch.Tensor] = {}
-    for name in list(tensors):
-        t = tensors.pop(name)
-        m = LINEAR_WEIGHT.match(name)
-        if m is None:
+    for name, t, module in popped(tensors):
+        if module is None:
             out[name] = t
             continue
-        module = m[1]
         w = t.float()
         if scheme.weight_strategy == "channel":
             amax = w.abs().amax(dim=1, keepdim=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from deploy.checkpoints.fp8_writer import LINEAR_WEIGHT
+from deploy.checkpoints.fp8_writer import popped
 from engine.loading.int_checkpoint import IntScheme
 from engine.quantization.int4_linear import INT4_MAX, INT4_MIN, pack_int4
 
@@ -37,13 +37,10 @@ def quantize_int_tensors(
     """The checkpoint `tensors` (HF names, dense) in `scheme`. Empties `tensors` as it goes
     (one copy of the weights at a time)."""
     out: dict[str, torch.Tensor] = {}
-    for name in list(tensors):
-        t = tensors.pop(name)
-        m = LINEAR_WEIGHT.match(name)
-        if m is None:
+    for name, t, module in popped(tensors):
+        if module is None:
             out[name] = t
             continue
-        module = m[1]
         if scheme.bits == 8:
             q, scale = _quantized(t.float(), 127, -128, 127, t.dtype)
             out[name] = q.to(torch.int8)

@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.loading.fp8_checkpoint import FLOAT_QUANTIZED, QUANT_METHOD, Fp8Scheme, read_fp8_scheme
+from engine.loading.fp8_checkpoint import (
+    FLOAT_QUANTIZED,
+    QUANT_METHOD,
+    WHERE,
+    Fp8Scheme,
+    quantization_config,
+    read_fp8_scheme,
+)
 from engine.loading.int_checkpoint import INT_FORMATS, IntScheme, read_int_scheme
 
 CheckpointScheme = Fp8Scheme | IntScheme
@@ -19,22 +26,15 @@ CheckpointScheme = Fp8Scheme | IntScheme
 def read_checkpoint_scheme(raw_config: Mapping[str, Any]) -> CheckpointScheme | None:
     """The quantization scheme config.json declares; None for a dense checkpoint. Raises
     ValueError naming the key of any quantization the engine does not compute."""
-    qc = raw_config.get("quantization_config")
+    qc = quantization_config(raw_config, (
+        f"quantized checkpoints load in the {QUANT_METHOD} formats {FLOAT_QUANTIZED!r}, "
+        f"{', '.join(map(repr, INT_FORMATS))}; GPTQ and AWQ checkpoints convert to them with "
+        "llm-compressor"
+    ))  # fmt: skip
     if qc is None:
         return None
-    where = "config.json: quantization_config"
-    if not isinstance(qc, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {qc!r}")
-    method = qc.get("quant_method")
-    if method != QUANT_METHOD:
-        raise ValueError(
-            f"{where}.quant_method {method!r} is not supported (quantized checkpoints load in "
-            f"the {QUANT_METHOD} formats {FLOAT_QUANTIZED!r}, {', '.join(map(repr, INT_FORMATS))};"
-            " GPTQ and AWQ checkpoints convert to them with llm-compressor)"
-        )
-    groups = qc.get("config_groups")
-    if not isinstance(groups, Mapping) or not groups:
-        raise ValueError(f"{where}.config_groups: expected a mapping of quantized groups")
+    where = WHERE
+    groups = qc["config_groups"]
     formats = {
         (g.get("format") if isinstance(g, Mapping) else None) or qc.get("format")
         for g in groups.values()

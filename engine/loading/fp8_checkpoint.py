@@ -136,41 +136,60 @@ class Fp8Scheme:
             activations = fp8 | {"strategy": "tensor", "dynamic": False}
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                    "strategy": self.weight_strategy}  # fmt: skip
-        return {
-            "quant_method": QUANT_METHOD,
-            "format": FLOAT_QUANTIZED,
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": activations,
-                    "output_activations": None,
-                }
-            },
-            "ignore": ["lm_head"],
-            "kv_cache_scheme": None,
-        }
+        return one_group_config(FLOAT_QUANTIZED, weights, activations)
+
+
+WHERE = "config.json: quantization_config"
+
+
+def one_group_config(
+    fmt: str, weights: dict[str, Any], activations: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A compressed-tensors `quantization_config` of one scheme over every Linear but the
+    head, in format `fmt`, as llm-compressor writes one."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": activations,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+def quantization_config(raw_config: Mapping[str, Any], formats: str) -> Mapping[str, Any] | None:
+    """config.json's `quantization_config` (None: a dense checkpoint), with at least one of
+    `config_groups`. ValueError naming the key when it is not a mapping, not
+    compressed-tensors' (`formats` says what loads) or has no groups."""
+    qc = raw_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise ValueError(f"{WHERE}: expected a mapping, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != QUANT_METHOD:
+        raise ValueError(f"{WHERE}.quant_method {method!r} is not supported ({formats})")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{WHERE}.config_groups: expected a mapping of quantized groups")
+    return qc
 
 
 def read_fp8_scheme(raw_config: Mapping[str, Any]) -> Fp8Scheme | None:
     """The FP8 scheme a config.json declares; None for a dense checkpoint. Raises ValueError
     naming the key for any quantization the engine does not load."""
-    qc = raw_config.get("quantization_config")
+    qc = quantization_config(raw_config, f"FP8 checkpoints load in the {FLOAT_QUANTIZED!r} format")
     if qc is None:
         return None
-    where = "config.json: quantization_config"
-    if not isinstance(qc, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {qc!r}")
-    method = qc.get("quant_method")
-    if method != QUANT_METHOD:
-        raise ValueError(
-            f"{where}.quant_method {method!r} is not supported (FP8 checkpoints load in the "
-            f"{QUANT_METHOD} {FLOAT_QUANTIZED!r} format)"
-        )
-    groups = qc.get("config_groups")
-    if not isinstance(groups, Mapping) or not groups:
-        raise ValueError(f"{where}.config_groups: expected a mapping of quantized groups")
+    where = WHERE
+    groups = qc["config_groups"]
     schemes = {_group_scheme(qc, name, g, f"{where}.config_groups.{name}") for name, g in
                groups.items()}  # fmt: skip
     if len(schemes) > 1:

@@ -41,6 +41,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from engine.loading.fp8_checkpoint import one_group_config
 from engine.loading.hf_checkpoint import (
     PROJECTIONS,
     check_complete,
@@ -112,21 +113,8 @@ class IntScheme:
             weights = base | {"num_bits": 4, "strategy": "group", "group_size": self.group_size,
                               "dynamic": False, "actorder": None}  # fmt: skip
             activations = None
-        return {
-            "quant_method": "compressed-tensors",
-            "format": INT_QUANTIZED if self.bits == 8 else PACK_QUANTIZED,
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": activations,
-                    "output_activations": None,
-                }
-            },
-            "ignore": ["lm_head"],
-            "kv_cache_scheme": None,
-        }
+        fmt = INT_QUANTIZED if self.bits == 8 else PACK_QUANTIZED
+        return one_group_config(fmt, weights, activations)
 
 
 def read_int_scheme(qc: Mapping[str, Any], where: str) -> IntScheme:

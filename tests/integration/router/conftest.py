@@ -121,3 +121,17 @@ def client(router_cluster: RouterCluster) -> Iterator[openai.OpenAI]:
         base_url=http_url(router_cluster) + "/v1", api_key="unused", max_retries=0, timeout=60
     ) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def clients(router_cluster: RouterCluster) -> Iterator[list[openai.OpenAI]]:
+    """The `openai` SDK on each router's HTTP API: router 0 disaggregates every prompt,
+    router 1 prefills short ones on the decode worker."""
+    made = [
+        openai.OpenAI(base_url=http_url(router_cluster, r) + "/v1", api_key="unused",
+                      max_retries=0, timeout=60)
+        for r in (0, 1)
+    ]  # fmt: skip
+    yield made
+    for c in made:
+        c.close()

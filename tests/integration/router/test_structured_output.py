@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import jsonschema
 import openai
 import pytest
-from router_client import generate, http_url, rpc_error
+from router_client import generate, rpc_error
 from router_harness import RouterCluster
 
 from pdserve.v1 import serving_pb2 as pb
@@ -36,18 +35,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
-
-
-@pytest.fixture(scope="module")
-def clients(router_cluster: RouterCluster) -> Iterator[list[openai.OpenAI]]:
-    made = [
-        openai.OpenAI(base_url=http_url(router_cluster, r) + "/v1", api_key="unused",
-                      max_retries=0, timeout=60)
-        for r in (0, 1)
-    ]  # fmt: skip
-    yield made
-    for c in made:
-        c.close()
 
 
 def _salt() -> dict[str, Any]:

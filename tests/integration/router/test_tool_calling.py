@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 from router_harness import RouterCluster
-
-from pdserve.v1 import serving_pb2 as pb
 
 WEATHER = {
     "type": "object",
@@ -43,22 +40,6 @@ TOOLS: list[Any] = [
 ]  # fmt: skip
 PARAMETERS = {"get_weather": WEATHER, "add": ADD}
 MAX_TOKENS = 500  # room for 8 calls of ~50 tokens beside a ~480-token prompt
-
-
-def http_url(rc: RouterCluster, router: int) -> str:
-    return rc.admin(router).Status(pb.StatusRequest(), timeout=10).http_url
-
-
-@pytest.fixture(scope="module")
-def clients(router_cluster: RouterCluster) -> Iterator[list[openai.OpenAI]]:
-    made = [
-        openai.OpenAI(base_url=http_url(router_cluster, r) + "/v1", api_key="unused",
-                      max_retries=0, timeout=60)
-        for r in (0, 1)
-    ]  # fmt: skip
-    yield made
-    for c in made:
-        c.close()
 
 
 def _salt() -> dict[str, Any]:
