@@ -453,6 +453,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             transfer_stats=self._endpoint.stats() if self.endpoint is not None else None,
             index=rt.index_stats(),
             loras=rt.lora_names,
+            process=rt.process_counts(),
             transfer=self._endpoint.load() if self.endpoint is not None else TransferLoad(),
             timestamp=time.time(),
         )

@@ -207,6 +207,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             index_publish_errors=rt.index_publish_errors,
             index=rt.index_stats(),
             loras=rt.lora_names,
+            process=rt.process_counts(),
             leased_blocks=leases.pinned_blocks if leases else 0,
             leases_held=leases.held if leases else 0,
             leases_expired=leases.expired if leases else 0,

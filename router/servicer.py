@@ -282,6 +282,9 @@ class AdminServicer(pb_grpc.AdminServicer):
                 w.prefix_cache_hit_tokens = e.num_cache_hit_tokens
                 w.requests_done = load.requests_done
                 w.inflight_requests = load.inflight_requests
+                w.open_fds = load.process.fds
+                w.threads = load.process.threads
+                w.asyncio_tasks = load.process.tasks
                 if e.split is not None:
                     w.split.CopyFrom(pb.SplitStatus(**dataclasses.asdict(e.split)))
             workers.append(w)

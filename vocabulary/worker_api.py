@@ -72,6 +72,20 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class ProcessCounts:
+    """What a worker process holds that must come back to its idle baseline once its
+    requests are over (a steady count under steady load; growth is a leak): open file
+    descriptors, Python threads, asyncio tasks on the actor's loop."""
+
+    fds: int = 0
+    threads: int = 0
+    tasks: int = 0
+
+    def __str__(self) -> str:
+        return f"fds {self.fds}, threads {self.threads}, tasks {self.tasks}"
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load, taken without touching its engine thread (cheap to poll)."""
 
@@ -100,6 +114,8 @@ class WorkerLoad:
     """The KV-event publisher's state (connected to Redis, resyncs); None without one."""
     loras: tuple[str, ...] = ()
     """LoRA adapters registered on the worker (`engine.loras`: those whose weights it holds)."""
+    process: ProcessCounts = field(default_factory=ProcessCounts)
+    """The worker process's fds, threads and asyncio tasks (`WorkerRuntime.process_counts`)."""
 
     def held(self) -> str:
         """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use

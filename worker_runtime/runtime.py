@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from vocabulary.loop_progress import LoopProgress, LoopState
 from vocabulary.sampling import SamplingParams
 from vocabulary.waits import wait_within
 from vocabulary.worker_api import (
+    ProcessCounts,
     RequestDeadlineExceeded,
     StepFailed,
     WorkerInfo,
@@ -249,6 +251,17 @@ class WorkerRuntime:
     def index_publish_errors(self) -> int:
         """Failed rounds of the KV-event publisher (0 without one)."""
         return self._publisher.num_errors if self._publisher is not None else 0
+
+    def process_counts(self) -> ProcessCounts:
+        """This process's open fds, Python threads and tasks on the actor's loop (for the load
+        report: cheap, any thread)."""
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:  # not Linux
+            fds = 0
+        loop = self._loop
+        tasks = len(asyncio.all_tasks(loop)) if loop is not None else 0
+        return ProcessCounts(fds=fds, threads=threading.active_count(), tasks=tasks)
 
     def index_stats(self) -> PublisherStats | None:
         """The KV-event publisher's state, for the worker's load report (None without one)."""

@@ -321,7 +321,7 @@ def status_table(st: pb.ClusterStatus) -> Table:
     )
     for col in ("worker", "role", "health", "node", "device", "weights", "KV pool", "KV used",
                 "in-flight", "queue", "run", "xfer", "TTFT p50/90 ms", "TPOT p50/90 ms",
-                "done"):  # fmt: skip
+                "done", "fds/thr/tasks"):  # fmt: skip
         left = col in ("worker", "role", "health", "node", "device", "weights", "KV pool")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for w in st.workers:
@@ -346,6 +346,7 @@ def status_table(st: pb.ClusterStatus) -> Table:
             f"{w.ttft_p50_ms:.0f}/{w.ttft_p90_ms:.0f}",
             f"{w.tpot_p50_ms:.1f}/{w.tpot_p90_ms:.1f}",
             str(w.requests_done),
+            f"{w.open_fds}/{w.threads}/{w.asyncio_tasks}",
         )
     t = st.thresholds
     table.caption = (
