@@ -42,6 +42,8 @@ class MemoryBreakdown:
     """File-backed resident memory (code and data of the libraries, mapped files)."""
     threads: int
     mappings: int
+    fds: int = 0
+    """Open file descriptors (/proc/PID/fd), a count that must not grow under steady load."""
 
 
 def mappings(pid: int) -> dict[str, tuple[float, float]]:
@@ -88,7 +90,15 @@ def breakdown(pid: int) -> MemoryBreakdown:
         round(file, 1),
         threads,
         len(maps),
+        _num_fds(pid),
     )
+
+
+def _num_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # gone, or not ours to read
+        return 0
 
 
 def malloc_stats() -> dict[str, float]:

@@ -382,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             slope_stderr_mb_per_h(times, [s["rss_mb"] for _, s in after]), 1
         )
         row["threads"] = [first.get("threads"), last.get("threads")]
+        row["fds"] = [first.get("fds"), last.get("fds")]
         if first.get("malloc") and last.get("malloc"):
             row["malloc_warm"], row["malloc_end"] = first["malloc"], last["malloc"]
             row["slope_malloc_in_use_mb_h"] = round(
