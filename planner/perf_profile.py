@@ -2,7 +2,7 @@
 `pdserve simulate` reads (simulator/).
 
 A profile holds engine step times, never a model: prefill step time against the tokens in the
-batch (and against a cached prefix, where measured), decode step time against batch size ×
+batch (and against a cached prefix, where measured), decode step time against batch size x
 context, and the KV hand-off cost. Between grid points the times are interpolated piecewise
 linearly; beyond the grid they are extended along the last segment (never below the smallest
 measured time). The header says what was measured (model id and shape, dtype, TP, device, the
@@ -100,11 +100,36 @@ class HandoffCost:
 
 
 @dataclass(frozen=True)
+class ServingOverhead:
+    """What serving adds around the engine's steps (the engine alone: the defaults). Set from
+    documented constants or fitted to a real run (benchmarks/suites/simulator.py)."""
+
+    request_s: float = 0.0
+    """Send → the prompt in a worker's queue: client, router (validation, Redis lookup,
+    admission, placement) and the call to the worker."""
+    step_s: float = 0.0
+    """Added to every worker step: the actor's own work per step (outputs onto the token
+    channel, KV events) and the relay to the client."""
+    step_factor: float = 1.0
+    """Multiplies every step's engine time: the worker shares the cores with the rest of the
+    cluster (the profile is taken with a core to itself)."""
+    source: str = "engine only"
+
+    def __post_init__(self) -> None:
+        if not (self.request_s >= 0 and self.step_s >= 0 and self.step_factor > 0):
+            raise PerfProfileError(
+                "serving: request_s and step_s must be >= 0 and step_factor > 0, got "
+                f"{self.request_s!r}, {self.step_s!r}, {self.step_factor!r}"
+            )
+
+
+@dataclass(frozen=True)
 class PerfProfile:
     header: ProfileHeader
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     handoff: HandoffCost
+    serving: ServingOverhead = ServingOverhead()
 
     def __post_init__(self) -> None:
         if not any(p.cached_tokens == 0 for p in self.prefill):
@@ -123,8 +148,7 @@ class PerfProfile:
             return base
         # the extra cost of attending to a cached prefix, per cached token, from the points
         extra = [
-            max(0.0, p.step_s - self.prefill_step_s(p.batch_tokens)) / p.cached_tokens
-            for p in warm
+            max(0.0, p.step_s - self.prefill_step_s(p.batch_tokens)) / p.cached_tokens for p in warm
         ]
         return base + sum(extra) / len(extra) * cached_tokens
 
@@ -206,6 +230,7 @@ def profile_from_dict(data: object) -> PerfProfile:
         ),
         decode=tuple(_build(DecodePoint, p, f"decode[{i}]") for i, p in enumerate(data["decode"])),
         handoff=_build(HandoffCost, data["handoff"], "handoff"),
+        serving=_build(ServingOverhead, data.get("serving", {}), "serving"),
     )
 
 

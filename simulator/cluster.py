@@ -13,7 +13,8 @@ Lifecycle of a request (times in seconds from the start of the run):
    REJECT ends it with RESOURCE_EXHAUSTED;
 3. placement: `router/placement.py:place` over candidates built from the simulated workers and
    their prefix caches (the index is exact here: no staleness);
-4. prefill on the chosen worker (simulator/workers.py), first token at the step's end: TTFT;
+4. prefill on the chosen worker (simulator/workers.py), `profile.serving.request_s` after the
+   decision (the router's hop), first token at the step's end: TTFT;
 5. hand-off: `profile.handoff.seconds(blocks)` after the first token the request joins its
    decode worker's batch (the decode blocks are allocated when it starts);
 6. decode, one token per step, until max_tokens (outputs are exact: ignore_eos workloads);
@@ -51,6 +52,7 @@ from router.placement import (
 from simulator.workers import Role, SimRequest, SimWorker, block_hashes
 
 REJECTED = "RESOURCE_EXHAUSTED"
+DEFAULT_THRESHOLDS = AdmissionThresholds()
 UNAVAILABLE = "UNAVAILABLE"
 
 
@@ -63,7 +65,7 @@ class ClusterShape:
     colocated: int = 0
     kv_blocks: int = 0
     """KV blocks per worker (0: the profile's)."""
-    thresholds: AdmissionThresholds = AdmissionThresholds()
+    thresholds: AdmissionThresholds = DEFAULT_THRESHOLDS
     transfer_budget_blocks: int = 4096
     """A decode worker's in-flight transfer budget (kv_transfer `max_inflight_blocks`)."""
     uncached_block_weight: float = 4.0
@@ -207,8 +209,16 @@ class Simulation:
             r.context -= 1
             r.remaining_prefill = 1
         worker.allocate(worker.blocks_for(r.context))
-        worker.prefill_queue.append(r)
-        self._kick(worker)
+
+        def queued() -> None:
+            worker.prefill_queue.append(r)
+            self._kick(worker)
+
+        delay = self.profile.serving.request_s
+        if delay > 0:
+            self.at(self.now + delay, queued)
+        else:
+            queued()
 
     def _place(self, r: SimRequest) -> Placement:
         prefill = [

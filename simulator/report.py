@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
             conversation=p.conversation, turn=p.turn,
         )  # fmt: skip
     times = r.token_times
-    itl = tuple((b - a) * 1000.0 for a, b in zip(times, times[1:], strict=False))
+    itl = tuple((b - a) * 1000.0 for a, b in itertools.pairwise(times))
     return RequestRecord(
         request_id=p.request_id,
         index=p.index,

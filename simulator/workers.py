@@ -10,8 +10,9 @@ A worker's role says which queues it serves:
 - COLOCATED: a DECODE worker that every prompt is placed on (no prefill pool).
 
 Step time is `decode_step_s(batch, mean context)` plus `prefill_step_s(chunk tokens)` when the
-step carries prefill. KV blocks are counted per request (prompt + tokens so far, rounded up to
-blocks) against the pool; admission's worst-case reservation keeps the pool from overflowing,
+step carries prefill, times the profile's `serving.step_factor`, plus its `serving.step_s`.
+KV blocks are counted per request (prompt + tokens so far, rounded up to blocks) against the
+pool; admission's worst-case reservation keeps the pool from overflowing,
 so preemption is not modelled (an overflow is counted in `kv_overflows`).
 """
 
@@ -162,6 +163,7 @@ class SimWorker:
             chunks.append((r, n))
             budget -= n
         seconds = 0.0
+        serving = self.profile.serving
         if decodes:
             context = sum(r.context for r in decodes) / len(decodes)
             seconds += self.profile.decode_step_s(len(decodes), context)
@@ -169,6 +171,8 @@ class SimWorker:
             tokens = sum(n for _, n in chunks)
             cached = sum(r.cached_tokens for r, _ in chunks)
             seconds += self.profile.prefill_step_s(tokens, cached)
+        if seconds:
+            seconds = seconds * serving.step_factor + serving.step_s
         return seconds, chunks, decodes
 
     def finish_step(
