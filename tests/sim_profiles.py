@@ -21,7 +21,7 @@ def make_profile(max_num_batched_tokens: int = 2048) -> PerfProfile:
     )  # fmt: skip
     return PerfProfile(
         header,
-        prefill=(PrefillPoint(100, 0.11), PrefillPoint(200, 0.21)),
+        prefill=(PrefillPoint(1, 0.011), PrefillPoint(100, 0.11), PrefillPoint(200, 0.21)),
         decode=(DecodePoint(1, 100, 0.01), DecodePoint(8, 100, 0.01)),
         handoff=HandoffCost(0.005),
     )

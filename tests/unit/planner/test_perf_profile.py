@@ -22,7 +22,7 @@ def test_step_times_are_interpolated_and_extended_along_the_ends() -> None:
     profile = make_profile()
     assert profile.prefill_step_s(150) == pytest.approx(0.16)
     assert profile.prefill_step_s(400) == pytest.approx(0.41)
-    assert profile.prefill_step_s(1) == pytest.approx(0.11)  # never below the smallest
+    assert profile.prefill_step_s(0) == pytest.approx(0.011)  # never below the smallest
     assert profile.decode_step_s(4, 3000) == pytest.approx(0.01)
 
 

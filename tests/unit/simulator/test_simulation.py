@@ -40,11 +40,12 @@ def test_a_long_prompt_is_chunked_at_the_token_budget() -> None:
     assert to_record(r, None).ttft_ms == pytest.approx(138.0 + 138.0 + 54.0)
 
 
-def test_two_prompts_share_a_prefill_step() -> None:
-    a, b = Simulation(make_profile(), DISAGGREGATED).run(
-        [make_request(0, 50, 1), make_request(1, 50, 1)]
+def test_prompts_that_wait_for_a_busy_worker_share_its_next_step() -> None:
+    first, a, b = Simulation(make_profile(), DISAGGREGATED).run(
+        [make_request(0, 50, 1), make_request(1, 50, 1), make_request(2, 50, 1)]
     )
-    assert a.token_times == b.token_times == pytest.approx([0.11])
+    assert first.token_times == pytest.approx([0.06])  # the worker was idle: it starts at once
+    assert a.token_times == b.token_times == pytest.approx([0.06 + 0.11])  # 100 tokens
 
 
 def test_a_full_decode_pool_queues_the_next_request_until_the_first_finishes() -> None:
