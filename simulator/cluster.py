@@ -23,6 +23,7 @@ Lifecycle of a request (times in seconds from the start of the run):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import deque
@@ -118,7 +119,7 @@ class Simulation:
     def run(self, planned: Sequence[PlannedRequest]) -> list[SimRequest]:
         for p in planned:
             if p.after is None:
-                self.at(p.send_at_s, lambda p=p: self._arrive(p))
+                self.at(p.send_at_s, functools.partial(self._arrive, p))
             else:
                 self._followers.setdefault(p.after, []).append(p)
         while self._events:
@@ -249,7 +250,7 @@ class Simulation:
         r.done_s = self.now
         self.inflight -= 1
         for p in self._followers.pop(r.planned.index, []):
-            self.at(max(p.send_at_s, self.now + p.think_s), lambda p=p: self._arrive(p))
+            self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
 
     def _release(self, r: SimRequest) -> None:
         self.admitted -= 1

@@ -44,7 +44,7 @@ def _pct(pred: float, real: float) -> str:
 def rows(
     rate: float, plain: GoodputReport, pred: GoodputReport, real: GoodputReport
 ) -> list[tuple[str, ...]]:
-    out = []
+    out: list[tuple[str, ...]] = []
     for name, get in (
         ("TTFT p50 ms", lambda r: r.ttft.p50),
         ("TTFT p90 ms", lambda r: r.ttft.p90),
