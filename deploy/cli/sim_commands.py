@@ -5,6 +5,7 @@ model or dtype, an unknown workload, a bad count) is one line on stderr and exit
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -27,11 +28,23 @@ def profile(
     handoff_ms: Annotated[
         float, typer.Option(help="Hand-off time to record (not measured: needs two workers).")
     ] = 12.0,
+    request_overhead_ms: Annotated[
+        float, typer.Option(help="Serving: send → prompt in a worker's queue (router hop).")
+    ] = 0.0,
+    step_overhead_ms: Annotated[
+        float, typer.Option(help="Serving: added to every worker step (actor, relay).")
+    ] = 0.0,
+    step_factor: Annotated[
+        float, typer.Option(help="Serving: multiplies engine step times (shared cores).")
+    ] = 1.0,
     quick: Annotated[bool, typer.Option(help="A few grid points only.")] = False,
 ) -> None:
     """Time one worker's engine (in this process) through a grid of prefill and decode steps
-    and write the profile `pdserve simulate` reads. The tiny model on CPU takes ~10-15 s."""
+    and write the profile `pdserve simulate` reads. The tiny model on CPU takes ~10-15 s.
+    The serving overheads (default: none, the engine alone) are recorded as given: see
+    "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
     from deploy.cli.profiling import ProfileGrid, measure
+    from planner.perf_profile import PerfProfileError, ServingOverhead
 
     if num_kv_blocks < 64:
         fail(f"--num-kv-blocks: must be >= 64, got {num_kv_blocks}", 2)
@@ -39,6 +52,11 @@ def profile(
         fail(f"--threads: must be >= 1, got {threads}", 2)
     if handoff_ms < 0:
         fail(f"--handoff-ms: must be >= 0, got {handoff_ms}", 2)
+    try:
+        given = (request_overhead_ms / 1000, step_overhead_ms / 1000, step_factor)
+        serving = ServingOverhead(*given, source="pdserve profile options")
+    except PerfProfileError as e:
+        fail(str(e), 2)
     if model is None:
         from deploy.checkpoints.make_model import cached_tiny_model
 
@@ -50,6 +68,8 @@ def profile(
         model, grid, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
         torch_threads=threads, handoff_ms=handoff_ms, say=console.print,
     )  # fmt: skip
+    if given != (0.0, 0.0, 1.0):
+        result = replace(result, serving=serving)
     result.save(out)
     h = result.header
     console.print(

@@ -4,12 +4,15 @@ pool, and seeded runs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from sim_profiles import make_profile
 
 from admission.config import AdmissionThresholds
 from loadtests.goodput import parse_slo
 from loadtests.workload import PlannedRequest
+from planner.perf_profile import ServingOverhead
 from simulator.cluster import ClusterShape, Simulation
 from simulator.report import simulate, to_record
 
@@ -32,6 +35,14 @@ def test_one_request_alone_is_prefill_then_handoff_then_one_decode_step_per_toke
     assert record.tpot_ms == pytest.approx(45.0 / 4)
     assert record.e2e_ms == pytest.approx(155.0)
     assert record.server_transfer_ms == pytest.approx(5.0)
+
+
+def test_serving_overheads_add_a_router_hop_and_scale_every_step() -> None:
+    serving = ServingOverhead(request_s=0.002, step_s=0.001, step_factor=2.0)
+    profile = replace(make_profile(), serving=serving)
+    (r,) = Simulation(profile, DISAGGREGATED).run([make_request(0, 100, 3)])
+    # hop 2 ms, prefill 2 x 110 + 1 ms; hand-off 5 ms; decode steps 2 x 10 + 1 ms
+    assert r.token_times == pytest.approx([0.223, 0.249, 0.270])
 
 
 def test_a_long_prompt_is_chunked_at_the_token_budget() -> None:
