@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from admission.config import AdmissionThresholds
-from admission.decision import DecisionKind
+from admission.decision import Decision, DecisionKind
 from admission.policy import evaluate
 from admission.snapshot import (
     AdmissionLedger,
@@ -106,10 +106,8 @@ class Simulation:
         """Admission queue: (request, give-up time)."""
         self.reserved_blocks = 0
         self.admitted = 0
-        self.inflight = 0
         self.requests: list[SimRequest] = []
         self._followers: dict[int, list[PlannedRequest]] = {}
-        self._last_wait_ms = 0.0
 
     # ---- the event loop ---------------------------------------------------------------------
 
@@ -132,18 +130,17 @@ class Simulation:
     def _arrive(self, p: PlannedRequest) -> None:
         r = SimRequest(p, block_hashes(p.token_ids, self.block_size), sent_s=self.now)
         self.requests.append(r)
-        self.inflight += 1
         decision = self._evaluate(r, waiting_ahead=len(self.queue))
-        if decision is DecisionKind.ADMIT:
+        if decision.kind is DecisionKind.ADMIT:
             self._admit(r)
-        elif decision is DecisionKind.QUEUE:
-            wait_s = self._last_wait_ms / 1000.0
+        elif decision.kind is DecisionKind.QUEUE:
+            wait_s = decision.max_wait_ms / 1000.0
             self.queue.append((r, self.now + wait_s))
             self.at(self.now + wait_s, lambda: self._expire(r))
         else:
             self._end(r, REJECTED)
 
-    def _evaluate(self, r: SimRequest, waiting_ahead: int) -> DecisionKind:
+    def _evaluate(self, r: SimRequest, waiting_ahead: int) -> Decision:
         best_cached = max(
             (w.cache.cached_blocks(r.block_hashes) for w in self.workers.values()), default=0
         )
@@ -174,9 +171,8 @@ class Simulation:
             waiting_ahead=waiting_ahead,
         )
         decision = evaluate(request, snapshot, self.shape.thresholds, ledger=ledger)
-        self._last_wait_ms = decision.max_wait_ms
         r.reserved_blocks = decision.reserve_blocks
-        return decision.kind
+        return decision
 
     def _expire(self, r: SimRequest) -> None:
         for i, (queued, _) in enumerate(self.queue):
@@ -188,7 +184,7 @@ class Simulation:
     def _drain_queue(self) -> None:
         while self.queue:
             r, _ = self.queue[0]
-            if self._evaluate(r, waiting_ahead=0) is not DecisionKind.ADMIT:
+            if self._evaluate(r, waiting_ahead=0).kind is not DecisionKind.ADMIT:
                 return
             self.queue.popleft()
             self._admit(r)
@@ -248,7 +244,6 @@ class Simulation:
     def _end(self, r: SimRequest, status: str) -> None:
         r.status = status
         r.done_s = self.now
-        self.inflight -= 1
         for p in self._followers.pop(r.planned.index, []):
             self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
 
