@@ -101,25 +101,26 @@ class HandoffCost:
 
 @dataclass(frozen=True)
 class ServingOverhead:
-    """What serving adds around the engine's steps (the engine alone: the defaults). Set from
-    documented constants or fitted to a real run (benchmarks/suites/simulator.py)."""
+    """What serving adds around the engine's steps (the engine alone: the defaults). Given to
+    `pdserve profile`, or measured from a real run's records against the profile
+    (benchmarks/suites/simulator.py:measure_serving)."""
 
     request_s: float = 0.0
-    """Send → the prompt in a worker's queue: client, router (validation, Redis lookup,
-    admission, placement) and the call to the worker."""
-    step_s: float = 0.0
-    """Added to every worker step: the actor's own work per step (outputs onto the token
-    channel, KV events) and the relay to the client."""
-    step_factor: float = 1.0
-    """Multiplies every step's engine time: the worker shares the cores with the rest of the
-    cluster (the profile is taken with a core to itself)."""
+    """Send → the prompt in a worker's queue, and the first token's way back: client, router
+    (validation, Redis lookup, admission, placement), the call to the worker."""
+    prefill_factor: float = 1.0
+    """A prefill on a serving worker over the profiled step (the worker shares the cores with
+    the rest of the cluster; the profile is taken with a core to itself)."""
+    decode_step_s: float = 0.0
+    """Added to every decode step: the actor's own work per step (outputs onto the token
+    channel, KV events), the relay to the client, and its share of the cores."""
     source: str = "engine only"
 
     def __post_init__(self) -> None:
-        if not (self.request_s >= 0 and self.step_s >= 0 and self.step_factor > 0):
+        if not (self.request_s >= 0 and self.decode_step_s >= 0 and self.prefill_factor > 0):
             raise PerfProfileError(
-                "serving: request_s and step_s must be >= 0 and step_factor > 0, got "
-                f"{self.request_s!r}, {self.step_s!r}, {self.step_factor!r}"
+                "serving: request_s and decode_step_s must be >= 0 and prefill_factor > 0, got "
+                f"{self.request_s!r}, {self.decode_step_s!r}, {self.prefill_factor!r}"
             )
 
 

@@ -10,7 +10,8 @@ A worker's role says which queues it serves:
 - COLOCATED: a DECODE worker that every prompt is placed on (no prefill pool).
 
 Step time is `decode_step_s(batch, mean context)` plus `prefill_step_s(chunk tokens)` when the
-step carries prefill, times the profile's `serving.step_factor`, plus its `serving.step_s`.
+step carries prefill, with the profile's serving overheads (`serving.decode_step_s` added to
+the decode part, the prefill part times `serving.prefill_factor`).
 KV blocks are counted per request (prompt + tokens so far, rounded up to blocks) against the
 pool; admission's worst-case reservation keeps the pool from overflowing,
 so preemption is not modelled (an overflow is counted in `kv_overflows`).
@@ -166,13 +167,11 @@ class SimWorker:
         serving = self.profile.serving
         if decodes:
             context = sum(r.context for r in decodes) / len(decodes)
-            seconds += self.profile.decode_step_s(len(decodes), context)
+            seconds += self.profile.decode_step_s(len(decodes), context) + serving.decode_step_s
         if chunks:
             tokens = sum(n for _, n in chunks)
             cached = sum(r.cached_tokens for r, _ in chunks)
-            seconds += self.profile.prefill_step_s(tokens, cached)
-        if seconds:
-            seconds = seconds * serving.step_factor + serving.step_s
+            seconds += self.profile.prefill_step_s(tokens, cached) * serving.prefill_factor
         return seconds, chunks, decodes
 
     def finish_step(

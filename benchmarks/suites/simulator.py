@@ -4,8 +4,8 @@ real 1P1D cluster of it (benchmarks/harness/cluster.py) loaded by the `pdserve b
 profile; the table compares predicted with measured p50/p90 TTFT and TPOT and goodput.
 
 Two predictions per rate: from the engine-only profile, and from the profile with its serving
-overheads (`planner/perf_profile.py:ServingOverhead`) fitted to the run at the first rate only
-(a grid search on the log error of its four latency figures); the other rates are held out.
+overheads (`planner/perf_profile.py:ServingOverhead`) measured in the run at the first rate
+only (`measure_serving`); the other rates are held out.
 
     python -m benchmarks simulator --out OUT [--rates 1 2 4] [--duration 30]
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -27,7 +27,7 @@ from admission.config import AdmissionThresholds
 from benchmarks.harness.steps import progress as log
 from benchmarks.harness.table import Table
 from loadtests.goodput import SLO, GoodputReport, parse_slo, summarize
-from loadtests.records import read_records
+from loadtests.records import RequestRecord, read_records
 from planner.perf_profile import PerfProfile, ServingOverhead, load_perf_profile
 from simulator.cluster import ClusterShape
 from simulator.report import simulate
@@ -85,12 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate: summarize(read_records(out / "bench" / f"rate-{rate:g}" / "records.jsonl"), slo)
         for rate in args.rates
     }
-    fitted = fit_serving(engine_only, args, args.rates[0], real[args.rates[0]], slo)
+    first = read_records(out / "bench" / f"rate-{args.rates[0]:g}" / "records.jsonl")
+    fitted = measure_serving(engine_only, args, args.rates[0], first, slo)
     fitted.save(out / "profile-fitted.json")
     s = fitted.serving
     log(
-        f"fitted at {args.rates[0]:g} req/s: request {s.request_s * 1000:.1f} ms, step "
-        f"+{s.step_s * 1000:.1f} ms, step factor {s.step_factor:g}"
+        f"measured at {args.rates[0]:g} req/s: request hop {s.request_s * 1000:.1f} ms, "
+        f"prefill x{s.prefill_factor:.2f}, decode step +{s.decode_step_s * 1000:.2f} ms"
     )
     table: list[tuple[str, ...]] = []
     results = []
@@ -108,26 +109,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def fit_serving(
-    profile: PerfProfile, args: argparse.Namespace, rate: float, real: GoodputReport, slo: SLO
+def measure_serving(
+    profile: PerfProfile,
+    args: argparse.Namespace,
+    rate: float,
+    records: Sequence[RequestRecord],
+    slo: SLO,
 ) -> PerfProfile:
-    """`profile` with the serving overheads that best match `real` (TTFT and TPOT p50/p90)."""
-    target = (real.ttft.p50, real.ttft.p90, real.tpot.p50, real.tpot.p90)
-    best: tuple[float, PerfProfile] | None = None
-    for factor in (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5):
-        for step_ms in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0):
-            for request_ms in (0.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0):
-                serving = ServingOverhead(
-                    request_ms / 1000, step_ms / 1000, factor, f"fitted at {rate:g} req/s"
-                )
-                candidate = replace(profile, serving=serving)
-                r = _simulate(candidate, args, rate, slo, 0)
-                got = (r.ttft.p50, r.ttft.p90, r.tpot.p50, r.tpot.p90)
-                err = sum(math.log(g / t) ** 2 for g, t in zip(got, target, strict=True))
-                if best is None or err < best[0]:
-                    best = (err, candidate)
-    assert best is not None
-    return best[1]
+    """`profile` with the serving overheads measured in `records` (the run at `rate`):
+    the prefill factor is the median of the worker's reported prefill time over the profiled
+    step of that prompt; the request hop the median of TTFT minus that prefill time; the
+    decode step's cost the measured TPOT p50 minus the one simulated without it."""
+    ok = [r for r in records if r.ok and r.server_prefill_ms and r.ttft_ms is not None]
+    if not ok:
+        raise SystemExit(f"no record at {rate:g} req/s carries server timings")
+    factor = statistics.median(
+        r.server_prefill_ms / (profile.prefill_step_s(r.prompt_tokens) * 1000)  # type: ignore[operator]
+        for r in ok
+    )
+    hop_s = statistics.median(r.ttft_ms - r.server_prefill_ms for r in ok) / 1000  # type: ignore[operator]
+    hop_s = max(0.0, hop_s)
+    partial = replace(profile, serving=ServingOverhead(hop_s, factor))
+    simulated = _simulate(partial, args, rate, slo, 0).tpot.p50
+    measured = summarize(records, slo).tpot.p50
+    step_s = max(0.0, measured - simulated) / 1000
+    source = f"measured at {rate:g} req/s (benchmarks simulator)"
+    return replace(profile, serving=ServingOverhead(hop_s, factor, step_s, source))
 
 
 def _simulate(

@@ -31,12 +31,12 @@ def profile(
     request_overhead_ms: Annotated[
         float, typer.Option(help="Serving: send → prompt in a worker's queue (router hop).")
     ] = 0.0,
-    step_overhead_ms: Annotated[
-        float, typer.Option(help="Serving: added to every worker step (actor, relay).")
-    ] = 0.0,
-    step_factor: Annotated[
-        float, typer.Option(help="Serving: multiplies engine step times (shared cores).")
+    prefill_factor: Annotated[
+        float, typer.Option(help="Serving: a worker's prefill over the profiled step.")
     ] = 1.0,
+    decode_step_overhead_ms: Annotated[
+        float, typer.Option(help="Serving: added to every decode step (actor, relay).")
+    ] = 0.0,
     quick: Annotated[bool, typer.Option(help="A few grid points only.")] = False,
 ) -> None:
     """Time one worker's engine (in this process) through a grid of prefill and decode steps
@@ -53,7 +53,7 @@ def profile(
     if handoff_ms < 0:
         fail(f"--handoff-ms: must be >= 0, got {handoff_ms}", 2)
     try:
-        given = (request_overhead_ms / 1000, step_overhead_ms / 1000, step_factor)
+        given = (request_overhead_ms / 1000, prefill_factor, decode_step_overhead_ms / 1000)
         serving = ServingOverhead(*given, source="pdserve profile options")
     except PerfProfileError as e:
         fail(str(e), 2)
@@ -68,7 +68,7 @@ def profile(
         model, grid, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
         torch_threads=threads, handoff_ms=handoff_ms, say=console.print,
     )  # fmt: skip
-    if given != (0.0, 0.0, 1.0):
+    if given != (0.0, 1.0, 0.0):
         result = replace(result, serving=serving)
     result.save(out)
     h = result.header
