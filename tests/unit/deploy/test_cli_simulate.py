@@ -63,3 +63,25 @@ def test_a_profile_that_does_not_parse_is_exit_code_2(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"format_version": 1, "header": {}}))
     code, out = run("--profile", str(bad))
     assert code == 2 and "prefill: required" in out, out
+
+
+def test_a_missing_profile_is_exit_code_2(tmp_path: Path) -> None:
+    code, out = run("--profile", str(tmp_path / "none.json"))
+    assert code == 2 and "cannot read" in out, out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent-model"], "--model: /nonexistent-model has no config.json"),
+        (["--prefill-factor", "0"], "prefill_factor > 0"),
+        (["--threads", "0"], "--threads: must be >= 1"),
+    ],
+)
+def test_profile_refuses_bad_options_before_measuring(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(app, ["profile", str(tmp_path / "p.json"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "p.json").exists()
