@@ -71,6 +71,8 @@ SUITES = (
           Device.GPU, "--smoke"),
     Suite("router", "router", "router overhead: TTFT via gRPC minus straight to the workers",
           Device.CPU),
+    Suite("simulator", "simulator",
+          "pdserve simulate vs a real 1P1D tiny cluster: TTFT, TPOT, goodput", Device.CPU),
     Suite("sm_partition", "sm_partition",
           "SM partitions (green contexts): matmul and decode GEMM rates, alone and together",
           Device.GPU),

@@ -1,5 +1,5 @@
 """The `pdserve` command line: make-model, up, config show, down, status, generate,
-rebalance, drain, undrain, thresholds, bench.
+rebalance, drain, undrain, thresholds, bench, profile and simulate (deploy/cli/sim_commands.py).
 
 Exit codes: 0 done; 1 the cluster said no, or there is none to ask (one line on stderr: no
 cluster running, no router answering, or the server's status code and message); 2 a bad
@@ -28,6 +28,7 @@ import typer
 
 from deploy.cli import inspect_commands as cli_inspect
 from deploy.cli import lora_commands as cli_lora
+from deploy.cli import sim_commands as cli_sim
 from deploy.cli.command_support import checked_options, console, fail, router_for
 from deploy.cli.options import (
     ConfigArgs,
@@ -354,8 +355,8 @@ def down(
         console.print(f"removed from {address}: {', '.join(killed) or 'nothing left'}")
 
 
-app.command()(cli_inspect.generate)
-app.command()(cli_inspect.status)
+for _command in (cli_inspect.generate, cli_inspect.status, cli_sim.profile, cli_sim.simulate):
+    app.command()(_command)
 
 
 @app.command()

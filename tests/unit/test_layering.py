@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).parents[2]
 PACKAGES = (
     "vocabulary", "engine", "kv_transfer", "prefix_index", "admission", "worker_runtime",
-    "prefill_worker", "decode_worker", "router", "planner", "deploy", "loadtests", "benchmarks",
+    "prefill_worker", "decode_worker", "router", "planner", "simulator", "deploy", "loadtests",
+    "benchmarks",
 )  # fmt: skip
 SHIPPED = tuple(p for p in PACKAGES if p != "benchmarks")
 
@@ -31,11 +32,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "decode_worker": {"worker_runtime", "engine", "kv_transfer", "prefix_index", "vocabulary"},
     "router": {"admission", "prefix_index", "vocabulary", "pdserve"},
     "planner": {"router", "vocabulary"},
+    "simulator": {"admission", "router", "planner", "loadtests", "vocabulary"},
     "loadtests": {"vocabulary", "pdserve"},
     "deploy": set(PACKAGES) - {"benchmarks", "deploy"} | {"pdserve"},
     "benchmarks": set(PACKAGES) | {"pdserve"},
 }
-TORCH_FREE = ("vocabulary", "router", "admission", "prefix_index", "planner", "loadtests")
+TORCH_FREE = (
+    "vocabulary", "router", "admission", "prefix_index", "planner", "simulator", "loadtests",
+)  # fmt: skip
 # Locust's files run in a process of their own (gevent's monkey-patching), never imported here.
 OWN_PROCESS = {"loadtests.locustfile", "loadtests.locust_openai"}
 

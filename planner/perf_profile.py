@@ -1,0 +1,251 @@
+"""A worker's measured performance, as a data file: what `pdserve profile` writes and
+`pdserve simulate` reads (simulator/).
+
+A profile holds engine step times, never a model: prefill step time against the tokens in the
+batch (and against a cached prefix, where measured), decode step time against batch size x
+context, and the KV hand-off cost. Between grid points the times are interpolated piecewise
+linearly; beyond the grid they are extended along the last segment (never below the smallest
+measured time). The header says what was measured (model id and shape, dtype, TP, device, the
+pdserve and torch versions), so a profile of another model or dtype is refused by name.
+
+Pure and torch-free: JSON in, frozen values out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+class PerfProfileError(ValueError):
+    """A profile file that does not parse, or one made for another model / dtype / TP."""
+
+
+def _positive(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise PerfProfileError(f"{name}: must be a number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ProfileHeader:
+    """What was measured, and on what."""
+
+    model_id: str
+    """The model's folder name (the engine's model id)."""
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    tensor_parallel_size: int
+    device: str
+    """`cpu`, or the card's name (torch.cuda.get_device_name)."""
+    block_size: int
+    """Tokens per KV block."""
+    num_kv_blocks: int
+    """KV blocks of one worker's pool (the decode pool's capacity in the simulator)."""
+    max_num_batched_tokens: int
+    """Token budget of one step (prefill chunks at this size)."""
+    max_num_seqs: int
+    pdserve_version: str
+    torch_version: str
+    torch_threads: int = 1
+    """CPU: intra-op threads the measuring process used (a worker's `torch_threads`)."""
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    batch_tokens: int
+    """Prompt tokens computed in the step."""
+    step_s: float
+    cached_tokens: int = 0
+    """Prompt tokens already in the prefix cache (attended to, not computed)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.batch_tokens, "batch_tokens")
+        _positive(self.step_s, "step_s")
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    batch_size: int
+    context_tokens: int
+    """Tokens of context per sequence."""
+    step_s: float
+
+    def __post_init__(self) -> None:
+        _positive(self.batch_size, "batch_size")
+        _positive(self.context_tokens, "context_tokens")
+        _positive(self.step_s, "step_s")
+
+
+@dataclass(frozen=True)
+class HandoffCost:
+    """Time from a prefill's first token to its request running on the decode worker."""
+
+    fixed_s: float
+    per_block_s: float = 0.0
+    source: str = ""
+    """Measured, or where the constant comes from."""
+
+    def seconds(self, blocks: int) -> float:
+        return self.fixed_s + self.per_block_s * blocks
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    """What serving adds around the engine's steps (the engine alone: the defaults). Given to
+    `pdserve profile`, or measured from a real run's records against the profile
+    (benchmarks/suites/simulator.py:measure_serving)."""
+
+    request_s: float = 0.0
+    """Send → the prompt in a worker's queue, and the first token's way back: client, router
+    (validation, Redis lookup, admission, placement), the call to the worker."""
+    prefill_factor: float = 1.0
+    """A prefill on a serving worker over the profiled step (the worker shares the cores with
+    the rest of the cluster; the profile is taken with a core to itself)."""
+    decode_step_s: float = 0.0
+    """Added to every decode step: the actor's own work per step (outputs onto the token
+    channel, KV events), the relay to the client, and its share of the cores."""
+    source: str = "engine only"
+
+    def __post_init__(self) -> None:
+        if not (self.request_s >= 0 and self.decode_step_s >= 0 and self.prefill_factor > 0):
+            raise PerfProfileError(
+                "serving: request_s and decode_step_s must be >= 0 and prefill_factor > 0, got "
+                f"{self.request_s!r}, {self.decode_step_s!r}, {self.prefill_factor!r}"
+            )
+
+
+@dataclass(frozen=True)
+class PerfProfile:
+    header: ProfileHeader
+    prefill: tuple[PrefillPoint, ...]
+    decode: tuple[DecodePoint, ...]
+    handoff: HandoffCost
+    serving: ServingOverhead = ServingOverhead()
+
+    def __post_init__(self) -> None:
+        if not any(p.cached_tokens == 0 for p in self.prefill):
+            raise PerfProfileError("prefill: needs points with cached_tokens 0")
+        if not self.decode:
+            raise PerfProfileError("decode: needs at least one point")
+
+    # ---- lookups -----------------------------------------------------------------------------
+
+    def prefill_step_s(self, batch_tokens: int, cached_tokens: int = 0) -> float:
+        """One prefill step computing `batch_tokens` tokens (behind `cached_tokens` cached)."""
+        cold = [p for p in self.prefill if p.cached_tokens == 0]
+        base = _interp([p.batch_tokens for p in cold], [p.step_s for p in cold], batch_tokens)
+        warm = [p for p in self.prefill if p.cached_tokens > 0]
+        if cached_tokens <= 0 or not warm:
+            return base
+        # the extra cost of attending to a cached prefix, per cached token, from the points
+        extra = [
+            max(0.0, p.step_s - self.prefill_step_s(p.batch_tokens)) / p.cached_tokens for p in warm
+        ]
+        return base + sum(extra) / len(extra) * cached_tokens
+
+    def decode_step_s(self, batch_size: int, context_tokens: float) -> float:
+        """One decode step of `batch_size` sequences of `context_tokens` tokens each."""
+        contexts = sorted({p.context_tokens for p in self.decode})
+        per_context = []
+        for c in contexts:
+            row = sorted((p.batch_size, p.step_s) for p in self.decode if p.context_tokens == c)
+            per_context.append(_interp([b for b, _ in row], [s for _, s in row], batch_size))
+        return _interp(contexts, per_context, context_tokens)
+
+    def prefill_tokens_per_s(self) -> float:
+        """Prefill throughput at a full step (admission's throughput prior)."""
+        n = self.header.max_num_batched_tokens
+        return n / self.prefill_step_s(n)
+
+    # ---- checks and files --------------------------------------------------------------------
+
+    def check_matches(self, **expected: object) -> None:
+        """Refuse a profile made for another model, dtype, TP or device: `expected` maps
+        header fields to the values wanted (None: any)."""
+        for name, want in expected.items():
+            if want is None:
+                continue
+            have = getattr(self.header, name)
+            if have != want:
+                raise PerfProfileError(
+                    f"profile {name}: made for {have!r}, but {want!r} was asked for"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, **asdict(self)}
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs ascending), extended along the end segments,
+    floored at the smallest y."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, min(ys))
+
+
+def _build(cls: type, data: object, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise PerfProfileError(f"{where}: expected an object, got {data!r}")
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise PerfProfileError(f"{where}: unknown fields {sorted(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise PerfProfileError(f"{where}: {e}") from None
+
+
+def profile_from_dict(data: object) -> PerfProfile:
+    if not isinstance(data, dict):
+        raise PerfProfileError("profile: expected a JSON object")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise PerfProfileError(f"format_version: {version!r}, this pdserve reads {FORMAT_VERSION}")
+    for key in ("header", "prefill", "decode", "handoff"):
+        if key not in data:
+            raise PerfProfileError(f"{key}: required")
+    for key in ("prefill", "decode"):
+        if not isinstance(data[key], list) or not data[key]:
+            raise PerfProfileError(f"{key}: expected a non-empty list of points")
+    return PerfProfile(
+        header=_build(ProfileHeader, data["header"], "header"),
+        prefill=tuple(
+            _build(PrefillPoint, p, f"prefill[{i}]") for i, p in enumerate(data["prefill"])
+        ),
+        decode=tuple(_build(DecodePoint, p, f"decode[{i}]") for i, p in enumerate(data["decode"])),
+        handoff=_build(HandoffCost, data["handoff"], "handoff"),
+        serving=_build(ServingOverhead, data.get("serving", {}), "serving"),
+    )
+
+
+def load_perf_profile(path: Path, **expected: object) -> PerfProfile:
+    """The profile in `path`, checked against `expected` header fields (see
+    `PerfProfile.check_matches`). Raises PerfProfileError with one line naming what is wrong."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PerfProfileError(f"profile: cannot read {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PerfProfileError(f"profile: {path} is not JSON ({e})") from None
+    profile = profile_from_dict(data)
+    profile.check_matches(**expected)
+    return profile

@@ -1,0 +1,299 @@
+"""The discrete-event simulation of a cluster: arrivals → admission → placement → prefill →
+hand-off → decode, on simulated time, with the live system's own pure cores.
+
+Lifecycle of a request (times in seconds from the start of the run):
+
+1. arrives at its planned send time (a later turn of a conversation: when the turn before it
+   ended, plus its think time, as the load driver sends it);
+2. admission: `admission/policy.py:evaluate` over a `ClusterSnapshot` built from the simulated
+   workers (the fields the router fills from worker load reports: total and free decode blocks,
+   in-flight transfer blocks, queued prefill tokens, prefill throughput from the profile) and
+   an `AdmissionLedger` of what the simulated router admitted. ADMIT goes on; QUEUE waits in
+   FCFS order until a release admits it or its bounded wait ends (RESOURCE_EXHAUSTED);
+   REJECT ends it with RESOURCE_EXHAUSTED;
+3. placement: `router/placement.py:place` over candidates built from the simulated workers and
+   their prefix caches (the index is exact here: no staleness);
+4. prefill on the chosen worker (simulator/workers.py), `profile.serving.request_s` after the
+   decision (the router's hop), first token at the step's end: TTFT;
+5. hand-off: `profile.handoff.seconds(blocks)` after the first token the request joins its
+   decode worker's batch (the decode blocks are allocated when it starts);
+6. decode, one token per step, until max_tokens (outputs are exact: ignore_eos workloads);
+7. release: the reservation returns, the admission queue is tried again.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from admission.config import AdmissionThresholds
+from admission.decision import Decision, DecisionKind
+from admission.policy import evaluate
+from admission.snapshot import (
+    AdmissionLedger,
+    AdmissionRequest,
+    ClusterSnapshot,
+    DecodeWorkerLoad,
+    PrefillWorkerLoad,
+)
+from loadtests.workload import PlannedRequest
+from planner.perf_profile import PerfProfile
+from router.placement import (
+    DecodeCandidate,
+    NoWorkerError,
+    Placement,
+    PlacementConfig,
+    PrefillCandidate,
+    place,
+)
+from simulator.workers import Role, SimRequest, SimWorker, block_hashes
+
+REJECTED = "RESOURCE_EXHAUSTED"
+DEFAULT_THRESHOLDS = AdmissionThresholds()
+UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The workers to simulate and the router's settings."""
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    kv_blocks: int = 0
+    """KV blocks per worker (0: the profile's)."""
+    thresholds: AdmissionThresholds = DEFAULT_THRESHOLDS
+    transfer_budget_blocks: int = 4096
+    """A decode worker's in-flight transfer budget (kv_transfer `max_inflight_blocks`)."""
+    uncached_block_weight: float = 4.0
+    """Placement's w (router `uncached_block_weight`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name}: must be >= 0, got {getattr(self, name)}")
+        if self.decode + self.colocated == 0:
+            raise ValueError("--decode / --colocated: the cluster needs a worker that decodes")
+
+
+class Simulation:
+    """One run of a workload through a cluster of simulated workers."""
+
+    def __init__(self, profile: PerfProfile, shape: ClusterShape) -> None:
+        self.profile = profile
+        self.shape = shape
+        self.block_size = profile.header.block_size
+        blocks = shape.kv_blocks or profile.header.num_kv_blocks
+        self.prefill = [
+            SimWorker(f"p{i}", Role.PREFILL, profile, blocks) for i in range(shape.prefill)
+        ]
+        self.decode = [
+            SimWorker(f"d{i}", Role.DECODE, profile, blocks) for i in range(shape.decode)
+        ]
+        self.decode += [
+            SimWorker(f"c{i}", Role.COLOCATED, profile, blocks) for i in range(shape.colocated)
+        ]
+        self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
+        self.throughput = profile.prefill_tokens_per_s()
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.queue: deque[tuple[SimRequest, float]] = deque()
+        """Admission queue: (request, give-up time)."""
+        self.reserved_blocks = 0
+        self.admitted = 0
+        self.requests: list[SimRequest] = []
+        self._followers: dict[int, list[PlannedRequest]] = {}
+
+    # ---- the event loop ---------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, planned: Sequence[PlannedRequest]) -> list[SimRequest]:
+        for p in planned:
+            if p.after is None:
+                self.at(p.send_at_s, functools.partial(self._arrive, p))
+            else:
+                self._followers.setdefault(p.after, []).append(p)
+        while self._events:
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+        return sorted(self.requests, key=lambda r: r.planned.index)
+
+    # ---- router -----------------------------------------------------------------------------
+
+    def _arrive(self, p: PlannedRequest) -> None:
+        r = SimRequest(p, block_hashes(p.token_ids, self.block_size), sent_s=self.now)
+        self.requests.append(r)
+        decision = self._evaluate(r, waiting_ahead=len(self.queue))
+        if decision.kind is DecisionKind.ADMIT:
+            self._admit(r)
+        elif decision.kind is DecisionKind.QUEUE:
+            wait_s = decision.max_wait_ms / 1000.0
+            self.queue.append((r, self.now + wait_s))
+            self.at(self.now + wait_s, lambda: self._expire(r))
+        else:
+            self._end(r, REJECTED)
+
+    def _evaluate(self, r: SimRequest, waiting_ahead: int) -> Decision:
+        best_cached = max(
+            (w.cache.cached_blocks(r.block_hashes) for w in self.workers.values()), default=0
+        )
+        uncached = r.prompt_tokens - best_cached * self.block_size
+        request = AdmissionRequest(r.planned.request_id, r.prompt_tokens, uncached, r.max_tokens)
+        snapshot = ClusterSnapshot(
+            prefill_workers=tuple(
+                PrefillWorkerLoad(w.worker_id, w.queued_prefill_tokens, self.throughput)
+                for w in self.prefill
+            ),
+            decode_workers=tuple(
+                DecodeWorkerLoad(
+                    w.worker_id,
+                    total_blocks=w.total_blocks,
+                    free_blocks=min(w.free_blocks, w.total_blocks),
+                    inflight_transfer_blocks=w.inflight_transfer_blocks,
+                )
+                for w in self.decode
+            ),
+            transfer_budget_blocks=self.shape.transfer_budget_blocks,
+            router_inflight_requests=self.admitted,
+            block_size=self.block_size,
+        )
+        ledger = AdmissionLedger(
+            reserved_blocks=self.reserved_blocks,
+            admitted_requests=self.admitted,
+            waiting_requests=len(self.queue),
+            waiting_ahead=waiting_ahead,
+        )
+        decision = evaluate(request, snapshot, self.shape.thresholds, ledger=ledger)
+        r.reserved_blocks = decision.reserve_blocks
+        return decision
+
+    def _expire(self, r: SimRequest) -> None:
+        for i, (queued, _) in enumerate(self.queue):
+            if queued is r:
+                del self.queue[i]
+                self._end(r, REJECTED)
+                return
+
+    def _drain_queue(self) -> None:
+        while self.queue:
+            r, _ = self.queue[0]
+            if self._evaluate(r, waiting_ahead=0).kind is not DecisionKind.ADMIT:
+                return
+            self.queue.popleft()
+            self._admit(r)
+
+    def _admit(self, r: SimRequest) -> None:
+        self.admitted += 1
+        self.reserved_blocks += r.reserved_blocks
+        try:
+            placement = self._place(r)
+        except NoWorkerError:
+            self._end(r, UNAVAILABLE)
+            return
+        r.decode_worker = placement.decode_worker_id
+        worker = self.workers[placement.prefill_worker_id or placement.decode_worker_id]
+        r.cached_tokens = placement.cached_blocks * self.block_size
+        r.context = r.cached_tokens
+        r.remaining_prefill = placement.uncached_tokens
+        if r.remaining_prefill == 0:  # a fully cached prompt still computes its last token
+            r.context -= 1
+            r.remaining_prefill = 1
+        worker.allocate(worker.blocks_for(r.context))
+
+        def queued() -> None:
+            worker.prefill_queue.append(r)
+            self._kick(worker)
+
+        delay = self.profile.serving.request_s
+        if delay > 0:
+            self.at(self.now + delay, queued)
+        else:
+            queued()
+
+    def _place(self, r: SimRequest) -> Placement:
+        prefill = [
+            PrefillCandidate(
+                w.worker_id, w.cache.cached_blocks(r.block_hashes), w.queued_prefill_tokens
+            )
+            for w in self.prefill
+        ]
+        decode = [
+            DecodeCandidate(
+                w.worker_id,
+                w.cache.cached_blocks(r.block_hashes),
+                w.active_blocks,
+                w.inflight_transfer_blocks,
+                w.free_blocks,
+                prefills_locally=w.role is Role.COLOCATED,
+            )
+            for w in self.decode
+        ]
+        config = PlacementConfig(
+            self.shape.uncached_block_weight, self.shape.thresholds.local_prefill_threshold_tokens
+        )
+        need = r.reserved_blocks
+        return place(r.prompt_tokens, self.block_size, prefill, decode, config, need)
+
+    def _end(self, r: SimRequest, status: str) -> None:
+        r.status = status
+        r.done_s = self.now
+        for p in self._followers.pop(r.planned.index, []):
+            self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
+
+    def _release(self, r: SimRequest) -> None:
+        self.admitted -= 1
+        self.reserved_blocks -= r.reserved_blocks
+        self._end(r, "OK")
+        self._drain_queue()
+
+    # ---- workers ----------------------------------------------------------------------------
+
+    def _kick(self, worker: SimWorker) -> None:
+        """Start the worker's next step if it is idle and has work."""
+        if worker.busy or not worker.has_work():
+            return
+        seconds, chunks, decodes = worker.plan_step()
+        if not chunks and not decodes:
+            return
+        worker.busy = True
+        worker.busy_s += seconds
+        self.at(self.now + seconds, lambda: self._step_done(worker, chunks, decodes))
+
+    def _step_done(
+        self, worker: SimWorker, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]
+    ) -> None:
+        worker.busy = False
+        prefilled, finished = worker.finish_step(self.now, chunks, decodes)
+        for r in finished:
+            self._release(r)
+        if worker.role is Role.PREFILL:
+            for r in prefilled:
+                self._hand_off(worker, r)
+        self._kick(worker)
+
+    def _hand_off(self, source: SimWorker, r: SimRequest) -> None:
+        if r.max_tokens <= 1:
+            source.release_prefill_blocks(r)
+            self._release(r)
+            return
+        target = self.workers[r.decode_worker]
+        blocks = target.blocks_for(r.context)
+        target.allocate(blocks)
+        target.inflight_transfer_blocks += blocks
+        r.handoff_s = self.profile.handoff.seconds(blocks)
+
+        def arrived() -> None:
+            target.inflight_transfer_blocks -= blocks
+            source.release_prefill_blocks(r)
+            target.cache.store(r.block_hashes)
+            target.arriving.append(r)
+            self._kick(target)
+
+        self.at(self.now + r.handoff_s, arrived)

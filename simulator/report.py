@@ -1,0 +1,118 @@
+"""A simulated run as the load driver would have recorded it: one `RequestRecord` per request
+(loadtests/records.py), summarized and printed by the same code as `pdserve bench`
+(loadtests/goodput.py:summarize, loadtests/bench.py:summary_tables)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtests.bench import BenchSummary, RateResult
+from loadtests.goodput import SLO, GoodputReport, summarize
+from loadtests.records import OK, RequestRecord
+from loadtests.workload import generate, load_profile
+from planner.perf_profile import PerfProfile
+from simulator.cluster import ClusterShape, Simulation
+from simulator.workers import SimRequest, SimWorker
+
+
+@dataclass(frozen=True)
+class WorkerUse:
+    worker_id: str
+    role: str
+    busy_fraction: float
+    """Share of the run the worker spent in steps."""
+    kv_overflows: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    records: tuple[RequestRecord, ...]
+    report: GoodputReport
+    workers: tuple[WorkerUse, ...]
+
+
+def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
+    p = r.planned
+    if r.status != OK or not r.token_times:
+        return RequestRecord(
+            p.request_id, p.index, r.sent_s, p.send_at_s, p.prompt_tokens, p.max_tokens, 0,
+            (r.done_s - r.sent_s) * 1000.0, status=r.status, offered_rate=rate,
+            conversation=p.conversation, turn=p.turn,
+        )  # fmt: skip
+    times = r.token_times
+    itl = tuple((b - a) * 1000.0 for a, b in itertools.pairwise(times))
+    return RequestRecord(
+        request_id=p.request_id,
+        index=p.index,
+        sent_s=r.sent_s,
+        scheduled_s=p.send_at_s,
+        prompt_tokens=p.prompt_tokens,
+        max_tokens=p.max_tokens,
+        output_tokens=len(times),
+        e2e_ms=(times[-1] - r.sent_s) * 1000.0,
+        ttft_ms=(times[0] - r.sent_s) * 1000.0,
+        tpot_ms=(times[-1] - times[0]) / (len(times) - 1) * 1000.0 if len(times) > 1 else None,
+        itl_ms=itl,
+        cached_prompt_tokens=r.cached_tokens,
+        server_transfer_ms=r.handoff_s * 1000.0,
+        offered_rate=rate,
+        conversation=p.conversation,
+        turn=p.turn,
+    )
+
+
+def simulate(
+    profile: PerfProfile,
+    shape: ClusterShape,
+    workload: str | Path,
+    rate: float,
+    duration_s: float,
+    slo: SLO,
+    seed: int = 0,
+    num_requests: int | None = None,
+) -> SimResult:
+    """`workload` (a load-driver profile) at `rate` req/s for `duration_s` through `shape`."""
+    planned = generate(
+        load_profile(workload),
+        rate=rate,
+        duration_s=duration_s,
+        seed=seed,
+        num_requests=num_requests,
+    )
+    sim = Simulation(profile, shape)
+    requests = sim.run(planned)
+    records = tuple(to_record(r, rate) for r in requests)
+    report = summarize(records, slo, offered_rate=rate)
+    span = max(sim.now, 1e-9)
+    return SimResult(records, report, tuple(_use(w, span) for w in sim.workers.values()))
+
+
+def _use(w: SimWorker, span: float) -> WorkerUse:
+    return WorkerUse(w.worker_id, w.role.value, min(1.0, w.busy_s / span), w.kv_overflows)
+
+
+def as_bench_summary(
+    target: str, workload: str, slo: SLO, duration_s: float, seed: int,
+    results: Sequence[tuple[float, SimResult]],
+) -> BenchSummary:  # fmt: skip
+    """The simulated runs in the shape `pdserve bench` prints (no files written)."""
+    from loadtests.goodput import max_rate_meeting
+
+    rate_results = tuple(RateResult(rate, r.report, Path(), Path()) for rate, r in results)
+    return BenchSummary(
+        target=target,
+        profile=workload,
+        api="simulated",
+        seed=seed,
+        slo=slo,
+        duration_s=duration_s,
+        used_locust=False,
+        results=rate_results,
+        attainment_target=0.9,
+        max_rate=max_rate_meeting([r.report for _, r in results], 0.9),
+        out_dir=Path(),
+        files=(),
+    )

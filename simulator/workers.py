@@ -1,0 +1,216 @@
+"""The simulated workers: one engine loop each, stepping through time taken from a profile.
+
+A worker's role says which queues it serves:
+
+- PREFILL: a FCFS queue of prompts, chunked at `max_num_batched_tokens` per step (several
+  prompts share a step); a prompt whose last chunk ran samples its first token at the step's
+  end and leaves for its decode worker (the hand-off, in simulator/cluster.py);
+- DECODE: continuous batching of the requests handed to it (up to `max_num_seqs`), one token
+  each per step; a prompt placed here to prefill locally is chunked into the same steps;
+- COLOCATED: a DECODE worker that every prompt is placed on (no prefill pool).
+
+Step time is `decode_step_s(batch, mean context)` plus `prefill_step_s(chunk tokens)` when the
+step carries prefill, with the profile's serving overheads (`serving.decode_step_s` added to
+the decode part, the prefill part times `serving.prefill_factor`).
+KV blocks are counted per request (prompt + tokens so far, rounded up to blocks) against the
+pool; admission's worst-case reservation keeps the pool from overflowing,
+so preemption is not modelled (an overflow is counted in `kv_overflows`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from loadtests.workload import PlannedRequest
+from planner.perf_profile import PerfProfile
+from vocabulary.numeric import cdiv
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclass
+class SimRequest:
+    """One request's way through the simulated cluster (times in seconds from the start)."""
+
+    planned: PlannedRequest
+    block_hashes: tuple[int, ...]
+    sent_s: float = 0.0
+    cached_tokens: int = 0
+    """Prompt tokens the placed prefill (or local) worker already held."""
+    reserved_blocks: int = 0
+    decode_worker: str = ""
+    remaining_prefill: int = 0
+    context: int = 0
+    """Tokens in the KV cache (prompt + generated)."""
+    token_times: list[float] = field(default_factory=list)
+    handoff_s: float = 0.0
+    status: str = "OK"
+    done_s: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.planned.prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.planned.max_tokens
+
+
+class PrefixCache:
+    """The block hashes a worker holds, least recently used evicted first (at most `capacity`)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def cached_blocks(self, hashes: tuple[int, ...]) -> int:
+        """Leading blocks of `hashes` held here."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def store(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+
+def block_hashes(token_ids: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    """A chain over the prompt's full blocks (tuple hashing of ints is not salted)."""
+    chain: list[int] = []
+    h = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hash((h, token_ids[start : start + block_size]))
+        chain.append(h)
+    return tuple(chain)
+
+
+class SimWorker:
+    """One worker's queues and KV pool; `plan_step` picks the next batch, `finish_step`
+    applies it."""
+
+    def __init__(self, worker_id: str, role: Role, profile: PerfProfile, kv_blocks: int) -> None:
+        header = profile.header
+        self.worker_id = worker_id
+        self.role = role
+        self.profile = profile
+        self.block_size = header.block_size
+        self.token_budget = header.max_num_batched_tokens
+        self.max_num_seqs = header.max_num_seqs
+        self.total_blocks = kv_blocks
+        self.used_blocks = 0
+        self.kv_overflows = 0
+        self.prefill_queue: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.arriving: list[SimRequest] = []
+        """Handed off, joining the batch at the next step."""
+        self.inflight_transfer_blocks = 0
+        self.busy = False
+        self.busy_s = 0.0
+        self.cache = PrefixCache(kv_blocks)
+
+    # ---- load, as the router sees it --------------------------------------------------------
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(r.remaining_prefill for r in self.prefill_queue)
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.total_blocks - self.used_blocks)
+
+    @property
+    def active_blocks(self) -> int:
+        return self.used_blocks
+
+    # ---- blocks -----------------------------------------------------------------------------
+
+    def allocate(self, blocks: int) -> None:
+        self.used_blocks += blocks
+        if self.used_blocks > self.total_blocks:
+            self.kv_overflows += 1
+
+    def blocks_for(self, tokens: int) -> int:
+        return cdiv(tokens, self.block_size)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.prefill_queue or self.running or self.arriving)
+
+    def plan_step(self) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
+        """(step seconds, prefill chunks (request, tokens), decoding requests) of the next
+        step; the chunks are taken from the queue when the step is applied."""
+        self.running.extend(self.arriving)
+        self.arriving.clear()
+        decodes = self.running[: self.max_num_seqs]
+        budget = self.token_budget - len(decodes)
+        chunks: list[tuple[SimRequest, int]] = []
+        for r in self.prefill_queue:
+            if budget <= 0 or len(decodes) + len(chunks) >= self.max_num_seqs:
+                break
+            n = min(r.remaining_prefill, budget)
+            chunks.append((r, n))
+            budget -= n
+        seconds = 0.0
+        serving = self.profile.serving
+        if decodes:
+            context = sum(r.context for r in decodes) / len(decodes)
+            seconds += self.profile.decode_step_s(len(decodes), context) + serving.decode_step_s
+        if chunks:
+            tokens = sum(n for _, n in chunks)
+            cached = sum(r.cached_tokens for r, _ in chunks)
+            seconds += self.profile.prefill_step_s(tokens, cached) * serving.prefill_factor
+        return seconds, chunks, decodes
+
+    def finish_step(
+        self, now: float, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]
+    ) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Apply a step that ended at `now`: (prompts whose prefill finished, requests that
+        finished decoding). A finished prompt has its first token; on a decode or colocated
+        worker it joins the batch here."""
+        prefilled = []
+        for r, n in chunks:
+            r.remaining_prefill -= n
+            grow = self.blocks_for(r.context + n) - self.blocks_for(r.context)
+            self.allocate(grow)
+            r.context += n
+            if r.remaining_prefill == 0:
+                self.prefill_queue.remove(r)
+                r.token_times.append(now)
+                self.cache.store(r.block_hashes)
+                prefilled.append(r)
+        finished = []
+        for r in decodes:
+            if self.blocks_for(r.context + 1) > self.blocks_for(r.context):
+                self.allocate(1)
+            r.context += 1
+            r.token_times.append(now)
+            if len(r.token_times) >= r.max_tokens:
+                finished.append(r)
+        for r in finished:
+            self.running.remove(r)
+            self.used_blocks -= self.blocks_for(r.context)
+        if self.role is not Role.PREFILL:
+            for r in prefilled:
+                if len(r.token_times) >= r.max_tokens:
+                    self.used_blocks -= self.blocks_for(r.context)
+                    finished.append(r)
+                else:
+                    self.running.append(r)
+        return prefilled, finished
+
+    def release_prefill_blocks(self, r: SimRequest) -> None:
+        """A prefill worker's blocks of `r` return once the decode worker pulled them."""
+        self.used_blocks -= self.blocks_for(r.context)

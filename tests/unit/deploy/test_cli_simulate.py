@@ -1,0 +1,87 @@
+"""`pdserve simulate` from the command line: the bench table from a profile, and bad input as
+one line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sim_profiles import make_profile
+from typer.testing import CliRunner
+
+from deploy.cli.app import app
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["simulate", *args])
+    assert not isinstance(result.exception, Exception) or isinstance(
+        result.exception, SystemExit
+    ), result.exception
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    make_profile().save(path)
+    return path
+
+
+def test_simulate_prints_the_bench_tables(profile: Path) -> None:
+    code, out = run(
+        "--profile", str(profile), "--workload", "synthetic", "--rate", "2", "--rate", "4",
+        "--duration", "5", "--prefill", "1", "--decode", "1",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "simulated 1P1D" in out and "TTFT" in out and "goodput" in out
+    assert "p0" in out and "d0" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "llama-3-8b"], "profile model_id: made for 'synthetic'"),
+        (["--dtype", "bfloat16"], "profile dtype: made for 'float32'"),
+        (["--workload", "nope"], "profile: unknown 'nope'"),
+        (["--decode", "0"], "--decode / --colocated"),
+        (["--rate", "0"], "--rate: must be > 0"),
+        (["--slo", "ttft"], "ttft"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    profile: Path, args: list[str], message: str
+) -> None:
+    code, out = run("--profile", str(profile), "--duration", "2", *args)
+    assert code == 2, out
+    assert message in out
+    assert "Traceback" not in out
+
+
+def test_a_profile_that_does_not_parse_is_exit_code_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format_version": 1, "header": {}}))
+    code, out = run("--profile", str(bad))
+    assert code == 2 and "prefill: required" in out, out
+
+
+def test_a_missing_profile_is_exit_code_2(tmp_path: Path) -> None:
+    code, out = run("--profile", str(tmp_path / "none.json"))
+    assert code == 2 and "cannot read" in out, out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent-model"], "--model: /nonexistent-model has no config.json"),
+        (["--prefill-factor", "0"], "prefill_factor > 0"),
+        (["--threads", "0"], "--threads: must be >= 1"),
+    ],
+)
+def test_profile_refuses_bad_options_before_measuring(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(app, ["profile", str(tmp_path / "p.json"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "p.json").exists()
