@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from deploy.checkpoints.checkpoint_files import CORPUS, save_shards, staged_dir
-from engine.loading.fp8_checkpoint import FUSED_PARTS, Fp8Scheme
+from engine.loading.fp8_checkpoint import Fp8Scheme
 from engine.quantization.fp8_linear import FP8_DTYPE, FP8_MAX
+from engine.tp.tp_shard import FUSED_MODULES
 from vocabulary.model_config import ModelConfig
 
 _MIN_SCALE = 1e-12
@@ -101,7 +102,7 @@ def observe_input_amax(
     observed = observe(model, token_ids[: cfg.max_model_len])
     amax: dict[str, float] = {}
     for i in range(cfg.num_layers):
-        for projection, modules in FUSED_PARTS.items():
+        for projection, modules in FUSED_MODULES.items():
             for module in modules:  # fused parts read the same input
                 amax[f"model.layers.{i}.{module}"] = observed.activations[
                     f"layers.{i}.quantized.{projection}"

@@ -57,9 +57,8 @@ from torch import nn
 
 from engine.loading.hf_checkpoint import (
     PROJECTIONS,
-    check_complete,
+    check_complete_but_projections,
     copy_tensor,
-    expected_tensor_names,
     module_shapes,
 )
 from engine.modeling.llama import DecoderLayer, LlamaModel
@@ -69,19 +68,11 @@ from engine.quantization.fp8_linear import (
     quantize_per_tensor,
     quantize_per_token,
 )
+from engine.tp.tp_shard import FUSED_MODULES, PROJECTION_OF
 
 QUANT_METHOD = "compressed-tensors"
 FLOAT_QUANTIZED = "float-quantized"
 WEIGHT_STRATEGIES = ("tensor", "channel")
-
-FUSED_PARTS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o_proj": ("self_attn.o_proj",),
-    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "down_proj": ("mlp.down_proj",),
-}
-"""Each fused projection's checkpoint modules, in the order of its rows."""
-_PROJECTION_OF = {part: proj for proj, parts in FUSED_PARTS.items() for part in parts}
 
 _PART_TENSOR = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\."
@@ -363,8 +354,8 @@ class _Assembler:
             part.weight = tensor.to(device=model.device, dtype=dtype)
         else:
             setattr(part, kind, tensor.to(device=model.device, dtype=torch.float32))
-        projection = _PROJECTION_OF[module]
-        group = [self.parts.get((layer, m)) for m in FUSED_PARTS[projection]]
+        projection = PROJECTION_OF[module]
+        group = [self.parts.get((layer, m)) for m in FUSED_MODULES[projection]]
         if all(p is not None and p.complete(self.static) for p in group):
             self._build(layer, projection, cast(list[Fp8Part], group))
 
@@ -374,7 +365,7 @@ class _Assembler:
         bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(projection)
         linears = self.built.setdefault(index, {})
         linears[projection] = Fp8Linear(weight, scale, bias, input_scale, self.dynamic)
-        for module in FUSED_PARTS[projection]:
+        for module in FUSED_MODULES[projection]:
             del self.parts[(index, module)]
         if len(linears) == len(PROJECTIONS):
             layer.quantized = nn.ModuleDict({name: linears[name] for name in PROJECTIONS})
@@ -388,7 +379,7 @@ class _Assembler:
             raise ValueError(f"checkpoint is missing {part.name}.{lacks}")
         for i in range(self.model.cfg.num_layers):
             done = self.built.get(i, {})
-            for projection, modules in FUSED_PARTS.items():
+            for projection, modules in FUSED_MODULES.items():
                 if projection not in done:
                     raise ValueError(f"checkpoint is missing model.layers.{i}.{modules[0]}.weight")
 
@@ -427,8 +418,5 @@ def load_fp8_weights(
         if key is not None:
             seen.add(key)
     assembler.check_complete()
-    projections = {f".{m}.weight" for parts in FUSED_PARTS.values() for m in parts}
-    check_complete(
-        [n for n in expected_tensor_names(model.cfg) if not n.endswith(tuple(projections))], seen
-    )
+    check_complete_but_projections(model.cfg, seen)
     model.quantization = "fp8"

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.modeling.llama import DecoderLayer, LlamaModel, Rotary
-from engine.tp.tp_shard import WHOLE, TPShard, tensor_slice
+from engine.tp.tp_shard import FUSED_MODULES, WHOLE, TPShard, tensor_slice
 from vocabulary.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,13 @@ def check_complete(names: Iterable[str], seen: set[str]) -> None:
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing {', '.join(missing[:5])}{more}")
+
+
+def check_complete_but_projections(cfg: ModelConfig, seen: set[str]) -> None:
+    """`check_complete` over every tensor but the decoder projections' weights (a quantized
+    checkpoint's loader checks those, in its own format)."""
+    projections = tuple(f".{m}.weight" for ms in FUSED_MODULES.values() for m in ms)
+    check_complete([n for n in expected_tensor_names(cfg) if not n.endswith(projections)], seen)
 
 
 @torch.no_grad()

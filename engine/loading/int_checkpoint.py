@@ -44,22 +44,20 @@ from torch import nn
 from engine.loading.fp8_checkpoint import one_group_config
 from engine.loading.hf_checkpoint import (
     PROJECTIONS,
-    check_complete,
+    check_complete_but_projections,
     copy_tensor,
-    expected_tensor_names,
     module_shapes,
 )
 from engine.modeling.llama import DecoderLayer, LlamaModel
 from engine.quantization.int4_linear import Int4Linear
 from engine.quantization.int8_linear import Int8Linear
-from engine.tp.tp_shard import FUSED_MODULES, LAYER_TENSOR
+from engine.tp.tp_shard import FUSED_MODULES, LAYER_TENSOR, PROJECTION_OF
 from vocabulary.model_config import ModelConfig
 
 INT_QUANTIZED = "int-quantized"
 PACK_QUANTIZED = "pack-quantized"
 INT_FORMATS = (INT_QUANTIZED, PACK_QUANTIZED)
 
-_PROJECTION_OF = {part: proj for proj, parts in FUSED_MODULES.items() for part in parts}
 _KINDS = {8: ("weight", "weight_scale"), 4: ("weight_packed", "weight_scale", "weight_shape")}
 """The tensors a module stores, per bit width."""
 _REFUSED_KINDS = {
@@ -220,7 +218,7 @@ class _Assembler:
         self._check(name, module, kind, tensor)
         part = self.parts.setdefault((layer, module), {})
         part[kind] = tensor.to(self.model.device)
-        projection = _PROJECTION_OF[module]
+        projection = PROJECTION_OF[module]
         modules = FUSED_MODULES[projection]
         if all(len(self.parts.get((layer, m), {})) == len(self.kinds) for m in modules):
             self._build(layer, projection, [self.parts.pop((layer, m)) for m in modules])
@@ -312,8 +310,5 @@ def load_int_weights(
         if key is not None:
             seen.add(key)
     assembler.check_complete()
-    projections = {f".{m}.weight" for parts in FUSED_MODULES.values() for m in parts}
-    check_complete(
-        [n for n in expected_tensor_names(model.cfg) if not n.endswith(tuple(projections))], seen
-    )
+    check_complete_but_projections(model.cfg, seen)
     model.quantization = scheme.name

@@ -54,6 +54,8 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "down_proj": ("mlp.down_proj",),
 }
 """Each fused projection of engine/modeling/llama.py: its checkpoint modules, in row order."""
+PROJECTION_OF = {module: proj for proj, modules in FUSED_MODULES.items() for module in modules}
+"""A checkpoint module's fused projection (`self_attn.k_proj` -> `qkv_proj`)."""
 
 
 @dataclass(frozen=True)
