@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from loadtests.bench import BenchSummary, RateResult
 from loadtests.goodput import SLO, GoodputReport, summarize
-from loadtests.records import OK, RequestRecord
+from loadtests.records import OK, RequestRecord, StreamTimer
 from loadtests.workload import generate, load_profile
 from planner.perf_profile import PerfProfile
 from simulator.cluster import ClusterShape, Simulation
@@ -42,8 +41,8 @@ def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
             (r.done_s - r.sent_s) * 1000.0, status=r.status, offered_rate=rate,
             conversation=p.conversation, turn=p.turn,
         )  # fmt: skip
-    times = r.token_times
-    itl = tuple((b - a) * 1000.0 for a, b in itertools.pairwise(times))
+    # one token per simulated message: the load driver's own arithmetic over them
+    timer = StreamTimer(r.sent_s, list(r.token_times), len(r.token_times))
     return RequestRecord(
         request_id=p.request_id,
         index=p.index,
@@ -51,11 +50,11 @@ def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
         scheduled_s=p.send_at_s,
         prompt_tokens=p.prompt_tokens,
         max_tokens=p.max_tokens,
-        output_tokens=len(times),
-        e2e_ms=(times[-1] - r.sent_s) * 1000.0,
-        ttft_ms=(times[0] - r.sent_s) * 1000.0,
-        tpot_ms=(times[-1] - times[0]) / (len(times) - 1) * 1000.0 if len(times) > 1 else None,
-        itl_ms=itl,
+        output_tokens=timer.output_tokens,
+        e2e_ms=timer.e2e_ms(r.token_times[-1]),
+        ttft_ms=timer.ttft_ms,
+        tpot_ms=timer.tpot_ms,
+        itl_ms=timer.itl_ms,
         cached_prompt_tokens=r.cached_tokens,
         server_transfer_ms=r.handoff_s * 1000.0,
         offered_rate=rate,
