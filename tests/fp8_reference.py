@@ -154,7 +154,10 @@ def reference_greedy(
 
 
 def parted_at(want: list[int], got: list[int]) -> int | None:
-    return next((k for k, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+    """`first_difference` of two continuations of the same length (a ValueError otherwise)."""
+    if len(want) != len(got):
+        raise ValueError(f"continuations of {len(want)} and {len(got)} tokens")
+    return first_difference(want, got)
 
 
 def margin_check_against_transformers(
