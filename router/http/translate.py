@@ -201,8 +201,9 @@ class Translator:
             )  # fmt: skip
         field, constraint = structured_output(body)
         tools = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, field)
-        if tools is not None and tools.constraint() is not None:
-            field, constraint = "tools", tools.constraint()
+        calls = tools.constraint() if tools is not None else None
+        if calls is not None:
+            field, constraint = "tools", calls
         messages = template_messages(body.messages)
         text = self.chat_template.render(messages, tools.definitions if tools else None)
         limits = self.limits()
