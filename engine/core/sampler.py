@@ -160,9 +160,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants) else None
         if mask is not None and mask.rows:
             logits = logits.clone()
-            bitmask = mask.bitmask
-            if logits.device.type == "cuda":
-                bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+            bitmask = to_device(mask.bitmask, torch.int32, logits.device)
             row_ids = to_device(mask.rows, torch.long, logits.device)
             apply_token_bitmask(logits, row_ids, bitmask)
         if any(r.params.logit_bias for r in rows):
