@@ -14,6 +14,10 @@
 #   fp8      the FP8 GPU tests, then python -m benchmarks fp8 (bf16 vs FP8 weights, one run)
 #   fp8t     the FP8 GPU tests alone
 #   fp8big   python -m benchmarks fp8 --shape llama3-70b (FP8 dummy weights + FP8 KV)
+#   int      the INT GPU tests, then python -m benchmarks int (bf16 vs INT8 W8A8 vs INT4 W4A16
+#            projections: decode B=1/16/64, prefill, logits), then its Llama-3-70B INT4 shape
+#   e2e70i4  the Llama-3-70B shape, INT4 W4A16 dummy weights (config.json declares the scheme),
+#            one colocated worker on one GPU, two rates: client TPOT vs engine step
 #   kv       python -m benchmarks kv_transfer --gpu (needs 2 GPUs for the VRAM->VRAM figure)
 #   router   python -m benchmarks router on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
@@ -93,6 +97,17 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   attention) step bench_attention 240 python -m benchmarks attention --dtypes e4m3,bf16 \
     --kernels fi-tc,triton --block-n 64,128 --stages 2,3 --warps 4 --splits 1,2 \
     --kv-first 0,1 --prefetch 0,1 ;;
+  int) step int_tests 150 python -m pytest tests/gpu/test_int_gpu.py -q -rA -p no:cacheprovider
+    TAILN=${TAILN:-40} step bench_int 300 python -m benchmarks int
+    TAILN=${TAILN:-25} step bench_int_70b 240 python -m benchmarks int --shape llama3-70b \
+      --iters 15 ;;
+  e2e70i4) [ -f /tmp/cfg-70b-int4/config.json ] || python -m deploy.cli make-model \
+      /tmp/cfg-70b-int4 --preset llama3-70b --config-only --quantization int4 \
+      > "$OUT/make_cfg_70b_int4.log" 2>&1
+    step e2e70i4 420 python -m benchmarks goodput --model /tmp/cfg-70b-int4 --out /tmp/e2e70i4 \
+    --load-format dummy --modes colocated --colocated-workers 1 --workloads balanced \
+    --rates "balanced=1,2" --duration 8 --stop-below 0
+    tar czf "$OUT/e2e70i4.tgz" -C /tmp e2e70i4 ;;
   fp8big) step bench_fp8_70b 300 python -m benchmarks fp8 --shape llama3-70b --iters 15 ;;
   kv) step bench_kv 80 python -m benchmarks kv_transfer --gpu --skip-redis ;;
   router) step bench_router 170 python -m benchmarks router --rates 2,5,10 --requests 120 \

@@ -65,6 +65,8 @@ SUITES = (
     Suite("host_tier", "host_tier", "host KV tier: copy rates, chat with the tier on vs off",
           Device.GPU, "plan, copy --smoke"),
     Suite("http", "http", "TTFT/TPOT through the OpenAI HTTP door vs gRPC (A/B)", Device.CPU),
+    Suite("int", "int_quant", "INT8 W8A8 and INT4 W4A16 vs bf16: decode, prefill, logits",
+          Device.GPU),
     Suite("kv_transfer", "kv_transfer", "NIXL READ GB/s vs a plain copy; Redis lookup latency",
           Device.CPU, "--gpu"),
     Suite("lora", "lora", "multi-LoRA decode vs the base model; adapter loads",

@@ -11,7 +11,10 @@ With `fp8` the model is made layer by layer straight into FP8: each fused projec
 drawn in float32, quantized (`quantize_per_tensor`, as `quantize_fp8` would) and dropped
 before the next, so the device never holds more than one projection in float32 beside the
 FP8 weights (for Llama-3-70B ~72 GB in all, 1.9 GB the largest float32 projection). The
-values are those of the dense dummy model quantized: same seed, same draws.
+values are those of the dense dummy model quantized: same seed, same draws. With an INT
+`int_scheme` the same, each projection quantized as a compressed-tensors INT checkpoint of
+that scheme stores it (INT8: int8 with one scale per row, amax / 127; INT4: int4 in [-7, 7]
+per group, amax / 7, packed), so a 70B INT4 shape (~35 GB) is served without a checkpoint.
 
 With a `shard` (tensor parallelism, engine/tp/tp_shard.py) every projection is still drawn whole,
 in the same order, and only the rank's part kept: a rank's weights are those parts of the
@@ -20,7 +23,7 @@ whole dummy model of the same seed, whatever the TP size.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,8 +31,13 @@ from torch import nn
 from engine.loading.hf_checkpoint import PROJECTIONS, empty_model, projection_shapes
 from engine.modeling.llama import DecoderLayer, LlamaModel, RMSNorm
 from engine.quantization.fp8_linear import Fp8Linear, quantize_per_tensor
+from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
+from engine.quantization.int8_linear import INT8_MAX, Int8Linear, quantize_rows_int8
 from engine.tp.tp_shard import TPShard, local_config, shard_fused
 from vocabulary.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.loading.int_checkpoint import IntScheme
 
 INIT_STD = 0.02
 
@@ -43,14 +51,19 @@ def dummy_model(
     fp8: bool = False,
     seed: int = 0,
     shard: TPShard | None = None,
+    int_scheme: IntScheme | None = None,
 ) -> LlamaModel:
     """A model of `cfg` with random weights (see the module docstring); FP8 projections
-    (`model.quantization == "fp8"`) with `fp8`; only rank `shard.rank`'s part with `shard`."""
+    (`model.quantization == "fp8"`) with `fp8`, INT8 or INT4 ones with `int_scheme`; only rank
+    `shard.rank`'s part with `shard`."""
+    if fp8 and int_scheme is not None:
+        raise ValueError(f"dummy weights: FP8 or {int_scheme}, not both")
+    quantized = fp8 or int_scheme is not None
     device = torch.device(device)
     if shard is not None and shard.size == 1:
         shard = None
     local = cfg if shard is None else local_config(cfg, shard)
-    model = empty_model(local, dtype, device) if fp8 else LlamaModel(local, dtype, device)
+    model = empty_model(local, dtype, device) if quantized else LlamaModel(local, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape: tuple[int, ...]) -> torch.Tensor:
@@ -68,23 +81,36 @@ def dummy_model(
         for bias in (layer.qkv_bias, layer.o_bias):
             if bias is not None:
                 bias.zero_()
-        linears: dict[str, Fp8Linear] = {}
+        linears: dict[str, nn.Module] = {}
         for name in PROJECTIONS:
             weight = normal(shapes[name])
             if shard is not None:
                 weight = shard_fused(name, weight, cfg, shard)
+            bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(name)
             if fp8:
-                bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(name)
                 linears[name] = Fp8Linear(*quantize_per_tensor(weight), bias)
+            elif int_scheme is not None:
+                linears[name] = int_linear(weight, int_scheme, bias)
             else:
                 getattr(layer, name).copy_(weight)
             del weight
-        if fp8:
+        if quantized:
             layer.quantized = nn.ModuleDict(linears)
     model.norm.weight.fill_(1.0)
     if model.lm_head is not None:
         model.lm_head.copy_(normal(tuple(model.lm_head.shape)))
     if fp8:
         model.quantization = "fp8"
+    elif int_scheme is not None:
+        model.quantization = int_scheme.name
     model.tp_shard = shard
     return model
+
+
+def int_linear(weight: torch.Tensor, scheme: IntScheme, bias: torch.Tensor | None) -> nn.Module:
+    """float32 `weight` [out, in] as `scheme` stores it (module docstring)."""
+    if scheme.bits == 8:
+        q, scale = quantize_rows_int8(weight, INT8_MAX)
+        return Int8Linear(q, scale, bias)
+    q, scale = quantize_groups_int4(weight, scheme.group_size)
+    return Int4Linear(pack_int4(q), scale, weight.shape[1], scheme.group_size, bias)

@@ -14,9 +14,9 @@ loader from `LOADERS`:
     int      an INT8 W8A8 or INT4 W4A16 checkpoint (compressed-tensors `int-quantized` /
              `pack-quantized`), read as declared whatever quantization says (logged)
              (engine/loading/int_checkpoint.py); INT is never made at load from a dense one
-    dummy    load_format dummy: random weights from config.json, FP8 made layer by layer
-             straight into FP8 when fp8 (engine/loading/dummy_weights.py); refused for a
-             config.json that declares an INT scheme (dummy weights are dense or FP8)
+    dummy    load_format dummy: random weights from config.json, made layer by layer
+             straight into FP8 when fp8, or into the INT scheme config.json declares
+             (engine/loading/dummy_weights.py)
 
 What a config.json declares is read by engine/loading/checkpoint_scheme.py, which refuses any
 scheme not computed. The FP8 and INT loaders build the model with `empty_model` (its
@@ -95,14 +95,10 @@ def _load_int(spec: LoadSpec) -> LlamaModel:
 
 
 def _load_dummy(spec: LoadSpec) -> LlamaModel:
-    if spec.int_scheme is not None:
-        raise ValueError(
-            f"load_format dummy: {spec.model_dir} declares {spec.int_scheme}; dummy weights "
-            "are dense or FP8 (load the checkpoint's own weights)"
-        )
     return dummy_model(
-        spec.cfg, spec.dtype, spec.device, fp8=spec.fp8, seed=spec.seed, shard=spec.shard
-    )
+        spec.cfg, spec.dtype, spec.device, fp8=spec.fp8, seed=spec.seed, shard=spec.shard,
+        int_scheme=spec.int_scheme,
+    )  # fmt: skip
 
 
 LOADERS: dict[str, Loader] = {

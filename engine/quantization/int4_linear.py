@@ -17,7 +17,10 @@ ceil(in / 8) words. The weight is
     CUDA  bf16 inputs, group size 32/64/128/256, in a multiple of 128 and out of 8:
           PyTorch's tinygemm int4 GEMM (`torch._weight_int4pack_mm`, the weight repacked
           once at load by `_convert_weight_to_int4pack` with scales and zero offsets
-          `[groups, out, 2]`, zeros 0); anything else: the CPU path on the device
+          `[groups, out, 2]`, zeros 0); anything else: the CPU path on the device.
+          Once the repacked weight is made, the device holds only it: the packed weight
+          moves to host memory (the dequantized path, for inputs of another dtype, reads it
+          there), so an INT4 model takes its int4 bytes of the card once (70B: ~35 GB)
 
 Figures: none yet (docs/operations.md, "Quantized checkpoints", says which command takes them).
 """
@@ -128,6 +131,8 @@ class Int4Linear(torch.nn.Module):
                 self._tinygemm = self._tinygemm_weights()
             except RuntimeError as e:  # a GPU tinygemm was not built for: the CPU arithmetic
                 log.warning("int4: PyTorch's int4 GEMM unavailable (%s); dequantizing", e)
+            else:  # one copy on the device (module docstring)
+                self.weight_packed = self.weight_packed.cpu()
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +153,8 @@ class Int4Linear(torch.nn.Module):
             out = torch._weight_int4pack_mm(x.contiguous(), packed, self.group_size, scales_zeros)
             out = out.to(out_dtype)
             return out if self.bias is None else out + self.bias
-        return F.linear(x, self.dequantized(x.dtype), self.bias).to(out_dtype)
+        weight = self.dequantized(x.dtype).to(x.device, non_blocking=True)
+        return F.linear(x, weight, self.bias).to(out_dtype)
 
     def _tinygemm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """tinygemm's operands: the weight as `_convert_weight_to_int4pack` takes it (two

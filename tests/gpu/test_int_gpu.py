@@ -48,3 +48,24 @@ def test_int4_linear_on_cuda_equals_the_cpu_path(m: int, group_size: int) -> Non
     gpu = Int4Linear(packed.cuda(), scale.cuda(), 256, group_size, None)
     assert gpu._tinygemm is not None  # the int4 GEMM, not the fallback, on this shape
     _close(gpu(x.cuda()).cpu(), cpu, 2e-2)  # bf16 scales and output
+
+
+def test_int4_keeps_one_copy_of_its_weight_on_the_device() -> None:
+    """With the int4 GEMM's repacked weight made, the packed weight lives on the host: the
+    device holds the int4 bytes once; an input of another dtype still computes (dequantized
+    from the host copy)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1024, 512, generator=g)
+    q, scale = quantize_groups_int4(w, 128)
+    packed = pack_int4(q).cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gpu = Int4Linear(packed, scale.cuda(), 512, 128, None)
+    del packed
+    torch.cuda.synchronize()
+    assert gpu._tinygemm is not None
+    assert gpu.weight_packed.device.type == "cpu"
+    assert torch.cuda.memory_allocated() - before <= gpu.nbytes + scale.numel() * 4 + 2**16
+    x = torch.randn(5, 512, generator=g)
+    cpu = Int4Linear(pack_int4(q), scale, 512, 128, None)(x, out_dtype=torch.float32)
+    _close(gpu(x.cuda(), out_dtype=torch.float32).cpu(), cpu, 1e-5)  # float32: dequantized

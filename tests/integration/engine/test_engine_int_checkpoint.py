@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 from deploy.cli.app import app
 from engine.config import EngineMode
 from engine.loading.loaders import load_model
-from engine.modeling.llama import LlamaModel
+from engine.modeling.llama import LlamaModel, causal_attend
 from engine.quantization.int4_linear import Int4Linear
 from engine.quantization.int8_linear import Int8Linear
 from kv_transfer.types import compat_fields
@@ -183,6 +183,31 @@ def test_schemes_not_computed_are_refused_at_load_naming_the_key(
         load_model(bad, torch.float32)
 
 
-def test_dummy_weights_refuse_an_int_config(int4_dir: Path) -> None:
-    with pytest.raises(ValueError, match="dummy weights are dense or FP8"):
-        load_model(int4_dir, torch.float32, load_format="dummy")
+@pytest.mark.parametrize("which", ["int8", "int4"])
+def test_dummy_weights_of_an_int_config_are_the_dense_dummy_weights_quantized(
+    which: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """load_format dummy over a config.json declaring an INT scheme: the projections come in
+    that scheme, and they are the dense dummy model's (same seed) quantized as the checkpoint
+    writer would; the rest of the model is the dense dummy model's."""
+    src: Path = request.getfixturevalue(f"{which}_dir")
+    model = load_model(src, torch.float32, load_format="dummy", seed=3)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    dense = load_model(tmp_path, torch.float32, load_format="dummy", seed=3)
+    assert model.quantization == which
+    kind = Int8Linear if which == "int8" else Int4Linear
+    for i, layer in enumerate(model.layers):
+        for name, linear in layer.quantized.items():  # type: ignore[union-attr]
+            assert isinstance(linear, kind), (i, name)
+            want = getattr(dense.layers[i], name)
+            got = linear.dequantized(torch.float32)
+            scales = linear.weight_scale.reshape(want.shape[0], -1)
+            step = scales.repeat_interleave(want.shape[1] // scales.shape[1], dim=1)
+            assert bool(((got - want).abs() <= step / 2 + 1e-7).all()), (i, name)
+    assert torch.equal(model.embed_tokens, dense.embed_tokens)
+    ids = torch.tensor([5, 9, 2, 7])
+    attend = causal_attend(1, 4, model.cfg.num_heads, model.cfg.num_kv_heads)
+    out = model.compute_logits(model(ids, torch.arange(4), attend))
+    assert bool(out.isfinite().all())
