@@ -39,11 +39,13 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness.steps import progress as log
 from vocabulary.numeric import percentile
+from vocabulary.step_stats import StepStats
 
 if TYPE_CHECKING:
     from deploy.control.config_tree import PdserveConfig
@@ -319,7 +321,11 @@ def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict[str
             "blocks": tier.num_blocks, "offloaded": tier.num_offloaded,
             "onboarded": tier.num_onboarded, "evicted": tier.num_evicted,
             "fenced_steps": tier.num_fenced,
+            # where a returning turn can wait: its onboard refused by the budget (deferred,
+            # wait_s), offloads deferred or queued behind the per-step cap
+            "onboard": asdict(tier.onboard), "offload": asdict(tier.offload),
         },
+        "steps": step_breakdown(before.steps, after.steps),
     }  # fmt: skip
     log(
         f"tier {label}: {result['ok']}/{result['requests']} ok in {wall:.0f}s, TTFT p50/p90 "
@@ -329,6 +335,21 @@ def run_chat(args: argparse.Namespace, host_kv_gb: float, out: Path) -> dict[str
         f"{result['host_hit_tokens']}, tier {result['tier']}"
     )
     return result
+
+
+def step_breakdown(before: StepStats, after: StepStats) -> dict[str, float]:
+    """The engine's steps over the timed run: how many, their mean time, and the tokens they
+    computed (prefill tokens are what the tier saves; a slower step is what it costs)."""
+    steps = after.num_steps - before.num_steps
+    seconds = after.step_seconds - before.step_seconds
+    return {
+        "steps": steps,
+        "busy_s": seconds,
+        "mean_step_ms": 1e3 * seconds / max(steps, 1),
+        "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+        "decode_tokens": after.decode_tokens - before.decode_tokens,
+        "mean_batch": (after.batch_requests - before.batch_requests) / max(steps, 1),
+    }
 
 
 def ttft_pcts(records: list[RequestRecord]) -> dict[str, float]:
