@@ -44,7 +44,9 @@
 #            splitt: the tests alone, splitb: the benchmarks alone (each fits one call)
 #   structured python -m benchmarks structured: the engine step with half the batch under a JSON
 #            schema vs all free, B=1/16/64, Llama-3-8B shape (needs .whl/xgrammar-0.2.9.tar.xz:
-#            scripts/gpu-bundle-xgrammar.sh; run `jit` first on a fresh machine)
+#            scripts/gpu-bundle-xgrammar.sh; run `jit` first on a fresh machine); with
+#            .whl/bench-tokenizer.tar.xz (scripts/make-bench-tokenizer.py) over its 128,000
+#            tokens instead of the 512-token tokenizer
 #   tp       NEEDS 2 GPUS (device kind nvidia-h200-x2; on fewer it skips what it cannot run and
 #            says why): python -m benchmarks tp_gpu --parts handoff (hand-off GB/s per TP pair
 #            1->1, 1->2, 2->1, 2->2 between VRAM pools over NIXL), tests/gpu/test_tp_gpu.py (NCCL,
@@ -156,7 +158,8 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     step tp_tests 200 python -m pytest tests/gpu/test_tp_gpu.py -q -rA -p no:cacheprovider
     TAILN=${TAILN:-30} step tp_decode 420 python -m benchmarks tp_gpu --parts decode \
     --model /tmp/cfg-llama3-8b --part-timeout 200 ;;
-  structured) TAILN=${TAILN:-20} step bench_structured 300 python -m benchmarks structured ;;
+  structured) T=/tmp/site/bench-tokenizer-128k.json; [ -f $T ] || T=""
+    TAILN=${TAILN:-20} step bench_structured 300 python -m benchmarks structured ${T:+--tokenizer $T} ;;
   split|splitt|splitb) config_model llama3-8b  # ~8 min warm: the split worker's figures
     G="python -m benchmarks split_goodput --model /tmp/cfg-llama3-8b --load-format dummy"
     mkdir -p /tmp/split
