@@ -1,5 +1,5 @@
 """The `pdserve` command line: make-model, up, config show, down, status, generate,
-rebalance, drain, undrain, thresholds, bench, profile and simulate (deploy/cli/sim_commands.py).
+rebalance, drain, undrain, thresholds, bench, profile, simulate, plan (deploy/cli/sim_commands.py).
 
 Exit codes: 0 done; 1 the cluster said no, or there is none to ask (one line on stderr: no
 cluster running, no router answering, or the server's status code and message); 2 a bad
@@ -355,7 +355,7 @@ def down(
         console.print(f"removed from {address}: {', '.join(killed) or 'nothing left'}")
 
 
-for _command in (cli_inspect.generate, cli_inspect.status, cli_sim.profile, cli_sim.simulate):
+for _command in (cli_inspect.generate, cli_inspect.status, *cli_sim.COMMANDS):
     app.command()(_command)
 
 

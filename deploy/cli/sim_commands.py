@@ -1,17 +1,21 @@
-"""`pdserve profile` and `pdserve simulate`: measure a worker's engine into a profile file
-(deploy/cli/profiling.py, planner/perf_profile.py), and run a cluster of such workers in
-simulated time (simulator/). Bad input (a profile that does not parse or was made for another
+"""`pdserve profile`, `pdserve simulate` and `pdserve plan`: measure a worker's engine into a
+profile file (deploy/cli/profiling.py, planner/perf_profile.py), run a cluster of such workers
+in simulated time (simulator/), and search the configurations that meet SLOs
+(simulator/plan.py). Bad input (a profile that does not parse or was made for another
 model or dtype, an unknown workload, a bad count) is one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from deploy.cli.command_support import console, fail
+
+if TYPE_CHECKING:
+    from simulator.plan import Plan, Point
 
 
 def profile(
@@ -141,3 +145,151 @@ def simulate(
     for r, result in results:
         use = ", ".join(f"{w.worker_id} {100 * w.busy_fraction:.0f}%" for w in result.workers)
         console.print(f"  {r:g} req/s busy: {use}")
+
+
+def plan(
+    profile: Annotated[Path, typer.Option(help="Profile file (pdserve profile).")],
+    slo: Annotated[list[str] | None, typer.Option(help="SLOs, e.g. ttft:500 tpot:50.")] = None,
+    workload: Annotated[
+        str, typer.Option(help="Load-driver workload profile name or YAML file.")
+    ] = "synthetic",
+    rate: Annotated[
+        list[float] | None,
+        typer.Option(
+            help="Requests/s to serve (alone: the fewest GPUs); with --gpus: the "
+            "rates to sweep (repeatable)."
+        ),
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="GPUs to spend: the configuration serving most within SLO.")
+    ] = None,
+    max_gpus: Annotated[int, typer.Option(help="--rate alone: largest cluster tried.")] = 16,
+    attainment: Annotated[
+        float, typer.Option(help="Share of requests that must meet every SLO.")
+    ] = 0.9,
+    duration: Annotated[float, typer.Option(help="Arrival window per run, seconds.")] = 60.0,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write the Pareto plot (tokens/s per GPU vs per user) here (PNG)."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Refuse a profile of another model id (folder name).")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="Refuse a profile of another dtype.")] = None,
+) -> None:
+    """Search cluster configurations in simulated time (one GPU per worker: xPyD splits and
+    colocated) and print the cheapest that meet the SLOs, ranked by goodput per GPU. Exit 1
+    when none does (the closest is printed, with by how much it misses)."""
+    import time
+
+    from loadtests.goodput import SLOError, parse_slo
+    from loadtests.workload import ProfileError
+    from planner.perf_profile import PerfProfileError, load_perf_profile
+    from simulator.plan import geometric_rates, plan_for_gpus, plan_for_rate, simulator_for
+
+    if gpus is None and not rate:
+        fail("plan: give --rate (the fewest GPUs for it) or --gpus (the most from them)", 2)
+    if not 0 < attainment <= 1:
+        fail(f"--attainment: must be in (0, 1], got {attainment}", 2)
+    if duration <= 0:
+        fail(f"--duration: must be > 0, got {duration}", 2)
+    started = time.perf_counter()
+    try:
+        perf = load_perf_profile(profile, model_id=model, dtype=dtype)
+        goal = parse_slo(" ".join(slo or ["ttft:1000", "tpot:100"]))
+        run = simulator_for(perf, workload, duration, goal, seed)
+        if gpus is None:
+            assert rate
+            if len(rate) > 1:
+                fail("--rate: one rate without --gpus (a sweep needs --gpus)", 2)
+            found = plan_for_rate(run, rate[0], goal, max_gpus=max_gpus, attainment=attainment)
+        else:
+            rates = rate or geometric_rates(0.5, 32.0, 8)
+            found = plan_for_gpus(run, gpus, rates, goal, attainment=attainment)
+    except (PerfProfileError, ProfileError, SLOError, ValueError) as e:
+        fail(str(e), 2)
+    _print_plan(found, time.perf_counter() - started)
+    if plot is not None:
+        _plot_plan(found, plot)
+    if not found.chosen:
+        raise typer.Exit(1)
+
+
+def _print_plan(found: Plan, seconds: float) -> None:
+    from rich.table import Table
+
+    from simulator.plan import label
+
+    title = f"{found.slo.describe()} for {found.attainment:.0%} of requests (ms, req/s, tokens/s)"
+    table = Table(title=title)
+    for name in ("config", "GPUs", "req/s", "met", "good/GPU", "tok/s/GPU", "tok/s/user",
+                 "TTFT p90", "TPOT p90"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "config" else "right")
+    shown = found.chosen or found.points
+    for p in shown:
+        r = p.report
+        table.add_row(
+            label(p.shape), str(p.gpus), f"{p.rate:g}", f"{r.attainment:.0%}",
+            f"{p.goodput_per_gpu:.2f}", f"{p.tokens_per_gpu:.0f}", f"{p.tokens_per_user:.0f}",
+            f"{r.ttft.p90:.0f}", f"{r.tpot.p90:.1f}",
+        )  # fmt: skip
+    console.print(table)
+    simulated = sum(p.report.requests for p in found.points)
+    console.print(f"{len(found.points)} runs, {simulated} simulated requests in {seconds:.1f} s")
+    if found.max_rate:
+        rates = ", ".join(
+            f"{name} {'-' if r is None else f'{r:g}'}" for name, r in found.max_rate.items()
+        )
+        console.print(f"highest rate meeting the SLO: {rates}")
+    if found.chosen:
+        best = found.chosen[0]
+        console.print(
+            f"cheapest: [bold]{label(best.shape)}[/bold] ({best.gpus} GPU"
+            f"{'s' if best.gpus > 1 else ''}) at {best.rate:g} "
+            f"req/s, {best.goodput_per_gpu:.2f} good req/s per GPU"
+        )
+        return
+    closest = found.closest
+    if closest is None:
+        console.print("no configuration was simulated")
+        return
+    console.print(
+        f"[red]no configuration meets {found.slo.describe()}[/red]; closest: "
+        f"{label(closest.shape)} at {closest.rate:g} req/s: " + "; ".join(found.misses(closest))
+    )
+
+
+def _plot_plan(found: Plan, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("--plot: needs matplotlib (pip install 'pdserve[bench]')", 2)
+    from simulator.plan import label, pareto
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    by_shape: dict[str, list[Point]] = {}
+    for p in found.points:
+        by_shape.setdefault(label(p.shape), []).append(p)
+    for name, points in by_shape.items():
+        points = sorted(points, key=lambda p: p.rate)
+        ax.plot([p.tokens_per_user for p in points], [p.tokens_per_gpu for p in points],
+                marker="o", label=name)  # fmt: skip
+    front = pareto(found.points)
+    ax.plot([p.tokens_per_user for p in front], [p.tokens_per_gpu for p in front], "k--",
+            label="Pareto front")  # fmt: skip
+    ax.set_xlabel("tokens/s per user (1000 / TPOT p50)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(f"simulated, {found.slo.describe()}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    console.print(f"wrote {path}")
+
+
+COMMANDS = (profile, simulate, plan)
+"""This module's commands, in the order `pdserve --help` lists them."""
