@@ -17,6 +17,7 @@ import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -142,25 +143,43 @@ class PerfProfile:
 
     def prefill_step_s(self, batch_tokens: int, cached_tokens: int = 0) -> float:
         """One prefill step computing `batch_tokens` tokens (behind `cached_tokens` cached)."""
-        cold = [p for p in self.prefill if p.cached_tokens == 0]
-        base = _interp([p.batch_tokens for p in cold], [p.step_s for p in cold], batch_tokens)
-        warm = [p for p in self.prefill if p.cached_tokens > 0]
-        if cached_tokens <= 0 or not warm:
+        xs, ys, per_cached = self._prefill_table
+        base = _interp(xs, ys, batch_tokens)
+        if cached_tokens <= 0 or per_cached is None:
             return base
-        # the extra cost of attending to a cached prefix, per cached token, from the points
-        extra = [
-            max(0.0, p.step_s - self.prefill_step_s(p.batch_tokens)) / p.cached_tokens for p in warm
-        ]
-        return base + sum(extra) / len(extra) * cached_tokens
+        return base + per_cached * cached_tokens
 
     def decode_step_s(self, batch_size: int, context_tokens: float) -> float:
         """One decode step of `batch_size` sequences of `context_tokens` tokens each."""
+        contexts, rows = self._decode_table
+        per_context = [_interp(sizes, steps, batch_size) for sizes, steps in rows]
+        return _interp(contexts, per_context, context_tokens)
+
+    # The lookups' tables, made once per profile (the simulator asks for a step time per
+    # simulated step).
+
+    @cached_property
+    def _prefill_table(self) -> tuple[list[int], list[float], float | None]:
+        """Cold points' (batch tokens, step s), and the extra cost of attending to a cached
+        prefix per cached token, averaged over the warm points (None: no warm point)."""
+        cold = sorted((p.batch_tokens, p.step_s) for p in self.prefill if p.cached_tokens == 0)
+        xs, ys = [x for x, _ in cold], [y for _, y in cold]
+        warm = [p for p in self.prefill if p.cached_tokens > 0]
+        if not warm:
+            return xs, ys, None
+        extra = [max(0.0, p.step_s - _interp(xs, ys, p.batch_tokens)) / p.cached_tokens
+                 for p in warm]  # fmt: skip
+        return xs, ys, sum(extra) / len(extra)
+
+    @cached_property
+    def _decode_table(self) -> tuple[list[int], list[tuple[list[int], list[float]]]]:
+        """Context lengths ascending, and for each its (batch sizes, step s) ascending."""
         contexts = sorted({p.context_tokens for p in self.decode})
-        per_context = []
+        rows = []
         for c in contexts:
             row = sorted((p.batch_size, p.step_s) for p in self.decode if p.context_tokens == c)
-            per_context.append(_interp([b for b, _ in row], [s for _, s in row], batch_size))
-        return _interp(contexts, per_context, context_tokens)
+            rows.append(([b for b, _ in row], [t for _, t in row]))
+        return contexts, rows
 
     def prefill_tokens_per_s(self) -> float:
         """Prefill throughput at a full step (admission's throughput prior)."""
