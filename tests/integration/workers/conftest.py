@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ def workers(
         dataclasses.replace(stuck, stall_timeout_s=STUCK_STALL_S), KVTransferConfig(), PLACEMENT
     )
     ray.get([h.start.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
+    started_at = time.monotonic()
 
     def stop() -> None:
         for h in handles.values():
@@ -84,5 +86,5 @@ def workers(
                 ray.kill(h)
 
     stop_with_directory(request, stop)
-    yield Workers(**handles)
+    yield Workers(**handles, started_at=started_at)
     stop()

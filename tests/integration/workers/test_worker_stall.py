@@ -35,7 +35,8 @@ def unhealthy_naming(handle: Any, loop: str, within_s: float) -> tuple[float, st
 def test_a_decode_worker_whose_threads_block_fails_its_health_check(workers: Workers) -> None:
     handle = workers.stuck  # stall_timeout_s=STALL_S; its threads stay blocked after this test
     try:
-        time.sleep(STALL_S + 0.5)  # idle for longer than the timeout: still healthy
+        # idle (since the session's workers started) for longer than the timeout: still healthy
+        time.sleep(max(0.0, workers.started_at + STALL_S + 0.5 - time.monotonic()))
         assert ray.get(handle.ping.remote(), timeout=10) == "ready"
 
         def block_transfer_thread(actor: Any) -> None:

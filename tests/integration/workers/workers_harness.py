@@ -64,4 +64,6 @@ class Workers:
     for test_worker_health, which breaks its engine."""
     stuck: Any
     """A decode worker (no Redis) with `stall_timeout_s=STUCK_STALL_S`, for
-    test_worker_stall, which blocks its threads."""
+    test_worker_stall, which blocks its threads; idle until then."""
+    started_at: float
+    """`time.monotonic()` once every worker had started."""
