@@ -42,11 +42,22 @@ if not HAS_CUDA:  # on a GPU host UCX must pick cuda_ipc itself: a UCX_TLS witho
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
+def _one_torch_thread() -> None:
+    """One intra-op torch thread in each test process of a CPU machine, as the CPU workers run
+    (`WorkerConfig.torch_threads`): the transformers references and the in-process engines
+    gain nothing from a second thread on the tiny model, and with two xdist workers on 2
+    shared cores a descheduled second OpenMP thread stalls every small op at its barrier
+    (docs/benchmarks.md, "Engine (CPU)")."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 # Directories whose tests share one session-scoped cluster: under pytest-xdist
 # (`scripts/test.sh` runs `-n 2`) each runs on one worker, which starts that cluster once;
 # every other test file is a unit of its own (its module fixtures start once).
-SHARED_CLUSTER_DIRS = ("tests/integration/router", "tests/integration/security",
-                       "tests/integration/workers")  # fmt: skip
+SHARED_CLUSTER_DIRS = ("tests/integration/observability", "tests/integration/router",
+                       "tests/integration/security", "tests/integration/workers")  # fmt: skip
 
 
 LONG_FIRST = (
@@ -82,6 +93,8 @@ class _UnitScheduling:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not HAS_CUDA:
+        _one_torch_thread()
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_UnitScheduling(), "pdserve-unit-scheduling")
 

@@ -79,6 +79,13 @@ class SteadyStream:
     def served_since(self, t0: float) -> list[tuple[float, str, str]]:
         return [r for r in self.ok if r[0] >= t0]
 
+    def wait_served(self, n: int, since: float, within_s: float, what: str) -> None:
+        """Until `n` requests have finished since `since` (monotonic seconds)."""
+        deadline = time.monotonic() + within_s
+        while len(self.served_since(since)) < n:
+            assert time.monotonic() < deadline, f"{what}: {self.failed[-3:]}"
+            time.sleep(0.1)
+
 
 def test_up_detached_from_config_file_with_flags_winning(cli_cluster: CliCluster) -> None:
     out = cli_cluster.up_output
@@ -241,7 +248,7 @@ def test_rebalance_under_steady_load_loses_no_request(cli_cluster: CliCluster) -
     (old_prefill,) = ids(cli_cluster, "prefill")
     (old_decode,) = ids(cli_cluster, "decode")
     with SteadyStream(cli_cluster.target) as stream:
-        time.sleep(2)
+        stream.wait_served(4, 0.0, 60, "no steady load before the rebalance")
         result = cli_cluster.cli("rebalance", "--prefill", "2", "--decode", "1")
         assert result.exit_code == 0, result.output
         # A new worker is READY in status once the router polled its load (~50 ms).
@@ -267,7 +274,7 @@ def test_rebalance_under_steady_load_loses_no_request(cli_cluster: CliCluster) -
         while not any(d == new_decode for _, _, d in stream.served_since(t_1p2d)):
             assert time.monotonic() < deadline, "the new decode worker got no request"
             time.sleep(0.2)
-        time.sleep(1)
+        stream.wait_served(4, time.monotonic(), 60, "no steady load after the rebalance")
     assert stream.failed == []
     assert len(stream.ok) >= 10
     assert ids(cli_cluster, "prefill") == [old_prefill]

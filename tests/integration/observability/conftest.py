@@ -1,8 +1,10 @@
-"""A live cluster watched by a real Prometheus: 1 prefill + 1 decode worker (tiny model, NIXL
-over UCX on loopback, the session's Ray and an embedded redis-server), one router, the planner
-on (ticking every second, bounds that make it hold), and Prometheus scraping the router and the
-controller every second with the repository's rules loaded. A short load has run once the
-fixture yields, and Prometheus has scraped what it left."""
+"""One live cluster for the observability tests, shared by the directory (its two files run
+on one xdist worker, tests/conftest.py): 1 prefill + 1 decode worker (tiny model, NIXL over
+UCX on loopback, the session's Ray and an embedded redis-server), one router, the planner on
+(ticking every second, bounds that make it hold), and tracing to each actor's memory
+(`TRACE_ENV`: test_tracing reads the spans back). `observed` adds a real Prometheus scraping
+the router and the controller every second with the repository's rules loaded; a short load
+has run once it yields, and Prometheus has scraped what it left."""
 
 from __future__ import annotations
 
@@ -10,14 +12,19 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 from cpu_engine import cpu_engine
+from directory_scope import stop_with_directory
 from prometheus_server import Observed, PrometheusServer, require_prometheus
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from deploy.control.launch import Cluster
 
 PROMPTS = (
     "The baker opens the shop before dawn and the street smells of bread.",
@@ -26,17 +33,17 @@ PROMPTS = (
 )
 """Shared prefixes (prefix-cache hits on the second of each pair)."""
 REQUESTS = 12
+TRACE_ENV = {"OTEL_TRACES_EXPORTER": "pdserve_memory", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+"""The cluster's actors keep their finished spans in the SDK's in-memory exporter. They get
+it the way an operator's do: `Cluster.start` passes the driver's `OTEL_*` variables in the
+actors' runtime_env (the controller's workers inherit it)."""
 
 
-@pytest.fixture(scope="module")
-def observed(
-    ray_cluster: None,
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Observed]:
-    binary = require_prometheus()
-    import ray
-
+@pytest.fixture(scope="session")
+def observed_cluster(
+    request: pytest.FixtureRequest, ray_cluster: None, tiny_model_dir: Path
+) -> Iterator[Cluster]:
+    """The directory's cluster, started (stopped after the directory's last test)."""
     from admission.config import AdmissionConfig, AdmissionThresholds
     from deploy.control.cluster_spec import ClusterSpec
     from deploy.control.config_tree import LaunchConfig, PdserveConfig
@@ -57,6 +64,7 @@ def observed(
         router=RouterConfig(
             grpc_port=0,
             metrics_port=0,
+            http_port=0,  # test_tracing's HTTP request
             # every prompt goes through a prefill worker and a KV hand-off
             admission=AdmissionConfig(
                 thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
@@ -70,23 +78,40 @@ def observed(
         ),
     )
     cluster = Cluster(config)
-    with cluster:
-        ep = cluster.endpoint
-        assert ep is not None and ep.metrics
-        controller_url = ray.get(cluster.controller.metrics_url.remote(), timeout=30)
-        assert controller_url, "the controller serves no metrics"
-        prometheus = PrometheusServer(
-            binary,
-            tmp_path_factory.mktemp("prometheus"),
-            {"pdserve-router": list(ep.metrics), "pdserve-controller": [controller_url]},
-        )
-        try:
-            wait_for(prometheus, ['count(up{job=~"pdserve-.*"} == 1) == 2'])  # before the load
-            ok = send_load(ep.target)
-            wait_for(prometheus, scraped(ok))
-            yield Observed(prometheus, ep.target, ep.metrics, controller_url, ep.ray_address, ok)
-        finally:
-            prometheus.stop()
+    stop_with_directory(request, cluster.stop)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in TRACE_ENV.items():
+            env.setenv(key, value)
+        cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def observed(
+    observed_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Observed]:
+    binary = require_prometheus()
+    import ray
+
+    ep = observed_cluster.endpoint
+    assert ep is not None and ep.metrics
+    controller_url = ray.get(observed_cluster.controller.metrics_url.remote(), timeout=30)
+    assert controller_url, "the controller serves no metrics"
+    prometheus = PrometheusServer(
+        binary,
+        tmp_path_factory.mktemp("prometheus"),
+        {"pdserve-router": list(ep.metrics), "pdserve-controller": [controller_url]},
+    )
+    try:
+        wait_for(prometheus, ['count(up{job=~"pdserve-.*"} == 1) == 2'])  # before the load
+        ok = send_load(ep.target)
+        wait_for(prometheus, scraped(ok))
+        yield Observed(prometheus, ep.target, ep.metrics, controller_url, ep.ray_address, ok)
+    finally:
+        prometheus.stop()
 
 
 def send_load(target: str) -> int:

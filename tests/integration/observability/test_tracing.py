@@ -1,9 +1,10 @@
-"""One trace per request across the real processes: a 1P1D cluster (tiny model, NIXL over UCX
-on loopback, every prompt disaggregated) whose router and workers run with
-`OTEL_TRACES_EXPORTER=pdserve_memory`, so each Ray actor keeps its finished spans in the SDK's
-in-memory exporter and hands them back through its `finished_spans()` call. The environment
-reaches the actors the way an operator's does: `Cluster.start` passes the driver's `OTEL_*`
-variables in the actors' runtime_env (the controller's workers inherit it)."""
+"""One trace per request across the real processes: the directory's 1P1D cluster (tiny model,
+NIXL over UCX on loopback, every prompt disaggregated; conftest.py) whose router and workers
+run with `OTEL_TRACES_EXPORTER=pdserve_memory`, so each Ray actor keeps its finished spans in
+the SDK's in-memory exporter and hands them back through its `finished_spans()` call. The
+environment reaches the actors the way an operator's does: `Cluster.start` passes the
+driver's `OTEL_*` variables in the actors' runtime_env (the controller's workers inherit
+it)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ import json
 import secrets
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
-from cpu_engine import cpu_engine
 
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 from vocabulary.tracing import FinishedSpan
+
+if TYPE_CHECKING:
+    from deploy.control.launch import Cluster
 
 PROMPT = (
     "The lighthouse keeper climbs the stairs every evening, trims the wick, polishes the lens "
@@ -37,7 +38,6 @@ ROUTER_SPANS = {
     "pdserve.request", "pdserve.admission", "pdserve.placement", "pdserve.prefill",
     "pdserve.decode", "pdserve.kv_handoff", "pdserve.decode_stream",
 }  # fmt: skip
-TRACE_ENV = {"OTEL_TRACES_EXPORTER": "pdserve_memory", "OTEL_BSP_SCHEDULE_DELAY": "100"}
 
 
 @dataclass
@@ -66,47 +66,16 @@ class TracedCluster:
 
 
 @pytest.fixture(scope="module")
-def traced(ray_cluster: None, tiny_model_dir: Path) -> Iterator[TracedCluster]:
+def traced(observed_cluster: Cluster) -> TracedCluster:
     import ray
 
-    from admission.config import AdmissionConfig, AdmissionThresholds
-    from deploy.control.cluster_spec import ClusterSpec
-    from deploy.control.config_tree import LaunchConfig, PdserveConfig
-    from deploy.control.launch import Cluster
-    from router.router_server import RouterConfig
-
-    config = PdserveConfig(
-        model=str(tiny_model_dir),
-        cluster=LaunchConfig(name="traced-tests", routers=1),
-        router=RouterConfig(
-            grpc_port=0,
-            http_port=0,
-            metrics_port=None,
-            admission=AdmissionConfig(  # every prompt through the prefill worker
-                thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0)
-            ),
-        ),
-        workers=ClusterSpec(
-            engine=cpu_engine(tiny_model_dir, num_kv_blocks=128, max_model_len=512),
-            num_prefill=1,
-            num_decode=1,
-        ),
-    )
-    cluster = Cluster(config)
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in TRACE_ENV.items():
-            env.setenv(key, value)
-        cluster.start()
-    try:
-        ep = cluster.endpoint
-        assert ep is not None
-        listed = ray.get(cluster.controller.list_workers.remote(), timeout=30)
-        actors = {"router": cluster.routers[0], **{i.worker_id: h for i, h in listed}}
-        with grpc.insecure_channel(ep.admin[0]) as channel:
-            status = pb_grpc.AdminStub(channel).Status(pb.StatusRequest(), timeout=10)
-        yield TracedCluster(ep.target, status.http_url, actors)
-    finally:
-        cluster.stop()
+    ep = observed_cluster.endpoint
+    assert ep is not None
+    listed = ray.get(observed_cluster.controller.list_workers.remote(), timeout=30)
+    actors = {"router": observed_cluster.routers[0], **{i.worker_id: h for i, h in listed}}
+    with grpc.insecure_channel(ep.admin[0]) as channel:
+        status = pb_grpc.AdminStub(channel).Status(pb.StatusRequest(), timeout=10)
+    return TracedCluster(ep.target, status.http_url, actors)
 
 
 def caller_context() -> tuple[str, str, str]:

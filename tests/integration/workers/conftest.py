@@ -1,9 +1,9 @@
 """Fixtures for the worker-actor tests: real local Ray, real redis-server, NIXL over UCX on
 loopback, the tiny checkpoint, and the transformers float32 reference.
 
-The session's workers (two prefill, two decode, a fault-injecting decode and two decode
-workers kept for one test each) are created at once, so their model loads overlap; each
-holds a 256-block pool and a quarter of a CPU.
+The session's workers (two prefill, two decode, a fault-injecting decode, two decode
+workers kept for one test each and the two that the health tests break) are created at once,
+so their model loads overlap; each holds a 256-block pool and a quarter of a CPU.
 Tests that count blocks use their own `cache_salt`, so earlier tests' prefix-cache entries
 never change their numbers.
 """
@@ -11,13 +11,23 @@ never change their numbers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from directory_scope import stop_with_directory
-from workers_harness import GATED_TRANSFER, PLACEMENT, START_TIMEOUT_S, Workers, worker_config
+from workers_harness import (
+    GATED_TRANSFER,
+    PLACEMENT,
+    SICK_STEP_ERRORS,
+    START_TIMEOUT_S,
+    STUCK_STALL_S,
+    Workers,
+    worker_config,
+)
 
 from deploy.control.worker_actors import create_worker
 from kv_transfer.config import KVTransferConfig
@@ -53,7 +63,20 @@ def workers(
         .options(name="pdserve-worker-dgate", num_cpus=PLACEMENT.num_cpus, max_concurrency=4096)
         .remote(gated_config, GATED_TRANSFER, "pdserve-worker-dgate")
     )
+    # test_worker_health and test_worker_stall break these two for good (no Redis: nothing
+    # of theirs reaches the index the others use)
+    sick = worker_config(tiny_model_dir, "sick", WorkerRole.PREFILL, None)
+    handles["sick"] = create_worker(
+        dataclasses.replace(sick, max_consecutive_step_errors=SICK_STEP_ERRORS),
+        KVTransferConfig(),
+        PLACEMENT,
+    )
+    stuck = worker_config(tiny_model_dir, "stuck", WorkerRole.DECODE, None)
+    handles["stuck"] = create_worker(
+        dataclasses.replace(stuck, stall_timeout_s=STUCK_STALL_S), KVTransferConfig(), PLACEMENT
+    )
     ray.get([h.start.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
+    started_at = time.monotonic()
 
     def stop() -> None:
         for h in handles.values():
@@ -63,5 +86,5 @@ def workers(
                 ray.kill(h)
 
     stop_with_directory(request, stop)
-    yield Workers(**handles)
+    yield Workers(**handles, started_at=started_at)
     stop()

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
-from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
+from workers_harness import Workers
 
 from deploy.control.cluster_controller import controller_options
-from deploy.control.worker_actors import NO_TASK_EVENTS, create_worker
-from kv_transfer.config import KVTransferConfig
-from vocabulary.worker_api import WorkerRole
+from deploy.control.worker_actors import NO_TASK_EVENTS
 
 REPORT_WAIT_S = 3.0
 """Longer than Ray's task-event report interval (1 s)."""
@@ -41,18 +38,13 @@ def method_events(actor: Any, method: str) -> int:
 
 
 def test_a_worker_leaves_no_task_events_where_a_plain_actor_leaves_one_a_call(
-    ray_cluster: None, tiny_model_dir: Path
+    workers: Workers,
 ) -> None:
     assert controller_options("pdserve")["enable_task_events"] is False
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Probe, for the workers
     plain: Any = ray.remote(Probe).options(num_cpus=0).remote()
-    worker: Any = create_worker(
-        worker_config(tiny_model_dir, "quiet", WorkerRole.PREFILL, None),
-        KVTransferConfig(),
-        PLACEMENT,
-    )
+    worker = workers.p0  # made by create_worker, as every pdserve worker is
     try:
-        ray.get(worker.start.remote(), timeout=START_TIMEOUT_S)
         for _ in range(5):
             assert ray.get(plain.ping.remote(), timeout=10) == "pong"
             assert ray.get(worker.ping.remote(), timeout=10) == "ready"
@@ -60,6 +52,5 @@ def test_a_worker_leaves_no_task_events_where_a_plain_actor_leaves_one_a_call(
         assert method_events(plain, "ping") >= 5  # the GCS does record a plain actor's calls
         assert method_events(worker, "ping") == 0
     finally:
-        ray.kill(worker)
         ray.kill(plain)
     assert NO_TASK_EVENTS == {"enable_task_events": False}

@@ -5,19 +5,15 @@ controller replaces it."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
-from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
+from workers_harness import STUCK_STALL_S, Workers
 
-from deploy.control.worker_actors import create_worker
-from kv_transfer.config import KVTransferConfig
-from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
+from vocabulary.worker_api import WorkerUnhealthy
 
-STALL_S = 2.0
+STALL_S = STUCK_STALL_S
 SLACK_S = 8.0
 """How late after `STALL_S` the ping may first raise (ping interval, a loaded CI machine)."""
 
@@ -36,17 +32,11 @@ def unhealthy_naming(handle: Any, loop: str, within_s: float) -> tuple[float, st
     raise AssertionError(f"ping did not report {loop} within {within_s}s")
 
 
-def test_a_decode_worker_whose_threads_block_fails_its_health_check(
-    ray_cluster: None, tiny_model_dir: Path
-) -> None:
-    config = dataclasses.replace(
-        worker_config(tiny_model_dir, "stuck", WorkerRole.DECODE, None),
-        stall_timeout_s=STALL_S,
-    )
-    handle: Any = create_worker(config, KVTransferConfig(), PLACEMENT)
+def test_a_decode_worker_whose_threads_block_fails_its_health_check(workers: Workers) -> None:
+    handle = workers.stuck  # stall_timeout_s=STALL_S; its threads stay blocked after this test
     try:
-        ray.get(handle.start.remote(), timeout=START_TIMEOUT_S)
-        time.sleep(STALL_S + 0.5)  # idle for longer than the timeout: still healthy
+        # idle (since the session's workers started) for longer than the timeout: still healthy
+        time.sleep(max(0.0, workers.started_at + STALL_S + 0.5 - time.monotonic()))
         assert ray.get(handle.ping.remote(), timeout=10) == "ready"
 
         def block_transfer_thread(actor: Any) -> None:

@@ -16,6 +16,10 @@ from worker_runtime.runtime import WorkerConfig
 
 PLACEMENT = ActorPlacement(num_cpus=0.25)
 START_TIMEOUT_S = 240.0
+SICK_STEP_ERRORS = 2
+"""The `sick` worker's `max_consecutive_step_errors`."""
+STUCK_STALL_S = 2.0
+"""The `stuck` worker's `stall_timeout_s`."""
 
 
 def worker_config(
@@ -55,3 +59,11 @@ class Workers:
     """A decode worker for the test that kills it."""
     fresh: Any
     """A decode worker no other test uses (its first contact with a prefill worker)."""
+    sick: Any
+    """A prefill worker (no Redis) unhealthy after `SICK_STEP_ERRORS` failed steps in a row,
+    for test_worker_health, which breaks its engine."""
+    stuck: Any
+    """A decode worker (no Redis) with `stall_timeout_s=STUCK_STALL_S`, for
+    test_worker_stall, which blocks its threads; idle until then."""
+    started_at: float
+    """`time.monotonic()` once every worker had started."""
