@@ -179,13 +179,13 @@ def start_memray(path: str) -> None:
     tracker = memray.Tracker(path, native_traces=True,
                              file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)  # fmt: skip
     tracker.__enter__()
-    memray._pdserve_soak_tracker = tracker  # type: ignore[attr-defined]
+    memray._pdserve_soak_tracker = tracker
 
 
 def stop_memray() -> None:
     import memray
 
-    memray._pdserve_soak_tracker.__exit__(None, None, None)  # type: ignore[attr-defined]
+    memray._pdserve_soak_tracker.__exit__(None, None, None)
 
 
 def memray_growth(path: Path, top: int = 10) -> list[str]:

@@ -1,6 +1,6 @@
 """The soak's plot: RSS of every process over time (benchmarks/suites/soak.py's JSON).
 
-    python -m benchmarks.suites.soak_plot soak.json docs/soak.png
+python -m benchmarks.suites.soak_plot soak.json docs/soak.png
 """
 
 from __future__ import annotations
