@@ -294,17 +294,27 @@ def slope_stderr_mb_per_h(times: list[float], values: list[float]) -> float:
 
 
 def table(report: dict[str, Any]) -> str:
-    """The per-process verdict as a Markdown table (docs/benchmarks.md)."""
+    """The per-process verdict as a Markdown table (docs/benchmarks.md): RSS, and where
+    tracemalloc ran the RSS less tracemalloc's own memory, malloc's bytes in use and the
+    Python heap it traced."""
     header = ("process", "RSS at start (MB)", "after warm-up", "at end",
-              "slope after warm-up (MB/h)", "flat")  # fmt: skip
+              "RSS slope after warm-up (MB/h)", "less tracemalloc's own", "malloc in use",
+              "Python heap (traced)", "flat")  # fmt: skip
+
+    def of(row: dict[str, Any], key: str, stderr: str | None = None) -> str:
+        if key not in row:
+            return "-"
+        return f"{row[key]:+.1f}" + (f" ± {row[stderr]:.1f}" if stderr else "")
+
     rows = [
         (name, f"{row['rss_start_mb']:.1f}", f"{row['rss_warm_mb']:.1f}",
-         f"{row['rss_end_mb']:.1f}",
-         f"{row['slope_rss_mb_h']:+.1f} ± {row['slope_rss_stderr_mb_h']:.1f}",
+         f"{row['rss_end_mb']:.1f}", of(row, "slope_rss_mb_h", "slope_rss_stderr_mb_h"),
+         of(row, "slope_rss_less_tracemalloc_mb_h", "slope_rss_less_tracemalloc_stderr_mb_h"),
+         of(row, "slope_malloc_in_use_mb_h"), of(row, "slope_traced_mb_h"),
          "yes" if row["flat"] else "**no**")
         for name, row in report["processes"].items()
     ]  # fmt: skip
-    return Table.of(header, rows, "lrrrrl").markdown()
+    return Table.of(header, rows, "lrrrrrrrl").markdown()
 
 
 def grown_mappings(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
