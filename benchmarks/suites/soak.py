@@ -27,7 +27,16 @@ local Ray's own `gcs_server` and `raylet`.
 `--trim-at-end` calls `malloc_trim(0)` in every actor once the load stops and reports what
 that handed back (free memory malloc held, not a leak); `--objects` counts the Python
 objects of each actor by type at the end of the warm-up and at the end, and reports the
-types whose count grew most.
+types whose count grew most. `--tracemalloc` traces every actor's Python allocations
+(`--tracemalloc-frames`, default 4) from the start, samples the traced heap and
+tracemalloc's own memory, and reports the sites (tracebacks) whose live memory grew most
+between the end of the warm-up and the end; `--memray PROCESS` tracks that actor's native
+allocations with memray from the end of the warm-up and reports what it still held at the
+end, by native and Python stack. The mixed load (benchmarks/suites/soak_mix.py):
+`--decode 2 --drain-every-min M --kill-at-min K` drains and undrains a decode worker every M
+minutes and kills one at minute K (the router migrates its streams; the replacement is
+sampled from then on); every worker's KV blocks, leases, fds, threads and tasks are read
+idle before and after the load. `--plot PNG` draws the RSS of each process over time.
 """
 
 from __future__ import annotations
