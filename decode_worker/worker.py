@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from decode_worker.channel import ChannelRegistry, OutputChannel, RequestSink
+from decode_worker.peer_locks import PeerLocks
 from engine.core.engine import LLMEngine
 from engine.kv.block_pool import NoFreeBlocksError
 from kv_transfer.config import KVTransferConfig
@@ -94,7 +95,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
     ) -> None:
         super().__init__(config, transfer, actor_name, followers)
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
-        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._peer_locks = PeerLocks()  # handshakes under way, one per prefill peer
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
         self._early_aborts = EarlyAborts()  # aborts that found no `submit`/`generate` (yet)
         self._channels: ChannelRegistry | None = None  # set by `start` (needs the loop)
@@ -149,8 +150,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         endpoint = self._endpoint
         if endpoint.has_peer(handle.agent_name):
             return
-        lock = self._peer_locks.setdefault(handle.agent_name, asyncio.Lock())
-        async with lock:
+        async with self._peer_locks.hold(handle.agent_name):
             if endpoint.has_peer(handle.agent_name):
                 return
             import ray

@@ -170,11 +170,13 @@ class RouterMetrics:
         now = time.time()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-            self._ttft[first_worker].append(ttft_s * 1000)
+            if self.workers.knows(first_worker):  # not one `forget_worker` dropped
+                self._ttft[first_worker].append(ttft_s * 1000)
             self._recent_ttft.append(TimedSample(first_worker, now, ttft_s * 1000))
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
-            self._tpot[decode_worker].append(tpot_s * 1000)
+            if self.workers.knows(decode_worker):
+                self._tpot[decode_worker].append(tpot_s * 1000)
             self._recent_tpot.append(TimedSample(decode_worker, now, tpot_s * 1000))
 
     def recent_samples(self, since_s: float) -> RecentSamples:

@@ -52,6 +52,10 @@ class WorkerLoadCollector:
     def forget(self, worker_id: str) -> None:
         self._loads.pop(worker_id, None)
 
+    def knows(self, worker_id: str) -> bool:
+        """The worker is in view: a load of it was observed and it has not been forgotten."""
+        return worker_id in self._loads
+
     def collect(self) -> Iterator[Metric]:  # the metrics server's thread
         loads = sorted(self._loads.values(), key=lambda item: item[0].worker_id)
         now = time.monotonic()

@@ -27,7 +27,16 @@ local Ray's own `gcs_server` and `raylet`.
 `--trim-at-end` calls `malloc_trim(0)` in every actor once the load stops and reports what
 that handed back (free memory malloc held, not a leak); `--objects` counts the Python
 objects of each actor by type at the end of the warm-up and at the end, and reports the
-types whose count grew most.
+types whose count grew most. `--tracemalloc` traces every actor's Python allocations
+(`--tracemalloc-frames`, default 4) from the start, samples the traced heap and
+tracemalloc's own memory, and reports the sites (tracebacks) whose live memory grew most
+between the end of the warm-up and the end; `--memray PROCESS` tracks that actor's native
+allocations with memray from the end of the warm-up and reports what it still held at the
+end, by native and Python stack. The mixed load (benchmarks/suites/soak_mix.py):
+`--decode 2 --drain-every-min M --kill-at-min K` drains and undrains a decode worker every M
+minutes and kills one at minute K (the router migrates its streams; the replacement is
+sampled from then on); every worker's KV blocks, leases, fds, threads and tasks are read
+idle before and after the load. `--plot PNG` draws the RSS of each process over time.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import random
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,7 @@ import psutil
 from benchmarks.harness import proc_stats
 from benchmarks.harness.cluster import actor_pid, local_cluster, tiny_disaggregated
 from benchmarks.harness.table import Table
+from benchmarks.suites import soak_mix
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 
@@ -102,30 +112,105 @@ def sample(procs: dict[str, Process]) -> dict[str, dict[str, Any]]:
             continue
         if p.actor is not None:
             row["malloc"] = p.call(proc_stats.malloc_stats)
+            row.update(p.call(traced_mb))
         out[name] = row
     return out
 
 
-def start_tracemalloc() -> None:
+def start_tracemalloc(frames: int) -> None:
     import tracemalloc
 
-    tracemalloc.start(8)
+    tracemalloc.start(frames)
 
 
-def traced_growth(top: int = 8) -> list[str]:
-    """What Python allocated since `start_tracemalloc` and still holds, by where (the
-    innermost frames of pdserve's code first), largest first."""
+def traced_mb() -> dict[str, float]:
+    """The Python heap tracemalloc traces now, and what tracemalloc itself takes (part of
+    the RSS: subtract it to read the process's own)."""
     import tracemalloc
 
-    snap = tracemalloc.take_snapshot()
+    if not tracemalloc.is_tracing():
+        return {}
+    return {"traced_mb": tracemalloc.get_traced_memory()[0] / 2**20,
+            "tracemalloc_own_mb": tracemalloc.get_tracemalloc_memory() / 2**20}  # fmt: skip
+
+
+_TRACED_AT_WARM = "_pdserve_soak_warm"
+"""Where in the tracemalloc module an actor keeps its end-of-warm-up statistics between two
+calls (this module travels by value: its own globals do not last from call to call)."""
+
+
+def _traced_by_site() -> dict[tuple[str, ...], tuple[int, int]]:
+    import tracemalloc
+
+    own = [tracemalloc.Filter(False, "*/soak.py"), tracemalloc.Filter(False, tracemalloc.__file__)]
+    stats = tracemalloc.take_snapshot().filter_traces(own).statistics("traceback")
+    out = {}
+    for s in stats:  # a Traceback iterates from its oldest frame: innermost first here
+        key = tuple(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback)[::-1]
+        out[key] = (s.size, s.count)
+    return out
+
+
+def traced_at_warm() -> None:
+    """Keep the Python heap's size by allocation site (traceback) at the end of the warm-up:
+    the aggregate only, not the snapshot (which would hold a tuple per live block)."""
+    import tracemalloc
+
+    setattr(tracemalloc, _TRACED_AT_WARM, _traced_by_site())
+
+
+def traced_growth(top: int = 10) -> list[str]:
+    """The allocation sites whose live Python memory grew most since `traced_at_warm`
+    (innermost frame first), largest first; tracemalloc stops."""
+    import tracemalloc
+
+    before = getattr(tracemalloc, _TRACED_AT_WARM, {})
+    after = _traced_by_site()
     tracemalloc.stop()
-    stats = snap.statistics("traceback")
-    total = sum(s.size for s in stats) / 2**20
-    out = [f"total {total:.2f} MB in {sum(s.count for s in stats)} blocks"]
-    for s in stats[:top]:
-        frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback]
-        innermost = frames[::-1][:6]  # a Traceback iterates from its oldest frame
-        out.append(f"{s.size / 2**20:.2f} MB {s.count} blocks: " + " < ".join(innermost))
+    grown = []
+    for key in before.keys() | after.keys():
+        (s0, n0), (s1, n1) = before.get(key, (0, 0)), after.get(key, (0, 0))
+        grown.append((s1 - s0, n1 - n0, key))
+    grown.sort(reverse=True)
+    total = sum(d for d, _, _ in grown) / 2**20
+    out = [f"net {total:+.2f} MB over {len(after)} sites"]
+    for size, count, key in grown[:top]:
+        if size > 0:
+            out.append(f"{size / 2**20:+.3f} MB {count:+d} blocks: " + " < ".join(key))
+    return out
+
+
+def start_memray(path: str) -> None:
+    """Track every allocation of this process (native stacks; aggregated in memory, so the
+    file stays small) from now until `stop_memray`."""
+    import memray
+
+    tracker = memray.Tracker(path, native_traces=True,
+                             file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)  # fmt: skip
+    tracker.__enter__()
+    memray._pdserve_soak_tracker = tracker
+
+
+def stop_memray() -> None:
+    import memray
+
+    memray._pdserve_soak_tracker.__exit__(None, None, None)
+
+
+def memray_growth(path: Path, top: int = 10) -> list[str]:
+    """What the memray-tracked process allocated while tracked and still held when the
+    tracking stopped, by native and Python stack, largest first."""
+    import memray
+
+    records = list(memray.FileReader(str(path)).get_leaked_allocation_records(merge_threads=True))
+    records.sort(key=lambda r: r.size, reverse=True)
+    out = [f"total {sum(r.size for r in records) / 2**20:.2f} MB in "
+           f"{sum(r.n_allocations for r in records)} allocations"]  # fmt: skip
+    for r in records[:top]:
+        py = [f"{fn} {file.rsplit('/', 1)[-1]}:{line}" for fn, file, line in r.stack_trace(4)]
+        native = [fn.split("(")[0][:60] for fn, _, _ in r.native_stack_trace(6)]
+        out.append(f"{r.size / 2**20:.2f} MB {r.n_allocations} allocs: "
+                   f"{' < '.join(py) or '-'} | native {' < '.join(native)}")  # fmt: skip
     return out
 
 
@@ -153,20 +238,30 @@ def object_counts() -> dict[str, int]:
     return counts
 
 
+TENANTS = ("", "acme", "globex", "initech")
+"""The tenants the load spreads over ("" is the default tenant)."""
+
+
 async def load(target: str, concurrency: int, end: float, seed: int) -> dict[str, int]:
+    """Closed-loop clients until `end`: short prompts and a tenth long ones, four tenants
+    and two priorities, a tenth of the streams cancelled after a few tokens and a
+    twentieth under a deadline short enough to cut some. Returns the count per status."""
     counts: dict[str, int] = {}
     rng = random.Random(seed)
     salts = [f"s{i}" for i in range(8)]
 
     async def client(stub: Any) -> None:
         while time.monotonic() < end:
-            prompt = [rng.randrange(10, 500) for _ in range(rng.randrange(20, 200))]
+            n_prompt = rng.randrange(400, 900) if rng.random() < 0.1 else rng.randrange(20, 200)
+            prompt = [rng.randrange(10, 500) for _ in range(n_prompt)]
             req = pb.GenerateRequest(
                 token_ids=prompt, max_tokens=rng.randrange(4, 48), temperature=0.0,
-                ignore_eos=True, cache_salt=rng.choice(salts),
+                ignore_eos=True, cache_salt=rng.choice(salts), tenant=rng.choice(TENANTS),
+                priority=rng.randrange(0, 2),
             )  # fmt: skip
             cancel_at = rng.randrange(1, 4) if rng.random() < 0.1 else None
-            call = stub.Generate(req, timeout=120)
+            deadline = rng.uniform(0.05, 0.5) if rng.random() < 0.05 else 120.0
+            call = stub.Generate(req, timeout=deadline)
             status = "OK"
             try:
                 n = 0
@@ -208,17 +303,27 @@ def slope_stderr_mb_per_h(times: list[float], values: list[float]) -> float:
 
 
 def table(report: dict[str, Any]) -> str:
-    """The per-process verdict as a Markdown table (docs/benchmarks.md)."""
+    """The per-process verdict as a Markdown table (docs/benchmarks.md): RSS, and where
+    tracemalloc ran the RSS less tracemalloc's own memory, malloc's bytes in use and the
+    Python heap it traced."""
     header = ("process", "RSS at start (MB)", "after warm-up", "at end",
-              "slope after warm-up (MB/h)", "flat")  # fmt: skip
+              "RSS slope after warm-up (MB/h)", "less tracemalloc's own", "malloc in use",
+              "Python heap (traced)", "flat")  # fmt: skip
+
+    def of(row: dict[str, Any], key: str, stderr: str | None = None) -> str:
+        if key not in row:
+            return "-"
+        return f"{row[key]:+.1f}" + (f" ± {row[stderr]:.1f}" if stderr else "")
+
     rows = [
         (name, f"{row['rss_start_mb']:.1f}", f"{row['rss_warm_mb']:.1f}",
-         f"{row['rss_end_mb']:.1f}",
-         f"{row['slope_rss_mb_h']:+.1f} ± {row['slope_rss_stderr_mb_h']:.1f}",
+         f"{row['rss_end_mb']:.1f}", of(row, "slope_rss_mb_h", "slope_rss_stderr_mb_h"),
+         of(row, "slope_rss_less_tracemalloc_mb_h", "slope_rss_less_tracemalloc_stderr_mb_h"),
+         of(row, "slope_malloc_in_use_mb_h"), of(row, "slope_traced_mb_h"),
          "yes" if row["flat"] else "**no**")
         for name, row in report["processes"].items()
     ]  # fmt: skip
-    return Table.of(header, rows, "lrrrrl").markdown()
+    return Table.of(header, rows, "lrrrrrrrl").markdown()
 
 
 def grown_mappings(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
@@ -261,6 +366,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--trim-at-end", action="store_true")
     ap.add_argument("--objects", action="store_true")
     ap.add_argument("--tracemalloc", action="store_true")
+    ap.add_argument("--tracemalloc-frames", type=int, default=4)
+    ap.add_argument("--memray", default=None, metavar="PROCESS")
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--drain-every-min", type=float, default=0.0)
+    ap.add_argument("--kill-at-min", type=float, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--heap-profile", type=Path, default=None, metavar="DIR")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -289,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         launch.tracing_env = actor_env
     config = tiny_disaggregated(num_kv_blocks=256, worker_cpus=0, ray_cpus=None)
+    config = replace(config, workers=replace(config.workers, num_decode=args.decode))
     warm = args.minutes * 60 / 3
     samples: list[tuple[float, dict[str, dict[str, Any]]]] = []
     maps_warm: dict[str, dict[str, tuple[float, float]]] = {}
@@ -297,14 +409,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     objs_end: dict[str, dict[str, int]] = {}
     trimmed: dict[str, dict[str, float]] = {}
     traced: dict[str, list[str]] = {}
+    events: list[tuple[float, str]] = []
+    memray_leaks: list[str] = []
     with local_cluster(config) as cluster:
         assert cluster.endpoint is not None
         target = cluster.endpoint.target
         procs = processes(cluster)
         actors = {n: p for n, p in procs.items() if p.actor is not None}
         print("pids: " + " ".join(f"{n}={p.pid}" for n, p in procs.items()), flush=True)
+        idle_before = soak_mix.worker_counts(cluster)
+        if args.tracemalloc:
+            for p in actors.values():
+                p.call(lambda: start_tracemalloc(args.tracemalloc_frames))
+        memray_path = None
+        if args.memray is not None:
+            memray_path = (args.out or Path("soak.json")).with_suffix(f".{args.memray}.memray")
+            memray_path.unlink(missing_ok=True)
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
+        next_drain = t0 + args.drain_every_min * 60 if args.drain_every_min > 0 else float("inf")
+        kill_at = t0 + args.kill_at_min * 60 if args.kill_at_min is not None else float("inf")
+
+        def event(what: str) -> None:
+            events.append((round(time.monotonic() - t0, 1), what))
+            print(f"event at {events[-1][0]:.0f}s: {what}", flush=True)
 
         def snapshot(maps: dict[str, Any], objs: dict[str, Any]) -> None:
             for name, p in procs.items():
@@ -321,14 +449,34 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.tracemalloc:
                 for name, p in actors.items():
                     if objs is objs_warm:
-                        p.call(start_tracemalloc)
+                        p.call(traced_at_warm, timeout=300)
                     else:
                         traced[name] = p.call(traced_growth, timeout=300)
+            if memray_path is not None:
+                p = actors[args.memray]
+                if objs is objs_warm:
+                    p.call(lambda: start_memray(str(memray_path.resolve())))
+                else:
+                    p.call(stop_memray, timeout=300)
 
         async def run() -> dict[str, int]:
             task = asyncio.create_task(load(target, args.concurrency, end,
                                             args.seed))  # fmt: skip
             while not task.done():
+                nonlocal kill_at, next_drain
+                if time.monotonic() >= kill_at:
+                    kill_at = float("inf")
+                    event(await asyncio.to_thread(soak_mix.kill_decode_worker, cluster))
+                    fresh = processes(cluster)  # the replacement sampled from now on
+                    for name in procs.keys() - fresh.keys():
+                        del procs[name], actors[name]
+                    for name in fresh.keys() - procs.keys():
+                        procs[name] = actors[name] = fresh[name]
+                        if args.tracemalloc:
+                            fresh[name].call(lambda: start_tracemalloc(args.tracemalloc_frames))
+                if time.monotonic() >= next_drain:
+                    next_drain += args.drain_every_min * 60
+                    event(await asyncio.to_thread(soak_mix.drain_and_undrain, cluster))
                 now = time.monotonic() - t0
                 if not maps_warm and now >= warm:
                     snapshot(maps_warm, objs_warm)
@@ -346,6 +494,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         snapshot(maps_end, objs_end)
         channels = {name: ray.get(p.actor.__ray_call__.remote(channel_stats), timeout=60)
                     for name, p in actors.items() if name.startswith("router-")}  # fmt: skip
+        idle_after = soak_mix.worker_counts(cluster)
+        migrations = soak_mix.router_migrations(cluster)
+        if memray_path is not None:
+            memray_leaks = memray_growth(memray_path)
         if args.trim_at_end:
             for name, p in actors.items():
                 before = proc_stats.breakdown(p.pid).rss_mb
@@ -360,17 +512,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         "requests_total": sum(counts.values()),
         "max_slope_mb_h": args.max_slope_mb_h,
         "token_channels": channels,
+        "events": events,
+        "migrations": migrations,
+        "workers_idle_before": idle_before,
+        "workers_idle_after": idle_after,
         "processes": {},
     }
+    if memray_path is not None:
+        report["memray"] = {"process": args.memray, "file": str(memray_path),
+                            "alive_at_end_since_warm_up": memray_leaks}  # fmt: skip
     flat = True
     for name in procs:
-        after = [(t, s[name]) for t, s in samples if t >= warm]
+        after = [(t, s[name]) for t, s in samples if t >= warm and name in s]
         if len(after) < 4:
             raise SystemExit("too few samples after the warm-up: run longer or sample more often")
         times = [t for t, _ in after]
         first, last = after[0][1], after[-1][1]
         row: dict[str, Any] = {
-            "rss_start_mb": samples[0][1][name]["rss_mb"],
+            "rss_start_mb": next(s[name] for _, s in samples if name in s)["rss_mb"],
             "rss_warm_mb": first["rss_mb"],
             "rss_end_mb": last["rss_mb"],
         }
@@ -388,6 +547,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["slope_malloc_in_use_mb_h"] = round(
                 slope_mb_per_h(times, [s["malloc"]["in_use"] for _, s in after]), 1
             )
+        for key in ("traced_mb", "tracemalloc_own_mb"):
+            if all(key in s for _, s in after):
+                row[f"slope_{key.removesuffix('_mb')}_mb_h"] = round(
+                    slope_mb_per_h(times, [s[key] for _, s in after]), 2
+                )
+        if all("tracemalloc_own_mb" in s for _, s in after):  # the process's own RSS
+            own = [s["rss_mb"] - s["tracemalloc_own_mb"] for _, s in after]
+            row["slope_rss_less_tracemalloc_mb_h"] = round(slope_mb_per_h(times, own), 1)
+            row["slope_rss_less_tracemalloc_stderr_mb_h"] = round(
+                slope_stderr_mb_per_h(times, own), 1
+            )
         if name in maps_warm:
             row["grown_mappings"] = grown_mappings(maps_warm[name], maps_end[name])
         if name in objs_warm:
@@ -401,10 +571,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         report["processes"][name] = row
     report["flat"] = flat
     report["samples"] = [(round(t, 1), {k: v["rss_mb"] for k, v in s.items()}) for t, s in samples]
+    report["warm_s"] = warm
     text = json.dumps(report, indent=2)
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
     print(f"\n{report['requests_total']} requests in {args.minutes:g} min; flat: RSS slope "
           f"after the first third <= {args.max_slope_mb_h:g} MB/h\n{table(report)}")  # fmt: skip
     if args.out is not None:
         args.out.write_text(text)
+    if args.plot is not None:
+        from benchmarks.suites import soak_plot
+
+        soak_plot.plot(report, args.plot)
     raise SystemExit(0 if flat else 1)

@@ -153,6 +153,21 @@ def test_a_worker_that_left_the_registry_has_no_series() -> None:
     assert not [key for key in scrape(metrics) if ("worker", "decode-1") in key[1]]
 
 
+def test_a_request_that_ends_after_its_worker_left_keeps_no_latency_window_for_it() -> None:
+    """A worker's TTFT/TPOT window goes with it (`forget_worker`); a request still in flight
+    on it when it left must not bring the window back (one per departed worker, forever)."""
+    metrics = RouterMetrics()
+    metrics.observe_load(make_load("prefill-0", WorkerRole.PREFILL))
+    metrics.observe_load(make_load("decode-1", WorkerRole.DECODE))
+    metrics.observe_request("ok", 0.1, 0.01, 1.0, "prefill-0", "decode-1")
+    assert metrics.latency("decode-1").tpot_p50_ms == 10.0
+    metrics.forget_worker("decode-1", "decode")
+    metrics.observe_request("ok", 0.1, 0.02, 1.0, "prefill-0", "decode-1")  # it was in flight
+    assert "decode-1" not in metrics._tpot
+    assert metrics.latency("prefill-0").ttft_p50_ms == 100.0  # the worker still in view counts
+    assert scrape(metrics)[("pdserve_tpot_seconds_count", ())] == 2  # the histogram has both
+
+
 def test_goodput_counts_ok_requests_within_both_slos() -> None:
     metrics = RouterMetrics(SloTargets(ttft_ms=200, tpot_ms=20))
     metrics.observe_request("ok", 0.1, 0.01, 1.0, "p", "d")  # good
