@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.control import lora_admin, rebalance
 from deploy.control.cluster_spec import ClusterSpec
@@ -553,7 +554,13 @@ def _restarted_actor() -> bool:
     return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
 
 
-def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
+def controller_options(
+    namespace: str, detached: bool = True, node_id: str | None = None
+) -> dict[str, Any]:
+    """The controller actor's options. `node_id`: the node it should run on (`up` passes its
+    own: the head of a multi-node cluster, beside the routers and the embedded Redis, not a
+    GPU node that may drop off the network with its workers); soft, so a controller that Ray
+    makes again after that node is lost starts elsewhere. None: Ray picks."""
     opts: dict[str, Any] = {
         "name": CONTROLLER_NAME,
         "namespace": namespace,
@@ -565,4 +572,6 @@ def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
     }
     if detached:
         opts["lifetime"] = "detached"
+    if node_id is not None:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
     return opts

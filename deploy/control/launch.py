@@ -122,7 +122,8 @@ class Cluster:
             spec = cfg.controller_spec(model_dir, redis_url, fixed_capacity=fixed)
             if fixed:
                 _refuse_unplaceable(spec)
-            options = {**controller_options(launch.name), "runtime_env": runtime_env}
+            here = ray.get_runtime_context().get_node_id()
+            options = {**controller_options(launch.name, node_id=here), "runtime_env": runtime_env}
             self.controller = ray.remote(Controller).options(**options).remote(spec)
             ray.get(self.controller.start.remote())
             host, admin_host = _address(cfg.router.host), _address(cfg.router.admin_host)
