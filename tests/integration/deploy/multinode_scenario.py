@@ -82,6 +82,7 @@ class Scenario:
             **cluster.env("head"),
             "PYTHONPATH": str(REPO),
             "PDSERVE_STATE_FILE": state_file,
+            "NETNS_RAY_ADDRESS": cluster.ray_address,
         }
 
     def cli(self, *args: str, timeout_s: float = 600) -> str:
@@ -167,8 +168,8 @@ def _state() -> dict[str, Any]:
 def _ray() -> Any:
     import ray
 
-    state = _state()
-    ray.init(address=state["ray_address"], namespace=state["cluster_name"], log_to_driver=False)
+    ray.init(address=os.environ["NETNS_RAY_ADDRESS"], namespace=_state()["cluster_name"],
+             log_to_driver=False)  # fmt: skip
     return ray
 
 
@@ -187,11 +188,11 @@ def _node_names(ray: Any, ips: dict[str, str]) -> dict[str, str]:
 
 def step_placement(ips: dict[str, str]) -> dict[str, Any]:
     ray = _ray()
-    from ray.util.state import list_actors
+    from ray._private import state  # the GCS's actor table (the state API needs a dashboard)
 
     names = _node_names(ray, ips)
-    actors = {a.name: names.get(a.node_id, "?") for a in list_actors(
-        filters=[("state", "=", "ALIVE")], limit=1000) if a.name}  # fmt: skip
+    actors = {a["Name"]: names.get(a["Address"]["NodeID"], "?")
+              for a in state.actors(actor_state_name="ALIVE").values() if a["Name"]}  # fmt: skip
     return {
         "controller": actors.get("pdserve-controller", "?"),
         "routers": sorted(n for name, n in actors.items() if name.startswith("pdserve-router")),
