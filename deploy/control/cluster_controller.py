@@ -557,10 +557,10 @@ def _restarted_actor() -> bool:
 def controller_options(
     namespace: str, detached: bool = True, node_id: str | None = None
 ) -> dict[str, Any]:
-    """The controller actor's options. `node_id`: the node it should run on (`up` passes its
-    own: the head of a multi-node cluster, beside the routers and the embedded Redis, not a
-    GPU node that may drop off the network with its workers); soft, so a controller that Ray
-    makes again after that node is lost starts elsewhere. None: Ray picks."""
+    """The controller actor's options. `node_id`: the node it must run on (`up` passes the
+    head's, `head_node_id`, as Ray Serve places its controller: not a worker node that may drop
+    off the network with its workers; the head holds the GCS, so a cluster that lost it is lost
+    anyway). None: Ray picks."""
     opts: dict[str, Any] = {
         "name": CONTROLLER_NAME,
         "namespace": namespace,
@@ -573,5 +573,14 @@ def controller_options(
     if detached:
         opts["lifetime"] = "detached"
     if node_id is not None:
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     return opts
+
+
+def head_node_id() -> str | None:
+    """The Ray head node's id (the node with Ray's `node:__internal_head__` resource), None
+    when no live node has it."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None

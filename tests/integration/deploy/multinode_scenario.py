@@ -113,6 +113,7 @@ class Scenario:
 
         model_dir = str(cached_tiny_model())
         t0 = time.monotonic()
+        say(f"ray start on {', '.join(f'{n} ({self.c.ip(n)})' for n in self.c.nodes)}")
         self.c.start_ray()  # first: a failed `ray start` on the head kills what runs there
         redis_url = self.c.start_redis()
         self.out["ray_nodes_up_s"] = round(time.monotonic() - t0, 1)
@@ -121,6 +122,7 @@ class Scenario:
 
         cfg.write_text(yaml.safe_dump(config(model_dir)))
         t1 = time.monotonic()
+        say(f"pdserve up --address {self.c.ray_address} on head")
         self.cli("up", "--detach", "--address", self.c.ray_address, "--redis-url", redis_url,
                  "--config", str(cfg), "--timeout", "500")  # fmt: skip
         self.out["pdserve_up_s"] = round(time.monotonic() - t1, 1)
@@ -131,6 +133,7 @@ class Scenario:
         assert sorted(placed["workers"].values()) == ["d1", "d2", "p1"], placed
         self.out["placement"] = placed
 
+        say(f"placed: {placed}")
         rx0 = {n: self.c.rx_bytes(n) for n in ("d1", "d2")}
         greedy = self.drive("greedy", {"model_dir": model_dir})
         rx = {n: self.c.rx_bytes(n) - rx0[n] for n in ("d1", "d2")}
@@ -144,18 +147,25 @@ class Scenario:
             )
         self.out["greedy"] = {**greedy, "link_rx_bytes": rx}
 
+        say(f"greedy, across the links: {self.out['greedy']}")
         down_worker = next(w for w, n in placed["workers"].items() if n == "d1")
         fault = self.drive("link_fault", {"model_dir": model_dir, "worker": down_worker,
                                           "ns": self.c.ns("d1")}, timeout_s=400)  # fmt: skip
         self.out["link_down"] = fault
 
+        say(f"d1's link down: {fault}")
         t2 = time.monotonic()
         self.c.link_up("d1")
         self.c.rejoin("d1")
         back = self.drive("rejoined", {"model_dir": model_dir, "ips": ips}, timeout_s=400)
         back["since_link_up_s"] = round(time.monotonic() - t2, 1)
         self.out["link_up"] = back
+        say(f"d1 back: {back}")
         self.cli("down", timeout_s=180)
+
+
+def say(line: str) -> None:
+    print(f"[multinode] {line}", flush=True)
 
 
 # --- the driver's steps (run in the head's namespace) -------------------------------------
@@ -387,6 +397,9 @@ def main() -> int:
                 log = cluster.workdir / "run" / "pdserve-up.log"
                 if log.exists():
                     print(log.read_text()[-6000:], file=sys.stderr)
+                logs = REPO / "build" / "multinode-logs"
+                cluster.keep_logs(logs)
+                print(f"[multinode] the run's logs: {logs}", file=sys.stderr)
                 raise
     except Exception:
         traceback.print_exc()

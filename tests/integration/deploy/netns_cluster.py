@@ -113,6 +113,10 @@ class NetnsCluster:
             _ip("addr", "add", f"{self.ip(node)}/24", "dev", "eth0", ns=ns)
             _ip("link", "set", "eth0", "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)
+            # A default route, as a host has (out of the bridge it leads nowhere): Ray finds a
+            # process's own address by routing towards a public one, and without a route a
+            # driver falls back to another address than its node's and joins another raylet.
+            _ip("route", "add", "default", "dev", "eth0", ns=ns)
 
     # -- processes ------------------------------------------------------------------------
 
@@ -260,6 +264,12 @@ class NetnsCluster:
         return len(pids)
 
     # -- teardown -------------------------------------------------------------------------
+
+    def keep_logs(self, to: Path) -> None:
+        """Copy the run's logs (Ray's session logs, pdserve's, redis-server's) to `to`."""
+        shutil.rmtree(to, ignore_errors=True)
+        shutil.copytree(self.workdir, to, ignore=shutil.ignore_patterns("sockets", "*.sock"),
+                        ignore_dangling_symlinks=True, symlinks=True)  # fmt: skip
 
     def close(self) -> None:
         """Kill every process in the namespaces, then remove namespaces, links and files."""
