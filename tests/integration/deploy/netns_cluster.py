@@ -198,7 +198,7 @@ class NetnsCluster:
             self._ray_start(node, argv, timeout_s)
         self._wait(lambda: self.alive_nodes() == len(self.nodes), timeout_s, "every Ray node")
 
-    def _ray_start(self, node: str, argv: list[str], timeout_s: float, attempts: int = 3) -> None:
+    def _ray_start(self, node: str, argv: list[str], timeout_s: float, attempts: int = 5) -> None:
         """`ray start` on `node`, again from scratch when it fails: it gives its raylet a fixed
         30 s to register with the GCS, which a loaded 2-core machine can miss."""
         for attempt in range(1, attempts + 1):
