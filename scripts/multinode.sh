@@ -4,7 +4,8 @@
 # over real links"). Four network namespaces joined by veth pairs and a bridge are the hosts:
 # `ray start --head` / `ray start --address` in them, `pdserve up --address` on the head, the
 # prefill worker on one host and a decode worker on each of two others (UCX over TCP on the
-# veths). Needs root and iproute2; .ci/run runs it as its own step (~3-5 min on 2 cores).
+# veths). Needs root and iproute2; .ci/run runs it as its own step (see docs/benchmarks.md,
+# "Deployment", for how long it takes).
 #
 #   scripts/multinode.sh [OUT.json]    the figures (placement, hand-off GB/s, fault timings)
 #
@@ -20,7 +21,7 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null
 fi
 rc=0
-timeout 1500 python tests/integration/deploy/multinode_scenario.py --out "$out" || rc=$?
+timeout 2400 python tests/integration/deploy/multinode_scenario.py --out "$out" || rc=$?
 case $rc in
   0) echo "[multinode] passed; figures in $out" ;;
   3) echo "[multinode] SKIPPED: network namespaces cannot be made here (see the line above)" ;;
