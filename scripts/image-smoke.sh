@@ -92,8 +92,8 @@ req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=bod
 with urllib.request.urlopen(req, timeout=120) as r:
     answer = json.load(r)
 choice = answer["choices"][0]
-assert answer["usage"]["completion_tokens"] == 12, answer
-assert choice["finish_reason"] == "length", answer
+assert 1 <= answer["usage"]["completion_tokens"] <= 12 and choice["text"], answer
+assert choice["finish_reason"] in ("stop", "length"), answer  # eos, or the 12 tokens
 print(f"[image-smoke]   {choice['text']!r} ({answer['usage']})")
 PY
 info=$(ls "$OUT"/pdserve-*-cpu.json)
