@@ -76,7 +76,7 @@ uid=$(podman exec "$name" id -u)
 say "gRPC: pdserve generate --target 127.0.0.1:$grpc_port"
 PDSERVE_API_KEY=$key python -m deploy.cli generate "The lighthouse keeper" --max-tokens 12 \
   --target "127.0.0.1:$grpc_port" | tee build/image/smoke-grpc.txt
-grep -q "finish: length" build/image/smoke-grpc.txt \
+tr -s '\n' ' ' <build/image/smoke-grpc.txt | grep -q "+ 12 tokens · finish: length" \
   || { say "FAILED: the gRPC answer did not end by its length (12 tokens)" >&2; exit 1; }
 
 say "HTTP: POST /v1/completions on 127.0.0.1:$http_port"

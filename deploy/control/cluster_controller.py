@@ -407,12 +407,24 @@ class Controller:
         except Exception as e:
             log.warning("purging the prefix index (%s) failed: %s", worker_id or "stale", e)
 
-    async def _replace(self, role: WorkerRole) -> None:
-        try:
-            info = await self._start_worker(role)
-            self._log(f"replaced a dead {role.value} worker with {info.worker_id}")
-        except Exception as e:
-            self._log(f"could not replace a dead {role.value} worker: {e}")
+    async def _replace(self, role: WorkerRole, attempts: int = 3) -> None:
+        """A worker in place of a dead one. Ray may place it on a node that has just dropped
+        off the network (the GCS takes a while to declare it dead): a replacement whose actor
+        dies before it starts is tried again, and waits for a node with the resources."""
+        for attempt in range(1, attempts + 1):
+            try:
+                info = await self._start_worker(role)
+                self._log(f"replaced a dead {role.value} worker with {info.worker_id}")
+                return
+            except ray.exceptions.RayActorError as e:
+                if attempt < attempts:
+                    self._log(f"retrying the replacement of a dead {role.value} worker: {e}")
+                    await asyncio.sleep(self.spec.health_interval_s)
+                    continue
+                self._log(f"could not replace a dead {role.value} worker: {e}")
+            except Exception as e:
+                self._log(f"could not replace a dead {role.value} worker: {e}")
+                return
 
     # ---- drain and rebalance ----------------------------------------------------------------
 
