@@ -15,7 +15,7 @@ Hosts: `head` (Ray head, redis-server, `pdserve up`, the controller and the rout
 2. greedy requests: tokens equal to transformers' float32 greedy run on one host; the KV
    hand-off crossed a veth (UCX over TCP only: the decode nodes' interfaces received at least
    the bytes the decode workers report pulled); hand-off GB/s;
-3. d1's link goes down as soon as four streams are under way (on both decode nodes): every
+3. a decode node's link goes down as soon as four streams run (on both decode nodes): every
    stream completes (migrated to the other decode worker, tokens still equal to the reference) or
    ends with a clear status, within a deadline; the router stops listing the lost worker; no KV
    block, lease or transfer is left on the surviving workers;
