@@ -260,8 +260,7 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
         endpoint = cluster.start()
     except Exception as e:
         fail(f"cluster failed to start: {e}", 1)
-    control_log = daemon.state_path().parent / "pdserve-control.log"
-    control_log.write_text("")  # exists (empty) once the state file names it
+    control_log = daemon.new_control_log()  # exists (empty) once the state file names it
     state = daemon.ClusterState(
         pid=os.getpid(),
         targets=list(endpoint.grpc),

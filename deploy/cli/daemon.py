@@ -80,6 +80,15 @@ def read_state() -> ClusterState | None:
     return state
 
 
+def new_control_log() -> Path:
+    """The controller's event log beside the state file, made empty, its folder too (a
+    foreground `up` on a fresh machine, or in a fresh container, has none yet)."""
+    path = state_path().parent / "pdserve-control.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return path
+
+
 def write_state(state: ClusterState) -> None:
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.control import lora_admin, rebalance
 from deploy.control.cluster_spec import ClusterSpec
@@ -406,12 +407,24 @@ class Controller:
         except Exception as e:
             log.warning("purging the prefix index (%s) failed: %s", worker_id or "stale", e)
 
-    async def _replace(self, role: WorkerRole) -> None:
-        try:
-            info = await self._start_worker(role)
-            self._log(f"replaced a dead {role.value} worker with {info.worker_id}")
-        except Exception as e:
-            self._log(f"could not replace a dead {role.value} worker: {e}")
+    async def _replace(self, role: WorkerRole, attempts: int = 3) -> None:
+        """A worker in place of a dead one. Ray may place it on a node that has just dropped
+        off the network (the GCS takes a while to declare it dead): a replacement whose actor
+        dies before it starts is tried again, and waits for a node with the resources."""
+        for attempt in range(1, attempts + 1):
+            try:
+                info = await self._start_worker(role)
+                self._log(f"replaced a dead {role.value} worker with {info.worker_id}")
+                return
+            except ray.exceptions.RayActorError as e:
+                if attempt < attempts:
+                    self._log(f"retrying the replacement of a dead {role.value} worker: {e}")
+                    await asyncio.sleep(self.spec.health_interval_s)
+                    continue
+                self._log(f"could not replace a dead {role.value} worker: {e}")
+            except Exception as e:
+                self._log(f"could not replace a dead {role.value} worker: {e}")
+                return
 
     # ---- drain and rebalance ----------------------------------------------------------------
 
@@ -553,7 +566,13 @@ def _restarted_actor() -> bool:
     return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
 
 
-def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
+def controller_options(
+    namespace: str, detached: bool = True, node_id: str | None = None
+) -> dict[str, Any]:
+    """The controller actor's options. `node_id`: the node it must run on (`up` passes the
+    head's, `head_node_id`, as Ray Serve places its controller: not a worker node that may drop
+    off the network with its workers; the head holds the GCS, so a cluster that lost it is lost
+    anyway). None: Ray picks."""
     opts: dict[str, Any] = {
         "name": CONTROLLER_NAME,
         "namespace": namespace,
@@ -565,4 +584,15 @@ def controller_options(namespace: str, detached: bool = True) -> dict[str, Any]:
     }
     if detached:
         opts["lifetime"] = "detached"
+    if node_id is not None:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     return opts
+
+
+def head_node_id() -> str | None:
+    """The Ray head node's id (the node with Ray's `node:__internal_head__` resource), None
+    when no live node has it."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None

@@ -24,6 +24,7 @@ from deploy.control.cluster_controller import (
     ROUTER_PREFIX,
     Controller,
     controller_options,
+    head_node_id,
 )
 from deploy.control.cluster_spec import ClusterSpec
 from deploy.control.config_tree import DEFAULT_CLUSTER_NAME, PdserveConfig
@@ -122,7 +123,10 @@ class Cluster:
             spec = cfg.controller_spec(model_dir, redis_url, fixed_capacity=fixed)
             if fixed:
                 _refuse_unplaceable(spec)
-            options = {**controller_options(launch.name), "runtime_env": runtime_env}
+            options = {
+                **controller_options(launch.name, node_id=head_node_id()),
+                "runtime_env": runtime_env,
+            }
             self.controller = ray.remote(Controller).options(**options).remote(spec)
             ray.get(self.controller.start.remote())
             host, admin_host = _address(cfg.router.host), _address(cfg.router.admin_host)

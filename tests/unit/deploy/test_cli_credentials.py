@@ -102,3 +102,15 @@ def test_an_admin_call_to_a_data_port_says_where_the_admin_plane_is(tmp_path: Pa
         server.stop(0)
     assert result.exit_code == 1
     assert "UNIMPLEMENTED" in result.output and "--admin-port" in result.output
+
+
+def test_the_control_log_is_made_with_its_folder_on_a_fresh_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a foreground `up` in a fresh container: no run/ folder yet (it crashed there once)
+    monkeypatch.setenv("PDSERVE_STATE_FILE", str(tmp_path / "fresh" / "run" / "cluster.json"))
+    log = daemon.new_control_log()
+    assert log == tmp_path / "fresh" / "run" / "pdserve-control.log"
+    assert log.read_text() == ""
+    log.write_text("an event\n")
+    assert daemon.new_control_log().read_text() == ""  # a new cluster starts an empty log
