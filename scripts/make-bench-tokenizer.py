@@ -44,7 +44,8 @@ def main() -> int:
     with tarfile.open(out / "bench-tokenizer.tar.xz", "w:xz") as tar:
         tar.add(json_path, arcname=NAME)
     json_path.unlink()
-    print(f"{tok.get_vocab_size()} tokens in {time.time() - t0:.0f} s: {out}/bench-tokenizer.tar.xz")
+    took = time.time() - t0
+    print(f"{tok.get_vocab_size()} tokens in {took:.0f} s: {out}/bench-tokenizer.tar.xz")
     return 0
 
 
