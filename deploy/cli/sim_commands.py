@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from simulator.plan import Plan, Point
 
 
+ProfileModel = Annotated[
+    str | None, typer.Option(help="Refuse a profile of another model id (folder name).")
+]
+ProfileDtype = Annotated[str | None, typer.Option(help="Refuse a profile of another dtype.")]
+WorkloadSeed = Annotated[int, typer.Option(help="Workload seed.")]
+
+
 def profile(
     out: Annotated[Path, typer.Argument(help="Profile file to write (JSON).")],
     model: Annotated[
@@ -95,17 +102,15 @@ def simulate(
     ] = None,
     duration: Annotated[float, typer.Option(help="Arrival window per rate, seconds.")] = 60.0,
     slo: Annotated[list[str] | None, typer.Option(help="SLOs, e.g. ttft:500 tpot:50.")] = None,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: WorkloadSeed = 0,
     num_requests: Annotated[int | None, typer.Option(help="Cap on requests per rate.")] = None,
     kv_blocks: Annotated[int, typer.Option(help="KV blocks per worker (0: the profile's).")] = 0,
     local_prefill_threshold: Annotated[
         int | None,
         typer.Option(help="Uncached tokens a decode worker prefills itself (default: 64)."),
     ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Refuse a profile of another model id (folder name).")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="Refuse a profile of another dtype.")] = None,
+    model: ProfileModel = None,
+    dtype: ProfileDtype = None,
 ) -> None:
     """Simulate a cluster of profiled workers under a workload (Poisson or the workload's own
     arrivals, seeded): admission and placement are the router's own; prints the table
@@ -168,15 +173,13 @@ def plan(
         float, typer.Option(help="Share of requests that must meet every SLO.")
     ] = 0.9,
     duration: Annotated[float, typer.Option(help="Arrival window per run, seconds.")] = 60.0,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: WorkloadSeed = 0,
     plot: Annotated[
         Path | None,
         typer.Option(help="Write the Pareto plot (tokens/s per GPU vs per user) here (PNG)."),
     ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Refuse a profile of another model id (folder name).")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="Refuse a profile of another dtype.")] = None,
+    model: ProfileModel = None,
+    dtype: ProfileDtype = None,
 ) -> None:
     """Search cluster configurations in simulated time (one GPU per worker: xPyD splits and
     colocated) and print the cheapest that meet the SLOs, ranked by goodput per GPU. Exit 1
