@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -436,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def snapshot(maps: dict[str, Any], objs: dict[str, Any]) -> None:
             for name, p in procs.items():
-                maps[name] = proc_stats.mappings(p.pid)
+                with contextlib.suppress(OSError):  # a process gone (a worker killed)
+                    maps[name] = proc_stats.mappings(p.pid)
             if args.objects:
                 for name, p in actors.items():
                     objs[name] = p.call(object_counts, timeout=120)
@@ -451,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     if objs is objs_warm:
                         p.call(traced_at_warm, timeout=300)
                     else:
-                        traced[name] = p.call(traced_growth, timeout=300)
+                        try:
+                            traced[name] = p.call(traced_growth, timeout=300)
+                        except Exception as e:  # killed meanwhile: report the rest
+                            traced[name] = [f"not read: {type(e).__name__}: {e}"[:200]]
             if memray_path is not None:
                 p = actors[args.memray]
                 if objs is objs_warm:
@@ -500,10 +505,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             memray_leaks = memray_growth(memray_path)
         if args.trim_at_end:
             for name, p in actors.items():
-                before = proc_stats.breakdown(p.pid).rss_mb
-                p.call(proc_stats.trim)
-                trimmed[name] = {"rss_before_mb": before,
-                                 "rss_after_mb": proc_stats.breakdown(p.pid).rss_mb}  # fmt: skip
+                try:
+                    before = proc_stats.breakdown(p.pid).rss_mb
+                    p.call(proc_stats.trim)
+                    trimmed_to = proc_stats.breakdown(p.pid).rss_mb
+                except Exception as e:  # killed meanwhile
+                    print(f"{name}: not trimmed ({type(e).__name__})")
+                    continue
+                trimmed[name] = {"rss_before_mb": before, "rss_after_mb": trimmed_to}
 
     report: dict[str, Any] = {
         "minutes": args.minutes,
@@ -558,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["slope_rss_less_tracemalloc_stderr_mb_h"] = round(
                 slope_stderr_mb_per_h(times, own), 1
             )
-        if name in maps_warm:
+        if name in maps_warm and name in maps_end:
             row["grown_mappings"] = grown_mappings(maps_warm[name], maps_end[name])
         if name in objs_warm:
             row["grown_objects"] = grown_objects(objs_warm[name], objs_end[name])
