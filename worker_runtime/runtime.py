@@ -281,16 +281,19 @@ class WorkerRuntime:
         driver = self._driver
         wid = self.config.worker_id
         limit = self.config.max_consecutive_step_errors
+        reasons = []
         if driver is not None and limit > 0 and driver.consecutive_step_errors >= limit:
-            raise WorkerUnhealthy(
-                f"worker {wid}: {driver.consecutive_step_errors} engine steps "
-                f"failed in a row (last: {driver.last_step_error})"
+            reasons.append(
+                f"{driver.consecutive_step_errors} engine steps failed in a row (last: "
+                f"{driver.last_step_error})"
             )
         probes = dict(self._probes)
         if driver is not None:
             probes = {ENGINE_LOOP: driver.progress, **probes}
         timeout_s = self.config.stall_timeout_s
-        reasons = [
+        # every reason, not the first: failed steps are often the symptom of another (a TP
+        # rank that died breaks every step), and the message should name the cause too
+        reasons += [
             reason
             for name, probe in probes.items()
             if (reason := stall_reason(name, probe(), timeout_s)) is not None

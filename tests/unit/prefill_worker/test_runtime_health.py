@@ -231,6 +231,34 @@ def test_consecutive_step_errors_still_make_the_worker_unhealthy(
     asyncio.run(body())
 
 
+def test_failed_steps_and_a_dead_watched_loop_are_both_named(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TP rank that dies breaks every step: the message names the failed steps and the
+    cause, whichever the health check meets first."""
+
+    async def body() -> None:
+        async with running(tiny_model_dir, max_consecutive_step_errors=1) as rt:
+            assert rt.engine is not None
+            rt.watch("TP ranks", lambda: LoopProgress(LoopState.DIED, False, 0.0, "rank 1 gone"))
+
+            def execute(batch):  # type: ignore[no-untyped-def]
+                raise RuntimeError("TP group rank 0 is broken")
+
+            monkeypatch.setattr(rt.engine.runner, "execute", execute)
+            q = rt.open_stream("r0")
+            await rt.call(lambda e: e.add_request("r0", PROMPT, greedy(2)))
+            assert isinstance(await asyncio.wait_for(q.get(), 10), StepFailed)
+            rt.close_stream("r0")
+            with pytest.raises(WorkerUnhealthy) as raised:
+                rt.check_health()
+            message = str(raised.value)
+            assert "1 engine steps failed in a row" in message
+            assert "TP ranks died (rank 1 gone)" in message
+
+    asyncio.run(body())
+
+
 # ---- a watched transfer loop ---------------------------------------------------------------
 
 
