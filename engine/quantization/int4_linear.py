@@ -153,6 +153,8 @@ class Int4Linear(torch.nn.Module):
             out = torch._weight_int4pack_mm(x.contiguous(), packed, self.group_size, scales_zeros)
             out = out.to(out_dtype)
             return out if self.bias is None else out + self.bias
+        if x.shape[0] == 0:  # nothing to compute: no dequantized copy of the weight
+            return x.new_empty((0, self.weight_scale.shape[0]), dtype=out_dtype)
         weight = self.dequantized(x.dtype).to(x.device, non_blocking=True)
         return F.linear(x, weight, self.bias).to(out_dtype)
 
