@@ -69,10 +69,9 @@ def quantize_in_place(model: LlamaModel, scheme: IntScheme) -> str:
     model's new weight format."""
     for module in model.layers:
         layer: DecoderLayer = module  # type: ignore[assignment]
-        bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}
         layer.quantized = nn.ModuleDict(
             {
-                name: int_linear(getattr(layer, name).float(), scheme, bias.get(name))
+                name: int_linear(getattr(layer, name).float(), scheme, layer.projection_bias(name))
                 for name in PROJECTIONS
             }
         )

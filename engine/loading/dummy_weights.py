@@ -86,11 +86,10 @@ def dummy_model(
             weight = normal(shapes[name])
             if shard is not None:
                 weight = shard_fused(name, weight, cfg, shard)
-            bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(name)
             if fp8:
-                linears[name] = Fp8Linear(*quantize_per_tensor(weight), bias)
+                linears[name] = Fp8Linear(*quantize_per_tensor(weight), layer.projection_bias(name))
             elif int_scheme is not None:
-                linears[name] = int_linear(weight, int_scheme, bias)
+                linears[name] = int_linear(weight, int_scheme, layer.projection_bias(name))
             else:
                 getattr(layer, name).copy_(weight)
             del weight

@@ -362,7 +362,7 @@ class _Assembler:
     def _build(self, index: int, projection: str, parts: list[Fp8Part]) -> None:
         layer = cast(DecoderLayer, self.model.layers[index])
         weight, scale, input_scale = fuse_parts(parts)
-        bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(projection)
+        bias = layer.projection_bias(projection)
         linears = self.built.setdefault(index, {})
         linears[projection] = Fp8Linear(weight, scale, bias, input_scale, self.dynamic)
         for module in FUSED_MODULES[projection]:

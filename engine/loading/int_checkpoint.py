@@ -249,7 +249,7 @@ class _Assembler:
 
     def _build(self, index: int, projection: str, parts: list[dict[str, torch.Tensor]]) -> None:
         layer = cast(DecoderLayer, self.model.layers[index])
-        bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}.get(projection)
+        bias = layer.projection_bias(projection)
         scale = torch.cat([p["weight_scale"].float() for p in parts])
         linear: nn.Module
         if self.scheme.bits == 8:

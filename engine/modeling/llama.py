@@ -185,6 +185,10 @@ class DecoderLayer(nn.Module):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             setattr(self, name, nn.Parameter(empty, requires_grad=False))
 
+    def projection_bias(self, name: str) -> torch.Tensor | None:
+        """The bias of fused projection `name` (qkv_proj, o_proj; the MLP's have none)."""
+        return {"qkv_proj": self.qkv_bias, "o_proj": self.o_bias}.get(name)
+
     def _static_scale(self, name: str, lora: LoraStep | None = None) -> torch.Tensor | None:
         """The static input scale of FP8 projection `name` (the op before it then writes
         e4m3 itself), or None (dense, FP8 with dynamic input scales, INT, or adapted by
