@@ -23,6 +23,13 @@ ProfileModel = Annotated[
 ]
 ProfileDtype = Annotated[str | None, typer.Option(help="Refuse a profile of another dtype.")]
 WorkloadSeed = Annotated[int, typer.Option(help="Workload seed.")]
+ProfileFile = Annotated[Path, typer.Option(help="Profile file (pdserve profile).")]
+WorkloadOption = Annotated[
+    str, typer.Option(help="Load-driver workload profile name or YAML file.")
+]
+SloOption = Annotated[list[str] | None, typer.Option(help="SLOs, e.g. ttft:500 tpot:50.")]
+DEFAULT_SLO = ("ttft:1000", "tpot:100")
+"""simulate's and plan's SLOs when none is given."""
 
 
 def profile(
@@ -90,18 +97,16 @@ def profile(
 
 
 def simulate(
-    profile: Annotated[Path, typer.Option(help="Profile file (pdserve profile).")],
+    profile: ProfileFile,
     prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
     decode: Annotated[int, typer.Option(help="Decode workers.")] = 1,
     colocated: Annotated[int, typer.Option(help="Colocated workers (prefill + decode).")] = 0,
-    workload: Annotated[
-        str, typer.Option(help="Load-driver workload profile name or YAML file.")
-    ] = "synthetic",
+    workload: WorkloadOption = "synthetic",
     rate: Annotated[
         list[float] | None, typer.Option(help="Requests/s (repeatable: a sweep).")
     ] = None,
     duration: Annotated[float, typer.Option(help="Arrival window per rate, seconds.")] = 60.0,
-    slo: Annotated[list[str] | None, typer.Option(help="SLOs, e.g. ttft:500 tpot:50.")] = None,
+    slo: SloOption = None,
     seed: WorkloadSeed = 0,
     num_requests: Annotated[int | None, typer.Option(help="Cap on requests per rate.")] = None,
     kv_blocks: Annotated[int, typer.Option(help="KV blocks per worker (0: the profile's).")] = 0,
@@ -137,7 +142,7 @@ def simulate(
         if local_prefill_threshold is not None:
             thresholds = AdmissionThresholds(local_prefill_threshold_tokens=local_prefill_threshold)
         shape = ClusterShape(prefill, decode, colocated, kv_blocks, thresholds)
-        goal = parse_slo(" ".join(slo or ["ttft:1000", "tpot:100"]))
+        goal = parse_slo(slo or DEFAULT_SLO)
         results = [
             (r, run_simulation(perf, shape, workload, r, duration, goal, seed, num_requests))
             for r in rates
@@ -153,11 +158,9 @@ def simulate(
 
 
 def plan(
-    profile: Annotated[Path, typer.Option(help="Profile file (pdserve profile).")],
-    slo: Annotated[list[str] | None, typer.Option(help="SLOs, e.g. ttft:500 tpot:50.")] = None,
-    workload: Annotated[
-        str, typer.Option(help="Load-driver workload profile name or YAML file.")
-    ] = "synthetic",
+    profile: ProfileFile,
+    slo: SloOption = None,
+    workload: WorkloadOption = "synthetic",
     rate: Annotated[
         list[float] | None,
         typer.Option(
@@ -193,6 +196,8 @@ def plan(
 
     if gpus is None and not rate:
         fail("plan: give --rate (the fewest GPUs for it) or --gpus (the most from them)", 2)
+    if gpus is None and rate and len(rate) > 1:
+        fail("--rate: one rate without --gpus (a sweep needs --gpus)", 2)
     if not 0 < attainment <= 1:
         fail(f"--attainment: must be in (0, 1], got {attainment}", 2)
     if duration <= 0:
@@ -200,12 +205,10 @@ def plan(
     started = time.perf_counter()
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
-        goal = parse_slo(" ".join(slo or ["ttft:1000", "tpot:100"]))
+        goal = parse_slo(slo or DEFAULT_SLO)
         run = simulator_for(perf, workload, duration, goal, seed)
         if gpus is None:
             assert rate
-            if len(rate) > 1:
-                fail("--rate: one rate without --gpus (a sweep needs --gpus)", 2)
             found = plan_for_rate(run, rate[0], goal, max_gpus=max_gpus, attainment=attainment)
         else:
             rates = rate or geometric_rates(0.5, 32.0, 8)
