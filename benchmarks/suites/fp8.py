@@ -123,6 +123,12 @@ def logits_of(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden).float()
 
 
+def logit_agreement(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative error ||got - ref|| / ||ref||, share of rows whose argmax agrees)."""
+    err = float((got - ref).norm() / ref.norm())
+    return err, float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--batches", default="1,16,64")
@@ -250,9 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def logit_error(label: str) -> None:
         assert ref is not None
-        got = logits_of(model, ids)
-        err = float((got - ref).norm() / ref.norm())
-        same = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        err, same = logit_agreement(logits_of(model, ids), ref)
         errors[label] = err
         print(f"   {label}: relative logit error {err:.2e}, argmax agreement {same:.1%}")
         log.add(f"logit error vs float32, {label}", f"{err:.2e}", f"argmax {same:.1%}")

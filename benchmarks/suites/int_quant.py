@@ -40,7 +40,7 @@ from benchmarks.harness.cuda_timing import seconds_per_call
 from benchmarks.harness.decode_model import decode_batch, random_llama3_8b, weight_read_bytes
 from benchmarks.harness.steps import StepLog
 from benchmarks.suites.engine import CUDA, measure_hbm, measure_matmul
-from benchmarks.suites.fp8 import logits_of, matmul_flops
+from benchmarks.suites.fp8 import logit_agreement, logits_of, matmul_flops
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.core.runner import ModelRunner
@@ -175,9 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         print(f"   {label}: weights read per decode step {weights / 2**30:.2f} GiB")
         if dense_logits is not None and label != "bf16":
-            got = logits_of(model, ids)
-            err = float((got - dense_logits).norm() / dense_logits.norm())
-            same = float((got.argmax(-1) == dense_logits.argmax(-1)).float().mean())
+            err, same = logit_agreement(logits_of(model, ids), dense_logits)
             log.add(f"logits vs bf16, {label}", f"{err:.2e}", f"argmax {same:.1%}")
         runner.graphs = None
         torch.cuda.empty_cache()
