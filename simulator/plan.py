@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from admission.config import AdmissionThresholds
 from loadtests.goodput import SLO, GoodputReport
 from planner.perf_profile import PerfProfile
-from simulator.cluster import ClusterShape
+from simulator.cluster import DEFAULT_THRESHOLDS, ClusterShape
 from simulator.report import simulate
 
 
@@ -149,7 +149,8 @@ def plan_for_rate(
         raise ValueError(f"--max-gpus: must be >= 1, got {max_gpus}")
     points: list[Point] = []
     for gpus in range(1, max_gpus + 1):
-        here = [Point(s, rate, run(s, rate)) for s in shapes_of(gpus, thresholds or _DEFAULT)]
+        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS)
+        here = [Point(s, rate, run(s, rate)) for s in shapes]
         points += here
         meeting = [p for p in here if p.meets(attainment)]
         if meeting:
@@ -175,7 +176,7 @@ def plan_for_gpus(
     points: list[Point] = []
     best: list[Point] = []
     max_rate: dict[str, float | None] = {}
-    for shape in shapes_of(gpus, thresholds or _DEFAULT):
+    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS):
         top: Point | None = None
         for rate in sorted(rates):
             point = Point(shape, rate, run(shape, rate))
@@ -211,6 +212,3 @@ def pareto(points: Sequence[Point]) -> list[Point]:
         ):  # fmt: skip
             front.append(p)
     return sorted(front, key=lambda p: p.tokens_per_user)
-
-
-_DEFAULT = AdmissionThresholds()
