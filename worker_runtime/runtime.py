@@ -316,10 +316,13 @@ class WorkerRuntime:
         """Compile a request's structured-output constraint on the engine's grammar threads
         before the engine sees the request, so the engine thread never waits on a compile
         (the request waits for its own); SamplingParamsError naming structured_output when
-        it does not compile. Nothing to do for a free request."""
-        engine = self.engine
-        if params.structured is not None and engine is not None:
-            await asyncio.to_thread(engine.constrained.compile, params.structured)
+        it does not compile. Nothing to do for a free request, nor for one whose constraint
+        is cached (no thread waits on a hit: a worker's thread count stays what its first
+        compiles made it)."""
+        engine, constraint = self.engine, params.structured
+        if constraint is not None and engine is not None:
+            if not engine.constrained.compiled(constraint):
+                await asyncio.to_thread(engine.constrained.compile, constraint)
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the engine thread, fire and forget (any thread may call)."""

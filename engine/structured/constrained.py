@@ -45,6 +45,13 @@ class ConstrainedRequests:
         if constraint is not None:
             self.grammars.compile(constraint)
 
+    def compiled(self, constraint: StructuredOutput) -> bool:
+        """Whether `constraint` is compiled and cached already (a cache hit needs no thread to
+        wait on; never builds the grammars)."""
+        with self._lock:
+            grammars = self._grammars
+        return grammars is not None and grammars.compiled(constraint)
+
     def start(
         self, request_id: str, constraint: StructuredOutput | None, token_ids: Sequence[int]
     ) -> bool:

@@ -111,6 +111,12 @@ class Grammars:
                     del self._cache[constraint]
             raise
 
+    def compiled(self, constraint: StructuredOutput) -> bool:
+        """Whether `constraint`'s compile has finished and succeeded (a failure is not kept)."""
+        with self._lock:
+            future = self._cache.get(constraint)
+        return future is not None and future.done() and future.exception() is None
+
     def matcher(self, constraint: StructuredOutput) -> xgr.GrammarMatcher:
         """A fresh matcher (no tokens accepted) over `constraint`'s compiled grammar."""
         import xgrammar as xgr

@@ -233,3 +233,18 @@ def test_compiled_constraints_are_cached_and_bounded(
     grammars.compile(regexes[1])
     grammars.compile(regexes[2])  # evicts the least recently used: regexes[0]
     assert grammars.compile(regexes[0]) is not first
+
+
+def test_compiled_says_whether_a_constraint_waits_on_nothing(
+    engine: LLMEngine, prompts: list[list[int]]
+) -> None:
+    constrained = engine.constrained
+    regex = StructuredOutput("regex", "[a-c]{4}")
+    assert not constrained.compiled(regex)  # before the grammars exist (nothing built by asking)
+    constrained.compile(regex)
+    assert constrained.compiled(regex)
+    bad = StructuredOutput("grammar", "root ::= ")
+    with pytest.raises(SamplingParamsError):
+        constrained.compile(bad)
+    assert not constrained.compiled(bad)  # a failure is not a hit: the next request retries it
+    assert not constrained.compiled(StructuredOutput("regex", "[a-c]{5}"))
