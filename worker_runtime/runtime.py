@@ -320,9 +320,12 @@ class WorkerRuntime:
         is cached (no thread waits on a hit: a worker's thread count stays what its first
         compiles made it)."""
         engine, constraint = self.engine, params.structured
-        if constraint is not None and engine is not None:
-            if not engine.constrained.compiled(constraint):
-                await asyncio.to_thread(engine.constrained.compile, constraint)
+        if (
+            constraint is not None
+            and engine is not None
+            and not engine.constrained.compiled(constraint)
+        ):
+            await asyncio.to_thread(engine.constrained.compile, constraint)
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the engine thread, fire and forget (any thread may call)."""
