@@ -27,7 +27,8 @@ local Ray's own `gcs_server` and `raylet`.
 `--trim-at-end` calls `malloc_trim(0)` in every actor once the load stops and reports what
 that handed back (free memory malloc held, not a leak); `--objects` counts the Python
 objects of each actor by type at the end of the warm-up and at the end, and reports the
-types whose count grew most. `--tracemalloc` traces every actor's Python allocations
+types whose count grew most. `--tracemalloc [NAMES]` traces every actor's (or those whose
+names start with one of the comma-separated NAMES: `controller,router`) Python allocations
 (`--tracemalloc-frames`, default 4) from the start, samples the traced heap and
 tracemalloc's own memory, and reports the sites (tracebacks) whose live memory grew most
 between the end of the warm-up and the end; `--memray PROCESS` tracks that actor's native
@@ -59,7 +60,18 @@ import psutil
 from benchmarks.harness import proc_stats
 from benchmarks.harness.cluster import actor_pid, local_cluster, tiny_disaggregated
 from benchmarks.harness.table import Table
-from benchmarks.suites import soak_mix
+from benchmarks.suites import soak_mix, soak_probes
+from benchmarks.suites.soak_probes import (
+    channel_stats,
+    memray_growth,
+    object_counts,
+    start_memray,
+    start_tracemalloc,
+    stop_memray,
+    traced_at_warm,
+    traced_growth,
+    traced_mb,
+)
 from pdserve.v1 import serving_pb2 as pb
 from pdserve.v1 import serving_pb2_grpc as pb_grpc
 
@@ -75,6 +87,12 @@ class Process:
         import ray
 
         return ray.get(self.actor.__ray_call__.remote(lambda _: fn()), timeout=timeout)
+
+    def call_on(self, fn: Any, timeout: float = 60.0) -> Any:
+        """`fn(actor instance)` inside the actor."""
+        import ray
+
+        return ray.get(self.actor.__ray_call__.remote(fn), timeout=timeout)
 
 
 RAY_SYSTEM = ("gcs_server", "raylet")
@@ -114,129 +132,10 @@ def sample(procs: dict[str, Process]) -> dict[str, dict[str, Any]]:
         if p.actor is not None:
             row["malloc"] = p.call(proc_stats.malloc_stats)
             row.update(p.call(traced_mb))
+            if name.startswith("router-"):  # retired token-channel subscriptions still held
+                row["draining"] = sum(c["draining"] for c in p.call_on(channel_stats).values())
         out[name] = row
     return out
-
-
-def start_tracemalloc(frames: int) -> None:
-    import tracemalloc
-
-    tracemalloc.start(frames)
-
-
-def traced_mb() -> dict[str, float]:
-    """The Python heap tracemalloc traces now, and what tracemalloc itself takes (part of
-    the RSS: subtract it to read the process's own)."""
-    import tracemalloc
-
-    if not tracemalloc.is_tracing():
-        return {}
-    return {"traced_mb": tracemalloc.get_traced_memory()[0] / 2**20,
-            "tracemalloc_own_mb": tracemalloc.get_tracemalloc_memory() / 2**20}  # fmt: skip
-
-
-_TRACED_AT_WARM = "_pdserve_soak_warm"
-"""Where in the tracemalloc module an actor keeps its end-of-warm-up statistics between two
-calls (this module travels by value: its own globals do not last from call to call)."""
-
-
-def _traced_by_site() -> dict[tuple[str, ...], tuple[int, int]]:
-    import tracemalloc
-
-    own = [tracemalloc.Filter(False, "*/soak.py"), tracemalloc.Filter(False, tracemalloc.__file__)]
-    stats = tracemalloc.take_snapshot().filter_traces(own).statistics("traceback")
-    out = {}
-    for s in stats:  # a Traceback iterates from its oldest frame: innermost first here
-        key = tuple(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback)[::-1]
-        out[key] = (s.size, s.count)
-    return out
-
-
-def traced_at_warm() -> None:
-    """Keep the Python heap's size by allocation site (traceback) at the end of the warm-up:
-    the aggregate only, not the snapshot (which would hold a tuple per live block)."""
-    import tracemalloc
-
-    setattr(tracemalloc, _TRACED_AT_WARM, _traced_by_site())
-
-
-def traced_growth(top: int = 10) -> list[str]:
-    """The allocation sites whose live Python memory grew most since `traced_at_warm`
-    (innermost frame first), largest first; tracemalloc stops."""
-    import tracemalloc
-
-    before = getattr(tracemalloc, _TRACED_AT_WARM, {})
-    after = _traced_by_site()
-    tracemalloc.stop()
-    grown = []
-    for key in before.keys() | after.keys():
-        (s0, n0), (s1, n1) = before.get(key, (0, 0)), after.get(key, (0, 0))
-        grown.append((s1 - s0, n1 - n0, key))
-    grown.sort(reverse=True)
-    total = sum(d for d, _, _ in grown) / 2**20
-    out = [f"net {total:+.2f} MB over {len(after)} sites"]
-    for size, count, key in grown[:top]:
-        if size > 0:
-            out.append(f"{size / 2**20:+.3f} MB {count:+d} blocks: " + " < ".join(key))
-    return out
-
-
-def start_memray(path: str) -> None:
-    """Track every allocation of this process (native stacks; aggregated in memory, so the
-    file stays small) from now until `stop_memray`."""
-    import memray
-
-    tracker = memray.Tracker(path, native_traces=True,
-                             file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)  # fmt: skip
-    tracker.__enter__()
-    memray._pdserve_soak_tracker = tracker
-
-
-def stop_memray() -> None:
-    import memray
-
-    memray._pdserve_soak_tracker.__exit__(None, None, None)
-
-
-def memray_growth(path: Path, top: int = 10) -> list[str]:
-    """What the memray-tracked process allocated while tracked and still held when the
-    tracking stopped, by native and Python stack, largest first."""
-    import memray
-
-    records = list(memray.FileReader(str(path)).get_leaked_allocation_records(merge_threads=True))
-    records.sort(key=lambda r: r.size, reverse=True)
-    out = [f"total {sum(r.size for r in records) / 2**20:.2f} MB in "
-           f"{sum(r.n_allocations for r in records)} allocations"]  # fmt: skip
-    for r in records[:top]:
-        py = [f"{fn} {file.rsplit('/', 1)[-1]}:{line}" for fn, file, line in r.stack_trace(4)]
-        native = [fn.split("(")[0][:60] for fn, _, _ in r.native_stack_trace(6)]
-        out.append(f"{r.size / 2**20:.2f} MB {r.n_allocations} allocs: "
-                   f"{' < '.join(py) or '-'} | native {' < '.join(native)}")  # fmt: skip
-    return out
-
-
-def channel_stats(router: Any) -> dict[str, dict[str, int]]:
-    """A router actor's token channels (router/decode_channel.py): decode worker id ->
-    batches carried, subscriptions made, subscriptions draining, requests open."""
-    out = {}
-    for worker_id, entry in router.server.view.entries.items():
-        ch = entry.channel
-        if ch is not None:
-            out[worker_id] = {"batches": ch.num_batches, "subscriptions": ch.num_subscriptions,
-                              "draining": ch.num_draining, "open": ch.num_open}  # fmt: skip
-    return out
-
-
-def object_counts() -> dict[str, int]:
-    """Live Python objects of this process by type name (gc-tracked ones)."""
-    import gc
-
-    gc.collect()
-    counts: dict[str, int] = {}
-    for obj in gc.get_objects():
-        name = type(obj).__qualname__
-        counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 TENANTS = ("", "acme", "globex", "initech")
@@ -366,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--trim-at-end", action="store_true")
     ap.add_argument("--objects", action="store_true")
-    ap.add_argument("--tracemalloc", action="store_true")
+    ap.add_argument("--tracemalloc", nargs="?", const="", default=None, metavar="NAMES")
     ap.add_argument("--tracemalloc-frames", type=int, default=4)
     ap.add_argument("--memray", default=None, metavar="PROCESS")
     ap.add_argument("--decode", type=int, default=1)
@@ -393,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # the functions the actors run travel by value: an actor need not import benchmarks
     ray.cloudpickle.register_pickle_by_value(proc_stats)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(soak_probes)
     if extra_env:  # what the cluster hands its actors (deploy/control/launch.py)
         base_env = launch.tracing_env
 
@@ -419,8 +319,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         actors = {n: p for n, p in procs.items() if p.actor is not None}
         print("pids: " + " ".join(f"{n}={p.pid}" for n, p in procs.items()), flush=True)
         idle_before = soak_mix.worker_counts(cluster)
-        if args.tracemalloc:
-            for p in actors.values():
+
+        def traces(name: str) -> bool:  # `--tracemalloc` alone: every actor
+            return args.tracemalloc is not None and name.startswith(
+                tuple(args.tracemalloc.split(","))
+            )
+
+        for name, p in actors.items():
+            if traces(name):
                 p.call(lambda: start_tracemalloc(args.tracemalloc_frames))
         memray_path = None
         if args.memray is not None:
@@ -448,8 +354,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     path = str(args.heap_profile.resolve() / f"{name}.{stage}.heap")
                     if not p.call(lambda path=path: proc_stats.heap_dump(path)):
                         print(f"{name}: no jemalloc heap profile (is jemalloc preloaded?)")
-            if args.tracemalloc:
-                for name, p in actors.items():
+            for name, p in actors.items():
+                if traces(name):
                     if objs is objs_warm:
                         p.call(traced_at_warm, timeout=300)
                     else:
@@ -477,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         del procs[name], actors[name]
                     for name in fresh.keys() - procs.keys():
                         procs[name] = actors[name] = fresh[name]
-                        if args.tracemalloc:
+                        if traces(name):
                             fresh[name].call(lambda: start_tracemalloc(args.tracemalloc_frames))
                 if time.monotonic() >= next_drain:
                     next_drain += args.drain_every_min * 60
@@ -488,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 samples.append((now, sample(procs)))
                 print(f"{now:7.0f}s " + " ".join(
                     f"{k}={v['rss_mb']:.1f}/{v.get('threads', 0)}t"
+                    + (f"[draining {v['draining']}]" if "draining" in v else "")
                     + (f"(inuse {v['malloc'].get('in_use', 0):.0f} free "
                        f"{v['malloc'].get('free', 0):.0f})" if v.get("malloc") else "")
                     for k, v in samples[-1][1].items()), flush=True)  # fmt: skip
@@ -497,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         counts = asyncio.run(run())
         samples.append((time.monotonic() - t0, sample(procs)))
         snapshot(maps_end, objs_end)
-        channels = {name: ray.get(p.actor.__ray_call__.remote(channel_stats), timeout=60)
+        channels = {name: p.call_on(channel_stats)
                     for name, p in actors.items() if name.startswith("router-")}  # fmt: skip
         idle_after = soak_mix.worker_counts(cluster)
         migrations = soak_mix.router_migrations(cluster)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suites import soak, soak_plot
+from benchmarks.suites import soak, soak_plot, soak_probes
 
 KEPT: list[bytes] = []
 
@@ -28,11 +28,11 @@ def test_a_steady_rise_has_its_slope_and_a_flat_line_none() -> None:
 
 
 def test_traced_growth_names_the_site_that_kept_memory_since_the_warm_up() -> None:
-    soak.start_tracemalloc(4)
+    soak_probes.start_tracemalloc(4)
     _grow(100)  # during the warm-up: not growth
-    soak.traced_at_warm()
+    soak_probes.traced_at_warm()
     _grow(2000)
-    lines = soak.traced_growth(top=3)
+    lines = soak_probes.traced_growth(top=3)
     KEPT.clear()
     assert lines[0].startswith("net +")
     top = lines[1]
