@@ -15,13 +15,23 @@ Hosts: `head` (Ray head, redis-server, `pdserve up`, the controller and the rout
 2. greedy requests: tokens equal to transformers' float32 greedy run on one host; the KV
    hand-off crossed a veth (UCX over TCP only: the decode nodes' interfaces received at least
    the bytes the decode workers report pulled); hand-off GB/s;
-3. a decode node's link goes down as soon as four streams run (on both decode nodes): every
+3. the same hand-off payloads pulled from p1 across the veth and within p1's namespace (a probe
+   decode worker there), side by side (handoff_probe.py); then again with p1's link slowed (a
+   `tc` qdisc on its interface: netem delay and loss, else a tbf rate limit; skipped, saying
+   why, where neither can be had), with greedy requests through the router meanwhile, each
+   equal to the reference or ended with a clear status within its deadline; the qdisc removed;
+4. a decode node's link goes down as soon as four streams run (on both decode nodes): every
    stream completes (migrated to the other decode worker, tokens still equal to the reference) or
-   ends with a clear status, within a deadline; the router stops listing the lost worker; no KV
-   block, lease or transfer is left on the surviving workers;
-4. the link comes back and the node's Ray is started again (`ray start --address`: the GCS had
+   ends with a clear status, within a deadline; the router stops listing the lost worker within
+   its stated time and Ray's GCS declares the node dead; no KV block, lease or transfer is
+   left on the surviving workers;
+5. the link comes back and the node's Ray is started again (`ray start --address`: the GCS had
    declared the old node dead): the controller's replacement decode worker is placed there
-   and the cluster serves again with two decode workers.
+   and the cluster serves again with two decode workers;
+6. 4 and 5 again with the other decode node's processes killed (SIGKILL to every process of its
+   namespace: its raylet, Ray's daemons, the worker) instead of its link taken down.
+
+The driver's steps (multinode_driver.py, handoff_probe.py) run in the head's namespace.
 """
 
 from __future__ import annotations
@@ -31,7 +41,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +50,8 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
+import handoff_probe  # noqa: E402
+import multinode_driver  # noqa: E402
 from netns_cluster import NetnsCluster, NodeSpec, namespaces_work  # noqa: E402
 
 NODES = [
@@ -49,9 +60,13 @@ NODES = [
     NodeSpec("d1", 1, {"decode": 1}),
     NodeSpec("d2", 1, {"decode": 1}),
 ]
-TOKEN_GAP_S = 4.0  # the router's stage deadline between two chunks: migration starts past it
-FAULT_DEADLINE_S = 90.0  # every stream ends within this of the link going down
-LONG_TOKENS = 200  # the reference recomputes every token: its cost grows with the square
+SLOW_LINKS = (
+    ("netem", "delay", "20ms", "loss", "1%"),
+    ("tbf", "rate", "20mbit", "burst", "32kb", "latency", "50ms"),
+)
+"""p1's slow link, first choice first: netem's delay and loss; where the kernel has no netem
+(no CONFIG_NET_SCH_NETEM, no sch_netem module to load), tbf's rate limit: a 20 Mbit/s link
+whose queue drops what would wait past 50 ms."""
 
 
 def config(model_dir: str) -> dict[str, Any]:
@@ -67,7 +82,7 @@ def config(model_dir: str) -> dict[str, Any]:
         "router_resources": {"pdserve-router": 1},
         "thresholds": {"local_prefill_threshold_tokens": 0},  # every prompt disaggregated
         "router": {"admin_port": 0, "http_port": 0, "metrics_port": 0,
-                   "orchestrator": {"token_gap_timeout_s": TOKEN_GAP_S}},
+                   "orchestrator": {"token_gap_timeout_s": multinode_driver.TOKEN_GAP_S}},
     }  # fmt: skip
 
 
@@ -98,6 +113,7 @@ class Scenario:
     def drive(self, step: str, arg: Any = None, timeout_s: float = 300) -> Any:
         """One step of the driver (this file's `--drive STEP`), run in the head's namespace
         so that it reaches Ray, Redis and the router as a process of the head host does."""
+        t0 = time.monotonic()
         done = subprocess.run(
             self.c.argv("head", [self.py, __file__, "--drive", step, json.dumps(arg)]),
             env=self.env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
@@ -107,6 +123,7 @@ class Scenario:
             raise AssertionError(
                 f"step {step} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
             )
+        say(f"step {step} took {time.monotonic() - t0:.0f} s")
         return json.loads(result[-1][len("RESULT ") :])
 
     def run(self) -> None:
@@ -147,256 +164,75 @@ class Scenario:
                 "bytes of KV its decode worker pulled: the hand-off did not cross the veth"
             )
         self.out["greedy"] = {**greedy, "link_rx_bytes": rx}
-
         say(f"greedy, across the links: {self.out['greedy']}")
-        decodes = {w: self.c.ns(n) for w, n in placed["workers"].items() if n in ("d1", "d2")}
-        fault = self.drive("link_fault", {"model_dir": model_dir, "decodes": decodes},
-                           timeout_s=900)  # fmt: skip
-        self.out["link_down"] = fault
-        down = placed["workers"][fault["worker"]]
-        say(f"{down}'s link down: {fault}")
 
-        t2 = time.monotonic()
-        self.c.link_up(down)
-        self.c.rejoin(down)
-        back = self.drive("rejoined", {"model_dir": model_dir, "ips": ips}, timeout_s=400)
-        back["since_link_up_s"] = round(time.monotonic() - t2, 1)
-        self.out["link_up"] = back
-        say(f"{down} back: {back}")
+        decodes = sorted(w for w, n in placed["workers"].items() if n in ("d1", "d2"))
+        self.handoff(model_dir, cfg, decodes[0])
+        for fault, worker in (("link_down", decodes[0]), ("node_killed", decodes[1])):
+            self.fault(fault, worker, placed["workers"][worker], model_dir, ips)
         self.cli("down", timeout_s=180)
+
+    def handoff(self, model_dir: str, cfg: Path, across: str) -> None:
+        """The same payloads across the veth and within p1 (to decode worker `across`, and
+        the probe); then across p1's link slowed by the first of SLOW_LINKS the kernel has."""
+        arg = {"model_dir": model_dir, "config": str(cfg), "prefill_ns": self.c.ns("p1"),
+               "prefill_ip": self.c.ip("p1"), "across": across}  # fmt: skip
+        refusals: list[str] = []
+        slow = None
+        for qdisc in SLOW_LINKS:
+            why = self.c.qdisc_refusal("p1", qdisc)
+            if why is None:
+                slow = qdisc
+                break
+            refusals.append(why)
+        plain = self.drive("handoff", {**arg, "label": "plain", "router_requests": 0,
+                                       "keep_probe": slow is not None}, timeout_s=600)  # fmt: skip
+        self.out["handoff"] = plain
+        say(f"hand-off, across the veth and within p1: {plain}")
+        if slow is None:
+            self.out["slow_link"] = {"skipped": "; ".join(refusals)}
+            say(f"slow link SKIPPED: {'; '.join(refusals)}")
+            return
+        say(f"p1's link slowed: tc qdisc add dev eth0 root {' '.join(slow)}")
+        self.c.shape("p1", slow)
+        try:
+            under = self.drive("handoff", {**arg, "label": "slow", "router_requests": 4,
+                                           "keep_probe": False}, timeout_s=600)  # fmt: skip
+            under["qdisc_dropped_packets"] = self.c.qdisc_drops("p1")
+        finally:
+            self.c.unshape("p1")
+        self.out["slow_link"] = {"qdisc": " ".join(slow), "not_available": refusals, **under}
+        say(f"hand-off over the slow link (qdisc removed since): {self.out['slow_link']}")
+
+    def fault(
+        self, fault: str, worker: str, node: str, model_dir: str, ips: dict[str, str]
+    ) -> None:
+        """`fault` on decode worker `worker`'s node mid-stream; then the node back (its link
+        up, Ray started on it again) and the replacement worker placed there, serving."""
+        say(f"{fault} on {node} ({worker}) mid-stream")
+        got = self.drive("stream_fault", {"model_dir": model_dir, "worker": worker,
+                                          "ns": self.c.ns(node), "fault": fault,
+                                          "salt": fault}, timeout_s=900)  # fmt: skip
+        self.out[fault] = got
+        say(f"{fault} on {node}: {got}")
+        t0 = time.monotonic()
+        if fault == "link_down":
+            self.c.link_up(node)
+        self.c.rejoin(node)
+        ray_start_s = time.monotonic() - t0
+        back = self.drive("rejoined", {"model_dir": model_dir, "ips": ips,
+                                       "salt": f"{fault}-back"}, timeout_s=500)  # fmt: skip
+        back["ray_start_s"] = round(ray_start_s, 1)
+        back["since_back_s"] = round(time.monotonic() - t0, 1)
+        self.out[f"{fault}_back"] = back
+        say(f"{node} back: {back}")
 
 
 def say(line: str) -> None:
     print(f"[multinode] {line}", flush=True)
 
 
-# --- the driver's steps (run in the head's namespace) -------------------------------------
-
-
-def _state() -> dict[str, Any]:
-    return dict(json.loads(Path(os.environ["PDSERVE_STATE_FILE"]).read_text()))
-
-
-def _ray() -> Any:
-    import ray
-
-    ray.init(address=os.environ["NETNS_RAY_ADDRESS"], namespace=_state()["cluster_name"],
-             log_to_driver=False)  # fmt: skip
-    return ray
-
-
-def _workers(ray: Any) -> dict[str, tuple[Any, Any]]:
-    from deploy.control.cluster_controller import CONTROLLER_NAME
-
-    controller = ray.get_actor(CONTROLLER_NAME)
-    return {info.worker_id: (info, h) for info, h in ray.get(controller.list_workers.remote(),
-                                                             timeout=30)}  # fmt: skip
-
-
-def _node_names(ray: Any, ips: dict[str, str]) -> dict[str, str]:
-    """Ray node id -> our host name (by the node's address)."""
-    return {n["NodeID"]: ips.get(n["NodeManagerAddress"], "?") for n in ray.nodes()}
-
-
-def step_placement(ips: dict[str, str]) -> dict[str, Any]:
-    ray = _ray()
-    from ray._private import state  # the GCS's actor table (the state API needs a dashboard)
-
-    names = _node_names(ray, ips)
-    actors = {a["Name"]: names.get(a["Address"]["NodeID"], "?")
-              for a in state.actors(actor_state_name="ALIVE").values() if a["Name"]}  # fmt: skip
-    return {
-        "controller": actors.get("pdserve-controller", "?"),
-        "routers": sorted(n for name, n in actors.items() if name.startswith("pdserve-router")),
-        "workers": {w: names.get(info.node, "?") for w, (info, _) in _workers(ray).items()},
-    }
-
-
-def _prompts(model_dir: str, n: int, length: int) -> list[list[int]]:
-    from deploy.checkpoints.checkpoint_files import CORPUS
-    from vocabulary.tokenizer import Tokenizer
-
-    ids = Tokenizer.from_model_dir(Path(model_dir)).encode(CORPUS.read_text())
-    return [ids[i * 97 : i * 97 + length] for i in range(n)]
-
-
-def _stream(target: str, prompt: list[int], max_tokens: int, got: list[int]) -> str:
-    """Stream one greedy request into `got`; its end as a status name (OK or the gRPC code)."""
-    import grpc
-
-    from deploy.cli.cluster_client import stream_generate
-    from pdserve.v1 import serving_pb2 as pb
-
-    request = pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
-                                 ignore_eos=True)  # fmt: skip
-    try:
-        for msg in stream_generate(target, request, timeout_s=FAULT_DEADLINE_S + 60):
-            got.extend(msg.token_ids)
-    except grpc.RpcError as e:
-        return f"{e.code().name}: {e.details()}"
-    return "OK"
-
-
-def _pulled(ray: Any) -> dict[str, int]:
-    loads = {w: ray.get(h.load.remote(), timeout=30) for w, (_, h) in _workers(ray).items()}
-    return {w: load.transfer_stats.bytes_transferred for w, load in loads.items()
-            if load.transfer_stats is not None}  # fmt: skip
-
-
-def step_greedy(arg: dict[str, Any]) -> dict[str, Any]:
-    from tests.references import greedy_reference
-
-    ray = _ray()
-    target = _state()["targets"][0]
-    reference = greedy_reference(Path(arg["model_dir"]), stop_at_eos=False)
-    prompts = _prompts(arg["model_dir"], 6, 200)
-    before = _pulled(ray)
-    t0 = time.monotonic()
-    for prompt in prompts:
-        got: list[int] = []
-        status = _stream(target, prompt, 16, got)
-        assert status == "OK", status
-        assert got == reference(prompt, 16), f"tokens differ: {got} vs {reference(prompt, 16)}"
-    elapsed = time.monotonic() - t0
-    loads = {w: ray.get(h.load.remote(), timeout=30) for w, (_, h) in _workers(ray).items()}
-    stats = {w: load.transfer_stats for w, load in loads.items() if load.transfer_stats is not None}
-    pulled = {w: s.bytes_transferred - before.get(w, 0) for w, s in stats.items()}
-    seconds = sum(s.transfer_seconds for s in stats.values())
-    return {"requests": len(prompts), "seconds": round(elapsed, 2), "bytes_pulled": pulled,
-            "transfer_seconds": round(seconds, 4),
-            "gb_per_s": round(sum(s.bytes_transferred for s in stats.values()) / seconds / 1e9, 4)
-            if seconds else None}  # fmt: skip
-
-
-def _idle(ray: Any, timeout_s: float, skip: str = "") -> float:
-    """Seconds until every worker but `skip` holds nothing beyond its idle baseline."""
-    t0 = time.monotonic()
-    busy: dict[str, str] = {}
-    while time.monotonic() - t0 < timeout_s:
-        busy = {}
-        for w, (_, h) in _workers(ray).items():
-            if w == skip:
-                continue
-            held = ray.get(h.load.remote(), timeout=30).held()
-            if held:
-                busy[w] = held
-        if not busy:
-            return time.monotonic() - t0
-        time.sleep(0.5)
-    raise AssertionError(f"workers still hold KV or work after {timeout_s:.0f} s: {busy}")
-
-
-def _migrations() -> float:
-    """The router's `pdserve_migrations_total`, all kinds."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(_state()["metrics"][0], timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "pdserve_migrations" for s in f.samples
-               if s.name.endswith("_total"))  # fmt: skip
-
-
-def _router_workers() -> list[str]:
-    from deploy.cli.cluster_client import status
-
-    return sorted(w.worker_id for w in status(_state()["admin_targets"][0]).workers)
-
-
-def step_link_fault(arg: dict[str, Any]) -> dict[str, Any]:
-    from tests.references import greedy_reference
-
-    ray = _ray()
-    target = _state()["targets"][0]
-    reference = greedy_reference(Path(arg["model_dir"]), stop_at_eos=False)
-    prompts = _prompts(arg["model_dir"], 4, 120)
-    outs: list[list[int]] = [[] for _ in prompts]
-    ends: list[str] = ["" for _ in prompts]
-    finished: list[float] = [0.0 for _ in prompts]
-
-    def one(i: int) -> None:
-        ends[i] = _stream(target, prompts[i], LONG_TOKENS, outs[i])
-        finished[i] = time.monotonic()
-
-    # the node goes down as soon as every stream is under way: streams of the tiny model end
-    # within a second or two, so nothing is asked of the workers in between
-    worker, ns = sorted(arg["decodes"].items())[0]
-    arg["worker"] = worker
-    migrations0 = _migrations()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while min(len(o) for o in outs) < 2:  # every stream under way
-        assert time.monotonic() < deadline, f"streams did not start: {[len(o) for o in outs]}"
-        assert all(not e for e in ends), f"a stream ended early: {ends}"
-        time.sleep(0.01)
-    t_down = time.monotonic()
-    tokens_at_fault = [len(o) for o in outs]
-    subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "down"],
-                   check=True, timeout=30)  # fmt: skip
-    gone_s = None
-    while any(t.is_alive() for t in threads) or gone_s is None:
-        if gone_s is None and arg["worker"] not in _router_workers():
-            gone_s = time.monotonic() - t_down
-        assert time.monotonic() - t_down < FAULT_DEADLINE_S, (
-            f"not every stream ended within {FAULT_DEADLINE_S:.0f} s of the link going down: "
-            f"{[len(o) for o in outs]} tokens, ends {ends}, worker gone after {gone_s}"
-        )
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
-    results = []
-    for prompt, got, end, done in zip(prompts, outs, ends, finished, strict=True):
-        ref = reference(prompt, LONG_TOKENS)
-        if end == "OK":
-            assert got == ref, "a migrated stream's tokens differ from the one-host greedy run"
-        else:  # a clear status, and what it delivered is a prefix of the reference
-            assert end.split(":")[0] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), end
-            assert got == ref[: len(got)], "a stream delivered tokens off the reference"
-        results.append({"end": end.split(":")[0], "tokens": len(got),
-                        "ended_after_down_s": round(done - t_down, 2)})  # fmt: skip
-    migrated = _migrations() - migrations0
-    assert migrated > 0, (
-        f"no stream migrated: none ran on {worker} when its link went down ({tokens_at_fault})"
-    )
-    idle_s = _idle(ray, 60, skip=arg["worker"])
-    nodes_alive = sum(1 for n in ray.nodes() if n["Alive"])
-    return {"worker": worker, "tokens_at_fault": tokens_at_fault, "migrated": migrated,
-            "streams": results,
-            "router_dropped_worker_s": round(gone_s, 2),
-            "survivors_idle_after_s": round(idle_s, 2),
-            "all_ended_s": round(max(r["ended_after_down_s"] for r in results), 2),
-            "ray_nodes_alive": nodes_alive}  # fmt: skip
-
-
-def step_rejoined(arg: dict[str, Any]) -> dict[str, Any]:
-    from tests.references import greedy_reference
-
-    ray = _ray()
-    t0 = time.monotonic()
-    while True:
-        names = _node_names(ray, arg["ips"])
-        decode = {w: names.get(info.node, "?") for w, (info, _) in _workers(ray).items()
-                  if info.role.value == "decode"}  # fmt: skip
-        if sorted(decode.values()) == ["d1", "d2"] and len(_router_workers()) == 3:
-            break
-        assert time.monotonic() - t0 < 300, f"no decode worker came back: {decode}"
-        time.sleep(1)
-    placed_s = time.monotonic() - t0
-    reference = greedy_reference(Path(arg["model_dir"]), stop_at_eos=False)
-    target = _state()["targets"][0]
-    for prompt in _prompts(arg["model_dir"], 4, 150):
-        got: list[int] = []
-        assert _stream(target, prompt, 16, got) == "OK"
-        assert got == reference(prompt, 16)
-    return {"replacement_placed_s": round(placed_s, 1), "decode_nodes": sorted(decode.values())}
-
-
-STEPS = {"placement": step_placement, "greedy": step_greedy, "link_fault": step_link_fault,
-         "rejoined": step_rejoined}  # fmt: skip
+STEPS = {**multinode_driver.STEPS, **handoff_probe.STEPS}
 
 
 def main() -> int:

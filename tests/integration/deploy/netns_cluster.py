@@ -6,10 +6,13 @@ real link with its own addresses (root only; `ip netns`).
         c.start_ray()            # `ray start --head` on the first, `--address` on the rest
         c.run("head", [...])     # a command in a node's namespace
         c.link_down("d1")        # the node's interface down: it drops off the network
+        kill_namespace(c.ns("d2"))   # every process of the node killed (raylet, workers)
+        c.shape("p1", ["netem", "delay", "20ms"])   # a slow link: a root qdisc on its interface
 
 Everything made here is named with a per-run prefix (`pd<pid>`) and removed by `close()`:
-every process left in the namespaces (`ip netns pids`: they are ours; `ray stop` is never
-used, it would kill every Ray of the machine), the namespaces, the bridge. `ip netns exec`
+every qdisc still on a node's interface, every process left in the namespaces (`ip netns
+pids`: they are ours; `ray stop` is never used, it would kill every Ray of the machine), the
+namespaces, the bridge. `ip netns exec`
 gives each namespace its own /sys too, so a node's interface counters are read from inside.
 
 Inside a node, UCX is limited to TCP on the node's interface (`UCX_TLS=tcp`,
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,6 +61,29 @@ def namespaces_work() -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Every process in network namespace `ns` (`ip netns pids`)."""
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                          timeout=10)  # fmt: skip
+    return [int(p) for p in done.stdout.split()]
+
+
+def kill_namespace(ns: str, timeout_s: float = 10) -> int:
+    """SIGKILL every process of namespace `ns` until none is left (a process that forked
+    between the listing and the kill is caught on the next pass); how many were killed."""
+    killed = 0
+    deadline = time.monotonic() + timeout_s
+    while pids := namespace_pids(ns):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(pids)} processes of {ns} outlived SIGKILL: {pids}")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.1)
+    return killed
 
 
 def _ip(*args: str, ns: str | None = None) -> None:
@@ -251,9 +278,7 @@ class NetnsCluster:
         return int(self.run(node, ["cat", "/sys/class/net/eth0/statistics/rx_bytes"], 10))
 
     def pids(self, node: str) -> list[int]:
-        done = subprocess.run(["ip", "netns", "pids", self.ns(node)], capture_output=True,
-                              text=True, timeout=10)  # fmt: skip
-        return [int(p) for p in done.stdout.split()]
+        return namespace_pids(self.ns(node))
 
     def kill_node(self, node: str, sig: int = signal.SIGKILL) -> int:
         """Signal every process of `node` (all ours: the namespace is); how many there were."""
@@ -262,6 +287,46 @@ class NetnsCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         return len(pids)
+
+    # -- link shaping ---------------------------------------------------------------------
+    # A qdisc on the interface inside the node's namespace shapes what the node sends: on
+    # the prefill node, every KV hand-off to another node (traffic between two processes of
+    # one node goes over its loopback, unshaped).
+
+    def _tc(self, node: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", "netns", "exec", self.ns(node), "tc", *args],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+
+    def qdisc_refusal(self, node: str, qdisc: Sequence[str]) -> str | None:
+        """Why `qdisc` cannot shape `node`'s interface (no `tc`; the kernel has no such
+        qdisc), or None when it can (tried on the interface and removed again)."""
+        if shutil.which("tc") is None:
+            return "no `tc` (iproute2) on PATH"
+        added = self._tc(node, "qdisc", "add", "dev", "eth0", "root", *qdisc)
+        if added.returncode != 0:
+            return f"`tc qdisc add ... {' '.join(qdisc)}`: {added.stderr.strip()}"
+        self._tc(node, "qdisc", "del", "dev", "eth0", "root")
+        return None
+
+    def shape(self, node: str, qdisc: Sequence[str]) -> None:
+        """`qdisc` (tc's words, e.g. ["netem", "delay", "20ms"]) as the root qdisc of
+        `node`'s interface, until `unshape` (or `close`)."""
+        done = self._tc(node, "qdisc", "add", "dev", "eth0", "root", *qdisc)
+        if done.returncode != 0:
+            raise RuntimeError(f"tc qdisc add on {node}: {done.stderr.strip()}")
+        self._made.append(f"qdisc:{node}")
+
+    def unshape(self, node: str) -> None:
+        """`node`'s interface back to its default qdisc (nothing when it has none of ours)."""
+        if f"qdisc:{node}" in self._made:
+            self._tc(node, "qdisc", "del", "dev", "eth0", "root")
+            self._made.remove(f"qdisc:{node}")
+
+    def qdisc_drops(self, node: str) -> int:
+        """Packets the root qdisc of `node`'s interface dropped (`tc -s`: loss and overflow)."""
+        shown = self._tc(node, "-s", "qdisc", "show", "dev", "eth0", "root").stdout
+        found = re.search(r"dropped (\d+)", shown)
+        return int(found.group(1)) if found else 0
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -272,7 +337,10 @@ class NetnsCluster:
                         ignore_dangling_symlinks=True, symlinks=True)  # fmt: skip
 
     def close(self) -> None:
-        """Kill every process in the namespaces, then remove namespaces, links and files."""
+        """Remove the qdiscs, kill every process in the namespaces, then remove namespaces,
+        links and files."""
+        for made in [m for m in self._made if m.startswith("qdisc:")]:
+            self.unshape(made.split(":", 1)[1])
         for node in self.nodes:
             if f"netns:{self.ns(node)}" in self._made:
                 self.kill_node(node)
