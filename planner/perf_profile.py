@@ -1,5 +1,6 @@
 """A worker's measured performance, as a data file: what `pdserve profile` writes and
-`pdserve simulate` reads (simulator/).
+`pdserve simulate` reads (simulator/), and what the router's `cost` local-prefill policy
+predicts with (`PerfProfile.prefill_cost_model`, router/prefill_cost.py).
 
 A profile holds engine step times, never a model: prefill step time against the tokens in the
 batch (and against a cached prefix, where measured), decode step time against batch size x
@@ -13,13 +14,14 @@ Pure and torch-free: JSON in, frozen values out.
 
 from __future__ import annotations
 
-import bisect
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+from router.prefill_cost import PrefillCostModel
+from vocabulary.numeric import interpolate, interpolate_2d
 
 FORMAT_VERSION = 1
 
@@ -144,7 +146,7 @@ class PerfProfile:
     def prefill_step_s(self, batch_tokens: int, cached_tokens: int = 0) -> float:
         """One prefill step computing `batch_tokens` tokens (behind `cached_tokens` cached)."""
         xs, ys, per_cached = self._prefill_table
-        base = _interp(xs, ys, batch_tokens)
+        base = interpolate(xs, ys, batch_tokens)
         if cached_tokens <= 0 or per_cached is None:
             return base
         return base + per_cached * cached_tokens
@@ -152,8 +154,7 @@ class PerfProfile:
     def decode_step_s(self, batch_size: int, context_tokens: float) -> float:
         """One decode step of `batch_size` sequences of `context_tokens` tokens each."""
         contexts, rows = self._decode_table
-        per_context = [_interp(sizes, steps, batch_size) for sizes, steps in rows]
-        return _interp(contexts, per_context, context_tokens)
+        return interpolate_2d(contexts, rows, context_tokens, batch_size)
 
     # The lookups' tables, made once per profile (the simulator asks for a step time per
     # simulated step).
@@ -167,7 +168,7 @@ class PerfProfile:
         warm = [p for p in self.prefill if p.cached_tokens > 0]
         if not warm:
             return xs, ys, None
-        extra = [max(0.0, p.step_s - _interp(xs, ys, p.batch_tokens)) / p.cached_tokens
+        extra = [max(0.0, p.step_s - interpolate(xs, ys, p.batch_tokens)) / p.cached_tokens
                  for p in warm]  # fmt: skip
         return xs, ys, sum(extra) / len(extra)
 
@@ -180,6 +181,27 @@ class PerfProfile:
             row = sorted((p.batch_size, p.step_s) for p in self.decode if p.context_tokens == c)
             rows.append(([b for b, _ in row], [t for _, t in row]))
         return contexts, rows
+
+    def prefill_cost_model(self, source: str = "") -> PrefillCostModel:
+        """The step times the router's `cost` local-prefill policy predicts with
+        (router/prefill_cost.py), serving overheads applied: the simulator and a router
+        given this profile decide alike."""
+        xs, ys, per_cached = self._prefill_table
+        contexts, rows = self._decode_table
+        factor, step_s = self.serving.prefill_factor, self.serving.decode_step_s
+        h = self.header
+        return PrefillCostModel(
+            source=source or f"{h.model_id} {h.dtype} TP{h.tensor_parallel_size} on {h.device}",
+            token_budget=h.max_num_batched_tokens,
+            prefill_tokens=tuple(xs),
+            prefill_s=tuple(y * factor for y in ys),
+            prefill_s_per_cached_token=(per_cached or 0.0) * factor,
+            decode_contexts=tuple(contexts),
+            decode_batches=tuple(tuple(sizes) for sizes, _ in rows),
+            decode_s=tuple(tuple(t + step_s for t in steps) for _, steps in rows),
+            handoff_fixed_s=self.handoff.fixed_s,
+            handoff_per_block_s=self.handoff.per_block_s,
+        )
 
     def prefill_tokens_per_s(self) -> float:
         """Prefill throughput at a full step (admission's throughput prior)."""
@@ -205,17 +227,6 @@ class PerfProfile:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-
-
-def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise linear through (xs, ys) (xs ascending), extended along the end segments,
-    floored at the smallest y."""
-    if len(xs) == 1:
-        return ys[0]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return max(y, min(ys))
 
 
 def _build(cls: type, data: object, where: str) -> Any:

@@ -81,6 +81,8 @@ class WorkerEntry:
     reserved_decode_blocks: int = 0
     """KV blocks of requests this router placed on the worker (decode roles) that its load
     reports do not show yet (reserved at placement, released at the request's first chunk)."""
+    reserved_decode_requests: int = 0
+    """Those requests (streams the worker will run that it does not report yet)."""
     avoid_until: float = 0.0
     """Monotonic time before which placement skips the worker (it missed a stage deadline)."""
     dead_at: float = -float("inf")
@@ -126,12 +128,13 @@ class DecodeReservation:
         self._blocks = blocks
         if entry is not None:
             entry.reserved_decode_blocks += blocks
+            entry.reserved_decode_requests += 1
 
     def release(self) -> None:
         if self._entry is not None:
-            self._entry.reserved_decode_blocks = max(
-                self._entry.reserved_decode_blocks - self._blocks, 0
-            )
+            entry = self._entry
+            entry.reserved_decode_blocks = max(entry.reserved_decode_blocks - self._blocks, 0)
+            entry.reserved_decode_requests = max(entry.reserved_decode_requests - 1, 0)
             self._entry = None
 
 
@@ -379,6 +382,8 @@ class ClusterView:
                     free_kv_blocks=eng.num_free_blocks,
                     cold_lora=_cold(e, lora),
                     prefills_locally=e.info.role is WorkerRole.SPLIT,
+                    running_requests=eng.num_running + e.reserved_decode_requests,
+                    queued_prefill_tokens=e.queued_prefill_tokens,
                 )
             )
         return out

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from admission.decision import Reason
+from router.placement import Placement, PrefillReason
 from router.worker_metrics import WorkerLoadCollector
 from vocabulary.worker_api import WorkerLoad
 
@@ -134,6 +135,15 @@ class RouterMetrics:
                 self.admission.labels("reject", reason.value)
         for how in ("re-prefill", "resume"):
             self.migrations.labels(how)
+        self.placements = Counter(
+            "pdserve_prefill_placements",
+            "Placements by where the prompt is prefilled (local: on its decode worker; remote: "
+            "on a prefill worker) and why (router/placement.py PrefillReason)",
+            ["site", "reason"],
+            registry=r,
+        )
+        for why in PrefillReason:
+            self.placements.labels(_site(why), why.value)
         self.slo = slo or SloTargets()
         self.goodput = Counter(
             "pdserve_goodput_requests",
@@ -191,6 +201,10 @@ class RouterMetrics:
         ttft, tpot = self._ttft.get(worker_id, deque()), self._tpot.get(worker_id, deque())
         return LatencySummary(_pct(ttft, 50), _pct(ttft, 90), _pct(tpot, 50), _pct(tpot, 90))
 
+    def observe_placement(self, placement: Placement) -> None:
+        """One attempt's placement (a retry counts again)."""
+        self.placements.labels(_site(placement.reason), placement.reason.value).inc()
+
     def observe_load(self, load: WorkerLoad) -> None:
         self.workers.observe(load)
 
@@ -203,6 +217,10 @@ class RouterMetrics:
         self.workers.forget(worker_id)
         self._ttft.pop(worker_id, None)
         self._tpot.pop(worker_id, None)
+
+
+def _site(reason: PrefillReason) -> str:
+    return "local" if reason.local else "remote"
 
 
 class _IndexCollector:

@@ -7,8 +7,8 @@
    down means "no cache info", not failure); `_admit` then has the admission controller
    admit now, queue with a bounded wait, or reject early.
 2. Place (`_place`): the least-cost prefill worker (cache-aware) and the least-loaded decode
-   worker, or the decode worker alone when the uncached remainder is short (conditional
-   disaggregation) or no prefill worker is left.
+   worker, or the decode worker alone when the local-prefill policy says so (conditional
+   disaggregation: router/prefill_cost.py) or no prefill worker is left.
 3. Prefill (`_prefill`): the prefill worker answers with the first token and a KV handle; the
    first token goes to the client at once (TTFT ends here).
 4. Hand-off (`_hand_off`): the decode worker is asked to pull that KV and to continue after
@@ -37,7 +37,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from admission.controller import AdmissionController
@@ -57,6 +57,7 @@ from router.errors import (
 )
 from router.metrics import RouterMetrics
 from router.placement import Placement, PlacementConfig, place
+from router.prefill_cost import LocalPrefillConfig
 from router.progress import RequestProgress, StreamDelta
 from router.recovery import (
     Attempt,
@@ -100,6 +101,8 @@ class OrchestratorConfig:
     cold_lora_weight: float = 16.0
     """Placement: the cost (in blocks) of a worker that must first read the request's LoRA
     adapter into its cache (router/placement.py)."""
+    local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
+    """Placement: when the decode worker prefills a prompt itself (router/prefill_cost.py)."""
     max_handoff_retries: int = 1
     """Fresh prefills after a failed hand-off (before the first decoded token)."""
     max_prefill_attempts: int = 3
@@ -273,6 +276,7 @@ class Orchestrator:
                     )
                     tracing.placed(span, placement, n)
                 progress.placed(placement)
+                self.metrics.observe_placement(placement)
                 # Counted on the decode worker until its load reports show the request (its
                 # first chunk), so a burst placed between two polls spreads over the workers.
                 reservation = self.view.reserve_decode(placement.decode_worker_id, decode_blocks)
@@ -375,24 +379,17 @@ class Orchestrator:
         prefill (the decode worker alone must resume after that token: `Resume`)."""
         if attempt.placement is not None:
             return attempt.placement
-        first_out = progress.sent_any
         prefill = [] if attempt.resume else self.view.prefill_candidates(
             match, lora, attempt.excluded_prefill
         )  # fmt: skip
-        threshold = -1 if first_out else self.admission.thresholds.local_prefill_threshold_tokens
-        return place(
-            progress.prompt_tokens,
-            block_size,
-            prefill,
-            self.view.decode_candidates(match, lora, attempt.excluded_decode),
-            PlacementConfig(
-                self.config.uncached_block_weight,
-                threshold,
-                self.config.host_block_weight,
-                self.config.cold_lora_weight,
-            ),
-            needed_decode_blocks=decode_blocks,
-        )
+        c, local = self.config, self.config.local_prefill
+        config = PlacementConfig(
+            c.uncached_block_weight, self.admission.thresholds.local_prefill_threshold_tokens,
+            c.host_block_weight, c.cold_lora_weight, local.kind, local.cost, local.stall_weight,
+            allow_local=not progress.sent_any,
+        )  # fmt: skip
+        decode = self.view.decode_candidates(match, lora, attempt.excluded_decode)
+        return place(progress.prompt_tokens, block_size, prefill, decode, config, decode_blocks)
 
     # ---- 3. prefill -------------------------------------------------------------------------
 

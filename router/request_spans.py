@@ -158,6 +158,7 @@ def _placed(span: Span, placement: Placement, attempt: int) -> None:
     span.set("pdserve.decode_worker", placement.decode_worker_id)
     span.set("pdserve.local_prefill", placement.local_prefill)
     span.set("pdserve.uncached_tokens", placement.uncached_tokens)
+    span.set("pdserve.prefill_reason", placement.reason.value)
     if placement.prefill_worker_id is not None:
         span.set("pdserve.prefill_worker", placement.prefill_worker_id)
 

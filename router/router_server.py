@@ -42,6 +42,7 @@ from router.cluster_view import (
 from router.control import ClusterControl, DrainReport, LoraEntry
 from router.metrics import RecentSamples, RouterMetrics, SloTargets
 from router.orchestrator import Orchestrator, OrchestratorConfig
+from router.prefill_cost import LocalPrefillPolicy
 from router.servicer import AdminServicer, GenerationServicer, generation_handler
 from router.tls import TlsConfig
 from router.validation import ValidationLimits
@@ -196,6 +197,9 @@ class RouterServer:
             config.orchestrator,
             self.metrics,
         )
+        local = config.orchestrator.local_prefill
+        if local.kind is LocalPrefillPolicy.COST and local.cost is None:
+            log.warning("local_prefill: policy cost without a profile; the threshold decides")
         model = ModelConfig.from_pretrained(config.model_dir)
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.model_max_len = model.max_model_len

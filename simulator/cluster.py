@@ -12,7 +12,8 @@ Lifecycle of a request (times in seconds from the start of the run):
    FCFS order until a release admits it or its bounded wait ends (RESOURCE_EXHAUSTED);
    REJECT ends it with RESOURCE_EXHAUSTED;
 3. placement: `router/placement.py:place` over candidates built from the simulated workers and
-   their prefix caches (the index is exact here: no staleness);
+   their prefix caches (the index is exact here: no staleness), with the shape's local-prefill
+   policy; the `cost` policy predicts with this profile (`PerfProfile.prefill_cost_model`);
 4. prefill on the chosen worker (simulator/workers.py), `profile.serving.request_s` after the
    decision (the router's hop), first token at the step's end: TTFT;
 5. hand-off: `profile.handoff.seconds(blocks)` after the first token the request joins its
@@ -50,6 +51,7 @@ from router.placement import (
     PrefillCandidate,
     place,
 )
+from router.prefill_cost import LocalPrefillPolicy
 from simulator.workers import Role, SimRequest, SimWorker, block_hashes
 
 REJECTED = "RESOURCE_EXHAUSTED"
@@ -71,6 +73,11 @@ class ClusterShape:
     """A decode worker's in-flight transfer budget (kv_transfer `max_inflight_blocks`)."""
     uncached_block_weight: float = 4.0
     """Placement's w (router `uncached_block_weight`)."""
+    local_prefill: LocalPrefillPolicy = LocalPrefillPolicy.THRESHOLD
+    """Placement's local-prefill policy (router `orchestrator.local_prefill.policy`); `cost`
+    predicts with the simulated profile."""
+    stall_weight: float = 1.0
+    """The `cost` policy's weight of a stalled stream (router `local_prefill.stall_weight`)."""
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -99,6 +106,7 @@ class Simulation:
         ]
         self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
         self.throughput = profile.prefill_tokens_per_s()
+        self.prefill_cost = profile.prefill_cost_model()
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.now = 0.0
@@ -198,6 +206,8 @@ class Simulation:
             self._end(r, UNAVAILABLE)
             return
         r.decode_worker = placement.decode_worker_id
+        r.placement = placement.reason
+        self.workers[r.decode_worker].expected += 1
         worker = self.workers[placement.prefill_worker_id or placement.decode_worker_id]
         r.cached_tokens = placement.cached_blocks * self.block_size
         r.context = r.cached_tokens
@@ -232,11 +242,18 @@ class Simulation:
                 w.inflight_transfer_blocks,
                 w.free_blocks,
                 prefills_locally=w.role is Role.COLOCATED,
+                running_requests=len(w.running) + w.expected,
+                queued_prefill_tokens=w.queued_prefill_tokens,
             )
             for w in self.decode
         ]
+        shape = self.shape
         config = PlacementConfig(
-            self.shape.uncached_block_weight, self.shape.thresholds.local_prefill_threshold_tokens
+            shape.uncached_block_weight,
+            shape.thresholds.local_prefill_threshold_tokens,
+            local_prefill_policy=shape.local_prefill,
+            prefill_cost=self.prefill_cost,
+            stall_weight=shape.stall_weight,
         )
         need = r.reserved_blocks
         return place(r.prompt_tokens, self.block_size, prefill, decode, config, need)
@@ -279,11 +296,12 @@ class Simulation:
         self._kick(worker)
 
     def _hand_off(self, source: SimWorker, r: SimRequest) -> None:
+        target = self.workers[r.decode_worker]
         if r.max_tokens <= 1:
             source.release_prefill_blocks(r)
+            target.expected -= 1
             self._release(r)
             return
-        target = self.workers[r.decode_worker]
         blocks = target.blocks_for(r.context)
         target.allocate(blocks)
         target.inflight_transfer_blocks += blocks

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from loadtests.goodput import SLO, GoodputReport, summarize
 from loadtests.records import OK, RequestRecord, StreamTimer
 from loadtests.workload import generate, load_profile
 from planner.perf_profile import PerfProfile
+from router.placement import PrefillReason
 from simulator.cluster import ClusterShape, Simulation
 from simulator.workers import SimRequest, SimWorker
 
@@ -31,6 +33,17 @@ class SimResult:
     records: tuple[RequestRecord, ...]
     report: GoodputReport
     workers: tuple[WorkerUse, ...]
+    placements: tuple[tuple[PrefillReason, int], ...] = ()
+    """Placed requests by why they were prefilled where they were, most first."""
+
+    def placement_line(self) -> str:
+        """`local N (reason n, ...), remote M (...)`: where prompts were prefilled and why."""
+        parts = []
+        for site in ("local", "remote"):
+            mine = [(why, n) for why, n in self.placements if (site == "local") == why.local]
+            detail = ", ".join(f"{why.value} {n}" for why, n in mine)
+            parts.append(f"{site} {sum(n for _, n in mine)}" + (f" ({detail})" if detail else ""))
+        return ", ".join(parts)
 
 
 def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
@@ -86,7 +99,13 @@ def simulate(
     records = tuple(to_record(r, rate) for r in requests)
     report = summarize(records, slo, offered_rate=rate)
     span = max(sim.now, 1e-9)
-    return SimResult(records, report, tuple(_use(w, span) for w in sim.workers.values()))
+    placed = Counter(r.placement for r in requests if r.placement is not None)
+    return SimResult(
+        records,
+        report,
+        tuple(_use(w, span) for w in sim.workers.values()),
+        tuple(sorted(placed.items(), key=lambda kv: (-kv[1], kv[0].value))),
+    )
 
 
 def _use(w: SimWorker, span: float) -> WorkerUse:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile
+from router.placement import PrefillReason
 from vocabulary.numeric import cdiv
 
 
@@ -45,6 +46,8 @@ class SimRequest:
     """Prompt tokens the placed prefill (or local) worker already held."""
     reserved_blocks: int = 0
     decode_worker: str = ""
+    placement: PrefillReason | None = None
+    """Why it was prefilled where it was (None: never placed)."""
     remaining_prefill: int = 0
     context: int = 0
     """Tokens in the KV cache (prompt + generated)."""
@@ -116,6 +119,9 @@ class SimWorker:
         self.arriving: list[SimRequest] = []
         """Handed off, joining the batch at the next step."""
         self.inflight_transfer_blocks = 0
+        self.expected = 0
+        """Requests placed here to decode that are not running yet (as the router counts its
+        reservations: a local prefill, or a prefill and hand-off elsewhere)."""
         self.busy = False
         self.busy_s = 0.0
         self.cache = PrefixCache(kv_blocks)
@@ -153,6 +159,7 @@ class SimWorker:
         """(step seconds, prefill chunks (request, tokens), decoding requests) of the next
         step; the chunks are taken from the queue when the step is applied."""
         self.running.extend(self.arriving)
+        self.expected -= len(self.arriving)
         self.arriving.clear()
         decodes = self.running[: self.max_num_seqs]
         budget = self.token_budget - len(decodes)
@@ -204,6 +211,7 @@ class SimWorker:
             self.used_blocks -= self.blocks_for(r.context)
         if self.role is not Role.PREFILL:
             for r in prefilled:
+                self.expected -= 1
                 if len(r.token_times) >= r.max_tokens:
                     self.used_blocks -= self.blocks_for(r.context)
                     finished.append(r)

@@ -35,8 +35,8 @@ from deploy.cli.options import (
     check_count,
     check_loras,
     check_model_dir,
+    check_model_fit,
     check_seconds,
-    check_tp,
     config_options,
     effective_config,
     read_config,
@@ -202,7 +202,7 @@ def up(
         tree = effective_config(given)
         dummy = tree.workers.engine.load_format == "dummy"  # weights made on the device
         check_model_dir(tree.model, given.where("model"), weights=not dummy)
-        check_tp(tree, given)
+        check_model_fit(tree, given)
         engine = tree.workers.engine
         check_loras(
             engine.loras, tree.model, engine.max_lora_rank, given.where("workers.engine.loras")

@@ -37,6 +37,7 @@ from engine.config import (
     LOAD_FORMATS,
     QUANTIZATIONS,
 )
+from router.prefill_cost import LocalPrefillPolicy
 from vocabulary.block_hash import ALGORITHMS as HASH_ALGORITHMS
 
 if TYPE_CHECKING:
@@ -72,14 +73,22 @@ def check_count(value: Any, where: str, minimum: int = 0) -> int:
     return value
 
 
-def check_tp(config: PdserveConfig, given: ConfigInput) -> None:
-    """Refuse TP sizes that cannot serve the model (deploy/control/cluster_spec.py `tp_refusal`),
-    naming the flag or key at fault, before anything starts (the tiny model is written now if it is
-    not there yet)."""
+def check_model_fit(config: PdserveConfig, given: ConfigInput) -> None:
+    """Refuse TP sizes that cannot serve the model (deploy/control/cluster_spec.py `tp_refusal`)
+    and a `cost` local-prefill profile made for another model, block size, TP or dtype
+    (`PdserveConfig.prefill_cost_model`), naming the flag or key at fault, before anything
+    starts (the tiny model is written now if it is not there yet)."""
     from deploy.checkpoints.make_model import cached_tiny_model
+    from planner.perf_profile import PerfProfileError
     from vocabulary.model_config import ModelConfig
 
     workers = config.workers
+    if config.router.orchestrator.local_prefill.profile is not None:
+        try:
+            config.prefill_cost_model(config.model or str(cached_tiny_model()))
+        except PerfProfileError as e:
+            where = given.where("router.orchestrator.local_prefill.profile")
+            raise typer.BadParameter(f"{where}: {e}") from None
     if workers.prefill_tp == workers.decode_tp == 1:
         return
     model = ModelConfig.from_pretrained(config.model or cached_tiny_model())
@@ -271,6 +280,14 @@ FLAGS: tuple[Flag, ...] = (
          "of available RAM (at most 64 GiB, 8 device pools), 0: off [-1.0]."),
     Flag("migration_limit", "router.orchestrator.migration_limit", int, "Times a running "
          "request moves to other workers when its decode worker fails [3]; 0: never."),
+    Flag("local_prefill_policy", "router.orchestrator.local_prefill.policy", str, "When a "
+         "decode worker prefills a prompt itself: threshold (the uncached prompt is at most "
+         "the admission threshold local_prefill_threshold_tokens) or cost (predicted from "
+         "--prefill-cost-profile: the prefill queue, the streams a local prefill stalls, the "
+         "hand-off) [threshold].", choices=tuple(p.value for p in LocalPrefillPolicy)),
+    Flag("prefill_cost_profile", "router.orchestrator.local_prefill.profile", str, "The "
+         "workers' `pdserve profile` file the cost policy predicts with (without one it is "
+         "the threshold)."),
     Flag("admin_host", "router.admin_host", str, "Address the admin plane (status, drain, "
          "rebalance, thresholds) binds [127.0.0.1]."),
     Flag("admin_port", "router.admin_port", int, "Admin plane gRPC port [50151]; 0: a free one."),

@@ -114,6 +114,15 @@ def simulate(
         int | None,
         typer.Option(help="Uncached tokens a decode worker prefills itself (default: 64)."),
     ] = None,
+    local_prefill_policy: Annotated[
+        str,
+        typer.Option(
+            help="threshold (--local-prefill-threshold) or cost (predicted from the profile)."
+        ),
+    ] = "threshold",
+    stall_weight: Annotated[
+        float, typer.Option(help="cost: a stalled stream's wait against the request's own.")
+    ] = 1.0,
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
 ) -> None:
@@ -125,6 +134,7 @@ def simulate(
     from loadtests.goodput import SLOError, parse_slo
     from loadtests.workload import ProfileError
     from planner.perf_profile import PerfProfileError, load_perf_profile
+    from router.prefill_cost import LocalPrefillPolicy
     from simulator.cluster import ClusterShape
     from simulator.report import as_bench_summary
     from simulator.report import simulate as run_simulation
@@ -136,12 +146,22 @@ def simulate(
         fail(f"--duration: must be > 0, got {duration}", 2)
     if kv_blocks < 0:
         fail(f"--kv-blocks: must be >= 0, got {kv_blocks}", 2)
+    policies = {p.value: p for p in LocalPrefillPolicy}
+    if local_prefill_policy not in policies:
+        fail(
+            f"--local-prefill-policy: one of {', '.join(policies)}, got {local_prefill_policy!r}", 2
+        )
+    if not stall_weight >= 0:
+        fail(f"--stall-weight: must be >= 0, got {stall_weight}", 2)
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
         thresholds = AdmissionThresholds()
         if local_prefill_threshold is not None:
             thresholds = AdmissionThresholds(local_prefill_threshold_tokens=local_prefill_threshold)
-        shape = ClusterShape(prefill, decode, colocated, kv_blocks, thresholds)
+        shape = ClusterShape(
+            prefill, decode, colocated, kv_blocks, thresholds,
+            local_prefill=policies[local_prefill_policy], stall_weight=stall_weight,
+        )  # fmt: skip
         goal = parse_slo(slo or DEFAULT_SLO)
         results = [
             (r, run_simulation(perf, shape, workload, r, duration, goal, seed, num_requests))
@@ -152,9 +172,11 @@ def simulate(
     where = f"simulated {prefill}P{decode}D" + (f"+{colocated}C" if colocated else "")
     summary = as_bench_summary(where, str(workload), goal, duration, seed, results)
     print_summary(summary, console)
+    console.print(f"local prefill: {local_prefill_policy}")
     for r, result in results:
         use = ", ".join(f"{w.worker_id} {100 * w.busy_fraction:.0f}%" for w in result.workers)
         console.print(f"  {r:g} req/s busy: {use}")
+        console.print(f"  {r:g} req/s prefilled: {result.placement_line()}")
 
 
 def plan(

@@ -27,11 +27,14 @@ import yaml
 
 from deploy.control.cluster_spec import ClusterSpec
 from deploy.control.config_codec import from_data, to_data
+from planner.perf_profile import load_perf_profile
 from prefix_index.config import PrefixIndexConfig
 from router.auth import ApiKey
 from router.metrics import SloTargets
+from router.prefill_cost import LocalPrefillPolicy, PrefillCostModel
 from router.router_server import RouterConfig
 from vocabulary.block_hash import ALGORITHMS
+from vocabulary.model_config import ModelConfig
 
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_HTTP_PORT = 8000
@@ -112,6 +115,31 @@ class PdserveConfig:
         """`workers.index` under this cluster's key prefix (its name)."""
         return replace(self.workers.index, key_prefix=self.cluster.name)
 
+    def prefill_cost_model(self, model_dir: str) -> PrefillCostModel | None:
+        """The step times of the `cost` local-prefill policy, from the profile file
+        `router.orchestrator.local_prefill.profile` checked against the workers (model id and
+        shape, block size, prefill TP; dtype and device where the engine names them). None
+        under `threshold` or without a profile. Raises PerfProfileError naming the field."""
+        local = self.router.orchestrator.local_prefill
+        if local.kind is not LocalPrefillPolicy.COST or local.profile is None:
+            return None
+        engine = self.workers.engine
+        model = ModelConfig.from_pretrained(model_dir)
+        plain_kv = engine.kv_cache_dtype == "auto"
+        profile = load_perf_profile(
+            Path(local.profile),
+            model_id=engine.model_id or Path(model_dir).name,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=engine.block_size,
+            tensor_parallel_size=self.workers.prefill_tp,
+            dtype=engine.dtype if engine.dtype != "auto" and plain_kv else None,
+            device="cpu" if engine.device == "cpu" else None,
+        )
+        return profile.prefill_cost_model(f"{local.profile} ({profile.header.model_id})")
+
     def replica_config(
         self,
         replica: int,
@@ -119,15 +147,18 @@ class PdserveConfig:
         redis_url: str,
         api_keys: tuple[ApiKey, ...] = (),
         block_hash: str = "",
+        prefill_cost: PrefillCostModel | None = None,
     ) -> RouterConfig:
         """`router` as router replica `replica` takes it: the workers' model, index and block
-        hash, the API keys, and its own ports (each replica one above the last; 0 stays 0: a
-        free one)."""
+        hash, the API keys, the `cost` policy's step times, and its own ports (each replica
+        one above the last; 0 stays 0: a free one)."""
         r = self.router
         grpc, metrics, http = r.grpc_port, r.metrics_port, r.http_port
         planner = self.workers.planner.config
+        local = replace(r.orchestrator.local_prefill, cost=prefill_cost)
         return replace(
             r,
+            orchestrator=replace(r.orchestrator, local_prefill=local),
             model_dir=model_dir,
             model_id=self.workers.engine.model_id or Path(model_dir).name,
             slo=SloTargets(planner.ttft_slo_ms, planner.tpot_slo_ms),
@@ -157,6 +188,7 @@ FILLED_IN: frozenset[str] = frozenset(
         "router.api_keys",  # `cluster.api_keys_file` / $PDSERVE_API_KEYS, and the admin key
         "router.block_hash",  # `cluster.block_hash`, resolved
         "router.slo",  # `workers.planner.config` ttft_slo_ms / tpot_slo_ms: one set of SLOs
+        "router.orchestrator.local_prefill.cost",  # from its `profile`
     }
 )
 """Fields of the tree that pdserve fills in from other fields or what it started; they are

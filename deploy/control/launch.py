@@ -38,6 +38,7 @@ from deploy.control.security import (
     resolve_block_hash,
 )
 from deploy.control.worker_actors import NO_TASK_EVENTS, capacity_shortfall
+from planner.perf_profile import PerfProfileError
 from router.router_server import RouterActor
 from vocabulary.block_hash import BLOCK_HASH_ENV
 from vocabulary.tracing import tracing_env
@@ -95,11 +96,15 @@ class Cluster:
         if refusal is not None:
             raise ClusterError(refusal)
         block_hash = resolve_block_hash(cfg).value
+        model_dir = cfg.model or str(cached_tiny_model())
+        try:
+            prefill_cost = cfg.prefill_cost_model(model_dir)
+        except PerfProfileError as e:
+            raise ClusterError(f"router.orchestrator.local_prefill.profile: {e}") from None
         # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm
         # and traces as this process's OTEL_* say (off without OTEL_TRACES_EXPORTER).
         runtime_env = {"env_vars": {BLOCK_HASH_ENV: block_hash, **tracing_env()}}
         try:
-            model_dir = cfg.model or str(cached_tiny_model())
             redis_url = launch.redis_url
             if redis_url is None:
                 self.redis = EmbeddedRedis()
@@ -143,7 +148,9 @@ class Cluster:
                         **NO_TASK_EVENTS,
                     )
                     .remote(
-                        cfg.replica_config(i, model_dir, redis_url, self.access.keys, block_hash),
+                        cfg.replica_config(
+                            i, model_dir, redis_url, self.access.keys, block_hash, prefill_cost
+                        ),
                         CONTROLLER_NAME,
                         launch.name,
                     )

@@ -38,6 +38,17 @@ def test_simulate_prints_the_bench_tables(profile: Path) -> None:
     assert "p0" in out and "d0" in out
 
 
+def test_simulate_says_where_prompts_were_prefilled_and_why(profile: Path) -> None:
+    args = ["--profile", str(profile), "--workload", "synthetic", "--rate", "2", "--duration", "5"]
+    code, out = run(*args, "--local-prefill-policy", "cost")
+    assert code == 0, out
+    assert "local prefill: cost" in out
+    assert "local_cheaper" in out or "remote_cheaper" in out
+    code, out = run(*args, "--local-prefill-threshold", "0")
+    assert code == 0, out
+    assert "local prefill: threshold" in out and "over_threshold" in out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -47,6 +58,8 @@ def test_simulate_prints_the_bench_tables(profile: Path) -> None:
         (["--decode", "0"], "--decode / --colocated"),
         (["--rate", "0"], "--rate: must be > 0"),
         (["--slo", "ttft"], "ttft"),
+        (["--local-prefill-policy", "fast"], "--local-prefill-policy: one of threshold, cost"),
+        (["--stall-weight", "-1"], "--stall-weight: must be >= 0, got -1.0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

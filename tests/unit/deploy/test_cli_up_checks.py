@@ -1,7 +1,7 @@
 """`pdserve up` refuses bad values before anything starts (no Ray, no Redis, no daemon):
 counts, ports and the wait timeout, from flags and from the --config file alike, and a
-`--model` folder the engine could not load. Each refusal is one line naming where the value
-came from, with exit code 2.
+`--model` folder the engine could not load, a prefill-cost profile made for another model.
+Each refusal is one line naming where the value came from, with exit code 2.
 
 Before these checks, `up --prefill -1` started a cluster with no prefill worker, and
 `up --model /nonexistent` started Ray and Redis, then failed inside the controller.
@@ -10,11 +10,13 @@ Before these checks, `up --prefill -1` started a cluster with no prefill worker,
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from sim_profiles import make_profile
 from typer.testing import CliRunner
 
 from deploy.cli.app import app
@@ -240,3 +242,57 @@ def test_a_loadable_looking_model_folder_goes_on_to_start(
     result = up(tmp_path, "--model", str(sharded), "--detach")
     assert result.exit_code == 1, result.output
     assert starts.started[1][:2] == ["--model", str(sharded)]
+
+
+def profile_for(tmp_path: Path, **header: Any) -> str:
+    """A profile file of the checkpoint `make_checkpoint` writes (folder `model`), with
+    `header` fields changed."""
+    fits = {"model_id": "model", "num_layers": 2, "hidden_size": 64, "num_kv_heads": 2,
+            "head_dim": 16}  # fmt: skip
+    profile = make_profile()
+    profile = replace(profile, header=replace(profile.header, **{**fits, **header}))
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("header", "problem"),
+    [
+        ({"model_id": "llama-3-8b"}, "profile model_id: made for 'llama-3-8b', but 'model'"),
+        ({"num_layers": 32}, "profile num_layers: made for 32, but 2 was asked for"),
+        ({"block_size": 32}, "profile block_size: made for 32, but 16 was asked for"),
+        ({"tensor_parallel_size": 2}, "profile tensor_parallel_size: made for 2, but 1"),
+    ],
+)
+def test_a_prefill_cost_profile_of_another_model_is_refused_naming_the_field(
+    tmp_path: Path, starts: StartRecorder, header: dict[str, Any], problem: str
+) -> None:
+    folder = make_checkpoint(tmp_path / "model")
+    profile = profile_for(tmp_path, **header)
+    args = ["--model", str(folder), "--local-prefill-policy", "cost"]
+    result = up(tmp_path, *args, "--prefill-cost-profile", profile)
+    assert result.exit_code == 2 and starts.started == [], result.output
+    assert result.output.startswith(f"error: --prefill-cost-profile: {problem}"), result.output
+    in_file = {"router": {"orchestrator": {"local_prefill": {"profile": profile}}}}
+    result = up(tmp_path, *args, "--config", write_config(tmp_path, in_file))
+    assert result.exit_code == 2 and starts.started == [], result.output
+    where = "config router.orchestrator.local_prefill.profile"
+    assert result.output.startswith(f"error: {where}: {problem}"), result.output
+
+
+def test_a_prefill_cost_profile_of_the_workers_goes_on_to_start(
+    tmp_path: Path, starts: StartRecorder
+) -> None:
+    folder = make_checkpoint(tmp_path / "model")
+    profile = profile_for(tmp_path)
+    args = ["--model", str(folder), "--local-prefill-policy", "cost"]
+    result = up(tmp_path, *args, "--prefill-cost-profile", profile)
+    assert result.exit_code == 1, result.output  # the stub's refusal, after the checks
+    local = starts.started[0].router.orchestrator.local_prefill
+    assert (local.policy, local.profile, local.cost) == ("cost", profile, None)
+    cost = starts.started[0].prefill_cost_model(str(folder))
+    assert cost is not None and cost.source == f"{profile} (model)"
+    result = up(tmp_path, "--model", str(folder), "--local-prefill-policy", "fast")
+    assert result.exit_code == 2, result.output
+    assert "--local-prefill-policy: one of threshold, cost, got 'fast'" in result.output

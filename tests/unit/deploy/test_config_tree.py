@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import typer
 import yaml
+from sim_profiles import make_profile
 from typer.testing import CliRunner
 
 from admission.config import AdmissionConfig, TenantLimit
@@ -157,6 +158,17 @@ def test_the_controller_and_each_router_get_the_running_clusters_facts() -> None
     assert off.metrics_port is None
 
 
+def test_each_router_replica_gets_the_cost_policys_step_times() -> None:
+    tree = PdserveConfig()
+    assert tree.prefill_cost_model("/no/model") is None  # threshold: no profile is read
+    model = make_profile().prefill_cost_model()
+    replica = tree.replica_config(0, "/m/tiny", "redis://r:1/0", prefill_cost=model)
+    assert replica.orchestrator.local_prefill.cost is model
+    assert (
+        "cost" not in yaml.safe_load(config_yaml(tree))["router"]["orchestrator"]["local_prefill"]
+    )
+
+
 # ---- refusals -------------------------------------------------------------------------------
 
 
@@ -186,6 +198,11 @@ def test_the_controller_and_each_router_get_the_running_clusters_facts() -> None
          "config thresholds.max_inflight_requests: must be >= 1, got 0"),
         ("cluster: {routers: 0}\n", "config cluster.routers: must be >= 1, got 0"),
         ("workers: {num_decode: 0}\n", "config workers.num_decode: must be >= 1, got 0"),
+        ("router: {orchestrator: {local_prefill: {policy: fast}}}\n",
+         "config router.orchestrator.local_prefill.policy: one of threshold, cost, got 'fast'"),
+        ("router: {orchestrator: {local_prefill: {cost: {}}}}\n",
+         "config router.orchestrator.local_prefill.cost: filled in by pdserve, not read from a "
+         "file"),
     ],
 )  # fmt: skip
 def test_a_config_mistake_is_one_line_naming_its_key_path(

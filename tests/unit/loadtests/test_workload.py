@@ -32,6 +32,7 @@ SHIPPED = [
     "balanced",
     "bursty",
     "decode_heavy",
+    "mixed",
     "multi_turn",
     "multi_turn_long",
     "prefill_heavy",

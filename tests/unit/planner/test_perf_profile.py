@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 from sim_profiles import make_profile
 
-from planner.perf_profile import PerfProfileError, PrefillPoint, load_perf_profile
+from planner.perf_profile import (
+    PerfProfileError,
+    PrefillPoint,
+    ServingOverhead,
+    load_perf_profile,
+)
 
 
 def test_a_profile_survives_a_round_trip(tmp_path: Path) -> None:
@@ -30,6 +35,24 @@ def test_a_cached_prefix_adds_its_measured_cost_per_cached_token() -> None:
     points = (*make_profile().prefill, PrefillPoint(100, 0.13, 200))
     profile = replace(make_profile(), prefill=points)
     assert profile.prefill_step_s(100, cached_tokens=100) == pytest.approx(0.12)
+
+
+def test_the_prefill_cost_model_reads_the_profile_with_its_serving_overheads() -> None:
+    points = (*make_profile().prefill, PrefillPoint(100, 0.13, 200))
+    serving = ServingOverhead(request_s=0.01, prefill_factor=2.0, decode_step_s=0.001)
+    profile = replace(make_profile(), prefill=points, serving=serving)
+    model = profile.prefill_cost_model()
+    assert model.source == "synthetic float32 TP1 on cpu"
+    for tokens in (1, 50, 150, 400):
+        assert model.prefill_seconds(tokens) == pytest.approx(2 * profile.prefill_step_s(tokens))
+    assert model.prefill_seconds(100, cached=100) == pytest.approx(
+        2 * profile.prefill_step_s(100, cached_tokens=100)
+    )
+    assert model.decode_step_seconds(4, 3000) == pytest.approx(
+        profile.decode_step_s(4, 3000) + 0.001
+    )
+    assert model.handoff_seconds(10) == profile.handoff.seconds(10) == 0.005
+    assert model.token_budget == profile.header.max_num_batched_tokens
 
 
 @pytest.mark.parametrize(("field", "value"), [("model_id", "llama-3-8b"), ("dtype", "bfloat16")])

@@ -1,7 +1,8 @@
 """The orchestrator's hand-off retry, over fake worker handles (no Ray): a hand-off that fails
 before the first decoded token is prefilled again under a fresh worker-facing request id, the
 failed attempt is aborted on both workers, and the client's stream goes on from the first
-token it already has; a second failure ends the request with the typed error."""
+token it already has; a second failure ends the request with the typed error. Each attempt's
+placement is counted by why it went where it went."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from admission.config import AdmissionConfig, AdmissionThresholds
 from admission.controller import AdmissionController
 from router.cluster_view import ClusterView, StaticDirectory
 from router.errors import StreamCut
-from router.orchestrator import Orchestrator, StreamDelta
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, OrchestratorConfig, StreamDelta
+from router.placement import PrefillReason
+from router.prefill_cost import LocalPrefillConfig, PrefillCostModel
 from router.validation import ValidRequest
 from vocabulary.decode_api import ChunkError, DecodeRequest, TokenChunk
 from vocabulary.engine_io import FinishReason
@@ -91,7 +95,9 @@ class FakeDecode:
         return True
 
 
-def run_request(failures: int) -> tuple[list[StreamDelta] | BaseException, Any, Any, Any]:
+def run_request(
+    failures: int, config: OrchestratorConfig | None = None, metrics: RouterMetrics | None = None
+) -> tuple[list[StreamDelta] | BaseException, Any, Any, Any]:
     async def scenario() -> tuple[list[StreamDelta] | BaseException, Any, Any, Any]:
         prefill, decode = FakePrefill(), FakeDecode(failures)
         view = ClusterView(
@@ -105,7 +111,7 @@ def run_request(failures: int) -> tuple[list[StreamDelta] | BaseException, Any, 
         await view.start()
         thresholds = AdmissionThresholds(local_prefill_threshold_tokens=0)
         admission = AdmissionController(AdmissionConfig(thresholds=thresholds))
-        orchestrator = Orchestrator(view, admission, None, "m")
+        orchestrator = Orchestrator(view, admission, None, "m", config, metrics)
         req = ValidRequest("client-1", tuple(range(2, 40)), SamplingParams(max_tokens=4), "", 0, "")
         got: list[StreamDelta] | BaseException
         try:
@@ -150,3 +156,23 @@ def test_a_second_failed_hand_off_ends_the_request_with_the_typed_error() -> Non
 def test_a_hand_off_that_works_is_not_retried() -> None:
     got, prefill, decode, _ = run_request(failures=0)
     assert isinstance(got, list) and len(prefill.prefills) == 1 and decode.aborts == []
+
+
+def test_each_attempt_is_placed_by_the_configured_policy_and_counted() -> None:
+    # a free hand-off: the cost policy finds both ways equally fast, and a tie goes remote
+    free = PrefillCostModel(
+        "free hand-off", 2048, (1, 100), (0.001, 0.01), 0.0, (100,), ((1,),), ((0.01,),),
+        handoff_fixed_s=0.0, handoff_per_block_s=0.0,
+    )  # fmt: skip
+    config = OrchestratorConfig(local_prefill=LocalPrefillConfig(policy="cost", cost=free))
+    metrics = RouterMetrics()
+    got, prefill, _, _ = run_request(failures=1, config=config, metrics=metrics)
+    assert isinstance(got, list) and len(prefill.prefills) == 2
+    counted = {
+        why: metrics.registry.get_sample_value(
+            "pdserve_prefill_placements_total", {"site": "remote", "reason": why.value}
+        )
+        for why in (PrefillReason.REMOTE_CHEAPER, PrefillReason.FIRST_TOKEN_OUT)
+    }
+    # the retry after the first token may not prefill locally: it is not asked the cost model
+    assert counted == {PrefillReason.REMOTE_CHEAPER: 1.0, PrefillReason.FIRST_TOKEN_OUT: 1.0}

@@ -17,6 +17,7 @@ from admission.decision import Reason
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.index import PrefixIndex
 from router.metrics import OUTCOMES, RouterMetrics, SloTargets
+from router.placement import Placement, PrefillReason
 from vocabulary.block_hash import BlockHash
 from vocabulary.engine_io import HostTierStats, TierMoveStats
 from vocabulary.kv_events import PublisherStats
@@ -189,6 +190,23 @@ def test_every_outcome_and_rejection_reason_is_exported_before_it_happens() -> N
         decision = "admit" if reason is Reason.ADMITTED else "reject"
         key = (("decision", decision), ("reason", reason.value))
         assert got[("pdserve_admission_decisions_total", key)] == 0
+
+
+def test_placements_are_counted_by_where_the_prompt_was_prefilled_and_why() -> None:
+    metrics = RouterMetrics()
+    zero = scrape(metrics)
+    for why in PrefillReason:
+        site = "local" if why.local else "remote"
+        key = ("pdserve_prefill_placements_total", (("reason", why.value), ("site", site)))
+        assert zero[key] == 0.0
+    metrics.observe_placement(Placement("d0", None, 0, 16, PrefillReason.LOCAL_CHEAPER))
+    metrics.observe_placement(Placement("d0", "p0", 0, 64, PrefillReason.REMOTE_CHEAPER))
+    metrics.observe_placement(Placement("d0", "p0", 0, 64, PrefillReason.REMOTE_CHEAPER))
+    got = scrape(metrics)
+    local = (("reason", "local_cheaper"), ("site", "local"))
+    remote = (("reason", "remote_cheaper"), ("site", "remote"))
+    assert got["pdserve_prefill_placements_total", local] == 1.0
+    assert got["pdserve_prefill_placements_total", remote] == 2.0
 
 
 def test_prefix_index_lookups_that_found_redis_down_are_counted() -> None:
