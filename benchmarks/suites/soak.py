@@ -68,6 +68,7 @@ from benchmarks.suites.soak_probes import (
     start_memray,
     start_tracemalloc,
     stop_memray,
+    stream_generators,
     traced_at_warm,
     traced_growth,
     traced_mb,
@@ -134,6 +135,7 @@ def sample(procs: dict[str, Process]) -> dict[str, dict[str, Any]]:
             row.update(p.call(traced_mb))
             if name.startswith("router-"):  # retired token-channel subscriptions still held
                 row["draining"] = sum(c["draining"] for c in p.call_on(channel_stats).values())
+                row["generators"] = p.call_on(stream_generators)
         out[name] = row
     return out
 
@@ -394,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 samples.append((now, sample(procs)))
                 print(f"{now:7.0f}s " + " ".join(
                     f"{k}={v['rss_mb']:.1f}/{v.get('threads', 0)}t"
-                    + (f"[draining {v['draining']}]" if "draining" in v else "")
+                    + (f"[draining {v['draining']} generators {v['generators']}]"
+                       if "draining" in v else "")
                     + (f"(inuse {v['malloc'].get('in_use', 0):.0f} free "
                        f"{v['malloc'].get('free', 0):.0f})" if v.get("malloc") else "")
                     for k, v in samples[-1][1].items()), flush=True)  # fmt: skip

@@ -128,3 +128,37 @@ def object_counts() -> dict[str, int]:
         name = type(obj).__qualname__
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def stream_generators(router: Any) -> dict[str, Any]:
+    """The router's live Ray streaming generators (each holds, natively, the ids of every item
+    its call yielded until it is deleted): how many, how many a token-channel subscription
+    holds now, and the types of what refers to the others."""
+    import gc
+
+    from ray import ObjectRefGenerator
+
+    gc.collect()
+    held = {id(sub.call) for e in router.server.view.entries.values() if e.channel is not None
+            for sub in e.channel._subscriptions()}  # fmt: skip
+    live = [o for o in gc.get_objects() if isinstance(o, ObjectRefGenerator)]
+    referrers: dict[str, int] = {}
+
+    def count(name: str) -> None:
+        referrers[name] = referrers.get(name, 0) + 1
+
+    for gen in live:
+        if id(gen) not in held:
+            for r in gc.get_referrers(gen):
+                if r is live:
+                    continue
+                if type(r).__name__ == "frame":
+                    count(f"frame {r.f_code.co_name}")
+                    continue
+                count(type(r).__qualname__)
+                for rr in gc.get_referrers(r):  # what holds the Subscription
+                    if rr is not live and type(rr).__name__ != "frame":
+                        count(f"{type(r).__qualname__} < {type(rr).__qualname__}")
+                    elif type(rr).__name__ == "frame":
+                        count(f"{type(r).__qualname__} < frame {rr.f_code.co_name}")
+    return {"live": len(live), "held": sum(id(g) in held for g in live), "referrers": referrers}

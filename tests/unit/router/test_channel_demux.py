@@ -1,11 +1,14 @@
 """The router's token channel against a fake decode actor (no Ray): items reach their own
 request, typed worker errors come out as raised, a broken subscription fails every open
 request and the next request subscribes again, a subscription that carried enough batches
-hands new requests to a fresh one and drains, and nothing is left registered after."""
+hands new requests to a fresh one and drains, nothing is left registered after, and a
+stopped subscription's call is let go of once its reader has ended."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -51,6 +54,8 @@ class FakeDecodeActor:
         self.renewals: list[str] = []
         self.submitted: list[tuple[str, str]] = []
         self._feeds: list[asyncio.Queue[list[ChannelItem] | BaseException | None]] = []
+        self.calls: list[weakref.ref[AsyncIterator[Awaitable[list[ChannelItem]]]]] = []
+        """Each subscription's call, weakly (a Ray generator frees its record when deleted)."""
         self.subscribe = _Method(self._subscribe)
         self.submit = _Method(lambda req, cid: _value(self.submitted.append((req.request_id,
                                                                              cid))))  # fmt: skip
@@ -70,7 +75,9 @@ class FakeDecodeActor:
                     raise item
                 yield _value(item)
 
-        return stream()
+        call = stream()
+        self.calls.append(weakref.ref(call))
+        return call
 
     def send(self, item: list[ChannelItem] | BaseException | None, to: int = -1) -> None:
         """Into subscription number `to` (the latest by default)."""
@@ -281,5 +288,31 @@ def test_close_fails_the_requests_of_draining_subscriptions_too() -> None:
             with pytest.raises(WorkerLost, match="left the cluster"):
                 await s.next()
         assert ch.num_open == 0 and ch.num_draining == 0
+
+    run(body)
+
+
+def test_a_stopped_subscription_lets_go_of_its_call_once_its_reader_ends() -> None:
+    """Ray frees what it recorded of a streaming call's items (~0.5 MB a subscription) only
+    when the generator is deleted: a finished reader (its CancelledError's traceback holds
+    the generator) must not be kept by the channel, or every rotation and drain leaks one."""
+
+    async def body() -> None:
+        actor = FakeDecodeActor()
+        ch = DecodeChannel("d0", actor, "r", resubscribe_after=1)
+        for rid in ("a", "b", "c"):  # each request a fresh subscription; the last one stays
+            stream = ch.open_request(rid)
+            actor.send([(rid, chunk(1, finish=FinishReason.LENGTH))])
+            await stream.next()
+            stream.close()
+        del stream  # (a closed request's stream still names its subscription)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+        assert [ref() is None for ref in actor.calls] == [True, True, False]
+        ch.close()
+        await ch.wait_closed()
+        gc.collect()
+        assert all(ref() is None for ref in actor.calls)
 
     run(body)
