@@ -42,8 +42,9 @@ from multinode_driver import (
 )
 
 PROBE_ID = "handoff-probe"
-PULLS = 6  # the payloads of the greedy step: 6 prompts of 200 tokens
+PAYLOADS = 6  # those of the greedy step: 6 prompts of 200 tokens
 PROMPT_TOKENS = 200
+ROUNDS = 3  # each payload pulled this many times each way
 CHECK_TOKENS = 4  # tokens decoded after each pull, checked against the one-host reference
 REQUEST_DEADLINE_S = 60.0  # each greedy request through the router under the slow link
 PROBE_START_S = 300.0
@@ -161,11 +162,12 @@ def step_handoff(arg: dict[str, Any]) -> dict[str, Any]:
     pulls: dict[str, list[Pull]] = {path: [] for path in paths}
 
     async def pull_all() -> None:
-        for i, prompt in enumerate(prompts(arg["model_dir"], PULLS, PROMPT_TOKENS)):
-            ref = reference(prompt, CHECK_TOKENS)
-            for path, decode in paths.items():  # the same payload each way, one after the other
-                rid = f"handoff-{label}-{path}-{i}"
-                pulls[path].append(await _pull(prefill, decode, rid, prompt, ns, ref))
+        for r in range(ROUNDS):
+            for i, prompt in enumerate(prompts(arg["model_dir"], PAYLOADS, PROMPT_TOKENS)):
+                ref = reference(prompt, CHECK_TOKENS)
+                for path, decode in paths.items():  # the same payload each way, in turn
+                    rid = f"handoff-{label}-{path}-{r}-{i}"
+                    pulls[path].append(await _pull(prefill, decode, rid, prompt, ns, ref))
 
     asyncio.run(pull_all())
     for p in pulls["veth"]:  # the KV left the prefill's node: it crossed the veth

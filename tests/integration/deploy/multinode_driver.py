@@ -10,6 +10,7 @@ result as one `RESULT {json}` line.
                     killed): every stream completes (migrated) or ends with a clear status; the
                     router, the controller and Ray notice; nothing is left on the survivors
     rejoined        the lost node back: the replacement decode worker placed there, serving
+                    (it pulls the KV of a request through the router)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ when Ray reports its actor dead; the router reads the registry every second. The
 slack for two cores shared with other runs."""
 NODE_DEAD_DEADLINE_S = 120.0  # Ray's GCS declares a lost node dead within this
 LONG_TOKENS = 200  # the reference recomputes every token: its cost grows with the square
+REJOIN_BURSTS = 5  # bursts of four requests within which a replacement must serve one
 
 
 def cluster_state() -> dict[str, Any]:
@@ -299,10 +301,33 @@ def step_stream_fault(arg: dict[str, Any]) -> dict[str, Any]:
             "ray_nodes_alive": sum(1 for n in ray.nodes() if n["Alive"])}  # fmt: skip
 
 
+def _greedy_burst(model_dir: str, salt: str) -> None:
+    """Four greedy requests through the router at once (cache salt `salt`), each ending OK
+    within FAULT_DEADLINE_S with the one-host run's tokens."""
+    reference = one_host_reference(model_dir)
+    asked = prompts(model_dir, 4, 150)
+    outs: list[list[int]] = [[] for _ in asked]
+    ends = ["" for _ in asked]
+
+    def one(i: int) -> None:
+        ends[i] = stream(router_target(), asked[i], 16, outs[i], salt)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asked))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=FAULT_DEADLINE_S)
+        assert not t.is_alive(), f"a request did not end within {FAULT_DEADLINE_S:.0f} s"
+    for prompt, got, end in zip(asked, outs, ends, strict=True):
+        assert end == "OK", end
+        assert got == reference(prompt, 16), "tokens differ from the one-host greedy run"
+
+
 def step_rejoined(arg: dict[str, Any]) -> dict[str, Any]:
-    """The replacement decode worker placed on the lost node again; four concurrent greedy
-    requests through the router (cache salt `arg["salt"]`) equal to the reference, and what
-    each decode node pulled for them."""
+    """The replacement decode worker placed on the lost node (`arg["node"]`) again, and
+    serving: bursts of four greedy requests through the router until it has pulled the KV of
+    one (placement goes by load, and a worker the router has just taken in may not have had
+    its load read yet, so the first burst can pass it by)."""
     ray = connect()
     t0 = time.monotonic()
     while True:
@@ -314,27 +339,19 @@ def step_rejoined(arg: dict[str, Any]) -> dict[str, Any]:
         assert time.monotonic() - t0 < 300, f"no decode worker came back: {decode}"
         time.sleep(1)
     placed_s = time.monotonic() - t0
-    reference = one_host_reference(arg["model_dir"])
-    target = router_target()
-    asked = prompts(arg["model_dir"], 4, 150)
     before = _pulled(ray)
-    outs: list[list[int]] = [[] for _ in asked]
-    ends = ["" for _ in asked]
-
-    def one(i: int) -> None:
-        ends[i] = stream(target, asked[i], 16, outs[i], arg["salt"])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asked))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=FAULT_DEADLINE_S)
-        assert not t.is_alive(), f"a request did not end within {FAULT_DEADLINE_S:.0f} s"
-    for prompt, got, end in zip(asked, outs, ends, strict=True):
-        assert end == "OK", end
-        assert got == reference(prompt, 16), "tokens differ from the one-host greedy run"
-    pulled = {decode[w]: n - before.get(w, 0) for w, n in _pulled(ray).items() if w in decode}
+    pulled: dict[str, int] = {}
+    for burst in range(1, REJOIN_BURSTS + 1):
+        _greedy_burst(arg["model_dir"], f"{arg['salt']}-{burst}")  # a salt each: no reuse
+        pulled = {decode[w]: n - before.get(w, 0) for w, n in _pulled(ray).items()
+                  if w in decode}  # fmt: skip
+        if pulled.get(arg["node"], 0) > 0:
+            break
+    assert pulled.get(arg["node"], 0) > 0, (
+        f"the replacement on {arg['node']} served nothing in {REJOIN_BURSTS} bursts: {pulled}"
+    )
     return {"replacement_placed_s": round(placed_s, 1), "decode_nodes": sorted(decode.values()),
+            "serving_s": round(time.monotonic() - t0, 1), "bursts": burst,
             "pulled_by_node": pulled}  # fmt: skip
 
 

@@ -27,7 +27,7 @@ Hosts: `head` (Ray head, redis-server, `pdserve up`, the controller and the rout
    left on the surviving workers;
 5. the link comes back and the node's Ray is started again (`ray start --address`: the GCS had
    declared the old node dead): the controller's replacement decode worker is placed there
-   and the cluster serves again with two decode workers;
+   and the cluster serves again with two decode workers, the replacement among them;
 6. 4 and 5 again with the other decode node's processes killed (SIGKILL to every process of its
    namespace: its raylet, Ray's daemons, the worker) instead of its link taken down.
 
@@ -220,7 +220,7 @@ class Scenario:
             self.c.link_up(node)
         self.c.rejoin(node)
         ray_start_s = time.monotonic() - t0
-        back = self.drive("rejoined", {"model_dir": model_dir, "ips": ips,
+        back = self.drive("rejoined", {"model_dir": model_dir, "ips": ips, "node": node,
                                        "salt": f"{fault}-back"}, timeout_s=500)  # fmt: skip
         back["ray_start_s"] = round(ray_start_s, 1)
         back["since_back_s"] = round(time.monotonic() - t0, 1)
