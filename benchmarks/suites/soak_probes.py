@@ -141,7 +141,8 @@ def stream_generators(router: Any) -> dict[str, Any]:
     gc.collect()
     held = {id(sub.call) for e in router.server.view.entries.values() if e.channel is not None
             for sub in e.channel._subscriptions()}  # fmt: skip
-    live = [o for o in gc.get_objects() if isinstance(o, ObjectRefGenerator)]
+    # type(), not isinstance: isinstance over every object wakes torch's deprecated attributes
+    live = [o for o in gc.get_objects() if type(o) is ObjectRefGenerator]
     referrers: dict[str, int] = {}
 
     def count(name: str) -> None:
