@@ -5,15 +5,17 @@ The tiny model is profiled here (`pdserve profile`, one torch thread), with the 
 overheads given (default: those "Simulator" in docs/benchmarks.md measured on this machine,
 run B). One cluster (benchmarks/harness/cluster.py, 1024 KV blocks per worker) serves two
 routers side by side: its own, under the `threshold` policy (admission's default, 64 uncached
-tokens), and one started here under `cost` with that profile. In each round both arms run the
-same seeded workload, one after the other (which goes first alternates round by round), each
-run with its token ids shifted by a run-specific offset (a bijection on the workload's
-vocabulary: the same lengths, arrivals and prefix sharing, but no run hits the prefix cache
-another run filled). Each run's placements are read off its router's metrics. Then the
-simulator runs the same workload, rate and seed on the same profile under both policies.
+tokens), and one started here under `cost` with that profile. After a short warm-up through
+each, in each round both arms run the same seeded workload, one after the other (which goes
+first alternates round by round; the machine's load drifts over minutes, hence short rounds
+and figures paired round by round), each run with its token ids shifted by a run-specific
+offset (a bijection on the workload's vocabulary: the same lengths, arrivals and prefix
+sharing, but no run hits the prefix cache another run filled). Each run's placements are read
+off its router's metrics. Then the simulator runs the same workload, rate and seed on the same
+profile under both policies.
 
-    python -m benchmarks local_prefill --out OUT [--workload mixed] [--rate 6] [--duration 30]
-        [--rounds 2] [--slo "ttft:200 tpot:20"]
+    python -m benchmarks local_prefill --out OUT [--workload mixed] [--rate 6] [--duration 15]
+        [--rounds 6] [--slo "ttft:200 tpot:20"]
 
 Writes OUT/profile.json, OUT/<policy>/round-<k>.jsonl and OUT/local_prefill.json.
 """
@@ -33,7 +35,7 @@ from typing import Any
 
 from benchmarks.harness.steps import progress as log
 from benchmarks.harness.table import Table
-from loadtests.goodput import GoodputReport, parse_slo, summarize
+from loadtests.goodput import SLO, GoodputReport, parse_slo, summarize
 from loadtests.load_driver import run_planned
 from loadtests.records import RecordSink, RequestRecord
 from loadtests.workload import PlannedRequest, generate, load_profile
@@ -52,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("local-prefill"))
     parser.add_argument("--workload", default="mixed")
     parser.add_argument("--rate", type=float, default=6.0)
-    parser.add_argument("--duration", type=float, default=30.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--slo", default="ttft:200 tpot:20")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-overhead-ms", type=float, default=9.9)
@@ -90,11 +92,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(
             (arm, "simulated", *_cells(sim.report, sim.report.goodput_rps), sim.placement_line())
         )
+    result["rounds_measured"] = paired = _paired(measured, slo)
     (out / "local_prefill.json").write_text(json.dumps(result, indent=1))
     header = ("policy", "run", "requests", "met SLO", "goodput req/s", "TTFT p50/p90 ms",
               "TPOT p50/p90 ms", "prefilled")  # fmt: skip
     print(Table.of(header, rows).plain())
+    by_round = ("round", "first", "met SLO thr / cost", "goodput thr / cost",
+                "TTFT p90 thr / cost", "TPOT p90 thr / cost")  # fmt: skip
+    print(Table.of(by_round, [_round_cells(r) for r in paired]).plain())
+    diff = {k: statistics.median(r["cost"][k] - r["threshold"][k] for r in paired)
+            for k in ("attainment", "goodput_rps", "ttft_p90", "tpot_p90")}  # fmt: skip
+    print("paired, cost - threshold, median over rounds: " + ", ".join(
+        f"{k} {v:+.3f}" for k, v in diff.items()))  # fmt: skip
     return 0
+
+
+def _paired(measured: Measured, slo: SLO) -> list[dict[str, Any]]:
+    """Each round's figures of both arms (which ran first alternates: round 0 threshold)."""
+    out = []
+    for k, runs in enumerate(zip(*(measured[a][0] for a in ARMS), strict=True)):
+        reports = [summarize(run, slo) for run in runs]
+        figures = {a: _figures(r, r.goodput_rps) for a, r in zip(ARMS, reports, strict=True)}
+        out.append({"round": k, "first": ARMS[k % 2], **figures})
+    return out
+
+
+def _round_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    t, c = r["threshold"], r["cost"]
+    return (
+        str(r["round"]), r["first"], f"{100 * t['attainment']:.1f}% / {100 * c['attainment']:.1f}%",
+        f"{t['goodput_rps']:.2f} / {c['goodput_rps']:.2f}",
+        f"{t['ttft_p90']:.1f} / {c['ttft_p90']:.1f}", f"{t['tpot_p90']:.2f} / {c['tpot_p90']:.2f}",
+    )  # fmt: skip
 
 
 def _profile(args: argparse.Namespace, out: Path) -> PerfProfile:
@@ -132,7 +161,8 @@ Measured = dict[str, tuple[list[list[RequestRecord]], dict[str, float]]]
 
 
 def _run_cluster(args: argparse.Namespace, out: Path, planned: list[PlannedRequest]) -> Measured:
-    """Both arms, round by round, on one cluster."""
+    """A warm-up run through each router (discarded: a fresh cluster's first requests pay
+    one-time costs), then both arms round by round on one cluster."""
     from admission.config import AdmissionConfig
     from benchmarks.harness.cluster import local_cluster, tiny_disaggregated
 
@@ -143,33 +173,39 @@ def _run_cluster(args: argparse.Namespace, out: Path, planned: list[PlannedReque
     config = replace(config, router=router)
     workload = load_profile(args.workload)
     got: Measured = {a: ([], {}) for a in ARMS}
+
+    def one_run(arm: str, offset: int, path: Path, until_s: float | None = None) -> None:
+        target, metrics = targets[arm]
+        run = shifted(planned, offset * 97, workload.vocab_low, workload.vocab_high)
+        run = [p for p in run if until_s is None or p.send_at_s < until_s]
+        before = _placements(metrics)
+        path.parent.mkdir(exist_ok=True)
+        path.unlink(missing_ok=True)
+        log(f"{path.stem}: {arm} ({len(run)} requests at {args.rate:g} req/s)")
+        sink = RecordSink(path)
+        try:
+            records = asyncio.run(run_planned(target, run, offered_rate=args.rate, sink=sink))
+        finally:
+            sink.close()
+        time.sleep(2.0)  # the last streams' blocks return before the next run
+        if until_s is not None:
+            return
+        after = _placements(metrics)
+        got[arm][0].append(records)
+        for key, n in after.items():
+            got[arm][1][key] = got[arm][1].get(key, 0.0) + n - before.get(key, 0.0)
+
     log("starting the 1P1D tiny cluster and a second router (policy cost)")
     with local_cluster(config) as cluster:
         assert cluster.endpoint is not None
         targets = {"threshold": (cluster.endpoint.target, cluster.endpoint.metrics[0])}
         targets["cost"] = _cost_router(cluster, out / "profile.json")
+        for i, arm in enumerate(ARMS):
+            one_run(arm, 2 * args.rounds + 1 + i, out / arm / "warmup.jsonl", until_s=5.0)
         for k in range(args.rounds):
             order = ARMS if k % 2 == 0 else ARMS[::-1]
-            for i, arm in enumerate(order):
-                target, metrics = targets[arm]
-                offset = 1 + 2 * k + i  # no two runs share a token sequence
-                run = shifted(planned, offset * 97, workload.vocab_low, workload.vocab_high)
-                before = _placements(metrics)
-                path = out / arm / f"round-{k}.jsonl"
-                path.parent.mkdir(exist_ok=True)
-                path.unlink(missing_ok=True)
-                log(f"round {k}: {arm} ({len(run)} requests at {args.rate:g} req/s)")
-                sink = RecordSink(path)
-                try:
-                    records = asyncio.run(run_planned(target, run, offered_rate=args.rate,
-                                                      sink=sink))  # fmt: skip
-                finally:
-                    sink.close()
-                after = _placements(metrics)
-                got[arm][0].append(records)
-                for key, n in after.items():
-                    got[arm][1][key] = got[arm][1].get(key, 0.0) + n - before.get(key, 0.0)
-                time.sleep(2.0)  # the last streams' blocks return before the next run
+            for i, arm in enumerate(order):  # no two runs share a token sequence
+                one_run(arm, 1 + 2 * k + i, out / arm / f"round-{k}.jsonl")
     return got
 
 
