@@ -41,7 +41,8 @@
 #   split    the split worker: its GPU tests, split_goodput prefill-heavy and balanced sweeps
 #            (colocated, the adaptive split, a fixed 32-SM split) and a load ramp with the
 #            split over time (their JSON files and split-ramp.png in $OUT/split.tgz);
-#            splitt: the tests alone, splitb: the benchmarks alone (each fits one call)
+#            splitt: the tests alone, splitb: the benchmarks alone (each fits one call);
+#            splitph / splitbal / splitramp: one of the three benchmarks
 #   structured python -m benchmarks structured: the engine step with half the batch under a JSON
 #            schema vs all free, B=1/16/64, Llama-3-8B shape (needs .whl/xgrammar-0.2.9.tar.xz:
 #            scripts/gpu-bundle-xgrammar.sh; run `jit` first on a fresh machine); with
@@ -160,19 +161,20 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --model /tmp/cfg-llama3-8b --part-timeout 200 ;;
   structured) T=/tmp/site/bench-tokenizer-128k.json; [ -f $T ] || T=""
     TAILN=${TAILN:-20} step bench_structured 300 python -m benchmarks structured ${T:+--tokenizer $T} ;;
-  split|splitt|splitb) config_model llama3-8b  # ~8 min warm: the split worker's figures
+  split|splitt|splitb|splitph|splitbal|splitramp) config_model llama3-8b  # ~8 min warm
     G="python -m benchmarks split_goodput --model /tmp/cfg-llama3-8b --load-format dummy"
     mkdir -p /tmp/split
-    [ "$s" != splitb ] && step split_tests 120 python -m pytest tests/gpu/test_engine_gpu.py \
-      -k split -q -rA -p no:cacheprovider
-    [ "$s" = splitt ] && continue
-    step split_ph 200 $G --workload prefill_heavy --rates 10,12,14,16 --requests 48 \
-      --modes colocated:2048,split:0,split:32 --burst 8 --json /tmp/split/ph.json
-    step split_bal 150 $G --workload balanced --rates 12,20,28 --requests 120 \
-      --modes colocated:2048,split:0 --burst 0 --json /tmp/split/bal.json
-    step split_ramp 90 $G --workload balanced --modes split:0 --ramp 2:24:40 \
-      --json /tmp/split/ramp.json
-    $G --plot-split /tmp/split/split-ramp.png --from /tmp/split/ramp.json > /dev/null 2>&1
+    case $s in split|splitt) step split_tests 120 python -m pytest tests/gpu/test_engine_gpu.py \
+      -k split -q -rA -p no:cacheprovider ;; esac
+    case $s in split|splitb|splitph) step split_ph 200 $G --workload prefill_heavy \
+      --rates 10,12,14,16 --requests 48 --modes colocated:2048,split:0,split:32 --burst 8 \
+      --json /tmp/split/ph.json ;; esac
+    case $s in split|splitb|splitbal) step split_bal 150 $G --workload balanced \
+      --rates 12,20,28 --requests 120 --modes colocated:2048,split:0 --burst 0 \
+      --json /tmp/split/bal.json ;; esac
+    case $s in split|splitb|splitramp) step split_ramp 90 $G --workload balanced \
+      --modes split:0 --ramp 2:24:40 --json /tmp/split/ramp.json
+      $G --plot-split /tmp/split/split-ramp.png --from /tmp/split/ramp.json > /dev/null 2>&1 ;; esac
     tar czf "$OUT/split.tgz" -C /tmp split ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
