@@ -194,6 +194,10 @@ class SplitStatus:
     handoff_us_mean: float = 0.0
     handoff_us_max: float = 0.0
     """Host time of one hand-off (a change of block ownership: nothing is copied)."""
+    decode_slowdown: float = 1.0
+    """The adaptive split's measured decode step time over its prediction from the bandwidth
+    curve (measured alone) while the prefill loop runs beside: the contention it sizes the
+    decode partition for (engine/core/split_policy.py `StepCorrection`); 1.0 when unmeasured."""
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ engine; a request's TTFT runs from its planned arrival to its first token, its T
 mean gap after that. Prompts are random token ids (no prefix-cache hits), greedy, eos ignored
 so output lengths are pinned. Goodput is the highest swept rate at which >= 90 % of requests
 meet both SLOs (loadtests/goodput.py); it is printed for each TPOT SLO given.
-A mode is `colocated:CHUNK` (max_num_batched_tokens CHUNK) or `split:DECODE_SMS`
-(split_decode_sms; 0: adaptive, engine/core/split_policy.py).
+A mode is `colocated:CHUNK` (max_num_batched_tokens CHUNK) or `split:DECODE_SMS[@TPOT_MS]`
+(split_decode_sms; 0: adaptive, engine/core/split_policy.py, sizing the decode partition for
+split_tpot_target_ms, 20 unless @TPOT_MS says: `split:0@40` for the looser SLO).
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class Mode:
         if kind == "colocated":
             return replace(base, mode=EngineMode.COLOCATED, max_num_batched_tokens=int(value))
         if kind == "split":
-            return replace(base, mode=EngineMode.SPLIT, split_decode_sms=int(value or 0))
-        raise ValueError(f"mode: colocated:CHUNK or split:DECODE_SMS, got {self.name!r}")
+            sms, _, target = value.partition("@")
+            config = replace(base, mode=EngineMode.SPLIT, split_decode_sms=int(sms or 0))
+            return replace(config, split_tpot_target_ms=float(target)) if target else config
+        raise ValueError(f"mode: colocated:CHUNK or split:DECODE_SMS[@TPOT_MS], got {self.name!r}")
 
 
 def arrivals(rate: float, count: int, seed: int) -> list[float]:

@@ -368,6 +368,8 @@ def split_lines(st: pb.ClusterStatus) -> list[str]:
         if s.partitioned:
             share = f"decode {s.decode_sms}/{s.total_sms} SMs, prefill {s.prefill_sms}"
             share += f" ({s.resizes} resizes)" if s.resizes else ""
+            if s.decode_slowdown > 1.005:
+                share += f", decode steps {s.decode_slowdown:.2f}x slower beside prefill"
         else:
             share = f"unpartitioned: {s.reason}"
         lines.append(

@@ -273,6 +273,8 @@ class LLMEngine:
             self._latest_launch = launched
         if decision.batch.chunks:
             self.step_meter.record(*shape, time.perf_counter() - started)
+            if lane is not None:
+                lane.observe_decode_step(time.perf_counter() - started)
         self.last_step_idle = (
             launched is None and previous is None and not outputs and not prefilled
         )

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -54,6 +54,7 @@ from engine.core.split_policy import (
     DecodeLoad,
     SplitGovernor,
     SplitModel,
+    StepCorrection,
     choose_decode_sms,
 )
 from engine.kv.block_pool import BlockPool
@@ -248,10 +249,19 @@ class PrefillLane:
             self.scheduler.waiting.appendleft(request)
             self.scheduler.requests[request.request_id] = request
 
+    def observe_decode_step(self, seconds: float) -> None:
+        """The engine's step that ran a decode batch took `seconds` (the adaptive split
+        learns the decode steps' slowdown beside a prefill from it)."""
+        if self.adaptive is not None:
+            self.adaptive.observe(seconds)
+
     def status(self) -> SplitStatus:
         times = list(self._handoff_s)
         mean = sum(times) / len(times) * 1e6 if times else 0.0
-        return self.streams.status(self.num_handoffs, (mean, max(times, default=0.0) * 1e6))
+        status = self.streams.status(self.num_handoffs, (mean, max(times, default=0.0) * 1e6))
+        if self.adaptive is not None:
+            status = replace(status, decode_slowdown=self.adaptive.correction.factor)
+        return status
 
 
 @dataclass
@@ -262,11 +272,24 @@ class Adaptive:
     kv_bytes_per_token: int
     tpot_s: float
     governor: SplitGovernor
+    correction: StepCorrection = field(default_factory=StepCorrection)
+    _pending: tuple[DecodeLoad, int] | None = None
+    """The load and decode share of the step now running, when it runs beside a prefill."""
 
     def apply(self, streams: SMSplit, decode: Scheduler, prefill_waiting: bool) -> None:
         tokens = sum(r.num_computed_tokens for r in decode.running)
         load = DecodeLoad(len(decode.running), tokens * self.kv_bytes_per_token, prefill_waiting)
-        wanted = choose_decode_sms(load, streams.shares, streams.total_sms, self.model, self.tpot_s)
+        model = replace(self.model, slowdown=self.correction.factor)
+        wanted = choose_decode_sms(load, streams.shares, streams.total_sms, model, self.tpot_s)
         new = self.governor.decide(wanted, time.monotonic())
         if new is not None:
             streams.resize(new)
+        busy = prefill_waiting and load.running > 0 and streams.decode_share < streams.total_sms
+        self._pending = (load, streams.decode_share) if busy else None
+
+    def observe(self, seconds: float) -> None:
+        """A decode step measured: learn its slowdown when it ran beside a prefill."""
+        if self._pending is not None:
+            load, sms = self._pending
+            self.correction.observe(seconds, self.model.step_s(load, sms))
+            self._pending = None

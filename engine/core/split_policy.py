@@ -4,7 +4,11 @@ when the other has nothing to do. Pure, so it is tested exhaustively and can be 
 
 A decode step streams the weights and the batch's KV once, so its time is bytes over the
 bandwidth its SMs can draw (`BandwidthCurve`: measured per SM share by `python -m benchmarks
-sm_partition`, or the default shape below) plus a fixed launch cost. The split changes no
+sm_partition`, or the default shape below) plus a fixed launch cost, times the slowdown the
+decode steps are measured to suffer while a prefill runs beside them (`StepCorrection`: the
+curve is measured alone, and a prefill's matmuls draw on the same HBM; an H100 measured
+1923 GB/s for a 32-SM decode partition alone and 1388 GB/s beside a 100-SM prefill). The
+split changes no
 more often than `min_interval_s` (`SplitGovernor`), and only among the shares the engine made
 partitions (and CUDA graphs) for.
 """
@@ -65,9 +69,32 @@ class SplitModel:
     curve: BandwidthCurve
     launch_s: float = 0.3e-3
     """Host and launch cost of a step that bandwidth does not explain."""
+    slowdown: float = 1.0
+    """Measured step time over predicted while a prefill runs beside (`StepCorrection`)."""
 
     def step_s(self, load: DecodeLoad, sms: int) -> float:
-        return self.launch_s + (self.weight_bytes + load.kv_bytes) / self.curve.at(sms)
+        alone = self.launch_s + (self.weight_bytes + load.kv_bytes) / self.curve.at(sms)
+        return alone * self.slowdown
+
+
+class StepCorrection:
+    """The decode steps' slowdown beside a prefill: an exponential average of measured over
+    predicted (slowdown 1) step time, over the steps that ran while the prefill loop had work,
+    kept within [`low`, `high`] so one stalled step (a host hiccup) cannot swing the split."""
+
+    def __init__(self, weight: float = 0.1, low: float = 0.5, high: float = 4.0) -> None:
+        if not 0 < weight <= 1 or not 0 < low <= 1 <= high:
+            raise ValueError("StepCorrection: 0 < weight <= 1 and 0 < low <= 1 <= high")
+        self.weight, self.low, self.high = weight, low, high
+        self.factor = 1.0
+        self.samples = 0
+
+    def observe(self, measured_s: float, predicted_s: float) -> None:
+        if measured_s <= 0 or predicted_s <= 0:
+            return
+        ratio = min(self.high, max(self.low, measured_s / predicted_s))
+        self.factor += self.weight * (ratio - self.factor)
+        self.samples += 1
 
 
 def choose_decode_sms(

@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.suites.split_goodput import (
     WORKLOADS,
+    Mode,
     merged_runs,
     parse_ramp,
     plot_ramps,
@@ -112,3 +113,18 @@ def test_the_split_over_time_is_plotted_from_ramp_runs(tmp_path: Path) -> None:
     assert out.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(SystemExit, match="no --ramp run"):
         plot_ramps([run_file(tmp_path / "a.json", "balanced", TWO_MODES)], out)
+
+
+def test_a_mode_names_its_engine_config() -> None:
+    from engine.config import EngineConfig, EngineMode
+
+    base = EngineConfig(model_dir="unused")
+    colocated = Mode("colocated:1024").engine_config(base)
+    assert colocated.mode is EngineMode.COLOCATED and colocated.max_num_batched_tokens == 1024
+    fixed = Mode("split:32").engine_config(base)
+    assert fixed.mode is EngineMode.SPLIT and fixed.split_decode_sms == 32
+    assert fixed.split_tpot_target_ms == base.split_tpot_target_ms
+    loose = Mode("split:0@40").engine_config(base)
+    assert loose.split_decode_sms == 0 and loose.split_tpot_target_ms == 40.0
+    with pytest.raises(ValueError, match="split:DECODE_SMS"):
+        Mode("pd:1").engine_config(base)

@@ -358,3 +358,23 @@ def test_lora_load_list_and_unload_send_what_they_say(
     gone = cli(target, "lora", "unload", "x")
     assert gone.exit_code == 1
     assert "no adapter 'x'" in gone.output
+
+
+def test_status_shows_a_split_workers_share_and_its_decode_slowdown() -> None:
+    from deploy.cli.cluster_client import split_lines
+    from pdserve.v1 import serving_pb2 as pb
+
+    st = pb.ClusterStatus(workers=[
+        pb.WorkerStatus(worker_id="split-0", split=pb.SplitStatus(
+            partitioned=True, total_sms=132, decode_sms=32, prefill_sms=100, resizes=3,
+            handoffs=9, handoff_us_mean=2.0, handoff_us_max=7.0, decode_slowdown=1.38)),
+        pb.WorkerStatus(worker_id="split-1", split=pb.SplitStatus(
+            partitioned=False, reason="no green contexts on CPU", handoffs=1)),
+        pb.WorkerStatus(worker_id="decode-0"),
+    ])  # fmt: skip
+    lines = split_lines(st)
+    assert len(lines) == 2
+    assert "decode 32/132 SMs, prefill 100 (3 resizes)" in lines[0]
+    assert "decode steps 1.38x slower beside prefill" in lines[0]
+    assert "9 hand-offs, 2 µs mean, 7 µs max" in lines[0]
+    assert "unpartitioned: no green contexts on CPU" in lines[1] and "slower" not in lines[1]

@@ -10,6 +10,7 @@ from engine.core.split_policy import (
     DecodeLoad,
     SplitGovernor,
     SplitModel,
+    StepCorrection,
     choose_decode_sms,
 )
 
@@ -58,3 +59,31 @@ def test_governor_changes_the_split_at_most_once_an_interval() -> None:
     assert g.decide(132, now_s=3.9) is None
     assert g.decide(132, now_s=4.0) == 132
     assert g.current == 132
+
+
+def test_a_measured_slowdown_beside_prefill_buys_decode_more_sms() -> None:
+    """The curve is measured alone; beside a prefill the steps run slower (HBM contention).
+    The correction learns measured over predicted, so the split then meets the target."""
+    load = DecodeLoad(running=8, kv_bytes=1_000_000_000, prefill_waiting=True)
+    assert choose_decode_sms(load, SHARES, TOTAL, MODEL, tpot_s=0.020) == 32
+    correction = StepCorrection(weight=0.5)
+    for _ in range(16):  # steps on 32 SMs measured twice their prediction
+        correction.observe(2.0 * MODEL.step_s(load, 32), MODEL.step_s(load, 32))
+    assert correction.factor == pytest.approx(2.0, rel=1e-3)
+    slowed = SplitModel(MODEL.weight_bytes, MODEL.curve, slowdown=correction.factor)
+    assert slowed.step_s(load, 32) == pytest.approx(2.0 * MODEL.step_s(load, 32), rel=1e-3)
+    assert choose_decode_sms(load, SHARES, TOTAL, slowed, tpot_s=0.020) == 48
+    assert slowed.step_s(load, 48) <= 0.020 < slowed.step_s(load, 32)
+
+
+def test_one_stalled_step_cannot_swing_the_correction() -> None:
+    correction = StepCorrection(weight=0.1, low=0.5, high=4.0)
+    correction.observe(10.0, 0.01)  # a 10 s host stall: counted as 4x at most
+    assert correction.factor == pytest.approx(1.0 + 0.1 * 3.0)
+    correction.observe(0.0, 0.01)  # nothing measured: ignored
+    correction.observe(0.01, 0.0)
+    assert correction.samples == 1
+    with pytest.raises(ValueError):
+        StepCorrection(weight=0.0)
+    with pytest.raises(ValueError):
+        StepCorrection(low=1.5)
