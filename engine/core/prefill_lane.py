@@ -26,9 +26,10 @@ alone and, short of them, preempts its own newest request. So the decode loop ne
 for a prefill step, and the lane never holds blocks the decode loop is about to grow into.
 
 Streams: a block the decode loop gives back while its step is in flight may still be written
-by that step, so the prefill stream waits (on the device, not the host) for the decode
-loop's latest step before each prefill step; the lane's own frees (an abort of a request in
-its step in flight) wait until that step has completed.
+by that step, so when the decode loop's latest step has given blocks back, the prefill stream
+waits (on the device, not the host) for it before the next prefill step (an unconditional
+wait idled the prefill partition for half a decode step per prefill step); the lane's own
+frees (an abort of a request in its step in flight) wait until that step has completed.
 """
 
 from __future__ import annotations
@@ -217,8 +218,11 @@ class PrefillLane:
         self.pending_aborts.clear()
 
     def wait_for(self, decode_step: InflightStep | None) -> None:
-        """Order the next prefill step after the decode loop's latest step on the device."""
-        if decode_step is not None:
+        """Order the next prefill step after the decode loop's latest step on the device when
+        that step may still write a block one of its requests gave back (finished, aborted,
+        preempted) and the lane could be given: otherwise the prefill partition starts at
+        once (every earlier decode step has been read, so has finished)."""
+        if decode_step is not None and decode_step.released_blocks():
             decode_step.order_before_current_stream()
 
     def hand_over(self, requests: tuple[Request, ...], decode: Scheduler) -> None:
