@@ -51,7 +51,7 @@ INT4_LARGE_M_ROWS = 32
 tinygemm). tinygemm's Llama-3-8B decode step on an H100 was 4.17 / 11.8 / 39.1 ms at B=1 /
 16 / 64 (the bf16 step 12.75 ms at B=64), dequantizing costs about one bf16 read of the
 weights more: the crossover lies between 16 and 64; `python -m benchmarks int --int4-large-m`
-measures it (docs/benchmarks.md, "INT8 and INT4 weights")."""
+measures it (docs/benchmarks.md, "Quantized weights (INT8, INT4)")."""
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
