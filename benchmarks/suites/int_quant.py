@@ -14,24 +14,36 @@ each quantized from the same bf16 weights as a checkpoint writer would
 (engine/loading/dummy_weights.py `int_linear`). Measured: decode step at batch 1, 16, 64
 with 2048 tokens of context per sequence against each format's HBM floor (its weight bytes +
 the KV read, over the copy bandwidth measured here); prefill of one 4096-token prompt in
-TFLOP/s; the logits of a 256-token random prompt against bf16's (relative error, argmax
-agreement: random weights amplify rounding layer by layer, so this says the path is sound,
-not how a trained model's quality moves).
+TFLOP/s; the logits of a 256-token random prompt of bf16, int8 and int4 against a float32
+copy of the same weights (relative error, argmax agreement), after the first decoder layer
+(the quantization alone: there the argmax agreement means something) and after all of them
+(random weights amplify any error layer by layer: int4 g128 round-to-nearest of Gaussian
+weights, ~11 % per weight, reaches chaos by 32 layers, argmax agreement near 0 %, while bf16's
+stays near its one-layer figure; this says the path is sound, not how a trained model's
+quality moves). The full-depth rows need room for the float32 copy (the 8B shape: 32 GB).
+
+`--int4-large-m 16,32,64,off`: INT4 once per threshold (rows from which a projection
+dequantizes W to bf16 and runs the bf16 GEMM instead of tinygemm; off: tinygemm at every size;
+engine/quantization/int4_linear.py `INT4_LARGE_M_ROWS`, the default run's).
 
 `--shape llama3-70b`: the Llama-3-70B shape with INT4 dummy weights made layer by layer
 (~35 GB; its bf16 weights would not fit one GPU), INT4 only, with an e.g. `--layers 40`
-for a card that cannot hold all 80 beside its pool.
+for a card that cannot hold all 80 beside its pool. The KV pool is sized to the memory left
+(less `KV_HEADROOM`): batches that do not fit at `--context` are cut to the largest that
+does, and the output says so.
 
-    python -m benchmarks int [--batches 1,16,64] [--group-size 128]
+    python -m benchmarks int [--batches 1,16,64] [--group-size 128] [--int4-large-m 16,32,64,off]
     python -m benchmarks int --shape llama3-70b
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -50,6 +62,8 @@ from engine.loading.dummy_weights import dummy_model, int_linear
 from engine.loading.hf_checkpoint import PROJECTIONS
 from engine.loading.int_checkpoint import IntScheme
 from engine.modeling.llama import DecoderLayer, LlamaModel
+from engine.quantization import int4_kernels
+from engine.quantization.int4_linear import INT4_LARGE_M_ROWS, Int4Linear
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
@@ -86,6 +100,76 @@ def dense_again(model: LlamaModel) -> None:
     torch.cuda.empty_cache()
 
 
+KV_HEADROOM = 6 * 2**30
+"""Device memory left beside the KV pool: a 4096-token prefill's activations (the 70B shape's
+gate/up output alone is 0.5 GB), the CUDA graphs' pool, cuBLAS and flashinfer workspaces."""
+
+
+@contextlib.contextmanager
+def first_layers(model: LlamaModel, depth: int) -> Iterator[None]:
+    """`model` runs only its first `depth` decoder layers while open."""
+    full = model.layers
+    model.layers = nn.ModuleList(list(full)[:depth])
+    try:
+        yield
+    finally:
+        model.layers = full
+
+
+def reference_logits(model: LlamaModel, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{depth: logits of a float32 copy of `model` run through its first `depth` layers} for
+    depth 1 and, where the device holds a float32 copy of every layer, all of them (the copy
+    is filled tensor by tensor from the dense weights, then freed)."""
+    cfg = model.cfg
+    need = 2 * model.weight_bytes  # bf16 -> float32
+    free = torch.cuda.mem_get_info()[0]
+    deepest = cfg.num_layers if need + 4 * 2**30 < free else 1
+    if deepest == 1 and cfg.num_layers > 1:
+        print(f"   a float32 copy of every layer needs {need / 2**30:.1f} GiB, "
+              f"{free / 2**30:.1f} free: one layer only")  # fmt: skip
+    ref = LlamaModel(replace(cfg, num_layers=deepest), torch.float32, "cuda").eval()
+    source = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in ref.state_dict().items():
+            if name in source:
+                tensor.copy_(source[name])
+    out = {}
+    for depth in sorted({1, deepest}):
+        with first_layers(ref, depth):
+            out[depth] = logits_of(ref, ids)
+    del ref, source
+    torch.cuda.empty_cache()
+    return out
+
+
+def set_int4_large_m(model: LlamaModel, rows: int | None) -> int:
+    """Every INT4 projection with the large-M path dequantizes from `rows` rows on (None:
+    tinygemm at every size); returns how many took it."""
+    took = 0
+    for module in model.modules():
+        if (
+            isinstance(module, Int4Linear)
+            and module._tinygemm is not None
+            and int4_kernels.layout_verified(module.weight_scale.device)
+        ):
+            module.large_m_rows = rows
+            took += 1
+    return took
+
+
+def fitting_batches(
+    cfg: ModelConfig, batches: list[int], context: int, prompt: int, bs: int, reserve: int
+) -> tuple[list[int], int]:
+    """(the batches whose KV at `context` tokens a sequence fits the free device memory less
+    `reserve` beside one `prompt`-token prefill, pages for them): a batch that does not fit is
+    replaced by the largest that does."""
+    page_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * bs
+    room = (torch.cuda.mem_get_info()[0] - reserve) // page_bytes - cdiv(prompt, bs) - 8
+    fit = max(0, int(room) // cdiv(context, bs))
+    kept = sorted({min(b, fit) for b in batches if min(b, fit) > 0})
+    return kept, max(kept, default=0) * cdiv(context, bs)
+
+
 def llama3_70b_int4(layers: int, group_size: int) -> LlamaModel:
     from deploy.checkpoints.make_model import PRESETS, hf_config
 
@@ -108,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--shape", default="llama3-8b", choices=("llama3-8b", "llama3-70b"))
     parser.add_argument("--layers", type=int, default=0, help="llama3-70b: this many layers")
+    parser.add_argument(
+        "--int4-large-m", default=str(INT4_LARGE_M_ROWS),
+        help="INT4 once per threshold, comma separated: rows from which a projection "
+        "dequantizes to bf16 for the bf16 GEMM ('off': tinygemm at every size)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: this suite times the GPU paths")
@@ -127,13 +216,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.print_table()
         return
     cfg, bs, context, prompt = model.cfg, args.block_size, args.context, args.prefill_tokens
-    batches = [int(b) for b in args.batches.split(",")]
-    pages = max(batches) * cdiv(context, bs)
+    thresholds = [None if t == "off" else int(t) for t in args.int4_large_m.split(",")]
+    ids = torch.randint(1, cfg.vocab_size, (256,), device="cuda")
+    refs: dict[int, torch.Tensor] = {}
+    if not big:  # before the pool: the float32 copy needs the room
+        refs = log.step("float32 reference logits", lambda: reference_logits(model, ids)) or {}
+
+    def logit_rows(label: str) -> None:
+        for depth, ref in refs.items():
+            with first_layers(model, depth):
+                err, same = logit_agreement(logits_of(model, ids), ref)
+            log.add(f"logits vs float32, {depth} layer(s), {label}", f"{err:.2e}",
+                    f"argmax {same:.1%}")  # fmt: skip
+
+    if refs:
+        logit_rows("bf16")
+    asked = [int(b) for b in args.batches.split(",")]
+    # the 8B run later adds int8 and int4 copies beside the dense weights
+    reserve = KV_HEADROOM + (0 if big else dense_projection_bytes(model) * 4 // 5)
+    batches, pages = fitting_batches(cfg, asked, context, prompt, bs, reserve)
+    if batches != asked:
+        print(f"   KV sized to the free memory: batches {asked} -> {batches} at {context} tokens")
+        log.add("batches cut to the KV that fits", ",".join(map(str, batches)),
+                f"asked {args.batches}")  # fmt: skip
+    if not batches:
+        log.print_table()
+        return
     kv = KVCache(kv_cache_spec(cfg, bs, torch.bfloat16, pages + cdiv(prompt, bs) + 8), "cuda")
     kv.tensor.normal_()
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    ids = torch.randint(1, cfg.vocab_size, (256,), device="cuda")
-    dense_logits = None if big else logits_of(model, ids)
     results: dict[str, dict[int, float]] = {}
 
     def bench(label: str) -> None:
@@ -174,14 +285,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"{rate / (bf16_rate or 1):.0%} of bf16 mm",
             )
         print(f"   {label}: weights read per decode step {weights / 2**30:.2f} GiB")
-        if dense_logits is not None and label != "bf16":
-            err, same = logit_agreement(logits_of(model, ids), dense_logits)
-            log.add(f"logits vs bf16, {label}", f"{err:.2e}", f"argmax {same:.1%}")
         runner.graphs = None
         torch.cuda.empty_cache()
 
+    def bench_int4() -> None:
+        """INT4 once per threshold (the logits once: every path computes the same weight)."""
+        for rows in thresholds:
+            took = set_int4_large_m(model, rows)
+            if rows is not None and not took:
+                print("   int4: no large-M path here (the layout check failed: see the log)")
+            m = "tinygemm" if rows is None else f"m>={rows}"
+            bench(f"int4 g{args.group_size} {m}")
+        if refs:
+            logit_rows(f"int4 g{args.group_size}")
+
     if big:
-        bench(f"int4 g{args.group_size}")
+        bench_int4()
     else:
         bench("bf16")
         for scheme in (IntScheme(8), IntScheme(4, args.group_size)):
@@ -193,7 +312,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 is None
             ):
                 continue
-            bench(label)
+            if scheme.bits == 4:
+                bench_int4()
+            else:
+                bench(label)
+                logit_rows(label)
             dense_again(model)
         for label, secs in results.items():
             for b in [*batches, -1]:

@@ -18,9 +18,14 @@ ceil(in / 8) words. The weight is
           PyTorch's tinygemm int4 GEMM (`torch._weight_int4pack_mm`, the weight repacked
           once at load by `_convert_weight_to_int4pack` with scales and zero offsets
           `[groups, out, 2]`, zeros 0); anything else: the CPU path on the device.
+          From `large_m_rows` rows on (default `INT4_LARGE_M_ROWS`), W in bf16 is written
+          from the repacked weight into a workspace shared by every layer and the bf16
+          GEMM runs (engine/quantization/int4_kernels.py: tinygemm's time grows with the
+          rows, the dequantize-then-GEMM's barely).
           Once the repacked weight is made, the device holds only it: the packed weight
-          moves to host memory (the dequantized path, for inputs of another dtype, reads it
-          there), so an INT4 model takes its int4 bytes of the card once (70B: ~35 GB)
+          moves to host memory (the dequantized path, for inputs of another dtype, copies
+          it back for the call), so an INT4 model takes its int4 bytes of the card once
+          (70B: ~35 GB) plus the workspace (its largest projection in bf16: 70B 0.9 GiB)
 
 Figures: none yet (docs/operations.md, "Quantized checkpoints", says which command takes them).
 """
@@ -32,6 +37,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from engine.quantization import int4_kernels
+
 log = logging.getLogger(__name__)
 
 INT4_MIN, INT4_MAX = -8, 7
@@ -39,6 +46,12 @@ PACK = 8
 """int4 values per int32 word."""
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 _TINYGEMM_INNER_K_TILES = 8
+INT4_LARGE_M_ROWS = 32
+"""Inputs of at least this many rows take the dequantize-then-bf16-GEMM path on CUDA (fewer:
+tinygemm). tinygemm's Llama-3-8B decode step on an H100 was 4.17 / 11.8 / 39.1 ms at B=1 /
+16 / 64 (the bf16 step 12.75 ms at B=64), dequantizing costs about one bf16 read of the
+weights more: the crossover lies between 16 and 64; `python -m benchmarks int --int4-large-m`
+measures it (docs/benchmarks.md, "Quantized weights (INT8, INT4)")."""
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -125,6 +138,9 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("weight_packed", weight_packed.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
         self.bias = bias
+        self.large_m_rows: int | None = None
+        """Rows from which a bf16 input dequantizes W into the workspace (None: tinygemm at
+        every size; set where the layout check passes, see `INT4_LARGE_M_ROWS`)."""
         self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
         if weight_packed.is_cuda and tinygemm_fits(rows, in_features, group_size):
             try:
@@ -133,14 +149,21 @@ class Int4Linear(torch.nn.Module):
                 log.warning("int4: PyTorch's int4 GEMM unavailable (%s); dequantizing", e)
             else:  # one copy on the device (module docstring)
                 self.weight_packed = self.weight_packed.cpu()
+                device = self.weight_scale.device
+                if int4_kernels.fits(rows, in_features) and int4_kernels.layout_verified(device):
+                    int4_kernels.reserve(device, rows * in_features)
+                    self.large_m_rows = INT4_LARGE_M_ROWS
 
     @property
     def nbytes(self) -> int:
         return self.weight_packed.numel() * 4
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [out, in] in `dtype`: the int4 values times their group's scale in float32."""
-        q = unpack_int4(self.weight_packed, self.in_features).float()
+        """W [out, in] in `dtype` on the scales' device (the module's): the int4 values times
+        their group's scale in float32. Where the packed weight lives on the host (module
+        docstring) it is copied to the device for the call."""
+        packed = self.weight_packed.to(self.weight_scale.device)
+        q = unpack_int4(packed, self.in_features).float()
         rows = q.shape[0]
         groups = q.view(rows, -1, self.group_size) * self.weight_scale.unsqueeze(-1)
         return groups.reshape(rows, self.in_features).to(dtype)
@@ -148,15 +171,21 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
         out_dtype = out_dtype or x.dtype
-        if self._tinygemm is not None and x.dtype == torch.bfloat16 and x.shape[0] > 0:
-            packed, scales_zeros = self._tinygemm
-            out = torch._weight_int4pack_mm(x.contiguous(), packed, self.group_size, scales_zeros)
+        rows = x.shape[0]
+        if self._tinygemm is not None and x.dtype == torch.bfloat16 and rows > 0:
+            packed, zeros = self._tinygemm
+            if self.large_m_rows is not None and rows >= self.large_m_rows:
+                out_features = self.weight_scale.shape[0]
+                w = int4_kernels.workspace(x.device, out_features, self.in_features)
+                int4_kernels.dequantize(packed, self.weight_scale, self.group_size, w)
+                out = F.linear(x, w)
+            else:
+                out = torch._weight_int4pack_mm(x.contiguous(), packed, self.group_size, zeros)
             out = out.to(out_dtype)
             return out if self.bias is None else out + self.bias
-        if x.shape[0] == 0:  # nothing to compute: no dequantized copy of the weight
+        if rows == 0:  # nothing to compute: no dequantized copy of the weight
             return x.new_empty((0, self.weight_scale.shape[0]), dtype=out_dtype)
-        weight = self.dequantized(x.dtype).to(x.device, non_blocking=True)
-        return F.linear(x, weight, self.bias).to(out_dtype)
+        return F.linear(x, self.dequantized(x.dtype), self.bias).to(out_dtype)
 
     def _tinygemm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """tinygemm's operands: the weight as `_convert_weight_to_int4pack` takes it (two

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.quantization import int4_kernels
 from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
 from engine.quantization.int8_linear import Int8Linear, quantize_rows_int8
 
@@ -58,14 +59,60 @@ def test_int4_keeps_one_copy_of_its_weight_on_the_device() -> None:
     w = torch.randn(1024, 512, generator=g)
     q, scale = quantize_groups_int4(w, 128)
     packed = pack_int4(q).cuda()
+    cuda = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated() - int4_kernels.workspace_bytes(cuda)
     gpu = Int4Linear(packed, scale.cuda(), 512, 128, None)
     del packed
     torch.cuda.synchronize()
     assert gpu._tinygemm is not None
     assert gpu.weight_packed.device.type == "cpu"
-    assert torch.cuda.memory_allocated() - before <= gpu.nbytes + scale.numel() * 4 + 2**16
+    # the shared large-M workspace (one per device, not per layer) aside
+    held = torch.cuda.memory_allocated() - int4_kernels.workspace_bytes(cuda) - before
+    assert held <= gpu.nbytes + 2 * scale.numel() * 4 + 2**16  # + float32 and bf16 scales
     x = torch.randn(5, 512, generator=g)
     cpu = Int4Linear(pack_int4(q), scale, 512, 128, None)(x, out_dtype=torch.float32)
     _close(gpu(x.cuda(), out_dtype=torch.float32).cpu(), cpu, 1e-5)  # float32: dequantized
+
+
+def test_tinygemm_repacks_into_the_layout_the_dequantize_kernel_reads() -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-8, 8, (64, 512), generator=g, dtype=torch.int8)
+    u = (q.to(torch.int32) + 8).to(torch.uint8).cuda()
+    packed = torch._convert_weight_to_int4pack((u[:, ::2] << 4 | u[:, 1::2]).contiguous(), 8)
+    assert torch.equal(packed.cpu(), int4_kernels.encode_tinygemm(q))
+    assert int4_kernels.layout_verified(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.parametrize("m", [1, 33, 300])
+def test_int4_large_m_path_writes_the_cpu_weight_and_equals_the_cpu_path(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(1024, 512, generator=g)
+    q, scale = quantize_groups_int4(w, 128)
+    cpu = Int4Linear(pack_int4(q), scale, 512, 128, None)
+    gpu = Int4Linear(pack_int4(q).cuda(), scale.cuda(), 512, 128, None)
+    assert gpu.large_m_rows is not None
+    gpu.large_m_rows = 1  # every size dequantizes
+    out = torch.empty(1024, 512, dtype=torch.bfloat16, device="cuda")
+    assert gpu._tinygemm is not None
+    int4_kernels.dequantize(gpu._tinygemm[0], gpu.weight_scale, 128, out)
+    assert torch.equal(out.cpu(), cpu.dequantized(torch.bfloat16))  # bit for bit
+    x = torch.randn(m, 512, generator=g).bfloat16()
+    want = cpu(x.float(), out_dtype=torch.float32)
+    _close(gpu(x.cuda(), out_dtype=torch.float32).cpu(), want, 1e-2)  # bf16 x W, bf16 out
+
+
+def test_int4_large_m_path_replays_in_a_cuda_graph() -> None:
+    g = torch.Generator().manual_seed(5)
+    q, scale = quantize_groups_int4(torch.randn(1024, 512, generator=g), 128)
+    gpu = Int4Linear(pack_int4(q).cuda(), scale.cuda(), 512, 128, None)
+    gpu.large_m_rows = 16
+    x = torch.randn(64, 512, generator=g).bfloat16().cuda()
+    eager = gpu(x)  # compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gpu(x)
+    x.copy_(torch.randn(64, 512, generator=g).bfloat16())
+    graph.replay()
+    assert not torch.equal(out, eager)
+    _close(out.float(), gpu(x).float(), 1e-2)

@@ -25,6 +25,8 @@ from runner_factories import batch, chunk, corpus_tokens, make_runner, prompt_to
 
 import engine.core.runner as runner_module
 import engine.modeling.layer_ops_select as select
+from engine.loading.dummy_weights import dummy_model
+from engine.loading.int_checkpoint import IntScheme
 from engine.loading.loaders import load_model
 from engine.modeling.layer_ops import (
     TORCH_OPS,
@@ -34,6 +36,7 @@ from engine.modeling.layer_ops import (
 )
 from engine.modeling.layer_ops_select import compare_layer_ops, create_layer_ops
 from engine.modeling.llama import Attend, DecoderLayer, LlamaModel, causal_attend
+from engine.quantization.int8_linear import Int8Linear
 
 
 class FakeFlashInfer:
@@ -312,6 +315,24 @@ def test_failing_self_check_falls_back_to_torch_with_a_warning_or_raises_if_expl
     assert "failed their self-check" in caplog.text and expected in caplog.text
     with pytest.raises(LayerOpsUnavailable, match=expected):
         create_layer_ops("flashinfer", model)
+
+
+def test_int8_model_gets_fused_ops_and_its_check_still_catches_a_broken_kernel(
+    fake: FakeFlashInfer, model: LlamaModel
+) -> None:
+    """INT8 W8A8 in bf16: the check runs its projections over unquantized inputs (the
+    per-token int8 rounding would turn the kernels' last-bit differences into int8 steps),
+    passes at the dense tolerance, restores them, and still fails a wrong kernel."""
+    int8 = dummy_model(model.cfg, torch.bfloat16, int_scheme=IntScheme(8))
+    ops = create_layer_ops("auto", int8)
+    assert isinstance(ops, FlashInferOps)
+    assert compare_layer_ops(int8, ops) < select.SELF_CHECK_TOLERANCE
+    layer = cast(DecoderLayer, int8.layers[0])
+    assert layer.quantized is not None
+    assert all(isinstance(p, Int8Linear) for p in layer.quantized.values())
+    fake.break_residual = True
+    assert create_layer_ops("auto", int8) is TORCH_OPS
+    assert all(isinstance(p, Int8Linear) for p in layer.quantized.values())
 
 
 def test_runner_with_fused_ops_executes_like_the_torch_runner(
