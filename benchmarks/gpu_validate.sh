@@ -166,9 +166,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     mkdir -p /tmp/split
     case $s in split|splitt) step split_tests 120 python -m pytest tests/gpu/test_engine_gpu.py \
       -k split -q -rA -p no:cacheprovider ;; esac
-    case $s in split|splitb|splitph) step split_ph 330 $G --workload prefill_heavy \
+    case $s in split|splitb|splitph) step split_ph 280 $G --workload prefill_heavy \
       --rates 6,8,10,12 --requests 64 --burst 8 --json /tmp/split/ph.json \
-      --modes colocated:512,colocated:1024,colocated:2048,split:0,split:0@40 ;; esac
+      --modes colocated:1024,colocated:2048,split:0,split:0@40 ;; esac
     case $s in split|splitb|splitbal) step split_bal 200 $G --workload balanced \
       --rates 16,24,32 --requests 120 --burst 0 --json /tmp/split/bal.json \
       --modes colocated:1024,colocated:2048,split:0,split:0@40 ;; esac
