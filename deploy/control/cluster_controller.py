@@ -38,13 +38,18 @@ from dataclasses import replace
 from typing import Any, cast
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.control import lora_admin, rebalance
 from deploy.control.cluster_spec import ClusterSpec
 from deploy.control.controller_metrics import ControllerMetrics
-from deploy.control.worker_actors import NO_TASK_EVENTS, create_worker, stop_worker
-from deploy.control.worker_registry import LISTED_STATES, WANTED_STATES, Registered
+from deploy.control.worker_actors import create_worker, stop_worker
+from deploy.control.worker_registry import (
+    LISTED_STATES,
+    WANTED_STATES,
+    Registered,
+    listed,
+    signature,
+)
 from planner.loop import (
     PlannerLoop,
     ResourceRequester,
@@ -52,6 +57,7 @@ from planner.loop import (
     planner_role,
 )
 from prefix_index.index import PrefixIndex
+from router.cluster_view import RegistrySignature, WorkerListing
 from router.control import DrainRefused, DrainReport, LoraEntry
 from router.router_server import RouterSignals
 from vocabulary.waits import wait_within
@@ -209,9 +215,16 @@ class Controller:
     def list_workers(self) -> list[tuple[WorkerInfo, Any]]:
         """Workers routers keep in view: ready ones, and draining or drained ones (their
         running streams must go on; placement skips them by their reported state)."""
-        return [
-            (w.info, w.handle) for w in self.workers.values() if w.info and w.state in LISTED_STATES
-        ]
+        return [(cast(WorkerInfo, w.info), w.handle) for w in listed(self.workers)]
+
+    def list_workers_if_changed(self, known: RegistrySignature | None) -> WorkerListing | None:
+        """`list_workers` with its signature, or None while that is still `known` (what
+        routers ask every second: router/cluster_view.py `ControllerDirectory` says why)."""
+        workers = listed(self.workers)
+        current = signature(workers)
+        if current == known:
+            return None
+        return WorkerListing(current, tuple((cast(WorkerInfo, w.info), w.handle) for w in workers))
 
     def describe(self) -> list[dict[str, Any]]:
         return [
@@ -564,35 +577,3 @@ def _restarted_actor() -> bool:
     False outside an actor, e.g. a controller driven directly by a test)."""
     context = ray.get_runtime_context()
     return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
-
-
-def controller_options(
-    namespace: str, detached: bool = True, node_id: str | None = None
-) -> dict[str, Any]:
-    """The controller actor's options. `node_id`: the node it must run on (`up` passes the
-    head's, `head_node_id`, as Ray Serve places its controller: not a worker node that may drop
-    off the network with its workers; the head holds the GCS, so a cluster that lost it is lost
-    anyway). None: Ray picks."""
-    opts: dict[str, Any] = {
-        "name": CONTROLLER_NAME,
-        "namespace": namespace,
-        "num_cpus": 0,
-        "max_concurrency": 1000,
-        # A controller that dies comes back and adopts the workers and routers (`_adopt`).
-        "max_restarts": -1,
-        **NO_TASK_EVENTS,
-    }
-    if detached:
-        opts["lifetime"] = "detached"
-    if node_id is not None:
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return opts
-
-
-def head_node_id() -> str | None:
-    """The Ray head node's id (the node with Ray's `node:__internal_head__` resource), None
-    when no live node has it."""
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return str(node["NodeID"])
-    return None

@@ -23,8 +23,6 @@ from deploy.control.cluster_controller import (
     CONTROLLER_NAME,
     ROUTER_PREFIX,
     Controller,
-    controller_options,
-    head_node_id,
 )
 from deploy.control.cluster_spec import ClusterSpec
 from deploy.control.config_tree import DEFAULT_CLUSTER_NAME, PdserveConfig
@@ -227,6 +225,43 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def controller_options(
+    namespace: str, detached: bool = True, node_id: str | None = None
+) -> dict[str, Any]:
+    """The controller actor's options. `node_id`: the node it must run on (`up` passes the
+    head's, `head_node_id`, as Ray Serve places its controller: not a worker node that may drop
+    off the network with its workers; the head holds the GCS, so a cluster that lost it is lost
+    anyway). None: Ray picks."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    opts: dict[str, Any] = {
+        "name": CONTROLLER_NAME,
+        "namespace": namespace,
+        "num_cpus": 0,
+        "max_concurrency": 1000,
+        # A controller that dies comes back and adopts the workers and routers
+        # (deploy/control/cluster_controller.py `Controller._adopt`).
+        "max_restarts": -1,
+        **NO_TASK_EVENTS,
+    }
+    if detached:
+        opts["lifetime"] = "detached"
+    if node_id is not None:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return opts
+
+
+def head_node_id() -> str | None:
+    """The Ray head node's id (the node with Ray's `node:__internal_head__` resource), None
+    when no live node has it."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None
 
 
 def _address(host: str) -> str:

@@ -4,9 +4,11 @@ rebalance logic (deploy/control/rebalance.py) agree on."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.cluster_view import RegistrySignature
 from vocabulary.worker_api import ActorPlacement, WorkerInfo, WorkerRole, WorkerState
 
 
@@ -41,3 +43,15 @@ WANTED_STATES = (WorkerState.STARTING, WorkerState.READY)
 
 def same_role(a: WorkerRole, b: WorkerRole) -> bool:
     return a is b or (a.decodes and b.decodes)
+
+
+def listed(workers: Mapping[str, Registered]) -> list[Registered]:
+    """The workers routers keep in view: started ones in `LISTED_STATES`, in registry order."""
+    return [w for w in workers.values() if w.info and w.state in LISTED_STATES]
+
+
+def signature(workers: Iterable[Registered]) -> RegistrySignature:
+    """Which incarnations `workers` are. A replacement has a new id; an id given out again
+    (after a controller restart) belongs to a worker with a new `started_at`, so the
+    signature changes whenever the (info, handle) pairs routers are given would."""
+    return tuple((w.worker_id, w.started_at) for w in workers)

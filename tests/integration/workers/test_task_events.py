@@ -11,7 +11,7 @@ from typing import Any
 import ray
 from workers_harness import Workers
 
-from deploy.control.cluster_controller import controller_options
+from deploy.control.launch import controller_options
 from deploy.control.worker_actors import NO_TASK_EVENTS
 
 REPORT_WAIT_S = 3.0

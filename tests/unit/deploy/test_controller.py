@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import ray
 
 from deploy.control.cluster_controller import Controller
 from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
@@ -243,3 +244,57 @@ def test_rebalance_beyond_a_fixed_ray_is_refused_before_anything_drains(
         asyncio.run(c.rebalance(0, 3, 5.0))
     assert set(c.workers) == {"prefill-0", "decode-1"}
     assert all(w.handle.calls == [] for w in c.workers.values())
+
+
+# ---- what routers are sent (router/cluster_view.py ControllerDirectory) ---------------------
+
+
+def test_routers_are_sent_the_workers_only_when_the_listed_incarnations_change() -> None:
+    c = controller(("prefill-0", WorkerRole.PREFILL, 0), ("decode-1", WorkerRole.DECODE, 0))
+    for w in c.workers.values():
+        w.info = w.worker_id  # type: ignore[assignment]
+    first = c.list_workers_if_changed(None)
+    assert first is not None and first.signature == (("prefill-0", 0.0), ("decode-1", 1.0))
+    assert [info for info, _ in first.workers] == ["prefill-0", "decode-1"]
+    assert c.list_workers_if_changed(first.signature) is None
+    c.workers["decode-1"].state = WorkerState.DRAINING  # still listed: routers read its state
+    assert c.list_workers_if_changed(first.signature) is None
+    c.workers["decode-1"].state = WorkerState.DRAINED
+    assert c.list_workers_if_changed(first.signature) is None
+    # A worker registered under an id given out before (a restarted controller): a new start.
+    old = c.workers["decode-1"]
+    again = Registered("decode-1", old.role, "decode-1", FakeHandle("decode-1", old.role), DECODE)  # type: ignore[arg-type]
+    again.state, again.started_at = WorkerState.READY, 5.0
+    c.workers["decode-1"] = again
+    second = c.list_workers_if_changed(first.signature)
+    assert second is not None and second.signature == (("prefill-0", 0.0), ("decode-1", 5.0))
+    assert second.workers[1][1] is again.handle
+    # A starting worker is not listed; once ready it is, and a removed one is gone.
+    c.workers["decode-2"] = Registered(None, WorkerRole.DECODE, "decode-2", None, DECODE)
+    assert c.list_workers_if_changed(second.signature) is None
+    c.workers["decode-2"].info, c.workers["decode-2"].state = "decode-2", WorkerState.READY  # type: ignore[assignment]
+    third = c.list_workers_if_changed(second.signature)
+    assert third is not None and [w for w, _ in third.signature] == [
+        "prefill-0", "decode-1", "decode-2"
+    ]  # fmt: skip
+    del c.workers["prefill-0"]
+    fourth = c.list_workers_if_changed(third.signature)
+    assert fourth is not None and [w for w, _ in fourth.signature] == ["decode-1", "decode-2"]
+
+
+def test_health_check_removal_changes_what_routers_are_sent() -> None:
+    c = controller(("decode-0", WorkerRole.DECODE, 0), ("decode-1", WorkerRole.DECODE, 0))
+    c.spec = dataclasses.replace(c.spec, replace_dead=False)
+    for w in c.workers.values():
+        w.info = w.worker_id  # type: ignore[assignment]
+    c.workers["decode-0"].handle._ping = lambda: "pong"
+    held = c.list_workers_if_changed(None)
+    assert held is not None
+
+    def died() -> str:
+        raise ray.exceptions.RayActorError()
+
+    c.workers["decode-1"].handle._ping = died
+    assert asyncio.run(c.check_health()) == ["decode-1"]
+    after = c.list_workers_if_changed(held.signature)
+    assert after is not None and after.signature == (("decode-0", 0.0),)
