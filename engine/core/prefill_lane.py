@@ -220,8 +220,8 @@ class PrefillLane:
     def wait_for(self, decode_step: InflightStep | None) -> None:
         """Order the next prefill step after the decode loop's latest step on the device when
         that step may still write a block one of its requests gave back (finished, aborted,
-        preempted) and the lane could be given: otherwise the prefill partition starts at
-        once (every earlier decode step has been read, so has finished)."""
+        preempted), which the lane may now be given; otherwise the prefill partition starts
+        at once (every earlier decode step has been read, so has finished)."""
         if decode_step is not None and decode_step.released_blocks():
             decode_step.order_before_current_stream()
 
