@@ -20,7 +20,6 @@ deploy/cli/command_support.py.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -257,36 +256,25 @@ def _run_foreground(config: PdserveConfig, log_file: Path | None) -> None:
     cluster = Cluster(config)
     console.print("starting pdserve (Redis, Ray, workers, router) ...")
     try:
-        endpoint = cluster.start()
+        endpoint = cluster.start()  # (it stops what it started when it fails)
     except Exception as e:
         fail(f"cluster failed to start: {e}", 1)
-    control_log = daemon.new_control_log()  # exists (empty) once the state file names it
-    state = daemon.ClusterState(
-        pid=os.getpid(),
-        targets=list(endpoint.grpc),
-        metrics=list(endpoint.metrics),
-        redis_url=endpoint.redis_url,
-        model_dir=endpoint.model_dir,
-        log=str(log_file or ""),
-        ray_address=endpoint.ray_address,
-        ray_external=config.cluster.address is not None,
-        cluster_name=config.cluster.name,
-        control_log=str(control_log),
-        admin_targets=list(endpoint.admin),
-        admin_key=cluster.access.admin_key,
-        tls_ca=os.environ.get("PDSERVE_TLS_CA") or config.router.tls.cert_file,
-    )
-    daemon.write_state(state)
-    _print_endpoint(state)
-    console.print("serving; Ctrl-C or `pdserve down` stops it")
-    follower = daemon.ControlLogFollower(cluster, control_log)
-    try:
+    state, follower = None, None
+    try:  # from here on, whatever fails, the cluster stops with this process
+        control_log = daemon.new_control_log()  # exists (empty) once the state file names it
+        state = daemon.foreground_state(cluster, endpoint, log_file, control_log)
+        daemon.write_state(state)
+        _print_endpoint(state)
+        console.print("serving; Ctrl-C or `pdserve down` stops it")
+        follower = daemon.ControlLogFollower(cluster, control_log)
         daemon.wait_for_signal(on_idle=follower.poll)
     finally:
         console.print("stopping ...")
-        follower.poll()
+        if follower is not None:
+            follower.poll()
         cluster.stop()
-        daemon.clear_state(state.pid)
+        if state is not None:
+            daemon.clear_state(state.pid)
         console.print("stopped")
 
 

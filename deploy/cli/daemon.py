@@ -64,6 +64,29 @@ class ClusterState:
         return self.targets[0]
 
 
+def foreground_state(
+    cluster: Any, endpoint: Any, log_file: Path | None, control_log: Path
+) -> ClusterState:
+    """The state file's record of a cluster this process started (`pdserve up` in the
+    foreground): `cluster` a started `deploy.control.launch.Cluster`, `endpoint` its start's."""
+    config = cluster.config
+    return ClusterState(
+        pid=os.getpid(),
+        targets=list(endpoint.grpc),
+        metrics=list(endpoint.metrics),
+        redis_url=endpoint.redis_url,
+        model_dir=endpoint.model_dir,
+        log=str(log_file or ""),
+        ray_address=endpoint.ray_address,
+        ray_external=config.cluster.address is not None,
+        cluster_name=config.cluster.name,
+        control_log=str(control_log),
+        admin_targets=list(endpoint.admin),
+        admin_key=cluster.access.admin_key,
+        tls_ca=os.environ.get("PDSERVE_TLS_CA") or config.router.tls.cert_file,
+    )
+
+
 def state_path() -> Path:
     return Path(os.environ.get("PDSERVE_STATE_FILE") or cache_dir() / "run" / "cluster.json")
 
