@@ -28,6 +28,9 @@
 #            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch;
 #            each worker sizes its KV pool from its half of the card (gpu_memory_share)
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
+#   trio_ph / trio_bal / trio_dh  issue 42's modes through the whole system on ONE GPU, one
+#            workload each (prefill-heavy, balanced, decode-heavy): one colocated worker, the
+#            one-GPU PD pair, one split worker; goodput at TPOT 20 and 40 ms (a call each)
 #   hosttier the host KV tier: its GPU tests, python -m benchmarks host_tier copy
 #            (onboard/offload GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B
 #            shape with dummy weights, one colocated worker, a 1536-block device pool, 24 closed
@@ -136,6 +139,18 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --load-format dummy --kv-cache-dtype "$kv" --modes "$modes" --colocated-workers 1 \
     --gpu-fraction 0.5 --workloads balanced --rates "balanced=2,4" \
     --duration 8 --stop-below 0
+    tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
+  trio_ph|trio_bal|trio_dh) config_model llama3-8b  # issue 42's table through the whole system
+    # one GPU, one cluster per mode in turn: one colocated worker, the PD pair sharing the GPU,
+    # one split worker (each sized from half the card); ~3-4 min per workload on a warm machine
+    case $s in
+      trio_ph) w=prefill_heavy r=4,6,8,10 slo="ttft:2000 tpot:40" tight="ttft:2000 tpot:20" ;;
+      trio_bal) w=balanced r=8,12,16,20 slo="ttft:1000 tpot:40" tight="ttft:1000 tpot:20" ;;
+      trio_dh) w=decode_heavy r=4,8,12 slo="ttft:1000 tpot:40" tight="ttft:1000 tpot:20" ;;
+    esac
+    step "$s" 560 python -m benchmarks goodput --model /tmp/cfg-llama3-8b --out "/tmp/$s" \
+    --load-format dummy --modes colocated,pd,split --colocated-workers 1 --gpu-fraction 0.5 \
+    --workloads "$w" --rates "$w=$r" --duration 8 --stop-below 0 --slo "$slo" --tight-slo "$tight"
     tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
   e2e70) config_model llama3-70b
     step e2e70 420 python -m benchmarks goodput --model /tmp/cfg-llama3-70b --out /tmp/e2e70 \

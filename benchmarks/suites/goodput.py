@@ -1,5 +1,7 @@
 """Disaggregated (1 prefill GPU + 1 decode GPU) vs colocated (2 GPUs, each prefill + decode,
-chunked prefill) goodput on the same engine, same GPUs, same router and load driver.
+chunked prefill) goodput on the same engine, same GPUs, same router and load driver; on one
+GPU (`--gpu-fraction 0.5`), the PD pair sharing it vs one colocated worker vs one split worker
+(`--modes colocated,pd,split`: prefill and decode loops in their own SM partitions).
 
 For each mode the whole system runs (Ray, Redis, workers, NIXL, router, gRPC); for each
 workload a Poisson sweep of request rates goes through the project's headless load driver
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from deploy.control.config_tree import PdserveConfig
     from deploy.control.launch import Cluster
 
+MODES = ("pd", "colocated", "split")
+"""`split`: --colocated-workers split workers (one per GPU; engine mode split, adaptive)."""
 DEFAULT_RATES = {
     "prefill_heavy": [1.0, 2.0, 3.0, 4.5],
     "balanced": [2.0, 4.0, 6.0, 9.0],
@@ -88,7 +92,9 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace) -> Pdse
     router = RouterConfig(
         grpc_port=0, metrics_port=None, admission=AdmissionConfig(thresholds=thresholds)
     )
-    pd = mode == "pd"
+    if mode not in MODES:
+        raise ValueError(f"--modes: each of {', '.join(MODES)}, got {mode!r}")
+    pd, split = mode == "pd", mode == "split"
     placement = (
         ActorPlacement(num_gpus=args.gpu_fraction, num_cpus=1.0)
         if args.gpu_fraction is not None
@@ -101,8 +107,9 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace) -> Pdse
         workers=ClusterSpec(
             engine=engine,
             num_prefill=1 if pd else 0,
-            num_decode=1 if pd else args.colocated_workers,
-            colocated=not pd,
+            num_decode=1 if pd else 0 if split else args.colocated_workers,
+            num_split=args.colocated_workers if split else 0,
+            colocated=mode == "colocated",
             placement=WorkerPlacement(default=placement),
         ),
     )
@@ -250,8 +257,9 @@ def analyse(
     for workload in args.workloads:
         w = table.get(workload, {})
         for name in slos:
-            pd, co = (w.get(m, {}).get(f"goodput_{name}") for m in ("pd", "colocated"))
+            pd, co, split = (w.get(m, {}).get(f"goodput_{name}") for m in MODES)
             w[f"ratio_{name}"] = (pd / co) if pd and co else None
+            w[f"ratio_split_{name}"] = (split / co) if split and co else None
     (out / "results.json").write_text(json.dumps(table, indent=2, default=str))
     plot(results, args, out)
     return table
@@ -332,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--make-model", action="store_true", help="write the llama3-8b preset if missing"
     )
     ap.add_argument("--out", default="bench-results/goodput")
-    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--modes", default="pd,colocated", help="of " + ",".join(MODES))
     ap.add_argument("--workloads", default="prefill_heavy,balanced,decode_heavy")
     ap.add_argument("--rates", default="", help="workload=r1,r2;... (default: built-in sweep)")
     ap.add_argument("--duration", type=float, default=12.0, help="arrival window per rate (s)")
@@ -343,7 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument(
-        "--colocated-workers", type=int, default=2, help="colocated workers (one per GPU)"
+        "--colocated-workers",
+        type=int,
+        default=2,
+        help="colocated (or split) workers (one per GPU)",
     )
     ap.add_argument(
         "--gpu-fraction", type=float, default=None,
@@ -399,18 +410,21 @@ def print_table(table: dict[str, Any], args: argparse.Namespace) -> None:
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:g}"
 
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
     rows = []
     for workload in args.workloads:
         w = table.get(workload, {})
         for name in ("chat", "tight"):
-            pd = w.get("pd", {}).get(f"goodput_{name}")
-            co = w.get("colocated", {}).get(f"goodput_{name}")
-            ratio = w.get(f"ratio_{name}")
-            rows.append(
-                (workload, name, fmt(pd), fmt(co), "-" if ratio is None else f"{ratio:.2f}x")
-            )
+            pd, co, split = (w.get(m, {}).get(f"goodput_{name}") for m in MODES)
+            rows.append((
+                workload, name, fmt(pd), fmt(co), fmt(split),
+                ratio(w.get(f"ratio_{name}")), ratio(w.get(f"ratio_split_{name}")),
+            ))  # fmt: skip
     print("\n=== goodput (req/s at >=90% SLO attainment) ===")
-    print(Table.of(("workload", "SLO", "PD", "coloc", "PD/coloc"), rows, "llrrr").plain())
+    header = ("workload", "SLO", "PD", "coloc", "split", "PD/coloc", "split/coloc")
+    print(Table.of(header, rows, "llrrrrr").plain())
     kv = table.get("kv_transfer", {})
     print(f"KV transfer effective {kv.get('gbps', 0):.0f} GB/s vs raw copy "
           f"{table['peer_copy_gbps']:.0f} GB/s")  # fmt: skip
