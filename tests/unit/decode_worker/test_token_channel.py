@@ -209,7 +209,7 @@ def test_a_subscription_that_ends_with_no_request_open_forgets_its_channel() -> 
 def test_a_channel_left_without_subscriber_is_closed_and_its_requests_aborted() -> None:
     async def body() -> None:
         aborted: list[str] = []
-        reg = registry(aborted)
+        reg = registry(aborted, orphan_s=0.5)  # (long enough that a loaded machine keeps order)
         ch = reg.get("c")
         epoch = reg.attach(ch, None)
         sink(ch, "r1")
@@ -217,7 +217,10 @@ def test_a_channel_left_without_subscriber_is_closed_and_its_requests_aborted() 
         reg.detach(ch, epoch)
         await asyncio.sleep(0.02)
         assert aborted == [] and ch.state is ChannelState.DETACHED
-        await asyncio.sleep(0.08)
+        for _ in range(100):  # closed once orphan_s has passed (polled, 5 s at most)
+            if ch.state is ChannelState.CLOSED:
+                break
+            await asyncio.sleep(0.05)
         assert sorted(aborted) == ["r1", "r2"]
         assert ch.state is ChannelState.CLOSED and reg.infos() == []
 
@@ -242,14 +245,19 @@ def test_a_lease_not_renewed_closes_the_channel_its_reader_and_aborts_its_reques
         aborted: list[str] = []
         reg = registry(aborted, orphan_s=10.0)
         ch = reg.get("c")
-        epoch = reg.attach(ch, 0.06)
+        # a lease of 0.5 s renewed every 0.1 s: the renewals hold it past its length even on
+        # a loaded machine (a 0.06 s lease renewed every 0.03 s lapsed at load average ~9)
+        epoch = reg.attach(ch, 0.5)
         sink(ch, "r1")
-        for _ in range(4):  # renewed: the lease holds past its length
-            await asyncio.sleep(0.03)
+        for _ in range(8):  # renewed: the lease holds past its length
+            await asyncio.sleep(0.1)
             assert reg.renew("c")
         assert aborted == [] and ch.state is ChannelState.ATTACHED
         reader = asyncio.ensure_future(ch.next_batch(epoch))
-        await asyncio.sleep(0.1)  # no renewal now
+        for _ in range(100):  # no renewal now: it lapses within its length (polled, 5 s at most)
+            if ch.state is ChannelState.CLOSED:
+                break
+            await asyncio.sleep(0.05)
         assert aborted == ["r1"] and ch.state is ChannelState.CLOSED
         assert await asyncio.wait_for(reader, 1) is None  # the subscription ends
         assert not reg.renew("c")
