@@ -8,21 +8,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from actor_fakes import AsyncMethod as _Method
 
 from deploy.control import lora_admin
 from router.control import LoraRefused
 from vocabulary.engine_io import LoraInfo
-
-
-class _Method:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        async def call() -> Any:
-            return self.fn(*args)
-
-        return call()
 
 
 class Worker:

@@ -5,22 +5,11 @@ router holds; the workers and their actor handles come back only when the regist
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
+from actor_fakes import AsyncMethod as _Method
 
 from router.cluster_view import ControllerDirectory, RegistrySignature, WorkerListing
-
-
-class _Method:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        async def call() -> Any:
-            return self.fn(*args)
-
-        return call()
 
 
 class FakeController:
