@@ -104,7 +104,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --kernels fi-tc,triton --block-n 64,128 --stages 2,3 --warps 4 --splits 1,2 \
     --kv-first 0,1 --prefetch 0,1 ;;
   int) step int_tests 150 python -m pytest tests/gpu/test_int_gpu.py -q -rA -p no:cacheprovider
-    TAILN=${TAILN:-60} step bench_int 300 python -m benchmarks int --int4-large-m 16,32,64,off
+    TAILN=${TAILN:-60} step bench_int 300 python -m benchmarks int --int4-large-m 32,off
     TAILN=${TAILN:-25} step bench_int_70b 240 python -m benchmarks int --shape llama3-70b \
       --iters 15 ;;
   e2e70i4) [ -f /tmp/cfg-70b-int4/config.json ] || python -m deploy.cli make-model \

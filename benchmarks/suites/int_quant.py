@@ -26,6 +26,10 @@ quality moves). The full-depth rows need room for the float32 copy (the 8B shape
 dequantizes W to bf16 and runs the bf16 GEMM instead of tinygemm; off: tinygemm at every size;
 engine/quantization/int4_linear.py `INT4_LARGE_M_ROWS`, the default run's).
 
+`--int8-kernels fused,torch`: INT8 once through the fused quantize and rescale kernels
+(engine/quantization/int8_kernels.py: three launches a projection) and once through the
+torch ops (about sixteen), the same numbers.
+
 `--shape llama3-70b`: the Llama-3-70B shape with INT4 dummy weights made layer by layer
 (~35 GB; its bf16 weights would not fit one GPU), INT4 only, with an e.g. `--layers 40`
 for a card that cannot hold all 80 beside its pool. The KV pool is sized to the memory left
@@ -33,6 +37,7 @@ for a card that cannot hold all 80 beside its pool. The KV pool is sized to the 
 does, and the output says so.
 
     python -m benchmarks int [--batches 1,16,64] [--group-size 128] [--int4-large-m 16,32,64,off]
+                             [--int8-kernels fused,torch]
     python -m benchmarks int --shape llama3-70b
 """
 
@@ -64,6 +69,7 @@ from engine.loading.int_checkpoint import IntScheme
 from engine.modeling.llama import DecoderLayer, LlamaModel
 from engine.quantization import int4_kernels
 from engine.quantization.int4_linear import INT4_LARGE_M_ROWS, Int4Linear
+from engine.quantization.int8_linear import Int8Linear, fused_ready
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
@@ -157,6 +163,13 @@ def set_int4_large_m(model: LlamaModel, rows: int | None) -> int:
     return took
 
 
+def set_int8_kernels(model: LlamaModel, fused: bool) -> None:
+    """Every INT8 projection runs the fused kernels where they are ready (else torch ops)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.fused_kernels = fused
+
+
 def fitting_batches(
     cfg: ModelConfig, batches: list[int], context: int, prompt: int, bs: int, reserve: int
 ) -> tuple[list[int], int]:
@@ -196,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--int4-large-m", default=str(INT4_LARGE_M_ROWS),
         help="INT4 once per threshold, comma separated: rows from which a projection "
         "dequantizes to bf16 for the bf16 GEMM ('off': tinygemm at every size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--int8-kernels", default="fused,torch",
+        help="INT8 once per kernel choice, comma separated: 'fused' (engine/quantization/"
+        "int8_kernels.py, where its check passes) or 'torch' (the torch ops)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -315,7 +333,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             if scheme.bits == 4:
                 bench_int4()
             else:
-                bench(label)
+                for kernels in args.int8_kernels.split(","):
+                    set_int8_kernels(model, kernels == "fused")
+                    if kernels == "fused" and not fused_ready(torch.device("cuda")):
+                        print("   int8: the fused kernels are not ready here (see the log)")
+                    bench(f"{label} {kernels}")
                 logit_rows(label)
             dense_again(model)
         for label, secs in results.items():

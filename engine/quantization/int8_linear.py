@@ -18,6 +18,9 @@ A call:
           int8 → int32; it wants more than 16 rows and both dims a multiple of 8: fewer rows
           are padded with zeros to 17; other dims run the CPU arithmetic) → int32 times the
           outer product of the scales, in float32, then the out dtype
+          (or, where `int8_kernels.ready` says so, the same numbers in three launches: the
+          quantization into a buffer already padded to 17 rows, `_int_mm`, the rescale:
+          engine/quantization/int8_kernels.py)
     CPU   the same quantization of x, `torch._int_mm` on the CPU (exact int32), the same
           rescale: the GPU's numbers exactly (integer sums have no order)
 
@@ -26,7 +29,13 @@ Figures: none yet (docs/operations.md, "Quantized checkpoints", says which comma
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from engine.quantization import int8_kernels
+
+log = logging.getLogger(__name__)
 
 INT8_MAX = 127.0
 HALF_RANGE = 127.5
@@ -71,6 +80,9 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().reshape(rows).contiguous())
         self.bias = bias
+        self.fused_kernels = True
+        """May run on CUDA through engine/quantization/int8_kernels.py where they are ready
+        (False: the torch ops; the INT benchmark times both)."""
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +94,13 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
         out_dtype = out_dtype or x.dtype
+        n, k = self.weight.shape
+        if self.fused_kernels and x.is_cuda and not (k % 8 or n % 8) and fused_ready(x.device):
+            rows = x.shape[0]
+            q, scale = int8_kernels.quantize_rows(x, HALF_RANGE, _MIN_SCALE, _INT_MM_MIN_ROWS)
+            acc = torch._int_mm(q, self.weight.t())
+            out = int8_kernels.rescale(acc, scale, self.weight_scale, rows, out_dtype)
+            return out if self.bias is None else out + self.bias
         x_q, x_scale = quantize_rows_int8(x)
         acc = int_matmul(x_q, self.weight)
         out = (acc.float() * x_scale * self.weight_scale).to(out_dtype)
@@ -102,3 +121,53 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         padded[:rows] = a
         return torch._int_mm(padded, b.t())[:rows]
     return torch._int_mm(a.contiguous(), b.t())
+
+
+_FUSED_READY: dict[torch.device, bool] = {}
+
+
+def fused_ready(device: torch.device) -> bool:
+    """Whether `Int8Linear` may run engine/quantization/int8_kernels.py on `device`: decided
+    once, on the first call outside a CUDA-graph capture (the probe synchronises; a capture
+    before it gets False, the torch ops, whose numbers are the same)."""
+    decided = _FUSED_READY.get(device)
+    if decided is not None:
+        return decided
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    usable = int8_kernels.unavailable_reason(device) is None
+    _FUSED_READY[device] = usable and fused_verified(device)
+    return _FUSED_READY[device]
+
+
+def fused_verified(device: torch.device) -> bool:
+    """Whether both kernels give the torch ops' numbers on `device` (once per device, on a
+    probe with exact ties, a zero row and a width that is no power of two)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3000, generator=gen)
+    x[1] = 0.0
+    x[2, :4] = torch.tensor([127.5, 0.5, 1.5, -2.5])  # scale 1: the values tie at .5
+    x[2, 4:] = 0.25
+    acc = torch.randint(-(2**24), 2**24, (17, 96), generator=gen, dtype=torch.int32)
+    ws = torch.rand(96, generator=gen) + 0.5
+    try:
+        want_q, want_s = quantize_rows_int8(x.to(torch.bfloat16))
+        got_q, got_s = int8_kernels.quantize_rows(
+            x.to(torch.bfloat16).to(device), HALF_RANGE, _MIN_SCALE, 17
+        )
+        want = (acc[:5].float() * want_s * ws).to(torch.bfloat16)
+        got = int8_kernels.rescale(
+            acc.to(device), want_s.to(device), ws.to(device), 5, torch.bfloat16
+        )
+        same = (
+            torch.equal(got_q[:5].cpu(), want_q)
+            and not got_q[5:].any().item()
+            and torch.equal(got_s.cpu(), want_s)
+            and torch.equal(got.cpu(), want)
+        )
+    except Exception as e:  # a kernel that does not build here
+        log.warning("int8: no fused kernels (%s: %s); torch ops", type(e).__name__, e)
+        return False
+    if not same:
+        log.warning("int8: the fused kernels differ from the torch ops here; torch ops")
+    return same

@@ -11,7 +11,12 @@ import torch
 
 from engine.quantization import int4_kernels
 from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
-from engine.quantization.int8_linear import Int8Linear, quantize_rows_int8
+from engine.quantization.int8_linear import (
+    Int8Linear,
+    fused_ready,
+    fused_verified,
+    quantize_rows_int8,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -116,3 +121,31 @@ def test_int4_large_m_path_replays_in_a_cuda_graph() -> None:
     graph.replay()
     assert not torch.equal(out, eager)
     _close(out.float(), gpu(x).float(), 1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+def test_int8_fused_kernels_give_the_torch_ops_numbers_also_in_a_cuda_graph(m: int) -> None:
+    """The three-launch path (engine/quantization/int8_kernels.py) against the torch ops on
+    the same device, bit for bit: eager, and replayed from a CUDA graph."""
+    device = torch.device("cuda")
+    assert fused_verified(device) and fused_ready(device)
+    g = torch.Generator().manual_seed(m)
+    q, scale = quantize_rows_int8(torch.randn(1024, 512, generator=g), 127.0)
+    layer = Int8Linear(q.cuda(), scale.reshape(-1).cuda(), None)
+    x = torch.randn(m, 512, generator=g).cuda().bfloat16()
+    x[0] *= 1000.0
+    layer.fused_kernels = False
+    want = layer(x)
+    layer.fused_kernels = True
+    assert torch.equal(layer(x), want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x)  # warm: the kernels build outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
