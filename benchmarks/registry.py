@@ -78,6 +78,8 @@ SUITES = (
           Device.CPU),
     Suite("simulator", "simulator",
           "pdserve simulate vs a real 1P1D tiny cluster: TTFT, TPOT, goodput", Device.CPU),
+    Suite("sim_scale", "sim_scale",
+          "pdserve simulate's wall time for a large cluster at a high rate", Device.CPU),
     Suite("sm_partition", "sm_partition",
           "SM partitions (green contexts): matmul and decode GEMM rates, alone and together",
           Device.GPU),

@@ -116,6 +116,8 @@ class Simulation:
         self.admitted = 0
         self.requests: list[SimRequest] = []
         self._followers: dict[int, list[PlannedRequest]] = {}
+        self.events = 0
+        """Events processed (the scale benchmark's count)."""
 
     # ---- the event loop ---------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class Simulation:
                 self._followers.setdefault(p.after, []).append(p)
         while self._events:
             self.now, _, fn = heapq.heappop(self._events)
+            self.events += 1
             fn()
         return sorted(self.requests, key=lambda r: r.planned.index)
 
