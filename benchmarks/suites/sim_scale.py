@@ -10,7 +10,7 @@ events the simulation processed, and the hour extrapolated from the simulation's
 is per request: a longer run is more of the same steady state).
 
     taskset -c 0 python -m benchmarks sim_scale [--rate 1000] [--duration 5] \
-        [--prefill 48 --decode 208] [--profile PATH] [--cprofile N]
+        [--prefill 128 --decode 128] [--profile PATH] [--cprofile N]
 
 `--cprofile N` runs the simulation under cProfile and prints its N costliest functions.
 """
@@ -42,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", default="synthetic")
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--duration", type=float, default=5.0, help="simulated seconds")
-    parser.add_argument("--prefill", type=int, default=48)
-    parser.add_argument("--decode", type=int, default=208)
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-inflight", type=int, default=1 << 20,
                         help="the router's max_inflight_requests (its default 256 caps a "
@@ -84,10 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"requests {n} ({report.completed} completed), events {sim.events}, "
           f"TTFT p50 {report.ttft.p50:.1f} ms, TPOT p50 {report.tpot.p50:.2f} ms")  # fmt: skip
     print(f"wall: generate {gen_s:.2f} s, simulate {sim_s:.2f} s (CPU {sim_cpu_s:.2f} s), "
-          f"records+summary {report_s:.2f} s (CPU {report_cpu_s:.2f} s); {per_s:,.0f} simulated requests per wall s, "
-          f"{sim.events / sim_s:,.0f} events per wall s; max RSS {rss_mb:.0f} MB")  # fmt: skip
-    print(f"an hour at this rate (simulate + summary, extrapolated): {hour_s:,.0f} s wall, "
-          f"{hour_cpu_s:,.0f} s CPU")
+          f"records+summary {report_s:.2f} s (CPU {report_cpu_s:.2f} s)")  # fmt: skip
+    print(f"{per_s:,.0f} simulated requests per wall s, {sim.events / sim_s:,.0f} events per "
+          f"wall s; max RSS {rss_mb:.0f} MB")  # fmt: skip
+    print(
+        f"an hour at this rate (simulate + summary, extrapolated): {hour_s:,.0f} s wall, "
+        f"{hour_cpu_s:,.0f} s CPU"
+    )
     if args.cprofile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
     return 0
