@@ -146,8 +146,8 @@ class Simulation:
             else:
                 self._followers.setdefault(p.after, []).append(p)
         # The loop allocates many objects that live to the end of the run (requests, their
-        # token times): the collector's full passes over them cost more the longer the run,
-        # and find nothing to free. It is back on afterwards.
+        # token times), and the collector's full passes over them cost more the longer the
+        # run; it is back on afterwards.
         collecting = gc.isenabled()
         gc.disable()
         try:
