@@ -76,6 +76,8 @@ SUITES = (
           Device.GPU, "--smoke"),
     Suite("router", "router", "router overhead: TTFT via gRPC minus straight to the workers",
           Device.CPU),
+    Suite("sim_scale", "sim_scale",
+          "pdserve simulate's CPU and wall time for a large cluster at a high rate", Device.CPU),
     Suite("simulator", "simulator",
           "pdserve simulate vs a real 1P1D tiny cluster: TTFT, TPOT, goodput", Device.CPU),
     Suite("sm_partition", "sm_partition",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from router.prefill_cost import PrefillCostModel
-from vocabulary.numeric import interpolate, interpolate_2d
+from vocabulary.numeric import interpolate
 
 FORMAT_VERSION = 1
 
@@ -153,8 +153,14 @@ class PerfProfile:
 
     def decode_step_s(self, batch_size: int, context_tokens: float) -> float:
         """One decode step of `batch_size` sequences of `context_tokens` tokens each."""
+        contexts, steps = self.decode_step_curve(batch_size)
+        return interpolate(contexts, steps, context_tokens)
+
+    def decode_step_curve(self, batch_size: int) -> tuple[list[int], list[float]]:
+        """A decode step's time against context at `batch_size` (context tokens ascending):
+        `decode_step_s` interpolates along it (a simulator keeps it per batch size)."""
         contexts, rows = self._decode_table
-        return interpolate_2d(contexts, rows, context_tokens, batch_size)
+        return contexts, [interpolate(xs, ys, batch_size) for xs, ys in rows]
 
     # The lookups' tables, made once per profile (the simulator asks for a step time per
     # simulated step).

@@ -25,6 +25,7 @@ Lifecycle of a request (times in seconds from the start of the run):
 from __future__ import annotations
 
 import functools
+import gc
 import heapq
 import itertools
 from collections import deque
@@ -38,21 +39,25 @@ from admission.snapshot import (
     AdmissionLedger,
     AdmissionRequest,
     ClusterSnapshot,
-    DecodeWorkerLoad,
-    PrefillWorkerLoad,
 )
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile
 from router.placement import (
-    DecodeCandidate,
     NoWorkerError,
     Placement,
     PlacementConfig,
-    PrefillCandidate,
     place,
 )
 from router.prefill_cost import LocalPrefillPolicy
-from simulator.workers import Role, SimRequest, SimWorker, block_hashes
+from simulator.views import LoadViews
+from simulator.workers import (
+    PrefixIndex,
+    Role,
+    SimRequest,
+    SimWorker,
+    StepTimes,
+    block_hashes,
+)
 
 REJECTED = "RESOURCE_EXHAUSTED"
 DEFAULT_THRESHOLDS = AdmissionThresholds()
@@ -95,15 +100,16 @@ class Simulation:
         self.shape = shape
         self.block_size = profile.header.block_size
         blocks = shape.kv_blocks or profile.header.num_kv_blocks
-        self.prefill = [
-            SimWorker(f"p{i}", Role.PREFILL, profile, blocks) for i in range(shape.prefill)
-        ]
-        self.decode = [
-            SimWorker(f"d{i}", Role.DECODE, profile, blocks) for i in range(shape.decode)
-        ]
-        self.decode += [
-            SimWorker(f"c{i}", Role.COLOCATED, profile, blocks) for i in range(shape.colocated)
-        ]
+        self.index = PrefixIndex()
+        times = StepTimes(profile)
+
+        def workers(prefix: str, role: Role, count: int) -> list[SimWorker]:
+            return [SimWorker(f"{prefix}{i}", role, profile, blocks, self.index, times)
+                    for i in range(count)]  # fmt: skip
+
+        self.prefill = workers("p", Role.PREFILL, shape.prefill)
+        self.decode = workers("d", Role.DECODE, shape.decode)
+        self.decode += workers("c", Role.COLOCATED, shape.colocated)
         self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
         self.throughput = profile.prefill_tokens_per_s()
         self.prefill_cost = profile.prefill_cost_model()
@@ -116,6 +122,17 @@ class Simulation:
         self.admitted = 0
         self.requests: list[SimRequest] = []
         self._followers: dict[int, list[PlannedRequest]] = {}
+        self.events = 0
+        """Events processed (the scale benchmark's count)."""
+        self.placement_config = PlacementConfig(
+            shape.uncached_block_weight,
+            shape.thresholds.local_prefill_threshold_tokens,
+            local_prefill_policy=shape.local_prefill,
+            prefill_cost=self.prefill_cost,
+            stall_weight=shape.stall_weight,
+        )
+        self.views = LoadViews(self.prefill, self.decode, self.throughput)
+        """What the router sees of each worker, rebuilt for the workers an event touched."""
 
     # ---- the event loop ---------------------------------------------------------------------
 
@@ -128,9 +145,19 @@ class Simulation:
                 self.at(p.send_at_s, functools.partial(self._arrive, p))
             else:
                 self._followers.setdefault(p.after, []).append(p)
-        while self._events:
-            self.now, _, fn = heapq.heappop(self._events)
-            fn()
+        # The loop allocates many objects that live to the end of the run (requests, their
+        # token times), and the collector's full passes over them cost more the longer the
+        # run; it is back on afterwards.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            while self._events:
+                self.now, _, fn = heapq.heappop(self._events)
+                self.events += 1
+                fn()
+        finally:
+            if collecting:
+                gc.enable()
         return sorted(self.requests, key=lambda r: r.planned.index)
 
     # ---- router -----------------------------------------------------------------------------
@@ -149,25 +176,16 @@ class Simulation:
             self._end(r, REJECTED)
 
     def _evaluate(self, r: SimRequest, waiting_ahead: int) -> Decision:
-        best_cached = max(
-            (w.cache.cached_blocks(r.block_hashes) for w in self.workers.values()), default=0
-        )
+        """Admission's decision for `r` now; leaves the prefix hits of `r` on every worker in
+        `r.cached_by` for the placement that follows it in the same event."""
+        r.cached_by = self.index.cached_blocks(r.block_hashes)
+        best_cached = max(r.cached_by.values(), default=0)
         uncached = r.prompt_tokens - best_cached * self.block_size
         request = AdmissionRequest(r.planned.request_id, r.prompt_tokens, uncached, r.max_tokens)
+        views = self.views.current()
         snapshot = ClusterSnapshot(
-            prefill_workers=tuple(
-                PrefillWorkerLoad(w.worker_id, w.queued_prefill_tokens, self.throughput)
-                for w in self.prefill
-            ),
-            decode_workers=tuple(
-                DecodeWorkerLoad(
-                    w.worker_id,
-                    total_blocks=w.total_blocks,
-                    free_blocks=min(w.free_blocks, w.total_blocks),
-                    inflight_transfer_blocks=w.inflight_transfer_blocks,
-                )
-                for w in self.decode
-            ),
+            prefill_workers=views.admission_prefill(),
+            decode_workers=views.decode_loads,
             transfer_budget_blocks=self.shape.transfer_budget_blocks,
             router_inflight_requests=self.admitted,
             block_size=self.block_size,
@@ -207,8 +225,12 @@ class Simulation:
             return
         r.decode_worker = placement.decode_worker_id
         r.placement = placement.reason
-        self.workers[r.decode_worker].expected += 1
+        r.cached_by = {}
+        target = self.workers[r.decode_worker]
+        target.expected += 1
+        self.views.touch(target)
         worker = self.workers[placement.prefill_worker_id or placement.decode_worker_id]
+        self.views.touch(worker)
         r.cached_tokens = placement.cached_blocks * self.block_size
         r.context = r.cached_tokens
         r.remaining_prefill = placement.uncached_tokens
@@ -218,7 +240,8 @@ class Simulation:
         worker.allocate(worker.blocks_for(r.context))
 
         def queued() -> None:
-            worker.prefill_queue.append(r)
+            worker.enqueue_prefill(r)
+            self.views.touch(worker)
             self._kick(worker)
 
         delay = self.profile.serving.request_s
@@ -228,35 +251,11 @@ class Simulation:
             queued()
 
     def _place(self, r: SimRequest) -> Placement:
-        prefill = [
-            PrefillCandidate(
-                w.worker_id, w.cache.cached_blocks(r.block_hashes), w.queued_prefill_tokens
-            )
-            for w in self.prefill
-        ]
-        decode = [
-            DecodeCandidate(
-                w.worker_id,
-                w.cache.cached_blocks(r.block_hashes),
-                w.active_blocks,
-                w.inflight_transfer_blocks,
-                w.free_blocks,
-                prefills_locally=w.role is Role.COLOCATED,
-                running_requests=len(w.running) + w.expected,
-                queued_prefill_tokens=w.queued_prefill_tokens,
-            )
-            for w in self.decode
-        ]
-        shape = self.shape
-        config = PlacementConfig(
-            shape.uncached_block_weight,
-            shape.thresholds.local_prefill_threshold_tokens,
-            local_prefill_policy=shape.local_prefill,
-            prefill_cost=self.prefill_cost,
-            stall_weight=shape.stall_weight,
-        )
+        """`router.placement.place` over the workers that can win (simulator/views.py), with
+        the prefix hits `_evaluate` found."""
         need = r.reserved_blocks
-        return place(r.prompt_tokens, self.block_size, prefill, decode, config, need)
+        prefill, decode = self.views.current().candidates(r.cached_by, need)
+        return place(r.prompt_tokens, self.block_size, prefill, decode, self.placement_config, need)
 
     def _end(self, r: SimRequest, status: str) -> None:
         r.status = status
@@ -277,6 +276,7 @@ class Simulation:
         if worker.busy or not worker.has_work():
             return
         seconds, chunks, decodes = worker.plan_step()
+        self.views.touch(worker)
         if not chunks and not decodes:
             return
         worker.busy = True
@@ -288,6 +288,7 @@ class Simulation:
     ) -> None:
         worker.busy = False
         prefilled, finished = worker.finish_step(self.now, chunks, decodes)
+        self.views.touch(worker)
         for r in finished:
             self._release(r)
         if worker.role is Role.PREFILL:
@@ -297,6 +298,8 @@ class Simulation:
 
     def _hand_off(self, source: SimWorker, r: SimRequest) -> None:
         target = self.workers[r.decode_worker]
+        self.views.touch(target)
+        self.views.touch(source)
         if r.max_tokens <= 1:
             source.release_prefill_blocks(r)
             target.expected -= 1
@@ -308,6 +311,8 @@ class Simulation:
         r.handoff_s = self.profile.handoff.seconds(blocks)
 
         def arrived() -> None:
+            self.views.touch(target)
+            self.views.touch(source)
             target.inflight_transfer_blocks -= blocks
             source.release_prefill_blocks(r)
             target.cache.store(r.block_hashes)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile
 from router.placement import PrefillReason
-from vocabulary.numeric import cdiv
+from vocabulary.numeric import cdiv, interpolate
 
 
 class Role(enum.Enum):
@@ -46,6 +46,9 @@ class SimRequest:
     """Prompt tokens the placed prefill (or local) worker already held."""
     reserved_blocks: int = 0
     decode_worker: str = ""
+    cached_by: dict[str, int] = field(default_factory=dict)
+    """Between admission and placement in one event: worker id → leading prompt blocks it
+    holds (workers holding none left out)."""
     placement: PrefillReason | None = None
     """Why it was prefilled where it was (None: never placed)."""
     remaining_prefill: int = 0
@@ -65,11 +68,46 @@ class SimRequest:
         return self.planned.max_tokens
 
 
-class PrefixCache:
-    """The block hashes a worker holds, least recently used evicted first (at most `capacity`)."""
+class PrefixIndex:
+    """Which workers hold each block hash: every worker's `PrefixCache` in one map, so the
+    cached prefix of a prompt on every worker is one walk along its hashes (the router's Redis
+    prefix index, exact: no staleness)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self) -> None:
+        self.holders: dict[int, set[str]] = {}
+
+    def cached_blocks(self, hashes: tuple[int, ...]) -> dict[str, int]:
+        """worker id → leading blocks of `hashes` it holds (workers holding none left out)."""
+        out: dict[str, int] = {}
+        if not hashes:
+            return out
+        first = self.holders.get(hashes[0])
+        if not first:
+            return out
+        live = set(first)
+        n = 1
+        for h in hashes[1:]:
+            here = self.holders.get(h)
+            still = live & here if here else set()
+            for worker_id in live - still:
+                out[worker_id] = n
+            live = still
+            if not live:
+                return out
+            n += 1
+        for worker_id in live:
+            out[worker_id] = n
+        return out
+
+
+class PrefixCache:
+    """The block hashes a worker holds, least recently used evicted first (at most `capacity`);
+    kept in step with the shared `PrefixIndex`."""
+
+    def __init__(self, capacity: int, owner: str = "", index: PrefixIndex | None = None) -> None:
         self.capacity = capacity
+        self.owner = owner
+        self.index = index or PrefixIndex()
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def cached_blocks(self, hashes: tuple[int, ...]) -> int:
@@ -82,11 +120,19 @@ class PrefixCache:
         return n
 
     def store(self, hashes: tuple[int, ...]) -> None:
+        blocks, holders = self._blocks, self.index.holders
         for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+                holders.setdefault(h, set()).add(self.owner)
+        while len(blocks) > self.capacity:
+            h, _ = blocks.popitem(last=False)
+            held = holders[h]
+            held.discard(self.owner)
+            if not held:
+                del holders[h]
 
 
 def block_hashes(token_ids: tuple[int, ...], block_size: int) -> tuple[int, ...]:
@@ -99,15 +145,50 @@ def block_hashes(token_ids: tuple[int, ...], block_size: int) -> tuple[int, ...]
     return tuple(chain)
 
 
+class StepTimes:
+    """A worker's step times from its profile (`PerfProfile.decode_step_s`, `prefill_step_s`
+    with the serving overheads), with what depends on the batch alone kept: the decode curve
+    at each batch size, the prefill time at each (tokens, cached)."""
+
+    def __init__(self, profile: PerfProfile) -> None:
+        self.profile = profile
+        self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        self._prefill: dict[tuple[int, int], float] = {}
+
+    def decode_s(self, batch_size: int, context_tokens: float) -> float:
+        curve = self._curves.get(batch_size)
+        if curve is None:
+            curve = self._curves[batch_size] = self.profile.decode_step_curve(batch_size)
+        step = interpolate(curve[0], curve[1], context_tokens)
+        return step + self.profile.serving.decode_step_s
+
+    def prefill_s(self, tokens: int, cached: int) -> float:
+        seconds = self._prefill.get((tokens, cached))
+        if seconds is None:
+            factor = self.profile.serving.prefill_factor
+            seconds = self.profile.prefill_step_s(tokens, cached) * factor
+            self._prefill[(tokens, cached)] = seconds
+        return seconds
+
+
 class SimWorker:
     """One worker's queues and KV pool; `plan_step` picks the next batch, `finish_step`
     applies it."""
 
-    def __init__(self, worker_id: str, role: Role, profile: PerfProfile, kv_blocks: int) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        role: Role,
+        profile: PerfProfile,
+        kv_blocks: int,
+        index: PrefixIndex | None = None,
+        step_times: StepTimes | None = None,
+    ) -> None:
         header = profile.header
         self.worker_id = worker_id
         self.role = role
         self.profile = profile
+        self.step_times = step_times or StepTimes(profile)
         self.block_size = header.block_size
         self.token_budget = header.max_num_batched_tokens
         self.max_num_seqs = header.max_num_seqs
@@ -124,13 +205,11 @@ class SimWorker:
         reservations: a local prefill, or a prefill and hand-off elsewhere)."""
         self.busy = False
         self.busy_s = 0.0
-        self.cache = PrefixCache(kv_blocks)
+        self.cache = PrefixCache(kv_blocks, worker_id, index)
+        self.queued_prefill_tokens = 0
+        """Prompt tokens in `prefill_queue` yet to compute (the load report's figure)."""
 
     # ---- load, as the router sees it --------------------------------------------------------
-
-    @property
-    def queued_prefill_tokens(self) -> int:
-        return sum(r.remaining_prefill for r in self.prefill_queue)
 
     @property
     def free_blocks(self) -> int:
@@ -152,6 +231,10 @@ class SimWorker:
 
     # ---- the loop ---------------------------------------------------------------------------
 
+    def enqueue_prefill(self, r: SimRequest) -> None:
+        self.prefill_queue.append(r)
+        self.queued_prefill_tokens += r.remaining_prefill
+
     def has_work(self) -> bool:
         return bool(self.prefill_queue or self.running or self.arriving)
 
@@ -171,14 +254,13 @@ class SimWorker:
             chunks.append((r, n))
             budget -= n
         seconds = 0.0
-        serving = self.profile.serving
         if decodes:
             context = sum(r.context for r in decodes) / len(decodes)
-            seconds += self.profile.decode_step_s(len(decodes), context) + serving.decode_step_s
+            seconds += self.step_times.decode_s(len(decodes), context)
         if chunks:
             tokens = sum(n for _, n in chunks)
             cached = sum(r.cached_tokens for r, _ in chunks)
-            seconds += self.profile.prefill_step_s(tokens, cached) * serving.prefill_factor
+            seconds += self.step_times.prefill_s(tokens, cached)
         return seconds, chunks, decodes
 
     def finish_step(
@@ -190,6 +272,7 @@ class SimWorker:
         prefilled = []
         for r, n in chunks:
             r.remaining_prefill -= n
+            self.queued_prefill_tokens -= n
             grow = self.blocks_for(r.context + n) - self.blocks_for(r.context)
             self.allocate(grow)
             r.context += n
@@ -199,12 +282,15 @@ class SimWorker:
                 self.cache.store(r.block_hashes)
                 prefilled.append(r)
         finished = []
+        block_size = self.block_size
         for r in decodes:
-            if self.blocks_for(r.context + 1) > self.blocks_for(r.context):
+            context = r.context
+            if context % block_size == 0:  # the next token starts a block
                 self.allocate(1)
-            r.context += 1
-            r.token_times.append(now)
-            if len(r.token_times) >= r.max_tokens:
+            r.context = context + 1
+            times = r.token_times
+            times.append(now)
+            if len(times) >= r.planned.max_tokens:
                 finished.append(r)
         for r in finished:
             self.running.remove(r)

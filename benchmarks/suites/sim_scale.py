@@ -1,0 +1,96 @@
+"""The simulator at scale: how long `pdserve simulate` takes for a large cluster and a high rate
+(issue 43's goal: an hour at 1,000 req/s over 256 GPUs in <= 60 s on one core).
+
+A cluster of `--prefill` + `--decode` one-GPU workers on a profile (default the tiny model's
+fitted CPU profile, docs/data/tiny-cpu-profile-fitted.json), the `synthetic` workload (Poisson
+arrivals) at `--rate` req/s for `--duration` simulated seconds. Prints the wall seconds (and the
+process's CPU seconds: on a shared machine the wall clock counts other work too) of the
+workload's generation and of the simulation apart, the requests simulated per wall second, the
+events the simulation processed, and the hour extrapolated from the simulation's rate (the cost
+is per request: a longer run is more of the same steady state).
+
+    taskset -c 0 python -m benchmarks sim_scale [--rate 1000] [--duration 5] \
+        [--prefill 128 --decode 128] [--profile PATH] [--cprofile N]
+
+`--cprofile N` runs the simulation under cProfile and prints its N costliest functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import resource
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from admission.config import AdmissionThresholds
+from loadtests.goodput import parse_slo, summarize
+from loadtests.workload import generate, load_profile
+from planner.perf_profile import load_perf_profile
+from simulator.cluster import ClusterShape, Simulation
+from simulator.report import to_record
+
+PROFILE = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny-cpu-profile-fitted.json"
+HOUR_S = 3600.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, default=PROFILE)
+    parser.add_argument("--workload", default="synthetic")
+    parser.add_argument("--rate", type=float, default=1000.0)
+    parser.add_argument("--duration", type=float, default=5.0, help="simulated seconds")
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-inflight", type=int, default=1 << 20,
+                        help="the router's max_inflight_requests (its default 256 caps a "
+                        "256-GPU cluster far below 1,000 req/s)")  # fmt: skip
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    args = parser.parse_args(argv)
+    profile = load_perf_profile(args.profile)
+    thresholds = AdmissionThresholds(max_inflight_requests=args.max_inflight)
+    shape = ClusterShape(args.prefill, args.decode, thresholds=thresholds)
+
+    t0 = time.perf_counter()
+    planned = generate(
+        load_profile(args.workload), rate=args.rate, duration_s=args.duration, seed=args.seed
+    )
+    gen_s = time.perf_counter() - t0
+
+    sim = Simulation(profile, shape)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if args.cprofile:
+        prof = cProfile.Profile()
+        requests = prof.runcall(sim.run, planned)
+    else:
+        requests = sim.run(planned)
+    sim_s, sim_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    report = summarize([to_record(r, args.rate) for r in requests], parse_slo("ttft:1000"))
+    report_s, report_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+
+    n = len(requests)
+    per_s = n / sim_s if sim_s > 0 else float("inf")
+    hour_s = (sim_s + report_s) * HOUR_S / args.duration
+    hour_cpu_s = (sim_cpu_s + report_cpu_s) * HOUR_S / args.duration
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"cluster {args.prefill}P{args.decode}D ({args.prefill + args.decode} GPUs), "
+          f"{args.workload} at {args.rate:g} req/s for {args.duration:g} simulated s, "
+          f"profile {args.profile.name}")  # fmt: skip
+    print(f"requests {n} ({report.completed} completed), events {sim.events}, "
+          f"TTFT p50 {report.ttft.p50:.1f} ms, TPOT p50 {report.tpot.p50:.2f} ms")  # fmt: skip
+    print(f"wall: generate {gen_s:.2f} s, simulate {sim_s:.2f} s (CPU {sim_cpu_s:.2f} s), "
+          f"records+summary {report_s:.2f} s (CPU {report_cpu_s:.2f} s)")  # fmt: skip
+    print(f"{per_s:,.0f} simulated requests per wall s, {sim.events / sim_s:,.0f} events per "
+          f"wall s; max RSS {rss_mb:.0f} MB")  # fmt: skip
+    print(
+        f"an hour at this rate (simulate + summary, extrapolated): {hour_s:,.0f} s wall, "
+        f"{hour_cpu_s:,.0f} s CPU"
+    )
+    if args.cprofile:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+    return 0
