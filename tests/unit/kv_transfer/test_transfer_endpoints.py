@@ -125,7 +125,8 @@ def test_decode_deadline_fires_on_its_timer_and_frees_the_blocks(
     outcome = pair.outcomes.get(timeout=5)
     assert outcome.state is TransferState.EXPIRED and isinstance(outcome.error, TransferTimeout)
     assert outcome.plan.local_block_ids == (9,)
-    assert time.monotonic() - start < 0.2 + 0.3
+    # its own timer, not the 5 s lease (0.3 s of slack was passed at load average ~9)
+    assert time.monotonic() - start < 0.2 + 2.0
     rid, _, _ = pair.released.get(timeout=5)  # decode's abort notice ends the lease early
     assert rid == "r1" and pair.prefill.stats().aborted == 1
 

@@ -188,7 +188,9 @@ def test_bench_with_the_asyncio_driver_writes_the_whole_report(target: str, tmp_
         target,
         "shared_prefix",
         [10.0, 40.0],
-        ["ttft:1000", "tpot:1"],  # a TPOT nobody meets: attainment 0
+        # a TTFT nobody meets through the router (a TPOT of 1 ms alone was met on a loaded
+        # machine, where tokens reach the client several at a time): attainment 0
+        ["ttft:1", "tpot:1"],
         2.0,
         tmp_path,
         use_locust=False,
@@ -196,7 +198,7 @@ def test_bench_with_the_asyncio_driver_writes_the_whole_report(target: str, tmp_
         request_timeout_s=30.0,
         console=console,
     )
-    assert summary.slo == SLO(ttft_ms=1000.0, tpot_ms=1.0)
+    assert summary.slo == SLO(ttft_ms=1.0, tpot_ms=1.0)
     assert [r.rate for r in summary.results] == [10.0, 40.0]
     assert all(r.report.good == 0 for r in summary.results)
     assert summary.max_rate is None
@@ -211,8 +213,8 @@ def test_bench_with_the_asyncio_driver_writes_the_whole_report(target: str, tmp_
     assert data["profile"] == "shared_prefix" and data["max_rate"] is None
     assert data["reports"][0]["requests"] == 6
     text = (tmp_path / "summary.txt").read_text()
-    assert "SLO ttft:1000 tpot:1" in text and "none of the rates tried" in text
-    assert "SLO ttft:1000 tpot:1" in console.export_text()
+    assert "SLO ttft:1 tpot:1" in text and "none of the rates tried" in text
+    assert "SLO ttft:1 tpot:1" in console.export_text()
 
 
 def test_bench_refuses_bad_arguments_before_running(tmp_path: Path) -> None:
