@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
+
+from engine.quantization.triton_device import triton_unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +83,8 @@ def dequantize(
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run for tensors on `device`, or None."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "the int4 dequantize kernel runs on CUDA (or with TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return f"triton does not import: {e}"
-    return None
+    """Why the kernels cannot run for tensors on `device`, or None."""
+    return triton_unavailable_reason(device, "the int4 dequantize kernel")
 
 
 @functools.cache

@@ -25,10 +25,11 @@ Triton's interpreter runs both on CPU (the unit tests compare them with the torc
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from engine.quantization.triton_device import triton_unavailable_reason
 
 _BLOCK_COLS = 1024
 """Columns a quantize program reads at a time (two passes over its row: amax, then values)."""
@@ -37,13 +38,7 @@ _BLOCK_M, _BLOCK_N = 16, 128
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run for tensors on `device`, or None."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "the int8 kernels run on CUDA (or with TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return f"triton does not import: {e}"
-    return None
+    return triton_unavailable_reason(device, "the int8 kernels")
 
 
 def quantize_rows(
