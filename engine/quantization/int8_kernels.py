@@ -51,12 +51,12 @@ def quantize_rows(
     x = x.contiguous()
     q = torch.empty((max(rows, min_rows), cols), dtype=torch.int8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if q.shape[0] > rows:
-        q[rows:].zero_()
-    if rows:
-        _quantize_kernel()[(rows,)](
-            x, q, scale, cols, divisor, min_scale, BLOCK=min(_BLOCK_COLS, _pow2(cols))
-        )
+    if q.shape[0]:
+        import triton
+
+        block = min(_BLOCK_COLS, triton.next_power_of_2(cols))
+        # one program per row of q: the padding rows past x's write zeros
+        _quantize_kernel()[(q.shape[0],)](x, q, scale, rows, cols, divisor, min_scale, BLOCK=block)
     return q, scale
 
 
@@ -69,19 +69,13 @@ def rescale(
     n = acc.shape[1]
     out = torch.empty((rows, n), dtype=out_dtype, device=acc.device)
     if rows:
-        grid = (triton_cdiv(rows, _BLOCK_M), triton_cdiv(n, _BLOCK_N))
+        import triton
+
+        grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(n, _BLOCK_N))
         _rescale_kernel()[grid](
             acc, x_scale, w_scale, out, rows, n, acc.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N
         )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @functools.cache
@@ -90,24 +84,31 @@ def _quantize_kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def quantize_kernel(x_ptr, q_ptr, scale_ptr, cols, divisor, min_scale, BLOCK: tl.constexpr):
+    def quantize_kernel(
+        x_ptr, q_ptr, scale_ptr, rows, cols, divisor, min_scale, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, cols, BLOCK):
-            m = start + offs < cols
-            x = tl.load(x_ptr + row * cols + start + offs, mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), divisor), min_scale)
-        tl.store(scale_ptr + row, scale)
-        for start in range(0, cols, BLOCK):
-            m = start + offs < cols
-            x = tl.load(x_ptr + row * cols + start + offs, mask=m, other=0.0).to(tl.float32)
-            v = tl.div_rn(x, scale)
-            r = tl.floor(v + 0.5)  # half-to-even: a tie rounded up to an odd value goes down
-            r = tl.where((r - v == 0.5) & (r % 2 != 0), r - 1.0, r)
-            r = tl.minimum(tl.maximum(r, -128.0), 127.0)
-            tl.store(q_ptr + row * cols + start + offs, r.to(tl.int8), mask=m)
+        if row >= rows:  # a padding row
+            for start in range(0, cols, BLOCK):
+                m = start + offs < cols
+                tl.store(q_ptr + row * cols + start + offs, tl.zeros((BLOCK,), tl.int8), mask=m)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for start in range(0, cols, BLOCK):
+                m = start + offs < cols
+                x = tl.load(x_ptr + row * cols + start + offs, mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), divisor), min_scale)
+            tl.store(scale_ptr + row, scale)
+            for start in range(0, cols, BLOCK):
+                m = start + offs < cols
+                x = tl.load(x_ptr + row * cols + start + offs, mask=m, other=0.0).to(tl.float32)
+                v = tl.div_rn(x, scale)
+                r = tl.floor(v + 0.5)  # half-to-even: a tie rounded up to an odd value goes down
+                r = tl.where((r - v == 0.5) & (r % 2 != 0), r - 1.0, r)
+                r = tl.minimum(tl.maximum(r, -128.0), 127.0)
+                tl.store(q_ptr + row * cols + start + offs, r.to(tl.int8), mask=m)
 
     return quantize_kernel
 

@@ -18,7 +18,7 @@ A call:
           int8 → int32; it wants more than 16 rows and both dims a multiple of 8: fewer rows
           are padded with zeros to 17; other dims run the CPU arithmetic) → int32 times the
           outer product of the scales, in float32, then the out dtype
-          (or, where `int8_kernels.ready` says so, the same numbers in three launches: the
+          (or, where `fused_ready` says so, the same numbers in three launches: the
           quantization into a buffer already padded to 17 rows, `_int_mm`, the rescale:
           engine/quantization/int8_kernels.py)
     CPU   the same quantization of x, `torch._int_mm` on the CPU (exact int32), the same
@@ -148,12 +148,12 @@ def fused_verified(device: torch.device) -> bool:
     x[1] = 0.0
     x[2, :4] = torch.tensor([127.5, 0.5, 1.5, -2.5])  # scale 1: the values tie at .5
     x[2, 4:] = 0.25
-    acc = torch.randint(-(2**24), 2**24, (17, 96), generator=gen, dtype=torch.int32)
+    acc = torch.randint(-(2**24), 2**24, (_INT_MM_MIN_ROWS, 96), generator=gen, dtype=torch.int32)
     ws = torch.rand(96, generator=gen) + 0.5
     try:
         want_q, want_s = quantize_rows_int8(x.to(torch.bfloat16))
         got_q, got_s = int8_kernels.quantize_rows(
-            x.to(torch.bfloat16).to(device), HALF_RANGE, _MIN_SCALE, 17
+            x.to(torch.bfloat16).to(device), HALF_RANGE, _MIN_SCALE, _INT_MM_MIN_ROWS
         )
         want = (acc[:5].float() * want_s * ws).to(torch.bfloat16)
         got = int8_kernels.rescale(
