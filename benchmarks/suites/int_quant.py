@@ -176,7 +176,7 @@ def fitting_batches(
     """(the batches whose KV at `context` tokens a sequence fits the free device memory less
     `reserve` beside one `prompt`-token prefill, pages for them): a batch that does not fit is
     replaced by the largest that does."""
-    page_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * bs
+    page_bytes = kv_cache_spec(cfg, bs, torch.bfloat16, 1).block_nbytes
     room = (torch.cuda.mem_get_info()[0] - reserve) // page_bytes - cdiv(prompt, bs) - 8
     fit = max(0, int(room) // cdiv(context, bs))
     kept = sorted({min(b, fit) for b in batches if min(b, fit) > 0})
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     kv = KVCache(kv_cache_spec(cfg, bs, torch.bfloat16, pages + cdiv(prompt, bs) + 8), "cuda")
     kv.tensor.normal_()
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_per_token = kv.spec.block_nbytes // bs
     results: dict[str, dict[int, float]] = {}
 
     def bench(label: str) -> None:
