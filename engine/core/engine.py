@@ -272,9 +272,10 @@ class LLMEngine:
                 outputs += self._complete(launched)
             self._latest_launch = launched
         if decision.batch.chunks:
-            self.step_meter.record(*shape, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.step_meter.record(*shape, elapsed)
             if lane is not None:
-                lane.observe_decode_step(time.perf_counter() - started)
+                lane.observe_decode_step(elapsed)
         self.last_step_idle = (
             launched is None and previous is None and not outputs and not prefilled
         )
