@@ -99,6 +99,14 @@ class KVCacheSpec:
     tp_rank: int = 0
     model_kv_heads: int = 0
     """The model's KV heads (over every rank); 0: `num_kv_heads` (one rank holds them all)."""
+    pp_size: int = 1
+    """Pipeline stages of the worker; the pool holds stage `pp_rank`'s layers
+    [layer_start, layer_start + num_layers) of the model's `total_layers`
+    (vocabulary/pipeline.py cuts them)."""
+    pp_rank: int = 0
+    layer_start: int = 0
+    model_layers: int = 0
+    """The model's layers (over every stage); 0: `num_layers` (one stage holds them all)."""
     weights: str = "none"
     """The weight format of the model whose K and V the pool holds (`LlamaModel.quantization`:
     none, fp8, int8, int4): pools of models that compute different numbers do not exchange
@@ -107,6 +115,17 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"KV pool of TP rank {self.tp_rank} of size {self.tp_size}")
+        if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"KV pool of pipeline stage {self.pp_rank} of {self.pp_size}")
+        if (
+            self.layer_start < 0
+            or self.layer_start + self.num_layers > self.total_layers
+            or (self.pp_size == 1 and self.total_layers != self.num_layers)
+        ):
+            raise ValueError(
+                f"KV pool of {self.pp_size} stage(s) holding layers [{self.layer_start}, "
+                f"{self.layer_start + self.num_layers}) of a model with {self.total_layers}"
+            )
         if self.layout not in KV_LAYOUTS:
             raise ValueError(f"KV layout {self.layout!r}: one of {', '.join(KV_LAYOUTS)}")
         one_rank_short = self.tp_size == 1 and self.total_kv_heads != self.num_kv_heads
@@ -129,6 +148,11 @@ class KVCacheSpec:
         if not self.scales:
             return 1.0, 1.0
         return self.scales[2 * layer], self.scales[2 * layer + 1]
+
+    @property
+    def total_layers(self) -> int:
+        """The model's layers (this pool holds `num_layers` of them from `layer_start`)."""
+        return self.model_layers or self.num_layers
 
     @property
     def total_kv_heads(self) -> int:
