@@ -193,9 +193,24 @@ class EngineConfig:
     """A split engine: blocks the prefill loop leaves free beyond one per running decode
     request, so the decode loop can grow without waiting for a prefill step."""
     tp_timeout_s: float = 60.0
-    """Tensor parallelism: the deadline of every wait on another rank (a step's message, its
-    all-reduces, the ranks' agreement that it ran); a rank that misses it fails the step on
-    every rank and breaks the group (the worker must be replaced)."""
+    """Tensor and pipeline parallelism: the deadline of every wait on another rank (a step's
+    message, its all-reduces, the ranks' agreement that it ran, a stage's activations); a rank
+    that misses it fails the step on every rank and breaks the group (the worker must be
+    replaced)."""
+    pipeline_parallel_size: int = 1
+    """Stages one engine's model is cut into, layers [a_s, b_s) on stage s
+    (vocabulary/pipeline.py), each stage `tensor_parallel_size` ranks: a worker is
+    pipeline_parallel_size x tensor_parallel_size ranks, rank stage * tensor_parallel_size + TP
+    rank. Rank 0 runs this engine (scheduler, sampler); every step's batch flows through the
+    stages in micro-batches (engine/core/pp_runner.py). Must divide the layers unless
+    pipeline_layer_partition is given. Not with LoRA, FP8 (weights or KV), a split engine or
+    the host KV tier."""
+    pipeline_layer_partition: tuple[int, ...] = ()
+    """Layers of each pipeline stage (pipeline_parallel_size counts summing to the model's
+    layers); empty: equal stages."""
+    pipeline_micro_batches: int = 0
+    """Micro-batches one step's batch is cut into (engine/pp/micro_batches.py: by tokens, a
+    long prompt chunk cut too); 0: twice pipeline_parallel_size."""
 
     def __post_init__(self) -> None:
         if self.grammar_cache_size < 1:
@@ -218,6 +233,7 @@ class EngineConfig:
                     "host_kv_gb: the host KV tier with tensor parallelism is not supported yet "
                     f"(tensor_parallel_size={self.tensor_parallel_size}); use 0 or -1 (off)"
                 )
+        self._check_pipeline()
         if self.mode is EngineMode.SPLIT and self.tensor_parallel_size > 1:
             raise ValueError(
                 "mode: a split engine with tensor parallelism is not supported yet "
@@ -273,6 +289,40 @@ class EngineConfig:
             if not path:
                 raise ValueError(f"loras: adapter {name!r} has no path")
             seen.add(name)
+
+    def _check_pipeline(self) -> None:
+        size = self.pipeline_parallel_size
+        if size < 1 or self.pipeline_micro_batches < 0:
+            raise ValueError(
+                "pipeline_parallel_size must be >= 1 and pipeline_micro_batches >= 0, got "
+                f"{size} and {self.pipeline_micro_batches}"
+            )
+        partition = self.pipeline_layer_partition
+        if partition and (len(partition) != size or min(partition) < 1):
+            raise ValueError(
+                f"pipeline_layer_partition: {size} positive layer counts (one per stage), got "
+                f"{','.join(map(str, partition))}"
+            )
+        if size == 1:
+            return
+        refused = [
+            ("enable_lora / loras", self.lora_enabled),
+            ("host_kv_gb", self.host_kv_gb > 0),
+            ("quantization", self.quantization == "fp8"),
+            ("kv_cache_dtype", self.kv_cache_dtype == "fp8"),
+            ("mode", self.mode is EngineMode.SPLIT),
+        ]
+        for field, on in refused:
+            if on:
+                raise ValueError(
+                    f"{field}: not supported with pipeline parallelism yet "
+                    f"(pipeline_parallel_size={size})"
+                )
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step (`pipeline_micro_batches`, 0: twice the stages)."""
+        return self.pipeline_micro_batches or 2 * self.pipeline_parallel_size
 
     @property
     def lora_enabled(self) -> bool:

@@ -31,6 +31,9 @@ the adapter's device slot (engine/core/scheduler.py). `load_lora` / `unload_lora
 
 Tensor parallelism (engine/core/tp_runner.py): this engine is rank 0 (it schedules and samples);
 `step_runner`, a `TPLeader`, runs each step on the follower ranks too; `close()` ends them.
+Pipeline parallelism (engine/core/pp_runner.py) likewise: this engine is rank 0 (stage 0, TP
+rank 0), its model stage 0's part, and `step_runner`, a `PPLeader`, runs each step through
+every stage.
 
 Not thread-safe: every method must be called from one thread; `engine.core.driver.EngineDriver`
 runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
@@ -49,6 +52,7 @@ import torch
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep, sampling_rows
+from engine.core.pp_runner import PPLeader
 from engine.core.prefill_lane import PrefillLane
 from engine.core.prompt_logprobs import PromptLogprobsStep
 from engine.core.rank_setup import build_rank, serving_max_model_len
@@ -67,6 +71,7 @@ from engine.lora.lora_registry import LoraRegistry
 from engine.modeling.llama import LlamaModel
 from engine.structured.constrained import ConstrainedRequests
 from engine.structured.grammars import Grammars
+from engine.pp.pipeline_group import PPGroup
 from engine.tp.tensor_parallel import TPGroup
 from vocabulary.block_hash import BlockHash, hash_extra
 from vocabulary.engine_io import (
@@ -94,10 +99,13 @@ class LLMEngine:
         model: LlamaModel | None = None,
         tokenizer: Tokenizer | None = None,
         tp: TPGroup | None = None,
+        pp: PPGroup | None = None,
     ) -> None:
         """`model`/`tokenizer` may be passed to share one loaded copy between engines
         (tests); the model must already be on the configured device and dtype. `tp`: rank
-        0's TP group when `config.tensor_parallel_size` > 1 (engine/core/tp_runner.py)."""
+        0's TP group when `config.tensor_parallel_size` > 1 (engine/core/tp_runner.py); `pp`:
+        rank 0's group when `config.pipeline_parallel_size` > 1 (engine/core/pp_runner.py;
+        then `tp` is None)."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model_dir)
         self.model_id = config.model_id or Path(config.model_dir).name
@@ -117,12 +125,17 @@ class LLMEngine:
         with split.decode() if split is not None else contextlib.nullcontext():
             # (a split engine's decode graphs are captured in, and run on, its decode SMs)
             parts = build_rank(
-                config, self.model_config, device, dtype, self.tokenizer, tp=tp, model=model,
-                lora_weights=self.loras.weights,
+                config, self.model_config, device, dtype, self.tokenizer, tp=tp, pp=pp,
+                model=model, lora_weights=self.loras.weights,
             )  # fmt: skip
         self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
         self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
-        self.step_runner: ModelRunner | TPLeader = self.tp_leader or self.runner
+        self.pp_leader = (
+            PPLeader(pp, self.runner, config.micro_batches) if pp is not None else None
+        )
+        self.step_runner: ModelRunner | TPLeader | PPLeader = (
+            self.tp_leader or self.pp_leader or self.runner
+        )
         spec = self.kv_cache.spec
         num_blocks = spec.num_blocks
         num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
@@ -551,6 +564,8 @@ class LLMEngine:
         self.constrained.close()
         if self.tp_leader is not None:
             self.tp_leader.close()
+        if self.pp_leader is not None:
+            self.pp_leader.close()
 
     # ---- convenience ----------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ the same order:
     block ids being the same on every rank) → allocate it (in `EngineConfig.kv_layout`) →
     the runner (CUDA-graph capture: more forwards, on every rank)
 
-With one rank and no group this is exactly the engine's single-device start-up.
+With one rank and no group this is exactly the engine's single-device start-up. A pipeline
+stage's rank (`pp`, engine/pp/pipeline_group.py) loads only its stage's layers (of its TP part),
+its stage's TP group summing its layers' outputs, and the block count is agreed over every rank
+of the worker: its pool holds its stage's layers (the spec names them: `pp_rank`,
+`layer_start`, `model_layers`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from engine.loading.fp8_calibration import prepare_fp8
 from engine.loading.loaders import load_model
 from engine.lora.lora_apply import LoraWeights
 from engine.modeling.llama import LlamaModel
+from engine.pp.pipeline_group import PPGroup
+from engine.pp.pp_stage import PPStage
 from engine.tp.tensor_parallel import TPGroup
 from engine.tp.tp_shard import check_tp_size
 from vocabulary.model_config import ModelConfig
@@ -64,6 +70,29 @@ def check_tp_config(config: EngineConfig, model_config: ModelConfig, tp: TPGroup
     check_tp_size(model_config, size)
 
 
+def check_pp_config(config: EngineConfig, model_config: ModelConfig, pp: PPGroup | None) -> None:
+    """Raise ValueError unless `pp` is the group `config` asks for (None for one stage), its
+    stages cut the model's layers as configured and each stage's TP size splits the model."""
+    size = config.pipeline_parallel_size
+    if size == 1 and pp is None:
+        return
+    if pp is None:
+        raise ValueError(
+            f"pipeline_parallel_size={size} needs this rank's group "
+            "(engine.pp.pipeline_group.init_pp_group)"
+        )
+    expected = PPStage.of(
+        model_config.num_layers, size, pp.stage.rank, config.pipeline_layer_partition
+    )
+    if pp.stage != expected or pp.tp_size != config.tensor_parallel_size:
+        raise ValueError(
+            f"pipeline_parallel_size={size} x tensor_parallel_size="
+            f"{config.tensor_parallel_size} cutting layers at {expected.bounds}, but the group "
+            f"is {pp.stage.size} x {pp.tp_size} at {pp.stage.bounds}"
+        )
+    check_tp_size(model_config, config.tensor_parallel_size)
+
+
 def build_rank(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -72,25 +101,43 @@ def build_rank(
     tokenizer: Tokenizer,
     *,
     tp: TPGroup | None = None,
+    pp: PPGroup | None = None,
     model: LlamaModel | None = None,
     lora_weights: LoraWeights | None = None,
 ) -> RankParts:
     """Build this rank's parts (see the module docstring). `model`: already loaded on the
     device and dtype (a TP rank's part for `tp`); `lora_weights`: the adapter slots (one
-    rank only)."""
-    check_tp_config(config, model_config, tp)
+    rank only); `pp`: a pipeline worker's group (then `tp` is None: the stage's TP group is
+    `pp.tp`)."""
+    stage = None
+    if pp is not None:
+        if tp is not None:
+            raise ValueError("a pipeline rank's TP group is its PPGroup's (`pp.tp`)")
+        check_pp_config(config, model_config, pp)
+        tp, stage = pp.tp, pp.stage
+    else:
+        check_pp_config(config, model_config, None)
+        check_tp_config(config, model_config, tp)
     shard = tp.shard if tp is not None else None
     if model is None:  # FP8 (configured, or the checkpoint's own) is made while loading
         model = load_model(
             config.model_dir, dtype, device, quantization=config.quantization,
-            load_format=config.load_format, seed=config.seed, shard=shard,
+            load_format=config.load_format, seed=config.seed, shard=shard, stage=stage,
         )  # fmt: skip
-    elif model.tp_shard != shard:
-        raise ValueError(f"the model given holds TP part {model.tp_shard}, this rank is {shard}")
-    # A TP rank's pool and calibration are sized by its part's config
-    cfg = model_config if tp is None else model.cfg
+    elif model.tp_shard != shard or model.pp_stage != stage:
+        raise ValueError(
+            f"the model given holds TP part {model.tp_shard} of stage {model.pp_stage}, this "
+            f"rank is {shard} of {stage}"
+        )
+    # A TP rank's or stage's pool and calibration are sized by its part's config
+    cfg = model_config if tp is None and stage is None else model.cfg
     if tp is not None:
         model.use_all_reduce(tp.all_reduce)
+    if stage is not None and model.quantization == "fp8":
+        raise ValueError(
+            f"{config.model_dir} is an FP8 checkpoint: FP8 is not supported with pipeline "
+            f"parallelism yet (pipeline_parallel_size={stage.size})"
+        )
     # FP8 weights and scales before sizing the KV pool: it gets the memory freed
     kv_scales = prepare_fp8(
         model, tokenizer.encode, config.quantization, config.kv_cache_dtype,
@@ -100,12 +147,17 @@ def build_rank(
     )  # fmt: skip
     kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
     num_blocks = decide_num_kv_blocks(config, cfg, device, kv_dtype, model, kv_scales)
-    if tp is not None:
+    if pp is not None:
+        num_blocks = pp.reduce_min(num_blocks)
+    elif tp is not None:
         num_blocks = tp.reduce_min(num_blocks)
+    pools = (1, 0, 0, 0)
+    if stage is not None:
+        pools = (stage.size, stage.rank, stage.layer_start, stage.model_layers)
     spec = kv_cache_spec(
         cfg, config.block_size, kv_dtype, num_blocks, kv_scales, shard,
         layout=kv_layout(config, device), model_kv_heads=model_config.num_kv_heads,
-        weights=model.quantization,
+        weights=model.quantization, stage=pools,
     )  # fmt: skip
     kv_cache = KVCache(spec, device)
     runner = ModelRunner(model, kv_cache, config, lora_weights)

@@ -33,13 +33,20 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.attention import BatchLayout, StepStager, build_layout, check_bounds, create_backend
+from engine.attention import (
+    BatchLayout,
+    StepInputs,
+    StepStager,
+    build_layout,
+    check_bounds,
+    create_backend,
+)
 from engine.batch import ScheduledBatch, SeqChunk
 from engine.config import EngineConfig
 from engine.core.cuda_graphs import DecodeGraphs
 from engine.device import to_device
 from engine.kv.kv_cache import KVCache, torch_dtype
-from engine.lora.lora_apply import LoraWeights, eager_step
+from engine.lora.lora_apply import LoraStep, LoraWeights, eager_step
 from engine.modeling.layer_ops import TORCH_OPS, LayerOps
 from engine.modeling.layer_ops_select import create_layer_ops
 from engine.modeling.llama import LlamaModel
@@ -119,7 +126,13 @@ class ModelRunner:
         self._sampled: torch.Tensor | None = None  # `keep_sampled`: the latest step's ids
         self._sampled_rows: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
+        whole = model.pp_stage is None  # a pipeline stage runs eager (engine/core/pp_runner.py)
+        if (
+            config.cuda_graphs
+            and whole
+            and self.device.type == "cuda"
+            and self.backend.supports_cuda_graphs
+        ):
             max_len = config.max_model_len or model.cfg.max_model_len
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             self.graphs = self._capture_graphs(max_batch, cdiv(max_len, self.block_size))
@@ -172,18 +185,67 @@ class ModelRunner:
         rows of `batch.logit_rows()` instead (every token of those chunks)."""
         if not batch.chunks:
             return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
+        layout, fill, seq_slots = self._check(batch)
+        if self.graphs is not None and batch.is_decode_only and not batch.has_all_logits:
+            size = self.graphs.batch_size_for(layout)
+            if size is not None:
+                return self.graphs.run(layout, size, fill, seq_slots)
+        step, lora = self._stage(layout, fill, seq_slots)
+        hidden = self.model(
+            step.input_ids, step.positions, self.backend.forward, self.layer_ops, lora
+        )
+        return self._logits(batch, layout, step, hidden)
+
+    @torch.inference_mode()
+    def execute_stage(self, batch: ScheduledBatch, carried: torch.Tensor | None) -> torch.Tensor:
+        """A pipeline stage's part of `execute` (engine/core/pp_runner.py): `carried` is the
+        stage before's output (None on stage 0, which embeds the tokens); returns the pair
+        (h, residual) stacked [2, tokens, hidden] for the next stage, or on the last stage the
+        logits `execute` returns. Raises ValueError for a malformed batch, as `execute`."""
+        stage = self.model.pp_stage
+        if stage is None or not batch.chunks:
+            raise ValueError("execute_stage runs a pipeline stage's model on a non-empty batch")
+        layout, fill, seq_slots = self._check(batch, tokens=stage.is_first)
+        step, lora = self._stage(layout, fill, seq_slots)
+        if carried is None:
+            h, residual = self.model.embed(step.input_ids), None
+        else:
+            h, residual = carried[0], carried[1]
+        h, residual = self.model.run_layers(
+            h, residual, step.positions, self.backend.forward, self.layer_ops, lora
+        )
+        assert residual is not None  # a stage holds at least one layer
+        if not stage.is_last:
+            return torch.stack((h, residual))
+        return self._logits(batch, layout, step, residual + h)
+
+    def check(self, batch: ScheduledBatch) -> None:
+        """Raise ValueError where `execute` would for a malformed batch (its bounds, its
+        placeholders, its LoRA slots), running nothing (a pipeline's rank 0 before any
+        rank starts the step)."""
+        if batch.chunks:
+            self._check(batch)
+
+    def _check(
+        self, batch: ScheduledBatch, tokens: bool = True
+    ) -> tuple[BatchLayout, functools.partial[None] | None, np.ndarray | None]:
+        """The batch's layout, placeholder fill and per-chunk LoRA slots, checked; `tokens`
+        False: a later pipeline stage, which reads no token ids (no fill)."""
         layout = build_layout(batch, self.block_size)
         cfg = self.model.cfg
         check_bounds(
             layout, self.kv_cache.spec.num_blocks, cfg.vocab_size, cfg.max_position_embeddings
         )
-        fill = self._placeholder_fill(batch, layout)
-        seq_slots = self._lora_slots(batch)
-        all_logits = batch.has_all_logits
-        if self.graphs is not None and batch.is_decode_only and not all_logits:
-            size = self.graphs.batch_size_for(layout)
-            if size is not None:
-                return self.graphs.run(layout, size, fill, seq_slots)
+        fill = self._placeholder_fill(batch, layout) if tokens else None
+        return layout, fill, self._lora_slots(batch)
+
+    def _stage(
+        self,
+        layout: BatchLayout,
+        fill: functools.partial[None] | None,
+        seq_slots: np.ndarray | None,
+    ) -> tuple[StepInputs, LoraStep | None]:
+        """The step's inputs on the device and the attention plan made (an eager step)."""
         lora = None
         if seq_slots is not None:
             assert self.lora is not None
@@ -198,15 +260,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._planned = torch.cuda.Event()
             self._planned.record()
-        hidden = self.model(
-            step.input_ids, step.positions, self.backend.forward, self.layer_ops, lora
-        )
-        if batch.num_sampled == 0 and not all_logits:
+        return step, lora
+
+    def _logits(
+        self, batch: ScheduledBatch, layout: BatchLayout, step: StepInputs, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits `execute` returns, from the model's output `hidden` [T, hidden]."""
+        if batch.num_sampled == 0 and not batch.has_all_logits:
             # Only mid-prompt chunks (a prompt longer than the step's token budget): the KV is
             # written, nothing is sampled. No head matmul, and no empty tensor for a kernel
             # (flashinfer's RMSNorm fails on zero rows with cudaErrorInvalidValue).
             return torch.empty((0, self.model.cfg.vocab_size), device=self.device)
-        if all_logits:
+        if batch.has_all_logits:
             hidden = hidden.index_select(0, to_device(batch.logit_rows(), torch.long, self.device))
         elif not layout.samples_every_row:
             hidden = hidden.index_select(0, step.sample_rows)

@@ -43,13 +43,16 @@ def kv_cache_spec(
     layout: str = KV_LAYOUT,
     model_kv_heads: int = 0,
     weights: str = "none",
+    stage: tuple[int, int, int, int] = (1, 0, 0, 0),
 ) -> KVCacheSpec:
     """The pool spec of this model at this block size and dtype (an e4m3 pool: with its
     per-layer scales, engine/loading/fp8_calibration.py); a TP rank's pool with `shard` (then
     `model_cfg` is the rank's part, engine/tp/tp_shard.py `local_config`, and `model_kv_heads`
     the whole model's KV heads); `layout`: engine/kv/kv_cache.py's; `weights`: the model's
-    weight format (`LlamaModel.quantization`)."""
+    weight format (`LlamaModel.quantization`); `stage`: a pipeline stage's pool, (stages, this
+    stage, its first layer, the model's layers), `model_cfg` then being the stage's part."""
     tp = shard or TPShard(1, 0)
+    pp_size, pp_rank, layer_start, model_layers = stage
     return KVCacheSpec(
         num_blocks=num_blocks,
         num_layers=model_cfg.num_layers,
@@ -63,6 +66,10 @@ def kv_cache_spec(
         layout=layout,
         model_kv_heads=model_kv_heads if tp.size > 1 else 0,
         weights=weights,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        layer_start=layer_start,
+        model_layers=model_layers if pp_size > 1 else 0,
     )
 
 
@@ -219,10 +226,11 @@ def host_available_bytes() -> int:
 
 def decide_num_host_blocks(config: EngineConfig, block_nbytes: int, num_device_blocks: int) -> int:
     """Blocks of the host tier (EngineConfig.host_kv_gb; 0: no tier, and always with tensor
-    parallelism, which does not mirror the tier's copies on the follower ranks yet)."""
+    parallelism or pipeline parallelism, which do not mirror the tier's copies on the other
+    ranks yet)."""
     if config.host_kv_gb == 0 or not config.enable_prefix_caching:
         return 0
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         return 0
     if config.host_kv_gb > 0:
         return max(1, int(config.host_kv_gb * 2**30 // block_nbytes))

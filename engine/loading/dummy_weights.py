@@ -18,7 +18,8 @@ per group, amax / 7, packed), so a 70B INT4 shape (~35 GB) is served without a c
 
 With a `shard` (tensor parallelism, engine/tp/tp_shard.py) every projection is still drawn whole,
 in the same order, and only the rank's part kept: a rank's weights are those parts of the
-whole dummy model of the same seed, whatever the TP size.
+whole dummy model of the same seed, whatever the TP size. With a pipeline `stage` every
+layer is still drawn, in the same order, and only the stage's layers kept.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from engine.loading.hf_checkpoint import PROJECTIONS, empty_model, projection_shapes
 from engine.modeling.llama import DecoderLayer, LlamaModel, RMSNorm
+from engine.pp.pp_stage import PPStage, stage_config
 from engine.quantization.fp8_linear import Fp8Linear, quantize_per_tensor
 from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
 from engine.quantization.int8_linear import INT8_MAX, Int8Linear, quantize_rows_int8
@@ -52,10 +54,11 @@ def dummy_model(
     seed: int = 0,
     shard: TPShard | None = None,
     int_scheme: IntScheme | None = None,
+    stage: PPStage | None = None,
 ) -> LlamaModel:
     """A model of `cfg` with random weights (see the module docstring); FP8 projections
     (`model.quantization == "fp8"`) with `fp8`, INT8 or INT4 ones with `int_scheme`; only rank
-    `shard.rank`'s part with `shard`."""
+    `shard.rank`'s part with `shard`; only `stage`'s layers with `stage`."""
     if fp8 and int_scheme is not None:
         raise ValueError(f"dummy weights: FP8 or {int_scheme}, not both")
     quantized = fp8 or int_scheme is not None
@@ -63,6 +66,9 @@ def dummy_model(
     if shard is not None and shard.size == 1:
         shard = None
     local = cfg if shard is None else local_config(cfg, shard)
+    if stage is not None:
+        local = stage_config(local, stage)
+    start = 0 if stage is None else stage.layer_start
     model = empty_model(local, dtype, device) if quantized else LlamaModel(local, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -72,8 +78,12 @@ def dummy_model(
 
     model.embed_tokens.copy_(normal(tuple(model.embed_tokens.shape)))
     shapes = projection_shapes(cfg)
-    for module in model.layers:
-        layer = cast(DecoderLayer, module)
+    for i in range(cfg.num_layers):
+        if stage is not None and not stage.holds(i):
+            for name in PROJECTIONS:  # drawn all the same: the stage's layers are the model's
+                normal(shapes[name])
+            continue
+        layer = cast(DecoderLayer, model.layers[i - start])
         for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm,
                      layer.k_norm):  # fmt: skip
             if isinstance(norm, RMSNorm):

@@ -23,7 +23,9 @@ scheme not computed. The FP8 and INT loaders build the model with `empty_model` 
 projections allocated by nobody but the loader) and set `model.quantization` to the format.
 With a `TPShard` of size > 1 every loader builds that rank's part (engine/tp/tp_shard.py): a
 model of the part's config, dummy weights drawn whole and cut, so each rank's part is the same
-whatever the size.
+whatever the size. With a `PPStage` every loader builds that pipeline stage's model
+(engine/pp/pp_stage.py): the checkpoint read through `stage_tensors`, dummy weights drawn for
+every layer and only the stage's kept, so a stage's layers are those of the whole model.
 
 A new format registers a loader here and, when a checkpoint declares it, its detection in
 `weight_format`; the format joins the hand-off compatibility hash through the pool spec.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from engine.loading.fp8_checkpoint import Fp8Scheme, load_fp8_weights
 from engine.loading.hf_checkpoint import empty_model, iter_checkpoint, load_weights
 from engine.loading.int_checkpoint import IntScheme, load_int_weights
 from engine.modeling.llama import LlamaModel
+from engine.pp.pp_stage import PPStage, stage_config, stage_tensors
 from engine.tp.tp_shard import TPShard, check_tp_size, local_config
 from vocabulary.model_config import ModelConfig
 
@@ -69,6 +72,13 @@ class LoadSpec:
     int_scheme: IntScheme | None
     """The INT scheme the checkpoint declares (then `fp8` is False)."""
     seed: int
+    stage: PPStage | None = None
+    """The pipeline stage whose layers the model holds (None: every layer)."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors this rank reads (its TP part, its stage's layers)."""
+        tensors = iter_checkpoint(self.model_dir, self.cfg, self.shard)
+        return tensors if self.stage is None else stage_tensors(tensors, self.stage)
 
 
 Loader = Callable[[LoadSpec], LlamaModel]
@@ -76,28 +86,27 @@ Loader = Callable[[LoadSpec], LlamaModel]
 
 def _load_dense(spec: LoadSpec) -> LlamaModel:
     model = LlamaModel(spec.local_cfg, dtype=spec.dtype, device=spec.device)
-    load_weights(model, iter_checkpoint(spec.model_dir, spec.cfg, spec.shard))
+    load_weights(model, spec.tensors())
     return model
 
 
 def _load_fp8(spec: LoadSpec) -> LlamaModel:
     model = empty_model(spec.local_cfg, spec.dtype, spec.device)
-    load_fp8_weights(model, iter_checkpoint(spec.model_dir, spec.cfg, spec.shard), spec.fp8_scheme)
+    load_fp8_weights(model, spec.tensors(), spec.fp8_scheme)
     return model
 
 
 def _load_int(spec: LoadSpec) -> LlamaModel:
     assert spec.int_scheme is not None
     model = empty_model(spec.local_cfg, spec.dtype, spec.device)
-    tensors = iter_checkpoint(spec.model_dir, spec.cfg, spec.shard)
-    load_int_weights(model, tensors, spec.int_scheme, spec.cfg)
+    load_int_weights(model, spec.tensors(), spec.int_scheme, spec.cfg)
     return model
 
 
 def _load_dummy(spec: LoadSpec) -> LlamaModel:
     return dummy_model(
         spec.cfg, spec.dtype, spec.device, fp8=spec.fp8, seed=spec.seed, shard=spec.shard,
-        int_scheme=spec.int_scheme,
+        int_scheme=spec.int_scheme, stage=spec.stage,
     )  # fmt: skip
 
 
@@ -125,10 +134,12 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     shard: TPShard | None = None,
+    stage: PPStage | None = None,
 ) -> LlamaModel:
     """Build a LlamaModel from a Hugging Face checkpoint folder on local disk (the ways in:
     see the module docstring). `seed` seeds dummy weights; `shard`: the tensor-parallel
-    rank's part only (`model.tp_shard`; ValueError for a TP size that does not split it)."""
+    rank's part only (`model.tp_shard`; ValueError for a TP size that does not split it);
+    `stage`: the pipeline stage's layers only (`model.pp_stage`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if load_format not in LOAD_FORMATS:
@@ -142,6 +153,11 @@ def load_model(
         shard = None
     if shard is not None:
         check_tp_size(cfg, shard.size)
+    if stage is not None and stage.size == 1:
+        stage = None
+    local_cfg = cfg if shard is None else local_config(cfg, shard)
+    if stage is not None:
+        local_cfg = stage_config(local_cfg, stage)
     scheme = read_checkpoint_scheme(raw)
     int_scheme = scheme if isinstance(scheme, IntScheme) else None
     fp8_scheme = scheme if isinstance(scheme, Fp8Scheme) else None
@@ -153,7 +169,7 @@ def load_model(
     spec = LoadSpec(
         model_dir=Path(model_dir),
         cfg=cfg,
-        local_cfg=cfg if shard is None else local_config(cfg, shard),
+        local_cfg=local_cfg,
         dtype=dtype,
         device=device,
         shard=shard,
@@ -161,7 +177,10 @@ def load_model(
         fp8_scheme=fp8_scheme,
         int_scheme=int_scheme,
         seed=seed,
+        stage=stage,
     )
     model = LOADERS[weight_format(load_format, fp8, int_scheme)](spec)
     model.tp_shard = shard
+    model.pp_stage = stage
+    model.drop_unused_ends()
     return model.eval()

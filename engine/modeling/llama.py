@@ -36,6 +36,11 @@ Tensor parallelism (engine/tp/tp_shard.py): a rank's model is built from its par
 heads and intermediate rows) and given the group's all-reduce (`use_all_reduce`), which sums
 the partial outputs of the two row-parallel projections, o_proj and down_proj, in place; a
 whole model (no all-reduce) runs exactly the code above.
+
+Pipeline parallelism (engine/pp/pp_stage.py): a stage's model holds only its layers (numbered
+from 0) and passes the pair (h, r) on rather than r + h: `embed` (stage 0), `run_layers` (every
+stage) and `compute_logits` over r + h (the last stage) are the pieces of `forward`, so a model
+cut into stages computes the same numbers as a whole one.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from vocabulary.model_config import ModelConfig, RopeConfig
 
 if TYPE_CHECKING:
     from engine.lora.lora_apply import LoraStep
+    from engine.pp.pp_stage import PPStage
     from engine.tp.tp_shard import TPShard
 
 
@@ -323,6 +329,9 @@ class LlamaModel(nn.Module):
         self.tp_shard: TPShard | None = None
         """The tensor-parallel part this model holds (`cfg` is then that part's config,
         engine/tp/tp_shard.py); None: the whole model."""
+        self.pp_stage: PPStage | None = None
+        """The pipeline stage whose layers this model holds (`cfg.num_layers` is then that
+        stage's count, engine/pp/pp_stage.py); None: every layer."""
 
     def use_all_reduce(self, all_reduce: AllReduce) -> None:
         """Sum o_proj's and down_proj's partial outputs over the TP ranks with `all_reduce`
@@ -342,13 +351,51 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden] (before the final norm) for flat `input_ids` [T];
         `lora`: the step's adapters (None: the base model); `rope_in_attention`: `attend`
         rotates q and k itself (a backend that took `graph_rope`), so no RoPE op runs here."""
-        h = F.embedding(input_ids, self.embed_tokens)
-        residual: torch.Tensor | None = None
+        h, residual = self.run_layers(
+            self.embed(input_ids), None, positions, attend, ops, lora, rope_in_attention
+        )
+        return h if residual is None else residual + h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] (zeros on a pipeline stage without the embedding:
+        its real input comes from the stage before; only memory profiling runs it so)."""
+        if self.embed_tokens.numel() == 0:
+            return torch.zeros(
+                (input_ids.shape[0], self.cfg.hidden_size), dtype=self.dtype, device=self.device
+            )
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attend: Attend,
+        ops: LayerOps = TORCH_OPS,
+        lora: LoraStep | None = None,
+        rope_in_attention: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer this model holds over the pair (h, residual) (the embeddings and None
+        before the first layer); the pair after the last (module docstring)."""
         for i, layer in enumerate(self.layers):
             h, residual = layer(
                 i, h, residual, positions, self.rotary, attend, ops, lora, rope_in_attention
             )
-        return h if residual is None else residual + h
+        return h, residual
+
+    def drop_unused_ends(self) -> None:
+        """A pipeline stage's model: free the embedding off stage 0 (unless the last stage's
+        tied head reads it) and the head off the last stage (engine/pp/pp_stage.py)."""
+        stage = self.pp_stage
+        if stage is None:
+            return
+        empty = nn.Parameter(
+            torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=False
+        )
+        if not stage.is_first and not (stage.is_last and self.lm_head is None):
+            self.embed_tokens = empty
+        if not stage.is_last and self.lm_head is not None:
+            self.lm_head = empty
 
     def quantize_fp8(self) -> None:
         """FP8 weights for every decoder layer's projections; embeddings, norms and the head

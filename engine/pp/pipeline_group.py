@@ -1,0 +1,214 @@
+"""The process group of a pipeline-parallel worker (PP x TP ranks), and its bounded hand-offs.
+
+A worker of `pp_size` stages of `tp_size` ranks each is `pp_size * tp_size` processes, rank
+`stage * tp_size + tp_rank` (stage-major: the order the KV hand-off lists the ranks' agents
+in). `init_pp_group` joins this process to the worker's group (torch.distributed's default
+group: one worker per process) and returns a `PPGroup` over:
+
+- the world (every rank): the device group (NCCL on GPUs, gloo on CPU) carries the activations
+  from (stage s, tp rank t) to (s + 1, t) and the logits from the last stage's tp rank 0 back
+  to rank 0 (`isend` / `recv`, point to point); a gloo control group carries rank 0's step
+  messages (`send_step` / `receive_step`) and the start-up agreement on the KV pool's block
+  count (`reduce_min`), through a `TPGroup` over every rank (engine/tp/tensor_parallel.py: its
+  bounded control ops);
+- with `tp_size` > 1, each stage's TP group (`tp`: a `TPGroup` over that stage's ranks, whose
+  all-reduces its model's layers use).
+
+Every wait has a deadline (`EngineConfig.tp_timeout_s`); a rank that dies closes its sockets,
+so gloo fails its peers' pending ops at once (NCCL at its timeout). Any failed op breaks the
+group: from then on every call raises `TPGroupError` at once, naming the first failure, and
+the worker must be replaced. States as `TPGroup`'s: OPEN → BROKEN → CLOSED, or OPEN → CLOSED.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.pp.pp_stage import PPStage
+from engine.tp.tensor_parallel import (
+    CONTROL_OP_LIMIT,
+    TP_BACKENDS,
+    TPGroup,
+    TPGroupError,
+    TPGroupState,
+)
+from engine.tp.tp_shard import TPShard
+
+log = logging.getLogger(__name__)
+
+
+class PPGroup:
+    """This process's rank of a PP x TP worker (see the module docstring)."""
+
+    def __init__(
+        self, stage: PPStage, tp_rank: int, tp_size: int, world: TPGroup, tp: TPGroup | None
+    ) -> None:
+        """`world`: the bounded control ops over every rank; `tp`: this stage's TP group
+        (None when `tp_size` is 1). Use `init_pp_group` rather than this."""
+        self.stage = stage
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.world = world
+        self.tp = tp
+        self.rank = stage.rank * tp_size + tp_rank
+        self.size = stage.size * tp_size
+        self.timeout_s = world.timeout_s
+
+    def rank_of(self, stage: int, tp_rank: int) -> int:
+        """The worker rank of (stage, tp rank)."""
+        return stage * self.tp_size + tp_rank
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The rank that hands the logits back to rank 0 (the last stage's tp rank 0)."""
+        return self.rank_of(self.stage.size - 1, 0)
+
+    # ---- control (rank 0 → every rank) ----------------------------------------------------
+
+    def send_step(self, message: object) -> None:
+        """Rank 0: hand `message` (picklable) to every other rank's `receive_step`."""
+        self.world.send(message)
+
+    def receive_step(self, stop: Callable[[], bool] | None = None) -> object | None:
+        """Ranks > 0: the next message of rank 0, waiting as long as rank 0 lives (None once
+        `stop()` is true)."""
+        return self.world.receive(stop)
+
+    def reduce_min(self, value: int) -> int:
+        """The smallest `value` over every rank (the KV pool's block count: the block ids are
+        the same on every rank)."""
+        return self.world.reduce_min(value)
+
+    # ---- point to point -------------------------------------------------------------------
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
+        """Start sending contiguous `tensor` to rank `dst` (its `recv` of the same shape);
+        the caller keeps `tensor` alive until `wait_sent` returns."""
+        self.check()
+        try:
+            work = dist.isend(tensor, dst=dst)
+        except Exception as e:
+            raise self.fail(f"sending to rank {dst} failed: {e}") from e
+        assert work is not None
+        return work
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill `tensor` with what rank `src` sends next (within the deadline)."""
+        self.check()
+        try:
+            work = dist.irecv(tensor, src=src)
+        except Exception as e:
+            raise self.fail(f"receiving from rank {src} failed: {e}") from e
+        assert work is not None
+        self._wait(work, f"receiving from rank {src}")
+        return tensor
+
+    def wait_sent(self, works: Sequence[dist.Work]) -> None:
+        """Wait for sends started by `isend` (within the deadline)."""
+        for work in works:
+            self._wait(work, "sending to the next stage")
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> TPGroupState:
+        if self.tp is not None and self.tp.state is TPGroupState.BROKEN:
+            return TPGroupState.BROKEN
+        return self.world.state
+
+    @property
+    def failure(self) -> str:
+        """Why the group broke (empty while it is open)."""
+        if self.tp is not None and self.tp.failure and self.world.state is TPGroupState.OPEN:
+            return self.tp.failure
+        return self.world.failure
+
+    def check(self) -> None:
+        """Raise TPGroupError unless the group is open."""
+        if self.tp is not None:
+            self.tp.check()
+        self.world.check()
+
+    def fail(self, reason: str) -> TPGroupError:
+        """Break the group (peers blocked on this rank fail at once, gloo); the error to
+        raise."""
+        error = self.world.fail(f"pipeline stage {self.stage.rank}: {reason}")
+        if self.tp is not None and self.tp.state is TPGroupState.OPEN:
+            self.tp.state = TPGroupState.BROKEN
+            self.tp.failure = self.world.failure
+        return error
+
+    def close(self) -> None:
+        """Leave the group (idempotent); its peers' pending ops then fail."""
+        self.world.close()
+        if self.tp is not None:
+            self.tp.state = TPGroupState.CLOSED
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            if work.is_completed():  # it failed: a peer is gone
+                raise self.fail(f"{what}: {e}") from e
+            raise self.fail(f"{what}: no answer within {self.timeout_s:g} s") from e
+
+
+def init_pp_group(
+    rank: int,
+    stage: PPStage,
+    tp_size: int,
+    master_addr: str,
+    port: int,
+    backend: str = "auto",
+    timeout_s: float = 60.0,
+) -> PPGroup:
+    """Join rank `rank` (stage-major: `stage.rank * tp_size + tp rank`) of a worker of
+    `stage.size` stages of `tp_size` ranks to its group, rendezvous at tcp://master_addr:port
+    (rank 0 listens there; every rank must call this within `timeout_s` of the others).
+    `backend`: auto (nccl when CUDA is available, else gloo), nccl or gloo; `timeout_s` bounds
+    every wait (`EngineConfig.tp_timeout_s`). On GPUs each rank must already see its own device
+    as the current one."""
+    size = stage.size * tp_size
+    if not 0 <= rank < size or rank // tp_size != stage.rank:
+        raise ValueError(
+            f"rank {rank} is not of pipeline stage {stage.rank} ({stage.size} stages x "
+            f"{tp_size} TP ranks)"
+        )
+    if backend not in TP_BACKENDS:
+        raise ValueError(f"backend: one of {', '.join(TP_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed group (one worker)")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_OP_LIMIT)
+    tp_rank = rank % tp_size
+    tp: TPGroup | None = None
+    for s in range(stage.size):  # every rank makes every subgroup, in the same order
+        ranks = list(range(s * tp_size, (s + 1) * tp_size))
+        if tp_size == 1:
+            break
+        device = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        stage_control = dist.new_group(ranks, backend="gloo", timeout=CONTROL_OP_LIMIT)
+        if s == stage.rank:
+            tp = TPGroup(TPShard(tp_size, tp_rank), device, stage_control, timeout_s)
+    world = TPGroup(TPShard(size, rank), None, control, timeout_s)
+    if backend == "nccl":  # communicators made at the first collective, before any capture
+        warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(warm)
+        if tp is not None:
+            tp.all_reduce(warm)
+        torch.cuda.synchronize()
+    log.info("pipeline rank %d of %d (stage %d, TP rank %d)", rank, size, stage.rank, tp_rank)
+    return PPGroup(stage, tp_rank, tp_size, world, tp)
