@@ -32,20 +32,15 @@ def _rank_main(
     import torch
 
     from engine.core.engine import LLMEngine
-    from engine.core.pp_runner import StageLoop, prepare_stage, serve_stage
+    from engine.core.pp_runner import StageLoop, pipeline_stage, prepare_stage, serve_stage
     from engine.pp.pipeline_group import init_pp_group
-    from engine.pp.pp_stage import PPStage
-    from vocabulary.model_config import ModelConfig
 
     torch.set_num_threads(1)
     tp = config.tensor_parallel_size
     if backend == "nccl":
         torch.cuda.set_device(rank)
     try:
-        stage = PPStage.of(
-            ModelConfig.from_pretrained(config.model_dir).num_layers, config.pipeline_parallel_size, rank // tp,
-            config.pipeline_layer_partition,
-        )  # fmt: skip
+        stage = pipeline_stage(config, rank)
         group = init_pp_group(rank, stage, tp, "127.0.0.1", port, backend, config.tp_timeout_s)
         if rank > 0:
             loop = StageLoop(group, prepare_stage(config, group))

@@ -69,9 +69,9 @@ from engine.kv.host_tier import CopyBudget, HostTier
 from engine.kv.kv_sizing import decide_num_host_blocks
 from engine.lora.lora_registry import LoraRegistry
 from engine.modeling.llama import LlamaModel
+from engine.pp.pipeline_group import PPGroup
 from engine.structured.constrained import ConstrainedRequests
 from engine.structured.grammars import Grammars
-from engine.pp.pipeline_group import PPGroup
 from engine.tp.tensor_parallel import TPGroup
 from vocabulary.block_hash import BlockHash, hash_extra
 from vocabulary.engine_io import (
@@ -130,9 +130,7 @@ class LLMEngine:
             )  # fmt: skip
         self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
         self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
-        self.pp_leader = (
-            PPLeader(pp, self.runner, config.micro_batches) if pp is not None else None
-        )
+        self.pp_leader = PPLeader(pp, self.runner, config.micro_batches) if pp is not None else None
         self.step_runner: ModelRunner | TPLeader | PPLeader = (
             self.tp_leader or self.pp_leader or self.runner
         )

@@ -56,6 +56,7 @@ from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.core.tp_runner import StopMessage
 from engine.pp.micro_batches import logit_row_count, micro_batches
 from engine.pp.pipeline_group import PPGroup
+from engine.pp.pp_stage import PPStage
 from engine.tp.tensor_parallel import TPGroupError, TPGroupState
 from vocabulary.model_config import ModelConfig
 from vocabulary.tokenizer import Tokenizer
@@ -194,6 +195,16 @@ class PPLeader:
         """Tell the other ranks to return (idempotent; nothing to tell a broken group)."""
         if self.group.state is TPGroupState.OPEN:
             self.group.send_step(StopMessage())
+
+
+def pipeline_stage(config: EngineConfig, rank: int) -> PPStage:
+    """The stage worker rank `rank` of an engine of `config` serves (ValueError naming the
+    numbers when the stages do not cut the model's layers as configured)."""
+    num_layers = ModelConfig.from_pretrained(config.model_dir).num_layers
+    tp = config.tensor_parallel_size
+    return PPStage.of(
+        num_layers, config.pipeline_parallel_size, rank // tp, config.pipeline_layer_partition
+    )
 
 
 def prepare_stage(config: EngineConfig, group: PPGroup) -> ModelRunner:
