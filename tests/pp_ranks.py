@@ -28,6 +28,7 @@ def _rank_main(
     conn: Connection,
     backend: str,
     fault_rank: int,
+    slow: tuple[int, float] | None,
 ) -> None:
     import torch
 
@@ -46,12 +47,16 @@ def _rank_main(
             loop = StageLoop(group, prepare_stage(config, group))
             if rank == fault_rank:
                 _fail_stage_after(loop, 3)
+            if slow is not None and slow[0] == rank:
+                _slow_stage(loop, slow[1])
             conn.send("built")
             steps = serve_stage(loop)
             group.close()
             conn.send(("ok", (steps, list(loop.trace), loop.runner.kv_cache.spec)))
             return
         engine = LLMEngine(config, pp=group)
+        if slow is not None and slow[0] == 0:
+            _slow_stage(engine.step_runner.loop, slow[1])
         assert scenario is not None
         result = scenario(engine, conn)
         trace = list(engine.step_runner.trace)
@@ -76,6 +81,20 @@ def _fail_stage_after(loop: Any, steps: int) -> None:
     loop.runner.execute_stage = failing
 
 
+def _slow_stage(loop: Any, seconds: float) -> None:
+    """Make this rank's stage take `seconds` longer per micro-batch (inside its span)."""
+    import time
+
+    real = loop.runner.execute_stage
+
+    def slow(batch: Any, carried: Any) -> Any:
+        out = real(batch, carried)
+        time.sleep(seconds)
+        return out
+
+    loop.runner.execute_stage = slow
+
+
 @dataclass
 class PPRanks(TPRanks):
     """Rank processes of one PP x TP engine (`config` says the sizes); every rank but 0 sends
@@ -83,6 +102,8 @@ class PPRanks(TPRanks):
 
     fault_rank: int = -1
     """A rank > 0 whose stage raises from its 4th step on; -1: none."""
+    slow: tuple[int, float] | None = None
+    """(rank, seconds): that rank's stage sleeps that long in each micro-batch; None: none."""
     processes: list[BaseProcess] = field(default_factory=list)
     pipes: list[Connection] = field(default_factory=list)
 
@@ -92,7 +113,8 @@ class PPRanks(TPRanks):
         for rank in range(self.size):
             ours, theirs = ctx.Pipe()
             scenario = self.scenario if rank == 0 else None
-            args = (rank, port, self.config, scenario, theirs, self.backend, self.fault_rank)
+            args = (rank, port, self.config, scenario, theirs, self.backend, self.fault_rank,
+                    self.slow)  # fmt: skip
             p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self.processes.append(p)

@@ -1,0 +1,160 @@
+"""Pipeline parallelism on CPU: the tiny model (4 layers) cut into 2 and 4 stages (and 2
+stages of 2 TP ranks) in real processes over gloo gives transformers' greedy tokens; a step's
+micro-batches keep both stages busy at once (the step trace); a stage that dies or fails
+mid-step fails rank 0's step at once (no hang).
+
+Tokens are compared exactly: a stage passes the pair (h, residual) on, so the arithmetic is
+the whole model's, and a prompt chunk cut into micro-batches reads its earlier pieces' KV as
+a chunked prefill does (the tiny model's greedy choices have clear margins).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cpu_engine import cpu_engine
+from engine_factories import greedy
+from pp_ranks import PPRanks, pp_size
+from references import Reference
+from tp_ranks import generate_rounds, step_after_kill, step_until_error
+
+from engine.config import EngineConfig
+from engine.core.engine import LLMEngine
+from engine.core.pp_runner import StageSpan
+from engine.modeling.llama import LlamaModel
+from vocabulary.tokenizer import Tokenizer
+
+
+def pp_config(model_dir: Path, stages: int, tp: int = 1, **fields: Any) -> EngineConfig:
+    """Chunked prefill (32-token steps: the long prompts take 2 chunks), 128 blocks."""
+    fields = {"max_num_batched_tokens": 32, **fields}
+    return cpu_engine(
+        model_dir, block_size=16, num_kv_blocks=128, pipeline_parallel_size=stages,
+        tensor_parallel_size=tp, tp_timeout_s=20.0, **fields,
+    )  # fmt: skip
+
+
+def run_ranks(config: EngineConfig, scenario: Any, timeout_s: float = 120, **kw: Any) -> list[Any]:
+    ranks = PPRanks(pp_size(config), config, scenario, **kw)
+    try:
+        return ranks.start().results(timeout_s=timeout_s)
+    finally:
+        ranks.stop()
+
+
+@pytest.mark.parametrize(("stages", "tp"), [(2, 1), (4, 1), (2, 2)])
+def test_pp_greedy_tokens_match_transformers_and_one_rank(
+    tiny_model_dir: Path,
+    tiny_model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    hf_greedy: Reference,
+    stages: int,
+    tp: int,
+) -> None:
+    """Eight prompts in one batch, chunked, twice (the second round hits the prefix cache);
+    every rank's pool holds its stage's layers of its TP part, with the same block count."""
+    config = pp_config(tiny_model_dir, stages, tp)
+    results = run_ranks(config, functools.partial(generate_rounds, prompts, greedy(10), 2))
+    assert all(status == "ok" for status, _ in results), results
+    got, _ = results[0][1]
+    for i, prompt in enumerate(prompts):
+        assert got["rounds"][0][i][0] == hf_greedy(prompt, 10), f"prompt {i}"
+    one = LLMEngine(
+        replace(config, pipeline_parallel_size=1, tensor_parallel_size=1),
+        model=tiny_model,
+        tokenizer=tokenizer,
+    )
+    assert got["rounds"] == generate_rounds(prompts, greedy(10), 2, one, None)["rounds"]
+    per_stage = 4 // stages
+    specs = [got["spec"]] + [spec for _, (_, _, spec) in results[1:]]
+    for rank, spec in enumerate(specs):
+        stage = rank // tp
+        assert (spec.pp_size, spec.pp_rank, spec.layer_start, spec.num_layers) == (
+            stages, stage, stage * per_stage, per_stage
+        )  # fmt: skip
+        assert (spec.model_layers, spec.tp_size, spec.tp_rank) == (4, tp, rank % tp)
+        assert spec.num_blocks == 128
+    assert all(steps > 0 for _, (steps, _, _) in results[1:])  # every rank ran, returned on close
+
+
+def prefill_one(prompt: list[int], engine: Any, conn: Any) -> list[int]:
+    return engine.generate([prompt], greedy(4))[0]
+
+
+@pytest.mark.parametrize("slow_stage", [0, 1])
+def test_micro_batches_keep_both_stages_busy(
+    tiny_model_dir: Path, tokenizer: Tokenizer, hf_greedy: Reference, slow_stage: int
+) -> None:
+    """The schedule of engine/core/pp_runner.py on a 192-token prompt cut into 4 micro-batches
+    of 48 tokens, one stage made 200 ms slower per micro-batch (so the trace does not hang on
+    how a loaded machine schedules the processes): each stage runs the micro-batches in order,
+    stage 1 starts micro-batch k only after stage 0 ended it, and the stages work at once:
+    with stage 1 slow, stage 0 runs all four while stage 1 is on its first (it never waits for
+    the next stage); with stage 0 slow, stage 1 has ended k before stage 0 ends k + 1."""
+    text = "The river runs past the old mill and under the stone bridge. " * 12
+    prompt = tokenizer.encode(text)[:192]
+    assert len(prompt) == 192
+    config = pp_config(tiny_model_dir, 2, max_num_batched_tokens=256, pipeline_micro_batches=4)
+    scenario = functools.partial(prefill_one, prompt)
+    leader, follower = run_ranks(config, scenario, slow=(slow_stage, 0.2))
+    assert leader[0] == "ok" and follower[0] == "ok", (leader, follower)
+    tokens, stage0 = leader[1]
+    _, stage1, _ = follower[1]
+    assert tokens == hf_greedy(prompt, 4)
+    first = [s for s in stage0 if s.step == 1], [s for s in stage1 if s.step == 1]
+    assert [s.micro_batch for s in first[0]] == [s.micro_batch for s in first[1]] == [0, 1, 2, 3]
+    assert {s.stage for s in first[0]} == {0} and {s.stage for s in first[1]} == {1}
+    for a, b in zip(*first, strict=True):
+        assert b.start >= a.end  # stage 1 runs k after stage 0 handed it over
+    if slow_stage == 1:
+        assert first[0][-1].end < first[1][0].end, first
+    else:
+        for a, b in zip(first[0][1:], first[1][:-1], strict=True):
+            assert b.end < a.end, first
+    assert sum(overlap(a, b) for a in first[0] for b in first[1]) > 0, first
+
+
+def overlap(a: StageSpan, b: StageSpan) -> float:
+    """Seconds both spans were running."""
+    return max(0.0, min(a.end, b.end) - max(a.start, b.start))
+
+
+def test_killed_stage_fails_rank0_next_step_within_deadline(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    config = pp_config(tiny_model_dir, 2)
+    ranks = PPRanks(2, config, functools.partial(step_after_kill, prompts[0], greedy(50)))
+    ranks.start()
+    try:
+        assert ranks.recv(1, timeout_s=60) == "built"
+        assert ranks.recv(0, timeout_s=60) == "ready"
+        ranks.kill(1)
+        ranks.pipes[0].send("killed")
+        ((status, ((elapsed, error, message), _)),) = ranks.results(timeout_s=30, ranks=(0,))
+    finally:
+        ranks.stop()
+    assert status == "ok"
+    assert error == "TPGroupError", message
+    assert "TP group broken" in message
+    assert elapsed < config.tp_timeout_s
+
+
+def test_stage_failing_mid_step_fails_every_rank(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Stage 1 (of 4) raises in a step: it breaks the group at once, so rank 0 (waiting for
+    the last stage's logits) and the other stages fail too, well within the deadline."""
+    config = pp_config(tiny_model_dir, 4)
+    scenario = functools.partial(step_until_error, prompts[0], greedy(50))
+    results = run_ranks(config, scenario, timeout_s=90, fault_rank=1)
+    status, ((elapsed, error, message), _) = results[0]
+    assert status == "ok"
+    assert error == "TPGroupError", message
+    assert elapsed < config.tp_timeout_s
+    assert results[1][0] == "error" and "injected fault in a pipeline stage" in results[1][1]
+    assert all(r[0] == "error" and "TP group broken" in r[1] for r in results[2:]), results
