@@ -320,6 +320,11 @@ class EngineConfig:
                 )
 
     @property
+    def num_ranks(self) -> int:
+        """Processes (devices) of one engine: pipeline stages x tensor-parallel ranks."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches per step (`pipeline_micro_batches`, 0: twice the stages)."""
         return self.pipeline_micro_batches or 2 * self.pipeline_parallel_size

@@ -262,6 +262,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 kv_cache_dtype=info.kv_cache_dtype,
                 kv_cache_bytes=info.kv_cache_bytes,
                 tp_size=info.tp_size,
+                pp_size=info.pp_size,
                 kv_layout=info.kv_layout,
                 ttft_p50_ms=lat.ttft_p50_ms,
                 ttft_p90_ms=lat.ttft_p90_ms,

@@ -66,7 +66,10 @@ class WorkerInfo:
     kv_cache_bytes: int = 0
     """Bytes of the KV pool (rank 0's, with tensor parallelism: each rank has one)."""
     tp_size: int = 1
-    """Tensor-parallel ranks (devices) of the worker; it is one worker all the same."""
+    """Tensor-parallel ranks (devices) of the worker (of each pipeline stage); it is one
+    worker all the same."""
+    pp_size: int = 1
+    """Pipeline stages of the worker, each of `tp_size` ranks (pp_size x tp_size devices)."""
     kv_layout: str = ""
     """Layout of the KV pool (engine/kv/kv_cache.py)."""
 

@@ -13,10 +13,10 @@ Health means progress: `check_health` (the actor's `ping`) reads each watched th
 `watch`) and raises `WorkerUnhealthy` when one has died, or has had work pending without
 completing an iteration for `stall_timeout_s`; the asyncio loop answering is not enough.
 
-Tensor parallelism: with follower actors (`followers`, one per rank 1..N-1), this worker is
-rank 0: `start` starts them and builds its engine in their group (worker_runtime/tp_ranks.py),
-and the ranks are watched too (a follower that died, or a broken group, makes the worker
-unhealthy); `stop` ends them.
+Tensor and pipeline parallelism: with follower actors (`followers`, one per rank 1..N-1:
+TP ranks, or pipeline stages x TP ranks), this worker is rank 0: `start` starts them and
+builds its engine in their group (worker_runtime/tp_ranks.py), and the ranks are watched too
+(a follower that died, or a broken group, makes the worker unhealthy); `stop` ends them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 from engine.config import EngineConfig
 from engine.core.driver import EngineDriver, EngineStopped
 from engine.core.engine import LLMEngine
-from engine.tp.tensor_parallel import TPGroup
+from engine.pp.pipeline_group import PPGroup
 from kv_transfer.config import KVTransferConfig
 from prefix_index.config import PrefixIndexConfig
 from prefix_index.publisher import KVEventPublisher
@@ -52,7 +52,7 @@ from vocabulary.worker_api import (
     WorkerStopped,
     WorkerUnhealthy,
 )
-from worker_runtime.tp_ranks import TPRanks
+from worker_runtime.tp_ranks import TPRanks, WorkerGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,11 +137,15 @@ class WorkerRuntime:
         followers: Sequence[Any] = (),
         transfer: KVTransferConfig | None = None,
     ) -> None:
-        """`followers`: the actors of TP ranks 1.. (worker_runtime/tp_follower.py), as many
-        as `config.engine.tensor_parallel_size` - 1."""
-        size = config.engine.tensor_parallel_size
+        """`followers`: the actors of ranks 1.. (worker_runtime/tp_follower.py), as many as
+        `config.engine.num_ranks` - 1 (TP ranks, or pipeline stages x TP ranks)."""
+        size = config.engine.num_ranks
         if len(followers) != size - 1:
-            raise ValueError(f"tensor_parallel_size={size} needs {size - 1} follower actors")
+            raise ValueError(
+                f"{config.engine.pipeline_parallel_size} pipeline stage(s) x "
+                f"{config.engine.tensor_parallel_size} TP rank(s) need {size - 1} follower "
+                "actors"
+            )
         self.config = config
         self.actor_name = actor_name
         self.tp = (
@@ -169,9 +173,7 @@ class WorkerRuntime:
         self._loop = asyncio.get_running_loop()
         if self.tp is not None:
             engine_config = self.config.engine
-            self.engine = await self.tp.start(
-                self._build_engine, engine_config.tp_timeout_s, START_TIMEOUT_S
-            )
+            self.engine = await self.tp.start(self._build_engine, engine_config, START_TIMEOUT_S)
             self.watch(TP_RANKS, self.tp.probe)
         else:
             self.engine = await asyncio.to_thread(self._build_engine)
@@ -212,17 +214,20 @@ class WorkerRuntime:
             kv_cache_dtype=engine.kv_cache.spec.dtype,
             kv_cache_bytes=engine.kv_cache.spec.nbytes,
             tp_size=engine.config.tensor_parallel_size,
+            pp_size=engine.config.pipeline_parallel_size,
             kv_layout=engine.kv_cache.spec.layout,
         )
         self.state = WorkerState.READY
         return self.info
 
-    def _build_engine(self, tp: TPGroup | None = None) -> LLMEngine:
+    def _build_engine(self, group: WorkerGroup | None = None) -> LLMEngine:
         import torch
 
         if self.config.engine.device in ("cpu", "auto") and not torch.cuda.is_available():
             torch.set_num_threads(max(1, self.config.torch_threads))
-        return LLMEngine(self.config.engine, tp=tp)
+        if isinstance(group, PPGroup):
+            return LLMEngine(self.config.engine, pp=group)
+        return LLMEngine(self.config.engine, tp=group)
 
     def stop(self) -> None:
         """Fail every open stream with `WorkerStopped`, stop the publisher and the engine

@@ -1,15 +1,17 @@
-"""A follower rank of a tensor-parallel worker: a small Ray actor, one per rank 1..N-1.
+"""A follower rank of a parallel worker: a small Ray actor, one per rank 1..N-1 (a TP worker's
+ranks, or a pipeline worker's stages x TP ranks: engine/core/pp_runner.py).
 
 Rank 0 is the worker's own actor (a PrefillWorker or DecodeWorker; worker_runtime/tp_ranks.py
 is its view of the followers). A follower holds its part of the model and its own KV pool
-(its KV heads) and does three things:
+(its KV heads; a pipeline rank: its stage's layers of them) and does three things:
 
-1. `start(addr, port)`: join rank 0's TP group (rank 0 listens at addr:port), build its part
-   while rank 0 builds its engine (engine/core/tp_runner.py `prepare_follower`: the start-up
-   collectives), register its pool with its own transfer agent (kv_transfer/rank_endpoint.py)
-   and return that agent (`RankAgent`) for the worker's handshake; then
-2. run rank 0's steps on a thread of its own (`serve_follower`) until rank 0 closes the group
-   or the group breaks (rank 0 died, a deadline passed: `TPGroupError`);
+1. `start(addr, port)`: join rank 0's group (rank 0 listens at addr:port), build its part
+   while rank 0 builds its engine (engine/core/tp_runner.py `prepare_follower`, or
+   engine/core/pp_runner.py `prepare_stage`: the start-up collectives), register its pool
+   with its own transfer agent (kv_transfer/rank_endpoint.py) and return that agent
+   (`RankAgent`) for the worker's handshake; then
+2. run rank 0's steps on a thread of its own (`serve_follower` / `serve_stage`) until rank 0
+   closes the group or the group breaks (rank 0 died, a deadline passed: `TPGroupError`);
 3. a decode worker's follower runs its part of each KV pull (`read_kv`, `abort_kv`, and its
    peers: `add_kv_peer`, `remove_kv_peer`) for rank 0's transfer manager.
 
@@ -28,9 +30,10 @@ import enum
 import logging
 import threading
 
+from engine.core.pp_runner import StageLoop, prepare_stage, serve_stage
 from engine.core.runner import ModelRunner
 from engine.core.tp_runner import prepare_follower, serve_follower
-from engine.tp.tensor_parallel import TPGroup, init_tp_group
+from engine.pp.pipeline_group import PPGroup
 from kv_transfer.backend import MemoryRegion, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.protocol import RankAgent
@@ -38,6 +41,7 @@ from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.types import TransferPlan
 from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
 from worker_runtime.runtime import WorkerConfig, stall_reason
+from worker_runtime.tp_ranks import WorkerGroup, join_worker_group
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +56,18 @@ class FollowerState(enum.Enum):
 
 
 class TPFollower:
-    """Ray actor class of TP rank `rank` (> 0) of worker `config.worker_id`."""
+    """Ray actor class of rank `rank` (> 0) of worker `config.worker_id`."""
 
     def __init__(self, config: WorkerConfig, transfer: KVTransferConfig, rank: int) -> None:
-        if not 0 < rank < config.engine.tensor_parallel_size:
-            raise ValueError(
-                f"follower rank {rank} of TP size {config.engine.tensor_parallel_size}"
-            )
+        if not 0 < rank < config.engine.num_ranks:
+            raise ValueError(f"follower rank {rank} of {config.engine.num_ranks} ranks")
         self.config = config
         self.transfer = transfer
         self.rank = rank
         self.state = FollowerState.NEW
         self.failure = ""
         self.steps = 0
-        self._group: TPGroup | None = None
+        self._group: WorkerGroup | None = None
         self._endpoint: RankEndpoint | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -82,7 +84,7 @@ class TPFollower:
         self._endpoint = endpoint
         self.state = FollowerState.SERVING
         self._thread = threading.Thread(
-            target=self._serve, args=(runner,), name=f"tp-rank-{self.rank}", daemon=True
+            target=self._serve, args=(runner,), name=f"rank-{self.rank}", daemon=True
         )
         self._thread.start()
         return agent
@@ -93,10 +95,11 @@ class TPFollower:
         engine = self.config.engine
         if engine.device in ("cpu", "auto") and not torch.cuda.is_available():
             torch.set_num_threads(max(1, self.config.torch_threads))
-        size = engine.tensor_parallel_size
-        group = init_tp_group(self.rank, size, master_addr, port, timeout_s=engine.tp_timeout_s)
+        group = join_worker_group(engine, self.rank, master_addr, port)
         self._group = group
         try:
+            if isinstance(group, PPGroup):
+                return prepare_stage(engine, group)
             return prepare_follower(engine, group)
         except BaseException:
             group.close()
@@ -105,12 +108,16 @@ class TPFollower:
     def _serve(self, runner: ModelRunner) -> None:
         assert self._group is not None
         try:
-            self.steps = serve_follower(self._group, runner, lambda: self._stopping)
+            group, stop = self._group, lambda: self._stopping
+            if isinstance(group, PPGroup):
+                self.steps = serve_stage(StageLoop(group, runner), stop)
+            else:
+                self.steps = serve_follower(group, runner, stop)
             self.state = FollowerState.STOPPED
         except Exception as e:
             self.failure = f"{type(e).__name__}: {e}"
             self.state = FollowerState.FAILED
-            log.error("TP rank %d stopped serving: %s", self.rank, self.failure)
+            log.error("rank %d stopped serving: %s", self.rank, self.failure)
         finally:
             self._group.close()
 
@@ -118,12 +125,12 @@ class TPFollower:
         """This rank's state; raises WorkerUnhealthy once it cannot serve (module docstring)."""
         wid = self.config.worker_id
         if self.state is FollowerState.FAILED:
-            raise WorkerUnhealthy(f"worker {wid}: TP rank {self.rank} failed: {self.failure}")
+            raise WorkerUnhealthy(f"worker {wid}: rank {self.rank} failed: {self.failure}")
         if self._endpoint is not None:
             progress = self._endpoint.progress()
             why = stall_reason("transfer thread", progress, self.config.stall_timeout_s)
             if why is not None:
-                raise WorkerUnhealthy(f"worker {wid}: TP rank {self.rank}'s {why}")
+                raise WorkerUnhealthy(f"worker {wid}: rank {self.rank}'s {why}")
         return self.state.value
 
     # ---- a decode worker's KV pulls (kv_transfer/tp_backend.py RankLink) ---------------------
@@ -143,7 +150,7 @@ class TPFollower:
 
     def _agent(self) -> RankEndpoint:
         if self._endpoint is None:
-            raise RuntimeError(f"TP rank {self.rank} is not started")
+            raise RuntimeError(f"rank {self.rank} is not started")
         return self._endpoint
 
     async def shutdown(self) -> None:

@@ -1,17 +1,21 @@
-"""Rank 0's view of its tensor-parallel worker's follower actors (worker_runtime/tp_follower.py).
+"""Rank 0's view of its parallel worker's follower actors (worker_runtime/tp_follower.py).
 
-A TP worker is N ranks on one node (deploy/control/worker_actors.py places them together in one
-placement group); the worker's own actor is rank 0 and runs the engine (scheduler, sampler) with a
-`TPLeader`. At start (`TPRanks.start`) rank 0 picks a free port on its node, hands (address, port)
-to every follower's `start`, joins the group itself and builds its engine while they build their
-parts (the start-up collectives need every rank), then collects their transfer agents, which its KV
-endpoint lists in its handshake (prefill) or drives (decode: `backends`, one `FollowerBackend` per
-follower over Ray calls).
+A TP worker is N ranks on one node, a pipeline-parallel one S stages of T ranks (rank
+stage * T + tp rank, engine/core/pp_runner.py; on one node or over the Ray cluster's nodes),
+their group joined by `join_worker_group`; deploy/control/worker_actors.py places them together
+in one placement group. The worker's own actor is rank 0 and runs the engine (scheduler,
+sampler) with a `TPLeader` or a `PPLeader`. At start (`TPRanks.start`) rank 0 picks a free port
+on its node, hands (address, port) to every follower's `start`, joins the group itself and
+builds its engine while they build their parts (the start-up collectives need every rank),
+then collects their transfer agents in rank order (stage-major for a pipeline), which its KV
+endpoint lists in its handshake (prefill) or drives (decode: `backends`, one `FollowerBackend`
+per follower over Ray calls).
 
-Health: every rank counts. `failure()` is set once a follower's ping fails (its actor died,
-or it reports itself unable to serve) or the group broke (a step missed its deadline on some
-rank: engine/tp/tensor_parallel.py), and rank 0's health check (`probe`, watched by
-`WorkerRuntime`) then reports the whole worker unhealthy: the controller replaces all of it.
+Health: every rank of every stage counts. `failure()` is set once a follower's ping fails (its
+actor died, or it reports itself unable to serve) or the group broke (a step missed its
+deadline on some rank: engine/tp/tensor_parallel.py, engine/pp/pipeline_group.py), and rank 0's
+health check (`probe`, watched by `WorkerRuntime`) then reports the whole worker unhealthy: the
+controller replaces all of it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
+from engine.core.pp_runner import pipeline_stage
 from engine.kv.kv_cache import KVCache
+from engine.pp.pipeline_group import PPGroup, init_pp_group
 from engine.tp.tensor_parallel import TPGroup, TPGroupState, init_tp_group
 from kv_transfer.backend import BackendFactory, MemoryRegion, TransferBackend, XferStatus
 from kv_transfer.config import KVTransferConfig
@@ -54,6 +61,24 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+WorkerGroup = TPGroup | PPGroup
+"""A parallel worker's process group: tensor-parallel ranks, or pipeline stages of them."""
+
+
+def join_worker_group(config: EngineConfig, rank: int, host: str, port: int) -> WorkerGroup:
+    """Join rank `rank` of an engine of `config` to its worker's group (rank 0 listens at
+    host:port): a `PPGroup` with pipeline stages, else a `TPGroup`."""
+    if config.pipeline_parallel_size > 1:
+        stage = pipeline_stage(config, rank)
+        return init_pp_group(
+            rank, stage, config.tensor_parallel_size, host, port,
+            timeout_s=config.tp_timeout_s,
+        )  # fmt: skip
+    return init_tp_group(
+        rank, config.tensor_parallel_size, host, port, timeout_s=config.tp_timeout_s
+    )
+
+
 class TPRanks:
     """The followers of one TP worker, seen from rank 0 (module docstring)."""
 
@@ -64,7 +89,7 @@ class TPRanks:
         self.worker_id = worker_id
         self.transfer = transfer
         self.agents: list[RankAgent] = []
-        self.group: TPGroup | None = None
+        self.group: WorkerGroup | None = None
         self._failure = ""
         self._pinger: asyncio.Task[None] | None = None
 
@@ -73,17 +98,20 @@ class TPRanks:
         return len(self.followers) + 1
 
     async def start(
-        self, build: Callable[[TPGroup], LLMEngine], tp_timeout_s: float, start_timeout_s: float
+        self,
+        build: Callable[[WorkerGroup], LLMEngine],
+        config: EngineConfig,
+        start_timeout_s: float,
     ) -> LLMEngine:
-        """Start every follower and build rank 0's engine with `build(group)` (on a thread);
-        returns the engine once every follower is ready. Raises (naming the rank) when one
-        fails or does not answer within `start_timeout_s`."""
+        """Start every follower and build rank 0's engine of `config` with `build(group)` (on
+        a thread); returns the engine once every follower is ready. Raises (naming the rank)
+        when one fails or does not answer within `start_timeout_s`."""
         host = node_address()
         port = free_port(host)
         starts = [f.start.remote(host, port) for f in self.followers]
 
         def build_rank0() -> LLMEngine:
-            group = init_tp_group(0, self.size, host, port, timeout_s=tp_timeout_s)
+            group = join_worker_group(config, 0, host, port)
             self.group = group
             try:
                 return build(group)
@@ -97,10 +125,10 @@ class TPRanks:
                 self.agents.append(await wait_within(ref, start_timeout_s))
             except BaseException as e:
                 raise RuntimeError(
-                    f"worker {self.worker_id}: TP rank {rank} did not start: {e}"
+                    f"worker {self.worker_id}: rank {rank} did not start: {e}"
                 ) from e
         self._pinger = asyncio.get_running_loop().create_task(self._ping_loop())
-        log.info("worker %s: %d TP ranks ready", self.worker_id, self.size)
+        log.info("worker %s: %d ranks ready", self.worker_id, self.size)
         return engine
 
     # ---- health ---------------------------------------------------------------------------
@@ -109,7 +137,7 @@ class TPRanks:
         """Why the worker cannot serve any more ("" while every rank can)."""
         group = self.group
         if not self._failure and group is not None and group.state is TPGroupState.BROKEN:
-            self._failure = f"TP group broken ({group.failure})"
+            self._failure = f"TP group broken ({group.failure})"  # (a pipeline's too)
         return self._failure
 
     def probe(self) -> LoopProgress:
@@ -127,7 +155,7 @@ class TPRanks:
             )
             for rank, r in enumerate(results, start=1):
                 if isinstance(r, BaseException) and not self._failure:
-                    self._failure = f"TP rank {rank}: {type(r).__name__}: {r}"
+                    self._failure = f"rank {rank}: {type(r).__name__}: {r}"
                     log.error("worker %s: %s", self.worker_id, self._failure)
 
     # ---- transfers ------------------------------------------------------------------------

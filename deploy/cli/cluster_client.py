@@ -313,6 +313,14 @@ def worker_state(state: int) -> str:
         return f"state-{state}"
 
 
+def device_column(device: str, tp_size: int, pp_size: int) -> str:
+    """A worker's device as the status table shows it: "cuda:0", "cuda:0 x2" (TP ranks),
+    "cuda:0 x4 (PP2 x TP2)" (pipeline stages of TP ranks); one worker whatever the count."""
+    if pp_size <= 1:
+        return f"{device} x{tp_size}" if tp_size > 1 else device
+    return f"{device} x{pp_size * tp_size} (PP{pp_size} x TP{max(tp_size, 1)})"
+
+
 def status_table(st: pb.ClusterStatus) -> Table:
     table = Table(
         title=f"pdserve · {st.model} · redis {'ok' if st.redis_ok else 'DOWN'}",
@@ -332,7 +340,7 @@ def status_table(st: pb.ClusterStatus) -> Table:
             w.role,
             f"[{style}]{state}[/{style}]" if style else state,
             w.node[:8],
-            f"{w.device} x{w.tp_size}" if w.tp_size > 1 else w.device,  # TP ranks, one worker
+            device_column(w.device, w.tp_size, w.pp_size),
             _stored(
                 w.quantization if w.quantization not in ("", "none") else w.weights_dtype,
                 w.weight_bytes,

@@ -10,7 +10,9 @@ actor (rank 0) in bundle 0 and a follower actor (worker_runtime/tp_follower.py, 
 `pdserve-tp-rank{r}-{id}`, outside the workers' name prefix) in bundle r. `stop_worker`
 kills the worker's actor and removes its group, which ends the followers too: nothing of a
 stopped or dead TP worker is left on Ray. It asks N times a rank's placement
-(`ActorPlacement.times`).
+(`ActorPlacement.times`). A pipeline-parallel worker of S stages of T ranks is the same with
+N = S x T ranks (rank stage * T + tp rank in bundle rank), its group PACK rather than
+STRICT_PACK: one node where it fits, else stages spread over the Ray cluster's nodes.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ its replicas too."""
 
 
 def follower_name(worker_id: str, rank: int) -> str:
-    """The actor name of TP rank `rank` (> 0) of a worker."""
+    """The actor name of rank `rank` (> 0) of a TP or pipeline worker."""
     return f"pdserve-tp-rank{rank}-{worker_id}"
 
 
@@ -175,11 +177,12 @@ def create_worker(
         **lifetime,
         **naming,
     }
-    size = config.engine.tensor_parallel_size
+    size = config.engine.num_ranks
     followers: list[Any] = []
     if size > 1:
         group = placement_group(
-            [placement.bundle()] * size, strategy="STRICT_PACK",
+            [placement.bundle()] * size,
+            strategy="PACK" if config.engine.pipeline_parallel_size > 1 else "STRICT_PACK",
             name=tp_group_name(config.worker_id, config.namespace or "pdserve"), **lifetime,
         )  # fmt: skip
 

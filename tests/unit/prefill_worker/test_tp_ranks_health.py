@@ -61,7 +61,7 @@ def test_a_follower_whose_ping_fails_makes_the_worker_unhealthy(
     followers[1].error = RuntimeError("The actor died unexpectedly")
     assert asyncio.run(watch(ranks, 3))[-1] is LoopState.DIED
     why = stall_reason(TP_RANKS, ranks.probe(), 60.0)
-    assert why == "TP ranks died (TP rank 2: RuntimeError: The actor died unexpectedly)"
+    assert why == "TP ranks died (rank 2: RuntimeError: The actor died unexpectedly)"
 
 
 def test_a_broken_group_makes_the_worker_unhealthy_even_with_every_actor_alive() -> None:
