@@ -36,6 +36,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.protocol import RankAgent
 from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.types import TransferPlan
+from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
 from worker_runtime.runtime import WorkerConfig, stall_reason
 
@@ -59,6 +60,7 @@ class TPFollower:
             raise ValueError(
                 f"follower rank {rank} of TP size {config.engine.tensor_parallel_size}"
             )
+        start_malloc_trim(f"{config.role.value} rank {rank}")  # from PDSERVE_MALLOC_TRIM_S
         self.config = config
         self.transfer = transfer
         self.rank = rank

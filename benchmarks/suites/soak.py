@@ -65,6 +65,7 @@ from benchmarks.suites.soak_probes import (
     channel_stats,
     memray_growth,
     object_counts,
+    periodic_trim_stats,
     start_memray,
     start_tracemalloc,
     stop_memray,
@@ -311,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     objs_warm: dict[str, dict[str, int]] = {}
     objs_end: dict[str, dict[str, int]] = {}
     trimmed: dict[str, dict[str, float]] = {}
+    periodic: dict[str, dict[str, float]] = {}
     traced: dict[str, list[str]] = {}
     events: list[tuple[float, str]] = []
     memray_leaks: list[str] = []
@@ -413,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         migrations = soak_mix.router_migrations(cluster)
         if memray_path is not None:
             memray_leaks = memray_growth(memray_path)
+        for name, p in actors.items():
+            with contextlib.suppress(Exception):  # killed meanwhile
+                periodic[name] = p.call(periodic_trim_stats)
         if args.trim_at_end:
             for name, p in actors.items():
                 try:
@@ -485,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["tracemalloc_growth"] = traced[name]
         if name in trimmed:
             row["malloc_trim"] = trimmed[name]
+        if periodic.get(name):
+            row["periodic_malloc_trim"] = periodic[name]
         row["flat"] = row["slope_rss_mb_h"] <= args.max_slope_mb_h
         flat &= row["flat"]
         report["processes"][name] = row
