@@ -101,7 +101,7 @@ def plan_transfer(
 
     `num_reused` leading blocks are already on the decode worker (found by hash); only full
     blocks can be reused, so it may not exceed `len(handle.block_hashes)`. `slices`: the
-    decode ranks' reads between tensor-parallel workers (`slice_reads`); empty for whole
+    decode ranks' reads between workers of several ranks (`slice_reads`); empty for whole
     blocks between two workers of one rank. `num_segments`: the pool's contiguous pieces of
     a block (`KVCacheSpec.num_segments`).
     """
