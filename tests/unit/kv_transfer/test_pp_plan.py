@@ -130,6 +130,10 @@ def test_block_major_pp2_to_pp1_reads_each_stage_s_whole_block_at_its_layers() -
         (0, "P0", 0, 0, layer, True, 1),
         (1, "P1", 0, 0, 3 * layer, True, 1),
     ]
+    handle = KVHandle("r", "p", "P0", (3, 4, 5, 9), (), 16, 0.0, "c", ("P0", "P1"))
+    whole = slice_reads(same, ("P0", "P1"), UNIT)
+    pulled = plan_transfer(handle, [10, 11, 12, 20], layer, slices=whole)
+    assert pulled.num_descriptors == 2 * 2  # runs (3,4,5)->(10,11,12), 9->20 on each stage
 
 
 def test_pp2_x_tp2_reads_into_tp2_by_stage_and_into_tp1_head_by_head() -> None:
