@@ -86,15 +86,43 @@ class Process:
         self.actor = actor
 
     def call(self, fn: Any, timeout: float = 60.0) -> Any:
-        import ray
-
-        return ray.get(self.actor.__ray_call__.remote(lambda _: fn()), timeout=timeout)
+        """`fn()` inside the actor, on its event loop (`call_on`)."""
+        return self.call_on(lambda _: fn(), timeout)
 
     def call_on(self, fn: Any, timeout: float = 60.0) -> Any:
-        """`fn(actor instance)` inside the actor."""
+        """`fn(actor instance)` inside the actor, on its event loop's thread when it has one.
+        Ray runs `__ray_call__` on a thread of its own beside the loop; a probe that walks
+        `gc.get_objects()` there holds references to objects the loop is still building, and
+        the tuple `asyncio.gather(*(...))` builds from a generator cannot be resized while
+        another reference to it exists (the router's load poll failed with `SystemError:
+        bad argument to internal function` in the first soaks)."""
         import ray
 
-        return ray.get(self.actor.__ray_call__.remote(fn), timeout=timeout)
+        return ray.get(self.actor.__ray_call__.remote(on_actor_loop(fn, timeout)), timeout=timeout)
+
+
+def on_actor_loop(fn: Any, timeout: float) -> Any:
+    """`fn` wrapped to run on the calling actor's default event loop (directly in a threaded
+    actor)."""
+
+    def run(actor: Any) -> Any:
+        import asyncio
+
+        import ray
+        from ray._raylet import PythonFunctionDescriptor
+
+        worker = ray._private.worker.global_worker.core_worker
+        if not worker.current_actor_is_asyncio():
+            return fn(actor)
+        descriptor = PythonFunctionDescriptor(__name__, "probe", type(actor).__name__)
+        loop, _ = worker.get_event_loop(descriptor, None)  # the default concurrency group's
+
+        async def on_loop() -> Any:
+            return fn(actor)
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout)
+
+    return run
 
 
 RAY_SYSTEM = ("gcs_server", "raylet")
