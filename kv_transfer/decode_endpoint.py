@@ -13,10 +13,12 @@ A decode worker's view of one request:
    when the destination blocks are free to reuse. Every transfer has a deadline (default
    `transfer_timeout_s`), so an outcome always comes.
 
-Tensor parallelism (either side): the handshake plans which heads each decode rank reads from
-which prefill rank (kv_transfer/tp_plan.py), and every pull carries those reads (`SliceRead`s);
-this endpoint is then rank 0's, its backend drives every rank's reads
-(kv_transfer/tp_backend.py), and one pull is done when all are.
+Tensor or pipeline parallelism (either side): the handshake plans which layers and heads each
+decode rank reads from which prefill rank (kv_transfer/tp_plan.py), and every pull carries
+those reads (`SliceRead`s); this endpoint is then rank 0's, its backend drives every rank's
+reads (kv_transfer/tp_backend.py: every stage's ranks too), and one pull is done when all are.
+A pipeline-parallel worker passes its stage bounds (`layer_bounds`) and, for an e4m3 pool,
+the model's scales (`model_scales`): its rank 0's pool spec names only stage 0's.
 
 Callbacks run on the transfer thread: they must be quick and must not wait on the endpoint
 (route them into the engine thread). `load()`, `stats()`, `has_peer()` and `progress()` read
@@ -67,15 +69,20 @@ class DecodeEndpoint:
         backend_factory: BackendFactory | None = None,
         clock: Callable[[], float] = time.time,
         budget: InFlightBudget | None = None,
+        layer_bounds: Sequence[int] = (),
+        model_scales: Sequence[float] = (),
     ) -> None:
         """`budget`: the worker's in-flight budget, shared with its engine's host tier
-        (kv_transfer/budget.py); None: the endpoint's own."""
+        (kv_transfer/budget.py); None: the endpoint's own. `layer_bounds`: the worker's stage
+        bounds (`kv_split`; empty: one stage, or equal stages); `model_scales`: an e4m3
+        model's scales over every layer when `cache` is one stage's pool (`model_kv_scales`)."""
         self.cache = cache
+        self.split = kv_split(cache.spec, layer_bounds)
         self.worker_id = worker_id
         self.budget = budget
         self.config = config or KVTransferConfig()
-        self.compat_hash = compat_hash(cache.spec, model_id)
-        self.compat_fields = compat_fields(cache.spec, model_id)
+        self.compat_hash = compat_hash(cache.spec, model_id, model_scales)
+        self.compat_fields = compat_fields(cache.spec, model_id, model_scales)
         self.agent_name = new_agent_name(worker_id, "decode")
         self._factory = backend_factory or _default_factory()
         self._on_done = on_done
@@ -124,12 +131,12 @@ class DecodeEndpoint:
             info,
             self.compat_hash,
             self.compat_fields,
-            kv_split(spec),
+            self.split,
             spec.head_nbytes,
             spec.num_segments,
         )
         agents = tuple(r.agent_name for r in info.ranks)
-        one_rank = plan.prefill.tp_size == plan.decode.tp_size == 1
+        one_rank = plan.prefill.num_ranks == plan.decode.num_ranks == 1
         reads = () if one_rank else slice_reads(plan, agents, spec.head_nbytes)
 
         def run() -> None:

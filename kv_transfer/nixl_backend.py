@@ -22,13 +22,16 @@ agent preps one per-block dlist per region of the peer in `add_peer`. A plan who
 in more than one region (`TransferPlan.remote_tiers`) posts one read per region, and its
 notice is sent once all are DONE, as for slices below.
 
-Head slices (a plan's `SliceRead`s, between tensor-parallel workers): each slice is a read of
-its own (NIXL reads one remote agent at a time); a whole-block slice goes through the
-per-block dlists as above, a partial one (a head range of every block of a head-major pool)
-through dlists of that byte range of every block, prepared once per (agent, range) at first
-use. A read of several slices is DONE when all are; its notice is sent on its own after
-that (never attached to one slice: the lease must outlive every slice), and when one slice
-fails the others are cancelled before the read reports FAILED.
+Slices (a plan's `SliceRead`s, between workers of several ranks: tensor-, pipeline-parallel):
+each slice is a read of its own (NIXL reads one remote agent at a time); a slice of whole
+segments (a whole block-first block, or a stage's layers of a layer-major block: a run of its
+segments, paired with the other side's from another segment on) goes through the per-block
+dlists as above, with the indices of those segments only, a partial one (a head range of
+every block of a head-major pool, a stage's layers of a block-major one) through dlists of
+that byte range of every block, prepared once per (agent, range) at first use. A read of
+several slices is DONE when all are; its notice is sent on its own after that (never attached
+to one slice: the lease must outlive every slice), and when one slice fails the others are
+cancelled before the read reports FAILED.
 """
 
 from __future__ import annotations
@@ -78,27 +81,51 @@ def _block_descs(region: MemoryRegion) -> np.ndarray:
     return _run_descs(region, np.arange(n), np.ones(n, dtype=np.uint64))
 
 
-def _block_indices(region: MemoryRegion, block_ids: Sequence[int]) -> np.ndarray:
-    """The indices of `block_ids` in `_block_descs(region)`: segment by segment, each in the
-    order given, so two regions' indices of a plan's remote and local ids pair up."""
+def _block_indices(
+    region: MemoryRegion, block_ids: Sequence[int], segments: range | None = None
+) -> np.ndarray:
+    """The indices of `block_ids` in `_block_descs(region)`: segment by segment (`segments`
+    of each block, default all), each in the order given, so two regions' indices of a plan's
+    remote and local ids pair up."""
     ids = np.asarray(block_ids, dtype=np.int32)
-    segments = np.arange(region.num_segments, dtype=np.int32) * np.int32(region.num_blocks)
-    return (segments[:, None] + ids[None, :]).ravel()
+    which = np.arange(region.num_segments, dtype=np.int32)[_pick(segments)]
+    return (which[:, None] * np.int32(region.num_blocks) + ids[None, :]).ravel()
 
 
 def _run_descs(
-    region: MemoryRegion, starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray
+    region: MemoryRegion,
+    starts: Sequence[int] | np.ndarray,
+    counts: Sequence[int] | np.ndarray,
+    segments: range | None = None,
 ) -> np.ndarray:
     """One descriptor per (segment, run of `counts[i]` blocks from `starts[i]`), segment by
-    segment: the same order for the local and the remote region of a read."""
+    segment (`segments` of each block, default all): the same order for the local and the
+    remote region of a read."""
     seg = region.segment_nbytes
-    segments = np.arange(region.num_segments, dtype=np.uint64) * np.uint64(region.segment_stride)
+    which = np.arange(region.num_segments, dtype=np.uint64)[_pick(segments)]
+    segments_at = which * np.uint64(region.segment_stride)
     offsets = np.asarray(starts, dtype=np.uint64) * np.uint64(seg)
-    descs = np.empty((region.num_segments * len(starts), 3), dtype=np.uint64)
-    descs[:, 0] = (np.uint64(region.base_address) + segments[:, None] + offsets[None, :]).ravel()
-    descs[:, 1] = np.tile(np.asarray(counts, dtype=np.uint64) * np.uint64(seg), region.num_segments)
+    descs = np.empty((len(which) * len(starts), 3), dtype=np.uint64)
+    descs[:, 0] = (np.uint64(region.base_address) + segments_at[:, None] + offsets[None, :]).ravel()
+    descs[:, 1] = np.tile(np.asarray(counts, dtype=np.uint64) * np.uint64(seg), len(which))
     descs[:, 2] = region.device_id
     return descs
+
+
+def _pick(segments: range | None) -> slice:
+    return slice(None) if segments is None else slice(segments.start, segments.stop)
+
+
+def _segments_of(region: MemoryRegion, offset: int, nbytes: int) -> range:
+    """The segments of a block that bytes [offset, offset + nbytes) are (a `whole` slice)."""
+    seg = region.segment_nbytes
+    first, count = divmod(offset, seg)[0], nbytes // seg
+    if offset % seg or nbytes % seg or not 0 <= first < first + count <= region.num_segments:
+        raise BackendError(
+            f"bytes [{offset}, {offset + nbytes}) of a block are not whole segments of "
+            f"{seg} bytes ({region.num_segments} a block)"
+        )
+    return range(first, first + count)
 
 
 def _range_descs(region: MemoryRegion, blocks: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
@@ -331,28 +358,43 @@ class NixlBackend:
             raise BackendError(f"posting read {plan.request_id} returned ERR")
         return _Part(handle, status)
 
-    def _make_read(self, plan: TransferPlan, peer: _Peer, notif: bytes) -> Any:
+    def _make_read(
+        self,
+        plan: TransferPlan,
+        peer: _Peer,
+        notif: bytes,
+        local_segments: range | None = None,
+        remote_segments: range | None = None,
+    ) -> Any:
+        """A read of whole blocks, or of segments `local_segments` of each local block from
+        `remote_segments` of each remote one (as many; default all)."""
+        local_seg, remote_seg = local_segments, remote_segments
         if self.mode is DescriptorMode.PREPPED:
-            local = _block_indices(self._region, plan.local_block_ids)
-            remote = _block_indices(peer.region, plan.remote_block_ids)
+            local = _block_indices(self._region, plan.local_block_ids, local_seg)
+            remote = _block_indices(peer.region, plan.remote_block_ids, remote_seg)
             return self._agent.make_prepped_xfer(
                 "READ", self._local, local, peer.prepped, remote, notif
             )
         if self.mode is DescriptorMode.COALESCED:
             counts = [r.num_blocks for r in plan.runs]
-            local_d = _run_descs(self._region, [r.local_start for r in plan.runs], counts)
-            remote_d = _run_descs(peer.region, [r.remote_start for r in plan.runs], counts)
+            local_starts = [r.local_start for r in plan.runs]
+            local_d = _run_descs(self._region, local_starts, counts, local_seg)
+            remote_starts = [r.remote_start for r in plan.runs]
+            remote_d = _run_descs(peer.region, remote_starts, counts, remote_seg)
         else:
             ones = [1] * plan.num_blocks
-            local_d = _run_descs(self._region, list(plan.local_block_ids), ones)
-            remote_d = _run_descs(peer.region, list(plan.remote_block_ids), ones)
+            local_d = _run_descs(self._region, list(plan.local_block_ids), ones, local_seg)
+            remote_d = _run_descs(peer.region, list(plan.remote_block_ids), ones, remote_seg)
         local_x = self._agent.get_xfer_descs(local_d, self._region.mem_type)
         remote_x = self._agent.get_xfer_descs(remote_d, peer.region.mem_type)
         return self._agent.initialize_xfer("READ", local_x, remote_x, plan.peer, notif)
 
     def _make_slice_read(self, plan: TransferPlan, s: SliceRead, peer: _Peer) -> Any:
-        if s.whole:  # whole blocks of that rank: the per-block path, adjacent blocks merge
-            return self._make_read(replace(plan, peer=s.peer, slices=()), peer, b"")
+        if s.whole:  # whole segments of that rank: the per-block path, adjacent blocks merge
+            local_seg = _segments_of(self._region, s.dst_offset, s.nbytes)
+            remote_seg = _segments_of(peer.region, s.src_offset, s.nbytes)
+            whole = replace(plan, peer=s.peer, slices=())
+            return self._make_read(whole, peer, b"", local_seg, remote_seg)
         local_ids = np.asarray(plan.local_block_ids, dtype=np.int32)
         remote_ids = np.asarray(plan.remote_block_ids, dtype=np.int32)
         if self.mode is DescriptorMode.PREPPED:

@@ -4,9 +4,11 @@ Coalescing: a descriptor covers a run of blocks whose ids are consecutive on bot
 request whose blocks were allocated contiguously on both workers moves in one descriptor (each
 descriptor has a fixed cost in NIXL; engine/kv/kv_cache.py says why a block is one contiguous
 region), or in one per layer from a layer-major pool (`TransferPlan.num_segments`). Between
-tensor-parallel workers, `slice_reads` turns the heads each decode rank reads
-(kv_transfer/tp_plan.py) into byte ranges of a block: a whole block coalesces as above, a head
-range of a head-major block is one descriptor per block. A handle may name blocks in more
+workers of several ranks (tensor-parallel, pipeline-parallel), `slice_reads` turns the layers
+and heads each decode rank reads (kv_transfer/tp_plan.py) into byte ranges of a block: whole
+segments (a whole block-first block, whole layers of a layer-major one) coalesce as above, a
+range within a block-first block (a head range of a head-major block, a stage's layers of a
+block-major one) is one descriptor per block. A handle may name blocks in more
 than one region of its prefill agent (its KV pool, its host tier: `KVHandle.block_tiers`);
 runs never cross regions, and the backend posts one read per region.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_transfer.tp_plan import HeadPlan
+from kv_transfer.tp_plan import HEAD_MAJOR, LAYER_MAJOR, HeadPlan, HeadSlice, LayerRange
 from kv_transfer.types import DescriptorRun, SliceRead, TransferPlan
 from vocabulary.kv_events import KVTier
 from vocabulary.kv_handle import KVHandle
@@ -47,22 +49,44 @@ def coalesce_runs(
 
 def slice_reads(plan: HeadPlan, agents: Sequence[str], head_nbytes: int) -> tuple[SliceRead, ...]:
     """Every decode rank's reads of a hand-off planned as `plan` from a prefill worker whose
-    rank r's agent is `agents[r]`; `head_nbytes`: one KV head's part of a block (the same on
-    both sides: the compatibility hash covers layers, block size, head dim and dtype)."""
-    if len(agents) != plan.prefill.tp_size:
-        raise ValueError(f"{len(agents)} prefill agents for TP size {plan.prefill.tp_size}")
+    rank r's agent is `agents[r]` (stage-major, rank 0 first), decode rank by rank, each by
+    layer then head. `head_nbytes`: one KV head's part of a block of decode rank 0's pool
+    (`KVCacheSpec.head_nbytes`: its stage's layers); one head's part of one layer is the same
+    on both sides (the compatibility hash covers block size, head dim and dtype)."""
+    if len(agents) != plan.prefill.num_ranks:
+        raise ValueError(f"{len(agents)} prefill agents for {plan.prefill.ranks_text}")
+    unit = head_nbytes // len(plan.stage_layers(plan.decode, 0))  # one head, one layer
     return tuple(
-        SliceRead(
-            decode_rank=d,
-            peer=agents[s.prefill_rank],
-            src_offset=s.src_head * head_nbytes,
-            dst_offset=s.dst_head * head_nbytes,
-            nbytes=s.num_heads * head_nbytes,
-            whole=plan.is_whole(s),
-        )
-        for d, rank_reads in enumerate(plan.reads)
-        for s in rank_reads
+        SliceRead(d, agents[p], src, dst, nbytes, whole, segments)
+        for d in range(plan.decode.num_ranks)
+        for p, r, s in plan.pieces(d)
+        for src, dst, nbytes, whole, segments in _ranges(plan, p, d, r, s, unit)
     )
+
+
+def _ranges(
+    plan: HeadPlan, p: int, d: int, r: LayerRange, s: HeadSlice, unit: int
+) -> list[tuple[int, int, int, bool, int]]:
+    """(src offset, dst offset, bytes, whole, segments) of the piece (r, s) of a block from
+    prefill rank `p` to decode rank `d` (kv_transfer/tp_plan.py's table of regions)."""
+    src_layers = plan.stage_layers(plan.prefill, plan.prefill.position(p)[0])
+    dst_layers = plan.stage_layers(plan.decode, plan.decode.position(d)[0])
+    src_l, dst_l = r.start - src_layers.start, r.start - dst_layers.start  # first layer, local
+    n = r.num_layers
+    if plan.decode.layout == HEAD_MAJOR:  # [heads, layers, 2, page, dim]
+        lp, ld = len(src_layers), len(dst_layers)
+        if plan.whole_layers(r):  # a head range is one region
+            src, dst = s.src_head * lp * unit, s.dst_head * ld * unit
+            return [(src, dst, s.num_heads * n * unit, plan.is_whole(s), 1)]
+        return [  # part of each head's layers: one region per head
+            (((s.src_head + i) * lp + src_l) * unit, ((s.dst_head + i) * ld + dst_l) * unit,
+             n * unit, False, 1)
+            for i in range(s.num_heads)
+        ]  # fmt: skip
+    layer = unit * plan.decode.local_heads  # every head of one layer (plan_split: whole heads)
+    if plan.decode.layout == LAYER_MAJOR:  # a segment per layer
+        return [(src_l * layer, dst_l * layer, n * layer, True, n)]
+    return [(src_l * layer, dst_l * layer, n * layer, plan.whole_layers(r), 1)]  # block-major
 
 
 def plan_transfer(
@@ -77,7 +101,7 @@ def plan_transfer(
 
     `num_reused` leading blocks are already on the decode worker (found by hash); only full
     blocks can be reused, so it may not exceed `len(handle.block_hashes)`. `slices`: the
-    decode ranks' reads between tensor-parallel workers (`slice_reads`); empty for whole
+    decode ranks' reads between workers of several ranks (`slice_reads`); empty for whole
     blocks between two workers of one rank. `num_segments`: the pool's contiguous pieces of
     a block (`KVCacheSpec.num_segments`).
     """
@@ -91,8 +115,8 @@ def plan_transfer(
         tiers = ()
     if tiers and slices:
         raise ValueError(
-            f"request {handle.request_id}: host-tier blocks between tensor-parallel workers "
-            "are not supported (a TP worker has no host tier)"
+            f"request {handle.request_id}: host-tier blocks between workers of several ranks "
+            "are not supported (a TP or PP worker has no host tier)"
         )
     local = tuple(int(b) for b in local_block_ids)
     if len(local) != len(remote):

@@ -19,9 +19,12 @@ and a hand-off may name blocks there (`block_tiers`: engine/core/handoffs.py len
 copies of a prompt's blocks instead of device blocks): the decode worker reads them from host
 memory, and the worker holds them pinned until `release_blocks`, exactly like pool blocks.
 
-A tensor-parallel worker: this endpoint is rank 0's (leases, notices); the other ranks'
-agents (`followers`, kv_transfer/rank_endpoint.py) only expose their pools, and the
-handshake and every handle list them, so a decode worker reads each rank's heads.
+A worker of several ranks (tensor-parallel, pipeline-parallel, both): this endpoint is rank
+0's (leases, notices); the other ranks' agents (`followers`, in rank order: stage-major,
+kv_transfer/rank_endpoint.py) only expose their pools, and the handshake and every handle
+list them, so a decode worker reads each rank's layers and heads. A pipeline-parallel worker
+passes its stage bounds (`layer_bounds`) and, for an e4m3 pool, the model's scales
+(`model_scales`): rank 0's pool spec names only stage 0's layers and scales.
 """
 
 from __future__ import annotations
@@ -77,22 +80,28 @@ class PrefillEndpoint:
         clock: Callable[[], float] = time.time,
         followers: Sequence[RankAgent] = (),
         tiers: Mapping[KVTier, torch.Tensor] | None = None,
+        layer_bounds: Sequence[int] = (),
+        model_scales: Sequence[float] = (),
     ) -> None:
-        """`followers`: the agents of ranks 1.. of a tensor-parallel worker (this is rank 0).
-        `tiers`: the worker's other KV tiers' blocks (its host tier's tensor, in the pool's
-        layout), registered for decode workers to read hand-offs' blocks there (`hand_off`'s
-        `block_tiers`)."""
+        """`followers`: the agents of ranks 1.. of a worker of several ranks, stage-major
+        (this is rank 0). `tiers`: the worker's other KV tiers' blocks (its host tier's
+        tensor, in the pool's layout), registered for decode workers to read hand-offs' blocks
+        there (`hand_off`'s `block_tiers`). `layer_bounds`: the worker's stage bounds
+        (`kv_split`; empty: one stage, or equal stages); `model_scales`: an e4m3 model's
+        scales over every layer when `cache` is one stage's pool (`model_kv_scales`)."""
         self.cache = cache
         self.tiers = dict(tiers or {})
         self.followers = tuple(followers)
-        if len(self.followers) + 1 != cache.spec.tp_size:
+        self.split = kv_split(cache.spec, layer_bounds)
+        if len(self.followers) + 1 != self.split.num_ranks:
             raise ValueError(
-                f"{len(self.followers)} follower agents for a pool of TP size {cache.spec.tp_size}"
+                f"{len(self.followers)} follower agents for a worker of {self.split.ranks_text}"
             )
         self.model_id = model_id
         self.worker_id = worker_id
         self.config = config or KVTransferConfig()
-        self.compat_hash = compat_hash(cache.spec, model_id)
+        self.compat_hash = compat_hash(cache.spec, model_id, model_scales)
+        self.compat_fields = compat_fields(cache.spec, model_id, model_scales)
         self.agent_name = new_agent_name(worker_id, "prefill")
         self.leases = LeaseTable(self.config, clock)
         self.malformed_notices = 0
@@ -122,12 +131,12 @@ class PrefillEndpoint:
         self._handshake = HandshakeInfo(
             protocol_version=PROTOCOL_VERSION,
             compat_hash=self.compat_hash,
-            compat_fields=compat_fields(self.cache.spec, self.model_id),
+            compat_fields=self.compat_fields,
             worker_id=self.worker_id,
             agent_name=self.agent_name,
             agent_metadata=self._backend.agent_metadata(),
             region=self._backend.memory_region(),
-            split=kv_split(self.cache.spec),
+            split=self.split,
             followers=self.followers,
             tier_regions=tier_regions,
         )

@@ -4,8 +4,10 @@ Handshake (out of band; the workers carry it over Ray): the prefill endpoint pro
 `HandshakeInfo`, the decode endpoint consumes it with `add_peer`, which calls
 `check_handshake` first. Only the decode side loads the other's metadata (it initiates every
 read and every notice; NIXL delivers notices to an agent that never loaded the sender's).
-A tensor-parallel worker has one agent per rank (`followers` beside rank 0's), and says how
-its KV heads are split (`KVSplit`); the check plans the pulls between the two splits
+A worker of several ranks (tensor-parallel, pipeline-parallel, both) has one agent per rank
+(`followers` beside rank 0's, in rank order: stage-major), and says how its KV is split over
+them (`KVSplit`: TP size, stage bounds; a rank's own pool spec names only its stage, so the
+worker passes its bounds to its endpoint); the check plans the pulls between the two splits
 (kv_transfer/tp_plan.py) and refuses, naming both sides, a pair it cannot serve.
 
 Notices (decode → prefill, NIXL notifications, one line each):
@@ -39,7 +41,7 @@ MAX_IDS_PER_HEARTBEAT = 256
 
 @dataclass(frozen=True)
 class RankAgent:
-    """The transfer agent of one tensor-parallel rank: what a peer loads to read its pool."""
+    """The transfer agent of one rank of a worker: what a peer loads to read its pool."""
 
     agent_name: str
     agent_metadata: bytes
@@ -58,9 +60,10 @@ class HandshakeInfo:
     agent_metadata: bytes
     region: MemoryRegion
     split: KVSplit
-    """How the worker's KV heads are split over its ranks, and its pool layout."""
+    """How the worker's KV is split over its ranks (stage bounds, TP size), and its pool
+    layout."""
     followers: tuple[RankAgent, ...] = ()
-    """Ranks 1.. of a tensor-parallel worker (rank 0 is the agent above)."""
+    """Ranks 1.. of a worker of several ranks, stage-major (rank 0 is the agent above)."""
     tier_regions: tuple[MemoryRegion, ...] = ()
     """Rank 0's regions of its other tiers (its host tier: `MemoryRegion.tier`), which
     handles may name blocks in (`KVHandle.block_tiers`)."""
@@ -81,18 +84,19 @@ def check_handshake(
 ) -> HeadPlan:
     """The plan of this worker's pulls from `remote` (kv_transfer/tp_plan.py); raises
     HandshakeError naming what differs when it cannot exchange blocks with it. `head_nbytes`:
-    one KV head's part of a local block; `num_segments`: the contiguous pieces of a local
-    block (`KVCacheSpec.num_segments`), which every region of the peer must share, since a
-    read pairs the two sides' descriptors segment by segment."""
+    one KV head's part of a local block (rank 0's pool: its stage's layers); `num_segments`:
+    the contiguous pieces of a local block (`KVCacheSpec.num_segments`): every region of the
+    peer has as many per layer of its stage (one a block when block-first), since a read
+    pairs the two sides' descriptors segment by segment."""
     peer = f"peer {remote.agent_name} (worker {remote.worker_id})"
     if remote.protocol_version != PROTOCOL_VERSION:
         raise HandshakeError(
             f"{peer} speaks kv_transfer protocol "
             f"v{remote.protocol_version}, this worker v{PROTOCOL_VERSION}"
         )
-    if len(remote.ranks) != remote.split.tp_size:
+    if len(remote.ranks) != remote.split.num_ranks:
         raise HandshakeError(
-            f"{peer} has {len(remote.ranks)} rank agents for TP size {remote.split.tp_size}"
+            f"{peer} has {len(remote.ranks)} rank agents for {remote.split.ranks_text}"
         )
     try:
         plan = plan_split(remote.split, local_split)
@@ -110,19 +114,27 @@ def check_handshake(
             f"{peer} has an incompatible KV cache "
             f"(compat hash {remote.compat_hash} vs {local_compat_hash}): " + "; ".join(diffs)
         )
+    local_layers = len(plan.stage_layers(local_split, 0))
+    unit = head_nbytes // local_layers  # one KV head's part of one layer of a block
+    per_layer = num_segments // local_layers if num_segments > 1 else 0  # layer-major: 1
     local_heads = remote.split.local_heads
     for rank, agent in enumerate(remote.ranks):
-        if agent.region.block_nbytes != head_nbytes * local_heads:
+        layers = len(plan.stage_layers(remote.split, remote.split.position(rank)[0]))
+        if agent.region.block_nbytes != unit * layers * local_heads:
+            each = f"{head_nbytes} bytes each here"  # (a head of a stage of other layers:)
+            if layers != local_layers:
+                each = f"of {layers} layers, {unit} bytes a head and layer here"
             raise HandshakeError(
                 f"{peer}: rank {rank}'s block of {agent.region.block_nbytes} bytes holds "
-                f"{local_heads} KV heads, {head_nbytes} bytes each here, with equal compat hashes"
+                f"{local_heads} KV heads {each}, with equal compat hashes"
             )
         if agent.region.num_blocks <= 0:
             raise HandshakeError(f"{peer}: rank {rank} registered no blocks")
-        if agent.region.num_segments != num_segments:
+        segments = per_layer * layers or 1
+        if agent.region.num_segments != segments:
             raise HandshakeError(
                 f"{peer}: rank {rank}'s block is {agent.region.num_segments} segment(s), "
-                f"{num_segments} here, with equal compat hashes"
+                f"{segments} here, with equal compat hashes"
             )
     for region in remote.tier_regions:
         if region.block_nbytes != remote.region.block_nbytes or region.num_blocks <= 0:
@@ -130,10 +142,10 @@ def check_handshake(
                 f"{peer}: its {region.tier.value} tier region has {region.num_blocks} blocks of "
                 f"{region.block_nbytes} bytes (its KV pool's are {remote.region.block_nbytes})"
             )
-        if region.num_segments != num_segments:
+        if region.num_segments != remote.region.num_segments:
             raise HandshakeError(
                 f"{peer}: its {region.tier.value} tier region's block is "
-                f"{region.num_segments} segment(s), {num_segments} here"
+                f"{region.num_segments} segment(s), {remote.region.num_segments} in its KV pool"
             )
     return plan
 

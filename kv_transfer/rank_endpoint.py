@@ -1,6 +1,6 @@
-"""The transfer agent of a tensor-parallel follower rank (ranks 1.. of a TP worker).
+"""The transfer agent of a follower rank (ranks 1.. of a tensor- or pipeline-parallel worker).
 
-Rank 0 of a TP worker holds the worker's endpoint (leases and notices on the prefill side, the
+Rank 0 of such a worker holds the worker's endpoint (leases and notices on the prefill side, the
 transfer manager on the decode side); every other rank has only this: an agent over its own
 pool, on its own thread (`AgentLoop`, like every agent), that
 

@@ -1,11 +1,14 @@
-"""The transfer backend of a tensor-parallel decode worker: rank 0's agent and its followers'.
+"""The transfer backend of a decode worker of several ranks (tensor-parallel, pipeline-parallel
+or both): rank 0's agent and its followers'.
 
-Each rank of a TP worker has its own pool (its KV heads) and its own agent over it, in its own
-process. The worker's one transfer manager (kv_transfer/manager.py: budget, leases, deadlines)
-runs on rank 0 and sees one backend: this one, whose ranks are rank 0's own agent and a
-`FollowerBackend` per follower: the follower runs its part on its own agent
-(kv_transfer/rank_endpoint.py), reached through a `RankLink` (in a worker, Ray calls to the
-follower's actor: worker_runtime/tp_ranks.py). A read of a plan is every rank's part of it
+Each rank of such a worker has its own pool (its stage's layers of its KV heads) and its own
+agent over it, in its own process; `ranks` are in the worker's rank order (stage-major,
+kv_transfer/tp_plan.py), which the plan's `SliceRead.decode_rank` indexes. The worker's one
+transfer manager (kv_transfer/manager.py: budget, leases, deadlines) runs on rank 0 and sees
+one backend: this one, whose ranks are rank 0's own agent and a `FollowerBackend` per
+follower: the follower runs its part on its own agent (kv_transfer/rank_endpoint.py), reached
+through a `RankLink` (in a worker, Ray calls to the follower's actor:
+worker_runtime/tp_ranks.py). A read of a plan is every rank's part of it
 (`TransferPlan.for_rank`: the rank's `SliceRead`s), started together:
 
     start_read: each rank starts its part (one failing to start cancels those started)

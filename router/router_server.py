@@ -48,6 +48,7 @@ from router.tls import TlsConfig
 from router.validation import ValidationLimits
 from vocabulary import tracing
 from vocabulary.block_hash import set_algorithm
+from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.model_config import ModelConfig
 from vocabulary.sampling import MAX_STRUCTURED_SPEC_CHARS
 from vocabulary.tokenizer import Tokenizer
@@ -225,6 +226,7 @@ class RouterServer:
     async def start(self) -> int:
         """Start serving; returns the bound gRPC port."""
         tracing.configure_tracing("router")  # from OTEL_*: off unless an exporter is named
+        start_malloc_trim("router")  # from PDSERVE_MALLOC_TRIM_S (cluster.malloc_trim_s)
         await self.view.start()
         self._update_limits()
         opts = [

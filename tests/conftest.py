@@ -7,7 +7,7 @@ a loopback-only local Ray, and the tiny model written by `pdserve make-model`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,8 +99,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_UnitScheduling(), "pdserve-unit-scheduling")
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    stop_finished_directories(item, nextitem)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    """After the item's own teardown (its function fixtures' finalizers, which may still use
+    the directory's cluster), stop what a directory it ends holds."""
+    try:
+        return (yield)
+    finally:
+        stop_finished_directories(item, nextitem)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,6 +30,7 @@ from kv_transfer.budget import InFlightBudget
 from kv_transfer.config import KVTransferConfig
 from vocabulary.engine_io import LoraInfo
 from vocabulary.loop_progress import LoopProgress
+from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.tracing import FinishedSpan, configure_tracing, finished_spans, shutdown_tracing
 from vocabulary.worker_api import WorkerDraining, WorkerInfo, WorkerOverloaded, WorkerState
 from worker_runtime.runtime import WorkerConfig, WorkerRuntime
@@ -71,6 +72,7 @@ class WorkerLifecycle(Generic[E]):
         """What this worker moves at once: its KV pulls and its host tier's copies."""
         self.endpoint: E | None = None
         configure_tracing(config.role.value)  # from OTEL_*: off unless an exporter is named
+        start_malloc_trim(config.role.value)  # from PDSERVE_MALLOC_TRIM_S
 
     # ---- the role's part --------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.protocol import RankAgent
 from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.types import TransferPlan
+from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.worker_api import WorkerRole, WorkerUnhealthy
 from worker_runtime.runtime import WorkerConfig, stall_reason
 from worker_runtime.tp_ranks import WorkerGroup, join_worker_group
@@ -61,6 +62,7 @@ class TPFollower:
     def __init__(self, config: WorkerConfig, transfer: KVTransferConfig, rank: int) -> None:
         if not 0 < rank < config.engine.num_ranks:
             raise ValueError(f"follower rank {rank} of {config.engine.num_ranks} ranks")
+        start_malloc_trim(f"{config.role.value} rank {rank}")  # from PDSERVE_MALLOC_TRIM_S
         self.config = config
         self.transfer = transfer
         self.rank = rank

@@ -65,6 +65,7 @@ from benchmarks.suites.soak_probes import (
     channel_stats,
     memray_growth,
     object_counts,
+    periodic_trim_stats,
     start_memray,
     start_tracemalloc,
     stop_memray,
@@ -85,15 +86,43 @@ class Process:
         self.actor = actor
 
     def call(self, fn: Any, timeout: float = 60.0) -> Any:
-        import ray
-
-        return ray.get(self.actor.__ray_call__.remote(lambda _: fn()), timeout=timeout)
+        """`fn()` inside the actor, on its event loop (`call_on`)."""
+        return self.call_on(lambda _: fn(), timeout)
 
     def call_on(self, fn: Any, timeout: float = 60.0) -> Any:
-        """`fn(actor instance)` inside the actor."""
+        """`fn(actor instance)` inside the actor, on its event loop's thread when it has one.
+        Ray runs `__ray_call__` on a thread of its own beside the loop; a probe that walks
+        `gc.get_objects()` there holds references to objects the loop is still building, and
+        the tuple `asyncio.gather(*(...))` builds from a generator cannot be resized while
+        another reference to it exists (the router's load poll failed with `SystemError:
+        bad argument to internal function` in the first soaks)."""
         import ray
 
-        return ray.get(self.actor.__ray_call__.remote(fn), timeout=timeout)
+        return ray.get(self.actor.__ray_call__.remote(on_actor_loop(fn, timeout)), timeout=timeout)
+
+
+def on_actor_loop(fn: Any, timeout: float) -> Any:
+    """`fn` wrapped to run on the calling actor's default event loop (directly in a threaded
+    actor)."""
+
+    def run(actor: Any) -> Any:
+        import asyncio
+
+        import ray
+        from ray._raylet import PythonFunctionDescriptor
+
+        worker = ray._private.worker.global_worker.core_worker
+        if not worker.current_actor_is_asyncio():
+            return fn(actor)
+        descriptor = PythonFunctionDescriptor(__name__, "probe", type(actor).__name__)
+        loop, _ = worker.get_event_loop(descriptor, None)  # the default concurrency group's
+
+        async def on_loop() -> Any:
+            return fn(actor)
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout)
+
+    return run
 
 
 RAY_SYSTEM = ("gcs_server", "raylet")
@@ -311,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     objs_warm: dict[str, dict[str, int]] = {}
     objs_end: dict[str, dict[str, int]] = {}
     trimmed: dict[str, dict[str, float]] = {}
+    periodic: dict[str, dict[str, float]] = {}
     traced: dict[str, list[str]] = {}
     events: list[tuple[float, str]] = []
     memray_leaks: list[str] = []
@@ -413,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         migrations = soak_mix.router_migrations(cluster)
         if memray_path is not None:
             memray_leaks = memray_growth(memray_path)
+        for name, p in actors.items():
+            with contextlib.suppress(Exception):  # killed meanwhile
+                periodic[name] = p.call(periodic_trim_stats)
         if args.trim_at_end:
             for name, p in actors.items():
                 try:
@@ -485,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["tracemalloc_growth"] = traced[name]
         if name in trimmed:
             row["malloc_trim"] = trimmed[name]
+        if periodic.get(name):
+            row["periodic_malloc_trim"] = periodic[name]
         row["flat"] = row["slope_rss_mb_h"] <= args.max_slope_mb_h
         flat &= row["flat"]
         report["processes"][name] = row

@@ -118,6 +118,17 @@ def channel_stats(router: Any) -> dict[str, dict[str, int]]:
     return out
 
 
+def periodic_trim_stats() -> dict[str, float]:
+    """What this actor's periodic `malloc_trim` (vocabulary/malloc_trim.py) did: trims,
+    MB of RSS they took back, the longest; empty when it does not run."""
+    from dataclasses import asdict
+
+    from vocabulary.malloc_trim import trim_stats
+
+    stats = trim_stats()
+    return {} if stats is None else {k: round(v, 2) for k, v in asdict(stats).items()}
+
+
 def object_counts() -> dict[str, int]:
     """Live Python objects of this process by type name (gc-tracked ones)."""
     import gc

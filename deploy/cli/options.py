@@ -490,6 +490,11 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
     check_count(config.workers.num_split, given.where("workers.num_split"))
     decode_at_least = 0 if config.workers.num_split else 1
     check_count(config.workers.num_decode, given.where("workers.num_decode"), decode_at_least)
+    if not config.cluster.malloc_trim_s >= 0:  # also NaN
+        raise typer.BadParameter(
+            f"{given.where('cluster.malloc_trim_s')}: seconds between trims, >= 0 (0: off), "
+            f"got {config.cluster.malloc_trim_s}"
+        )
     check_count(config.workers.prefill_tp, given.where("workers.prefill_tp"), 1)
     check_count(config.workers.decode_tp, given.where("workers.decode_tp"), 1)
     for f in FLAGS:

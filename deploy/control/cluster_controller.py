@@ -60,6 +60,7 @@ from prefix_index.index import PrefixIndex
 from router.cluster_view import RegistrySignature, WorkerListing
 from router.control import DrainRefused, DrainReport, LoraEntry
 from router.router_server import RouterSignals
+from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.waits import wait_within
 from vocabulary.worker_api import (
     ACTOR_NAME_PREFIX,
@@ -84,6 +85,7 @@ class Controller:
     """Ray actor class (create with `ray.remote(Controller).options(name=..., lifetime=...)`)."""
 
     def __init__(self, spec: ClusterSpec) -> None:
+        start_malloc_trim("controller")  # from PDSERVE_MALLOC_TRIM_S (cluster.malloc_trim_s)
         self.spec = spec
         self.workers: dict[str, Registered] = {}
         self._ids = itertools.count()

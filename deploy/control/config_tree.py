@@ -75,6 +75,10 @@ class LaunchConfig:
     block_hash: str = "auto"
     """Block-hash algorithm of every router and worker: xxh3 (fast, craftable collisions),
     sha256 (collision resistant), or auto: sha256 when a router listens beyond loopback."""
+    malloc_trim_s: float = 60.0
+    """Seconds between two `malloc_trim(0)` calls in every process of the cluster (the
+    controller, routers, workers and their ranks), which hand glibc's free pages back to the
+    system (vocabulary/malloc_trim.py says why); 0: never."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from deploy.control.worker_actors import NO_TASK_EVENTS, capacity_shortfall
 from planner.perf_profile import PerfProfileError
 from router.router_server import RouterActor
 from vocabulary.block_hash import BLOCK_HASH_ENV
+from vocabulary.malloc_trim import malloc_trim_env
 from vocabulary.tracing import tracing_env
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class Cluster:
             raise ClusterError(f"router.orchestrator.local_prefill.profile: {e}") from None
         # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm
         # and traces as this process's OTEL_* say (off without OTEL_TRACES_EXPORTER).
-        runtime_env = {"env_vars": {BLOCK_HASH_ENV: block_hash, **tracing_env()}}
+        env = {BLOCK_HASH_ENV: block_hash, **malloc_trim_env(launch.malloc_trim_s)}
+        runtime_env = {"env_vars": {**env, **tracing_env()}}
         try:
             redis_url = launch.redis_url
             if redis_url is None:

@@ -204,3 +204,14 @@ class Peer:
             except (BrokenPipeError, EOFError, OSError):
                 pass
         self.kill()  # no need to wait for the interpreter's own teardown
+
+
+def wait_released(peer: Peer, rid: str, timeout_s: float = 10.0) -> list[str]:
+    """What the peer released once it released `rid` (its lease ended), within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        released = peer.ask("released")
+        if rid in released:
+            return list(released)
+        time.sleep(0.05)
+    raise AssertionError(f"the lease of {rid} was not released")

@@ -6,11 +6,10 @@ a decode worker of TP 2 (two agents in the test process, rank 1's reads through 
 from __future__ import annotations
 
 import queue
-import time
 
 import pytest
 import torch
-from kvt_peer import Peer
+from kvt_peer import Peer, wait_released
 from kvt_tp_peer import KV_HEADS, MODEL, model_kv, rank_spec, tp_prefill_main
 
 from engine.kv.kv_cache import KVCache
@@ -26,16 +25,6 @@ from kv_transfer.tp_plan import kv_heads_of
 pytestmark = pytest.mark.timeout(240)
 
 CONFIG = KVTransferConfig(capture_telemetry=True, idle_tick_s=0.02, notif_poll_s=0.002)
-
-
-def wait_released(peer: Peer, rid: str, timeout_s: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        released = peer.ask("released")
-        if rid in released:
-            return list(released)
-        time.sleep(0.05)
-    raise AssertionError(f"the lease of {rid} was not released")
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.kv.kv_cache import KVCache, KVCacheSpec, block_segments
 from kv_transfer.backend import (
     BackendFactory,
     MemoryRegion,
@@ -212,18 +212,28 @@ class LoopbackBackend:
         self.fabric.agents.pop(self.agent_name, None)
 
 
-def block_bytes(cache: KVCache) -> torch.Tensor:
-    """The pool as [num_blocks, block_nbytes] bytes (a view)."""
-    return cache.tensor.view(cache.spec.num_blocks, -1).view(torch.uint8)
+def segment_bytes(cache: KVCache) -> torch.Tensor:
+    """The pool as [segments, num_blocks, segment bytes] (a view; one segment a block in a
+    block-first pool, one per layer in a layer-major one)."""
+    return block_segments(cache.tensor.view(torch.uint8), cache.spec.block_dim)
 
 
 def copy_range(src: KVCache, dst: KVCache, plan: TransferPlan, s: SliceRead) -> None:
-    """What a `SliceRead` of `plan` moves: bytes of every remote block into the local one."""
+    """What a `SliceRead` of `plan` moves: bytes of every remote block into the local one
+    (offsets count a block's bytes segment after segment; a range of several segments is
+    whole segments on both sides)."""
     remote = torch.tensor(plan.remote_block_ids, dtype=torch.long)
     local = torch.tensor(plan.local_block_ids, dtype=torch.long)
-    block_bytes(dst)[local, s.dst_offset : s.dst_offset + s.nbytes] = block_bytes(src)[
-        remote, s.src_offset : s.src_offset + s.nbytes
-    ]
+    a, b = segment_bytes(src), segment_bytes(dst)
+    seg = a.shape[2]
+    if s.src_offset % seg + s.nbytes <= seg:  # within one segment of each side
+        i, j = s.src_offset // seg, s.dst_offset // b.shape[2]
+        src_at, dst_at = s.src_offset % seg, s.dst_offset % b.shape[2]
+        b[j, local, dst_at : dst_at + s.nbytes] = a[i, remote, src_at : src_at + s.nbytes]
+        return
+    assert s.whole and seg == b.shape[2] and not (s.src_offset | s.dst_offset | s.nbytes) % seg
+    for k in range(s.nbytes // seg):
+        b[s.dst_offset // seg + k, local] = a[s.src_offset // seg + k, remote]
 
 
 def loopback_factory(fabric: LoopbackFabric, name: str | None = None) -> BackendFactory:
