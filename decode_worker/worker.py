@@ -119,6 +119,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             config=self.transfer_config,
             budget=self.budget,
             backend_factory=tp.backend_factory() if (tp := self.runtime.tp) is not None else None,
+            layer_bounds=engine.layer_bounds,
         )
 
     def _closing(self) -> None:

@@ -73,6 +73,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             config=self.transfer_config,
             followers=self.runtime.tp.agents if self.runtime.tp is not None else (),
             tiers={KVTier.HOST: engine.host_tier.tensor} if engine.host_tier is not None else None,
+            layer_bounds=engine.layer_bounds,
         )
 
     def _holds_work(self) -> bool:

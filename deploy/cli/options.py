@@ -74,8 +74,9 @@ def check_count(value: Any, where: str, minimum: int = 0) -> int:
 
 
 def check_model_fit(config: PdserveConfig, given: ConfigInput) -> None:
-    """Refuse TP sizes that cannot serve the model (deploy/control/cluster_spec.py `tp_refusal`)
-    and a `cost` local-prefill profile made for another model, block size, TP or dtype
+    """Refuse TP sizes and pipeline stages that cannot serve the model or a pair of layouts no
+    hand-off reads (deploy/control/cluster_spec.py `tp_refusal`), and a `cost` local-prefill
+    profile made for another model, block size, TP or dtype
     (`PdserveConfig.prefill_cost_model`), naming the flag or key at fault, before anything
     starts (the tiny model is written now if it is not there yet)."""
     from deploy.checkpoints.make_model import cached_tiny_model
@@ -89,7 +90,7 @@ def check_model_fit(config: PdserveConfig, given: ConfigInput) -> None:
         except PerfProfileError as e:
             where = given.where("router.orchestrator.local_prefill.profile")
             raise typer.BadParameter(f"{where}: {e}") from None
-    if workers.prefill_tp == workers.decode_tp == 1:
+    if workers.prefill_tp == workers.decode_tp == workers.prefill_pp == workers.decode_pp == 1:
         return
     model = ModelConfig.from_pretrained(config.model or cached_tiny_model())
     refusal = workers.tp_refusal(model)
@@ -244,6 +245,11 @@ FLAGS: tuple[Flag, ...] = (
          "node) of each prefill worker [1]."),
     Flag("decode_tp", "workers.decode_tp", int, "Tensor-parallel ranks of each decode worker "
          "[1]; one that differs from --prefill-tp makes every worker's KV pool head-major."),
+    Flag("prefill_pp", "workers.prefill_pp", int, "Pipeline stages of each prefill worker [1]: "
+         "a worker is --prefill-pp x --prefill-tp ranks (devices), stage s holding its share "
+         "of the layers (workers.prefill_pp_layers in the config file: each stage's count)."),
+    Flag("decode_pp", "workers.decode_pp", int, "Pipeline stages of each decode worker [1] "
+         "(workers.decode_pp_layers: each stage's layer count)."),
     Flag("kv_layout", "workers.engine.kv_layout", str, "KV pool layout: block_major, "
          "head_major, layer_major, or auto (disaggregated: head_major when prefill and "
          "decode TP differ, else block_major; colocated: layer_major on a GPU) [auto].",
@@ -323,6 +329,8 @@ FLAT_KEYS: dict[str, str] = {
     "split": "workers.num_split",
     "prefill_tp": "workers.prefill_tp",
     "decode_tp": "workers.decode_tp",
+    "prefill_pp": "workers.prefill_pp",
+    "decode_pp": "workers.decode_pp",
     "engine": "workers.engine",
     "placement": "workers.placement",
     "planner": "workers.planner",  # with PlannerConfig's fields beside the loop's
@@ -497,6 +505,8 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
         )
     check_count(config.workers.prefill_tp, given.where("workers.prefill_tp"), 1)
     check_count(config.workers.decode_tp, given.where("workers.decode_tp"), 1)
+    check_count(config.workers.prefill_pp, given.where("workers.prefill_pp"), 1)
+    check_count(config.workers.decode_pp, given.where("workers.decode_pp"), 1)
     for f in FLAGS:
         if f.choices:
             value: Any = config

@@ -50,6 +50,19 @@ class ClusterSpec:
     """Tensor-parallel ranks of each decode (or colocated) worker. When it differs from
     prefill_tp, engine.kv_layout auto becomes head_major on every worker (each decode rank
     reads its KV heads of a block in one piece; engine/kv/kv_cache.py)."""
+    prefill_pp: int = 1
+    """Pipeline stages of each prefill worker (engine.pipeline_parallel_size): a worker is
+    prefill_pp x prefill_tp ranks, stage s holding layers [a_s, b_s) and their KV
+    (vocabulary/pipeline.py), on one node where they fit, else over the Ray cluster's nodes.
+    The stages must divide the model's layers unless prefill_pp_layers is given."""
+    decode_pp: int = 1
+    """Pipeline stages of each decode (or colocated) worker; the KV hand-off reads each layer
+    range from the prefill stage that holds it (kv_transfer/tp_plan.py)."""
+    prefill_pp_layers: tuple[int, ...] = ()
+    """Layers of each prefill stage (prefill_pp counts summing to the model's layers); empty:
+    equal stages."""
+    decode_pp_layers: tuple[int, ...] = ()
+    """Layers of each decode stage; empty: equal stages."""
     redis_url: str | None = None
     """The prefix index's Redis; None: no index (placement on load alone)."""
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -83,10 +96,17 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.num_split and self.decode_tp != 1:
             raise ValueError("decode_tp: split workers run on one device (decode_tp 1)")
+        if self.num_split and self.decode_pp != 1:
+            raise ValueError("decode_pp: split workers run on one device (decode_pp 1)")
         if self.engine.tensor_parallel_size != 1:
             raise ValueError(
                 "engine.tensor_parallel_size: set prefill_tp / decode_tp (--prefill-tp, "
                 "--decode-tp) for a cluster's workers"
+            )
+        if self.engine.pipeline_parallel_size != 1 or self.engine.pipeline_layer_partition:
+            raise ValueError(
+                "engine.pipeline_parallel_size: set prefill_pp / decode_pp (--prefill-pp, "
+                "--decode-pp) and prefill_pp_layers / decode_pp_layers for a cluster's workers"
             )
 
     @property
@@ -100,8 +120,18 @@ class ClusterSpec:
         return WorkerRole.DECODE
 
     def tp_for(self, role: WorkerRole) -> int:
-        """Tensor-parallel ranks of a worker of `role`."""
+        """Tensor-parallel ranks of a worker of `role` (of each of its stages)."""
         return self.prefill_tp if role is WorkerRole.PREFILL else self.decode_tp
+
+    def pp_for(self, role: WorkerRole) -> tuple[int, tuple[int, ...]]:
+        """(pipeline stages, their layer counts or empty) of a worker of `role`."""
+        if role is WorkerRole.PREFILL:
+            return self.prefill_pp, self.prefill_pp_layers
+        return self.decode_pp, self.decode_pp_layers
+
+    def ranks_for(self, role: WorkerRole) -> int:
+        """Ranks (devices) of a worker of `role`: stages x TP ranks."""
+        return self.pp_for(role)[0] * self.tp_for(role)
 
     @property
     def kv_layout(self) -> str:
@@ -116,36 +146,46 @@ class ClusterSpec:
         return "head_major" if self.prefill_tp != self.decode_tp else "block_major"
 
     def engine_for(self, role: WorkerRole) -> EngineConfig:
-        """The engine of a worker of `role`: its mode, TP size and the cluster's KV layout."""
+        """The engine of a worker of `role`: its mode, TP size, pipeline stages and the
+        cluster's KV layout."""
         modes = {WorkerRole.PREFILL: EngineMode.PREFILL_ONLY, WorkerRole.SPLIT: EngineMode.SPLIT}
         mode = modes.get(role, EngineMode.COLOCATED)
+        stages, layers = self.pp_for(role) if role is not WorkerRole.SPLIT else (1, ())
         return replace(
             self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
+            pipeline_parallel_size=stages, pipeline_layer_partition=layers,
             kv_layout=self.kv_layout,
         )  # fmt: skip
 
     def tp_refusal(self, model: ModelConfig) -> tuple[str, str] | None:
-        """(the field at fault, why) when these TP sizes cannot serve `model` (a size that
-        does not split it, or a prefill/decode pair no hand-off plan serves in the KV layout
-        asked for); None when they can."""
-        from engine.kv.kv_cache import LAYOUT_NAMES
+        """(the field at fault, why) when these TP sizes and pipeline stages cannot serve
+        `model` (a TP size that does not split it, stages that do not cut its layers as
+        stated, or a prefill/decode pair of layouts no hand-off plan reads in the KV layout
+        asked for), the numbers named; None when they can."""
         from engine.tp.tp_shard import check_tp_size
-        from kv_transfer.tp_plan import KVSplit, UnsupportedSplit, plan_split
+        from kv_transfer.tp_plan import UnsupportedSplit, check_handoff_layouts
+        from vocabulary.pipeline import stage_layer_bounds
 
-        sizes = [("decode_tp", self.decode_tp)]
+        sides = [("decode", self.decode_tp, self.decode_pp, self.decode_pp_layers)]
         if not self.colocated:
-            sizes.insert(0, ("prefill_tp", self.prefill_tp))
-        for name, size in sizes:
+            sides.insert(0, ("prefill", self.prefill_tp, self.prefill_pp, self.prefill_pp_layers))
+        for side, tp, pp, layers in sides:
             try:
-                check_tp_size(model, size)
+                check_tp_size(model, tp)
             except ValueError as e:
-                return name, str(e)
+                return f"{side}_tp", str(e)
+            try:
+                stage_layer_bounds(model.num_layers, pp, layers)
+            except ValueError as e:
+                return (f"{side}_pp_layers" if layers else f"{side}_pp"), str(e)
         if self.colocated:
             return None
-        layout = LAYOUT_NAMES[self.kv_layout]
-        k = model.num_kv_heads
         try:
-            plan_split(KVSplit(self.prefill_tp, k, layout), KVSplit(self.decode_tp, k, layout))
+            check_handoff_layouts(
+                self.prefill_pp, self.prefill_tp, self.decode_pp, self.decode_tp,
+                model.num_layers, model.num_kv_heads, self.kv_layout,
+                self.prefill_pp_layers, self.decode_pp_layers,
+            )  # fmt: skip
         except UnsupportedSplit as e:
             return "engine.kv_layout", str(e)
         return None
@@ -164,5 +204,6 @@ class ClusterSpec:
         return specific or p.default or default_placement()
 
     def worker_asks(self, role: WorkerRole) -> ActorPlacement:
-        """What one worker of `role` holds on Ray: its rank's placement, once per TP rank."""
-        return self.placement_for(role).times(self.tp_for(role))
+        """What one worker of `role` holds on Ray: its rank's placement, once per rank
+        (stages x TP ranks)."""
+        return self.placement_for(role).times(self.ranks_for(role))

@@ -134,6 +134,9 @@ class LLMEngine:
         self.step_runner: ModelRunner | TPLeader | PPLeader = (
             self.tp_leader or self.pp_leader or self.runner
         )
+        self.layer_bounds: tuple[int, ...] = pp.stage.bounds if pp is not None else ()
+        """A pipeline worker's stage boundaries (vocabulary/pipeline.py; its KV hand-off reads
+        each stage's layers from that stage's ranks); empty: one stage."""
         spec = self.kv_cache.spec
         num_blocks = spec.num_blocks
         num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
