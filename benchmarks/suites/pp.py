@@ -1,0 +1,257 @@
+"""Pipeline parallelism on two GPUs: prefill of a long prompt and the decode step, PP=2 vs
+TP=2 vs one GPU. Needs two GPUs (device kind nvidia-h200-x2); `--cpu` runs the same code on the
+CPU with the tiny model (gloo, torch attention): a check that the script works, its figures
+mean nothing.
+
+A Llama-3-8B-shaped model from its config alone (dummy bf16 weights made on each device, as
+`--load-format dummy`; a stage draws every layer and keeps its own, so all three layouts
+serve the same model), one process per rank as a worker runs them (engine/core/pp_runner.py,
+engine/core/tp_runner.py; NCCL, flashinfer attention). Per layout:
+
+    prefill   one prompt of N tokens (`--prefill-tokens`, 8192 and 32768) as one step's chunk,
+              through rank 0's step runner (PP=2: cut into `--micro-batches` micro-batches, so
+              the stages overlap; TP=2: every layer's two all-reduces), median of `--repeats`
+    decode    a decode step of B sequences of `--context` tokens each (`--batches`)
+
+PP=2 stages run eager (no CUDA graphs on a stage yet) and so do the TP=2 and one-GPU steps
+here (`cuda_graphs` off for all three), so the comparison is of the split, not of graphs.
+Exit status: 0 when every layout ran; 1 when one failed (the others still run); 2 with fewer
+than two CUDA GPUs (nothing run) or bad arguments.
+
+    python -m benchmarks pp                       # 2 GPUs
+    python -m benchmarks pp --prefill-tokens 8192 --batches 1,64
+    python -m benchmarks pp --cpu                 # the plumbing, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.table import Table
+from benchmarks.suites.tp.rank_rpc import free_port
+
+LAYOUTS = {"one": (1, 1), "tp2": (1, 2), "pp2": (2, 1)}
+"""Layout name → (pipeline stages, TP ranks)."""
+TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every rank of one layout builds and rank 0 times."""
+
+    model_dir: str
+    cuda: bool
+    prefill_tokens: tuple[int, ...]
+    batches: tuple[int, ...]
+    context: int
+    repeats: int
+    micro_batches: int
+    block_size: int = 16
+
+    def engine(self, pp: int, tp: int) -> Any:
+        from engine.config import EngineConfig
+        from vocabulary.numeric import cdiv
+
+        longest = max(self.prefill_tokens)
+        blocks = max(
+            cdiv(longest, self.block_size), max(self.batches) * cdiv(self.context, self.block_size)
+        )
+        return EngineConfig(
+            model_dir=self.model_dir, device="cuda" if self.cuda else "cpu",
+            dtype="bfloat16" if self.cuda else "float32", load_format="dummy",
+            attention_backend="flashinfer" if self.cuda else "torch", cuda_graphs=False,
+            max_num_seqs=max(self.batches), max_num_batched_tokens=longest,
+            max_model_len=max(longest, self.context), num_kv_blocks=blocks + 8,
+            block_size=self.block_size, host_kv_gb=0, pipeline_parallel_size=pp,
+            tensor_parallel_size=tp, pipeline_micro_batches=self.micro_batches,
+            tp_timeout_s=TIMEOUT_S,
+        )  # fmt: skip
+
+
+def _rank_main(rank: int, pp: int, tp: int, port: int, setup: Setup, conn: Connection) -> None:
+    import torch
+
+    from engine.core.engine import LLMEngine
+    from engine.core.pp_runner import StageLoop, pipeline_stage, prepare_stage, serve_stage
+    from engine.core.tp_runner import run_follower
+    from engine.pp.pipeline_group import init_pp_group
+    from engine.tp.tensor_parallel import init_tp_group
+
+    try:
+        if setup.cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        config = setup.engine(pp, tp)
+        if pp * tp == 1:
+            conn.send(("ok", _time_rank0(LLMEngine(config), setup)))
+            return
+        if pp > 1:
+            stage = pipeline_stage(config, rank)
+            group: Any = init_pp_group(rank, stage, tp, "127.0.0.1", port, timeout_s=TIMEOUT_S)
+        else:
+            group = init_tp_group(rank, tp, "127.0.0.1", port, timeout_s=TIMEOUT_S)
+        if rank > 0:
+            if pp > 1:
+                serve_stage(StageLoop(group, prepare_stage(config, group)))
+            else:
+                run_follower(config, group)
+            group.close()
+            conn.send(("ok", None))
+            return
+        engine = LLMEngine(config, pp=group) if pp > 1 else LLMEngine(config, tp=group)
+        result = _time_rank0(engine, setup)
+        engine.close()
+        group.close()
+        conn.send(("ok", result))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _time_rank0(engine: Any, setup: Setup) -> dict[str, float]:
+    """Median seconds of each prefill and decode step through rank 0's step runner."""
+    import torch
+
+    from benchmarks.harness.decode_model import decode_batch
+    from engine.batch import ScheduledBatch, SeqChunk
+    from vocabulary.numeric import cdiv
+
+    device = engine.kv_cache.device
+    runner = engine.step_runner
+
+    def median(batch: ScheduledBatch) -> float:
+        times = []
+        for _ in range(setup.repeats + 1):  # the first builds kernels
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            runner.execute(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    out: dict[str, float] = {}
+    for n in setup.prefill_tokens:
+        blocks = tuple(range(cdiv(n, setup.block_size)))
+        chunk = SeqChunk("p", tuple(i % 1000 + 1 for i in range(n)), 0, blocks, sample=True)
+        out[f"prefill {n}"] = median(ScheduledBatch((chunk,)))
+    for b in setup.batches:
+        out[f"decode B={b}"] = median(decode_batch(b, setup.context, setup.block_size))
+    return out
+
+
+def run_layout(name: str, setup: Setup) -> dict[str, float] | str:
+    """Rank 0's timings of one layout, or why it failed."""
+    pp, tp = LAYOUTS[name]
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(pp * tp):
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=_rank_main, args=(rank, pp, tp, port, setup, theirs), daemon=True)
+        p.start()
+        pipes.append(ours)
+        procs.append(p)
+    try:
+        results = []
+        for rank, pipe in enumerate(pipes):
+            if not pipe.poll(TIMEOUT_S):
+                return f"rank {rank} sent nothing in {TIMEOUT_S:g} s"
+            results.append(pipe.recv())
+        failed = [text for status, text in results if status != "ok"]
+        return failed[0] if failed else results[0][1]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (a check)")
+    ap.add_argument("--layouts", default="one,tp2,pp2", help="of: one, tp2, pp2")
+    ap.add_argument("--prefill-tokens", default="8192,32768")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--micro-batches", type=int, default=4, help="PP=2's per step [4]")
+    args = ap.parse_args(argv)
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    if set(args.layouts) - set(LAYOUTS):
+        ap.error(f"--layouts: of {', '.join(LAYOUTS)}, got {args.layouts}")
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    import torch
+
+    args = parse_args(argv)
+    if not args.cpu and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
+        print("pp: needs 2 CUDA GPUs (device kind nvidia-h200-x2), nothing run; --cpu checks "
+              "the script itself on the CPU")  # fmt: skip
+        return 2
+    prefill = tuple(int(x) for x in args.prefill_tokens.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        setup = Setup(
+            model_dir=_model_dir(Path(tmp), args.cpu, max(*prefill, args.context)),
+            cuda=not args.cpu, prefill_tokens=prefill,
+            batches=tuple(int(x) for x in args.batches.split(",")), context=args.context,
+            repeats=args.repeats, micro_batches=args.micro_batches,
+        )  # fmt: skip
+        if args.cpu:  # the tiny model's context is short: a check, not a figure
+            setup = replace(setup, prefill_tokens=(256,), batches=(1, 4), context=64, repeats=2)
+        results = {name: run_layout(name, setup) for name in args.layouts}
+    return report(results)
+
+
+def _model_dir(tmp: Path, cpu: bool, max_len: int) -> str:
+    """The tiny model (`cpu`), else a Llama-3-8B shape's config whose context holds
+    `max_len` tokens (the 32k prompt is past the preset's 8192)."""
+    from deploy.checkpoints.make_model import cached_tiny_model, make_model
+
+    if cpu:
+        return str(cached_tiny_model())
+    length = max(8192, max_len)
+    return str(
+        make_model(
+            tmp / "llama3-8b", preset="llama3-8b", config_only=True,
+            max_position_embeddings=length,
+        )
+    )  # fmt: skip
+
+
+def report(results: dict[str, dict[str, float] | str]) -> int:
+    """Print one table (ms per step per layout, and each against one GPU); 1 if one failed."""
+    status = 0
+    timed = {k: v for k, v in results.items() if isinstance(v, dict)}
+    for name, why in results.items():
+        if isinstance(why, str):
+            print(f"{name}: failed: {why}")
+            status = 1
+    if not timed:
+        return 1
+    steps = list(next(iter(timed.values())))
+    base = timed.get("one")
+    rows = []
+    for step in steps:
+        row = [step]
+        for name in timed:
+            ms = timed[name][step] * 1e3
+            ratio = f" ({base[step] / timed[name][step]:.2f}x)" if base and name != "one" else ""
+            row.append(f"{ms:.2f}{ratio}")
+        rows.append(tuple(row))
+    header = ("step", *(f"{n} ms" for n in timed))
+    print(Table.of(header, rows, "l" + "r" * len(timed)).plain())
+    return status
