@@ -1,7 +1,8 @@
 """Pipeline parallelism on CPU: the tiny model (4 layers) cut into 2 and 4 stages (and 2
 stages of 2 TP ranks) in real processes over gloo gives transformers' greedy tokens; a step's
-micro-batches keep both stages busy at once (the step trace); a stage that dies or fails
-mid-step fails rank 0's step at once (no hang).
+micro-batches keep both stages busy at once (the step trace); abort frees every block and a
+migrated request continues exactly; a stage that dies or fails mid-step fails rank 0's step at
+once (no hang).
 
 Tokens are compared exactly: a stage passes the pair (h, residual) on, so the arithmetic is
 the whole model's, and a prompt chunk cut into micro-batches reads its earlier pieces' KV as
@@ -26,6 +27,7 @@ from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.pp_runner import StageSpan
 from engine.modeling.llama import LlamaModel
+from vocabulary.sampling import SamplingParams
 from vocabulary.tokenizer import Tokenizer
 
 
@@ -158,3 +160,61 @@ def test_stage_failing_mid_step_fails_every_rank(
     assert elapsed < config.tp_timeout_s
     assert results[1][0] == "error" and "injected fault in a pipeline stage" in results[1][1]
     assert all(r[0] == "error" and "TP group broken" in r[1] for r in results[2:]), results
+
+
+def abort_then_migrate(prompts: list[list[int]], engine: Any, conn: Any) -> dict[str, Any]:
+    """On rank 0 of a pipeline engine: three requests, one aborted mid-decode (its blocks
+    back at once); then a request migrated after 5 tokens (its prior prefilled after the
+    prompt) and a seeded one. Every block is free at the end: the books are rank 0's, and
+    the block ids are the same on every stage."""
+    from vocabulary.engine_io import PriorOutput
+
+    tokens: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"a{i}", p, greedy(20))
+    for _ in range(6):
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    used = engine.block_pool.num_blocks - engine.block_pool.num_free
+    engine.abort_request("a1")
+    freed = engine.block_pool.num_free - (engine.block_pool.num_blocks - used)
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    whole = engine.generate([prompts[2]], greedy(12))[0]
+    engine.add_request("moved", prompts[2], greedy(12), prior=PriorOutput(tuple(whole[:5]), 0))
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    seeded = SamplingParams(temperature=1.0, top_k=40, seed=7, max_tokens=10, ignore_eos=True)
+    sampled = engine.generate([prompts[3]], seeded)[0]
+    return {
+        "freed": freed,
+        "tokens": tokens,
+        "whole": whole,
+        "sampled": sampled,
+        "free_at_end": engine.block_pool.num_free == engine.block_pool.num_blocks,
+    }
+
+
+def test_abort_and_migration_on_a_pp_engine_free_every_block_and_continue_exactly(
+    tiny_model_dir: Path,
+    tiny_model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    hf_greedy: Reference,
+) -> None:
+    config = pp_config(tiny_model_dir, 2)
+    leader, follower = run_ranks(config, functools.partial(abort_then_migrate, prompts))
+    assert leader[0] == "ok" and follower[0] == "ok", (leader, follower)
+    got, _ = leader[1]
+    assert got["freed"] > 0 and got["free_at_end"]
+    assert "a1" not in got["tokens"] or len(got["tokens"]["a1"]) < 20
+    for i in (0, 2):
+        assert got["tokens"][f"a{i}"] == hf_greedy(prompts[i], 20)
+    assert got["tokens"]["moved"] == got["whole"][5:] == hf_greedy(prompts[2], 12)[5:]
+    one = LLMEngine(
+        replace(config, pipeline_parallel_size=1), model=tiny_model, tokenizer=tokenizer
+    )
+    seeded = SamplingParams(temperature=1.0, top_k=40, seed=7, max_tokens=10, ignore_eos=True)
+    assert got["sampled"] == one.generate([prompts[3]], seeded)[0]
