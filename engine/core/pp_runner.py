@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
@@ -105,7 +106,7 @@ class StageLoop:
         """Run this rank's part of step `seq`; raises `TPGroupError` (the group broken) on any
         failure."""
         group, stage = self.group, self.group.stage
-        sent: list[tuple[object, torch.Tensor]] = []
+        sent: list[tuple[dist.Work, torch.Tensor]] = []
         try:
             for k, batch in enumerate(batches):
                 carried = None
@@ -124,7 +125,7 @@ class StageLoop:
                     sent.append((group.isend(out, dst), out))
                 elif group.tp_rank == 0 and out.shape[0]:
                     sent.append((group.isend(out.contiguous(), 0), out))
-            group.wait_sent([work for work, _ in sent])  # type: ignore[misc]
+            group.wait_sent([work for work, _ in sent])
         except TPGroupError:
             raise
         except Exception as e:
