@@ -86,7 +86,8 @@ def kv_layout(config: EngineConfig, device: torch.device | None = None) -> str:
 
 @torch.inference_mode()
 def profile_activation_peak(model: LlamaModel, num_tokens: int, num_logit_rows: int) -> int:
-    """Bytes a forward of num_tokens (one sequence) plus its logits adds on the GPU at peak."""
+    """Bytes a forward of num_tokens (one sequence) plus its logits adds on the GPU at peak
+    (a pipeline stage: its layers, and the logits on the last stage only)."""
     device = model.device
     cfg = model.cfg
     torch.cuda.synchronize(device)
@@ -97,7 +98,8 @@ def profile_activation_peak(model: LlamaModel, num_tokens: int, num_logit_rows: 
     positions = torch.arange(num_tokens, device=device)
     attend = causal_attend(1, num_tokens, cfg.num_heads, cfg.num_kv_heads)
     hidden = model(ids, positions, attend)
-    model.compute_logits(hidden[:num_logit_rows])
+    if model.has_head:  # (a pipeline stage before the last passes its hidden states on)
+        model.compute_logits(hidden[:num_logit_rows])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del hidden

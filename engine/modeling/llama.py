@@ -383,6 +383,11 @@ class LlamaModel(nn.Module):
             )
         return h, residual
 
+    @property
+    def has_head(self) -> bool:
+        """The model computes logits (a whole model, or a pipeline's last stage)."""
+        return self.pp_stage is None or self.pp_stage.is_last
+
     def drop_unused_ends(self) -> None:
         """A pipeline stage's model: free the embedding off stage 0 (unless the last stage's
         tied head reads it) and the head off the last stage (engine/pp/pp_stage.py)."""

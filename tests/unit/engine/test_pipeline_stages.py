@@ -149,3 +149,20 @@ def test_a_stage_pool_spec_names_its_layers(tiny_model_dir: Path) -> None:
     part = stage_config(cfg, PPStage.of(cfg.num_layers, 2, 1))
     spec = kv_cache_spec(part, 16, torch.float32, 8, stage=(2, 1, 2, 4))
     assert (spec.num_layers, spec.layer_start, spec.total_layers, spec.pp_rank) == (2, 2, 4, 1)
+
+
+def test_only_the_last_stage_has_a_head(tiny_model_dir: Path) -> None:
+    """Memory profiling (engine/kv/kv_sizing.py) runs logits only where there is a head."""
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    first, last = (
+        load_model(tiny_model_dir, torch.float32, stage=PPStage.of(cfg.num_layers, 2, s))
+        for s in (0, 1)
+    )
+    assert (first.has_head, last.has_head) == (False, True)
+    assert load_model(tiny_model_dir, torch.float32).has_head
+    hidden = first(
+        torch.tensor([1, 2, 3]),
+        torch.arange(3),
+        causal_attend(1, 3, cfg.num_heads, cfg.num_kv_heads),
+    )
+    assert hidden.shape == (3, cfg.hidden_size)
