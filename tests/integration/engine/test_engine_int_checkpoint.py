@@ -211,3 +211,25 @@ def test_dummy_weights_of_an_int_config_are_the_dense_dummy_weights_quantized(
     attend = causal_attend(1, 4, model.cfg.num_heads, model.cfg.num_kv_heads)
     out = model.compute_logits(model(ids, torch.arange(4), attend))
     assert bool(out.isfinite().all())
+
+
+def test_int8_stages_of_a_pipeline_chain_to_the_whole_int8_model(int8_dir: Path) -> None:
+    """Each pipeline stage loads its layers of an INT8 checkpoint (engine/pp/pp_stage.py);
+    chained over the pair (h, residual) they give the whole model's logits bit for bit."""
+    from engine.pp.pp_stage import PPStage
+
+    whole = load_model(int8_dir, torch.float32)
+    ids, positions = torch.tensor([5, 9, 2, 7]), torch.arange(4)
+    cfg = whole.cfg
+    attend = causal_attend(1, 4, cfg.num_heads, cfg.num_kv_heads)
+    stages = [
+        load_model(int8_dir, torch.float32, stage=PPStage.of(cfg.num_layers, 2, s))
+        for s in range(2)
+    ]
+    assert {s.quantization for s in stages} == {whole.quantization}
+    h, residual = stages[0].embed(ids), None
+    for stage in stages:
+        h, residual = stage.run_layers(h, residual, positions, attend)
+    assert residual is not None
+    want = whole.compute_logits(whole(ids, positions, attend))
+    assert torch.equal(stages[1].compute_logits(residual + h), want)
