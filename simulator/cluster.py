@@ -15,7 +15,9 @@ Lifecycle of a request (times in seconds from the start of the run):
    their prefix caches (the index is exact here: no staleness), with the shape's local-prefill
    policy; the `cost` policy predicts with this profile (`PerfProfile.prefill_cost_model`);
 4. prefill on the chosen worker (simulator/workers.py), `profile.serving.request_s` after the
-   decision (the router's hop), first token at the step's end: TTFT;
+   decision (the router's hop), first token at the step's end: TTFT. A prompt sent to a
+   prefill worker counts in that worker's queue from the decision on, as the live router
+   counts what it dispatched, so a burst placed within one hop spreads over the workers;
 5. hand-off: `profile.handoff.seconds(blocks)` after the first token the request joins its
    decode worker's batch (the decode blocks are allocated when it starts);
 6. decode, one token per step, until max_tokens (outputs are exact: ignore_eos workloads);
@@ -238,8 +240,13 @@ class Simulation:
             r.context -= 1
             r.remaining_prefill = 1
         worker.allocate(worker.blocks_for(r.context))
+        # The live router counts a prompt sent to a prefill worker at once (`Orchestrator.
+        # _prefill`), so requests placed within one hop see it; a local prefill it does not.
+        dispatched = placement.uncached_tokens if placement.prefill_worker_id else 0
+        worker.dispatched_prefill_tokens += dispatched
 
         def queued() -> None:
+            worker.dispatched_prefill_tokens -= dispatched
             worker.enqueue_prefill(r)
             self.views.touch(worker)
             self._kick(worker)

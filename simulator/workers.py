@@ -208,8 +208,19 @@ class SimWorker:
         self.cache = PrefixCache(kv_blocks, worker_id, index)
         self.queued_prefill_tokens = 0
         """Prompt tokens in `prefill_queue` yet to compute (the load report's figure)."""
+        self.dispatched_prefill_tokens = 0
+        """Uncached prompt tokens the router placed here that have not reached the worker yet
+        (the router's hop): the live router counts them from placement on
+        (`router/cluster_view.py:WorkerEntry.dispatched_prefill_tokens`)."""
 
     # ---- load, as the router sees it --------------------------------------------------------
+
+    @property
+    def routed_prefill_tokens(self) -> int:
+        """The prefill queue as the router counts it (`WorkerEntry.queued_prefill_tokens`):
+        the worker's figure plus what was dispatched to it, so prompts placed in one burst
+        see each other and spread over the workers."""
+        return self.queued_prefill_tokens + self.dispatched_prefill_tokens
 
     @property
     def free_blocks(self) -> int:
