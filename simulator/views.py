@@ -117,7 +117,7 @@ class LoadViews:
         changed = False
         for w in self._touched:
             state = _state(w)
-            if state == self._state[w.worker_id]:
+            if state == self._state.get(w.worker_id, state):  # the same, or not placed on
                 continue
             self._state[w.worker_id] = state
             changed = True
