@@ -20,6 +20,7 @@ alive at once: the working set the host KV tier is measured on). Arrivals: `pois
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -102,7 +103,7 @@ class Arrival:
         points = self.schedule
         if t <= points[0][0]:
             return points[0][1]
-        for (t0, m0), (t1, m1) in zip(points, points[1:], strict=False):
+        for (t0, m0), (t1, m1) in itertools.pairwise(points):
             if t <= t1:
                 return m0 if t1 == t0 else m0 + (m1 - m0) * (t - t0) / (t1 - t0)
         return points[-1][1]
