@@ -167,8 +167,9 @@ def _observe(tick: TickInput, p: PredictiveConfig, memory: PredictiveMemory) -> 
         return memory
     arrival = memory.arrival.observe(tick.arrival_rps, tick.now_s, p.alpha, p.beta)
     prompt, output = memory.prompt, memory.output
-    if tick.arrival_rps > 0:  # lengths are known only while requests finish
+    if tick.mean_prompt_tokens > 0:  # known while requests arrive
         prompt = prompt.observe(tick.mean_prompt_tokens, tick.now_s, p.alpha, p.beta)
+    if tick.mean_output_tokens > 0:  # known once some finished
         output = output.observe(tick.mean_output_tokens, tick.now_s, p.alpha, p.beta)
     return replace(memory, arrival=arrival, prompt=prompt, output=output)
 
@@ -192,7 +193,9 @@ def _correct(
         old = memory.ttft_correction if role is Role.PREFILL else memory.tpot_correction
         serving = sum(1 for w in workers if w.ready and not w.draining)
         predicted = _latency_s(role, model, load, serving)
-        backlog = tick.queue_depth > config.max_queue_per_prefill_worker * max(serving, 1)
+        backlog = role is Role.PREFILL and (
+            tick.queue_depth > config.max_queue_per_prefill_worker * max(serving, 1)
+        )
         if (len(values) < config.min_samples or not 0 < predicted < math.inf or backlog
                 or not _holds(role, model, load, serving, p)):  # fmt: skip
             corrections[role] = old  # a backlog's latency is no measure of the model's error
