@@ -74,6 +74,8 @@ SUITES = (
           Device.CPU),
     Suite("lora", "lora", "multi-LoRA decode vs the base model; adapter loads",
           Device.GPU, "--smoke"),
+    Suite("planner", "planner",
+          "reactive vs predictive planner on a ramp-and-burst trace, simulated", Device.CPU),
     Suite("router", "router", "router overhead: TTFT via gRPC minus straight to the workers",
           Device.CPU),
     Suite("sim_scale", "sim_scale",
