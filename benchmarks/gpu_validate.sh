@@ -88,7 +88,10 @@ config_model() {  # config.json and tokenizer of a preset, for --load-format dum
 # time limit CMD_LIMIT seconds, default 300)
 STEPS=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do STEPS="$STEPS $1"; shift; done
-[ "${1:-}" = "--" ] && shift
+DASH=""; [ "${1:-}" = "--" ] && { DASH=1; shift; }
+if [ -n "$DASH" ] && [ $# -eq 0 ]; then
+  echo "gpu_validate.sh: '--' needs a command after it (nothing run)"; exit 2
+fi
 if [ -z "$STEPS" ] && [ $# -eq 0 ]; then STEPS="jit tests engine enginestep kv router e2e1 e2e8b e2e2"; fi
 for s in $STEPS; do
   case $s in

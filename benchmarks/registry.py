@@ -74,6 +74,8 @@ SUITES = (
           Device.CPU),
     Suite("lora", "lora", "multi-LoRA decode vs the base model; adapter loads",
           Device.GPU, "--smoke"),
+    Suite("planner", "planner",
+          "reactive vs predictive planner on a ramp-and-burst trace, simulated", Device.CPU),
     Suite("pp", "pp", "pipeline parallelism: prefill 8k/32k and decode, PP=2 vs TP=2 vs 1 GPU",
           Device.GPU, "--cpu"),
     Suite("router", "router", "router overhead: TTFT via gRPC minus straight to the workers",

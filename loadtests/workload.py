@@ -13,12 +13,14 @@ message; a turn is sent `think_s` after the previous one completes). Conversatio
 (new sessions keep starting over the whole window) or closed (`conversation.sessions`: a fixed
 set of sessions that start in the first seconds and keep coming back, so every one of them is
 alive at once: the working set the host KV tier is measured on). Arrivals: `poisson`,
-`gamma` (burstiness < 1 is burstier, as in vLLM's benchmark), or `on_off` bursts.
+`gamma` (burstiness < 1 is burstier, as in vLLM's benchmark), `on_off` bursts, or a
+`schedule` (Poisson at a rate that follows a piecewise-linear curve: ramps and bursts).
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -44,6 +46,7 @@ class ArrivalProcess(enum.Enum):
     POISSON = "poisson"
     GAMMA = "gamma"
     ON_OFF = "on_off"
+    SCHEDULE = "schedule"
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class Arrival:
     """on_off: share of each period spent in the burst."""
     burst_multiplier: float = 4.0
     """on_off: burst rate / mean rate; burst_fraction * burst_multiplier must be <= 1."""
+    schedule: tuple[tuple[float, float], ...] = ()
+    """schedule: (seconds, multiplier of the rate) points, times ascending; the rate at a time
+    between two points is interpolated, before the first and after the last it is held."""
 
     def __post_init__(self) -> None:
         if self.burstiness <= 0 or self.period_s <= 0:
@@ -83,6 +89,24 @@ class Arrival:
             raise ProfileError("arrival: need 0 < burst_fraction < 1 and burst_multiplier >= 1")
         if self.burst_fraction * self.burst_multiplier > 1 + 1e-9:
             raise ProfileError("arrival: burst_fraction * burst_multiplier must be <= 1")
+        if self.process is ArrivalProcess.SCHEDULE:
+            times = [t for t, _ in self.schedule]
+            if not self.schedule or times != sorted(times) or min(m for _, m in self.schedule) < 0:
+                raise ProfileError(
+                    "arrival.schedule: needs (seconds, multiplier >= 0) points, times ascending"
+                )
+            if max(m for _, m in self.schedule) <= 0:
+                raise ProfileError("arrival.schedule: some multiplier must be > 0")
+
+    def multiplier(self, t: float) -> float:
+        """schedule: the rate's multiplier at `t` seconds."""
+        points = self.schedule
+        if t <= points[0][0]:
+            return points[0][1]
+        for (t0, m0), (t1, m1) in itertools.pairwise(points):
+            if t <= t1:
+                return m0 if t1 == t0 else m0 + (m1 - m0) * (t - t0) / (t1 - t0)
+        return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -209,6 +233,11 @@ def profile_from_dict(data: dict[str, Any]) -> Profile:
             arrival["process"] = ArrivalProcess(arrival.get("process", "poisson"))
         except ValueError as e:
             raise ProfileError(f"arrival.process: {e}") from e
+        if "schedule" in arrival:
+            try:
+                arrival["schedule"] = tuple((float(t), float(m)) for t, m in arrival["schedule"])
+            except (TypeError, ValueError) as e:
+                raise ProfileError(f"arrival.schedule: pairs of numbers ({e})") from e
         values["arrival"] = _build(Arrival, arrival, "arrival")
     if "shared_prefix" in values:
         values["shared_prefix"] = _build(SharedPrefix, values["shared_prefix"], "shared_prefix")
@@ -258,6 +287,14 @@ def arrival_times(
         raise ValueError(f"rate: must be > 0, got {rate}")
     times: list[float] = []
     t = 0.0
+    if arrival.process is ArrivalProcess.SCHEDULE:  # thinning at the schedule's peak
+        peak = rate * max(m for _, m in arrival.schedule)
+        while True:
+            t += rng.expovariate(peak)
+            if t >= duration_s:
+                return times
+            if rng.random() * peak < rate * arrival.multiplier(t):
+                times.append(t)
     if arrival.process is ArrivalProcess.ON_OFF:
         high = rate * arrival.burst_multiplier
         burst_s = arrival.period_s * arrival.burst_fraction

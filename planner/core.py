@@ -117,6 +117,8 @@ class WorkerView:
     inflight_requests: int = 0
     inflight_transfers: int = 0
     draining: bool = False
+    ready: bool = True
+    """Serving (False while it starts: counted as active, age 0, not yet taking requests)."""
 
     @property
     def busy(self) -> bool:
@@ -154,6 +156,12 @@ class TickInput:
     """Prompt tokens per second arriving (demand on prefill)."""
     decode_tokens_per_s: float = 0.0
     """Output tokens per second generated (demand on decode)."""
+    arrival_rps: float = 0.0
+    """Requests per second since the last tick (the predictive planner's forecast input)."""
+    mean_prompt_tokens: float = 0.0
+    """Mean prompt tokens of those requests (0: none)."""
+    mean_output_tokens: float = 0.0
+    """Mean output tokens of those requests (0: none)."""
 
     def workers(self, role: Role) -> tuple[WorkerView, ...]:
         return self.prefill_workers if role is Role.PREFILL else self.decode_workers
@@ -266,7 +274,7 @@ def _plan_role(
         return decide(add=bounds.min_workers - n)
     if n > bounds.max_workers:
         reasons.append(f"{n} active > max {bounds.max_workers}")
-        return decide(drain=_pick_drain(active, n - bounds.max_workers))
+        return decide(drain=pick_drain(active, n - bounds.max_workers))
 
     last = memory.last_change(role)
     if last is not None and tick.tick - last < config.cooldown_ticks:
@@ -320,7 +328,7 @@ def _plan_role(
     if blockers:
         reasons.append(_steady(p_name, p, len(values)) + "; no scale-down: " + ", ".join(blockers))
         return decide()
-    drain = _pick_drain(active, 1)
+    drain = pick_drain(active, 1)
     reasons.append(f"slack: {_steady(p_name, p, len(values))}, queue 0")
     return decide(drain=drain)
 
@@ -348,7 +356,7 @@ def _steady(p_name: str, p: float | None, n_samples: int) -> str:
     return f"{p_name} {p:.0f} ms"
 
 
-def _pick_drain(active: Sequence[WorkerView], count: int) -> tuple[str, ...]:
+def pick_drain(active: Sequence[WorkerView], count: int) -> tuple[str, ...]:
     """The least busy workers, youngest first among equals (least prefix cache to lose)."""
     ranked = sorted(
         active, key=lambda w: (w.inflight_requests + w.inflight_transfers, w.age_s, w.worker_id)
@@ -380,11 +388,15 @@ class Planner:
         return decision
 
     def apply(self, decision: ScalingDecision, actuator: ScalingActuator) -> None:
-        """Hand a decision to the actuator: stops first, then drains, then adds."""
-        for d in (decision.prefill, decision.decode):
-            if d.stop:
-                actuator.stop_workers(d.role, d.stop)
-            if d.drain:
-                actuator.drain_workers(d.role, d.drain)
-            if d.add:
-                actuator.add_workers(d.role, d.add)
+        apply_decision(decision, actuator)
+
+
+def apply_decision(decision: ScalingDecision, actuator: ScalingActuator) -> None:
+    """Hand a decision to the actuator: stops first, then drains, then adds."""
+    for d in (decision.prefill, decision.decode):
+        if d.stop:
+            actuator.stop_workers(d.role, d.stop)
+        if d.drain:
+            actuator.drain_workers(d.role, d.drain)
+        if d.add:
+            actuator.add_workers(d.role, d.add)

@@ -4,8 +4,10 @@ Each tick (`PlannerSettings.interval_s`):
 
 1. measure: every worker's load (polled by the controller), and from every router the TTFT/TPOT
    samples of the last `sample_window_s` plus its admission queue;
-2. decide: `build_tick` turns those into a `TickInput`, `Planner.tick` into a `ScalingDecision`
-   (pure; see planner/core.py), recorded with its reasons (and to a replayable trace);
+2. decide: `build_tick` turns those into a `TickInput`, and the planner of `mode` into a
+   `ScalingDecision` (pure: `Planner.tick`, planner/core.py, or `PredictivePlanner.tick`,
+   planner/predictive.py, with the reactive rules as its guard), recorded with its reasons
+   (and to a replayable trace);
 3. actuate through `ControllerActuator` (the `ScalingActuator`): start workers of a role with
    the role's placement, drain workers (they stop admitting and finish in-flight work), stop a
    drained worker once the planner sees it idle, and keep Ray's autoscaler asked, through
@@ -39,7 +41,10 @@ from planner.core import (
     WorkerView,
 )
 from planner.metrics import PlannerMetrics
+from planner.perf_profile import PerfProfile, load_perf_profile
+from planner.predictive import PlannerMode, PredictiveConfig, PredictivePlanner
 from planner.replay import TraceWriter
+from router.metrics import Arrivals
 from vocabulary.worker_api import WorkerLoad, WorkerRole
 
 if TYPE_CHECKING:
@@ -65,6 +70,21 @@ class PlannerSettings:
     `python -m planner.replay`."""
     config: PlannerConfig = field(default_factory=PlannerConfig)
     """SLOs, bounds per role and thresholds of the pure core."""
+    mode: str = PlannerMode.REACTIVE.value
+    """`reactive`: the rules of planner/core.py; `predictive`: worker targets from a profile
+    at a forecast load, set a worker's start-up ahead, the reactive rules as a guard
+    (planner/predictive.py)."""
+    predictive: PredictiveConfig = field(default_factory=PredictiveConfig)
+    """The predictive planner's profile, lead time, forecast and corrections."""
+
+    def __post_init__(self) -> None:
+        known = [m.value for m in PlannerMode]
+        if self.mode not in known:
+            raise ValueError(f"mode: one of {', '.join(known)}, got {self.mode!r}")
+
+    @property
+    def kind(self) -> PlannerMode:
+        return PlannerMode(self.mode)
 
 
 @dataclass(frozen=True)
@@ -100,12 +120,17 @@ def build_tick(
     workers: Sequence[WorkerSnapshot],
     signals: Sequence[RouterSignals],
     prefill_tokens_per_s: float = 0.0,
+    since_s: float | None = None,
+    arrived: Arrivals | None = None,
 ) -> TickInput:
     """The planner's input from one round of measurements (pure).
 
     Queue depth is the routers' admission queues plus the prefill workers' waiting requests
     (decode workers' in colocated mode). Output tokens/s is estimated from the decode workers:
     running requests x 1000 / TPOT (the worker's median TPOT in the window, else the cluster's).
+    The arrival rate and mean prompt length are those of the requests the routers received
+    since `since_s` (`arrived`; None: not known); the mean output length that of the requests
+    that finished since then (their TTFT samples; those of the whole window when none did).
     """
     views: dict[Role, list[WorkerView]] = {Role.PREFILL: [], Role.DECODE: []}
     has_prefill = any(w.role is Role.PREFILL for w in workers)
@@ -138,8 +163,13 @@ def build_tick(
                 inflight_requests=inflight,
                 inflight_transfers=transfers,
                 draining=w.draining,
+                ready=w.ready_at_s is not None,
             )
         )
+    finished = [s for s in ttft if s.output_tokens and (since_s is None or s.at_s > since_s)]
+    finished = finished or [s for s in ttft if s.output_tokens]
+    span = now_s - since_s if since_s is not None else 0.0
+    got = arrived if arrived is not None and span > 0 else Arrivals()
     return TickInput(
         tick=tick,
         now_s=now_s,
@@ -150,6 +180,9 @@ def build_tick(
         queue_depth=queue,
         prefill_tokens_per_s=prefill_tokens_per_s,
         decode_tokens_per_s=decode_rate,
+        arrival_rps=got.requests / span if got.requests else 0.0,
+        mean_prompt_tokens=got.prompt_tokens / got.requests if got.requests else 0.0,
+        mean_output_tokens=statistics.fmean(s.output_tokens for s in finished) if finished else 0.0,
     )
 
 
@@ -262,18 +295,30 @@ class PlannerLoop:
         resources: ResourceRequester | None = None,
         clock: Callable[[], float] = time.time,
         metrics: PlannerMetrics | None = None,
+        profile: PerfProfile | None = None,
     ) -> None:
+        """`profile`: the predictive planner's model (default: read from
+        `settings.predictive.profile`)."""
         config = settings.config
         if decode_role is not WorkerRole.DECODE:  # colocated or split: no prefill role to scale
             config = replace(config, prefill=RoleBounds(0, 0))
         self.settings = replace(settings, config=config)
         self.host = host
-        self.planner = Planner(config)
+        self.planner: Planner | PredictivePlanner = Planner(config)
+        if settings.kind is PlannerMode.PREDICTIVE:
+            if profile is None:
+                if settings.predictive.profile is None:
+                    raise ValueError("planner.predictive.profile: required in predictive mode")
+                profile = load_perf_profile(Path(settings.predictive.profile))
+            self.planner = PredictivePlanner(config, settings.predictive, profile)
         self.actuator = ControllerActuator(host, decode_role, resources)
         self.clock = clock
         self.metrics = metrics
         self.records: deque[PlannerRecord] = deque(maxlen=1000)
         self.ticks = 0
+        self._last_tick_s: float | None = None
+        self._arrived: Arrivals | None = None
+        """The routers' arrival counters, summed, at the last tick."""
         self._prompt_tokens: dict[str, tuple[float, int]] = {}
         self._trace_file: IO[str] | None = None
         self._trace: TraceWriter | None = None
@@ -298,8 +343,11 @@ class PlannerLoop:
         now = self.clock()
         workers = await self.host.worker_snapshots()
         signals = await self.host.router_signals(now - self.settings.sample_window_s)
-        tick = build_tick(self.ticks, now, workers, signals, self._prefill_rate(now, workers))
+        rate = self._prefill_rate(now, workers)
+        arrived = self._arrivals(signals)
+        tick = build_tick(self.ticks, now, workers, signals, rate, self._last_tick_s, arrived)
         self.ticks += 1
+        self._last_tick_s = now
         decision = self.planner.tick(tick)
         acted = any(d.add or d.drain or d.stop for d in (decision.prefill, decision.decode))
         record = PlannerRecord(now, tick.tick, acted, decision.describe())
@@ -313,6 +361,19 @@ class PlannerLoop:
         self.planner.apply(decision, self.actuator)
         self.actuator.sync_resources()
         return decision
+
+    def _arrivals(self, signals: Sequence[RouterSignals]) -> Arrivals | None:
+        """What the routers received since the last tick (None at the first). A counter that
+        went back (a router restarted) counts from 0."""
+        total = Arrivals(
+            sum(s.arrived.requests for s in signals), sum(s.arrived.prompt_tokens for s in signals)
+        )
+        last, self._arrived = self._arrived, total
+        if last is None:
+            return None
+        if total.requests < last.requests or total.prompt_tokens < last.prompt_tokens:
+            return total
+        return Arrivals(total.requests - last.requests, total.prompt_tokens - last.prompt_tokens)
 
     def _prefill_rate(self, now: float, workers: Sequence[WorkerSnapshot]) -> float:
         """Prompt tokens/s over the prefill workers since the last tick (from their
@@ -348,5 +409,10 @@ def settings_from_dict(data: dict[str, Any]) -> PlannerSettings:
 
     loop_fields = {"enabled", "interval_s", "sample_window_s", "request_resources", "trace_path"}
     loop = {k: v for k, v in data.items() if k in loop_fields}
-    core = {k: v for k, v in data.items() if k not in loop_fields}
-    return PlannerSettings(**loop, config=config_with_overrides(PlannerConfig(), core))
+    core = {k: v for k, v in data.items() if k not in {*loop_fields, "mode", "predictive"}}
+    return PlannerSettings(
+        **loop,
+        config=config_with_overrides(PlannerConfig(), core),
+        mode=data.get("mode", PlannerMode.REACTIVE.value),
+        predictive=PredictiveConfig(**data.get("predictive", {})),
+    )

@@ -50,6 +50,9 @@ def tick_from_json(data: dict[str, Any]) -> TickInput:
             queue_depth=int(data.get("queue_depth", 0)),
             prefill_tokens_per_s=float(data.get("prefill_tokens_per_s", 0.0)),
             decode_tokens_per_s=float(data.get("decode_tokens_per_s", 0.0)),
+            arrival_rps=float(data.get("arrival_rps", 0.0)),
+            mean_prompt_tokens=float(data.get("mean_prompt_tokens", 0.0)),
+            mean_output_tokens=float(data.get("mean_output_tokens", 0.0)),
             ttft_percentile_ms=data.get("ttft_percentile_ms"),
             tpot_percentile_ms=data.get("tpot_percentile_ms"),
         )

@@ -48,6 +48,20 @@ class TimedSample:
     at_s: float
     """`time.time()` when the request finished."""
     value_ms: float
+    output_tokens: int = 0
+    """TTFT samples: the tokens the request generated (the predictive planner's mean)."""
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Requests a router received since it started (admitted or not) and their prompt tokens:
+    counters, so a reader takes the difference between two readings."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+
+    def plus(self, prompt_tokens: int) -> Arrivals:
+        return Arrivals(self.requests + 1, self.prompt_tokens + prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,7 @@ class RouterMetrics:
         e2e_s: float,
         first_worker: str,
         decode_worker: str,
+        output_tokens: int = 0,
     ) -> None:
         self.requests.labels(outcome).inc()
         self.e2e.observe(e2e_s)
@@ -182,7 +197,7 @@ class RouterMetrics:
             self.ttft.observe(ttft_s)
             if self.workers.knows(first_worker):  # not one `forget_worker` dropped
                 self._ttft[first_worker].append(ttft_s * 1000)
-            self._recent_ttft.append(TimedSample(first_worker, now, ttft_s * 1000))
+            self._recent_ttft.append(TimedSample(first_worker, now, ttft_s * 1000, output_tokens))
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
             if self.workers.knows(decode_worker):

@@ -55,7 +55,7 @@ from router.errors import (
     to_grpc_failure,
     unwrap,
 )
-from router.metrics import RouterMetrics
+from router.metrics import Arrivals, RouterMetrics
 from router.placement import Placement, PlacementConfig, place
 from router.prefill_cost import LocalPrefillConfig
 from router.progress import RequestProgress, StreamDelta
@@ -151,6 +151,8 @@ class Orchestrator:
         """Requests inside the router: queued for admission, admitted, or streaming."""
         self.running = 0
         """Admitted requests not yet finished (what the in-flight admission limit counts)."""
+        self.arrived = Arrivals()
+        """Every request that reached `generate`, and its prompt tokens (the planner's load)."""
         self._id_prefix = uuid.uuid4().hex[:8] + "."
         self._seq = itertools.count()
 
@@ -167,6 +169,7 @@ class Orchestrator:
         in a worker's streams or aborting each other.
         """
         progress = RequestProgress(prompt_tokens=len(req.prompt_token_ids))
+        self.arrived = self.arrived.plus(progress.prompt_tokens)
         self.view.request_arrived()
         client_id = req.request_id
         req = replace(req, request_id=f"{req.request_id}@{self._id_prefix}{next(self._seq)}")
@@ -581,7 +584,7 @@ class Orchestrator:
         trace.finish(outcome, record, progress)
         self.metrics.observe_request(
             outcome, record.ttft_s, record.tpot_s, record.e2e_s, record.first_token_worker,
-            record.decode_worker,
+            record.decode_worker, progress.completion_tokens,
         )  # fmt: skip
         if outcome == "ok":
             cached = record.cached_prompt_tokens

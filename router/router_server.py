@@ -40,7 +40,7 @@ from router.cluster_view import (
     WorkerDirectory,
 )
 from router.control import ClusterControl, DrainReport, LoraEntry
-from router.metrics import RecentSamples, RouterMetrics, SloTargets
+from router.metrics import Arrivals, RecentSamples, RouterMetrics, SloTargets
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.prefill_cost import LocalPrefillPolicy
 from router.servicer import AdminServicer, GenerationServicer, generation_handler
@@ -87,6 +87,8 @@ class RouterSignals:
     """Requests waiting in this router's admission queue."""
     inflight_requests: int
     """Requests inside this router (queued, admitted or streaming)."""
+    arrived: Arrivals = field(default_factory=Arrivals)
+    """Requests received since the router started (the predictive planner's arrival rate)."""
 
 
 @dataclass(frozen=True)
@@ -431,6 +433,7 @@ class RouterServer:
             samples=self.metrics.recent_samples(since_s),
             queued_requests=self.admission.stats().waiting_now,
             inflight_requests=self.orchestrator.inflight,
+            arrived=self.orchestrator.arrived,
         )
 
     async def stop(self, grace_s: float = 1.0) -> None:

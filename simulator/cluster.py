@@ -15,7 +15,9 @@ Lifecycle of a request (times in seconds from the start of the run):
    their prefix caches (the index is exact here: no staleness), with the shape's local-prefill
    policy; the `cost` policy predicts with this profile (`PerfProfile.prefill_cost_model`);
 4. prefill on the chosen worker (simulator/workers.py), `profile.serving.request_s` after the
-   decision (the router's hop), first token at the step's end: TTFT;
+   decision (the router's hop), first token at the step's end: TTFT. A prompt sent to a
+   prefill worker counts in that worker's queue from the decision on, as the live router
+   counts what it dispatched, so a burst placed within one hop spreads over the workers;
 5. hand-off: `profile.handoff.seconds(blocks)` after the first token the request joins its
    decode worker's batch (the decode blocks are allocated when it starts);
 6. decode, one token per step, until max_tokens (outputs are exact: ignore_eos workloads);
@@ -101,16 +103,19 @@ class Simulation:
         self.block_size = profile.header.block_size
         blocks = shape.kv_blocks or profile.header.num_kv_blocks
         self.index = PrefixIndex()
-        times = StepTimes(profile)
+        self._kv_blocks = blocks
+        self._step_times = StepTimes(profile)
 
         def workers(prefix: str, role: Role, count: int) -> list[SimWorker]:
-            return [SimWorker(f"{prefix}{i}", role, profile, blocks, self.index, times)
-                    for i in range(count)]  # fmt: skip
+            return [self._new_worker(f"{prefix}{i}", role) for i in range(count)]
 
         self.prefill = workers("p", Role.PREFILL, shape.prefill)
+        """The workers placement may choose (`serve`, `retire`)."""
         self.decode = workers("d", Role.DECODE, shape.decode)
         self.decode += workers("c", Role.COLOCATED, shape.colocated)
         self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
+        """Every worker that exists: serving, starting (`add_worker`) or retired."""
+        self._next_id = {Role.PREFILL: shape.prefill, Role.DECODE: shape.decode}
         self.throughput = profile.prefill_tokens_per_s()
         self.prefill_cost = profile.prefill_cost_model()
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -121,6 +126,8 @@ class Simulation:
         self.reserved_blocks = 0
         self.admitted = 0
         self.requests: list[SimRequest] = []
+        self.finished: list[SimRequest] = []
+        """Requests in the order they ended (served or refused)."""
         self._followers: dict[int, list[PlannedRequest]] = {}
         self.events = 0
         """Events processed (the scale benchmark's count)."""
@@ -133,6 +140,40 @@ class Simulation:
         )
         self.views = LoadViews(self.prefill, self.decode, self.throughput)
         """What the router sees of each worker, rebuilt for the workers an event touched."""
+
+    # ---- the workers (a planner's actuation: simulator/autoscale.py) -------------------------
+
+    def add_worker(self, role: Role) -> SimWorker:
+        """A new worker of `role` (prefill or decode), not placed on until `serve`."""
+        n = self._next_id[role]
+        self._next_id[role] = n + 1
+        worker = self._new_worker(f"{'p' if role is Role.PREFILL else 'd'}{n}", role)
+        self.workers[worker.worker_id] = worker
+        return worker
+
+    def _new_worker(self, worker_id: str, role: Role) -> SimWorker:
+        return SimWorker(
+            worker_id, role, self.profile, self._kv_blocks, self.index, self._step_times
+        )
+
+    def serve(self, worker: SimWorker) -> None:
+        """Placement and admission may choose `worker` from now on."""
+        pool = self.prefill if worker.role is Role.PREFILL else self.decode
+        if worker not in pool:
+            pool.append(worker)
+            self.views = LoadViews(self.prefill, self.decode, self.throughput)
+
+    def retire(self, worker: SimWorker) -> None:
+        """No new request goes to `worker`; what it holds runs to the end."""
+        pool = self.prefill if worker.role is Role.PREFILL else self.decode
+        if worker in pool:
+            pool.remove(worker)
+            self.views = LoadViews(self.prefill, self.decode, self.throughput)
+
+    def remove(self, worker: SimWorker) -> None:
+        """`worker` is stopped (retired and idle)."""
+        self.retire(worker)
+        del self.workers[worker.worker_id]
 
     # ---- the event loop ---------------------------------------------------------------------
 
@@ -224,6 +265,7 @@ class Simulation:
             self._end(r, UNAVAILABLE)
             return
         r.decode_worker = placement.decode_worker_id
+        r.prefill_worker = placement.prefill_worker_id or placement.decode_worker_id
         r.placement = placement.reason
         r.cached_by = {}
         target = self.workers[r.decode_worker]
@@ -238,8 +280,16 @@ class Simulation:
             r.context -= 1
             r.remaining_prefill = 1
         worker.allocate(worker.blocks_for(r.context))
+        # The live router counts a prompt sent to a prefill worker at once (`Orchestrator.
+        # _prefill`), so requests placed within one hop see it; a local prefill it does not.
+        dispatched = placement.uncached_tokens if placement.prefill_worker_id else 0
+        worker.dispatched_prefill_tokens += dispatched
+        worker.placed_prompt_tokens += r.prompt_tokens
+        worker.in_hop += 1
 
         def queued() -> None:
+            worker.dispatched_prefill_tokens -= dispatched
+            worker.in_hop -= 1
             worker.enqueue_prefill(r)
             self.views.touch(worker)
             self._kick(worker)
@@ -260,6 +310,7 @@ class Simulation:
     def _end(self, r: SimRequest, status: str) -> None:
         r.status = status
         r.done_s = self.now
+        self.finished.append(r)
         for p in self._followers.pop(r.planned.index, []):
             self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
 
@@ -308,12 +359,14 @@ class Simulation:
         blocks = target.blocks_for(r.context)
         target.allocate(blocks)
         target.inflight_transfer_blocks += blocks
+        source.handing_off += 1
         r.handoff_s = self.profile.handoff.seconds(blocks)
 
         def arrived() -> None:
             self.views.touch(target)
             self.views.touch(source)
             target.inflight_transfer_blocks -= blocks
+            source.handing_off -= 1
             source.release_prefill_blocks(r)
             target.cache.store(r.block_hashes)
             target.arriving.append(r)

@@ -99,7 +99,7 @@ class LoadViews:
         self._decode_candidates = [self._decode_candidate(w) for w in self._decode]
         self._state = {w.worker_id: _state(w) for w in [*self._prefill, *self._decode]}
         # (sort key, position), ascending: placement's order among workers without a hit
-        self._prefill_keys = [(w.queued_prefill_tokens, w.worker_id, i)
+        self._prefill_keys = [(w.routed_prefill_tokens, w.worker_id, i)
                               for i, w in enumerate(self._prefill)]  # fmt: skip
         self._decode_keys = [(w.used_blocks + w.inflight_transfer_blocks, w.worker_id, i)
                              for i, w in enumerate(self._decode)]  # fmt: skip
@@ -117,7 +117,7 @@ class LoadViews:
         changed = False
         for w in self._touched:
             state = _state(w)
-            if state == self._state[w.worker_id]:
+            if state == self._state.get(w.worker_id, state):  # the same, or not placed on
                 continue
             self._state[w.worker_id] = state
             changed = True
@@ -125,7 +125,7 @@ class LoadViews:
             if i is not None:
                 self._prefill_loads[i] = self._prefill_load(w)
                 self._prefill_candidates[i] = self._prefill_candidate(w)
-                _move(self._prefill_sorted, self._prefill_keys, i, w.queued_prefill_tokens)
+                _move(self._prefill_sorted, self._prefill_keys, i, w.routed_prefill_tokens)
             i = self._decode_at.get(w.worker_id)
             if i is not None:
                 self._decode_loads[i] = self._decode_load(w)
@@ -147,7 +147,7 @@ class LoadViews:
         return self._views
 
     def _prefill_load(self, w: SimWorker) -> PrefillWorkerLoad:
-        return PrefillWorkerLoad(w.worker_id, w.queued_prefill_tokens, self._throughput)
+        return PrefillWorkerLoad(w.worker_id, w.routed_prefill_tokens, self._throughput)
 
     @staticmethod
     def _decode_load(w: SimWorker) -> DecodeWorkerLoad:
@@ -160,7 +160,7 @@ class LoadViews:
 
     @staticmethod
     def _prefill_candidate(w: SimWorker) -> PrefillCandidate:
-        return PrefillCandidate(w.worker_id, 0, w.queued_prefill_tokens)
+        return PrefillCandidate(w.worker_id, 0, w.routed_prefill_tokens)
 
     @staticmethod
     def _decode_candidate(w: SimWorker) -> DecodeCandidate:
@@ -172,13 +172,13 @@ class LoadViews:
             w.free_blocks,
             prefills_locally=w.role is Role.COLOCATED,
             running_requests=len(w.running) + w.expected,
-            queued_prefill_tokens=w.queued_prefill_tokens,
+            queued_prefill_tokens=w.routed_prefill_tokens,
         )
 
 
 def _state(w: SimWorker) -> tuple[int, int, int, int]:
     """Everything the loads and candidates read of `w`."""
-    return (w.queued_prefill_tokens, w.used_blocks, w.inflight_transfer_blocks,
+    return (w.routed_prefill_tokens, w.used_blocks, w.inflight_transfer_blocks,
             len(w.running) + w.expected)  # fmt: skip
 
 

@@ -46,6 +46,8 @@ class SimRequest:
     """Prompt tokens the placed prefill (or local) worker already held."""
     reserved_blocks: int = 0
     decode_worker: str = ""
+    prefill_worker: str = ""
+    """The worker that prefilled it (a prefill worker, or its decode worker)."""
     cached_by: dict[str, int] = field(default_factory=dict)
     """Between admission and placement in one event: worker id → leading prompt blocks it
     holds (workers holding none left out)."""
@@ -208,8 +210,26 @@ class SimWorker:
         self.cache = PrefixCache(kv_blocks, worker_id, index)
         self.queued_prefill_tokens = 0
         """Prompt tokens in `prefill_queue` yet to compute (the load report's figure)."""
+        self.dispatched_prefill_tokens = 0
+        self.in_hop = 0
+        """Requests placed here to prefill whose prompt has not reached the worker yet."""
+        self.placed_prompt_tokens = 0
+        """Prompt tokens of every request placed here to prefill (the engine's cache-query
+        counter, the planner's prompt-token rate)."""
+        self.handing_off = 0
+        """Prefilled requests whose KV a decode worker is still pulling (leases held)."""
+        """Uncached prompt tokens the router placed here that have not reached the worker yet
+        (the router's hop): the live router counts them from placement on
+        (`router/cluster_view.py:WorkerEntry.dispatched_prefill_tokens`)."""
 
     # ---- load, as the router sees it --------------------------------------------------------
+
+    @property
+    def routed_prefill_tokens(self) -> int:
+        """The prefill queue as the router counts it (`WorkerEntry.queued_prefill_tokens`):
+        the worker's figure plus what was dispatched to it, so prompts placed in one burst
+        see each other and spread over the workers."""
+        return self.queued_prefill_tokens + self.dispatched_prefill_tokens
 
     @property
     def free_blocks(self) -> int:
@@ -237,6 +257,11 @@ class SimWorker:
 
     def has_work(self) -> bool:
         return bool(self.prefill_queue or self.running or self.arriving)
+
+    def idle(self) -> bool:
+        """Nothing queued, running, on its way here or lent to a hand-off: safe to stop."""
+        return not (self.has_work() or self.in_hop or self.expected or self.handing_off
+                    or self.inflight_transfer_blocks)  # fmt: skip
 
     def plan_step(self) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
         """(step seconds, prefill chunks (request, tokens), decoding requests) of the next

@@ -37,6 +37,7 @@ from engine.config import (
     LOAD_FORMATS,
     QUANTIZATIONS,
 )
+from planner.predictive import PlannerMode
 from router.prefill_cost import LocalPrefillPolicy
 from vocabulary.block_hash import ALGORITHMS as HASH_ALGORITHMS
 
@@ -267,6 +268,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("host", "router.host", str, "Address routers bind [127.0.0.1]."),
     Flag("planner", "workers.planner.enabled", bool, "Run the planner (scales roles, asks Ray's "
          "autoscaler for nodes); off unless given.", "--planner/--no-planner"),
+    Flag("planner_mode", "workers.planner.mode", str, "The planner: reactive (scale on "
+         "latency, queue and rate over the SLOs) or predictive (worker targets from "
+         "--planner-profile at a forecast load, a worker's start-up ahead; the reactive rules "
+         "as a guard) [reactive].", choices=tuple(m.value for m in PlannerMode)),
+    Flag("planner_profile", "workers.planner.predictive.profile", str, "The workers' "
+         "`pdserve profile` file the predictive planner sizes each role with."),
     Flag("overlap_scheduling", "workers.engine.overlap_scheduling", bool, "Engines schedule "
          "and launch the next step while the device runs the current one [on].",
          "--overlap-scheduling/--no-overlap-scheduling"),

@@ -52,10 +52,12 @@ from deploy.control.worker_registry import (
 )
 from planner.loop import (
     PlannerLoop,
+    PlannerSettings,
     ResourceRequester,
     WorkerSnapshot,
     planner_role,
 )
+from planner.predictive import PlannerMode
 from prefix_index.index import PrefixIndex
 from router.cluster_view import RegistrySignature, WorkerListing
 from router.control import DrainRefused, DrainReport, LoraEntry
@@ -130,7 +132,8 @@ class Controller:
             self._planner_task = asyncio.create_task(self.planner.run())
             c = self.planner.settings.config
             self._log(
-                f"planner on: every {settings.interval_s:g}s; SLO p{c.slo_percentile:g} TTFT "
+                f"planner on ({_mode(settings)}): every {settings.interval_s:g}s; SLO "
+                f"p{c.slo_percentile:g} TTFT "
                 f"{c.ttft_slo_ms:g} ms, TPOT {c.tpot_slo_ms:g} ms; prefill "
                 f"{c.prefill.min_workers}..{c.prefill.max_workers}, decode "
                 f"{c.decode.min_workers}..{c.decode.max_workers}"
@@ -579,3 +582,11 @@ def _restarted_actor() -> bool:
     False outside an actor, e.g. a controller driven directly by a test)."""
     context = ray.get_runtime_context()
     return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
+
+
+def _mode(settings: PlannerSettings) -> str:
+    """`reactive`, or `predictive` with its profile and lead time (the status line's)."""
+    if settings.kind is not PlannerMode.PREDICTIVE:
+        return settings.mode
+    p = settings.predictive
+    return f"predictive: profile {p.profile}, start-up {p.startup_s:g}s ahead"

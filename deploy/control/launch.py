@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deploy.control.cluster_controller import (
@@ -36,7 +37,8 @@ from deploy.control.security import (
     resolve_block_hash,
 )
 from deploy.control.worker_actors import NO_TASK_EVENTS, capacity_shortfall
-from planner.perf_profile import PerfProfileError
+from planner.perf_profile import PerfProfileError, load_perf_profile
+from planner.predictive import PlannerMode
 from router.router_server import RouterActor
 from vocabulary.block_hash import BLOCK_HASH_ENV
 from vocabulary.malloc_trim import malloc_trim_env
@@ -100,6 +102,16 @@ class Cluster:
             prefill_cost = cfg.prefill_cost_model(model_dir)
         except PerfProfileError as e:
             raise ClusterError(f"router.orchestrator.local_prefill.profile: {e}") from None
+        planner = cfg.workers.planner
+        if planner.enabled and planner.kind is PlannerMode.PREDICTIVE:
+            if planner.predictive.profile is None:
+                raise ClusterError(
+                    "workers.planner.predictive.profile: required in predictive mode"
+                )
+            try:
+                load_perf_profile(Path(planner.predictive.profile))
+            except PerfProfileError as e:
+                raise ClusterError(f"workers.planner.predictive.profile: {e}") from None
         # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm
         # and traces as this process's OTEL_* say (off without OTEL_TRACES_EXPORTER).
         env = {BLOCK_HASH_ENV: block_hash, **malloc_trim_env(launch.malloc_trim_s)}

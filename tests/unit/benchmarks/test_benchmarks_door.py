@@ -15,7 +15,8 @@ from benchmarks.registry import BY_NAME, SUITES
 ROOT = Path(__file__).resolve().parents[3]
 NAMES = (
     "attention", "auth_tls", "block_hash", "detokenize", "engine", "engine_loop", "engine_step",
-    "fp8", "goodput", "host_tier", "http", "int", "kv_transfer", "local_prefill", "lora", "pp",
+    "fp8", "goodput", "host_tier", "http", "int", "kv_transfer", "local_prefill", "lora",
+    "planner", "pp",
     "router",
     "sim_scale", "simulator",
     "sm_partition",

@@ -36,6 +36,7 @@ SHIPPED = [
     "multi_turn",
     "multi_turn_long",
     "prefill_heavy",
+    "ramp_burst",
     "shared_prefix",
     "synthetic",
 ]
@@ -67,11 +68,12 @@ def test_shipped_profiles_load() -> None:
 @pytest.mark.parametrize("name", SHIPPED)
 def test_fixed_seed_gives_the_same_request_sequence_twice(name: str) -> None:
     profile = load_profile(name)
-    first = generate(profile, rate=4.0, duration_s=20.0, seed=7)
-    second = generate(load_profile(name), rate=4.0, duration_s=20.0, seed=7)
+    rate = 20.0 if profile.arrival.process is ArrivalProcess.SCHEDULE else 4.0  # from 0.2x
+    first = generate(profile, rate=rate, duration_s=20.0, seed=7)
+    second = generate(load_profile(name), rate=rate, duration_s=20.0, seed=7)
     assert len(first) > 20
     assert first == second
-    other = generate(profile, rate=4.0, duration_s=20.0, seed=8)
+    other = generate(profile, rate=rate, duration_s=20.0, seed=8)
     assert digest(other) != digest(first)
 
 
@@ -170,6 +172,27 @@ def test_on_off_with_a_silent_quiet_phase() -> None:
 
 def test_bursty_profile_is_on_off() -> None:
     assert load_profile("bursty").arrival.process is ArrivalProcess.ON_OFF
+
+
+def test_a_schedule_follows_its_piecewise_linear_rate() -> None:
+    arrival = Arrival(ArrivalProcess.SCHEDULE, schedule=((0.0, 1.0), (100.0, 3.0), (200.0, 3.0)))
+    assert [arrival.multiplier(t) for t in (-5.0, 0.0, 50.0, 150.0, 500.0)] == [
+        1.0, 1.0, 2.0, 3.0, 3.0,
+    ]  # fmt: skip
+    times = arrival_times(arrival, 10.0, 200.0, random.Random("x"))
+    first, second = sum(1 for t in times if t < 100.0), sum(1 for t in times if t >= 100.0)
+    assert first == pytest.approx(2000, rel=0.05)  # 10/s rising to 30/s: a mean of 20/s
+    assert second == pytest.approx(3000, rel=0.05)
+
+
+def test_a_schedule_step_and_the_ramp_burst_profile() -> None:
+    profile = load_profile("ramp_burst")
+    assert profile.arrival.process is ArrivalProcess.SCHEDULE
+    assert profile.arrival.multiplier(225.0) == 1.6 and profile.arrival.multiplier(30.0) == 0.2
+    with pytest.raises(ProfileError, match="times ascending"):
+        Arrival(ArrivalProcess.SCHEDULE, schedule=((10.0, 1.0), (5.0, 1.0)))
+    with pytest.raises(ProfileError, match="some multiplier must be > 0"):
+        Arrival(ArrivalProcess.SCHEDULE, schedule=((0.0, 0.0),))
 
 
 # -- shared prefixes and conversations ---------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from planner.loop import (
     settings_from_dict,
 )
 from planner.replay import read_trace
-from router.metrics import RecentSamples, TimedSample
+from router.metrics import Arrivals, RecentSamples, TimedSample
 from router.router_server import RouterSignals
 from vocabulary.engine_io import EngineLoad
 from vocabulary.transfer_load import TransferLoad
@@ -365,6 +366,46 @@ def test_prefill_rate_comes_from_prompt_token_counters() -> None:
     host.workers = [snap("prefill-0", WorkerRole.PREFILL, prompt_tokens=3000)]
     t[0] = NOW + 4
     assert loop._prefill_rate(t[0], host.workers) == pytest.approx(500.0)
+
+
+def test_build_tick_takes_the_arrival_rate_and_lengths_since_the_last_tick() -> None:
+    sig = RouterSignals(
+        RecentSamples(
+            (TimedSample("p", NOW - 20, 50.0, 500), TimedSample("p", NOW - 1, 50.0, 60),
+             TimedSample("p", NOW - 2, 50.0, 80)),
+            (),
+        ),
+        queued_requests=0,
+        inflight_requests=0,
+    )  # fmt: skip
+    tick = build_tick(0, NOW, [], [sig], since_s=NOW - 5, arrived=Arrivals(50, 15_000))
+    assert tick.arrival_rps == pytest.approx(10.0)  # 50 requests in 5 s
+    assert tick.mean_prompt_tokens == pytest.approx(300.0)
+    assert tick.mean_output_tokens == pytest.approx(70.0)  # the two that finished since
+    first = build_tick(0, NOW, [], [sig])
+    assert (first.arrival_rps, first.mean_prompt_tokens) == (0.0, 0.0)
+    assert first.mean_output_tokens == pytest.approx(640 / 3)  # none since: the window's
+
+
+def test_the_loop_counts_what_the_routers_received_between_its_ticks(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    t = [NOW]
+    host = FakeHost([snap("prefill-0", WorkerRole.PREFILL), snap("decode-1", WorkerRole.DECODE)],
+                    [replace(signals(), arrived=Arrivals(100, 20_000))] * 2)  # fmt: skip
+    settings = PlannerSettings(enabled=True, trace_path=str(trace), config=FAST)
+    loop = PlannerLoop(settings, host, WorkerRole.DECODE, clock=lambda: t[0])
+    run(loop.tick_once())
+    host.sigs = [replace(signals(), arrived=Arrivals(130, 29_000)),
+                 replace(signals(), arrived=Arrivals(100, 20_000))]  # fmt: skip
+    t[0] = NOW + 5
+    run(loop.tick_once())
+    host.sigs = [replace(signals(), arrived=Arrivals(10, 1_000))]  # a router restarted
+    t[0] = NOW + 10
+    run(loop.tick_once())
+    loop.close()
+    ticks = read_trace(trace).ticks
+    assert [tk.arrival_rps for tk in ticks] == [0.0, pytest.approx(6.0), pytest.approx(2.0)]
+    assert ticks[1].mean_prompt_tokens == pytest.approx(300.0)
 
 
 def test_every_tick_goes_to_the_replayable_trace(tmp_path: Path) -> None:

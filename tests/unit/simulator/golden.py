@@ -1,5 +1,7 @@
 """The scenarios whose every request's outcome is recorded in data/golden.json (the simulator's
-results before its speed-ups; tests/unit/simulator/test_golden.py holds them).
+predictions, held request by request by tests/unit/simulator/test_golden.py so that a change
+meant only to speed it up cannot move them). Re-record only with a change meant to move them
+(a fidelity fix), and say in its commit what moved and why.
 
     python tests/unit/simulator/golden.py   # rewrites data/golden.json (run from the repo root)
 """

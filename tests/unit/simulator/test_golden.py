@@ -1,4 +1,4 @@
-"""The simulator predicts what it predicted before its speed-ups: every request of the recorded
+"""The simulator predicts what was recorded (data/golden.json): every request of the recorded
 scenarios (tests/unit/simulator/golden.py) has the same status, placement, cached tokens, decode
 worker and token times (TTFT, last token, token count, the sum of its token times; float
 tolerance 1e-9 relative)."""

@@ -59,6 +59,19 @@ def test_prompts_that_wait_for_a_busy_worker_share_its_next_step() -> None:
     assert a.token_times == b.token_times == pytest.approx([0.06 + 0.11])  # 100 tokens
 
 
+def test_a_burst_placed_within_one_router_hop_spreads_over_the_prefill_workers() -> None:
+    # eight 100-token prompts at once, a 10 ms hop before each reaches its worker: each is
+    # counted on its prefill worker from placement on (as the live router counts what it
+    # dispatched), so the next one sees it and goes elsewhere: p0-p3, then p0-p3 again
+    profile = replace(make_profile(), serving=ServingOverhead(request_s=0.01))
+    sim = Simulation(profile, replace(DISAGGREGATED, prefill=4))
+    done = sim.run([make_request(i, 100, 1) for i in range(8)])
+    assert [w.busy_s for w in sim.prefill] == pytest.approx([0.22] * 4)  # two 110 ms steps each
+    # hop 10 ms, then the first prompt's step; the second's after it
+    assert [to_record(r, None).ttft_ms for r in done] == pytest.approx([120.0] * 4 + [230.0] * 4)
+    assert all(w.dispatched_prefill_tokens == 0 for w in sim.prefill)
+
+
 def test_a_full_decode_pool_queues_the_next_request_until_the_first_finishes() -> None:
     # 100 + 100 tokens = 13 blocks each; 95 % of 20 blocks holds one
     thresholds = AdmissionThresholds(local_prefill_threshold_tokens=0, max_queue_wait_ms=10_000)

@@ -1,0 +1,50 @@
+"""The predictive planner's load forecast: Holt's double exponential smoothing, over time.
+
+Each series (the arrival rate, the mean prompt and output lengths) keeps a level and a trend
+per second. An observation `x` taken `dt` seconds after the last one updates them as
+
+    level' = alpha * x + (1 - alpha) * (level + trend * dt)
+    trend' = beta * (level' - level) / dt + (1 - beta) * trend
+
+and the forecast `h` seconds ahead is `level + trend * h` (never below 0). The first
+observation sets the level, with no trend. Pure: frozen states in, frozen states out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HoltState:
+    """One series' smoothed level and trend (per second), and when it was last observed."""
+
+    level: float = 0.0
+    trend: float = 0.0
+    at_s: float | None = None
+    """When the last observation was taken (None: never)."""
+
+    def observe(self, value: float, at_s: float, alpha: float, beta: float) -> HoltState:
+        """The state after observing `value` at `at_s` (an observation not after the last
+        one only moves the level)."""
+        if self.at_s is None:
+            return HoltState(value, 0.0, at_s)
+        dt = at_s - self.at_s
+        if dt <= 0:
+            return HoltState(alpha * value + (1 - alpha) * self.level, self.trend, self.at_s)
+        level = alpha * value + (1 - alpha) * (self.level + self.trend * dt)
+        trend = beta * (level - self.level) / dt + (1 - beta) * self.trend
+        return HoltState(level, trend, at_s)
+
+    def forecast(self, ahead_s: float) -> float:
+        """The value `ahead_s` seconds after the last observation (>= 0)."""
+        return max(0.0, self.level + self.trend * ahead_s)
+
+
+@dataclass(frozen=True)
+class LoadForecast:
+    """The load the predictive planner sizes the cluster for."""
+
+    arrival_rps: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float

@@ -1,0 +1,209 @@
+"""The predictive planner: Holt's forecast, the capacity model on the hand-made profile (prefill
+10 ms + 1 ms per token, decode 10 ms a step whatever the batch, no serving overheads), and the
+pure core: targets set ahead of a breach the reactive rules have not seen, the reactive rules
+as a guard, drains towards the target, corrections from observed over predicted latency."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+from sim_profiles import make_profile
+
+from planner.capacity import CapacityModel
+from planner.core import LatencySample, PlannerConfig, RoleBounds, TickInput, WorkerView, plan
+from planner.forecast import HoltState, LoadForecast
+from planner.loop import PlannerLoop, PlannerSettings
+from planner.predictive import (
+    PlannerMode,
+    PredictiveConfig,
+    PredictiveMemory,
+    PredictivePlanner,
+    plan_predictive,
+)
+from vocabulary.worker_api import WorkerRole
+
+MODEL = CapacityModel(make_profile())
+CONFIG = PlannerConfig(
+    ttft_slo_ms=500.0,
+    tpot_slo_ms=50.0,
+    prefill=RoleBounds(1, 8),
+    decode=RoleBounds(1, 8),
+    cooldown_ticks=2,
+    min_samples=5,
+    max_step=2,
+)
+PREDICTIVE = PredictiveConfig(startup_s=30.0)
+
+
+def workers(prefix: str, n: int, *, age: float = 600.0) -> tuple[WorkerView, ...]:
+    return tuple(WorkerView(f"{prefix}{i}", age) for i in range(n))
+
+
+def make_tick(
+    tick: int,
+    rate: float,
+    *,
+    prefill: int = 1,
+    decode: int = 1,
+    ttft: Sequence[LatencySample] = (),
+    prompt: float = 100.0,
+    output: float = 10.0,
+) -> TickInput:
+    return TickInput(
+        tick=tick,
+        now_s=5.0 * tick,
+        prefill_workers=workers("p", prefill),
+        decode_workers=workers("d", decode),
+        ttft_samples=tuple(ttft),
+        arrival_rps=rate,
+        mean_prompt_tokens=prompt,
+        mean_output_tokens=output,
+    )
+
+
+def run_ticks(ticks: Sequence[TickInput]) -> tuple[list, PredictiveMemory]:
+    memory = PredictiveMemory()
+    out = []
+    for t in ticks:
+        result = plan_predictive(t, CONFIG, PREDICTIVE, MODEL, memory)
+        memory = result.memory
+        out.append(result)
+    return out, memory
+
+
+# ---- the forecast ---------------------------------------------------------------------------
+
+
+def test_holt_sets_the_level_first_then_smooths_level_and_trend_per_second() -> None:
+    s = HoltState().observe(10.0, 0.0, alpha=0.5, beta=0.3)
+    assert (s.level, s.trend, s.at_s) == (10.0, 0.0, 0.0)
+    s = s.observe(20.0, 5.0, alpha=0.5, beta=0.3)
+    assert s.level == pytest.approx(15.0)  # 0.5 * 20 + 0.5 * (10 + 0 * 5)
+    assert s.trend == pytest.approx(0.3)  # 0.3 * (15 - 10) / 5
+    assert s.forecast(10.0) == pytest.approx(18.0)
+    assert HoltState(1.0, -1.0, 0.0).forecast(5.0) == 0.0  # never below 0
+
+
+# ---- the capacity model ---------------------------------------------------------------------
+
+
+def test_ttft_is_the_hop_plus_an_md1_wait_plus_the_prompts_step() -> None:
+    load = LoadForecast(5.0, 100.0, 10.0)
+    # S = 110 ms, rho = 5 * 0.11 = 0.55, wait = 0.55 * 0.11 / (2 * 0.45)
+    assert MODEL.prefill_utilization(load, 1) == pytest.approx(0.55)
+    assert MODEL.ttft_s(load, 1) == pytest.approx(0.11 + 0.55 * 0.11 / 0.9)
+    assert MODEL.ttft_s(LoadForecast(10.0, 100.0, 10.0), 1) == math.inf  # rho 1.1
+
+
+def test_tpot_is_the_step_at_the_streams_littles_law_gives() -> None:
+    load = LoadForecast(5.0, 100.0, 10.0)
+    assert MODEL.decode_streams(load, 1) == pytest.approx(0.5)  # 5/s x 10 tokens x 10 ms
+    assert MODEL.tpot_s(load, 1) == pytest.approx(0.01)
+    # 1000/s x 100 tokens x 10 ms = 1,000 streams: past max_num_seqs (64)
+    assert MODEL.tpot_s(LoadForecast(1000.0, 100.0, 100.0), 1) == math.inf
+    assert MODEL.tpot_s(LoadForecast(1000.0, 100.0, 100.0), 16) == pytest.approx(0.01)
+
+
+def test_prefill_steps_recover_from_a_burst_only_below_the_runaway_load() -> None:
+    # a step of x tokens takes 10 ms + 1 ms per token; at r tokens/s the next one is
+    # r * (0.01 + 0.001 x): below 1,000 tokens/s it shrinks back to one prompt
+    assert MODEL.recovers(LoadForecast(9.0, 100.0, 10.0), 1, 800.0)
+    assert not MODEL.recovers(LoadForecast(10.5, 100.0, 10.0), 1, 800.0)
+    assert MODEL.recovers(LoadForecast(10.5, 100.0, 10.0), 2, 800.0)
+
+
+# ---- the pure core --------------------------------------------------------------------------
+
+
+def test_the_first_tick_observes_nothing_it_has_no_rate_since_a_last_one() -> None:
+    (first,), memory = run_ticks([make_tick(0, 50.0)])
+    assert memory.arrival.at_s is None and first.forecast.arrival_rps == 0.0
+
+
+def test_a_rising_rate_adds_prefill_before_the_reactive_rules_see_a_breach() -> None:
+    ticks = [make_tick(i, rate) for i, rate in enumerate([1.0, 2.0, 3.0, 4.0, 5.0])]
+    results, _ = run_ticks(ticks)
+    last = results[-1]
+    # 5/s now and rising: 8.2/s 35 s ahead, past what one worker takes at 80 % busy (7.3/s)
+    assert last.forecast.arrival_rps == pytest.approx(8.194875)
+    assert last.targets[0] == 2 and last.decision.prefill.add == 1
+    assert "forecast" in last.decision.prefill.reasons[0]
+    assert plan(ticks[-1], CONFIG).prefill.add == 0  # no samples, no queue: nothing to react to
+
+
+def test_the_reactive_rules_guard_a_breach_the_forecast_does_not_see() -> None:
+    slow = [LatencySample("p0", 19.0, 2000.0)] * 5  # TTFT p90 2 s, SLO 500 ms
+    ticks = [make_tick(0, 1.0), make_tick(1, 1.0), make_tick(2, 1.0, prefill=2, ttft=slow)]
+    results, _ = run_ticks(ticks)
+    decision = results[-1].decision.prefill
+    assert results[-1].targets[0] == 1  # the forecast load needs one worker
+    assert decision.add == 2  # the reactive rule's step (2 x (2000/500 - 1), capped at max_step)
+    assert any(r.startswith("guard: TTFT p90 2000 ms > SLO 500 ms") for r in decision.reasons)
+
+
+def test_a_role_over_its_target_drains_towards_it_by_max_step_outside_its_cooldown() -> None:
+    ticks = [make_tick(i, 1.0, prefill=5) for i in range(3)]
+    results, _ = run_ticks(ticks)
+    assert [r.targets[0] for r in results] == [1, 1, 1]
+    assert len(results[0].decision.prefill.drain) == 2  # max_step
+    assert results[1].decision.prefill.drain == ()  # cooldown: changed at tick 0
+    assert "cooldown: changed at tick 0" in results[1].decision.prefill.reasons[-1]
+    assert len(results[2].decision.prefill.drain) == 2
+
+
+def test_the_correction_is_the_observed_percentile_over_the_predicted_latency_smoothed() -> None:
+    # 5/s on one worker: the model predicts a mean TTFT of 177.2 ms; samples at p90 2x that
+    predicted_ms = MODEL.ttft_s(LoadForecast(5.0, 100.0, 10.0), 1) * 1000
+    seen = [LatencySample("p0", 9.0, 2 * predicted_ms)] * 5
+    ticks = [make_tick(0, 5.0), make_tick(1, 5.0), make_tick(2, 5.0, ttft=seen)]
+    _, memory = run_ticks(ticks)
+    assert memory.ttft_correction == pytest.approx(0.3 * 2.0 + 0.7 * 1.0)
+    assert memory.tpot_correction == 1.0  # no TPOT samples
+
+
+def test_a_backlogs_latency_does_not_move_the_correction() -> None:
+    seen = [LatencySample("p0", 9.0, 5000.0)] * 5
+    ticks = [make_tick(0, 5.0), make_tick(1, 5.0), replace(make_tick(2, 5.0, ttft=seen),
+                                                            queue_depth=20)]  # fmt: skip
+    _, memory = run_ticks(ticks)
+    assert memory.ttft_correction == 1.0
+
+
+def test_plan_predictive_is_pure() -> None:
+    tick = make_tick(3, 4.0)
+    memory = run_ticks([make_tick(i, 2.0) for i in range(3)])[1]
+    a = plan_predictive(tick, CONFIG, PREDICTIVE, MODEL, memory)
+    b = plan_predictive(tick, CONFIG, PREDICTIVE, MODEL, memory)
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"alpha": 0.0}, {"beta": 1.5}, {"startup_s": -1.0}, {"min_correction": 2.0},
+     {"target_ratio": 0.0}, {"max_utilization": 1.0}, {"burst_prompts": 0.5}],
+)  # fmt: skip
+def test_an_invalid_predictive_config_is_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        PredictiveConfig(**kwargs)
+
+
+# ---- the mode in the loop -------------------------------------------------------------------
+
+
+class NoHost:
+    rebalancing = False
+
+
+def test_the_loop_runs_the_planner_its_mode_names() -> None:
+    reactive = PlannerLoop(PlannerSettings(), NoHost(), WorkerRole.DECODE)  # type: ignore[arg-type]
+    assert not isinstance(reactive.planner, PredictivePlanner)
+    settings = PlannerSettings(mode=PlannerMode.PREDICTIVE.value)
+    loop = PlannerLoop(settings, NoHost(), WorkerRole.DECODE, profile=make_profile())  # type: ignore[arg-type]
+    assert isinstance(loop.planner, PredictivePlanner)
+    with pytest.raises(ValueError, match=r"planner\.predictive\.profile: required"):
+        PlannerLoop(settings, NoHost(), WorkerRole.DECODE)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode: one of reactive, predictive"):
+        PlannerSettings(mode="psychic")
