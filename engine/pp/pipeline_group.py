@@ -32,10 +32,10 @@ import torch.distributed as dist
 from engine.pp.pp_stage import PPStage
 from engine.tp.tensor_parallel import (
     CONTROL_OP_LIMIT,
-    TP_BACKENDS,
     TPGroup,
     TPGroupError,
     TPGroupState,
+    init_world,
 )
 from engine.tp.tp_shard import TPShard
 
@@ -179,20 +179,7 @@ def init_pp_group(
             f"rank {rank} is not of pipeline stage {stage.rank} ({stage.size} stages x "
             f"{tp_size} TP ranks)"
         )
-    if backend not in TP_BACKENDS:
-        raise ValueError(f"backend: one of {', '.join(TP_BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if dist.is_initialized():
-        raise RuntimeError("this process already has a torch.distributed group (one worker)")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    control = dist.new_group(backend="gloo", timeout=CONTROL_OP_LIMIT)
+    backend, control = init_world(rank, size, master_addr, port, backend, timeout_s)
     tp_rank = rank % tp_size
     tp: TPGroup | None = None
     for s in range(stage.size):  # every rank makes every subgroup, in the same order

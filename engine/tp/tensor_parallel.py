@@ -33,6 +33,7 @@ import struct
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -266,6 +267,29 @@ def _bytes_tensor(data: bytearray) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
+def init_world(
+    rank: int, size: int, master_addr: str, port: int, backend: str, timeout_s: float
+) -> tuple[str, Any]:
+    """torch.distributed's world of one worker's `size` ranks (a TP group, or a pipeline's
+    stages x TP ranks), rendezvous at tcp://master_addr:port, each op bounded by `timeout_s`;
+    returns the backend `backend` resolves to (auto: nccl when CUDA is available, else gloo)
+    and the world's gloo control group (host messages beside the device collectives)."""
+    if backend not in TP_BACKENDS:
+        raise ValueError(f"backend: one of {', '.join(TP_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed group (one worker)")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend, dist.new_group(backend="gloo", timeout=CONTROL_OP_LIMIT)
+
+
 def init_tp_group(
     rank: int,
     size: int,
@@ -280,20 +304,7 @@ def init_tp_group(
     collective (`EngineConfig.tp_timeout_s`). On GPUs each rank must already see its own
     device as the current one (`torch.cuda.set_device`, or one visible device per rank)."""
     shard = TPShard(size, rank)
-    if backend not in TP_BACKENDS:
-        raise ValueError(f"backend: one of {', '.join(TP_BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if dist.is_initialized():
-        raise RuntimeError("this process already has a torch.distributed group (one TP group)")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    control = dist.new_group(backend="gloo", timeout=CONTROL_OP_LIMIT)
+    backend, control = init_world(rank, size, master_addr, port, backend, timeout_s)
     if backend == "nccl":  # NCCL makes its communicator at the first collective: not in a capture
         warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(warm)
