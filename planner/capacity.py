@@ -11,7 +11,9 @@ and output tokens), spread evenly over the role's workers.
   prompts that arrive during a step of `burst` tokens (a long prompt, or several at once) make
   the next step, and where a step's time grows faster than its tokens (attention on a CPU, a
   step past the device's sweet spot) that can run away until every step is full and the queue
-  only grows. The load is saturated unless steps starting at `burst` tokens shrink back.
+  only grows. The load is saturated when steps starting at `burst` tokens grow to the token
+  budget; steps that settle batched below it are no runaway (their wait is the TTFT
+  correction's to see).
 - Decode (TPOT): by Little's law a worker runs `B = rate / n * output * step(B)` streams, where
   `step(B)` is the profile's decode step at batch `B` and the mean context (prompt + half the
   output), plus `serving.decode_step_s`; solved by iterating from one stream. TPOT = `step(B)`.
@@ -46,15 +48,16 @@ class CapacityModel:
         return load.arrival_rps * self._prefill_s(load) / workers
 
     def recovers(self, load: LoadForecast, workers: int, burst_tokens: float) -> bool:
-        """Whether prefill steps that start at `burst_tokens` shrink back to one prompt's
-        (the tokens arriving during a step make the next one; a step holds at most the
-        profile's token budget)."""
+        """Whether prefill steps that start at `burst_tokens` stay below the profile's token
+        budget, shrinking back or settling (the tokens arriving during a step make the next
+        one; a step holds at most the budget, so one that reaches it never gets back)."""
         if workers <= 0:
             return load.arrival_rps <= 0
         budget = self.profile.header.max_num_batched_tokens
         prompt = max(load.mean_prompt_tokens, 1.0)
         tokens_per_s = load.arrival_rps / workers * prompt
         step = min(max(burst_tokens, prompt), budget)
+        last = step
         for _ in range(_ITERATIONS):
             nxt = tokens_per_s * self._step_tokens_s(step)
             if nxt >= budget:
@@ -62,9 +65,9 @@ class CapacityModel:
             if nxt <= prompt:
                 return True
             if abs(nxt - step) < 1e-6:
-                return False  # a fixed point above one prompt: it stays batched there
-            step = nxt
-        return step <= prompt
+                return True  # a stable fixed point below the budget: it stays batched there
+            step, last = nxt, step
+        return step <= last
 
     def ttft_s(self, load: LoadForecast, workers: int) -> float:
         service = self._prefill_s(load)

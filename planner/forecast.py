@@ -7,7 +7,10 @@ per second. An observation `x` taken `dt` seconds after the last one updates the
     trend' = beta * (level' - level) / dt + (1 - beta) * trend
 
 and the forecast `h` seconds ahead is `level + trend * h` (never below 0). The first
-observation sets the level, with no trend. Pure: frozen states in, frozen states out.
+observation sets the level, with no trend. Each later one also updates the residual spread, the
+smoothed square of the error of the forecast it was taken against (`x - (level + trend * dt)`,
+weighted `alpha` as the level is): the forecast's own measure of how far off it runs.
+Pure: frozen states in, frozen states out.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class HoltState:
     trend: float = 0.0
     at_s: float | None = None
     """When the last observation was taken (None: never)."""
+    residual_var: float = 0.0
+    """Smoothed squared one-observation-ahead forecast error."""
 
     def observe(self, value: float, at_s: float, alpha: float, beta: float) -> HoltState:
         """The state after observing `value` at `at_s` (an observation not after the last
@@ -31,14 +36,21 @@ class HoltState:
             return HoltState(value, 0.0, at_s)
         dt = at_s - self.at_s
         if dt <= 0:
-            return HoltState(alpha * value + (1 - alpha) * self.level, self.trend, self.at_s)
-        level = alpha * value + (1 - alpha) * (self.level + self.trend * dt)
+            level = alpha * value + (1 - alpha) * self.level
+            return HoltState(level, self.trend, self.at_s, self.residual_var)
+        expected = self.level + self.trend * dt
+        level = alpha * value + (1 - alpha) * expected
         trend = beta * (level - self.level) / dt + (1 - beta) * self.trend
-        return HoltState(level, trend, at_s)
+        var = alpha * (value - expected) ** 2 + (1 - alpha) * self.residual_var
+        return HoltState(level, trend, at_s, var)
 
     def forecast(self, ahead_s: float) -> float:
         """The value `ahead_s` seconds after the last observation (>= 0)."""
         return max(0.0, self.level + self.trend * ahead_s)
+
+    def spread(self) -> float:
+        """The residual spread: the root of `residual_var`, in the series' units."""
+        return self.residual_var**0.5
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,17 @@ Each tick:
    within `target_ratio` of the SLO (and, for prefill, whose utilization is within
    `max_utilization` and whose steps recover from a step of `burst_prompts` prompts), at the
    larger of the forecast `startup_s` + one tick ahead (a worker asked for now serves from
-   then) and the load now;
+   then) and the load now; decode at that arrival rate plus `headroom_z` times the forecast's
+   error a lead ahead (the arrival series' residual spread, grown as a random walk's by the
+   root of the ticks in the lead), since a decode worker short of streams or KV stalls
+   admission for every request, not only its own;
 4. decide: the reactive rules run as they would alone (`plan`); when they add workers (an SLO
    breach, a queue, the bounds) the larger add wins; otherwise the role grows to its target at
    once, or drains down towards it by at most `max_step` workers, not within `cooldown_ticks`
-   of the role's last change. Drained workers are stopped as the reactive rules say.
+   of the role's last change; decode only once its target has stayed below its count for
+   `startup_s` (a worker drained now takes that long to come back and one too few stalls
+   admission, so a shorter dip is ridden out; a prefill shortfall is a queue the guard sees).
+   Drained workers are stopped as the reactive rules say.
 
 Pure: `plan_predictive` depends on its arguments only.
 """
@@ -85,10 +91,17 @@ class PredictiveConfig:
     max_utilization: float = 0.8
     """Most of a prefill worker's time the forecast load may keep busy."""
     burst_prompts: float = 8.0
-    """A prefill step this many mean prompts long (a long prompt, a burst) must be followed by
-    shorter ones at the forecast load (planner/capacity.py: `CapacityModel.recovers`)."""
+    """A prefill step this many mean prompts long (a long prompt, a burst; at most the token
+    budget) must not grow into full steps at the forecast load (planner/capacity.py:
+    `CapacityModel.recovers`)."""
+
+    headroom_z: float = 1.64
+    """Decode is sized for the arrival forecast plus this many of its standard errors a lead
+    ahead (1.64: the one-sided 95% point of a normal error)."""
 
     def __post_init__(self) -> None:
+        if self.headroom_z < 0:
+            raise ValueError(f"headroom_z: must be >= 0, got {self.headroom_z}")
         if self.startup_s < 0:
             raise ValueError(f"startup_s: must be >= 0, got {self.startup_s}")
         if not (0 < self.alpha <= 1 and 0 <= self.beta <= 1 and 0 < self.correction_alpha <= 1):
@@ -113,6 +126,8 @@ class PredictiveMemory:
     ttft_correction: float = 1.0
     tpot_correction: float = 1.0
     last_now_s: float | None = None
+    below_since_s: tuple[float | None, float | None] = (None, None)
+    """(prefill, decode): since when the role's target has been below its active count."""
 
 
 @dataclass(frozen=True)
@@ -145,17 +160,35 @@ def plan_predictive(
         max(memory.prompt.forecast(lead), 1.0),
         max(memory.output.forecast(lead), 1.0),
     )
+    ticks_ahead = lead / interval if interval > 0 else 1.0
+    headroom = predictive.headroom_z * memory.arrival.spread() * math.sqrt(ticks_ahead)
+    sized = {
+        Role.PREFILL: ahead,
+        Role.DECODE: replace(ahead, arrival_rps=ahead.arrival_rps + headroom),
+    }
     guard = plan(tick, config, memory.reactive)
     reactive = memory.reactive
     decisions: dict[Role, RoleDecision] = {}
     targets: dict[Role, int] = {}
-    for role, guarded in ((Role.PREFILL, guard.prefill), (Role.DECODE, guard.decode)):
-        targets[role], why = _target(role, ahead, config, predictive, model, memory)
-        decision = _decide(role, tick, config, reactive, guarded, targets[role], why)
+    below: list[float | None] = []
+    for i, (role, guarded) in enumerate(
+        ((Role.PREFILL, guard.prefill), (Role.DECODE, guard.decode))
+    ):
+        targets[role], why = _target(role, sized[role], config, predictive, model, memory)
+        active = sum(1 for w in tick.workers(role) if not w.draining)
+        since = memory.below_since_s[i] if targets[role] < active else None
+        since = tick.now_s if since is None and targets[role] < active else since
+        below.append(since)
+        settled = role is Role.PREFILL or (
+            since is not None and tick.now_s - since >= predictive.startup_s
+        )
+        decision = _decide(role, tick, config, reactive, guarded, targets[role], why, settled)
         if decision.changes:
             reactive = reactive.changed(role, tick.tick)
         decisions[role] = decision
-    memory = replace(memory, reactive=reactive, last_now_s=tick.now_s)
+    memory = replace(
+        memory, reactive=reactive, last_now_s=tick.now_s, below_since_s=(below[0], below[1])
+    )
     scaling = ScalingDecision(tick.tick, decisions[Role.PREFILL], decisions[Role.DECODE], reactive)
     return PredictiveDecision(
         scaling, memory, ahead, lead, (targets[Role.PREFILL], targets[Role.DECODE])
@@ -264,7 +297,9 @@ def _decide(
     guard: RoleDecision,
     target: int,
     why: str,
+    settled: bool,
 ) -> RoleDecision:
+    """`settled`: the target has stayed below the active count for a start-up."""
     active = [w for w in tick.workers(role) if not w.draining]
     n = len(active)
     room = config.bounds(role).max_workers - n
@@ -279,6 +314,8 @@ def _decide(
         last = memory.last_change(role)
         if last is not None and tick.tick - last < config.cooldown_ticks:
             reasons.append(f"cooldown: changed at tick {last}")
+        elif not settled:
+            reasons.append("hold: the target below the count for less than a start-up")
         else:
             drain = pick_drain(active, min(n - target, config.max_step))
             return RoleDecision(role, drain=drain, stop=guard.stop, reasons=tuple(reasons))

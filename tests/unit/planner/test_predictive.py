@@ -87,6 +87,16 @@ def test_holt_sets_the_level_first_then_smooths_level_and_trend_per_second() -> 
     assert HoltState(1.0, -1.0, 0.0).forecast(5.0) == 0.0  # never below 0
 
 
+def test_holt_keeps_the_spread_of_its_one_observation_ahead_errors() -> None:
+    s = HoltState().observe(10.0, 0.0, alpha=0.5, beta=0.3)
+    assert s.spread() == 0.0  # the first observation had no forecast to miss
+    s = s.observe(20.0, 5.0, alpha=0.5, beta=0.3)  # expected 10: an error of 10
+    assert s.residual_var == pytest.approx(0.5 * 100.0)
+    s = s.observe(16.5, 10.0, alpha=0.5, beta=0.3)  # expected 15 + 0.3 * 5 = 16.5: no error
+    assert s.residual_var == pytest.approx(0.5 * 50.0)
+    assert s.spread() == pytest.approx(5.0)
+
+
 # ---- the capacity model ---------------------------------------------------------------------
 
 
@@ -113,6 +123,14 @@ def test_prefill_steps_recover_from_a_burst_only_below_the_runaway_load() -> Non
     assert MODEL.recovers(LoadForecast(9.0, 100.0, 10.0), 1, 800.0)
     assert not MODEL.recovers(LoadForecast(10.5, 100.0, 10.0), 1, 800.0)
     assert MODEL.recovers(LoadForecast(10.5, 100.0, 10.0), 2, 800.0)
+
+
+def test_prefill_steps_that_settle_batched_below_the_budget_recover() -> None:
+    # 80/s of 10-token prompts: 800 tokens/s, the next step 8 + 0.8 x tokens, settling at 40
+    # (four prompts a step), well below the 2,048-token budget
+    assert MODEL.recovers(LoadForecast(80.0, 10.0, 10.0), 1, 800.0)
+    # 1,200 tokens/s: 12 + 1.2 x grows from any step until it is full
+    assert not MODEL.recovers(LoadForecast(120.0, 10.0, 10.0), 1, 80.0)
 
 
 # ---- the pure core --------------------------------------------------------------------------
@@ -154,6 +172,40 @@ def test_a_role_over_its_target_drains_towards_it_by_max_step_outside_its_cooldo
     assert len(results[2].decision.prefill.drain) == 2
 
 
+def decode_ticks(rates: Sequence[float], decode: int = 2) -> list[TickInput]:
+    """100-token outputs: a decode worker runs rate / n streams (10 ms a token), at most 64."""
+    return [make_tick(i, r, decode=decode, output=100.0) for i, r in enumerate(rates)]
+
+
+def test_decode_is_sized_for_the_forecast_plus_its_residual_spread_a_lead_ahead() -> None:
+    steady, _ = run_ticks(decode_ticks([100.0] * 4))
+    assert steady[-1].memory.arrival.spread() == 0.0
+    assert steady[-1].targets[1] == 2  # 100 streams: two workers of 64
+    noisy, memory = run_ticks(decode_ticks([100.0, 100.0, 40.0, 100.0, 40.0]))
+    last = noisy[-1]
+    headroom = 1.64 * memory.arrival.spread() * math.sqrt(35.0 / 5.0)  # lead 30 s + a tick
+    assert headroom > 64.0
+    assert last.targets[1] == math.ceil((last.forecast.arrival_rps + headroom) / 64.0)
+    bare = PredictiveMemory()
+    for t in decode_ticks([100.0, 100.0, 40.0, 100.0, 40.0]):
+        result = plan_predictive(t, CONFIG, replace(PREDICTIVE, headroom_z=0.0), MODEL, bare)
+        bare = result.memory
+    assert result.targets[1] == math.ceil(last.forecast.arrival_rps / 64.0)
+    assert result.targets[1] < last.targets[1]
+
+
+def test_decode_drains_only_once_its_target_has_been_lower_for_a_start_up() -> None:
+    results, _ = run_ticks(decode_ticks([10.0] * 8, decode=4))
+    assert [r.targets[1] for r in results] == [1] * 8
+    drains = [len(r.decision.decode.drain) for r in results]
+    assert drains == [0, 0, 0, 0, 0, 0, 2, 0]  # below since 0 s; 30 s later, tick 6
+    assert (
+        "hold: the target below the count for less than a start-up"
+        in (results[5].decision.decode.reasons[-1])
+    )
+    assert results[6].memory.below_since_s[1] == 0.0
+
+
 def test_the_correction_is_the_observed_percentile_over_the_predicted_latency_smoothed() -> None:
     # 5/s on one worker: the model predicts a mean TTFT of 177.2 ms; samples at p90 2x that
     predicted_ms = MODEL.ttft_s(LoadForecast(5.0, 100.0, 10.0), 1) * 1000
@@ -183,7 +235,8 @@ def test_plan_predictive_is_pure() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [{"alpha": 0.0}, {"beta": 1.5}, {"startup_s": -1.0}, {"min_correction": 2.0},
-     {"target_ratio": 0.0}, {"max_utilization": 1.0}, {"burst_prompts": 0.5}],
+     {"target_ratio": 0.0}, {"max_utilization": 1.0}, {"burst_prompts": 0.5},
+     {"headroom_z": -1.0}],
 )  # fmt: skip
 def test_an_invalid_predictive_config_is_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
