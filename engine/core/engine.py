@@ -29,11 +29,10 @@ LoRA (engine/lora/lora_registry.py): a request's `lora_name` is part of its bloc
 be registered (else LoraNotFound, before anything is queued); it runs only while it holds
 the adapter's device slot (engine/core/scheduler.py). `load_lora` / `unload_lora` at run time.
 
-Tensor parallelism (engine/core/tp_runner.py): this engine is rank 0 (it schedules and samples);
-`step_runner`, a `TPLeader`, runs each step on the follower ranks too; `close()` ends them.
-Pipeline parallelism (engine/core/pp_runner.py) likewise: this engine is rank 0 (stage 0, TP
-rank 0), its model stage 0's part, and `step_runner`, a `PPLeader`, runs each step through
-every stage.
+Tensor and pipeline parallelism (engine/core/tp_runner.py, engine/core/pp_runner.py): this
+engine is rank 0 (it schedules and samples; with stages, its model is stage 0's part);
+`step_runner`, a `TPLeader` or `PPLeader`, runs each step on the other ranks too; `close()`
+ends them.
 
 Not thread-safe: every method must be called from one thread; `engine.core.driver.EngineDriver`
 runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
@@ -129,11 +128,11 @@ class LLMEngine:
                 model=model, lora_weights=self.loras.weights,
             )  # fmt: skip
         self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
-        self.tp_leader = TPLeader(tp, self.runner) if tp is not None else None
-        self.pp_leader = PPLeader(pp, self.runner, config.micro_batches) if pp is not None else None
-        self.step_runner: ModelRunner | TPLeader | PPLeader = (
-            self.tp_leader or self.pp_leader or self.runner
-        )
+        self.step_runner: ModelRunner | TPLeader | PPLeader = self.runner
+        if tp is not None:
+            self.step_runner = TPLeader(tp, self.runner)
+        elif pp is not None:
+            self.step_runner = PPLeader(pp, self.runner, config.micro_batches)
         self.layer_bounds: tuple[int, ...] = pp.stage.bounds if pp is not None else ()
         """A pipeline worker's stage boundaries (vocabulary/pipeline.py; its KV hand-off reads
         each stage's layers from that stage's ranks); empty: one stage."""
@@ -560,13 +559,11 @@ class LLMEngine:
             self.host_tier.budget = budget
 
     def close(self) -> None:
-        """Tell a TP engine's follower ranks to return (their group stays the caller's to
-        close); nothing to do with one rank. Stops the grammar compiles."""
+        """Tell the other ranks of a TP or pipeline engine to return (their group stays the
+        caller's to close); nothing to do with one rank. Stops the grammar compiles."""
         self.constrained.close()
-        if self.tp_leader is not None:
-            self.tp_leader.close()
-        if self.pp_leader is not None:
-            self.pp_leader.close()
+        if not isinstance(self.step_runner, ModelRunner):
+            self.step_runner.close()
 
     # ---- convenience ----------------------------------------------------------------------
 
