@@ -12,9 +12,13 @@ the same order:
 
 With one rank and no group this is exactly the engine's single-device start-up. A pipeline
 stage's rank (`pp`, engine/pp/pipeline_group.py) loads only its stage's layers (of its TP part),
-its stage's TP group summing its layers' outputs, and the block count is agreed over every rank
-of the worker: its pool holds its stage's layers (the spec names them: `pp_rank`,
-`layer_start`, `model_layers`).
+its stage's TP group summing its layers' outputs; FP8 calibration runs through the stages
+(engine/loading/fp8_calibration.py, its `StageRelay`), each stage calibrating its layers, and
+the ranks put every stage's e4m3 KV scales together (`RankParts.model_kv_scales`, for the
+hand-off's compatibility hash); the block count is agreed over every rank of the worker, and
+so is the host tier's (`RankParts.num_host_blocks`: the slot ids are the same on every stage).
+Its pool holds its stage's layers (the spec names them: `pp_rank`, `layer_start`,
+`model_layers`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ import torch
 from engine.config import EngineConfig
 from engine.core.runner import ModelRunner
 from engine.kv.kv_cache import FP8_KV_DTYPE, KVCache, torch_dtype
-from engine.kv.kv_sizing import decide_num_kv_blocks, kv_cache_spec, kv_layout
+from engine.kv.kv_sizing import (
+    decide_num_host_blocks,
+    decide_num_kv_blocks,
+    kv_cache_spec,
+    kv_layout,
+)
 from engine.loading.fp8_calibration import prepare_fp8
 from engine.loading.loaders import load_model
 from engine.lora.lora_apply import LoraWeights
@@ -46,6 +55,11 @@ class RankParts:
     model: LlamaModel
     kv_cache: KVCache
     runner: ModelRunner
+    num_host_blocks: int = 0
+    """Blocks of the host KV tier (`decide_num_host_blocks`; every rank's the same)."""
+    model_kv_scales: tuple[float, ...] = ()
+    """A pipeline stage's e4m3 pool: the whole model's KV scales (every stage's, in layer
+    order); empty otherwise (a whole model's pool holds them all: `KVCacheSpec.scales`)."""
 
 
 def serving_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -133,24 +147,23 @@ def build_rank(
     cfg = model_config if tp is None and stage is None else model.cfg
     if tp is not None:
         model.use_all_reduce(tp.all_reduce)
-    if stage is not None and model.quantization == "fp8":
-        raise ValueError(
-            f"{config.model_dir} is an FP8 checkpoint: FP8 is not supported with pipeline "
-            f"parallelism yet (pipeline_parallel_size={stage.size})"
-        )
     # FP8 weights and scales before sizing the KV pool: it gets the memory freed
     kv_scales = prepare_fp8(
         model, tokenizer.encode, config.quantization, config.kv_cache_dtype,
         serving_max_model_len(config, model_config),
         agree_max=tp.reduce_max if tp is not None else None,
-        activation_scales=config.fp8_activation_scales,
+        activation_scales=config.fp8_activation_scales, relay=pp,
     )  # fmt: skip
+    model_kv_scales: tuple[float, ...] = ()
+    if pp is not None and stage is not None and kv_scales:
+        places = [0.0] * 2 * stage.model_layers  # scales are > 0: the max puts each in place
+        places[2 * stage.layer_start : 2 * stage.layer_end] = kv_scales
+        model_kv_scales = tuple(pp.reduce_max(places))
     kv_dtype = torch_dtype(FP8_KV_DTYPE) if kv_scales else dtype
     num_blocks = decide_num_kv_blocks(config, cfg, device, kv_dtype, model, kv_scales)
-    if pp is not None:
-        num_blocks = pp.reduce_min(num_blocks)
-    elif tp is not None:
-        num_blocks = tp.reduce_min(num_blocks)
+    group = pp if pp is not None else tp
+    if group is not None:
+        num_blocks = group.reduce_min(num_blocks)
     pools = (1, 0, 0, 0)
     if stage is not None:
         pools = (stage.size, stage.rank, stage.layer_start, stage.model_layers)
@@ -160,5 +173,10 @@ def build_rank(
         weights=model.quantization, stage=pools,
     )  # fmt: skip
     kv_cache = KVCache(spec, device)
+    # a stage's block holds its layers: the tier is sized by the whole model's blocks
+    model_block = spec.block_nbytes // spec.num_layers * spec.total_layers
+    num_host_blocks = decide_num_host_blocks(config, model_block, num_blocks)
+    if pp is not None:
+        num_host_blocks = pp.reduce_min(num_host_blocks)
     runner = ModelRunner(model, kv_cache, config, lora_weights)
-    return RankParts(model, kv_cache, runner)
+    return RankParts(model, kv_cache, runner, num_host_blocks, model_kv_scales)

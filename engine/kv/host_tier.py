@@ -30,6 +30,15 @@ scheduling), in stream order with the steps. On CPU copies are synchronous and `
 no-op; the logic is the same. A disk tier would sit behind this one with the same interface
 (`HostTier.lookup` / `take` / `offer`), holding what the host LRU drops (not built).
 
+A pipeline worker (engine/core/pp_runner.py): every stage holds its layers' part of each host
+block, in slots of the same ids. Rank 0's tier decides (its pool's bookkeeping is the
+worker's) and, `mirrored`, logs each copy it queues (`HostCopy`, taken by `take_copies`);
+the other stages replay them in order before the next step (engine/kv/host_mirror.py). A
+mirrored tier copies only at `flush` (just before a step is launched, so the stages copy
+the same device blocks before that step too) and drops an offer that an eviction finds
+uncopied (`on_device_evict`) rather than copy it there: that copy would come outside any
+step, and a transfer into the reused block might overwrite it on another stage first.
+
 Budget (`CopyBudget`, the worker's kv_transfer/budget.py `InFlightBudget`, shared with its KV
 transfers): every copy is a move that holds budget from the moment it is decided until its
 copies are known complete on the device (`_reap`, at the next decision; at once on CPU).
@@ -74,6 +83,16 @@ class CopyBudget(Protocol):
     def end_move(self, move: TierMove, num_blocks: int, nbytes: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class HostCopy:
+    """One copy rank 0's tier queued, for the other stages of a pipeline to make too."""
+
+    offload: bool
+    """Device blocks into host slots (else host slots into device blocks)."""
+    pairs: tuple[tuple[int, int], ...]
+    """(device block id, host slot) pairs, either way."""
+
+
 @dataclass
 class _Ticket:
     """A move holding budget: complete once `event` is (None: queued in no stream yet, or
@@ -114,15 +133,11 @@ class HostTier:
         self.max_blocks_per_step = max_blocks_per_step
         self.device_kv = device_kv
         cuda = device_kv.device.type == "cuda"
-        shape = list(device_kv.shape)
-        shape[block_dim] = num_blocks
-        self.tensor = torch.zeros(shape, dtype=device_kv.dtype, pin_memory=cuda)
+        self.tensor, self._host_segments, self._device_segments = host_blocks(
+            device_kv, num_blocks, block_dim
+        )
         """The host blocks, in the device pool's layout (module docstring)."""
         self.block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
-        # Each segment of both as a [blocks, one segment's elements] view: a run of blocks of
-        # one segment is a contiguous slice on either side.
-        self._host_segments = block_segments(self.tensor, block_dim).unbind()
-        self._device_segments = block_segments(device_kv, block_dim).unbind()
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._pins = [0] * num_blocks
@@ -145,6 +160,22 @@ class HostTier:
         self.num_offloaded = self.num_onboarded = self.num_evicted = self.num_fenced = 0
         self.num_lent = 0
         """Blocks handed off from here (engine/core/handoffs.py), not from the device pool."""
+        self._log: list[HostCopy] | None = None  # mirrored: copies since `take_copies`
+
+    @property
+    def mirrored(self) -> bool:
+        return self._log is not None
+
+    def mirror(self) -> None:
+        """Log every copy from now on for the other stages of a pipeline (module docstring)."""
+        self._log = []
+
+    def take_copies(self) -> tuple[HostCopy, ...]:
+        """The copies queued since the previous call, in order (none unless mirrored)."""
+        if not self._log:
+            return ()
+        copies, self._log = tuple(self._log), []
+        return copies
 
     # ---- bookkeeping (the block pool's side) ------------------------------------------------
 
@@ -179,6 +210,8 @@ class HostTier:
         """
         if block_hash in self._offers:
             del self._offers[block_hash]
+            if self.mirrored:  # copied outside a step: not on a pipeline (module docstring)
+                return False
             ticket = self._force(TierMove.OFFLOAD, 1)
             return self._copy_out([(block_id, block_hash)], ticket, side_stream=False) > 0
         event = self._copy_events.pop(block_id, None)
@@ -258,9 +291,9 @@ class HostTier:
                 event = self._slot_events.pop(slot, None)
                 if event is not None and not event.query():
                     stream.wait_event(event)
-        for slot, block_id, n in _runs(pairs):
-            for device, host in zip(self._device_segments, self._host_segments, strict=True):
-                device[block_id : block_id + n].copy_(host[slot : slot + n], non_blocking=True)
+        copy_runs(self._device_segments, self._host_segments, pairs)
+        if self._log is not None:
+            self._log.append(HostCopy(False, tuple((b, slot) for slot, b in pairs)))
         ticket.event = self._record(None)
         for slot, _ in pairs:
             block_hash = self._hash_of[slot]
@@ -318,6 +351,8 @@ class HostTier:
             self._hash_of[slot] = block_hash
             self._slots[block_hash] = slot
             pairs.append((block_id, slot))
+        if self._log is not None:
+            self._log.append(HostCopy(True, tuple(pairs)))
         if self._stream is None or not side_stream:
             self._copy_runs(pairs)
             ticket.event = self._record(None)
@@ -337,11 +372,8 @@ class HostTier:
         return len(pairs)
 
     def _copy_runs(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Device blocks into host slots, `(block_id, slot)` pairs (one copy per segment and
-        run)."""
-        for block_id, slot, n in _runs(pairs):
-            for device, host in zip(self._device_segments, self._host_segments, strict=True):
-                host[slot : slot + n].copy_(device[block_id : block_id + n], non_blocking=True)
+        """Device blocks into host slots, `(block_id, slot)` pairs."""
+        copy_runs(self._host_segments, self._device_segments, pairs)
 
     def _forget_completed(self) -> None:
         if len(self._copy_events) > 4 * self.max_blocks_per_step:
@@ -444,6 +476,35 @@ class HostTier:
                 self._dropped.append(block_hash)
                 return slot
         return None
+
+
+def host_blocks(
+    device_kv: torch.Tensor, num_blocks: int, block_dim: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(a host tensor of `num_blocks` blocks in the layout of the device pool `device_kv`,
+    pinned when it is on a GPU; each segment of it, and of the pool, as a [blocks, one
+    segment's elements] view: a run of blocks of one segment is a contiguous slice on
+    either side)."""
+    shape = list(device_kv.shape)
+    shape[block_dim] = num_blocks
+    pin = device_kv.device.type == "cuda"
+    host = torch.zeros(shape, dtype=device_kv.dtype, pin_memory=pin)
+    segments = (
+        block_segments(host, block_dim).unbind(),
+        block_segments(device_kv, block_dim).unbind(),
+    )
+    return host, *segments
+
+
+def copy_runs(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
+) -> None:
+    """Block `b` of every segment of `dst` = block `a` of the same segment of `src`, for
+    `(a, b)` pairs (segments: `block_segments` views); one copy per segment and run, queued
+    on the current stream."""
+    for a, b, n in _runs(pairs):
+        for d, s in zip(dst, src, strict=True):
+            d[b : b + n].copy_(s[a : a + n], non_blocking=True)
 
 
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -228,11 +228,12 @@ def host_available_bytes() -> int:
 
 def decide_num_host_blocks(config: EngineConfig, block_nbytes: int, num_device_blocks: int) -> int:
     """Blocks of the host tier (EngineConfig.host_kv_gb; 0: no tier, and always with tensor
-    parallelism or pipeline parallelism, which do not mirror the tier's copies on the other
-    ranks yet)."""
+    parallelism, which does not mirror the tier's copies on the other ranks yet).
+    `block_nbytes`: a block of the whole model (a pipeline stage holds its layers' part of
+    it: the worker's stages together hold host_kv_gb)."""
     if config.host_kv_gb == 0 or not config.enable_prefix_caching:
         return 0
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+    if config.tensor_parallel_size > 1:
         return 0
     if config.host_kv_gb > 0:
         return max(1, int(config.host_kv_gb * 2**30 // block_nbytes))

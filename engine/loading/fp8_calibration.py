@@ -23,12 +23,19 @@ Tensor parallelism: each rank observes its part (its heads, its intermediate row
 ranks agree on the max of every amax (`agree_max`), so every rank gets the scales a whole
 model would (the amax over all heads is the max over the parts) and all ranks' KV pools have
 the same scales, as the transfer handshake needs.
+
+Pipeline parallelism: the calibration pass runs through the stages as a step does
+(`StageRelay`: stage 0 embeds the text and hands its layers' (h, residual) on, each later
+stage runs its layers over what the stage before handed it), so each stage observes its
+layers on exactly the inputs a whole model's pass gives them, and calibrates the scales of
+its own projections and layers: those of a whole model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -64,10 +71,27 @@ class Observed:
     """Per layer: (amax of K after RoPE, amax of V)."""
 
 
+class StageRelay(Protocol):
+    """A pipeline stage's links to its neighbours (engine/pp/pipeline_group.py `PPGroup`)."""
+
+    def receive_activations(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """The stage before's (h, residual) stacked [2, tokens, hidden]; None on stage 0."""
+        ...
+
+    def send_activations(self, pair: torch.Tensor) -> None:
+        """Hand this stage's (h, residual) to the next stage (nothing on the last)."""
+        ...
+
+
 @torch.inference_mode()
-def observe(model: LlamaModel, token_ids: Sequence[int]) -> Observed:
+def observe(
+    model: LlamaModel, token_ids: Sequence[int], relay: StageRelay | None = None
+) -> Observed:
     """One causal forward of `token_ids` (a single sequence from position 0), recording the
-    amax of each dynamic FP8 projection's input and each layer's K and V."""
+    amax of each dynamic FP8 projection's input and each layer's K and V; `relay`: a
+    pipeline stage's model, its part of the pass (module docstring)."""
     cfg, device = model.cfg, model.device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(token_ids), device=device)
@@ -99,10 +123,17 @@ def observe(model: LlamaModel, token_ids: Sequence[int]) -> Observed:
 
     typed: Attend = attend
     try:
-        model(ids, positions, typed)
+        if relay is None:
+            model(ids, positions, typed)
+        else:
+            carried = relay.receive_activations(len(ids), cfg.hidden_size, model.dtype, device)
+            h, residual = (model.embed(ids), None) if carried is None else carried.unbind()
+            h, residual = model.run_layers(h, residual, positions, typed)
+            assert residual is not None  # a stage holds at least one layer
+            relay.send_activations(torch.stack((h, residual)))
     finally:
-        for h in handles:
-            h.remove()
+        for handle in handles:
+            handle.remove()
     return Observed(activations=acts, kv=tuple(kv))
 
 
@@ -149,14 +180,15 @@ def prepare_fp8(
     max_tokens: int,
     agree_max: Callable[[list[float]], list[float]] | None = None,
     activation_scales: str = "checkpoint",
+    relay: StageRelay | None = None,
 ) -> tuple[float, ...]:
     """Make a loaded model serve as configured (EngineConfig.quantization, kv_cache_dtype):
     quantize its projections (unless the checkpoint already was FP8), calibrate static input
     scales on the calibration text (tokenized with `encode`, at most `max_tokens`; only when
     something needs calibrating), and return the KV scales of an e4m3 pool (empty for a
-    float pool). `agree_max`: a TP rank's element-wise max over the ranks (module
-    docstring). `activation_scales`: EngineConfig.fp8_activation_scales. Raises ValueError
-    naming a bad setting."""
+    float pool; a pipeline stage's: its layers'). `agree_max`: a TP rank's element-wise max
+    over the ranks (module docstring). `activation_scales`: EngineConfig.fp8_activation_scales.
+    `relay`: a pipeline stage's links (`observe`). Raises ValueError naming a bad setting."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -168,7 +200,7 @@ def prepare_fp8(
             torch.cuda.empty_cache()  # the KV pool is sized after this: it gets the memory
     if model.quantization != "fp8" and kv_cache_dtype != "fp8":
         return ()
-    observed = observe(model, calibration_ids(encode, model.cfg.vocab_size, max_tokens))
+    observed = observe(model, calibration_ids(encode, model.cfg.vocab_size, max_tokens), relay)
     if agree_max is not None:
         observed = agreed(observed, agree_max)
     if model.quantization == "fp8":

@@ -230,23 +230,31 @@ def _finite(spec: LoraSpec, t: torch.Tensor) -> torch.Tensor:
 
 
 def load_adapter(
-    spec: LoraSpec, cfg: ModelConfig, dtype: torch.dtype, pin: bool = False
+    spec: LoraSpec,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    pin: bool = False,
+    layers: range | None = None,
 ) -> LoraAdapter:
     """Read an adapter's tensors (checked by `read_adapter_spec`) into host memory, in `dtype`
     (pinned with `pin`), A as [layers, r, in] and B as [layers, r, out] times the scaling.
-    ValueError if a tensor holds NaN or inf."""
+    `layers`: only those model layers (a pipeline stage's), numbered from 0; None: every
+    layer of `cfg`. ValueError if a tensor read holds NaN or inf."""
     a: dict[str, torch.Tensor] = {}
     b: dict[str, torch.Tensor] = {}
-    rank, num_layers = spec.rank, cfg.num_layers
+    held = range(cfg.num_layers) if layers is None else layers
+    rank, num_layers = spec.rank, len(held)
     with safe_open(str(spec.path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
-        for module, layers in zip(spec.modules, spec.layers, strict=True):
+        for module, carried in zip(spec.modules, spec.layers, strict=True):
             fan_in, fan_out = module_shape(cfg, module)
             a_m = torch.zeros((num_layers, rank, fan_in), dtype=dtype, pin_memory=pin)
             b_m = torch.zeros((num_layers, rank, fan_out), dtype=dtype, pin_memory=pin)
-            for layer in layers:
+            for layer in carried:
+                if layer not in held:
+                    continue
                 weight_a = _finite(spec, f.get_tensor(tensor_name(layer, module, "A")))
                 weight_b = _finite(spec, f.get_tensor(tensor_name(layer, module, "B")))
-                a_m[layer].copy_(weight_a)
-                b_m[layer].copy_((weight_b.float() * spec.scaling).t())
+                a_m[layer - held.start].copy_(weight_a)
+                b_m[layer - held.start].copy_((weight_b.float() * spec.scaling).t())
             a[module], b[module] = a_m, b_m
     return LoraAdapter(spec=spec, a=a, b=b)

@@ -29,6 +29,11 @@ Rules:
   synchronous.
 - Not thread-safe: one thread (the engine's) calls every method; the only other thread is
   the cache's own loader, which runs pure reads (`load_adapter`) and touches no state.
+
+A pipeline stage's cache (`layers`: the stage's model layers) holds those layers' part of
+every adapter. Rank 0's cache decides the slots for every stage: with `mirror()` on it logs
+each slot it fills (`LoraFill`, taken by `take_fills`), and the other stages fill the same
+slot with the same adapter before the next step runs (engine/lora/lora_stage.py).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -114,6 +119,15 @@ class LoraCacheStats:
     num_host_cached: int
 
 
+@dataclass(frozen=True)
+class LoraFill:
+    """Rank 0's cache filled device `slot` with adapter `name`, the PEFT folder at `path`."""
+
+    slot: int
+    name: str
+    path: str
+
+
 @dataclass
 class _Entry:
     name: str
@@ -141,15 +155,19 @@ class LoraCache:
         dtype: torch.dtype,
         device: torch.device | str,
         clock: Callable[[], float] = time.monotonic,
+        layers: range | None = None,
     ) -> None:
+        """`layers`: a pipeline stage's model layers (its slots hold only theirs); None:
+        every layer of `model_cfg`."""
         device = torch.device(device)
         self.model_cfg = model_cfg
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.layers = layers
         kernel = select_lora_kernel(config.kernel, device, dtype)
         self.weights = LoraWeights(
-            model_cfg,
+            model_cfg if layers is None else replace(model_cfg, num_layers=len(layers)),
             config.max_loras,
             config.max_lora_rank,
             dtype,
@@ -167,6 +185,18 @@ class LoraCache:
         self._num_disk_loads = self._num_host_loads = 0
         self._num_evictions = self._num_host_evictions = 0
         self._disk_seconds = 0.0
+        self._fills: list[LoraFill] | None = None  # `mirror`: slots filled since `take_fills`
+
+    def mirror(self) -> None:
+        """Log every slot fill from now on for the other stages of a pipeline (`take_fills`)."""
+        self._fills = []
+
+    def take_fills(self) -> tuple[LoraFill, ...]:
+        """The slot fills since the previous call (in order; none unless `mirror`ed)."""
+        if not self._fills:
+            return ()
+        fills, self._fills = tuple(self._fills), []
+        return fills
 
     # ---- registry ---------------------------------------------------------------------------
 
@@ -317,9 +347,9 @@ class LoraCache:
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # pinned memory is made in the device's context
             with torch.cuda.device(self.device):
-                adapter = load_adapter(spec, self.model_cfg, self.dtype, pin=True)
+                adapter = load_adapter(spec, self.model_cfg, self.dtype, True, self.layers)
         else:
-            adapter = load_adapter(spec, self.model_cfg, self.dtype)
+            adapter = load_adapter(spec, self.model_cfg, self.dtype, layers=self.layers)
         return adapter, time.perf_counter() - t0
 
     def _collect(self) -> None:
@@ -371,6 +401,8 @@ class LoraCache:
     def _upload(self, entry: _Entry, slot: int, adapter: LoraAdapter) -> None:
         self._owners[slot] = entry.name
         entry.slot = slot
+        if self._fills is not None:
+            self._fills.append(LoraFill(slot, entry.name, str(entry.spec.path)))
         if self._stream is None:
             self.weights.fill(slot, adapter)
             return

@@ -32,6 +32,16 @@ HELD_STATES = frozenset({AdapterState.HOST, AdapterState.UPLOADING, AdapterState
 LORA_OFF = "LoRA is not enabled (start with --enable-lora or --lora NAME=PATH)"
 
 
+def cache_sizes(config: EngineConfig) -> LoraCacheConfig:
+    """The adapter cache's sizes an engine of `config` serves with."""
+    return LoraCacheConfig(
+        max_loras=config.max_loras,
+        max_cpu_loras=config.max_cpu_loras,
+        max_lora_rank=config.max_lora_rank,
+        kernel=config.lora_kernel,
+    )
+
+
 class LoraRegistry:
     """The adapters of one engine (see the module docstring); `cache` is None when LoRA is
     off. Runs on the engine's thread, as the cache does."""
@@ -47,18 +57,18 @@ class LoraRegistry:
         model_cfg: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
+        layers: range | None = None,
     ) -> LoraRegistry:
         """The cache sized by `config` with `config.loras` registered (a ValueError naming
-        the first that cannot be served), or an empty registry when LoRA is off."""
+        the first that cannot be served), or an empty registry when LoRA is off. `layers`:
+        rank 0's pipeline stage's model layers (its slots hold theirs, and it logs its slot
+        fills for the other stages: `LoraCache.mirror`); None: one stage."""
         if not config.lora_enabled:
             return cls()
-        sizes = LoraCacheConfig(
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            max_lora_rank=config.max_lora_rank,
-            kernel=config.lora_kernel,
-        )
-        registry = cls(LoraCache(model_cfg, sizes, dtype, device))
+        cache = LoraCache(model_cfg, cache_sizes(config), dtype, device, layers=layers)
+        if layers is not None:
+            cache.mirror()
+        registry = cls(cache)
         for name, path in config.loras:
             registry.register(name, path)
         return registry

@@ -6,7 +6,7 @@ in). `init_pp_group` joins this process to the worker's group (torch.distributed
 group: one worker per process) and returns a `PPGroup` over:
 
 - the world (every rank): the device group (NCCL on GPUs, gloo on CPU) carries the activations
-  from (stage s, tp rank t) to (s + 1, t) and the logits from the last stage's tp rank 0 back
+  from (stage s, tp rank t) to (s + 1, t) and what the last stage's tp rank 0 sampled back
   to rank 0 (`isend` / `recv`, point to point); a gloo control group carries rank 0's step
   messages (`send_step` / `receive_step`) and the start-up agreement on the KV pool's block
   count (`reduce_min`), through a `TPGroup` over every rank (engine/tp/tensor_parallel.py: its
@@ -65,7 +65,8 @@ class PPGroup:
 
     @property
     def last_stage_rank(self) -> int:
-        """The rank that hands the logits back to rank 0 (the last stage's tp rank 0)."""
+        """The rank that samples and hands the tokens back to rank 0 (the last stage's tp
+        rank 0; engine/core/pp_sampling.py)."""
         return self.rank_of(self.stage.size - 1, 0)
 
     # ---- control (rank 0 → every rank) ----------------------------------------------------
@@ -83,6 +84,11 @@ class PPGroup:
         """The smallest `value` over every rank (the KV pool's block count: the block ids are
         the same on every rank)."""
         return self.world.reduce_min(value)
+
+    def reduce_max(self, values: list[float]) -> list[float]:
+        """The element-wise max over every rank (each stage's e4m3 KV scales at their layers'
+        places: the whole model's)."""
+        return self.world.reduce_max(values)
 
     # ---- point to point -------------------------------------------------------------------
 
@@ -107,6 +113,27 @@ class PPGroup:
         assert work is not None
         self._wait(work, f"receiving from rank {src}")
         return tensor
+
+    def receive_activations(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """The (h, residual) pair [2, num_tokens, hidden] the stage before sends next (its
+        rank of this TP rank); None on stage 0, which embeds its tokens."""
+        if self.stage.is_first:
+            return None
+        buffer = torch.empty((2, num_tokens, hidden), dtype=dtype, device=device)
+        return self.recv(buffer, self.rank_of(self.stage.rank - 1, self.tp_rank))
+
+    def send_activations(self, pair: torch.Tensor) -> None:
+        """Send this stage's (h, residual) pair to the next stage and wait until it is sent
+        (nothing on the last stage)."""
+        if not self.stage.is_last:
+            self.wait_sent([self.isend(pair.contiguous(), self.next_rank)])
+
+    @property
+    def next_rank(self) -> int:
+        """This TP rank's rank on the next stage."""
+        return self.rank_of(self.stage.rank + 1, self.tp_rank)
 
     def wait_sent(self, works: Sequence[dist.Work]) -> None:
         """Wait for sends started by `isend` (within the deadline)."""

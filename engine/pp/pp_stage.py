@@ -61,6 +61,11 @@ class PPStage:
         return self.layer_end - self.layer_start
 
     @property
+    def layers(self) -> range:
+        """The model layers this stage holds."""
+        return range(self.layer_start, self.layer_end)
+
+    @property
     def model_layers(self) -> int:
         return self.bounds[-1]
 
