@@ -120,6 +120,7 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
             budget=self.budget,
             backend_factory=tp.backend_factory() if (tp := self.runtime.tp) is not None else None,
             layer_bounds=engine.layer_bounds,
+            model_scales=engine.model_kv_scales,
         )
 
     def _closing(self) -> None:

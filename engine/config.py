@@ -114,14 +114,16 @@ class EngineConfig:
     """Host-memory KV tier (engine/kv/host_tier.py): GiB of host RAM (pinned on GPU) holding prefix
     blocks the device pool evicts, onboarded again on a hit instead of recomputed. -1 = auto
     (a tenth of the host's available RAM, at most 64 GiB and at most 8 times the device pool);
-    0 = off. Needs prefix caching."""
+    0 = off. Needs prefix caching. A pipeline worker's stages hold it together, each its
+    layers' part of every block."""
     host_kv_max_blocks_per_step: int = 256
     """The host tier's budget per step: blocks copied out (offload) and blocks onboarded at most
     per engine step; more wait for the next step."""
     host_kv_handoff: bool = True
     """A prefill-only worker hands off a prompt's blocks that its host tier also holds from
     there (the decode worker reads them from pinned host memory over NIXL) and gives their
-    device blocks back to its pool at once; off: every block is handed off from the device."""
+    device blocks back to its pool at once; off: every block is handed off from the device
+    (always on a pipeline worker, whose other stages do not register their host blocks)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's context length."""
     attention_backend: str = "auto"
@@ -202,9 +204,10 @@ class EngineConfig:
     (vocabulary/pipeline.py), each stage `tensor_parallel_size` ranks: a worker is
     pipeline_parallel_size x tensor_parallel_size ranks, rank stage * tensor_parallel_size + TP
     rank. Rank 0 runs this engine (scheduler, sampler); every step's batch flows through the
-    stages in micro-batches (engine/core/pp_runner.py). Must divide the layers unless
-    pipeline_layer_partition is given. Not with LoRA, FP8 (weights or KV), a split engine or
-    the host KV tier."""
+    stages in micro-batches and the last stage samples (engine/core/pp_runner.py). Must
+    divide the layers unless pipeline_layer_partition is given. FP8 and INT weights, an e4m3
+    KV pool, LoRA and the host KV tier work per stage (each stage holds its layers' scales,
+    adapter weights and host blocks; rank 0 decides for all); not with a split engine."""
     pipeline_layer_partition: tuple[int, ...] = ()
     """Layers of each pipeline stage (pipeline_parallel_size counts summing to the model's
     layers); empty: equal stages."""
@@ -305,19 +308,11 @@ class EngineConfig:
             )
         if size == 1:
             return
-        refused = [
-            ("enable_lora / loras", self.lora_enabled),
-            ("host_kv_gb", self.host_kv_gb > 0),
-            ("quantization", self.quantization == "fp8"),
-            ("kv_cache_dtype", self.kv_cache_dtype == "fp8"),
-            ("mode", self.mode is EngineMode.SPLIT),
-        ]
-        for field, on in refused:
-            if on:
-                raise ValueError(
-                    f"{field}: not supported with pipeline parallelism yet "
-                    f"(pipeline_parallel_size={size})"
-                )
+        if self.mode is EngineMode.SPLIT:
+            raise ValueError(
+                "mode: a split engine runs on one device, not with pipeline parallelism "
+                f"(pipeline_parallel_size={size})"
+            )
 
     @property
     def num_ranks(self) -> int:

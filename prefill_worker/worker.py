@@ -74,6 +74,7 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             followers=self.runtime.tp.agents if self.runtime.tp is not None else (),
             tiers={KVTier.HOST: engine.host_tier.tensor} if engine.host_tier is not None else None,
             layer_bounds=engine.layer_bounds,
+            model_scales=engine.model_kv_scales,
         )
 
     def _holds_work(self) -> bool:

@@ -23,8 +23,7 @@ from engine.config import EngineConfig
 def _rank_main(
     rank: int,
     port: int,
-    config: EngineConfig,
-    scenario: Scenario | None,
+    runs: tuple[tuple[EngineConfig, Scenario | None], ...],
     conn: Connection,
     backend: str,
     fault_rank: int,
@@ -33,38 +32,54 @@ def _rank_main(
     import torch
 
     from engine.core.engine import LLMEngine
-    from engine.core.pp_runner import StageLoop, pipeline_stage, prepare_stage, serve_stage
+    from engine.core.pp_runner import pipeline_stage, prepare_stage, serve_stage
     from engine.pp.pipeline_group import init_pp_group
 
     torch.set_num_threads(1)
+    config = runs[0][0]
     tp = config.tensor_parallel_size
     if backend == "nccl":
         torch.cuda.set_device(rank)
     try:
         stage = pipeline_stage(config, rank)
         group = init_pp_group(rank, stage, tp, "127.0.0.1", port, backend, config.tp_timeout_s)
-        if rank > 0:
-            loop = StageLoop(group, prepare_stage(config, group))
-            if rank == fault_rank:
-                _fail_stage_after(loop, 3)
-            if slow is not None and slow[0] == rank:
-                _slow_stage(loop, slow[1])
-            conn.send("built")
-            steps = serve_stage(loop)
-            group.close()
-            conn.send(("ok", (steps, list(loop.trace), loop.runner.kv_cache.spec)))
-            return
-        engine = LLMEngine(config, pp=group)
-        if slow is not None and slow[0] == 0:
-            _slow_stage(engine.step_runner.loop, slow[1])
-        assert scenario is not None
-        result = scenario(engine, conn)
-        trace = list(engine.step_runner.trace)
-        engine.close()
+        outs: list[Any] = []
+        for i, (run_config, scenario) in enumerate(runs):  # one engine after another
+            if rank > 0:
+                loop = prepare_stage(run_config, group)
+                if i == 0 and rank == fault_rank:
+                    _fail_stage_after(loop, 3)
+                if i == 0 and slow is not None and slow[0] == rank:
+                    _slow_stage(loop, slow[1])
+                if i == 0:
+                    conn.send("built")
+                steps = serve_stage(loop)
+                outs.append((steps, list(loop.trace), loop.runner.kv_cache.spec, _kept(loop)))
+                continue
+            engine = LLMEngine(run_config, pp=group)
+            if slow is not None and slow[0] == 0:
+                _slow_stage(engine.step_runner.loop, slow[1])
+            assert scenario is not None
+            result = scenario(engine, conn)
+            outs.append((result, list(engine.step_runner.trace)))
+            engine.close()
         group.close()
-        conn.send(("ok", (result, trace)))
+        if len(runs) == 1:
+            conn.send(("ok", outs[0] if rank == 0 else outs[0][:3]))
+        else:
+            conn.send(("ok", outs))
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _kept(loop: Any) -> dict[str, Any]:
+    """What a stage holds beside its pool: its host tier's and LoRA slots' counters."""
+    host, loras = loop.host, loop.loras
+    return {
+        "host_offloaded": host.num_offloaded if host is not None else 0,
+        "host_onboarded": host.num_onboarded if host is not None else 0,
+        "lora_disk_loads": loras.num_disk_loads if loras is not None else 0,
+    }
 
 
 def _fail_stage_after(loop: Any, steps: int) -> None:
@@ -100,6 +115,10 @@ class PPRanks(TPRanks):
     """Rank processes of one PP x TP engine (`config` says the sizes); every rank but 0 sends
     "built" once its part is ready, then its result."""
 
+    then: tuple[tuple[EngineConfig, Scenario], ...] = ()
+    """Engines built after the first on the same ranks and group, each with its scenario
+    (their layer cut must be the first's); with any, each rank's result is a list, one per
+    engine (a stage's: steps, trace, pool spec and `_kept`)."""
     fault_rank: int = -1
     """A rank > 0 whose stage raises from its 4th step on; -1: none."""
     slow: tuple[int, float] | None = None
@@ -112,9 +131,10 @@ class PPRanks(TPRanks):
         port = free_port()
         for rank in range(self.size):
             ours, theirs = ctx.Pipe()
-            scenario = self.scenario if rank == 0 else None
-            args = (rank, port, self.config, scenario, theirs, self.backend, self.fault_rank,
-                    self.slow)  # fmt: skip
+            runs = ((self.config, self.scenario), *self.then)
+            if rank > 0:
+                runs = tuple((config, None) for config, _ in runs)
+            args = (rank, port, runs, theirs, self.backend, self.fault_rank, self.slow)
             p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             self.processes.append(p)

@@ -34,6 +34,7 @@ from engine.core.pp_runner import StageLoop, prepare_stage, serve_stage
 from engine.core.runner import ModelRunner
 from engine.core.tp_runner import prepare_follower, serve_follower
 from engine.pp.pipeline_group import PPGroup
+from engine.tp.tensor_parallel import TPGroup
 from kv_transfer.backend import MemoryRegion, XferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.protocol import RankAgent
@@ -77,7 +78,8 @@ class TPFollower:
     async def start(self, master_addr: str, port: int) -> RankAgent:
         """Join the group at master_addr:port, build this rank, start its agent (module
         docstring, 1); returns the agent. Raises what failed (the worker then fails to start)."""
-        runner = await asyncio.to_thread(self._build, master_addr, port)
+        built = await asyncio.to_thread(self._build, master_addr, port)
+        runner = built.runner if isinstance(built, StageLoop) else built
         role = "prefill" if self.config.role is WorkerRole.PREFILL else "decode"
         endpoint = RankEndpoint(
             runner.kv_cache, self.config.worker_id, self.rank, role, self.transfer
@@ -86,12 +88,12 @@ class TPFollower:
         self._endpoint = endpoint
         self.state = FollowerState.SERVING
         self._thread = threading.Thread(
-            target=self._serve, args=(runner,), name=f"rank-{self.rank}", daemon=True
+            target=self._serve, args=(built,), name=f"rank-{self.rank}", daemon=True
         )
         self._thread.start()
         return agent
 
-    def _build(self, master_addr: str, port: int) -> ModelRunner:
+    def _build(self, master_addr: str, port: int) -> ModelRunner | StageLoop:
         import torch
 
         engine = self.config.engine
@@ -107,14 +109,15 @@ class TPFollower:
             group.close()
             raise
 
-    def _serve(self, runner: ModelRunner) -> None:
+    def _serve(self, built: ModelRunner | StageLoop) -> None:
         assert self._group is not None
         try:
             group, stop = self._group, lambda: self._stopping
-            if isinstance(group, PPGroup):
-                self.steps = serve_stage(StageLoop(group, runner), stop)
+            if isinstance(built, StageLoop):
+                self.steps = serve_stage(built, stop)
             else:
-                self.steps = serve_follower(group, runner, stop)
+                assert isinstance(group, TPGroup)
+                self.steps = serve_follower(group, built, stop)
             self.state = FollowerState.STOPPED
         except Exception as e:
             self.failure = f"{type(e).__name__}: {e}"

@@ -82,7 +82,7 @@ def _rank_main(rank: int, pp: int, tp: int, port: int, setup: Setup, conn: Conne
     import torch
 
     from engine.core.engine import LLMEngine
-    from engine.core.pp_runner import StageLoop, pipeline_stage, prepare_stage, serve_stage
+    from engine.core.pp_runner import pipeline_stage, run_stage
     from engine.core.tp_runner import run_follower
     from engine.pp.pipeline_group import init_pp_group
     from engine.tp.tensor_parallel import init_tp_group
@@ -103,7 +103,7 @@ def _rank_main(rank: int, pp: int, tp: int, port: int, setup: Setup, conn: Conne
             group = init_tp_group(rank, tp, "127.0.0.1", port, timeout_s=TIMEOUT_S)
         if rank > 0:
             if pp > 1:
-                serve_stage(StageLoop(group, prepare_stage(config, group)))
+                run_stage(config, group)
             else:
                 run_follower(config, group)
             group.close()

@@ -30,9 +30,9 @@ be registered (else LoraNotFound, before anything is queued); it runs only while
 the adapter's device slot (engine/core/scheduler.py). `load_lora` / `unload_lora` at run time.
 
 Tensor and pipeline parallelism (engine/core/tp_runner.py, engine/core/pp_runner.py): this
-engine is rank 0 (it schedules and samples; with stages, its model is stage 0's part);
-`step_runner`, a `TPLeader` or `PPLeader`, runs each step on the other ranks too; `close()`
-ends them.
+engine is rank 0 (it schedules; with stages, its model is stage 0's part, and the last stage
+samples); `step_runner`, a `TPLeader` or `PPLeader`, runs each step on the other ranks too;
+`close()` ends them.
 
 Not thread-safe: every method must be called from one thread; `engine.core.driver.EngineDriver`
 runs the engine on a thread of its own and posts add/abort/hand-off calls to it between steps.
@@ -51,7 +51,7 @@ import torch
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep, sampling_rows
-from engine.core.pp_runner import PPLeader
+from engine.core.pp_runner import PPLeader, step_runner
 from engine.core.prefill_lane import PrefillLane
 from engine.core.prompt_logprobs import PromptLogprobsStep
 from engine.core.rank_setup import build_rank, serving_max_model_len
@@ -62,10 +62,8 @@ from engine.core.sampler import SampledRow, Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.sm_split import SMSplit
 from engine.core.stop_checker import StopChecker
-from engine.core.tp_runner import TPLeader
 from engine.kv.block_pool import BlockPool
 from engine.kv.host_tier import CopyBudget, HostTier
-from engine.kv.kv_sizing import decide_num_host_blocks
 from engine.lora.lora_registry import LoraRegistry
 from engine.modeling.llama import LlamaModel
 from engine.pp.pipeline_group import PPGroup
@@ -112,7 +110,9 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         # Adapters first: a bad one fails before the model loads, and the slots' memory is
         # spent before the KV pool is sized from what is left.
-        self.loras = LoraRegistry.from_config(config, self.model_config, dtype, device)
+        self.loras = LoraRegistry.from_config(
+            config, self.model_config, dtype, device, pp.stage.layers if pp else None
+        )
         self.tokenizer = tokenizer or Tokenizer.from_model_dir(config.model_dir)
         self.eos_token_ids = tuple(
             dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
@@ -128,21 +128,18 @@ class LLMEngine:
                 model=model, lora_weights=self.loras.weights,
             )  # fmt: skip
         self.model, self.kv_cache, self.runner = parts.model, parts.kv_cache, parts.runner
-        self.step_runner: ModelRunner | TPLeader | PPLeader = self.runner
-        if tp is not None:
-            self.step_runner = TPLeader(tp, self.runner)
-        elif pp is not None:
-            self.step_runner = PPLeader(pp, self.runner, config.micro_batches)
         self.layer_bounds: tuple[int, ...] = pp.stage.bounds if pp is not None else ()
         """A pipeline worker's stage boundaries (vocabulary/pipeline.py; its KV hand-off reads
         each stage's layers from that stage's ranks); empty: one stage."""
+        self.model_kv_scales = parts.model_kv_scales
+        """A pipeline worker's e4m3 KV scales of every stage (its hand-off hashes them)."""
         spec = self.kv_cache.spec
-        num_blocks = spec.num_blocks
-        num_host = decide_num_host_blocks(config, spec.block_nbytes, num_blocks)
+        num_blocks, num_host = spec.num_blocks, parts.num_host_blocks
         per_step = config.host_kv_max_blocks_per_step
         self.host_tier = (
             HostTier(num_host, self.kv_cache.tensor, per_step, spec.block_dim) if num_host else None
         )
+        self.step_runner = step_runner(self.runner, tp, pp, self.loras.cache, self.host_tier)
         self.block_pool = BlockPool(
             num_blocks, config.enable_prefix_caching, host_tier=self.host_tier
         )
@@ -156,7 +153,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             finish_after_first_token=config.mode is EngineMode.PREFILL_ONLY,
             adapters=self.loras.cache,
-            lend_host_copies=config.host_kv_handoff and self.host_tier is not None,
+            # (a pipeline's other stages do not lend their host blocks: hand off from the pool)
+            lend_host_copies=config.host_kv_handoff and num_host > 0 and pp is None,
         )
         self.sampler = Sampler(config.seed, device, self.model_config.vocab_size)
         self.prefill_lane = None
@@ -306,7 +304,8 @@ class LLMEngine:
         requests = tuple(scheduler.requests[c.request_id] for c in batch.chunks)
         if lane is None:
             self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
-        logits, prompt = PromptLogprobsStep.split(runner.execute(batch), batch, requests)
+        # a pipeline samples on its last stage: the rows and mask go with the step
+        executed = None if isinstance(runner, PPLeader) else runner.execute(batch)
         chunks = [(r, c) for r, c in zip(requests, batch.chunks, strict=True) if c.sample]
         # a constrained row's mask needs its newest token, still in `previous`: read it now,
         # while the device runs this step's model (the overlap's slack)
@@ -322,8 +321,13 @@ class LLMEngine:
         mask = None
         if self.constrained:
             mask = self.constrained.mask([None if r.is_finished else r.request_id for r in sampled])
-        previous_ids = previous.tokens.token_ids if previous is not None else None
-        tokens = sampler.sample(logits, rows, previous_ids, mask)
+        if isinstance(runner, PPLeader):
+            tokens, prompt = runner.execute_sampled(batch, requests, rows, mask)
+        else:
+            assert executed is not None
+            logits, prompt = PromptLogprobsStep.split(executed, batch, requests)
+            previous_ids = previous.tokens.token_ids if previous is not None else None
+            tokens = sampler.sample(logits, rows, previous_ids, mask)
         runner.keep_sampled(tokens.token_ids, [r.request_id for r in sampled])
         return InflightStep(requests, tuple(sampled), tokens, prompt)
 

@@ -28,12 +28,45 @@ from vocabulary.logprobs import TopLogprobs
 
 
 @dataclass(frozen=True)
-class _Span:
+class PromptSpan:
     """The prompt tokens [first, first + count) of one request whose logprobs a step has."""
 
     request: Request
     first: int
     count: int
+
+
+@dataclass(frozen=True)
+class PromptLogprobsPlan:
+    """Which rows of a step's logits (`ScheduledBatch.logit_rows`) are sampled and which give
+    prompt logprobs, of which target tokens: what `PromptLogprobsStep.split` computes, with
+    no request in it (a pipeline's last stage computes it: engine/core/pp_sampling.py)."""
+
+    sample_rows: tuple[int, ...]
+    prompt_rows: tuple[int, ...]
+    targets: tuple[int, ...]
+    """The prompt token each of `prompt_rows` predicts."""
+    k: int
+    """Top alternatives per prompt position (the most any request asked for; 0: none)."""
+
+    def compute(
+        self, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(the rows to sample from; the targets' raw logprobs, None without prompt rows;
+        the top-k (ids, logprobs) of each prompt row, None when k is 0), on the device."""
+        ns, np_ = len(self.sample_rows), len(self.prompt_rows)
+        idx = to_device(
+            self.sample_rows + self.prompt_rows + self.targets, torch.long, logits.device
+        )
+        sampled = logits.index_select(0, idx[:ns])
+        if not np_:
+            return sampled, None, None
+        logprobs = torch.log_softmax(logits.index_select(0, idx[ns : ns + np_]).float(), dim=-1)
+        chosen = logprobs.gather(1, idx[ns + np_ :, None]).squeeze(1)
+        if not self.k:
+            return sampled, chosen, None
+        values, indices = logprobs.topk(self.k, dim=-1)
+        return sampled, chosen, (indices, values)
 
 
 class PromptLogprobsStep:
@@ -42,7 +75,7 @@ class PromptLogprobsStep:
 
     def __init__(
         self,
-        spans: list[_Span],
+        spans: list[PromptSpan],
         chosen: torch.Tensor,
         top: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
@@ -58,12 +91,27 @@ class PromptLogprobsStep:
     ) -> tuple[torch.Tensor, PromptLogprobsStep | None]:
         """`logits` as the runner returned them for `batch` → (the rows to sample from, one per
         sampled chunk; the prompt logprobs of the `all_logits` chunks, None without any)."""
-        if not batch.has_all_logits:
+        planned = cls.plan(batch, requests)
+        if planned is None:
             return logits, None
+        plan, spans = planned
+        sampled, chosen, top = plan.compute(logits)
+        if chosen is None:
+            return sampled, None
+        return sampled, cls(spans, chosen, top)
+
+    @staticmethod
+    def plan(
+        batch: ScheduledBatch, requests: Sequence[Request]
+    ) -> tuple[PromptLogprobsPlan, list[PromptSpan]] | None:
+        """What `split` computes for `batch` (None: it has no `all_logits` chunk), and the
+        spans of prompt tokens whose values the plan's rows give, in order."""
+        if not batch.has_all_logits:
+            return None
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
         targets: list[int] = []
-        spans: list[_Span] = []
+        spans: list[PromptSpan] = []
         row = 0
         for request, chunk in zip(requests, batch.chunks, strict=True):
             n = chunk.num_tokens if chunk.all_logits else int(chunk.sample)
@@ -73,23 +121,13 @@ class PromptLogprobsStep:
                 if count > 0:
                     prompt_rows += range(row, row + count)
                     targets += request.prompt_token_ids[start + 1 : start + 1 + count]
-                    spans.append(_Span(request, start + 1, count))
+                    spans.append(PromptSpan(request, start + 1, count))
             if chunk.sample:
                 sample_rows.append(row + n - 1)
             row += n
-        idx = to_device(sample_rows + prompt_rows + targets, torch.long, logits.device)
-        ns, np_ = len(sample_rows), len(prompt_rows)
-        sampled = logits.index_select(0, idx[:ns])
-        if not spans:
-            return sampled, None
-        logprobs = torch.log_softmax(logits.index_select(0, idx[ns : ns + np_]).float(), dim=-1)
-        chosen = logprobs.gather(1, idx[ns + np_ :, None]).squeeze(1)
-        k = max(s.request.sampling_params.prompt_logprobs or 0 for s in spans)
-        top = None
-        if k:
-            values, indices = logprobs.topk(k, dim=-1)
-            top = (indices, values)
-        return sampled, cls(spans, chosen, top)
+        k = max((s.request.sampling_params.prompt_logprobs or 0 for s in spans), default=0)
+        plan = PromptLogprobsPlan(tuple(sample_rows), tuple(prompt_rows), tuple(targets), k)
+        return plan, spans
 
     def apply(self) -> None:
         """Append the step's values to each request's `prompt_logprobs` (those it does not

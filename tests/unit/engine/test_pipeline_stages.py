@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.batch import ScheduledBatch, SeqChunk
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineMode
 from engine.kv.kv_sizing import decide_num_host_blocks, kv_cache_spec
 from engine.loading.dummy_weights import dummy_model
 from engine.loading.loaders import load_model
@@ -122,26 +122,31 @@ def test_micro_batches_never_cut_decodes_placeholders_or_all_logits_chunks() -> 
     assert micro_batches(decodes, 1) == (decodes,)
 
 
-def test_engine_config_refuses_what_pp_does_not_support_naming_the_field() -> None:
+def test_engine_config_takes_fp8_lora_and_the_host_tier_with_pp_and_refuses_the_rest() -> None:
     EngineConfig("m", pipeline_parallel_size=2, tensor_parallel_size=2)
-    cases = {
-        "enable_lora / loras": {"enable_lora": True},
-        "host_kv_gb": {"host_kv_gb": 1.0},
-        "quantization": {"quantization": "fp8"},
-        "kv_cache_dtype": {"kv_cache_dtype": "fp8"},
-    }
-    for field, kw in cases.items():
-        with pytest.raises(ValueError, match=f"^{field}: not supported with pipeline"):
-            EngineConfig("m", pipeline_parallel_size=2, **kw)  # type: ignore[arg-type]
+    pp = EngineConfig(
+        "m", pipeline_parallel_size=2, quantization="fp8", kv_cache_dtype="fp8",
+        enable_lora=True, host_kv_gb=1.0,
+    )  # fmt: skip
+    assert pp.lora_enabled
+    with pytest.raises(ValueError, match="^mode: a split engine runs on one device"):
+        EngineConfig("m", pipeline_parallel_size=2, mode=EngineMode.SPLIT)
+    # (tensor parallelism still refuses LoRA and the host tier, a pipeline of TP ranks too)
+    with pytest.raises(ValueError, match="^tensor_parallel_size: LoRA"):
+        EngineConfig("m", pipeline_parallel_size=2, tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="^host_kv_gb: the host KV tier with tensor"):
+        EngineConfig("m", pipeline_parallel_size=2, tensor_parallel_size=2, host_kv_gb=1.0)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         EngineConfig("m", pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_layer_partition: 2 positive layer counts"):
         EngineConfig("m", pipeline_parallel_size=2, pipeline_layer_partition=(4,))
     assert EngineConfig("m", pipeline_parallel_size=3).micro_batches == 6
     assert EngineConfig("m", pipeline_parallel_size=3, pipeline_micro_batches=2).micro_batches == 2
-    pp = EngineConfig("m", pipeline_parallel_size=2)
-    assert decide_num_host_blocks(pp, 1024, 100) == 0  # auto: no tier on a PP worker
-    assert decide_num_host_blocks(replace(pp, pipeline_parallel_size=1), 1024, 100) > 0
+    # a pipeline worker's stages hold the tier together, sized by the whole model's blocks
+    two = EngineConfig("m", pipeline_parallel_size=2, host_kv_gb=1.0)
+    assert decide_num_host_blocks(two, 2**20, 100) == 1024
+    tp = replace(two, tensor_parallel_size=2, host_kv_gb=-1.0)
+    assert decide_num_host_blocks(tp, 2**20, 100) == 0  # auto: no tier with TP
 
 
 def test_a_stage_pool_spec_names_its_layers(tiny_model_dir: Path) -> None:
