@@ -3,7 +3,8 @@
 `PPRanks` spawns rank 0 (an `LLMEngine` that runs a scenario and sends its results back, with
 its stage spans) and the other ranks (`serve_stage`, sending back their step count and stage
 spans when rank 0 closes), and bounds every wait on them. Scenarios are tests/tp_ranks.py's
-(module level, run in rank 0's process).
+and `serve` / `serve_rounds` here (module level, run in rank 0's process; a one-rank engine
+runs them too, for the reference).
 """
 
 from __future__ import annotations
@@ -156,3 +157,51 @@ class PPRanks(TPRanks):
 def pp_size(config: EngineConfig) -> int:
     """Ranks of the worker `config` describes."""
     return config.pipeline_parallel_size * config.tensor_parallel_size
+
+
+# ---- scenarios (run by rank 0; tests/tp_ranks.py has more) ---------------------------------
+
+Job = tuple[str, list[int], Any, str]
+"""(request id, prompt, SamplingParams, LoRA adapter name or "")."""
+
+
+def serve(jobs: list[Job], engine: Any, conn: Any) -> dict[str, Any]:
+    """Every job at once, to completion (waiting for LoRA reads in flight): per request its
+    tokens, logprobs, top alternatives, prompt logprobs and cached prompt tokens; the pool's
+    and the model's KV scales, the weight format and the adapter slots refilled from host
+    memory (rank 0's cache)."""
+    for rid, prompt, params, lora in jobs:
+        engine.add_request(rid, prompt, params, lora_name=lora)
+    got: dict[str, dict[str, Any]] = {
+        rid: {"tokens": [], "logprobs": [], "top": [], "prompt": None, "cached": 0}
+        for rid, *_ in jobs
+    }
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        outputs = engine.step()
+        for o in outputs:
+            g = got[o.request_id]
+            g["tokens"] += o.new_token_ids
+            g["logprobs"] += o.logprobs or ()
+            g["top"] += [(t.token_ids, t.logprobs) for t in o.top_logprobs or ()]
+            g["prompt"] = g["prompt"] or o.prompt_logprobs
+            g["cached"] = o.num_cached_prompt_tokens
+        if not outputs and engine.loras.cache is not None:
+            engine.loras.cache.wait_for_loads(timeout=30)  # (an adapter's read in flight)
+    cache = engine.loras.cache
+    return {
+        "requests": got,
+        "scales": (engine.kv_cache.spec.scales, engine.model_kv_scales),
+        "weights": engine.model.quantization,
+        "lora_host_loads": cache.stats.num_host_loads if cache is not None else 0,
+    }
+
+
+def serve_rounds(rounds: list[list[Job]], engine: Any, conn: Any) -> dict[str, Any]:
+    """`serve` of each list of jobs in turn (the requests of all, the last round's rest)."""
+    out: dict[str, Any] = {}
+    for jobs in rounds:
+        got = serve(jobs, engine, conn)
+        out = {**got, "requests": {**out.get("requests", {}), **got["requests"]}}
+    return out

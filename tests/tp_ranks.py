@@ -273,6 +273,8 @@ def generate_then_teacher_force(
     prompts: list[list[int]], params: Any, engine: Any, conn: Connection
 ) -> Any:
     """Send the test each prompt's greedy tokens, receive sequences, return their
-    `teacher_forced` logits and rank 0's KV scales."""
+    `teacher_forced` logits and the model's KV scales (rank 0's pool's; a pipeline's: every
+    stage's)."""
     conn.send(generate_rounds(prompts, params, 1, engine, None)["rounds"][0])
-    return [teacher_forced(engine, seq) for seq in conn.recv()], engine.kv_cache.spec.scales
+    scales = engine.model_kv_scales or engine.kv_cache.spec.scales
+    return [teacher_forced(engine, seq) for seq in conn.recv()], scales

@@ -1,11 +1,15 @@
 """Pipeline parallelism on two GPUs over NCCL (run on the GPU machine; skipped with fewer than
 two GPUs): PP=2 greedy tokens equal one rank's (tiny model, float32, torch attention; 2 and 4
-stages over 2 GPUs is PP=2 only: a rank a device), and a PP=2 prefill and decode of a bf16
-dummy model on flashinfer give the logits of a whole model of the same weights (to bf16
-rounding: a micro-batch's GEMMs are of other shapes than the whole batch's).
+stages over 2 GPUs is PP=2 only: a rank a device); the last stage samples (only token ids and
+the logprobs asked for cross NCCL back to rank 0) as one rank does, with seeds, penalties,
+logprobs, prompt logprobs, a LoRA adapter and the host KV tier on both stages; FP8 weights and
+an e4m3 KV pool (bf16) follow one rank under the margin rule of tests/fp8_reference.py with
+the model's KV scales exactly one rank's; and a PP=2 prefill and decode of a bf16 dummy model
+on flashinfer give the logits of a whole model of the same weights (to bf16 rounding: a
+micro-batch's GEMMs are of other shapes than the whole batch's).
 
-Not yet run: the session that wrote it was lent no 2-GPU machine; the same scenarios run on
-CPU over gloo in tests/integration/engine/test_engine_pp.py.
+Not yet run: the sessions that wrote it were lent no 2-GPU machine; the same scenarios run on
+CPU over gloo in tests/integration/engine/test_engine_pp.py and test_engine_pp_features.py.
 """
 
 from __future__ import annotations
@@ -17,8 +21,16 @@ from typing import Any
 
 import pytest
 import torch
-from pp_ranks import PPRanks
-from tp_ranks import Scenario, decode_logits_vs_whole, generate_rounds
+from fp8_reference import assert_flip_at_near_tie, first_difference
+from lora_reference import make_adapter
+from pp_ranks import PPRanks, serve
+from tp_ranks import (
+    Scenario,
+    decode_logits_vs_whole,
+    generate_rounds,
+    generate_then_teacher_force,
+    teacher_forced,
+)
 
 from deploy.checkpoints.make_model import make_model
 from engine.config import EngineConfig
@@ -80,3 +92,66 @@ def test_pp2_flashinfer_bf16_logits_match_a_whole_model(tmp_path: Path) -> None:
     assert got["replays"] == 0  # a stage runs eager
     for diff, scale in zip(got["max_diff"], got["max_logit"], strict=True):
         assert diff <= 0.03 * scale + 1e-3, (diff, scale)
+
+
+def test_pp2_nccl_last_stage_sampling_lora_and_host_tier_equal_one_rank(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    adapter = make_adapter(tiny_model_dir, tmp_path / "qv8", 10, r=8, lora_alpha=16,
+                           target_modules=["q_proj", "v_proj"])  # fmt: skip
+    config = EngineConfig(
+        model_dir=str(tiny_model_dir), device="cuda", dtype="float32", attention_backend="torch",
+        num_kv_blocks=256, max_num_batched_tokens=32, pipeline_parallel_size=2,
+        loras=(("qv8", str(adapter)),), host_kv_gb=0.01,
+    )  # fmt: skip
+    seeded = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=12, ignore_eos=True,
+                            logprobs=True, top_logprobs=3, repetition_penalty=1.2)  # fmt: skip
+    jobs = [
+        ("seeded", prompts[0], seeded, ""),
+        ("prompt", prompts[1], replace(GREEDY, prompt_logprobs=2, logprobs=True), ""),
+        ("lora", prompts[2], GREEDY, "qv8"),
+        ("greedy", prompts[3], GREEDY, ""),
+    ]
+    got = run_ranks(config, functools.partial(serve, jobs))["requests"]
+    want = serve(jobs, LLMEngine(replace(config, pipeline_parallel_size=1)), None)["requests"]
+    for rid, w in want.items():
+        assert got[rid]["tokens"] == w["tokens"], rid
+        assert got[rid]["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4), rid
+    first = got["prompt"]["prompt"].logprobs[1:]
+    assert first == pytest.approx(want["prompt"]["prompt"].logprobs[1:], abs=1e-4)
+
+
+def test_pp2_nccl_fp8_weights_and_e4m3_kv_follow_one_rank_under_the_margin_rule(
+    tiny_model_dir: Path,
+) -> None:
+    """bf16, --quantization fp8 and an e4m3 pool: the calibration pass runs through the
+    stages, so the model's KV scales are one rank's exactly; a token may part from one
+    rank's only at a near-tie (the stages' GEMMs are of micro-batch shapes)."""
+    tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
+    texts = [tokenizer.encode(t) for t in TEXTS]
+    config = EngineConfig(
+        model_dir=str(tiny_model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=256,
+        quantization="fp8", kv_cache_dtype="fp8", pipeline_parallel_size=2,
+    )  # fmt: skip
+    one = LLMEngine(replace(config, pipeline_parallel_size=1))
+    want = [t for t, _ in generate_rounds(texts, GREEDY, 1, one, None)["rounds"][0]]
+    scenario = functools.partial(generate_then_teacher_force, texts, GREEDY)
+    ranks = PPRanks(2, config, scenario, backend="nccl").start()
+    try:
+        tokens = [t for t, _ in ranks.recv(0, timeout_s=300)]
+        pairs = enumerate(zip(want, tokens, strict=True))
+        differ = {i: first_difference(w, g) for i, (w, g) in pairs}
+        flips = {i: t for i, t in differ.items() if t is not None}
+        seqs = [texts[i] + want[i][:t] for i, t in flips.items()]
+        ranks.pipes[0].send(seqs)
+        (status, ((logits, scales), _)), _ = ranks.results(timeout_s=300)
+    finally:
+        ranks.stop()
+    assert status == "ok"
+    assert scales == one.kv_cache.spec.scales
+    assert len(flips) <= len(texts) // 2, flips
+    for (i, t), seq, have in zip(flips.items(), seqs, logits, strict=True):
+        what = f"prompt {i}, token {t}"
+        assert_flip_at_near_tie(teacher_forced(one, seq), have, what, inclusive=True)

@@ -34,7 +34,7 @@ from engine_factories import greedy
 from fp8_reference import hf_on, parted_at, reference_greedy
 from lora_reference import ATTENTION, MLP, make_adapter, peft_model
 from lora_reference import greedy as peft_greedy
-from pp_ranks import PPRanks
+from pp_ranks import Job, PPRanks, serve, serve_rounds
 from references import Reference
 from test_engine_pp import pp_config
 
@@ -46,52 +46,9 @@ from vocabulary.sampling import SamplingParams, StructuredOutput
 MAX_TOKENS = 10
 NEAR_TIE = 0.01
 REGEX = StructuredOutput("regex", r"(The|A) [a-z]+ [a-z]+\.")
-Job = tuple[str, list[int], SamplingParams, str]
-"""(request id, prompt, sampling, LoRA adapter name or "")."""
 
 
 # ---- scenarios (run by rank 0 of the pipeline, and by one-rank engines here) --------------
-
-
-def serve(jobs: list[Job], engine: Any, conn: Any) -> dict[str, Any]:
-    """Every job at once, to completion: per request its tokens, logprobs, top alternatives,
-    prompt logprobs and cached prompt tokens; with "scales", the pool's and the model's KV
-    scales."""
-    for rid, prompt, params, lora in jobs:
-        engine.add_request(rid, prompt, params, lora_name=lora)
-    got: dict[str, dict[str, Any]] = {
-        rid: {"tokens": [], "logprobs": [], "top": [], "prompt": None, "cached": 0}
-        for rid, *_ in jobs
-    }
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            break
-        outputs = engine.step()
-        for o in outputs:
-            g = got[o.request_id]
-            g["tokens"] += o.new_token_ids
-            g["logprobs"] += o.logprobs or ()
-            g["top"] += [(t.token_ids, t.logprobs) for t in o.top_logprobs or ()]
-            g["prompt"] = g["prompt"] or o.prompt_logprobs
-            g["cached"] = o.num_cached_prompt_tokens
-        if not outputs and engine.loras.cache is not None:
-            engine.loras.cache.wait_for_loads(timeout=30)  # (an adapter's read in flight)
-    cache = engine.loras.cache
-    return {
-        "requests": got,
-        "scales": (engine.kv_cache.spec.scales, engine.model_kv_scales),
-        "weights": engine.model.quantization,
-        "lora_host_loads": cache.stats.num_host_loads if cache is not None else 0,
-    }
-
-
-def serve_rounds(rounds: list[list[Job]], engine: Any, conn: Any) -> dict[str, Any]:
-    """`serve` of each list of jobs in turn (the requests of all, the last round's rest)."""
-    out: dict[str, Any] = {}
-    for jobs in rounds:
-        got = serve(jobs, engine, conn)
-        out = {**got, "requests": {**out.get("requests", {}), **got["requests"]}}
-    return out
 
 
 def onboard_after_eviction(prompts: list[list[int]], engine: Any, conn: Any) -> dict[str, Any]:

@@ -48,9 +48,14 @@ class Served:
 
 
 async def prefill(
-    p: Any, rid: str, prompt: list[int], sampling: SamplingParams, cache_salt: str = ""
+    p: Any,
+    rid: str,
+    prompt: list[int],
+    sampling: SamplingParams,
+    cache_salt: str = "",
+    lora: str = "",
 ) -> PrefillResult:
-    req = PrefillRequest(rid, tuple(prompt), sampling, cache_salt=cache_salt)
+    req = PrefillRequest(rid, tuple(prompt), sampling, cache_salt=cache_salt, lora=lora)
     return await asyncio.wait_for(p.prefill.remote(req), CALL_TIMEOUT_S)
 
 
@@ -60,12 +65,14 @@ def decode_request(
     sampling: SamplingParams,
     result: PrefillResult | None = None,
     cache_salt: str = "",
+    lora: str = "",
 ) -> DecodeRequest:
     return DecodeRequest(
         rid,
         tuple(prompt),
         sampling,
         cache_salt=cache_salt,
+        lora=lora,
         handle=result.handle if result is not None else None,
         first_token_id=result.first_token_id if result is not None else None,
         first_logprob=result.first_logprob if result is not None else None,
@@ -103,14 +110,16 @@ async def serve(
     prompt: list[int],
     sampling: SamplingParams,
     cache_salt: str = "",
+    lora: str = "",
 ) -> Served:
-    """Prefill on `p` and decode on `d` (or prefill locally on `d` when `p` is None)."""
+    """Prefill on `p` and decode on `d` (or prefill locally on `d` when `p` is None), on
+    LoRA adapter `lora` ("": the base model)."""
     result = None
     if p is not None:
-        result = await prefill(p, rid, prompt, sampling, cache_salt)
+        result = await prefill(p, rid, prompt, sampling, cache_salt, lora)
         if result.handle is None:  # ended on its first token
             return Served(result, [])
-    gen = open_stream(d, decode_request(rid, prompt, sampling, result, cache_salt))
+    gen = open_stream(d, decode_request(rid, prompt, sampling, result, cache_salt, lora))
     return Served(result, await consume(gen))
 
 
