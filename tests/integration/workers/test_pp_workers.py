@@ -5,7 +5,9 @@ PP=2 prefill worker to a PP=1, a TP=2 and a PP=2 decode worker over NIXL (the de
 reading each layer range from the stage that holds it) give exactly the tokens transformers
 gives; afterwards every worker is back at its idle baseline (rank 0 keeps the block books for
 every stage: the ids are the same on each). A stage that dies takes its worker out: its health
-check fails and a request in flight ends with an error, not a hang.
+check fails and a request in flight ends with an error, not a hang. Draining a PP prefill
+worker waits for the leases it holds and refuses new prompts; draining a PP decode worker
+finishes its streams token-exact and refuses new ones; both serve again once undrained.
 
 Every worker uses the head-major KV pool (what `pdserve up` picks when prefill and decode TP
 sizes differ); each holds a 256-block pool and a quarter of a CPU per rank.
@@ -23,13 +25,23 @@ from typing import Any
 
 import pytest
 import ray
-from pd_client import greedy, serve, wait_idle
+from pd_client import (
+    consume,
+    decode_request,
+    greedy,
+    next_chunk,
+    open_stream,
+    prefill,
+    serve,
+    wait_idle,
+    wait_until,
+)
 from references import Reference
 from workers_harness import PLACEMENT, START_TIMEOUT_S, worker_config
 
 from deploy.control.worker_actors import create_worker, follower_name, stop_worker, tp_group_name
 from kv_transfer.config import KVTransferConfig
-from vocabulary.worker_api import WorkerRole
+from vocabulary.worker_api import WorkerDraining, WorkerRole, WorkerState
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -133,6 +145,48 @@ def test_a_pp_worker_is_its_actor_plus_a_follower_per_stage_in_one_placement_gro
     assert table["strategy"] == "PACK" and len(table["bundles"]) == 2
     info = ray.get(pp_workers.p_pp2.info.remote(), timeout=30)
     assert (info.pp_size, info.tp_size, info.num_kv_blocks) == (2, 1, 256)
+
+
+def test_draining_pp_workers_finishes_what_they_hold_and_refuses_new_work(
+    pp_workers: PPWorkers, corpus_prompts: list[list[int]], hf_greedy_to_eos: Reference
+) -> None:
+    p, d = pp_workers.p_pp2, pp_workers.d_pp2
+    prompts = corpus_prompts[12:15]
+
+    async def run() -> None:
+        results = await asyncio.gather(
+            *(prefill(p, f"drain-{i}", x, greedy(MAX_TOKENS)) for i, x in enumerate(prompts))
+        )
+        assert all(r.handle is not None for r in results)
+        p_drained = p.drain.remote(60.0)
+        ready, _ = await asyncio.to_thread(ray.wait, [p_drained], timeout=1.0)
+        assert not ready, "drain returned while leases were held"
+        with pytest.raises(WorkerDraining):
+            await prefill(p, "drain-late", prompts[0], greedy(MAX_TOKENS))
+        gens = [
+            open_stream(d, decode_request(r.request_id, x, greedy(MAX_TOKENS), r))
+            for r, x in zip(results, prompts, strict=True)
+        ]
+        firsts = [await next_chunk(g) for g in gens]
+        d_drained = d.drain.remote(60.0)
+        await asyncio.to_thread(
+            wait_until, d, lambda w: w.state is WorkerState.DRAINING, 20.0, "draining"
+        )
+        with pytest.raises(WorkerDraining):  # a local prefill is new work too
+            await consume(open_stream(d, decode_request("late", prompts[0], greedy(4))))
+        for r, x, g, first in zip(results, prompts, gens, firsts, strict=True):
+            chunks = [first, *await consume(g)]
+            tokens = [r.first_token_id] + [t for c in chunks if c is not None for t in c.token_ids]
+            assert tokens == hf_greedy_to_eos(x, MAX_TOKENS)
+        assert await asyncio.wait_for(p_drained, 30) is True
+        assert await asyncio.wait_for(d_drained, 30) is True
+        await p.undrain.remote()
+        await d.undrain.remote()
+        again = await serve(p, d, "drain-after", prompts[1], greedy(MAX_TOKENS))
+        assert again.token_ids == hf_greedy_to_eos(prompts[1], MAX_TOKENS)
+
+    asyncio.run(run())
+    wait_idle(p, d)
 
 
 def test_a_dead_stage_takes_its_worker_out_and_fails_the_request_in_flight(
