@@ -11,7 +11,11 @@ engine/core/tp_runner.py; NCCL, flashinfer attention). Per layout:
     prefill   one prompt of N tokens (`--prefill-tokens`, 8192 and 32768) as one step's chunk,
               through rank 0's step runner (PP=2: cut into `--micro-batches` micro-batches, so
               the stages overlap; TP=2: every layer's two all-reduces), median of `--repeats`
-    decode    a decode step of B sequences of `--context` tokens each (`--batches`)
+    decode    a decode step of B sequences of `--context` tokens each (`--batches`), sampled
+              as serving samples it (top-k 50 at temperature 0.8: on one rank after the
+              model; PP=2: on the last stage, which sends rank 0 only the token ids); PP=2
+              also the arrangement it replaced ("rank 0 samples": the last stage sends the
+              logits, rank 0 samples)
 
 PP=2 stages run eager (no CUDA graphs on a stage yet) and so do the TP=2 and one-GPU steps
 here (`cuda_graphs` off for all three), so the comparison is of the split, not of graphs.
@@ -26,13 +30,14 @@ than two CUDA GPUs (nothing run) or bad arguments.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,8 @@ from benchmarks.suites.tp.rank_rpc import free_port
 LAYOUTS = {"one": (1, 1), "tp2": (1, 2), "pp2": (2, 1)}
 """Layout name → (pipeline stages, TP ranks)."""
 TIMEOUT_S = 900.0
+GPU_DEFAULTS = {"prefill_tokens": "8192,32768", "batches": "1,16,64", "context": 2048, "repeats": 5}
+CPU_DEFAULTS = {"prefill_tokens": "256", "batches": "1,4", "context": 64, "repeats": 2}
 
 
 @dataclass(frozen=True)
@@ -124,18 +131,32 @@ def _time_rank0(engine: Any, setup: Setup) -> dict[str, float]:
 
     from benchmarks.harness.decode_model import decode_batch
     from engine.batch import ScheduledBatch, SeqChunk
+    from engine.core.pp_runner import PPLeader
+    from engine.core.sampler import SamplingRow
     from vocabulary.numeric import cdiv
+    from vocabulary.sampling import SamplingParams
 
     device = engine.kv_cache.device
     runner = engine.step_runner
+    params = SamplingParams(temperature=0.8, top_k=50)
 
-    def median(batch: ScheduledBatch) -> float:
+    def logits(batch: ScheduledBatch) -> None:
+        runner.execute(batch)
+
+    def sampled(batch: ScheduledBatch, on_rank0: bool = False) -> None:
+        rows = [SamplingRow(params, (), ()) for c in batch.chunks if c.sample]
+        if isinstance(runner, PPLeader) and not on_rank0:
+            runner.execute_sampled(batch, (), rows, None)[0].to_host()
+        else:
+            engine.sampler.sample(runner.execute(batch), rows).to_host()
+
+    def median(step: Callable[[ScheduledBatch], None], batch: ScheduledBatch) -> float:
         times = []
         for _ in range(setup.repeats + 1):  # the first builds kernels
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            runner.execute(batch)
+            step(batch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
@@ -145,9 +166,14 @@ def _time_rank0(engine: Any, setup: Setup) -> dict[str, float]:
     for n in setup.prefill_tokens:
         blocks = tuple(range(cdiv(n, setup.block_size)))
         chunk = SeqChunk("p", tuple(i % 1000 + 1 for i in range(n)), 0, blocks, sample=True)
-        out[f"prefill {n}"] = median(ScheduledBatch((chunk,)))
+        out[f"prefill {n}"] = median(logits, ScheduledBatch((chunk,)))
     for b in setup.batches:
-        out[f"decode B={b}"] = median(decode_batch(b, setup.context, setup.block_size))
+        batch = decode_batch(b, setup.context, setup.block_size)
+        out[f"decode B={b}"] = median(sampled, batch)
+        if isinstance(runner, PPLeader):
+            out[f"decode B={b}, rank 0 samples"] = median(
+                functools.partial(sampled, on_rank0=True), batch
+            )
     return out
 
 
@@ -182,12 +208,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (a check)")
     ap.add_argument("--layouts", default="one,tp2,pp2", help="of: one, tp2, pp2")
-    ap.add_argument("--prefill-tokens", default="8192,32768")
-    ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill-tokens", help="[8192,32768; --cpu: 256]")
+    ap.add_argument("--batches", help="[1,16,64; --cpu: 1,4]")
+    ap.add_argument("--context", type=int, help="[2048; --cpu: 64]")
+    ap.add_argument("--repeats", type=int, help="[5; --cpu: 2]")
     ap.add_argument("--micro-batches", type=int, default=4, help="PP=2's per step [4]")
     args = ap.parse_args(argv)
+    # the tiny model's context is short: --cpu is a check unless told more
+    defaults = CPU_DEFAULTS if args.cpu else GPU_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.layouts = [x for x in args.layouts.split(",") if x]
     if set(args.layouts) - set(LAYOUTS):
         ap.error(f"--layouts: of {', '.join(LAYOUTS)}, got {args.layouts}")
@@ -210,8 +241,6 @@ def main(argv: Sequence[str]) -> int:
             batches=tuple(int(x) for x in args.batches.split(",")), context=args.context,
             repeats=args.repeats, micro_batches=args.micro_batches,
         )  # fmt: skip
-        if args.cpu:  # the tiny model's context is short: a check, not a figure
-            setup = replace(setup, prefill_tokens=(256,), batches=(1, 4), context=64, repeats=2)
         results = {name: run_layout(name, setup) for name in args.layouts}
     return report(results)
 
@@ -242,14 +271,18 @@ def report(results: dict[str, dict[str, float] | str]) -> int:
             status = 1
     if not timed:
         return 1
-    steps = list(next(iter(timed.values())))
+    steps = list(dict.fromkeys(step for times in timed.values() for step in times))
     base = timed.get("one")
     rows = []
     for step in steps:
         row = [step]
         for name in timed:
+            if step not in timed[name]:  # (a PP=2 only row)
+                row.append("-")
+                continue
             ms = timed[name][step] * 1e3
-            ratio = f" ({base[step] / timed[name][step]:.2f}x)" if base and name != "one" else ""
+            one = base.get(step) if base else None
+            ratio = f" ({one / timed[name][step]:.2f}x)" if one and name != "one" else ""
             row.append(f"{ms:.2f}{ratio}")
         rows.append(tuple(row))
     header = ("step", *(f"{n} ms" for n in timed))

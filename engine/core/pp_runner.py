@@ -258,12 +258,11 @@ class PPLeader:
     ) -> tuple[SampledTokens, PromptLogprobsStep | None]:
         """Run a step on every stage and sample it on the last (module docstring): what
         `ModelRunner.execute`, `PromptLogprobsStep.split` and `Sampler.sample` give together
-        on one rank. `requests`: the batch's, chunk by chunk; `rows`: the sampled chunks'
-        (`sampling_rows`), with `mask` over them. Raises as `execute`."""
+        on one rank. `requests`: the batch's, chunk by chunk (read only for prompt logprobs);
+        `rows`: the sampled chunks' (`sampling_rows`), with `mask` over them. Raises as
+        `execute`."""
         planned = PromptLogprobsStep.plan(batch, requests)
-        sampled_ids = [
-            r.request_id for r, c in zip(requests, batch.chunks, strict=True) if c.sample
-        ]
+        sampled_ids = [c.request_id for c in batch.chunks if c.sample]
         plan = planned[0] if planned is not None else None
         sampling = StageSampling.of(sampled_ids, rows, mask, plan)
         self._run(batch, sampling)
