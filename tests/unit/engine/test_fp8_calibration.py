@@ -1,5 +1,6 @@
 """Static FP8 scales (engine/loading/fp8_calibration.py), the FP8 ops' torch composition, the e4m3
-KV pool's spec and its place in the transfer handshake."""
+KV pool's spec and its place in the transfer handshake; a pipeline's calibration pass through
+its stages observes what a whole model's does."""
 
 from __future__ import annotations
 
@@ -195,3 +196,45 @@ def test_the_handshake_refuses_a_peer_whose_kv_dtype_or_scales_differ() -> None:
         check_handshake(handshake_info(fp8), *local_side(SPEC))
     with pytest.raises(HandshakeError, match="kv_scales: peer"):
         check_handshake(handshake_info(other_scales), *local_side(fp8))
+
+
+class _Relay:
+    """Two pipeline stages in one process: what stage 0 sends, stage 1 receives."""
+
+    def __init__(self, first: bool) -> None:
+        self.first = first
+        self.sent: torch.Tensor | None = None
+        self.inbox: torch.Tensor | None = None
+
+    def receive_activations(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        if self.first:
+            return None
+        assert self.inbox is not None and self.inbox.shape == (2, num_tokens, hidden)
+        return self.inbox
+
+    def send_activations(self, pair: torch.Tensor) -> None:
+        self.sent = pair
+
+
+def test_a_pipelines_calibration_pass_observes_each_stage_as_the_whole_model(
+    tiny_model_dir: Path,
+) -> None:
+    from engine.pp.pp_stage import PPStage
+
+    ids = list(range(1, 40))
+    whole = load_model(tiny_model_dir, torch.float32, quantization="fp8")
+    want = observe(whole, ids)
+    first, second = _Relay(True), _Relay(False)
+    stages = [PPStage.of(4, 2, s) for s in (0, 1)]
+    models = [
+        load_model(tiny_model_dir, torch.float32, quantization="fp8", stage=s) for s in stages
+    ]
+    got0 = observe(models[0], ids, first)
+    second.inbox = first.sent
+    got1 = observe(models[1], ids, second)
+    assert got0.kv + got1.kv == want.kv  # exactly: the stages compute the whole pass
+    renamed = {f"layers.{int(n.split('.')[1]) + 2}.{n.split('.', 2)[2]}": v
+               for n, v in got1.activations.items()}  # fmt: skip
+    assert {**got0.activations, **renamed} == want.activations

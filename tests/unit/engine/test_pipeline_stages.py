@@ -129,12 +129,12 @@ def test_engine_config_takes_fp8_lora_and_the_host_tier_with_pp_and_refuses_the_
         enable_lora=True, host_kv_gb=1.0,
     )  # fmt: skip
     assert pp.lora_enabled
-    with pytest.raises(ValueError, match="^mode: a split engine runs on one device"):
+    with pytest.raises(ValueError, match=r"^mode: a split engine runs on one device"):
         EngineConfig("m", pipeline_parallel_size=2, mode=EngineMode.SPLIT)
     # (tensor parallelism still refuses LoRA and the host tier, a pipeline of TP ranks too)
-    with pytest.raises(ValueError, match="^tensor_parallel_size: LoRA"):
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: LoRA"):
         EngineConfig("m", pipeline_parallel_size=2, tensor_parallel_size=2, enable_lora=True)
-    with pytest.raises(ValueError, match="^host_kv_gb: the host KV tier with tensor"):
+    with pytest.raises(ValueError, match=r"^host_kv_gb: the host KV tier with tensor"):
         EngineConfig("m", pipeline_parallel_size=2, tensor_parallel_size=2, host_kv_gb=1.0)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         EngineConfig("m", pipeline_parallel_size=0)
