@@ -116,7 +116,8 @@ def plan_transfer(
     if tiers and slices:
         raise ValueError(
             f"request {handle.request_id}: host-tier blocks between workers of several ranks "
-            "are not supported (a TP or PP worker has no host tier)"
+            "are not supported (a TP or PP worker hands off and reads KV pools only: give the "
+            "prefill worker host_kv_handoff false)"
         )
     local = tuple(int(b) for b in local_block_ids)
     if len(local) != len(remote):

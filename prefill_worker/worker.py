@@ -72,7 +72,12 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
             release_blocks=self._release_blocks,
             config=self.transfer_config,
             followers=self.runtime.tp.agents if self.runtime.tp is not None else (),
-            tiers={KVTier.HOST: engine.host_tier.tensor} if engine.host_tier is not None else None,
+            # (a pipeline worker lends no host block: its other stages' are not registered)
+            tiers=(
+                {KVTier.HOST: engine.host_tier.tensor}
+                if engine.host_tier is not None and not engine.layer_bounds
+                else None
+            ),
             layer_bounds=engine.layer_bounds,
             model_scales=engine.model_kv_scales,
         )

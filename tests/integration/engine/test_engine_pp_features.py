@@ -16,8 +16,10 @@ another, `PPRanks.then`):
 - the host KV tier: a prefix the 8-block pool evicted is onboarded on every stage from its
   host blocks, with transformers' tokens and no prompt block recomputed.
 
-4 stages (one engine: an e4m3 pool, LoRA and the host tier at once) give a one-rank engine's
-tokens. Tokens are compared exactly: the stages compute the whole model's arithmetic.
+4 stages give transformers' tokens on the plain model (test_engine_pp.py's greedy rounds) and,
+on the same ranks, an engine with an e4m3 pool, LoRA and the host tier at once gives a
+one-rank engine's tokens. Tokens are compared exactly: the stages compute the whole model's
+arithmetic.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from lora_reference import ATTENTION, MLP, make_adapter, peft_model
 from lora_reference import greedy as peft_greedy
 from pp_ranks import Job, PPRanks, serve, serve_rounds
 from references import Reference
-from test_engine_pp import pp_config
+from test_engine_pp import check_greedy_rounds, pp_config
+from tp_ranks import generate_rounds
 
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.loading.int_checkpoint import IntScheme
+from engine.modeling.llama import LlamaModel
 from vocabulary.sampling import SamplingParams, StructuredOutput
+from vocabulary.tokenizer import Tokenizer
 
 MAX_TOKENS = 10
 NEAR_TIE = 0.01
@@ -300,24 +305,35 @@ def test_an_evicted_prefix_is_onboarded_on_every_stage_token_exact(
 # ---- 4 stages -----------------------------------------------------------------------------
 
 
-def test_four_stages_with_an_e4m3_pool_lora_and_the_host_tier_equal_one_rank(
-    tiny_model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]]
-) -> None:
+def test_four_stages_give_one_ranks_tokens_plain_and_with_an_e4m3_pool_lora_and_the_host_tier(
+    tiny_model_dir: Path, tiny_model: LlamaModel, tokenizer: Tokenizer,
+    adapters: dict[str, Path], prompts: list[list[int]], hf_greedy: Reference,
+) -> None:  # fmt: skip
+    """The same 4 ranks run test_engine_pp.py's greedy rounds (transformers' tokens, each
+    stage's pool) on the plain model, then an engine with every per-stage feature at once."""
+    plain = pp_config(tiny_model_dir, 4)
     loras = tuple((name, str(path)) for name, path in adapters.items())
-    config = pp_config(tiny_model_dir, 4, kv_cache_dtype="fp8", loras=loras, max_loras=1)
+    config = replace(plain, kv_cache_dtype="fp8", loras=loras, max_loras=1)
     config = replace(config, host_kv_gb=host_gb(config, 64))
     rounds = lora_rounds(prompts)
-    ranks = PPRanks(4, config, functools.partial(serve_rounds, rounds))
+    ranks = PPRanks(
+        4, plain, functools.partial(generate_rounds, prompts, greedy(10), 2),
+        then=((config, functools.partial(serve_rounds, rounds)),),
+    )  # fmt: skip
     try:
         results = ranks.start().results(timeout_s=300)
     finally:
         ranks.stop()
     assert all(status == "ok" for status, _ in results), results
-    got = results[0][1][0]
+    first = [
+        ("ok", runs[0] if rank == 0 else runs[0][:3]) for rank, (_, runs) in enumerate(results)
+    ]
+    check_greedy_rounds(first, plain, prompts, hf_greedy, tiny_model, tokenizer)
+    got = results[0][1][1][0]
     want = serve_rounds(rounds, LLMEngine(replace(config, pipeline_parallel_size=1)), None)
     for rid, w in want["requests"].items():
         assert got["requests"][rid]["tokens"] == w["tokens"], rid
     assert got["scales"][1] == want["scales"][0]
-    assert [spec.scales for _, (_, _, spec) in results[1:]] == [
+    assert [runs[1][2].scales for _, runs in results[1:]] == [
         want["scales"][0][2 * s : 2 * s + 2] for s in (1, 2, 3)
     ]
