@@ -308,7 +308,7 @@ class LLMEngine:
         executed = None if isinstance(runner, PPLeader) else runner.execute(batch)
         chunks = [(r, c) for r, c in zip(requests, batch.chunks, strict=True) if c.sample]
         # a constrained row's mask needs its newest token, still in `previous`: read it now,
-        # while the device runs this step's model (the overlap's slack)
+        # while the device runs this step's model (the overlap's slack; a pipeline's later)
         constrained = self.constrained
         if (
             previous is not None

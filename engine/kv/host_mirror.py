@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv.host_tier import HostCopy, copy_runs, host_blocks
+from engine.kv.host_tier import HostCopy, copy_runs, host_blocks, offload_beside
 
 
 class StageHostTier:
@@ -59,9 +59,4 @@ class StageHostTier:
         if self._stream is None:
             copy_runs(self._host, self._device, pairs)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        with torch.cuda.stream(self._stream):
-            copy_runs(self._host, self._device, pairs)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        self._pending.append(event)
+        self._pending.append(offload_beside(self._stream, self._host, self._device, pairs))

@@ -357,12 +357,7 @@ class HostTier:
             self._copy_runs(pairs)
             ticket.event = self._record(None)
         else:
-            main = torch.cuda.current_stream(self.device_kv.device)
-            self._stream.wait_stream(main)  # after every step queued so far wrote the blocks
-            with torch.cuda.stream(self._stream):
-                self._copy_runs(pairs)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+            event = offload_beside(self._stream, self._host_segments, self._device_segments, pairs)
             ticket.event = event
             self._forget_completed()
             for block_id, slot in pairs:
@@ -494,6 +489,23 @@ def host_blocks(
         block_segments(device_kv, block_dim).unbind(),
     )
     return host, *segments
+
+
+def offload_beside(
+    stream: torch.cuda.Stream,
+    host: Sequence[torch.Tensor],
+    device: Sequence[torch.Tensor],
+    pairs: Sequence[tuple[int, int]],
+) -> torch.cuda.Event:
+    """Copy device blocks into host slots (`(block, slot)` pairs, `copy_runs` segments) on the
+    side `stream`, after everything queued so far on the current stream (the steps that wrote
+    the blocks); the event of their completion."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        copy_runs(host, device, pairs)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def copy_runs(
