@@ -19,6 +19,8 @@
 #   e2e70i4  the Llama-3-70B shape, INT4 W4A16 dummy weights (config.json declares the scheme),
 #            one colocated worker on one GPU, two rates: client TPOT vs engine step
 #   kv       python -m benchmarks kv_transfer --gpu (needs 2 GPUs for the VRAM->VRAM figure)
+#   kvsame   the same between two processes on ONE GPU (the one-GPU PD pair's hand-off), with
+#            UCX's default UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto, then the backend's default y
 #   router   python -m benchmarks router on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
 #            worker) and PD (prefill + decode sharing the GPU), engine step time vs client TPOT
@@ -119,6 +121,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     tar czf "$OUT/e2e70i4.tgz" -C /tmp e2e70i4 ;;
   fp8big) step bench_fp8_70b 300 python -m benchmarks fp8 --shape llama3-70b --iters 15 ;;
   kv) step bench_kv 80 python -m benchmarks kv_transfer --gpu --skip-redis ;;
+  kvsame) UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto step bench_kvsame_auto 100 python -m benchmarks \
+      kv_transfer --gpu --same-device --skip-redis
+    step bench_kvsame 100 python -m benchmarks kv_transfer --gpu --same-device --skip-redis ;;
   router) step bench_router 170 python -m benchmarks router --rates 2,5,10 --requests 120 \
     --markdown ;;
   e2e1) small_model; step e2e1 300 python -m benchmarks goodput --model /tmp/small \
