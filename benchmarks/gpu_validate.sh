@@ -30,6 +30,8 @@
 #            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch;
 #            each worker sizes its KV pool from its half of the card (gpu_memory_share)
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
+#   profile8b  pdserve profile of the Llama-3-8B shape (bf16, dummy weights): the GPU profile
+#            the simulator's agreement with the trio runs is checked against ($OUT/*.json)
 #   trio_ph / trio_bal / trio_dh  issue 42's modes through the whole system on ONE GPU, one
 #            workload each (prefill-heavy, balanced, decode-heavy): one colocated worker, the
 #            one-GPU PD pair, one split worker; goodput at TPOT 20 and 40 ms (a call each)
@@ -148,6 +150,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --gpu-fraction 0.5 --workloads balanced --rates "balanced=2,4" \
     --duration 8 --stop-below 0
     tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
+  profile8b) config_model llama3-8b  # issue 43's engine profile of the trio's model
+    step profile8b 200 python -m deploy.cli profile "$OUT/profile-llama3-8b.json" \
+    --model /tmp/cfg-llama3-8b --device cuda --dtype bfloat16 --load-format dummy ;;
   trio_ph|trio_bal|trio_dh) config_model llama3-8b  # issue 42's table through the whole system
     # one GPU, one cluster per mode in turn: one colocated worker, the PD pair sharing the GPU,
     # one split worker (each sized from half the card); ~3-4 min per workload on a warm machine

@@ -56,12 +56,16 @@ def profile(
         float, typer.Option(help="Serving: added to every decode step (actor, relay).")
     ] = 0.0,
     quick: Annotated[bool, typer.Option(help="A few grid points only.")] = False,
+    load_format: Annotated[
+        str, typer.Option(help="auto: the checkpoint's weights; dummy: random, config.json only.")
+    ] = "auto",
 ) -> None:
     """Time one worker's engine (in this process) through a grid of prefill and decode steps
     and write the profile `pdserve simulate` reads. The tiny model on CPU takes ~10-15 s.
     The serving overheads (default: none, the engine alone) are recorded as given: see
     "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
     from deploy.cli.profiling import ProfileGrid, measure
+    from engine.config import LOAD_FORMATS
     from planner.perf_profile import PerfProfileError, ServingOverhead
 
     if num_kv_blocks < 64:
@@ -70,6 +74,8 @@ def profile(
         fail(f"--threads: must be >= 1, got {threads}", 2)
     if handoff_ms < 0:
         fail(f"--handoff-ms: must be >= 0, got {handoff_ms}", 2)
+    if load_format not in LOAD_FORMATS:
+        fail(f"--load-format: one of {', '.join(LOAD_FORMATS)}, got {load_format!r}", 2)
     try:
         given = (request_overhead_ms / 1000, prefill_factor, decode_step_overhead_ms / 1000)
         serving = ServingOverhead(*given, source="pdserve profile options")
@@ -81,10 +87,10 @@ def profile(
         model = cached_tiny_model()
     elif not (model / "config.json").is_file():
         fail(f"--model: {model} has no config.json", 2)
-    grid = ProfileGrid.quick() if quick else ProfileGrid()
+    grid = ProfileGrid.quick() if quick else ProfileGrid.gpu() if device != "cpu" else ProfileGrid()
     result = measure(
         model, grid, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
-        torch_threads=threads, handoff_ms=handoff_ms, say=console.print,
+        torch_threads=threads, handoff_ms=handoff_ms, load_format=load_format, say=console.print,
     )  # fmt: skip
     if given != (0.0, 1.0, 0.0):
         result = replace(result, serving=serving)
