@@ -7,12 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from deploy.control.worker_actors import default_placement
-from engine.config import EngineConfig, EngineMode
+from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
 from planner.loop import PlannerSettings
 from prefix_index.config import PrefixIndexConfig
 from vocabulary.model_config import ModelConfig
 from vocabulary.worker_api import ActorPlacement, WorkerRole
+from worker_runtime.runtime import engine_mode
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,7 @@ class ClusterSpec:
     def engine_for(self, role: WorkerRole) -> EngineConfig:
         """The engine of a worker of `role`: its mode, TP size, pipeline stages and the
         cluster's KV layout."""
-        modes = {WorkerRole.PREFILL: EngineMode.PREFILL_ONLY, WorkerRole.SPLIT: EngineMode.SPLIT}
-        mode = modes.get(role, EngineMode.COLOCATED)
+        mode = engine_mode(role)
         stages, layers = self.pp_for(role) if role is not WorkerRole.SPLIT else (1, ())
         return replace(
             self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
