@@ -2,8 +2,9 @@
 
 One actor per GPU (`num_gpus=1`) where the cluster has GPUs, else a fractional CPU slot. The
 actor is a `RoleHost` (worker_runtime/role_host.py) serving its role through the role's class
-(`ROLE_CLASSES`), so the controller can switch its role without reloading its model. It is named `pdserve-worker-{id}` in the cluster's namespace (decode workers find prefill
-peers by that name for the KV handshake).
+(`ROLE_CLASSES`), so the controller can switch its role without reloading its model. It is
+named `pdserve-worker-{id}` in the cluster's namespace (decode workers find prefill peers by
+that name for the KV handshake).
 
 A tensor-parallel worker of N ranks is N actors on one node: a placement group of N bundles
 (STRICT_PACK; each bundle one rank's placement), named `pdserve-tp-{id}`, with the worker's
