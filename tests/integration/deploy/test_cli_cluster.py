@@ -1,7 +1,8 @@
 """The `pdserve` CLI against a real local cluster (one daemon for the module, tests in order):
 up from a config file, status (table and JSON), generate, rebalance 1P1D -> 2P1D -> 1P2D (the
-last step by a role switch) under a steady stream of requests with none failing, drain, a killed worker leaving and being
-replaced, a headless Locust run through `pdserve bench` (issue 8), and down."""
+last step by a role switch) under a steady stream of requests with none failing, drain, a
+killed worker leaving and being replaced, a headless Locust run through `pdserve bench`
+(issue 8), and down."""
 
 from __future__ import annotations
 

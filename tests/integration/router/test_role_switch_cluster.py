@@ -20,7 +20,7 @@ import ray
 from cpu_engine import cpu_engine
 from references import Reference
 from router_client import generate, greedy_request, rpc_error
-from router_harness import RouterCluster
+from router_harness import RouterCluster, kill_and_await_controller
 
 from pdserve.v1 import serving_pb2 as pb
 
@@ -276,17 +276,7 @@ def test_a_restarted_controller_adopts_a_switched_worker_in_its_new_role(
     controller = cluster.cluster.controller
     (new,) = [w for w in roles(cluster) if w not in ("prefill-0", "prefill-1")]
     assert switch(cluster, new, "decode").switched
-    ray.kill(controller, no_restart=False)  # Ray makes it again from the same spec
-    end = time.monotonic() + 120
-    while True:
-        try:
-            events = ray.get(controller.recent_events.remote(), timeout=10)
-            if any("controller restarted" in e for e in events):
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < end, "the controller did not come back"
-        time.sleep(0.2)
+    kill_and_await_controller(controller)
     described = {d["worker_id"]: d["role"] for d in ray.get(controller.describe.remote())}
     assert described == {"prefill-0": "prefill", "prefill-1": "decode", new: "decode"}
     wait(lambda: roles(cluster)[new] == "decode", "the router lists the adopted worker")
