@@ -13,9 +13,10 @@ prefill worker, not yet reported back; KV blocks of requests placed on a decode 
 their first chunk), so a burst does not pile onto one worker. Draining workers stay in the
 view (their streams go on; placement skips them) until the controller stops them. A worker
 that switched role (deploy/control/role_switch.py) is taken as its new role from its first
-load report or registry listing that says so, whichever comes first: it reports READY in its
-new role only once it admits as that role, so placement never sends it the old role's work
-after the drain began, nor the new role's before the flip.
+load report that says so (or the registry's listing, unless the worker's last report says
+otherwise: the registry learns of a switch after the worker): it reports READY in its new
+role only once it admits as that role, so placement never sends it the old role's work after
+the drain began, nor the new role's before the flip.
 
 Each decode worker's entry also holds this router's token channel to it
 (router/decode_channel.py), opened on first use, closed when the worker leaves the registry
@@ -278,7 +279,9 @@ class ClusterView:
                 if entry is not None:
                     entry.close_channel(f"decode worker {info.worker_id} was replaced")
                 self.entries[info.worker_id] = WorkerEntry(info, handle)
-            elif entry.info.role is not info.role:
+            elif entry.info.role is not info.role and (
+                entry.load is None or entry.load.role is info.role
+            ):  # (a listing older than the worker's own report of a switch is not news)
                 self._switched(entry, info.role)
         for wid in set(self.entries) - seen:
             gone = self.entries.pop(wid)
@@ -316,13 +319,16 @@ class ClusterView:
 
     def _switched(self, entry: WorkerEntry, role: WorkerRole) -> None:
         """The worker serves `role` now (a role switch: the same actor, engine and pool):
-        placement takes it as that role; a worker that no longer decodes loses this router's
-        token channel (its streams ended before the switch: it drained them)."""
+        placement takes it as that role, its latency figures start afresh, and a worker that
+        no longer decodes loses this router's token channel (its streams ended before the
+        switch: it drained them)."""
         log.info("worker %s switched from %s to %s", entry.worker_id, entry.info.role.value,
                  role.value)  # fmt: skip
         if not role.decodes:
             entry.close_channel(f"worker {entry.worker_id} switched to {role.value}")
             entry.channel = None
+        if self.metrics is not None:  # its TTFT/TPOT of the old role are not the new one's
+            self.metrics.forget_worker(entry.worker_id, entry.info.role.value)
         entry.info = replace(entry.info, role=role)
 
     def mark_dead(self, worker_id: str) -> None:
