@@ -47,7 +47,6 @@ from deploy.control.controller_metrics import ControllerMetrics
 from deploy.control.worker_actors import create_worker, stop_worker
 from deploy.control.worker_registry import (
     LISTED_STATES,
-    WANTED_STATES,
     Registered,
     listed,
     signature,
@@ -525,8 +524,8 @@ class Controller:
         self._spawn(stop())
 
     def wanted_placements(self) -> list[ActorPlacement]:
-        """Placements of the workers that should have room: starting and ready ones."""
-        return [w.placement for w in self.workers.values() if w.state in WANTED_STATES]
+        """Placements of the workers that should have room: starting, ready and switching."""
+        return [w.placement for w in self.workers.values() if w.wanted_as is not None]
 
     # ---- drain and rebalance (deploy/control/rebalance.py)
     # ------------------------------------------

@@ -137,8 +137,9 @@ async def inflight(ctl: Controller, w: Registered) -> int:
 
 
 def num_wanted(workers: Iterable[Registered], role: WorkerRole) -> int:
-    """How many of `workers` count towards `role`'s size (starting or ready)."""
-    return sum(1 for w in workers if w.role is role and w.state in WANTED_STATES)
+    """How many of `workers` count towards `role`'s size (starting or ready, or switching to
+    it)."""
+    return sum(1 for w in workers if w.wanted_as is role)
 
 
 def youngest_ready(ctl: Controller, role: WorkerRole, keep: int) -> list[Registered]:

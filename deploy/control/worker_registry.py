@@ -31,6 +31,14 @@ class Registered:
     state_since: float = field(default_factory=time.monotonic)
     """Monotonic time `state` last changed (kept by `__setattr__`; for the metrics)."""
 
+    @property
+    def wanted_as(self) -> WorkerRole | None:
+        """The role it counts towards: its own while starting or ready, the one it is switching
+        to while it switches; None while draining, drained or stopped."""
+        if self.switching_to is not None:
+            return self.switching_to
+        return self.role if self.state in WANTED_STATES else None
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and getattr(self, "state", None) is not value:
             object.__setattr__(self, "state_since", time.monotonic())

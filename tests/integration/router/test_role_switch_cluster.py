@@ -173,6 +173,19 @@ def test_workers_switch_role_under_load_losing_no_stream_and_leaking_no_block(
     rc.wait_idle()
 
 
+def test_a_call_of_a_role_a_worker_no_longer_serves_is_refused_as_draining(
+    cluster: RouterCluster,
+) -> None:
+    """What a router that has not seen a switch yet would send: refused as by a draining
+    worker, so the router places it elsewhere."""
+    from vocabulary.worker_api import WorkerDraining
+
+    with pytest.raises(WorkerDraining, match="prefill-1 serves the decode role now"):
+        ray.get(cluster.handle("prefill-1").handshake_info.remote(), timeout=30)
+    assert ray.get(cluster.handle("decode-2").channels.remote(), timeout=30) == []
+    assert ray.get(cluster.handle("decode-2").renew.remote("any"), timeout=30) is False
+
+
 def test_their_cached_prefixes_stay_in_the_index(cluster: RouterCluster) -> None:
     """Both switched workers still hold, and the index still lists, the blocks they cached
     in their old roles and since: the index entries of a switched worker are kept, true for
