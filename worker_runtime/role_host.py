@@ -27,13 +27,15 @@ the controller replaces it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.core.mode_switch import set_mode
+from engine.config import EngineMode
+from engine.core.mode_switch import EngineBusy, set_mode
 from kv_transfer.config import KVTransferConfig
 from vocabulary.tracing import FinishedSpan
 from vocabulary.worker_api import (
@@ -49,6 +51,9 @@ from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerConfig, WorkerRuntime, engine_mode
 
 log = logging.getLogger(__name__)
+
+MODE_WAIT_S = 5.0
+"""Longest a flip waits for the engine to finish what the drained role left on its thread."""
 
 RoleClasses = Mapping[WorkerRole, type[WorkerLifecycle[Any]]]
 """The class that serves each role (the decode worker's serves decode, colocated and split)."""
@@ -231,13 +236,13 @@ class RoleHost:
         before = rt.config
         await old.close_role()
         try:
-            await rt.call(lambda e: set_mode(e, config.engine.mode))
+            await self._set_mode(config.engine.mode)
             new = self._roles[config.role](config, self._transfer, rt.actor_name, takes_over=old)
             await new.open_role()
         except Exception as e:
             log.exception("role switch of %s failed; restoring %s", before.worker_id, before.role)
             try:
-                await rt.call(lambda eng: set_mode(eng, before.engine.mode))
+                await self._set_mode(before.engine.mode)
                 rt.config = before
                 await old.open_role()
             except Exception as again:
@@ -249,6 +254,19 @@ class RoleHost:
         assert rt.info is not None
         rt.info = replace(rt.info, role=config.role)
         self.role = new
+
+    async def _set_mode(self, mode: EngineMode) -> None:
+        """Change the engine's mode, waiting (up to `MODE_WAIT_S`) for what the old role posted
+        to the engine thread just before it went idle (a lease's release, a last output)."""
+        give_up = time.monotonic() + MODE_WAIT_S
+        while True:
+            try:
+                await self.runtime.call(lambda e: set_mode(e, mode))
+                return
+            except EngineBusy:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(0.01)
 
 
 def _held(role: WorkerLifecycle[Any]) -> int:
