@@ -121,6 +121,12 @@ class WorkerLoad:
     process: ProcessCounts = field(default_factory=ProcessCounts)
     """The worker process's fds, threads and asyncio tasks (`WorkerRuntime.process_counts`)."""
 
+    @property
+    def requests_held(self) -> int:
+        """Requests it holds (queued, running, streaming) and a prefill worker's leases: what a
+        drain waits for."""
+        return self.inflight_requests + self.leases_held
+
     def held(self) -> str:
         """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use
         (evictable prefix-cache blocks count as free), requests queued, running or in

@@ -271,5 +271,4 @@ class RoleHost:
 
 def _held(role: WorkerLifecycle[Any]) -> int:
     """Requests (and a prefill worker's leases) the role holds."""
-    load = role.load()  # type: ignore[attr-defined]
-    return int(load.inflight_requests + load.leases_held)
+    return int(role.load().requests_held)  # type: ignore[attr-defined]

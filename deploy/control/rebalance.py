@@ -133,7 +133,7 @@ async def inflight(ctl: Controller, w: Registered) -> int:
         load = await wait_within(w.handle.load.remote(), 2.0)
     except Exception:
         return 0
-    return int(load.inflight_requests + load.leases_held)
+    return int(load.requests_held)
 
 
 def num_wanted(workers: Iterable[Registered], role: WorkerRole) -> int:
