@@ -19,6 +19,8 @@
 #   e2e70i4  the Llama-3-70B shape, INT4 W4A16 dummy weights (config.json declares the scheme),
 #            one colocated worker on one GPU, two rates: client TPOT vs engine step
 #   kv       python -m benchmarks kv_transfer --gpu (needs 2 GPUs for the VRAM->VRAM figure)
+#   kvsame   the same between two processes on ONE GPU (the one-GPU PD pair's hand-off), with
+#            UCX's default UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto, then the backend's default y
 #   router   python -m benchmarks router on this host's CPUs (tiny model, CPU workers)
 #   e2e1     the whole system on ONE GPU with a 4-layer Llama-3-shaped model: colocated (one
 #            worker) and PD (prefill + decode sharing the GPU), engine step time vs client TPOT
@@ -28,6 +30,8 @@
 #            disk), colocated and PD on ONE GPU, bf16 KV: client TPOT vs engine step and batch;
 #            each worker sizes its KV pool from its half of the card (gpu_memory_share)
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
+#   profile8b  pdserve profile of the Llama-3-8B shape (bf16, dummy weights): the GPU profile
+#            the simulator's agreement with the trio runs is checked against ($OUT/*.json)
 #   trio_ph / trio_bal / trio_dh  issue 42's modes through the whole system on ONE GPU, one
 #            workload each (prefill-heavy, balanced, decode-heavy): one colocated worker, the
 #            one-GPU PD pair, one split worker; goodput at TPOT 20 and 40 ms (a call each)
@@ -119,6 +123,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     tar czf "$OUT/e2e70i4.tgz" -C /tmp e2e70i4 ;;
   fp8big) step bench_fp8_70b 300 python -m benchmarks fp8 --shape llama3-70b --iters 15 ;;
   kv) step bench_kv 80 python -m benchmarks kv_transfer --gpu --skip-redis ;;
+  kvsame) UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto step bench_kvsame_auto 100 python -m benchmarks \
+      kv_transfer --gpu --same-device --skip-redis
+    step bench_kvsame 100 python -m benchmarks kv_transfer --gpu --same-device --skip-redis ;;
   router) step bench_router 170 python -m benchmarks router --rates 2,5,10 --requests 120 \
     --markdown ;;
   e2e1) small_model; step e2e1 300 python -m benchmarks goodput --model /tmp/small \
@@ -143,6 +150,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --gpu-fraction 0.5 --workloads balanced --rates "balanced=2,4" \
     --duration 8 --stop-below 0
     tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
+  profile8b) config_model llama3-8b  # issue 43's engine profile of the trio's model
+    step profile8b 200 python -m deploy.cli profile "$OUT/profile-llama3-8b.json" \
+    --model /tmp/cfg-llama3-8b --device cuda --dtype bfloat16 --load-format dummy ;;
   trio_ph|trio_bal|trio_dh) config_model llama3-8b  # issue 42's table through the whole system
     # one GPU, one cluster per mode in turn: one colocated worker, the PD pair sharing the GPU,
     # one split worker (each sized from half the card); ~3-4 min per workload on a warm machine

@@ -63,7 +63,6 @@ from vocabulary.transfer_errors import PeerLost, TransferCancelled
 from vocabulary.transfer_load import TransferLoad, TransferStats
 from vocabulary.worker_api import (
     RequestAborted,
-    WorkerInfo,
     WorkerLoad,
     WorkerOverloaded,
     actor_name_for,
@@ -92,8 +91,9 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         transfer: KVTransferConfig,
         actor_name: str = "",
         followers: Sequence[Any] = (),
+        takes_over: WorkerLifecycle[Any] | None = None,
     ) -> None:
-        super().__init__(config, transfer, actor_name, followers)
+        super().__init__(config, transfer, actor_name, followers, takes_over)
         self._outcomes: dict[str, asyncio.Future[TransferOutcome]] = {}
         self._peer_locks = PeerLocks()  # handshakes under way, one per prefill peer
         self._aborted: set[str] = set()  # streams that `abort` ended (they close with ABORT)
@@ -102,12 +102,12 @@ class DecodeWorker(WorkerLifecycle[DecodeEndpoint]):
         self._tasks: set[asyncio.Task[Any]] = set()  # request pipelines and reaper aborts
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def start(self) -> WorkerInfo:
+    async def open_role(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._channels = ChannelRegistry(
             self._loop, lambda rid: self._spawn(self.abort(rid)), CHANNEL_ORPHAN_S
         )
-        return await super().start()
+        await super().open_role()
 
     def _make_endpoint(self, engine: LLMEngine) -> DecodeEndpoint:
         return DecodeEndpoint(

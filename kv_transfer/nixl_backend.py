@@ -14,7 +14,10 @@ many runs the plan has (a scattered plan as little as a merged one), while `init
 over freshly built lists costs more with every descriptor; prepping is paid once per peer, in
 `add_peer`. The kv_transfer benchmark times all of it (docs/benchmarks.md, "KV transfer");
 `DescriptorMode.COALESCED` and `PER_BLOCK` remain for that comparison. On GPU, do not set
-UCX_TLS: UCX picks cuda_ipc between two GPUs of one host by itself.
+UCX_TLS: UCX picks cuda_ipc between two GPUs of one host by itself. Its GET over cuda_ipc (a
+READ) is off by default where UCX finds no NVLink, which includes two workers on one GPU (the
+one-GPU PD pair); a GPU backend sets `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` unless the environment
+sets it (`python -m benchmarks kv_transfer --gpu --same-device` measures both).
 
 Tier regions: a prefill agent also registers its host tier (`register_tier`: pinned host
 memory on GPU, one registration, like the pool) and publishes it in the handshake; a decode
@@ -37,6 +40,7 @@ cancelled before the read reports FAILED.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -182,6 +186,9 @@ class NixlBackend:
     ) -> None:
         if cache.device.type == "cuda":  # UCX needs the device's context current on this thread
             torch.cuda.set_device(cache.tensor.device)  # indexed, even for a pool on "cuda"
+            # a READ is a GET, and UCX turns cuda_ipc's GET off where it sees no NVLink: two
+            # workers on one GPU (or on PCIe-only GPUs) would read each other over TCP
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         nixl_agent, nixl_agent_config = import_nixl()
         self.agent_name = agent_name
         self.mode = mode

@@ -15,7 +15,9 @@ Samples from a worker's first `cold_start_s` are excluded (cold caches, compilat
 down never stops a worker: it *drains* the least busy ones (stop admitting, finish in-flight
 work); a draining worker is listed in `stop` only once it has no in-flight work. Every decision
 carries its reasons; `Planner` logs them. Actuation (creating, draining and stopping actors,
-asking Ray's autoscaler for nodes) sits behind the `ScalingActuator` protocol.
+asking Ray's autoscaler for nodes) sits behind the `ScalingActuator` protocol; one that can
+switch a worker's role in place (`SwitchingActuator`) gets a role that drains while the other
+adds as switches instead (`apply_decision`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from vocabulary.numeric import percentile
 
@@ -374,6 +376,17 @@ class ScalingActuator(Protocol):
     def stop_workers(self, role: Role, worker_ids: Sequence[str]) -> None: ...
 
 
+@runtime_checkable
+class SwitchingActuator(ScalingActuator, Protocol):
+    """An actuator that can also move a worker to the other role in place (a role switch:
+    no restart, no model load)."""
+
+    def switch_workers(self, role: Role, worker_ids: Sequence[str]) -> Sequence[str]:
+        """Switch these workers (of the other role) to `role`; returns those it switches
+        (the rest are drained, and workers of `role` started, as without a switch)."""
+        ...
+
+
 class Planner:
     """The pure core with its memory threaded through, logging every decision."""
 
@@ -392,11 +405,25 @@ class Planner:
 
 
 def apply_decision(decision: ScalingDecision, actuator: ScalingActuator) -> None:
-    """Hand a decision to the actuator: stops first, then drains, then adds."""
+    """Hand a decision to the actuator: stops first, then drains, then adds. When one role
+    drains while the other adds and the actuator switches roles (`SwitchingActuator`), the
+    drained workers switch to the growing role in place instead, as many as it adds."""
+    drain = {d.role: d.drain for d in (decision.prefill, decision.decode)}
+    add = {d.role: d.add for d in (decision.prefill, decision.decode)}
+    if isinstance(actuator, SwitchingActuator):
+        for shrink, grow in (
+            (decision.prefill, decision.decode),
+            (decision.decode, decision.prefill),
+        ):
+            movers = shrink.drain[: grow.add]
+            if movers:
+                switched = set(actuator.switch_workers(grow.role, movers))
+                drain[shrink.role] = tuple(w for w in shrink.drain if w not in switched)
+                add[grow.role] -= len(switched)
     for d in (decision.prefill, decision.decode):
         if d.stop:
             actuator.stop_workers(d.role, d.stop)
-        if d.drain:
-            actuator.drain_workers(d.role, d.drain)
-        if d.add:
-            actuator.add_workers(d.role, d.add)
+        if drain[d.role]:
+            actuator.drain_workers(d.role, drain[d.role])
+        if add[d.role]:
+            actuator.add_workers(d.role, add[d.role])

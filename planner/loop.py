@@ -10,7 +10,10 @@ Each tick (`PlannerSettings.interval_s`):
    (and to a replayable trace);
 3. actuate through `ControllerActuator` (the `ScalingActuator`): start workers of a role with
    the role's placement, drain workers (they stop admitting and finish in-flight work), stop a
-   drained worker once the planner sees it idle, and keep Ray's autoscaler asked, through
+   drained worker once the planner sees it idle; when one role shrinks while the other grows,
+   switch the shrinking role's workers to the other role in place instead (no restart:
+   deploy/control/role_switch.py; a switching worker counts as a starting one of its new
+   role); and keep Ray's autoscaler asked, through
    `ray.autoscaler.sdk.request_resources`, for room for every worker the planner wants (the
    request shrinks again on scale-down, so idle nodes can go).
 
@@ -76,6 +79,9 @@ class PlannerSettings:
     (planner/predictive.py)."""
     predictive: PredictiveConfig = field(default_factory=PredictiveConfig)
     """The predictive planner's profile, lead time, forecast and corrections."""
+    switch_timeout_s: float = 300.0
+    """Seconds a worker the planner moves from a shrinking role to a growing one in place
+    (a role switch) may take to drain; past them it stays in its role."""
 
     def __post_init__(self) -> None:
         known = [m.value for m in PlannerMode]
@@ -85,6 +91,14 @@ class PlannerSettings:
     @property
     def kind(self) -> PlannerMode:
         return PlannerMode(self.mode)
+
+    @property
+    def mode_text(self) -> str:
+        """`reactive`, or `predictive` with its profile and lead time (the status line's)."""
+        if self.kind is not PlannerMode.PREDICTIVE:
+            return self.mode
+        p = self.predictive
+        return f"predictive: profile {p.profile}, start-up {p.startup_s:g}s ahead"
 
 
 @dataclass(frozen=True)
@@ -235,6 +249,8 @@ class PlannerHost(Protocol):
 
     def spawn_worker(self, role: WorkerRole) -> str: ...
 
+    def begin_switch(self, worker_id: str, role: WorkerRole) -> bool: ...
+
     def begin_drain(self, worker_id: str) -> None: ...
 
     def stop_when_drained(self, worker_id: str) -> None: ...
@@ -272,6 +288,15 @@ class ControllerActuator:
     def stop_workers(self, role: Role, worker_ids: Sequence[str]) -> None:
         for worker_id in worker_ids:
             self.host.stop_when_drained(worker_id)
+
+    def switch_workers(self, role: Role, worker_ids: Sequence[str]) -> list[str]:
+        """Switch workers of the other role to `role` in place (`SwitchingActuator`): they
+        drain, flip and admit as `role` in the background; those the host refuses (another
+        shape, not ready) are left to be drained and replaced."""
+        switched = [w for w in worker_ids if self.host.begin_switch(w, self._worker_role(role))]
+        if switched:
+            self.host.record_event(f"planner: switching worker(s) {switched} to {role.value}")
+        return switched
 
     def sync_resources(self) -> None:
         """Ask the autoscaler for room for the starting and ready workers (not the draining)."""

@@ -151,6 +151,10 @@ class PerfProfile:
             return base
         return base + per_cached * cached_tokens
 
+    def largest_prefill_tokens(self) -> int:
+        """The largest prefill step measured (tokens)."""
+        return max(p.batch_tokens for p in self.prefill)
+
     def decode_step_s(self, batch_size: int, context_tokens: float) -> float:
         """One decode step of `batch_size` sequences of `context_tokens` tokens each."""
         contexts, steps = self.decode_step_curve(batch_size)

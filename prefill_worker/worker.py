@@ -58,8 +58,9 @@ class PrefillWorker(WorkerLifecycle[PrefillEndpoint]):
         transfer: KVTransferConfig,
         actor_name: str = "",
         followers: Sequence[Any] = (),
+        takes_over: WorkerLifecycle[Any] | None = None,
     ) -> None:
-        super().__init__(config, transfer, actor_name, followers)
+        super().__init__(config, transfer, actor_name, followers, takes_over)
         self._tokens_per_s = 0.0
         self._aborted: set[str] = set()  # calls that `abort` ended (they raise RequestAborted)
         self._early_aborts = EarlyAborts()  # aborts that found no `prefill` call (yet)

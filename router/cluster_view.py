@@ -11,7 +11,12 @@ admission ledger covers what this router itself admitted meanwhile). A worker th
 at once. Between polls the router adds what it dispatched itself (prompt tokens sent to a
 prefill worker, not yet reported back; KV blocks of requests placed on a decode worker until
 their first chunk), so a burst does not pile onto one worker. Draining workers stay in the
-view (their streams go on; placement skips them) until the controller stops them.
+view (their streams go on; placement skips them) until the controller stops them. A worker
+that switched role (deploy/control/role_switch.py) is taken as its new role from its first
+load report that says so (or the registry's listing, unless the worker's last report says
+otherwise: the registry learns of a switch after the worker): it reports READY in its new
+role only once it admits as that role, so placement never sends it the old role's work after
+the drain began, nor the new role's before the flip.
 
 Each decode worker's entry also holds this router's token channel to it
 (router/decode_channel.py), opened on first use, closed when the worker leaves the registry
@@ -27,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from admission.snapshot import ClusterSnapshot, DecodeWorkerLoad, PrefillWorkerLoad
@@ -57,8 +62,9 @@ class StaticDirectory:
         return list(self.workers)
 
 
-RegistrySignature = tuple[tuple[str, float], ...]
-"""Which worker incarnations a registry lists: (worker id, start time) of each, in order."""
+RegistrySignature = tuple[tuple[str, float, str], ...]
+"""Which worker incarnations a registry lists: (worker id, start time, role) of each, in
+order."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +279,10 @@ class ClusterView:
                 if entry is not None:
                     entry.close_channel(f"decode worker {info.worker_id} was replaced")
                 self.entries[info.worker_id] = WorkerEntry(info, handle)
+            elif entry.info.role is not info.role and (
+                entry.load is None or entry.load.role is info.role
+            ):  # (a listing older than the worker's own report of a switch is not news)
+                self._switched(entry, info.role)
         for wid in set(self.entries) - seen:
             gone = self.entries.pop(wid)
             gone.close_channel(f"decode worker {wid} left the cluster")
@@ -299,11 +309,27 @@ class ClusterView:
                 continue
             entry.failures = 0
             entry.alive = True
+            if result.role is not entry.info.role:  # it switched role, before the registry said
+                self._switched(entry, result.role)
             entry.load = result
             entry.dispatched_prefill_tokens = 0
             if self.metrics is not None:
                 self.metrics.observe_load(result)
         self._changed.set()
+
+    def _switched(self, entry: WorkerEntry, role: WorkerRole) -> None:
+        """The worker serves `role` now (a role switch: the same actor, engine and pool):
+        placement takes it as that role, its latency figures start afresh, and a worker that
+        no longer decodes loses this router's token channel (its streams ended before the
+        switch: it drained them)."""
+        log.info("worker %s switched from %s to %s", entry.worker_id, entry.info.role.value,
+                 role.value)  # fmt: skip
+        if not role.decodes:
+            entry.close_channel(f"worker {entry.worker_id} switched to {role.value}")
+            entry.channel = None
+        if self.metrics is not None:  # its TTFT/TPOT of the old role are not the new one's
+            self.metrics.forget_worker(entry.worker_id, entry.info.role.value)
+        entry.info = replace(entry.info, role=role)
 
     def mark_dead(self, worker_id: str) -> None:
         entry = self.entries.get(worker_id)

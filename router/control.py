@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from vocabulary.worker_api import RoleSwitch
+
 
 class DrainRefused(Exception):
     """A drain, undrain or rebalance that cannot be done as asked (unknown worker, a bad
@@ -28,6 +30,18 @@ class DrainReport:
     requests_cut: int
     """Requests still running at the timeout that stopping the worker ended."""
     stopped: bool
+
+
+@dataclass(frozen=True)
+class RebalanceReport:
+    """What a rebalance did."""
+
+    started: tuple[str, ...]
+    stopped: tuple[str, ...]
+    switched: tuple[str, ...]
+    """Workers that changed role in place (drained, flipped, admitting as the other role: no
+    restart, no model load)."""
+    message: str
 
 
 class LoraRefused(Exception):
@@ -55,7 +69,8 @@ class LoraEntry:
 
 class ClusterControl(Protocol):
     """The control plane as the admin service sees it; each call raises `DrainRefused`
-    (possibly wrapped by Ray) for what cannot be done as asked."""
+    (`switch`: `RoleSwitchRefused`), possibly wrapped by Ray, for what cannot be done as
+    asked."""
 
     async def drain(
         self, worker_id: str, stop: bool, timeout_s: float, force: bool
@@ -64,8 +79,12 @@ class ClusterControl(Protocol):
     async def undrain(self, worker_id: str) -> str: ...
 
     async def rebalance(
-        self, prefill: int, decode: int, timeout_s: float
-    ) -> tuple[list[str], list[str], str]: ...
+        self, prefill: int, decode: int, timeout_s: float, restart: bool = False
+    ) -> RebalanceReport: ...
+
+    async def switch(
+        self, worker_id: str, role: str, timeout_s: float, force: bool = False
+    ) -> RoleSwitch: ...
 
     async def load_lora(self, name: str, path: str) -> list[LoraEntry]: ...
 

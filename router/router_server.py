@@ -39,7 +39,7 @@ from router.cluster_view import (
     ControllerDirectory,
     WorkerDirectory,
 )
-from router.control import ClusterControl, DrainReport, LoraEntry
+from router.control import ClusterControl, DrainReport, LoraEntry, RebalanceReport
 from router.metrics import Arrivals, RecentSamples, RouterMetrics, SloTargets
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.prefill_cost import LocalPrefillPolicy
@@ -52,7 +52,7 @@ from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.model_config import ModelConfig
 from vocabulary.sampling import MAX_STRUCTURED_SPEC_CHARS
 from vocabulary.tokenizer import Tokenizer
-from vocabulary.worker_api import WorkerRole
+from vocabulary.worker_api import RoleSwitch, WorkerRole
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -506,9 +506,18 @@ class ControllerControl:
         return str(await self.controller.undrain.remote(worker_id))
 
     async def rebalance(
-        self, prefill: int, decode: int, timeout_s: float
-    ) -> tuple[list[str], list[str], str]:
-        return tuple(await self.controller.rebalance.remote(prefill, decode, timeout_s))
+        self, prefill: int, decode: int, timeout_s: float, restart: bool = False
+    ) -> RebalanceReport:
+        report: RebalanceReport = await self.controller.rebalance.remote(
+            prefill, decode, timeout_s, restart
+        )
+        return report
+
+    async def switch(
+        self, worker_id: str, role: str, timeout_s: float, force: bool = False
+    ) -> RoleSwitch:
+        done: RoleSwitch = await self.controller.switch.remote(worker_id, role, timeout_s, force)
+        return done
 
     async def load_lora(self, name: str, path: str) -> list[LoraEntry]:
         return list(await self.controller.load_lora.remote(name, path))

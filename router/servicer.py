@@ -48,7 +48,7 @@ from router.validation import (
 )
 from vocabulary.engine_io import FinishReason
 from vocabulary.tokenizer import Tokenizer
-from vocabulary.worker_api import WorkerLoad, WorkerState
+from vocabulary.worker_api import WorkerLoad, WorkerRole, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -319,12 +319,7 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
         control = await self._control(context)
-        timeout_s = request.timeout_s if request.HasField("timeout_s") else DEFAULT_DRAIN_S
-        if not math.isfinite(timeout_s) or timeout_s < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"timeout_s: must be a finite number >= 0, got {timeout_s}",
-            )
+        timeout_s = await self._drain_timeout(request, context)
         await self._known_worker(request.worker_id, context)
         try:
             report = await control.drain(request.worker_id, request.stop, timeout_s, request.force)
@@ -339,6 +334,43 @@ class AdminServicer(pb_grpc.AdminServicer):
             requests_cut=report.requests_cut,
             stopped=report.stopped,
         )
+
+    async def Switch(self, request: pb.SwitchRequest, context: Any) -> pb.SwitchResponse:
+        control = await self._control(context)
+        roles = [r.value for r in WorkerRole]
+        if request.role not in roles:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"role: one of {', '.join(roles)}, got {request.role!r}",
+            )
+        timeout_s = await self._drain_timeout(request, context)
+        await self._known_worker(request.worker_id, context)
+        try:
+            done = await control.switch(request.worker_id, request.role, timeout_s, request.force)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(unwrap(e)))
+        await self.view.refresh_registry()
+        await self.view.poll_loads()
+        return pb.SwitchResponse(
+            worker_id=request.worker_id,
+            switched=done.switched,
+            role=done.info.role.value,
+            message=done.message,
+            requests_at_start=done.requests_at_start,
+            drain_s=done.drain_s,
+            flip_s=done.flip_s,
+        )
+
+    async def _drain_timeout(self, request: Any, context: Any) -> float:
+        """A drain's or switch's `timeout_s` (unset: DEFAULT_DRAIN_S); INVALID_ARGUMENT when
+        it is not a finite number >= 0."""
+        timeout_s = request.timeout_s if request.HasField("timeout_s") else DEFAULT_DRAIN_S
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s: must be a finite number >= 0, got {timeout_s}",
+            )
+        return float(timeout_s)
 
     async def Undrain(self, request: pb.UndrainRequest, context: Any) -> pb.UndrainResponse:
         control = await self._control(context)
@@ -374,13 +406,18 @@ class AdminServicer(pb_grpc.AdminServicer):
                 f"timeout_s: must be a finite number >= 0, got {timeout_s}",
             )
         try:
-            started, stopped, message = await control.rebalance(
-                request.prefill, request.decode, timeout_s
+            report = await control.rebalance(
+                request.prefill, request.decode, timeout_s, request.restart
             )
         except Exception as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(unwrap(e)))
         await self.view.refresh_registry()
-        return pb.RebalanceResponse(started=started, stopped=stopped, message=message)
+        return pb.RebalanceResponse(
+            started=report.started,
+            stopped=report.stopped,
+            switched=report.switched,
+            message=report.message,
+        )
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 

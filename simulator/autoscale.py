@@ -122,6 +122,12 @@ class SimHost:
         sim.at(sim.now + self.startup_s, ready)
         return worker.worker_id
 
+    def begin_switch(self, worker_id: str, role: WorkerRole) -> bool:
+        """No role switch here: the simulated cluster drains the worker and starts another
+        (a switch's drain and flip are not modelled), so the planner's figures stay those of
+        restarts."""
+        return False
+
     def begin_drain(self, worker_id: str) -> None:
         worker = self.sim.workers.get(worker_id)
         if worker is None or worker_id in self.draining:

@@ -85,11 +85,15 @@ class ClusterShape:
     predicts with the simulated profile."""
     stall_weight: float = 1.0
     """The `cost` policy's weight of a stalled stream (router `local_prefill.stall_weight`)."""
+    chunk_tokens: int = 0
+    """Every worker's prefill chunk, tokens per step (engine `max_num_batched_tokens`; 0: the
+    profile's). At most the profile's largest prefill point: a step is never extrapolated."""
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated"):
+        for name in ("prefill", "decode", "colocated", "chunk_tokens"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name}: must be >= 0, got {getattr(self, name)}")
+                flag = name.replace("_tokens", "").replace("_", "-")
+                raise ValueError(f"--{flag}: must be >= 0, got {getattr(self, name)}")
         if self.decode + self.colocated == 0:
             raise ValueError("--decode / --colocated: the cluster needs a worker that decodes")
 
@@ -105,6 +109,14 @@ class Simulation:
         self.index = PrefixIndex()
         self._kv_blocks = blocks
         self._step_times = StepTimes(profile)
+        self.token_budget = shape.chunk_tokens or profile.header.max_num_batched_tokens
+        """A worker's prefill tokens per step."""
+        largest = profile.largest_prefill_tokens()
+        if shape.chunk_tokens > largest:
+            raise ValueError(
+                f"--chunk: {shape.chunk_tokens} tokens is past the profile's largest prefill "
+                f"step ({largest} tokens): profile larger chunks (pdserve profile) to plan them"
+            )
 
         def workers(prefix: str, role: Role, count: int) -> list[SimWorker]:
             return [self._new_worker(f"{prefix}{i}", role) for i in range(count)]
@@ -153,8 +165,9 @@ class Simulation:
 
     def _new_worker(self, worker_id: str, role: Role) -> SimWorker:
         return SimWorker(
-            worker_id, role, self.profile, self._kv_blocks, self.index, self._step_times
-        )
+            worker_id, role, self.profile, self._kv_blocks, self.index, self._step_times,
+            token_budget=self.token_budget,
+        )  # fmt: skip
 
     def serve(self, worker: SimWorker) -> None:
         """Placement and admission may choose `worker` from now on."""

@@ -2,7 +2,9 @@
 (simulator/cluster.py over a measured profile, planner/perf_profile.py).
 
 A configuration is a count of prefill and decode workers (xPyD) or of colocated workers
-(zC), one GPU each (TP 1: the profile's). Two questions:
+(zC), one GPU each (TP 1: the profile's), with a prefill chunk (`chunks`: each size asked for
+is a configuration of its own, labelled `c<tokens>`; default the profile's budget alone: a
+smaller chunk holds a colocated worker's TPOT down at the cost of its TTFT). Two questions:
 
 - `plan_for_rate` (`--rate R`): for 1, 2, ... `max_gpus` GPUs, every split of that many
   (1P(g-1)D ... (g-1)P1D, and gC) is simulated at R req/s; the first GPU count at which one
@@ -16,7 +18,7 @@ A configuration is a count of prefill and decode workers (xPyD) or of colocated 
   (1000 / TPOT p50).
 
 What it does not search (the simulator does not model them yet, docs/operations.md
-"Planning a cluster"): TP per role, split workers, chunk size.
+"Planning a cluster"): TP per role (one profile per search), split workers.
 """
 
 from __future__ import annotations
@@ -32,16 +34,26 @@ from simulator.cluster import DEFAULT_THRESHOLDS, ClusterShape
 from simulator.report import simulate
 
 
-def shapes_of(gpus: int, thresholds: AdmissionThresholds) -> list[ClusterShape]:
-    """Every configuration of `gpus` one-GPU workers: xPyD with x, y >= 1, then gC."""
-    pd = [ClusterShape(p, gpus - p, 0, thresholds=thresholds) for p in range(1, gpus)]
-    return [*pd, ClusterShape(0, 0, gpus, thresholds=thresholds)]
+def shapes_of(
+    gpus: int, thresholds: AdmissionThresholds, chunks: Sequence[int] = (0,)
+) -> list[ClusterShape]:
+    """Every configuration of `gpus` one-GPU workers: xPyD with x, y >= 1, then gC; each with
+    every prefill chunk of `chunks` (0: the profile's)."""
+    counts = [(p, gpus - p, 0) for p in range(1, gpus)] + [(0, 0, gpus)]
+    return [
+        ClusterShape(p, d, c, thresholds=thresholds, chunk_tokens=chunk)
+        for p, d, c in counts
+        for chunk in chunks
+    ]
 
 
 def label(shape: ClusterShape) -> str:
     if shape.colocated and not (shape.prefill or shape.decode):
-        return f"{shape.colocated}C"
-    return f"{shape.prefill}P{shape.decode}D" + (f"+{shape.colocated}C" if shape.colocated else "")
+        name = f"{shape.colocated}C"
+    else:
+        name = f"{shape.prefill}P{shape.decode}D"
+        name += f"+{shape.colocated}C" if shape.colocated else ""
+    return name + (f" c{shape.chunk_tokens}" if shape.chunk_tokens else "")
 
 
 def gpus_of(shape: ClusterShape) -> int:
@@ -141,6 +153,7 @@ def plan_for_rate(
     max_gpus: int,
     attainment: float = 0.9,
     thresholds: AdmissionThresholds | None = None,
+    chunks: Sequence[int] = (0,),
 ) -> Plan:
     """The fewest GPUs that serve `rate` within the SLO (module docstring)."""
     if rate <= 0:
@@ -149,7 +162,7 @@ def plan_for_rate(
         raise ValueError(f"--max-gpus: must be >= 1, got {max_gpus}")
     points: list[Point] = []
     for gpus in range(1, max_gpus + 1):
-        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS)
+        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks)
         here = [Point(s, rate, run(s, rate)) for s in shapes]
         points += here
         meeting = [p for p in here if p.meets(attainment)]
@@ -167,6 +180,7 @@ def plan_for_gpus(
     *,
     attainment: float = 0.9,
     thresholds: AdmissionThresholds | None = None,
+    chunks: Sequence[int] = (0,),
 ) -> Plan:
     """Every configuration of `gpus` GPUs, swept over `rates` (module docstring)."""
     if gpus < 1:
@@ -176,7 +190,7 @@ def plan_for_gpus(
     points: list[Point] = []
     best: list[Point] = []
     max_rate: dict[str, float | None] = {}
-    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS):
+    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks):
         top: Point | None = None
         for rate in sorted(rates):
             point = Point(shape, rate, run(shape, rate))

@@ -185,14 +185,16 @@ class SimWorker:
         kv_blocks: int,
         index: PrefixIndex | None = None,
         step_times: StepTimes | None = None,
+        token_budget: int = 0,
     ) -> None:
+        """`token_budget`: prefill tokens per step (0: the profile's max_num_batched_tokens)."""
         header = profile.header
         self.worker_id = worker_id
         self.role = role
         self.profile = profile
         self.step_times = step_times or StepTimes(profile)
         self.block_size = header.block_size
-        self.token_budget = header.max_num_batched_tokens
+        self.token_budget = token_budget or header.max_num_batched_tokens
         self.max_num_seqs = header.max_num_seqs
         self.total_blocks = kv_blocks
         self.used_blocks = 0

@@ -43,7 +43,8 @@ class WorkerState(enum.Enum):
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """Identity and placement of a worker (fixed for its life)."""
+    """Identity and placement of a worker: fixed for its life, but for `role`, which a role
+    switch changes (the same actor, engine and KV pool serve the new role)."""
 
     worker_id: str
     role: WorkerRole
@@ -120,6 +121,12 @@ class WorkerLoad:
     process: ProcessCounts = field(default_factory=ProcessCounts)
     """The worker process's fds, threads and asyncio tasks (`WorkerRuntime.process_counts`)."""
 
+    @property
+    def requests_held(self) -> int:
+        """Requests it holds (queued, running, streaming) and a prefill worker's leases: what a
+        drain waits for."""
+        return self.inflight_requests + self.leases_held
+
     def held(self) -> str:
         """What the worker holds beyond its idle baseline ("" when idle): KV blocks in use
         (evictable prefix-cache blocks count as free), requests queued, running or in
@@ -144,6 +151,30 @@ class WorkerLoad:
             ),
         }
         return ", ".join(f"{k}={v}" for k, v in parts.items() if v)
+
+
+@dataclass(frozen=True)
+class RoleSwitch:
+    """What a worker's role switch did (worker_runtime/role_host.py `RoleHost.switch_role`)."""
+
+    switched: bool
+    """The worker serves its new role (False: its work outlasted the drain timeout; it went
+    back into service in its old role, nothing changed)."""
+    info: WorkerInfo
+    """The worker as it is now (its new role when switched)."""
+    message: str
+    requests_at_start: int
+    """Requests and leases the worker held when its drain began."""
+    drain_s: float = 0.0
+    """Seconds until its old role held nothing."""
+    flip_s: float = 0.0
+    """Seconds from then until it admitted as its new role (endpoints, engine mode)."""
+
+
+class RoleSwitchRefused(Exception):
+    """A role switch that cannot be done as asked (an unknown worker or role, the role it has,
+    a worker draining, the last worker of its role, a shape the role cannot run); nothing was
+    changed."""
 
 
 class WorkerDraining(Exception):

@@ -6,8 +6,11 @@ States (`WorkerState`, as the worker reports it in `load()`):
     any ──shutdown()──► STOPPED
 
 `start` loads the model and starts the engine thread (`WorkerRuntime`; a tensor-parallel
-worker's follower ranks with it), then the role's KV endpoint (`_make_endpoint`), whose
-thread the health check watches too. One in-flight budget
+worker's follower ranks with it), then opens the role (`open_role`: its KV endpoint,
+`_make_endpoint`, whose thread the health check watches too). A role object made to take
+over from another (`takes_over`: a role switch, worker_runtime/role_host.py) shares that
+one's runtime and budget, so the engine, its weights and its KV pool outlive the old role:
+`close_role` ends the old role's endpoint, `open_role` the new one's. One in-flight budget
 (`budget`, kv_transfer/budget.py) covers the worker's KV pulls and its engine's host-tier
 copies. `admit` is the check
 every new request passes (READY, and room for one more). `drain` stops admitting and waits
@@ -57,20 +60,31 @@ class WorkerLifecycle(Generic[E]):
     """Start, admit, drain, undrain, ping and shut down a worker (see the module docstring);
     a role subclasses it with its endpoint type and its requests."""
 
+    runtime: WorkerRuntime
+    budget: InFlightBudget
+    """What this worker moves at once: its KV pulls and its host tier's copies."""
+
     def __init__(
         self,
         config: WorkerConfig,
         transfer: KVTransferConfig,
         actor_name: str = "",
         followers: Sequence[Any] = (),
+        takes_over: WorkerLifecycle[Any] | None = None,
     ) -> None:
         """`followers`: a tensor-parallel worker's rank 1.. actors
-        (deploy/control/worker_actors.py)."""
-        self.runtime = WorkerRuntime(config, actor_name or config.worker_id, followers, transfer)
+        (deploy/control/worker_actors.py). `takes_over`: the role this one replaces in the
+        same process (a role switch): its started runtime and budget are this one's, with
+        `config` (the new role's) in place of its config."""
         self.transfer_config = transfer
-        self.budget = InFlightBudget(transfer.budget)
-        """What this worker moves at once: its KV pulls and its host tier's copies."""
         self.endpoint: E | None = None
+        if takes_over is not None:
+            self.runtime = takes_over.runtime
+            self.runtime.config = config
+            self.budget = takes_over.budget
+            return
+        self.runtime = WorkerRuntime(config, actor_name or config.worker_id, followers, transfer)
+        self.budget = InFlightBudget(transfer.budget)
         configure_tracing(config.role.value)  # from OTEL_*: off unless an exporter is named
         start_malloc_trim(config.role.value)  # from PDSERVE_MALLOC_TRIM_S
 
@@ -92,14 +106,26 @@ class WorkerLifecycle(Generic[E]):
     async def start(self) -> WorkerInfo:
         """Load the model, start the engine and the KV endpoint; returns the worker's info."""
         info = await self.runtime.start()
+        await self.runtime.call(lambda e: e.use_copy_budget(self.budget))
+        await self.open_role()
+        return info
+
+    async def open_role(self) -> None:
+        """Start the role's KV endpoint over the started engine (`start`; a role switch)."""
         engine = self.runtime.engine
         assert engine is not None
-        await self.runtime.call(lambda e: e.use_copy_budget(self.budget))
         endpoint = self._make_endpoint(engine)
         await asyncio.to_thread(endpoint.start)
         self.endpoint = endpoint
         self.runtime.watch(TRANSFER_LOOP, endpoint.progress)
-        return info
+
+    async def close_role(self) -> None:
+        """End the role's KV endpoint and what the role keeps beside it (token channels);
+        the engine runs on (a role switch, once the role holds nothing)."""
+        if self.endpoint is not None:
+            self.runtime.unwatch(TRANSFER_LOOP)
+            await asyncio.to_thread(self.endpoint.close)
+        self._closing()
 
     @property
     def _endpoint(self) -> E:

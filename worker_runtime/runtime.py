@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineMode
 from engine.core.driver import EngineDriver, EngineStopped
 from engine.core.engine import LLMEngine
 from engine.pp.pipeline_group import PPGroup
@@ -98,6 +98,13 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.stall_timeout_s < 0:
             raise ValueError("WorkerConfig.stall_timeout_s must be >= 0 (0 disables)")
+
+
+def engine_mode(role: WorkerRole) -> EngineMode:
+    """The engine mode a worker of `role` runs: prefill-only, split, else colocated (a decode
+    worker prefills short prompts itself)."""
+    modes = {WorkerRole.PREFILL: EngineMode.PREFILL_ONLY, WorkerRole.SPLIT: EngineMode.SPLIT}
+    return modes.get(role, EngineMode.COLOCATED)
 
 
 class OutputSink(Protocol):
@@ -278,6 +285,10 @@ class WorkerRuntime:
         if name == ENGINE_LOOP or name in self._probes:
             raise ValueError(f"a loop named {name!r} is already watched")
         self._probes[name] = probe
+
+    def unwatch(self, name: str) -> None:
+        """Stop including the loop `name` in `check_health` (its thread is being closed)."""
+        self._probes.pop(name, None)
 
     def check_health(self) -> WorkerState:
         """The worker's state; raises `WorkerUnhealthy` once the engine has failed

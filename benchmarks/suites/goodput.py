@@ -50,6 +50,17 @@ DEFAULT_RATES = {
 }
 
 
+THRESHOLDS = AdmissionThresholds(
+    max_estimated_ttft_ms=600_000.0,
+    max_queue_wait_ms=600_000.0,
+    max_inflight_requests=4096,
+    max_decode_kv_utilization=1.0,
+    local_prefill_threshold_tokens=0,
+)
+"""The router's admission in every mode: nothing refused for load (a sweep measures the
+latencies an overload brings), every prompt of the PD pair handed off."""
+
+
 def peer_copy_gbps(nbytes: int = 1 << 30) -> float:
     """GB/s of a plain copy from GPU 0 to GPU 1 (0 with fewer than two GPUs)."""
     import torch
@@ -82,13 +93,7 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace) -> Pdse
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
     )
-    thresholds = AdmissionThresholds(
-        max_estimated_ttft_ms=600_000.0,
-        max_queue_wait_ms=600_000.0,
-        max_inflight_requests=4096,
-        max_decode_kv_utilization=1.0,
-        local_prefill_threshold_tokens=0,
-    )
+    thresholds = THRESHOLDS
     router = RouterConfig(
         grpc_port=0, metrics_port=None, admission=AdmissionConfig(thresholds=thresholds)
     )

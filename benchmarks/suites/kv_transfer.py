@@ -11,6 +11,10 @@ CPU (default): host pools, UCX over shm/tcp on loopback; raw = torch `copy_` (me
 Redis lookup p50/p99 for a 4k-token chain (256 blocks) against a loopback redis-server.
 GPU (`--gpu`, 2 GPUs): pools in VRAM on cuda:0 (prefill process) and cuda:1 (this process);
 UCX picks cuda_ipc (UCX_TLS is not touched); raw = `copy_` from cuda:0 to cuda:1.
+`--gpu --same-device` (1 GPU): both pools on cuda:0, in two processes (the one-GPU PD pair's
+hand-off); raw = `copy_` within cuda:0. UCX's cuda_ipc GET is off by default where it sees no
+NVLink (`UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`), and a NIXL READ is a GET: the GPU backend sets
+it to `y` unless the environment sets it (kv_transfer/nixl_backend.py); the run prints it.
 Goal: NIXL coalesced >= 85% of the raw copy. Before the transfers, the run prints what
 `add_peer` cost (prepping the peer's descriptors, once per peer) and how long building one
 read's transfer handle takes in each descriptor mode (why `DescriptorMode.PREPPED` is the
@@ -20,6 +24,7 @@ catches and prints its own failure.
     python -m benchmarks kv_transfer               # CPU + Redis
     python -m benchmarks kv_transfer --blocks 64 --layers 4   # 256 KiB blocks
     python -m benchmarks kv_transfer --gpu         # 2-GPU NIXL VRAM->VRAM
+    python -m benchmarks kv_transfer --gpu --same-device   # two processes, one GPU
 
 On CPU, UCX moves host memory between processes with cma (process_vm_readv, a kernel copy),
 below a user-space memcpy; the CPU path is for correctness, the GPU pair is the performance
@@ -132,34 +137,35 @@ class Case:
     failed: bool = False
 
 
-def raw_copy_cases(args: argparse.Namespace, spec: KVCacheSpec, gpu: bool) -> list[Case]:
+def pool_devices(args: argparse.Namespace) -> tuple[str, str]:
+    """(the prefill process's device, this process's) for the run's flags."""
+    if not args.gpu:
+        return "cpu", "cpu"
+    return ("cuda:0", "cuda:0") if args.same_device else ("cuda:0", "cuda:1")
+
+
+def raw_copy_cases(args: argparse.Namespace, spec: KVCacheSpec) -> list[Case]:
     nbytes = args.blocks * spec.block_nbytes
-    src_dev, dst_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
+    src_dev, dst_dev = pool_devices(args)
     src = torch.full((nbytes,), 7, dtype=torch.uint8, device=src_dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    gpus = sorted({torch.device(d).index or 0 for d in (src_dev, dst_dev)}) if args.gpu else []
 
     def timed(op: Callable[[], object]) -> Callable[[], float]:
         def run() -> float:
-            if gpu:
-                torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
+            for g in gpus:
+                torch.cuda.synchronize(g)
             t0 = time.perf_counter()
             op()
-            if gpu:
-                torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
+            for g in gpus:
+                torch.cuda.synchronize(g)
             return time.perf_counter() - t0
 
         return run
 
-    cases = [
-        Case(
-            "raw copy_ " + ("cuda:0 -> cuda:1" if gpu else "(memcpy)"),
-            nbytes,
-            timed(lambda: dst.copy_(src)),
-        )
-    ]
-    if gpu:
+    name = f"raw copy_ {src_dev} -> {dst_dev}" if args.gpu else "raw copy_ (memcpy)"
+    cases = [Case(name, nbytes, timed(lambda: dst.copy_(src)))]
+    if args.gpu and not args.same_device:
         cases.append(Case("raw tensor.to('cuda:1')", nbytes, timed(lambda: src.to(dst_dev))))
     return cases
 
@@ -365,6 +371,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpu", action="store_true", help="VRAM cuda:0 -> cuda:1 (2 GPUs)")
+    parser.add_argument(
+        "--same-device", action="store_true",
+        help="with --gpu: both pools on cuda:0, two processes (the one-GPU PD pair; 1 GPU)",
+    )  # fmt: skip
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -383,9 +393,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     log = StepLog(hint=ucx_hint)
     args.iters = args.iters or (20 if args.gpu else 5)
+    if args.same_device and not args.gpu:
+        raise SystemExit("--same-device: only with --gpu (a CPU run is one host's memory already)")
     if args.gpu:
-        if torch.cuda.device_count() < 2:
-            raise SystemExit(f"--gpu needs 2 GPUs, found {torch.cuda.device_count()}")
+        need = 1 if args.same_device else 2
+        if torch.cuda.device_count() < need:
+            raise SystemExit(f"--gpu needs {need} GPU(s), found {torch.cuda.device_count()}")
+        get = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "unset: the backend sets y")
+        print(f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={get}")
         for var in ("UCX_TLS", "UCX_NET_DEVICES"):
             if var in os.environ:
                 print(f"note: {var}={os.environ[var]} is set; unset it to let UCX pick cuda_ipc")
@@ -396,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.step("Redis lookup", lambda: bench_redis(args))
         return
     spec = make_spec(args)
-    src_dev, dst_dev = ("cuda:0", "cuda:1") if args.gpu else ("cpu", "cpu")
+    src_dev, dst_dev = pool_devices(args)
     print(
         f"KV of {args.blocks * args.block_size} tokens: {args.blocks} blocks x "
         f"{spec.block_nbytes / 2**20:.2f} MiB = {args.blocks * spec.block_nbytes / 2**20:.0f} MiB "
@@ -405,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{src_dev} -> {dst_dev}; torch {torch.__version__}; UCX_TLS={os.environ.get('UCX_TLS')}"
     )
     if args.gpu:
-        print("GPUs: " + ", ".join(torch.cuda.get_device_name(i) for i in range(2)))
+        n = 1 if args.same_device else 2
+        print("GPUs: " + ", ".join(torch.cuda.get_device_name(i) for i in range(n)))
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=prefill_process, args=(child_conn, spec, src_dev), daemon=True)
@@ -419,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         device = torch.device(dst_dev)
         if args.gpu:
             torch.cuda.set_device(device)
-        cases = log.step("raw copy setup", lambda: raw_copy_cases(args, spec, args.gpu)) or []
+        cases = log.step("raw copy setup", lambda: raw_copy_cases(args, spec)) or []
         cases += (
             log.step("NIXL backend setup", lambda: backend_cases(args, spec, info, device)) or []
         )

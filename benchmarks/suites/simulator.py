@@ -11,6 +11,16 @@ only (`measure_serving`); the other rates are held out.
 
 Writes OUT/profile.json, OUT/bench/ (the bench output, records per rate) and OUT/agreement.json.
 `--records OUT` re-simulates against the records of an earlier run (no cluster started).
+
+Against a `python -m benchmarks goodput` run instead (the GPU's: `gpu_validate.sh trio_*`,
+whose profile `gpu_validate.sh profile8b` writes): `--goodput DIR --profile P --mode colocated
+--workload W --rates ...` reads DIR/records-MODE-W-RATE.jsonl (every rate ran with the same
+`--seed`) and simulates one worker of that mode (colocated: 1C; pd: 1P1D) on P, fitting the
+serving overheads at the first rate as above; `--chunk` is the run's token budget.
+
+    python -m benchmarks simulator --goodput trio_ph --profile profile-llama3-8b.json \
+        --mode colocated --workload prefill_heavy --rates 4 6 8 10 --duration 8 \
+        --slo "ttft:2000 tpot:40" --out OUT
 """
 
 from __future__ import annotations
@@ -66,12 +76,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slo", default="ttft:1000 tpot:100")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--records", action="store_true", help="reuse OUT's profile and records")
+    parser.add_argument("--goodput", type=Path, default=None, help="a goodput run's output")
+    parser.add_argument("--profile", type=Path, default=None, help="with --goodput: its profile")
+    parser.add_argument("--mode", choices=("colocated", "pd"), default="pd")
+    parser.add_argument("--chunk", type=int, default=0, help="--goodput: the run's token budget")
     args = parser.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     slo = parse_slo(args.slo)
     profile_path = out / "profile.json"
-    if not args.records:
+    if args.goodput is not None:
+        if args.profile is None:
+            raise SystemExit("--goodput: give the run's --profile")
+        profile_path = args.profile
+    elif not args.records:
         from deploy.checkpoints.make_model import cached_tiny_model
         from deploy.cli.profiling import ProfileGrid, measure
 
@@ -81,11 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"profile written in {time.perf_counter() - t0:.1f} s")
         _run_cluster(args, out)
     engine_only = load_perf_profile(profile_path)
-    real = {
-        rate: summarize(read_records(out / "bench" / f"rate-{rate:g}" / "records.jsonl"), slo)
-        for rate in args.rates
-    }
-    first = read_records(out / "bench" / f"rate-{args.rates[0]:g}" / "records.jsonl")
+    real = {rate: summarize(read_records(_records_path(args, rate)), slo) for rate in args.rates}
+    first = read_records(_records_path(args, args.rates[0]))
     fitted = measure_serving(engine_only, args, args.rates[0], first, slo)
     fitted.save(out / "profile-fitted.json")
     s = fitted.serving
@@ -137,19 +152,33 @@ def measure_serving(
     return replace(profile, serving=ServingOverhead(hop_s, factor, step_s, source))
 
 
+def _records_path(args: argparse.Namespace, rate: float) -> Path:
+    """The measured records of the run at `rate`: this suite's bench output, or a goodput
+    run's (`--goodput`)."""
+    if args.goodput is not None:
+        return args.goodput / f"records-{args.mode}-{args.workload}-{rate:g}.jsonl"
+    return args.out / "bench" / f"rate-{rate:g}" / "records.jsonl"
+
+
 def _simulate(
     profile: PerfProfile, args: argparse.Namespace, rate: float, slo: SLO, index: int
 ) -> GoodputReport:
-    """The run at `rate`, the `index`-th of the sweep (its seed: args.seed + index)."""
-    shape = ClusterShape(
-        prefill=1,
-        decode=1,
-        kv_blocks=KV_BLOCKS,
-        thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0),
-    )
-    return simulate(
-        profile, shape, args.workload, rate, args.duration, slo, args.seed + index
-    ).report
+    """The run at `rate`, the `index`-th of the sweep (its seed: args.seed + index; a goodput
+    run's every rate: args.seed)."""
+    if args.goodput is None:
+        shape = ClusterShape(
+            prefill=1,
+            decode=1,
+            kv_blocks=KV_BLOCKS,
+            thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0),
+        )
+    else:  # the goodput suite's one colocated worker or PD pair, admitting as it does
+        from benchmarks.suites.goodput import THRESHOLDS
+
+        workers = (0, 0, 1) if args.mode == "colocated" else (1, 1, 0)
+        shape = ClusterShape(*workers, thresholds=THRESHOLDS, chunk_tokens=args.chunk)
+    seed = args.seed if args.goodput is not None else args.seed + index
+    return simulate(profile, shape, args.workload, rate, args.duration, slo, seed).report
 
 
 def _figures(r: GoodputReport) -> dict[str, float]:

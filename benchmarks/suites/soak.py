@@ -63,6 +63,7 @@ from benchmarks.harness.table import Table
 from benchmarks.suites import soak_mix, soak_probes
 from benchmarks.suites.soak_probes import (
     channel_stats,
+    loop_tasks,
     memray_growth,
     object_counts,
     periodic_trim_stats,
@@ -440,6 +441,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         channels = {name: p.call_on(channel_stats)
                     for name, p in actors.items() if name.startswith("router-")}  # fmt: skip
         idle_after = soak_mix.worker_counts(cluster)
+        worker_tasks = {}
+        for name, p in actors.items():
+            if name.startswith(("prefill", "decode", "split")):
+                with contextlib.suppress(Exception):  # killed meanwhile
+                    worker_tasks[name] = p.call_on(loop_tasks)
         migrations = soak_mix.router_migrations(cluster)
         if memray_path is not None:
             memray_leaks = memray_growth(memray_path)
@@ -468,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "migrations": migrations,
         "workers_idle_before": idle_before,
         "workers_idle_after": idle_after,
+        "worker_tasks_after": worker_tasks,
         "processes": {},
     }
     if memray_path is not None:

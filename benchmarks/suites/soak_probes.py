@@ -174,3 +174,25 @@ def stream_generators(router: Any) -> dict[str, Any]:
                     elif type(rr).__name__ == "frame":
                         count(f"{type(r).__qualname__} < frame {rr.f_code.co_name}")
     return {"live": len(live), "held": sum(id(g) in held for g in live), "referrers": referrers}
+
+
+def loop_tasks(actor: Any) -> dict[str, list[str]]:
+    """The asyncio tasks on a worker actor's loop, each named by the chain of coroutines it
+    awaits (a Ray streaming method call reads `... > execute_streaming_generator_async`: the
+    token channel a router keeps open on a decode worker), without the probe's own task; and
+    the process's thread names (`ThreadPoolExecutor-0_0`: the loop's default executor, started
+    at its first `run_in_executor`). Run it on the actor's loop (soak.py `on_actor_loop`)."""
+    import asyncio
+    import threading
+
+    loop = actor.runtime._loop
+    names = []
+    for task in asyncio.all_tasks(loop):
+        if task is asyncio.current_task(loop):
+            continue
+        chain, coro = [], task.get_coro()
+        while coro is not None and len(chain) < 8:
+            chain.append(getattr(coro, "__qualname__", type(coro).__name__).split(".")[-1])
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        names.append(" > ".join(chain))
+    return {"tasks": sorted(names), "threads": sorted(t.name for t in threading.enumerate())}

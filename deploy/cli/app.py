@@ -1,5 +1,6 @@
 """The `pdserve` command line: make-model, up, config show, down, status, generate,
-rebalance, drain, undrain, thresholds, bench, profile, simulate, plan (deploy/cli/sim_commands.py).
+rebalance, switch, drain, undrain (deploy/cli/worker_commands.py), thresholds, bench, profile,
+simulate, plan (deploy/cli/sim_commands.py).
 
 Exit codes: 0 done; 1 the cluster said no, or there is none to ask (one line on stderr: no
 cluster running, no router answering, or the server's status code and message); 2 a bad
@@ -7,10 +8,10 @@ option, refused before anything starts or any RPC is sent (one line naming the o
 
 Commands that talk to a cluster find it through the state file `up` writes: the data plane
 (generate, bench) at its gRPC target, the admin plane (status, drain, undrain, rebalance,
-thresholds) at its own port; `--target` overrides (a running cluster's data target stands for
-its admin plane there). With API keys on, the admin key is `$PDSERVE_ADMIN_KEY` or the state
-file's, and `generate` sends `$PDSERVE_API_KEY` or the admin key; with TLS, the router's
-certificate is verified with `$PDSERVE_TLS_CA` or the state file's, and
+switch, thresholds) at its own port; `--target` overrides (a running cluster's data target
+stands for its admin plane there). With API keys on, the admin key is `$PDSERVE_ADMIN_KEY` or
+the state file's, and `generate` sends `$PDSERVE_API_KEY` or the admin key; with TLS, the
+router's certificate is verified with `$PDSERVE_TLS_CA` or the state file's, and
 `$PDSERVE_TLS_CLIENT_CERT` / `$PDSERVE_TLS_CLIENT_KEY` are presented for mutual TLS.
 
 `generate` and `status` (with `-v` and `--watch`) live in deploy/cli/inspect_commands.py; what every
@@ -28,6 +29,7 @@ import typer
 from deploy.cli import inspect_commands as cli_inspect
 from deploy.cli import lora_commands as cli_lora
 from deploy.cli import sim_commands as cli_sim
+from deploy.cli import worker_commands as cli_workers
 from deploy.cli.command_support import checked_options, console, fail, router_for
 from deploy.cli.options import (
     ConfigArgs,
@@ -342,76 +344,13 @@ def down(
         console.print(f"removed from {address}: {', '.join(killed) or 'nothing left'}")
 
 
-for _command in (cli_inspect.generate, cli_inspect.status, *cli_sim.COMMANDS):
+for _command in (
+    cli_inspect.generate,
+    cli_inspect.status,
+    *cli_sim.COMMANDS,
+    *cli_workers.COMMANDS,
+):
     app.command()(_command)
-
-
-@app.command()
-def rebalance(
-    prefill: Annotated[int, typer.Option(help="Prefill workers wanted.")],
-    decode: Annotated[int, typer.Option(help="Decode workers wanted.")],
-    timeout: Annotated[float, typer.Option(help="Seconds to drain each worker.")] = 300.0,
-    target: Annotated[
-        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
-    ] = None,
-) -> None:
-    """Move capacity between roles, draining workers before stopping them."""
-    from deploy.cli import cluster_client as client
-
-    with checked_options():
-        check_count(prefill, "--prefill", 0)
-        check_count(decode, "--decode", 1)
-        check_seconds(timeout, "--timeout", allow_zero=True)
-    with router_for(target, admin=True) as addr:
-        r = client.rebalance(addr, prefill, decode, timeout)
-    console.print(f"{r.message}; started {list(r.started)}, stopped {list(r.stopped)}")
-
-
-@app.command()
-def drain(
-    worker_id: Annotated[str, typer.Argument(help="Worker to drain (see `pdserve status`).")],
-    stop: Annotated[
-        bool, typer.Option(help="Stop the worker once drained (else it stays, idle).")
-    ] = True,
-    timeout: Annotated[
-        float | None,
-        typer.Option(help="Seconds its requests may take to finish (>= 0) [server: 120]."),
-    ] = None,
-    force: Annotated[
-        bool,
-        typer.Option("--force", help="Drain even the last ready worker of its role."),
-    ] = False,
-    target: Annotated[
-        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
-    ] = None,
-) -> None:
-    """Stop admitting on a worker, finish its in-flight requests, then (by default) stop it.
-    Exits 1 unless every request it held finished in time."""
-    from deploy.cli import cluster_client as client
-
-    if timeout is not None:
-        with checked_options():
-            check_seconds(timeout, "--timeout", allow_zero=True)
-    with router_for(target, admin=True) as addr:
-        r = client.drain(addr, worker_id, stop, timeout, force)
-    console.print(r.message, markup=False, highlight=False)
-    if not r.drained:
-        raise typer.Exit(1)
-
-
-@app.command()
-def undrain(
-    worker_id: Annotated[str, typer.Argument(help="A draining or drained worker.")],
-    target: Annotated[
-        str | None, typer.Option(help="HOST:PORT (default: running cluster).")
-    ] = None,
-) -> None:
-    """Put a draining or drained (not stopped) worker back into service."""
-    from deploy.cli import cluster_client as client
-
-    with router_for(target, admin=True) as addr:
-        r = client.undrain(addr, worker_id)
-    console.print(r.message or f"{worker_id} is admitting again", markup=False, highlight=False)
 
 
 @app.command()

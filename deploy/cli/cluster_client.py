@@ -458,11 +458,17 @@ def drain(
 ) -> pb.DrainResponse:
     """Drain a worker; `timeout_s` None leaves the server's default (DRAIN_TIMEOUT_S)."""
     request = pb.DrainRequest(worker_id=worker_id, stop=stop, force=force)
-    if timeout_s is not None:
-        request.timeout_s = timeout_s
-    wait_s = DRAIN_TIMEOUT_S if timeout_s is None else timeout_s
+    wait_s = _drain_timeout(request, timeout_s)
     with admin(target) as stub:
         return stub.Drain(request, timeout=wait_s + 30)
+
+
+def _drain_timeout(request: pb.DrainRequest | pb.SwitchRequest, timeout_s: float | None) -> float:
+    """Set the request's `timeout_s` (None: leave the server's default); how long its drain
+    may take."""
+    if timeout_s is not None:
+        request.timeout_s = timeout_s
+    return DRAIN_TIMEOUT_S if timeout_s is None else timeout_s
 
 
 def undrain(target: Target | str, worker_id: str, timeout_s: float = 30.0) -> pb.UndrainResponse:
@@ -471,13 +477,27 @@ def undrain(target: Target | str, worker_id: str, timeout_s: float = 30.0) -> pb
 
 
 def rebalance(
-    target: Target | str, prefill: int, decode: int, timeout_s: float
+    target: Target | str, prefill: int, decode: int, timeout_s: float, restart: bool = False
 ) -> pb.RebalanceResponse:
+    request = pb.RebalanceRequest(
+        prefill=prefill, decode=decode, timeout_s=timeout_s, restart=restart
+    )
     with admin(target) as stub:
-        return stub.Rebalance(
-            pb.RebalanceRequest(prefill=prefill, decode=decode, timeout_s=timeout_s),
-            timeout=timeout_s + 900,
-        )
+        return stub.Rebalance(request, timeout=timeout_s + 900)
+
+
+def switch(
+    target: Target | str,
+    worker_id: str,
+    role: str,
+    timeout_s: float | None = None,
+    force: bool = False,
+) -> pb.SwitchResponse:
+    """Switch a worker's role; `timeout_s` None leaves the server's default."""
+    request = pb.SwitchRequest(worker_id=worker_id, role=role, force=force)
+    wait_s = _drain_timeout(request, timeout_s)
+    with admin(target) as stub:
+        return stub.Switch(request, timeout=wait_s + 60)
 
 
 def load_lora(target: Target | str, name: str, path: str, timeout_s: float) -> pb.LoraStatus:

@@ -45,6 +45,16 @@ class ProfileGrid:
     reps: int = 3
 
     @classmethod
+    def gpu(cls) -> ProfileGrid:
+        """A serving GPU's range: prompt chunks up to 8192 tokens, decode batches to 128 at
+        contexts to 3072 (points past the pool or the token budget are skipped; each decode
+        point prefills its batch first: ~1M tokens in all, ~1-2 min for the 8B shape)."""
+        return cls(
+            (64, 256, 512, 1024, 2048, 4096, 8192), ((512, 2048),),
+            (1, 8, 32, 64, 128), (256, 1024, 3072), 3,
+        )  # fmt: skip
+
+    @classmethod
     def quick(cls) -> ProfileGrid:
         """A few points (the integration test)."""
         return cls((16, 128), ((32, 64),), (1, 4), (32, 128), 2)
@@ -59,6 +69,7 @@ def measure(
     num_kv_blocks: int = 4096,
     torch_threads: int = 1,
     handoff_ms: float = DEFAULT_HANDOFF_MS,
+    load_format: str = "auto",
     say: Callable[[str], None] = lambda _: None,
 ) -> PerfProfile:
     import torch
@@ -75,6 +86,7 @@ def measure(
         num_kv_blocks=num_kv_blocks if device == "cpu" else 0,
         attention_backend="torch" if device == "cpu" else "auto",
         cuda_graphs=device != "cpu",
+        load_format=load_format,
     )
     engine = LLMEngine(config)
     timer = _Timer(engine, random.Random(0))

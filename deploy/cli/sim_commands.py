@@ -56,12 +56,16 @@ def profile(
         float, typer.Option(help="Serving: added to every decode step (actor, relay).")
     ] = 0.0,
     quick: Annotated[bool, typer.Option(help="A few grid points only.")] = False,
+    load_format: Annotated[
+        str, typer.Option(help="auto: the checkpoint's weights; dummy: random, config.json only.")
+    ] = "auto",
 ) -> None:
     """Time one worker's engine (in this process) through a grid of prefill and decode steps
     and write the profile `pdserve simulate` reads. The tiny model on CPU takes ~10-15 s.
     The serving overheads (default: none, the engine alone) are recorded as given: see
     "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
     from deploy.cli.profiling import ProfileGrid, measure
+    from engine.config import LOAD_FORMATS
     from planner.perf_profile import PerfProfileError, ServingOverhead
 
     if num_kv_blocks < 64:
@@ -70,6 +74,8 @@ def profile(
         fail(f"--threads: must be >= 1, got {threads}", 2)
     if handoff_ms < 0:
         fail(f"--handoff-ms: must be >= 0, got {handoff_ms}", 2)
+    if load_format not in LOAD_FORMATS:
+        fail(f"--load-format: one of {', '.join(LOAD_FORMATS)}, got {load_format!r}", 2)
     try:
         given = (request_overhead_ms / 1000, prefill_factor, decode_step_overhead_ms / 1000)
         serving = ServingOverhead(*given, source="pdserve profile options")
@@ -81,10 +87,10 @@ def profile(
         model = cached_tiny_model()
     elif not (model / "config.json").is_file():
         fail(f"--model: {model} has no config.json", 2)
-    grid = ProfileGrid.quick() if quick else ProfileGrid()
+    grid = ProfileGrid.quick() if quick else ProfileGrid.gpu() if device != "cpu" else ProfileGrid()
     result = measure(
         model, grid, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
-        torch_threads=threads, handoff_ms=handoff_ms, say=console.print,
+        torch_threads=threads, handoff_ms=handoff_ms, load_format=load_format, say=console.print,
     )  # fmt: skip
     if given != (0.0, 1.0, 0.0):
         result = replace(result, serving=serving)
@@ -123,6 +129,9 @@ def simulate(
     stall_weight: Annotated[
         float, typer.Option(help="cost: a stalled stream's wait against the request's own.")
     ] = 1.0,
+    chunk: Annotated[
+        int, typer.Option(help="Prefill tokens per step of every worker (0: the profile's).")
+    ] = 0,
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
 ) -> None:
@@ -161,6 +170,7 @@ def simulate(
         shape = ClusterShape(
             prefill, decode, colocated, kv_blocks, thresholds,
             local_prefill=policies[local_prefill_policy], stall_weight=stall_weight,
+            chunk_tokens=chunk,
         )  # fmt: skip
         goal = parse_slo(slo or DEFAULT_SLO)
         results = [
@@ -170,6 +180,7 @@ def simulate(
     except (PerfProfileError, ProfileError, SLOError, InvalidAdmissionConfig, ValueError) as e:
         fail(str(e), 2)
     where = f"simulated {prefill}P{decode}D" + (f"+{colocated}C" if colocated else "")
+    where += f", chunk {chunk}" if chunk else ""
     summary = as_bench_summary(where, str(workload), goal, duration, seed, results)
     print_summary(summary, console)
     console.print(f"local prefill: {local_prefill_policy}")
@@ -194,6 +205,13 @@ def plan(
         int | None, typer.Option(help="GPUs to spend: the configuration serving most within SLO.")
     ] = None,
     max_gpus: Annotated[int, typer.Option(help="--rate alone: largest cluster tried.")] = 16,
+    chunk: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="Prefill chunks to search, tokens per step (repeatable; default: the "
+            "profile's alone)."
+        ),
+    ] = None,
     attainment: Annotated[
         float, typer.Option(help="Share of requests that must meet every SLO.")
     ] = 0.9,
@@ -207,8 +225,9 @@ def plan(
     dtype: ProfileDtype = None,
 ) -> None:
     """Search cluster configurations in simulated time (one GPU per worker: xPyD splits and
-    colocated) and print the cheapest that meet the SLOs, ranked by goodput per GPU. Exit 1
-    when none does (the closest is printed, with by how much it misses)."""
+    colocated, each at every --chunk) and print the cheapest that meet the SLOs, ranked by
+    goodput per GPU. Exit 1 when none does (the closest is printed, with by how much it
+    misses)."""
     import time
 
     from loadtests.goodput import SLOError, parse_slo
@@ -224,6 +243,9 @@ def plan(
         fail(f"--attainment: must be in (0, 1], got {attainment}", 2)
     if duration <= 0:
         fail(f"--duration: must be > 0, got {duration}", 2)
+    if chunk and any(c < 1 for c in chunk):
+        fail(f"--chunk: tokens per step, each >= 1, got {chunk}", 2)
+    chunks = sorted(set(chunk)) if chunk else [0]
     started = time.perf_counter()
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
@@ -231,10 +253,12 @@ def plan(
         run = simulator_for(perf, workload, duration, goal, seed)
         if gpus is None:
             assert rate
-            found = plan_for_rate(run, rate[0], goal, max_gpus=max_gpus, attainment=attainment)
+            found = plan_for_rate(
+                run, rate[0], goal, max_gpus=max_gpus, attainment=attainment, chunks=chunks
+            )
         else:
             rates = rate or geometric_rates(0.5, 32.0, 8)
-            found = plan_for_gpus(run, gpus, rates, goal, attainment=attainment)
+            found = plan_for_gpus(run, gpus, rates, goal, attainment=attainment, chunks=chunks)
     except (PerfProfileError, ProfileError, SLOError, ValueError) as e:
         fail(str(e), 2)
     _print_plan(found, time.perf_counter() - started)

@@ -4,10 +4,12 @@ A named, detached Ray actor (`pdserve-controller`). It creates the workers, tell
 exists (`list_workers`), pings every worker on a timer and removes a dead one from the
 registry within seconds (replacing it when `replace_dead`), and moves capacity between roles
 by draining: a worker leaving a role first stops admitting, finishes its in-flight requests
-and leases, and only then stops, so a rebalance loses no request. With `spec.planner.enabled`
-it also runs the planner loop (planner/loop.py), which scales each role and asks Ray's
-autoscaler for nodes. Being detached, it outlives the driver that made it: `Cluster.stop`
-(and so `pdserve down`) kills it, which also ends the workers it owns.
+and leases, and only then stops, so a rebalance loses no request; or, drained the same way,
+it switches role in place (deploy/control/role_switch.py: the same actor and engine serve the
+new role). With `spec.planner.enabled` it also runs the planner loop (planner/loop.py), which
+scales each role and asks Ray's autoscaler for nodes. Being detached, it outlives the driver
+that made it: `Cluster.stop` (and so `pdserve down`) kills it, which also ends the workers it
+owns.
 
 Worker states as the controller sees them:
 
@@ -39,34 +41,32 @@ from typing import Any, cast
 
 import ray
 
-from deploy.control import lora_admin, rebalance
+from deploy.control import lora_admin, rebalance, role_switch
 from deploy.control.cluster_spec import ClusterSpec
 from deploy.control.controller_metrics import ControllerMetrics
 from deploy.control.worker_actors import create_worker, stop_worker
 from deploy.control.worker_registry import (
     LISTED_STATES,
-    WANTED_STATES,
     Registered,
     listed,
     signature,
 )
 from planner.loop import (
     PlannerLoop,
-    PlannerSettings,
     ResourceRequester,
     WorkerSnapshot,
     planner_role,
 )
-from planner.predictive import PlannerMode
 from prefix_index.index import PrefixIndex
 from router.cluster_view import RegistrySignature, WorkerListing
-from router.control import DrainRefused, DrainReport, LoraEntry
+from router.control import DrainReport, LoraEntry, RebalanceReport
 from router.router_server import RouterSignals
 from vocabulary.malloc_trim import start_malloc_trim
 from vocabulary.waits import wait_within
 from vocabulary.worker_api import (
     ACTOR_NAME_PREFIX,
     ActorPlacement,
+    RoleSwitch,
     WorkerInfo,
     WorkerRole,
     WorkerState,
@@ -132,7 +132,7 @@ class Controller:
             self._planner_task = asyncio.create_task(self.planner.run())
             c = self.planner.settings.config
             self._log(
-                f"planner on ({_mode(settings)}): every {settings.interval_s:g}s; SLO "
+                f"planner on ({settings.mode_text}): every {settings.interval_s:g}s; SLO "
                 f"p{c.slo_percentile:g} TTFT "
                 f"{c.ttft_slo_ms:g} ms, TPOT {c.tpot_slo_ms:g} ms; prefill "
                 f"{c.prefill.min_workers}..{c.prefill.max_workers}, decode "
@@ -233,9 +233,10 @@ class Controller:
 
     def describe(self) -> list[dict[str, Any]]:
         return [
-            {"worker_id": w.worker_id, "role": w.role.value, "state": w.state}
+            {"worker_id": w.worker_id, "role": w.role.value, "state": w.state,
+             "switching_to": w.switching_to.value if w.switching_to else None}
             for w in self.workers.values()
-        ]
+        ]  # fmt: skip
 
     def recent_events(self) -> list[str]:
         return [text for _, text in list(self.events)[-100:]]
@@ -444,8 +445,6 @@ class Controller:
                 self._log(f"could not replace a dead {role.value} worker: {e}")
                 return
 
-    # ---- drain and rebalance ----------------------------------------------------------------
-
     # ---- the planner's host interface (planner/loop.py PlannerHost) ----------------------
 
     @property
@@ -465,12 +464,14 @@ class Controller:
             for w, load in zip(polled, loads, strict=True)
             if not isinstance(load, BaseException)
         }
+        # a switching worker counts as a starting worker of its new role
         return [
             WorkerSnapshot(
                 worker_id=w.worker_id,
-                role=planner_role(w.role),
-                ready_at_s=w.ready_at,
-                draining=w.state in (WorkerState.DRAINING, WorkerState.DRAINED),
+                role=planner_role(w.switching_to or w.role),
+                ready_at_s=None if w.switching_to else w.ready_at,
+                draining=not w.switching_to
+                and w.state in (WorkerState.DRAINING, WorkerState.DRAINED),
                 load=by_id.get(w.worker_id),
             )
             for w in workers
@@ -493,6 +494,11 @@ class Controller:
 
         self._spawn(start())
         return w.worker_id
+
+    def begin_switch(self, worker_id: str, role: WorkerRole) -> bool:
+        """Start switching a ready worker to `role` in the background (`role_switch`); False
+        when it cannot (the planner then drains it and starts a worker instead)."""
+        return role_switch.begin_switch(self, worker_id, role, self._spawn)
 
     def begin_drain(self, worker_id: str) -> None:
         """Stop admitting on a worker (it finishes its in-flight work); returns at once."""
@@ -518,8 +524,8 @@ class Controller:
         self._spawn(stop())
 
     def wanted_placements(self) -> list[ActorPlacement]:
-        """Placements of the workers that should have room: starting and ready ones."""
-        return [w.placement for w in self.workers.values() if w.state in WANTED_STATES]
+        """Placements of the workers that should have room: starting, ready and switching."""
+        return [w.placement for w in self.workers.values() if w.wanted_as is not None]
 
     # ---- drain and rebalance (deploy/control/rebalance.py)
     # ------------------------------------------
@@ -533,15 +539,7 @@ class Controller:
 
     async def undrain(self, worker_id: str) -> str:
         """Put a draining or drained (not stopped) worker back into service."""
-        w = self.workers.get(worker_id)
-        if w is None:
-            raise DrainRefused(f"unknown worker {worker_id!r}")
-        if w.state not in (WorkerState.DRAINING, WorkerState.DRAINED):
-            raise DrainRefused(f"{worker_id} is {w.state.value}, not draining or drained")
-        await w.handle.undrain.remote()
-        w.state = WorkerState.READY
-        self._log(f"{worker_id} undrained: admitting again")
-        return f"{worker_id} is ready again"
+        return await rebalance.undrain(self, worker_id)
 
     async def _stop(self, w: Registered) -> None:
         if self.workers.pop(w.worker_id, None) is not None:
@@ -554,11 +552,22 @@ class Controller:
         await self._purge_index(w.worker_id)
 
     async def rebalance(
-        self, prefill: int, decode: int, timeout_s: float
-    ) -> tuple[list[str], list[str], str]:
-        """Reach `prefill` prefill and `decode` decode workers, draining before stopping
-        (`rebalance.rebalance`)."""
-        return await rebalance.rebalance(self, prefill, decode, timeout_s)
+        self, prefill: int, decode: int, timeout_s: float, restart: bool = False
+    ) -> RebalanceReport:
+        """Reach `prefill` prefill and `decode` decode workers, switching workers in place
+        where one role shrinks while the other grows (unless `restart`), draining before
+        stopping (`rebalance.rebalance`)."""
+        return await rebalance.rebalance(self, prefill, decode, timeout_s, restart)
+
+    async def switch(
+        self, worker_id: str, role: str, timeout_s: float, force: bool = False
+    ) -> RoleSwitch:
+        """Move a worker to `role` in place: drain, flip, admit as `role`, no restart
+        (deploy/control/role_switch.py); `RoleSwitchRefused` naming what is wrong, with
+        nothing changed."""
+        async with self._lock:
+            w, new = role_switch.refuse_switch(self, worker_id, role, force)
+            return await role_switch.run_switch(self, w, new, timeout_s)
 
 
 def _log_to_stderr() -> None:
@@ -582,11 +591,3 @@ def _restarted_actor() -> bool:
     False outside an actor, e.g. a controller driven directly by a test)."""
     context = ray.get_runtime_context()
     return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
-
-
-def _mode(settings: PlannerSettings) -> str:
-    """`reactive`, or `predictive` with its profile and lead time (the status line's)."""
-    if settings.kind is not PlannerMode.PREDICTIVE:
-        return settings.mode
-    p = settings.predictive
-    return f"predictive: profile {p.profile}, start-up {p.startup_s:g}s ahead"

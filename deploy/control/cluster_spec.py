@@ -7,12 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from deploy.control.worker_actors import default_placement
-from engine.config import EngineConfig, EngineMode
+from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
 from planner.loop import PlannerSettings
 from prefix_index.config import PrefixIndexConfig
 from vocabulary.model_config import ModelConfig
 from vocabulary.worker_api import ActorPlacement, WorkerRole
+from worker_runtime.runtime import engine_mode
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,7 @@ class ClusterSpec:
     def engine_for(self, role: WorkerRole) -> EngineConfig:
         """The engine of a worker of `role`: its mode, TP size, pipeline stages and the
         cluster's KV layout."""
-        modes = {WorkerRole.PREFILL: EngineMode.PREFILL_ONLY, WorkerRole.SPLIT: EngineMode.SPLIT}
-        mode = modes.get(role, EngineMode.COLOCATED)
+        mode = engine_mode(role)
         stages, layers = self.pp_for(role) if role is not WorkerRole.SPLIT else (1, ())
         return replace(
             self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
@@ -188,6 +188,42 @@ class ClusterSpec:
             )  # fmt: skip
         except UnsupportedSplit as e:
             return "engine.kv_layout", str(e)
+        return None
+
+    @property
+    def switch_roles(self) -> tuple[WorkerRole, ...]:
+        """The roles a worker of this cluster may switch to: prefill (not in a colocated
+        cluster: it hands nothing off), the decode side's role, split."""
+        roles = [] if self.colocated else [WorkerRole.PREFILL]
+        return tuple(dict.fromkeys([*roles, self.decode_role, WorkerRole.SPLIT]))
+
+    def switch_refusal(self, have: WorkerRole, role: WorkerRole) -> str | None:
+        """Why a worker of role `have` cannot become one of `role` in place, the options at
+        fault named (None: it can). A switch keeps the worker's model, ranks and Ray
+        resources: the two roles' workers must run the same engine but for its mode, and ask
+        Ray for the same placement; a split worker runs on one device."""
+        if role is WorkerRole.SPLIT and self.ranks_for(have) > 1:
+            return (
+                f"{have.value} workers run on {self.ranks_for(have)} ranks "
+                f"({have.value}_tp x {have.value}_pp); a split worker runs on one device"
+            )
+        side = {WorkerRole.PREFILL: "prefill"}
+        a, b = side.get(have, "decode"), side.get(role, "decode")
+        if role is not WorkerRole.SPLIT and a != b:
+            shape = {r: (self.tp_for(r), *self.pp_for(r)) for r in (have, role)}
+            if shape[have] != shape[role]:
+                (tp_a, pp_a, layers_a), (tp_b, pp_b, layers_b) = shape[have], shape[role]
+                return (
+                    f"{a}_tp/{a}_pp {tp_a}/{pp_a} ({a}_pp_layers {list(layers_a)}) differ from "
+                    f"{b}_tp/{b}_pp {tp_b}/{pp_b} ({b}_pp_layers {list(layers_b)}): a switch "
+                    "keeps a worker's ranks"
+                )
+        asks = {r: self.worker_asks(r) for r in (have, role)}
+        if asks[have] != asks[role]:
+            return (
+                f"placement: {have.value} workers ask Ray for {asks[have]}, {role.value} workers "
+                f"for {asks[role]}: a switch keeps a worker's resources"
+            )
         return None
 
     def initial_roles(self) -> list[WorkerRole]:

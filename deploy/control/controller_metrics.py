@@ -120,6 +120,13 @@ class ControllerMetrics:
             ["role", "reason"],
             registry=r,
         )
+        self.switches = Counter(
+            "pdserve_controller_role_switches",
+            "Role switches of a worker in place (no restart), by roles and whether it switched "
+            "(false: its requests outlasted the drain timeout; it stayed in its old role)",
+            ["from_role", "to_role", "switched"],
+            registry=r,
+        )
         for role in roles:
             self.started.labels(role)
             for reason in REMOVAL_REASONS:

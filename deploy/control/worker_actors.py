@@ -1,8 +1,10 @@
 """Create worker actors on Ray: resources, names and restart policy from config.
 
 One actor per GPU (`num_gpus=1`) where the cluster has GPUs, else a fractional CPU slot. The
-actor is named `pdserve-worker-{id}` in the cluster's namespace (decode workers find prefill
-peers by that name for the KV handshake).
+actor is a `RoleHost` (worker_runtime/role_host.py) serving its role through the role's class
+(`ROLE_CLASSES`), so the controller can switch its role without reloading its model. It is
+named `pdserve-worker-{id}` in the cluster's namespace (decode workers find prefill peers by
+that name for the KV handshake).
 
 A tensor-parallel worker of N ranks is N actors on one node: a placement group of N bundles
 (STRICT_PACK; each bundle one rank's placement), named `pdserve-tp-{id}`, with the worker's
@@ -27,6 +29,7 @@ from decode_worker.worker import DecodeWorker
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from vocabulary.worker_api import ActorPlacement, WorkerInfo, WorkerRole, actor_name_for
+from worker_runtime.role_host import RoleClasses, RoleHost
 from worker_runtime.runtime import WorkerConfig
 
 
@@ -113,8 +116,13 @@ def rebalance_shortfall(
     )
 
 
-def actor_class(role: WorkerRole) -> type:
-    return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
+ROLE_CLASSES: RoleClasses = {
+    WorkerRole.PREFILL: PrefillWorker,
+    WorkerRole.DECODE: DecodeWorker,
+    WorkerRole.COLOCATED: DecodeWorker,
+    WorkerRole.SPLIT: DecodeWorker,
+}
+"""The class that serves each role inside a worker's actor (`RoleHost`, which switches it)."""
 
 
 def tp_group_name(worker_id: str, cluster: str = "pdserve") -> str:
@@ -199,9 +207,9 @@ def create_worker(
             for rank in range(1, size)
         ]
         options["scheduling_strategy"] = in_bundle(0)
-    remote_cls: Any = ray.remote(actor_class(config.role))
+    remote_cls: Any = ray.remote(RoleHost)
     return remote_cls.options(name=name, max_restarts=placement.max_restarts, **options).remote(
-        config, transfer, name, tuple(followers)
+        config, transfer, name, tuple(followers), ROLE_CLASSES
     )
 
 

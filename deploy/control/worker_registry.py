@@ -26,8 +26,18 @@ class Registered:
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
     """Wall-clock time start() returned."""
+    switching_to: WorkerRole | None = None
+    """The role it is switching to (deploy/control/role_switch.py); None when not switching."""
     state_since: float = field(default_factory=time.monotonic)
     """Monotonic time `state` last changed (kept by `__setattr__`; for the metrics)."""
+
+    @property
+    def wanted_as(self) -> WorkerRole | None:
+        """The role it counts towards: its own while starting or ready, the one it is switching
+        to while it switches; None while draining, drained or stopped."""
+        if self.switching_to is not None:
+            return self.switching_to
+        return self.role if self.state in WANTED_STATES else None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and getattr(self, "state", None) is not value:
@@ -51,7 +61,8 @@ def listed(workers: Mapping[str, Registered]) -> list[Registered]:
 
 
 def signature(workers: Iterable[Registered]) -> RegistrySignature:
-    """Which incarnations `workers` are. A replacement has a new id; an id given out again
-    (after a controller restart) belongs to a worker with a new `started_at`, so the
-    signature changes whenever the (info, handle) pairs routers are given would."""
-    return tuple((w.worker_id, w.started_at) for w in workers)
+    """Which incarnations `workers` are, in which roles. A replacement has a new id; an id
+    given out again (after a controller restart) belongs to a worker with a new `started_at`;
+    a role switch changes the role: so the signature changes whenever the (info, handle) pairs
+    routers are given would."""
+    return tuple((w.worker_id, w.started_at, w.role.value) for w in workers)

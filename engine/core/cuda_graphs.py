@@ -130,6 +130,10 @@ class DecodeGraphs:
         """How many streams (SM partitions) these graphs were captured on."""
         return len(self._sets)
 
+    def captured_here(self) -> bool:
+        """A set was captured on the current stream (`capture` there would add none)."""
+        return torch.cuda.current_stream().cuda_stream in self._sets
+
     def _set(self) -> _GraphSet:
         """The graphs captured on the current stream; where none were, the first captured
         (a graph runs on the SMs of the stream it was captured on, whatever replays it)."""

@@ -46,8 +46,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep, sampling_rows
@@ -61,7 +59,7 @@ from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.core.sampler import SampledRow, Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.sm_split import SMSplit
-from engine.core.stop_checker import StopChecker
+from engine.core.tracking import RequestTracking
 from engine.kv.block_pool import BlockPool
 from engine.kv.host_tier import CopyBudget, HostTier
 from engine.lora.lora_registry import LoraRegistry
@@ -175,8 +173,9 @@ class LLMEngine:
             compile_timeout_s=config.grammar_compile_timeout_s,
         ))  # fmt: skip
         """Structured output: the matchers of constrained requests (engine/structured)."""
-        self._checkers: dict[str, StopChecker] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self.tracking = RequestTracking(
+            self.tokenizer, self.eos_token_ids, self.max_model_len, self.sampler, self.constrained
+        )
         self._ready: list[RequestOutput] = []  # outputs decided outside step()
         self._inflight: InflightStep | None = None  # launched, tokens not read yet
         self._latest_launch: InflightStep | None = None  # the prefill lane orders after it
@@ -225,7 +224,7 @@ class LLMEngine:
         lane = self.prefill_lane
         (lane.scheduler if lane is not None else self.scheduler).add_request(request)
         draws = 0 if params.greedy else len(prior.token_ids)
-        checker = self._start_tracking(request, prompt_token_ids, params, num_draws_done=draws)
+        checker = self.tracking.start(request, prompt_token_ids, params, num_draws_done=draws)
         checker.replay(prior.token_ids)
         checker.mark_released(prior.text_chars)
 
@@ -237,7 +236,7 @@ class LLMEngine:
             found = self.prefill_lane.abort(request_id) or found
         found = self.release_request_blocks(request_id) or found
         found = self.free_transfer_blocks(request_id) or found
-        self._stop_tracking(request_id)
+        self.tracking.stop(request_id)
         return found
 
     def has_unfinished(self) -> bool:
@@ -317,7 +316,7 @@ class LLMEngine:
             and any(c.placeholder and r.request_id in constrained for r, c in chunks)
         ):
             previous.keep_outputs(self._complete(previous))
-        sampled, rows = sampling_rows(chunks, previous, self._generators)
+        sampled, rows = sampling_rows(chunks, previous, self.tracking.generators)
         mask = None
         if self.constrained:
             mask = self.constrained.mask([None if r.is_finished else r.request_id for r in sampled])
@@ -355,7 +354,7 @@ class LLMEngine:
         request.append_output(*sample)
         if request.first_token_time is None:
             request.first_token_time = now
-        checker = self._checkers[request.request_id]
+        checker = self.tracking.checkers[request.request_id]
         status = checker.update(request, token_id)
         if self.constrained.accept(request.request_id, token_id) and status is None:
             status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
@@ -364,7 +363,7 @@ class LLMEngine:
         text = checker.take_text_delta(request, finished=status is not None)
         if status is not None:
             self._owner(request).finish(request, status)
-            self._stop_tracking(request.request_id)
+            self.tracking.stop(request.request_id)
         return self._output(request, 1, text)
 
     def _owner(self, request: Request) -> Scheduler:
@@ -379,8 +378,8 @@ class LLMEngine:
 
     def _final_output(self, request: Request) -> RequestOutput:
         """The last output of a request ended outside a sample; stops tracking it."""
-        text = self._checkers[request.request_id].take_text_delta(request, finished=True)
-        self._stop_tracking(request.request_id)
+        text = self.tracking.checkers[request.request_id].take_text_delta(request, finished=True)
+        self.tracking.stop(request.request_id)
         return self._output(request, 0, text)
 
     # ---- hand-off: prefill side -----------------------------------------------------------
@@ -479,7 +478,7 @@ class LLMEngine:
         # The prefill side drew once from a seeded generator for the first token (a
         # migrated request: once for each token the client has).
         draws = 0 if sampling_params.greedy else n_prior + 1
-        checker = self._start_tracking(request, request.prompt_token_ids, sampling_params, draws)
+        checker = self.tracking.start(request, request.prompt_token_ids, sampling_params, draws)
         checker.replay(prior.token_ids)
         status = checker.update(request, first_token_id)
         if n_prior:
@@ -490,7 +489,7 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(request, status)
-            self._stop_tracking(request_id)
+            self.tracking.stop(request_id)
             self._ready.append(self._output(request, 0, ""))
 
     # ---- LoRA adapters --------------------------------------------------------------------
@@ -587,27 +586,3 @@ class LLMEngine:
             for out in self.step():
                 tokens[out.request_id] += out.new_token_ids
         return [tokens[i] for i in ids]
-
-    # ---- internals ------------------------------------------------------------------------
-
-    def _start_tracking(
-        self,
-        request: Request,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        num_draws_done: int,
-    ) -> StopChecker:
-        checker = StopChecker(
-            self.tokenizer.detokenizer(prompt), self.eos_token_ids, self.max_model_len
-        )
-        self._checkers[request.request_id] = checker
-        if params.seed is not None:
-            self._generators[request.request_id] = self.sampler.make_generator(
-                params.seed, num_draws_done
-            )
-        return checker
-
-    def _stop_tracking(self, request_id: str) -> None:
-        self.constrained.stop(request_id)
-        self._checkers.pop(request_id, None)
-        self._generators.pop(request_id, None)

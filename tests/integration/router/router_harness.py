@@ -117,3 +117,21 @@ class RouterCluster:
             if restore.local_prefill_threshold_tokens == 0:
                 restore.local_prefill_threshold_tokens = 1
             admin.SetThresholds(restore, timeout=10)
+
+
+def kill_and_await_controller(controller: Any, timeout_s: float = 120.0) -> list[str]:
+    """Kill the controller actor so that Ray restarts it (as after an OOM or a node fault)
+    and wait until it says it restarted; returns its events then."""
+    import ray
+
+    ray.kill(controller, no_restart=False)  # dies; Ray makes it again from the same spec
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            events: list[str] = ray.get(controller.recent_events.remote(), timeout=10)
+            if any("controller restarted" in e for e in events):
+                return events
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < end, "the controller did not come back"
+        time.sleep(0.2)

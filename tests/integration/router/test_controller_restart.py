@@ -13,7 +13,7 @@ import pytest
 import ray
 from references import Reference
 from router_client import generate, greedy_request
-from router_harness import RouterCluster
+from router_harness import RouterCluster, kill_and_await_controller
 
 from pdserve.v1 import serving_pb2 as pb
 from vocabulary.worker_api import ACTOR_NAME_PREFIX
@@ -62,17 +62,7 @@ def test_a_restarted_controller_adopts_its_workers_and_streams_finish(
     while not all(len(t) >= 5 for t in tokens):
         assert time.monotonic() < end, "the streams did not start"
         time.sleep(0.05)
-    ray.kill(controller, no_restart=False)  # dies; Ray makes it again from the same spec
-    end = time.monotonic() + 120
-    while True:
-        try:
-            events = ray.get(controller.recent_events.remote(), timeout=10)
-            if any("controller restarted" in e for e in events):
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < end, "the controller did not come back"
-        time.sleep(0.2)
+    events = kill_and_await_controller(controller)
     assert _registry(controller) == before == _named_workers()  # adopted, none orphaned
     restarted = [e for e in events if "controller restarted" in e][-1]
     assert f"adopted {len(before)} workers" in restarted and "2 routers" in restarted, restarted

@@ -267,12 +267,12 @@ def test_a_restarted_controller_adopts_the_tp_worker_with_its_rank_and_group(
 
 def test_rebalance_starts_and_drains_a_tp_worker_as_one_worker(tp_cluster: TPCluster) -> None:
     controller = tp_cluster.cluster.controller
-    started, stopped, _ = ray.get(controller.rebalance.remote(2, 1, 60.0), timeout=240)
-    assert len(started) == 1 and stopped == []
+    report = ray.get(controller.rebalance.remote(2, 1, 60.0), timeout=240)
+    assert len(report.started) == 1 and report.stopped == ()
     assert len(prefill_ids(tp_cluster)) == 2  # two workers, four prefill ranks
     assert_only_live_ranks(tp_cluster)
-    started, stopped, _ = ray.get(controller.rebalance.remote(1, 1, 60.0), timeout=240)
-    assert started == [] and len(stopped) == 1
+    report = ray.get(controller.rebalance.remote(1, 1, 60.0), timeout=240)
+    assert report.started == () and len(report.stopped) == 1
     assert_only_live_ranks(tp_cluster)  # the stopped worker's rank and group are gone
 
 

@@ -17,7 +17,7 @@ NAMES = (
     "attention", "auth_tls", "block_hash", "detokenize", "engine", "engine_loop", "engine_step",
     "fp8", "goodput", "host_tier", "http", "int", "kv_transfer", "local_prefill", "lora",
     "planner", "pp",
-    "router",
+    "role_switch", "router",
     "sim_scale", "simulator",
     "sm_partition",
     "split_goodput", "soak", "structured", "tp", "tp_gpu", "tp_handoff", "tracing", "workers",

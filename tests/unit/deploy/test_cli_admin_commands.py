@@ -1,4 +1,4 @@
-"""drain, undrain, rebalance and status through the CLI against a scripted Admin server on
+"""drain, undrain, rebalance, switch and status through the CLI against a scripted Admin server on
 loopback (no cluster): what each sends, what it prints and its exit code; bad values refused
 before any RPC; the server's refusals printed as one line."""
 
@@ -52,6 +52,13 @@ class ScriptedAdmin(pb_grpc.AdminServicer):
 
     def Rebalance(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self._answer("Rebalance", request, context, pb.RebalanceResponse(message="ok"))
+
+    def Switch(self, request: Any, context: grpc.ServicerContext) -> Any:
+        default = pb.SwitchResponse(
+            worker_id=request.worker_id, switched=True, role=request.role,
+            message=f"{request.worker_id} switched to {request.role}",
+        )  # fmt: skip
+        return self._answer("Switch", request, context, default)
 
     def LoadLora(self, request: Any, context: grpc.ServicerContext) -> Any:
         adapter = pb.LoraAdapter(name=request.name, path=request.path, rank=8,
@@ -201,6 +208,74 @@ def test_rebalance_to_no_prefill_workers_is_sent(admin: tuple[ScriptedAdmin, str
     assert result.exit_code == 0, result.output
     ((_, request),) = servicer.requests
     assert (request.prefill, request.decode, request.timeout_s) == (0, 2, 0.0)
+
+
+def test_rebalance_restart_is_sent_and_what_it_did_is_printed(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    servicer.replies["Rebalance"] = lambda r, c: pb.RebalanceResponse(
+        started=["decode-4"], stopped=["prefill-1"], message="now 1 prefill + 2 decode (...)"
+    )
+    result = cli(target, "rebalance", "--prefill", "1", "--decode", "2", "--restart")
+    assert result.exit_code == 0, result.output
+    assert result.output == (
+        "now 1 prefill + 2 decode (...); switched [], started ['decode-4'], stopped ['prefill-1']\n"
+    )
+    ((_, request),) = servicer.requests
+    assert request.restart
+
+
+# ---- switch ---------------------------------------------------------------------------------
+
+
+def test_switch_sends_the_worker_and_role_and_prints_what_it_did(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    result = cli(target, "switch", "prefill-1", "decode", "--timeout", "30")
+    assert (result.exit_code, result.output) == (0, "prefill-1 switched to decode\n")
+    ((method, request),) = servicer.requests
+    assert method == "Switch"
+    assert (request.worker_id, request.role, request.timeout_s, request.force) == (
+        "prefill-1", "decode", 30.0, False
+    )  # fmt: skip
+    cli(target, "switch", "decode-0", "prefill", "--force")
+    request = servicer.requests[-1][1]
+    assert request.force and not request.HasField("timeout_s")  # the server's default
+
+
+def test_a_switch_that_timed_out_exits_1_and_a_bad_timeout_sends_nothing(
+    admin: tuple[ScriptedAdmin, str],
+) -> None:
+    servicer, target = admin
+    servicer.replies["Switch"] = lambda r, c: pb.SwitchResponse(
+        worker_id=r.worker_id, switched=False, role="prefill",
+        message="prefill-1 still held 3 requests after 0s; it stays prefill, admitting again",
+    )  # fmt: skip
+    result = cli(target, "switch", "prefill-1", "decode", "--timeout", "0")
+    assert result.exit_code == 1
+    assert result.output.startswith("prefill-1 still held 3 requests after 0s")
+    result = cli(target, "switch", "prefill-1", "decode", "--timeout", "-2")
+    assert (result.exit_code, result.output) == (
+        2, "error: --timeout: must be a finite number >= 0, got -2.0\n"
+    )  # fmt: skip
+    assert len(servicer.requests) == 1
+
+
+def test_a_refused_switch_is_one_line_and_exit_1(admin: tuple[ScriptedAdmin, str]) -> None:
+    servicer, target = admin
+    servicer.replies["Switch"] = abort(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "prefill-0 is draining: only a ready worker switches (`pdserve undrain prefill-0` first)",
+    )
+    result = cli(target, "switch", "prefill-0", "decode")
+    assert result.exit_code == 1
+    assert result.output == (
+        "error: FAILED_PRECONDITION: prefill-0 is draining: only a ready worker switches "
+        "(`pdserve undrain prefill-0` first)\n"
+    )
+    assert "Traceback" not in result.output
 
 
 # ---- status ---------------------------------------------------------------------------------

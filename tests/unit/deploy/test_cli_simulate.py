@@ -89,6 +89,7 @@ def test_a_missing_profile_is_exit_code_2(tmp_path: Path) -> None:
         (["--model", "/nonexistent-model"], "--model: /nonexistent-model has no config.json"),
         (["--prefill-factor", "0"], "prefill_factor > 0"),
         (["--threads", "0"], "--threads: must be >= 1"),
+        (["--load-format", "npz"], "--load-format: one of auto, dummy, got 'npz'"),
     ],
 )
 def test_profile_refuses_bad_options_before_measuring(

@@ -1,81 +1,20 @@
 """Controller logic without Ray: registry states, the planner's host interface, and which
-workers a rebalance drains, over fake worker handles (`handle.method.remote(...)` returns an
-awaitable, as a Ray actor handle does inside an async actor)."""
+workers a rebalance drains, over fake worker handles (tests/unit/deploy/controller_fakes.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
 
 import pytest
 import ray
+from controller_fakes import DECODE, PREFILL, FakeHandle, controller, no_ray_kill  # noqa: F401
 
-from deploy.control.cluster_controller import Controller
-from deploy.control.cluster_spec import ClusterSpec, WorkerPlacement
+from deploy.control.cluster_spec import WorkerPlacement
 from deploy.control.worker_registry import Registered
-from engine.config import EngineConfig
 from planner.core import Role
 from router.control import DrainRefused
-from vocabulary.engine_io import EngineLoad
-from vocabulary.worker_api import ActorPlacement, WorkerLoad, WorkerRole, WorkerState
-
-PREFILL = ActorPlacement(num_cpus=0, resources=(("prefill", 1.0),))
-DECODE = ActorPlacement(num_cpus=0, resources=(("decode", 1.0),))
-
-
-class _Method:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        async def call() -> Any:
-            return self.fn(*args)
-
-        return asyncio.ensure_future(call())
-
-
-class FakeHandle:
-    def __init__(self, worker_id: str, role: WorkerRole, inflight: int = 0) -> None:
-        self.worker_id, self.role, self.inflight = worker_id, role, inflight
-        self.calls: list[str] = []
-        self.state = WorkerState.READY
-
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self, f"_{name}"))
-
-    def _drain(self, timeout_s: float) -> bool:
-        self.calls.append("drain")
-        self.state = WorkerState.DRAINING
-        return self.inflight == 0
-
-    def _undrain(self) -> None:
-        self.calls.append("undrain")
-        self.state = WorkerState.READY
-
-    def _shutdown(self) -> None:
-        self.calls.append("shutdown")
-
-    def _load(self) -> WorkerLoad:
-        self.calls.append("load")
-        engine = EngineLoad(0, 0, 0, 10, 10, 0, 0, 0, 0, 0)
-        return WorkerLoad(self.worker_id, self.role, self.state, engine, self.inflight, 0)
-
-
-@pytest.fixture(autouse=True)
-def no_ray_kill(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ray.kill` would start a local Ray in this process (it auto-initializes)."""
-    monkeypatch.setattr("deploy.control.cluster_controller.ray.kill", lambda handle: None)
-
-
-def controller(*workers: tuple[str, WorkerRole, int]) -> Controller:
-    c = Controller(ClusterSpec(engine=EngineConfig(model_dir="unused")))
-    for i, (worker_id, role, inflight) in enumerate(workers):
-        placement = PREFILL if role is WorkerRole.PREFILL else DECODE
-        w = Registered(None, role, worker_id, FakeHandle(worker_id, role, inflight), placement)
-        w.state, w.started_at, w.ready_at = WorkerState.READY, float(i), 1000.0 + i
-        c.workers[worker_id] = w
-    return c
+from vocabulary.worker_api import WorkerRole, WorkerState
 
 
 def test_rebalance_drains_the_youngest_worker_not_the_largest_id_string() -> None:
@@ -84,10 +23,10 @@ def test_rebalance_drains_the_youngest_worker_not_the_largest_id_string() -> Non
         ("prefill-10", WorkerRole.PREFILL, 0),  # created later: "prefill-10" < "prefill-9"
         ("decode-11", WorkerRole.DECODE, 0),
     )
-    started, stopped, message = asyncio.run(c.rebalance(1, 1, 5.0))
-    assert (started, stopped) == ([], ["prefill-10"])
+    report = asyncio.run(c.rebalance(1, 1, 5.0))
+    assert (report.started, report.stopped, report.switched) == ((), ("prefill-10",), ())
     assert list(c.workers) == ["prefill-9", "decode-11"]
-    assert message == "now 1 prefill + 1 decode"
+    assert report.message == "now 1 prefill + 1 decode (stopped ['prefill-10'])"
 
 
 def test_rebalance_with_a_busy_worker_undrains_it_and_stops() -> None:
@@ -96,9 +35,9 @@ def test_rebalance_with_a_busy_worker_undrains_it_and_stops() -> None:
         ("prefill-1", WorkerRole.PREFILL, 2),
         ("decode-2", WorkerRole.DECODE, 0),
     )
-    started, stopped, message = asyncio.run(c.rebalance(1, 1, 0.0))
-    assert (started, stopped) == ([], [])
-    assert message == (
+    report = asyncio.run(c.rebalance(1, 1, 0.0))
+    assert (report.started, report.stopped) == ((), ())
+    assert report.message == (
         "rebalance stopped: prefill-1 still had 2 requests in flight after 0s; "
         "it is back in service"
     )
@@ -254,7 +193,9 @@ def test_routers_are_sent_the_workers_only_when_the_listed_incarnations_change()
     for w in c.workers.values():
         w.info = w.worker_id  # type: ignore[assignment]
     first = c.list_workers_if_changed(None)
-    assert first is not None and first.signature == (("prefill-0", 0.0), ("decode-1", 1.0))
+    assert first is not None and first.signature == (
+        ("prefill-0", 0.0, "prefill"), ("decode-1", 1.0, "decode")
+    )  # fmt: skip
     assert [info for info, _ in first.workers] == ["prefill-0", "decode-1"]
     assert c.list_workers_if_changed(first.signature) is None
     c.workers["decode-1"].state = WorkerState.DRAINING  # still listed: routers read its state
@@ -267,19 +208,21 @@ def test_routers_are_sent_the_workers_only_when_the_listed_incarnations_change()
     again.state, again.started_at = WorkerState.READY, 5.0
     c.workers["decode-1"] = again
     second = c.list_workers_if_changed(first.signature)
-    assert second is not None and second.signature == (("prefill-0", 0.0), ("decode-1", 5.0))
+    assert second is not None and second.signature == (
+        ("prefill-0", 0.0, "prefill"), ("decode-1", 5.0, "decode")
+    )  # fmt: skip
     assert second.workers[1][1] is again.handle
     # A starting worker is not listed; once ready it is, and a removed one is gone.
     c.workers["decode-2"] = Registered(None, WorkerRole.DECODE, "decode-2", None, DECODE)
     assert c.list_workers_if_changed(second.signature) is None
     c.workers["decode-2"].info, c.workers["decode-2"].state = "decode-2", WorkerState.READY  # type: ignore[assignment]
     third = c.list_workers_if_changed(second.signature)
-    assert third is not None and [w for w, _ in third.signature] == [
+    assert third is not None and [w for w, _, _ in third.signature] == [
         "prefill-0", "decode-1", "decode-2"
     ]  # fmt: skip
     del c.workers["prefill-0"]
     fourth = c.list_workers_if_changed(third.signature)
-    assert fourth is not None and [w for w, _ in fourth.signature] == ["decode-1", "decode-2"]
+    assert fourth is not None and [w for w, _, _ in fourth.signature] == ["decode-1", "decode-2"]
 
 
 def test_health_check_removal_changes_what_routers_are_sent() -> None:
@@ -297,4 +240,4 @@ def test_health_check_removal_changes_what_routers_are_sent() -> None:
     c.workers["decode-1"].handle._ping = died
     assert asyncio.run(c.check_health()) == ["decode-1"]
     after = c.list_workers_if_changed(held.signature)
-    assert after is not None and after.signature == (("decode-0", 0.0),)
+    assert after is not None and after.signature == (("decode-0", 0.0, "decode"),)

@@ -40,6 +40,29 @@ def test_every_split_of_a_gpu_count_is_a_candidate() -> None:
     assert [label(s) for s in shapes_of(1, ClusterShape().thresholds)] == ["1C"]
 
 
+def test_each_chunk_asked_for_is_a_configuration_of_its_own() -> None:
+    shapes = shapes_of(2, ClusterShape().thresholds, chunks=(32, 128))
+    assert [label(s) for s in shapes] == ["1P1D c32", "1P1D c128", "2C c32", "2C c128"]
+
+
+def test_a_smaller_chunk_trades_a_colocated_workers_ttft_for_its_tpot() -> None:
+    """The profile: a step with prefill costs 10 ms + 1 ms per chunk token, a decode step 10
+    ms. At a light load a colocated worker's streams wait less behind small chunks (p90 TPOT
+    down) while each prompt pays 10 ms more per chunk (TTFT up); at heavier loads the fixed
+    cost of the extra steps wins (both worse: what `pdserve plan --chunk` finds out)."""
+    run = run_for(parse_slo("ttft:5000 tpot:200"))
+    small = run(ClusterShape(0, 0, 1, chunk_tokens=32), 0.5)
+    large = run(ClusterShape(0, 0, 1, chunk_tokens=200), 0.5)
+    assert small.tpot.p90 < 0.85 * large.tpot.p90, (small.tpot, large.tpot)
+    assert small.ttft.p50 > 1.3 * large.ttft.p50, (small.ttft, large.ttft)
+    # so at a TPOT the large chunk misses, the search picks the small one
+    tight = parse_slo("ttft:5000 tpot:19")
+    found = plan_for_gpus(run_for(tight), 1, [0.5], tight, chunks=(32, 200))
+    assert [label(p.shape) for p in found.chosen] == ["1C c32"], [
+        (label(p.shape), p.report.tpot.p90) for p in found.points
+    ]
+
+
 def test_the_fewest_gpus_that_meet_the_slo_are_chosen_and_every_smaller_cluster_failed() -> None:
     run = run_for()
     found = plan_for_rate(run, 4.0, SLO, max_gpus=6)
@@ -152,6 +175,8 @@ def test_the_plan_command_exits_1_naming_the_closest_when_nothing_meets(tmp_path
         (["--rate", "1", "--rate", "2"], "--gpus"),
         (["--gpus", "2", "--attainment", "1.5"], "--attainment"),
         (["--rate", "1", "--slo", "ttft"], "ttft"),
+        (["--rate", "1", "--chunk", "0"], "--chunk: tokens per step, each >= 1"),
+        (["--rate", "1", "--chunk", "512"], "--chunk: 512 tokens is past the profile's largest"),
     ],
 )
 def test_the_plan_command_refuses_bad_options_with_exit_2(
