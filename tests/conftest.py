@@ -58,23 +58,39 @@ def _one_torch_thread() -> None:
 # every other test file is a unit of its own (its module fixtures start once).
 SHARED_CLUSTER_DIRS = ("tests/integration/observability", "tests/integration/router",
                        "tests/integration/security", "tests/integration/workers")  # fmt: skip
+OWN_CLUSTER_FILES = (
+    "tests/integration/router/test_role_switch_cluster.py",
+    "tests/integration/router/test_split_cluster.py",
+)
+"""Files in a shared-cluster directory that start a cluster of their own and never use the
+directory's: units of their own, so that the other worker can run them meanwhile."""
 
 
 LONG_FIRST = (
     "tests/integration/router",
+    "tests/integration/workers",
     "tests/integration/chaos/test_chaos_run.py",
     "tests/integration/deploy/test_autoscaling.py",
-    "tests/integration/workers",
+    "tests/integration/router/test_role_switch_cluster.py",
     "tests/integration/deploy/test_cli_cluster.py",
+    "tests/integration/engine/test_engine_pp.py",
+    "tests/integration/engine/test_engine_int_checkpoint.py",
+    "tests/integration/observability",
+    "tests/integration/deploy/test_cli_secure.py",
+    "tests/unit/engine/test_triton_decode.py",
+    "tests/integration/engine/test_engine_tp.py",
 )
-"""Units that take a minute or more, started first so that no worker is left with one of
-them at the end (`scripts/test.sh` keeps the collection's order: --no-loadscope-reorder)."""
+"""Units that take half a minute or more, longest first, started before the rest so that no
+worker is left with one of them at the end (`scripts/test.sh` keeps the collection's order:
+--no-loadscope-reorder)."""
 
 
 def xdist_scope(nodeid: str) -> str:
     """The unit pytest-xdist sends to one worker: the test's shared-cluster directory, or its
     file."""
     path = nodeid.split("::", 1)[0]
+    if path in OWN_CLUSTER_FILES:
+        return path
     return next((d for d in SHARED_CLUSTER_DIRS if path.startswith(d + "/")), path)
 
 
@@ -114,7 +130,7 @@ def pytest_runtest_teardown(
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         scope = xdist_scope(item.nodeid)
-        return next((i for i, s in enumerate(LONG_FIRST) if scope.startswith(s)), len(LONG_FIRST))
+        return LONG_FIRST.index(scope) if scope in LONG_FIRST else len(LONG_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
     if HAS_CUDA:

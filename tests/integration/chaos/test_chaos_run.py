@@ -42,7 +42,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(
         [sys.executable, "-m", "deploy.cli.app", "chaos", "--config", str(config_path),
-         "--duration", "30", "--load", "2", "--kill-every", "9", "--redis-restart-every", "14",
+         "--duration", "24", "--load", "2", "--kill-every", "7", "--redis-restart-every", "11",
          "--cancel-share", "0.1", "--deadline-share", "0.05", "--max-tokens", "32",
          "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=540,

@@ -6,8 +6,9 @@ migrate to another (token-exact), one whose engine thread blocks forever ends a 
 that has nowhere to go with UNAVAILABLE; new requests go elsewhere, and the controller
 replaces the worker (and purges its prefix-index entries).
 
-Each test that adds a decode worker takes it (or its replacement) out again, so the cluster
-is as the other modules expect afterwards (1 decode worker, ready)."""
+A test that takes a spare decode worker gets the one the test before it left (the controller's
+replacement of the spare that test broke) or a new one; after the last of them only the
+cluster's own decode worker is left, ready, as the other modules expect."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,23 +56,37 @@ def _decode_ids(rc: RouterCluster) -> set[str]:
     return {w.worker_id for w in _status(rc).workers if w.role == "decode"}
 
 
+def _next_test_takes_a_spare(request: pytest.FixtureRequest) -> bool:
+    items = request.session.items
+    at = items.index(request.node) + 1  # type: ignore[arg-type]
+    return at < len(items) and "spare_decode" in getattr(items[at], "fixturenames", ())
+
+
 @pytest.fixture()
-def spare_decode(router_cluster: RouterCluster) -> Iterator[str]:
-    """A second decode worker for the test; afterwards every decode worker but the cluster's
-    own is drained and stopped, and the cluster's own is ready again."""
+def spare_decode(request: pytest.FixtureRequest, router_cluster: RouterCluster) -> Iterator[str]:
+    """A second decode worker for the test: the one the test before left (the controller's
+    replacement of the spare it broke), or a new one. Afterwards the cluster's own decode
+    worker is ready again, and every other decode worker is drained and stopped unless the
+    next test takes a spare too (then the one ready replacement stays for it)."""
     (own,) = router_cluster.worker_ids(WorkerRole.DECODE)
     controller = router_cluster.cluster.controller
-    info = ray.get(controller.add_worker.remote("decode"), timeout=300)
+    _wait(lambda: all(s != pb.WORKER_STATE_STARTING for s in _states(router_cluster).values()),
+          "no worker is starting", 300)  # fmt: skip
+    left = sorted(_decode_ids(router_cluster) - {own})
+    if left:
+        (spare,) = left
+    else:
+        spare = ray.get(controller.add_worker.remote("decode"), timeout=300).worker_id
     for router in range(len(router_cluster.channels)):
         _wait(
             lambda r=router: any(
-                w.worker_id == info.worker_id and w.state == pb.WORKER_STATE_READY
+                w.worker_id == spare and w.state == pb.WORKER_STATE_READY
                 for w in _status(router_cluster, r).workers
             ),
-            f"router {router} sees {info.worker_id} ready",
+            f"router {router} sees {spare} ready",
         )
     try:
-        yield info.worker_id
+        yield spare
     finally:
         admin = router_cluster.admin(0)
         if _states(router_cluster).get(own) != pb.WORKER_STATE_READY:
@@ -78,10 +94,18 @@ def spare_decode(router_cluster: RouterCluster) -> Iterator[str]:
         # a replacement may still be starting: let it come up, then take it out too
         _wait(lambda: all(s != pb.WORKER_STATE_STARTING for s in _states(router_cluster).values()),
               "no worker is starting", 300)  # fmt: skip
-        for wid in _decode_ids(router_cluster) - {own}:
-            admin.Drain(pb.DrainRequest(worker_id=wid, stop=True, timeout_s=60), timeout=90)
-        for router in range(len(router_cluster.channels)):
-            _wait(lambda r=router: _decode_ids(router_cluster) == {own}, "only the own decode")
+        others = _decode_ids(router_cluster) - {own}
+        states = _states(router_cluster)
+        keep = (
+            _next_test_takes_a_spare(request)
+            and len(others) == 1
+            and all(states[w] == pb.WORKER_STATE_READY for w in others)
+        )
+        if not keep:
+            for wid in others:
+                admin.Drain(pb.DrainRequest(worker_id=wid, stop=True, timeout_s=60), timeout=90)
+            for router in range(len(router_cluster.channels)):
+                _wait(lambda r=router: _decode_ids(router_cluster) == {own}, "only the own decode")
         router_cluster.wait_idle()
 
 
@@ -410,7 +434,8 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
     fields = [greedy_request(p, n) for p in prompts[:2]]
     fields += [dict(token_ids=p, max_tokens=n, **seeded) for p in prompts[2:4]]
     fields.append(dict(token_ids=prompts[4], max_tokens=800, **mid_json))
-    undisturbed = [generate(stub, **f).token_ids for f in fields[2:]]  # type: ignore[arg-type]
+    with ThreadPoolExecutor(3) as pool:  # (seeded streams do not depend on their batch)
+        undisturbed = list(pool.map(lambda f: generate(stub, **f).token_ids, fields[2:]))
     own = _isolate(router_cluster, spare_decode)
     results: list[list[int] | grpc.RpcError] = [[] for _ in prompts]
     finals: list[pb.GenerateResponse | None] = [None] * len(prompts)

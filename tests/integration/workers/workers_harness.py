@@ -1,8 +1,10 @@
-"""What the worker-actor tests share: how their workers are configured and placed, and the
-session's set of workers (the `workers` fixture of this directory's conftest)."""
+"""What the worker-actor tests share: how their workers are configured and placed, the
+session's set of workers (the `workers` fixture of this directory's conftest) and the set of
+tensor- and pipeline-parallel ones (its `parallel_workers`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,19 @@ def worker_config(
     return WorkerConfig(worker_id, role, engine, redis_url=redis_url)
 
 
+def parallel_config(
+    model_dir: Path, worker_id: str, role: WorkerRole, redis_url: str, tp: int = 1, pp: int = 1
+) -> WorkerConfig:
+    """A worker of `tp` ranks per stage and `pp` stages on the head-major KV pool (what
+    `pdserve up` picks when prefill and decode TP sizes differ)."""
+    config = worker_config(model_dir, worker_id, role, redis_url)
+    engine = dataclasses.replace(
+        config.engine, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        kv_layout="head_major", tp_timeout_s=30.0,
+    )  # fmt: skip
+    return dataclasses.replace(config, engine=engine)
+
+
 # The fault-injecting decode worker pulls at most 4 blocks at once, so a second transfer
 # queues behind a held one.
 GATED_TRANSFER = KVTransferConfig(
@@ -67,3 +82,24 @@ class Workers:
     test_worker_stall, which blocks its threads; idle until then."""
     started_at: float
     """`time.monotonic()` once every worker had started."""
+
+
+@dataclass
+class ParallelWorkers:
+    """Handles of the tensor- and pipeline-parallel workers that test_tp_workers and
+    test_pp_workers share (each rank a quarter of a CPU, a 256-block head-major pool)."""
+
+    p_tp2: Any
+    """Prefill, TP 2 (worker id "tp-p2")."""
+    p1: Any
+    """Prefill, one rank ("tp-p1")."""
+    d1: Any
+    """Decode, one rank ("tp-d1")."""
+    d_tp2: Any
+    """Decode, TP 2 ("tp-d2")."""
+    p_pp2: Any
+    """Prefill, 2 stages ("pp-p2")."""
+    d_pp2: Any
+    """Decode, 2 stages ("pp-dpp2")."""
+    pp_victim: Any
+    """Decode, 2 stages ("pp-dead"), the lease default: test_pp_workers kills its stage 1."""
