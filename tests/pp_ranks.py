@@ -9,14 +9,13 @@ runs them too, for the reference).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from tp_ranks import Scenario, TPRanks, free_port
+from tp_ranks import Scenario, TPRanks, free_port, rank_context
 
 from engine.config import EngineConfig
 
@@ -128,7 +127,7 @@ class PPRanks(TPRanks):
     pipes: list[Connection] = field(default_factory=list)
 
     def start(self) -> PPRanks:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         port = free_port()
         for rank in range(self.size):
             ours, theirs = ctx.Pipe()

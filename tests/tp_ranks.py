@@ -3,6 +3,11 @@
 `TPRanks` spawns rank 0 (an `LLMEngine` that runs a scenario and sends its results back) and
 the followers (`run_follower`), and bounds every wait on them. Scenario functions run in the
 rank-0 process and must be importable (module level here).
+
+Rank processes are forked from one server process per test process that imported torch and
+the engine once (`rank_context`), not started afresh each (a fresh Python spent ~2 CPU-s on
+those imports before it did anything): the server runs no torch op, so each child starts
+with no thread pool and no device context of the parent's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -23,6 +29,27 @@ from engine.config import EngineConfig
 
 Scenario = Callable[[Any, Connection], Any]
 """(rank 0's LLMEngine, the pipe to the test) -> the result sent back."""
+
+
+RANK_MODULES = (
+    "torch",
+    "engine.core.engine",
+    "engine.core.tp_runner",
+    "engine.core.pp_runner",
+    "engine.tp.tensor_parallel",
+    "engine.pp.pipeline_group",
+    "tp_ranks",
+    "pp_ranks",
+)
+"""What every rank process imports: the fork server's preload."""
+
+
+def rank_context() -> BaseContext:
+    """Processes forked from this test process's fork server (started at the first rank,
+    with `RANK_MODULES` imported)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_MODULES))
+    return ctx
 
 
 def free_port() -> int:
@@ -103,7 +130,7 @@ class TPRanks:
     pipes: list[Connection] = field(default_factory=list)
 
     def start(self) -> TPRanks:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         port = free_port()
         for rank in range(self.size):
             ours, theirs = ctx.Pipe()

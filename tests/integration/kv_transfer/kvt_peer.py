@@ -8,7 +8,6 @@ read what happened, and kill the peer with SIGKILL mid-transfer.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -19,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+from tp_ranks import rank_context
 
 from engine.kv.kv_cache import LAYER_MAJOR, KVCache, KVCacheSpec
 from kv_transfer.backend import XferId, XferStatus
@@ -172,10 +172,11 @@ def decode_main(conn: Connection, spec: KVCacheSpec, config: KVTransferConfig) -
 
 
 class Peer:
-    """A spawned peer process with a pipe; `kill()` is SIGKILL."""
+    """A peer process with a pipe (forked from the test process's fork server, as TP ranks
+    are: tests/tp_ranks.py); `kill()` is SIGKILL."""
 
     def __init__(self, target: Callable[..., None], *args: object) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
