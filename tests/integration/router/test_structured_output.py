@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -47,8 +48,8 @@ def test_json_schema_outputs_validate_over_seeds_streamed_or_not_pd_and_local(
     from deploy.checkpoints.checkpoint_files import CORPUS
 
     long_prompt = CORPUS.read_text()[:1200]  # hundreds of tokens: a hand-off on router 1 too
-    stopped = 0
-    for seed in range(12):
+
+    def answer(seed: int) -> tuple[str, str | None]:
         router, stream = seed % 2, seed % 3 == 0
         content = long_prompt if router == 0 else "Describe a city as JSON."
         kwargs: dict[str, Any] = dict(
@@ -60,10 +61,15 @@ def test_json_schema_outputs_validate_over_seeds_streamed_or_not_pd_and_local(
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kwargs))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        else:
-            out = client.chat.completions.create(**kwargs)
-            text, reason = out.choices[0].message.content or "", out.choices[0].finish_reason
+            return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        out = client.chat.completions.create(**kwargs)
+        return out.choices[0].message.content or "", out.choices[0].finish_reason
+
+    seeds = range(12)
+    with ThreadPoolExecutor(4) as pool:  # four at a time, each request its own seed
+        answers = list(pool.map(answer, seeds))
+    stopped = 0
+    for seed, (text, reason) in zip(seeds, answers, strict=True):
         if reason == "length":
             continue  # max_tokens cut it: the text is then a prefix of a valid one
         assert reason == "stop", (seed, text)
