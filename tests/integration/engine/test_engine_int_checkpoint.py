@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,12 +49,35 @@ def make_int(out: Path, quantization: str, says: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def int8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained_once(tiny_model_dir: Path) -> Iterator[None]:
+    """make-model trains the tiny preset (seed 0) before it quantizes; that training is the
+    one the session's tiny model already ran (same code, seed and steps: same bytes, as
+    test_make_model checks for a seed), so here it returns that model's tensors instead of
+    spending ~12 CPU-s per checkpoint on it again."""
+    from safetensors.torch import load_file
+
+    import deploy.checkpoints.make_model as make_model
+
+    recipe = json.loads((tiny_model_dir / "pdserve_recipe.json").read_text())
+    assert (recipe["preset"], recipe["seed"]) == ("tiny", 0)
+    trained = {k: v for f in tiny_model_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+
+    def train_tiny(tensors: Any, cfg_dict: Any, stream: Any, shape: Any, seed: int) -> Any:
+        assert (shape, seed) == (make_model.PRESETS["tiny"], 0)
+        return dict(trained)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(make_model, "train_tiny", train_tiny)
+        yield
+
+
+@pytest.fixture(scope="module")
+def int8_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_int(tmp_path_factory.mktemp("int8") / "int8", "int8", "INT8 W8A8")
 
 
 @pytest.fixture(scope="module")
-def int4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def int4_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_int(tmp_path_factory.mktemp("int4") / "int4", "int4", "group of 128")
 
 
