@@ -32,6 +32,9 @@
 #   e2e8d8   the same PD pair with an e4m3 KV pool (hand-off bytes and time vs e2e8d's bf16)
 #   profile8b  pdserve profile of the Llama-3-8B shape (bf16, dummy weights): the GPU profile
 #            the simulator's agreement with the trio runs is checked against ($OUT/*.json)
+#   outliers python -m benchmarks step_outliers: every engine step of the profile's sequences
+#            (finishing sequences, a lone one after a burst of aborts) timed, the slow ones'
+#            phases, batch and torch.profiler table ($OUT/step_outliers.json)
 #   trio_ph / trio_bal / trio_dh  issue 42's modes through the whole system on ONE GPU, one
 #            workload each (prefill-heavy, balanced, decode-heavy): one colocated worker, the
 #            one-GPU PD pair, one split worker; goodput at TPOT 20 and 40 ms (a call each)
@@ -153,6 +156,9 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   profile8b) config_model llama3-8b  # issue 43's engine profile of the trio's model
     step profile8b 200 python -m deploy.cli profile "$OUT/profile-llama3-8b.json" \
     --model /tmp/cfg-llama3-8b --device cuda --dtype bfloat16 --load-format dummy ;;
+  outliers) config_model llama3-8b  # issue 49's slow engine steps, every step timed
+    TAILN=${TAILN:-200} step step_outliers 240 python -m benchmarks step_outliers \
+    --model /tmp/cfg-llama3-8b --json "$OUT/step_outliers.json" ;;
   trio_ph|trio_bal|trio_dh) config_model llama3-8b  # issue 42's table through the whole system
     # one GPU, one cluster per mode in turn: one colocated worker, the PD pair sharing the GPU,
     # one split worker (each sized from half the card); ~3-4 min per workload on a warm machine
@@ -161,9 +167,12 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
       trio_bal) w=balanced r=8,12,16,20 slo="ttft:1000 tpot:40" tight="ttft:1000 tpot:20" ;;
       trio_dh) w=decode_heavy r=4,8,12 slo="ttft:1000 tpot:40" tight="ttft:1000 tpot:20" ;;
     esac
+    # TRIO_RATES: another sweep (4 rates fit one call); TRIO_CHUNK: colocated's prefill chunk
+    r=${TRIO_RATES:-$r}
     step "$s" 560 python -m benchmarks goodput --model /tmp/cfg-llama3-8b --out "/tmp/$s" \
     --load-format dummy --modes colocated,pd,split --colocated-workers 1 --gpu-fraction 0.5 \
-    --workloads "$w" --rates "$w=$r" --duration 8 --stop-below 0 --slo "$slo" --tight-slo "$tight"
+    --workloads "$w" --rates "$w=$r" --duration 8 --stop-below 0 --slo "$slo" --tight-slo "$tight" \
+    --colocated-budget "${TRIO_CHUNK:-0}"
     tar czf "$OUT/$s.tgz" -C /tmp "$s" ;;
   e2e70) config_model llama3-70b
     step e2e70 420 python -m benchmarks goodput --model /tmp/cfg-llama3-70b --out /tmp/e2e70 \

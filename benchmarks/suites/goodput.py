@@ -84,7 +84,9 @@ def cluster_options(mode: str, model_dir: str, args: argparse.Namespace) -> Pdse
     engine = EngineConfig(
         model_dir=model_dir,
         dtype="bfloat16",
-        max_num_batched_tokens=args.token_budget,
+        max_num_batched_tokens=(
+            args.colocated_budget or args.token_budget if mode == "colocated" else args.token_budget
+        ),
         max_num_seqs=256,
         enable_chunked_prefill=True,
         max_model_len=8192,
@@ -355,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--stop-below", type=float, default=0.5, help="end a sweep under this attainment"
     )
     ap.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument(
+        "--colocated-budget", type=int, default=0,
+        help="colocated mode's max_num_batched_tokens, its prefill chunk (0: --token-budget; "
+        "issue 42 gives colocated its best chunk, found by `split_goodput`'s sweep)",
+    )  # fmt: skip
     ap.add_argument(
         "--colocated-workers",
         type=int,
