@@ -30,24 +30,34 @@ def test_requests_across_subscription_rotations_get_exactly_their_tokens(
     async def run() -> None:
         channel = DecodeChannel("d0", d, prefix, resubscribe_after=3)
         draining: list[int] = []
+        prompts = corpus_prompts[:16]
+        # request i opens once request i-1 has read 3 chunks (or ended): its subscription has
+        # carried resubscribe_after batches by then, whatever the machine's speed, so each
+        # open rotates while the one before still streams
+        streaming = [asyncio.Event() for _ in prompts]
 
         async def one(i: int, prompt: list[int]) -> list[int]:
-            await asyncio.sleep(0.04 * i)  # opened while earlier requests stream
+            if i:
+                await asyncio.wait_for(streaming[i - 1].wait(), 60)
             rid = f"rot-{i}"
             stream = channel.open_request(rid)
             draining.append(channel.num_draining)
             try:
                 await stream.submit(decode_request(rid, prompt, greedy(MAX_TOKENS), None, salt))
                 tokens: list[int] = []
+                chunks = 0
                 while True:
                     chunk = await asyncio.wait_for(stream.next(), 60)
                     tokens.extend(chunk.token_ids)
+                    chunks += 1
+                    if chunks >= 3 or chunk.finish_reason is not None:
+                        streaming[i].set()
                     if chunk.finish_reason is not None:
                         return tokens
             finally:
+                streaming[i].set()
                 stream.close()
 
-        prompts = corpus_prompts[:16]
         try:
             outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):

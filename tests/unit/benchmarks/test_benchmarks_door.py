@@ -20,7 +20,8 @@ NAMES = (
     "role_switch", "router",
     "sim_scale", "simulator",
     "sm_partition",
-    "split_goodput", "soak", "structured", "tp", "tp_gpu", "tp_handoff", "tracing", "workers",
+    "split_goodput", "soak", "step_outliers", "structured", "tp", "tp_gpu", "tp_handoff",
+    "tracing", "workers",
 )  # fmt: skip
 
 

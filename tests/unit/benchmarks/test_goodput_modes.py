@@ -13,8 +13,8 @@ from vocabulary.worker_api import WorkerRole
 
 def args(**kw: object) -> argparse.Namespace:
     base = dict(
-        token_budget=2048, num_kv_blocks=0, quantization="none", kv_cache_dtype="auto",
-        load_format="dummy", gpu_fraction=0.5, colocated_workers=1,
+        token_budget=2048, colocated_budget=0, num_kv_blocks=0, quantization="none",
+        kv_cache_dtype="auto", load_format="dummy", gpu_fraction=0.5, colocated_workers=1,
     )  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
@@ -29,6 +29,17 @@ def test_each_mode_runs_its_own_roles_on_the_same_engine() -> None:
     assert roles["split"] == [WorkerRole.SPLIT]
     with pytest.raises(ValueError, match="--modes"):
         goodput.cluster_options("disagg", "/m", args())
+
+
+def test_colocated_budget_sets_only_the_colocated_engines_chunk() -> None:
+    def budget(mode: str, **kw: object) -> int:
+        spec = goodput.cluster_options(mode, "/m", args(**kw)).workers
+        return spec.engine.max_num_batched_tokens
+
+    assert budget("colocated") == 2048  # 0: --token-budget
+    assert budget("colocated", colocated_budget=1024) == 1024
+    assert budget("pd", colocated_budget=1024) == 2048
+    assert budget("split", colocated_budget=1024) == 2048
 
 
 def test_the_table_sets_split_and_pd_against_colocated(capsys: pytest.CaptureFixture[str]) -> None:
