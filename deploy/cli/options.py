@@ -510,6 +510,7 @@ def effective_config(given: ConfigInput) -> PdserveConfig:
             f"{given.where('cluster.malloc_trim_s')}: seconds between trims, >= 0 (0: off), "
             f"got {config.cluster.malloc_trim_s}"
         )
+    check_count(config.cluster.malloc_arena_max, given.where("cluster.malloc_arena_max"))
     check_count(config.workers.prefill_tp, given.where("workers.prefill_tp"), 1)
     check_count(config.workers.decode_tp, given.where("workers.decode_tp"), 1)
     check_count(config.workers.prefill_pp, given.where("workers.prefill_pp"), 1)

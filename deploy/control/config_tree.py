@@ -79,6 +79,10 @@ class LaunchConfig:
     """Seconds between two `malloc_trim(0)` calls in every process of the cluster (the
     controller, routers, workers and their ranks), which hand glibc's free pages back to the
     system (vocabulary/malloc_trim.py says why); 0: never."""
+    malloc_arena_max: int = 2
+    """glibc malloc arenas per process of the cluster (`MALLOC_ARENA_MAX` in every actor's
+    environment): fewer arenas keep fewer free fragments (vocabulary/malloc_trim.py says
+    why); 0: glibc's default (8 per core)."""
 
 
 @dataclass(frozen=True)

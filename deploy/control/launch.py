@@ -114,7 +114,8 @@ class Cluster:
                 raise ClusterError(f"workers.planner.predictive.profile: {e}") from None
         # Every actor (the controller's workers inherit it) hashes with the cluster's algorithm
         # and traces as this process's OTEL_* say (off without OTEL_TRACES_EXPORTER).
-        env = {BLOCK_HASH_ENV: block_hash, **malloc_trim_env(launch.malloc_trim_s)}
+        trim = malloc_trim_env(launch.malloc_trim_s, launch.malloc_arena_max)
+        env = {BLOCK_HASH_ENV: block_hash, **trim}
         runtime_env = {"env_vars": {**env, **tracing_env()}}
         try:
             redis_url = launch.redis_url

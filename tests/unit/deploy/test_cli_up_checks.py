@@ -124,6 +124,14 @@ def test_bad_flags_are_refused_before_anything_starts(
         ({"decode": True}, "config decode: expected a whole number, got True"),
         ({"colocated": "yes"}, "config colocated: expected true or false, got 'yes'"),
         ({"model": 7}, "config model: expected a string, got 7"),
+        (
+            {"cluster": {"malloc_arena_max": -1}},
+            "config cluster.malloc_arena_max: must be >= 0, got -1",
+        ),
+        (
+            {"cluster": {"malloc_arena_max": 1.5}},
+            "config cluster.malloc_arena_max: expected a whole number, got 1.5",
+        ),
     ],
 )
 def test_bad_config_values_are_refused_like_flags(

@@ -11,6 +11,7 @@ import pytest
 
 from vocabulary import malloc_trim
 from vocabulary.malloc_trim import (
+    ARENA_ENV,
     DEFAULT_INTERVAL_S,
     TRIM_ENV,
     MallocTrimmer,
@@ -26,6 +27,13 @@ def test_the_interval_comes_from_the_environment_the_cluster_sets() -> None:
     for bad in ("-1", "often", "nan"):
         with pytest.raises(ValueError, match=f"{TRIM_ENV}='{bad}': seconds between trims"):
             interval_from_env({TRIM_ENV: bad})
+
+
+def test_the_arena_cap_is_in_the_environment_only_when_set() -> None:
+    assert ARENA_ENV not in malloc_trim_env(60)
+    assert malloc_trim_env(60, 2) == {TRIM_ENV: "60.0", ARENA_ENV: "2"}
+    with pytest.raises(ValueError, match="arena_max: >= 0"):
+        malloc_trim_env(60, -1)
 
 
 def test_off_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
