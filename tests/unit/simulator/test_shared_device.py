@@ -40,10 +40,14 @@ def test_overlapping_steps_share_the_device_and_each_ends_when_its_work_is_done(
     a, b = Lane("a", 2.0), Lane("b", 2.0)
     device = SharedDevice((a, b), clock.at, lambda: clock.now)
     ends: dict[str, float] = {}
-    device.start(a, 10.0, lambda: ends.setdefault("a", clock.now))
+
+    def end(name: str) -> Callable[[], None]:
+        return lambda: ends.__setitem__(name, clock.now)
+
+    device.start(a, 10.0, end("a"))
     # b starts at 2 s with 4 s of work: both run at half speed until b is done at 10 s (a
     # has 8 s left at 2 s, 4 s at 10 s), then a alone to 14 s
-    clock.at(2.0, lambda: device.start(b, 4.0, lambda: ends.setdefault("b", clock.now)))
+    clock.at(2.0, lambda: device.start(b, 4.0, end("b")))
     clock.run()
     assert ends == pytest.approx({"a": 14.0, "b": 10.0})
     assert device.busy_s == pytest.approx(14.0)
