@@ -184,7 +184,7 @@ class EngineConfig:
     divide the KV heads or be a multiple of them. Not with LoRA; the host KV tier is off."""
     split_decode_sms: int = 0
     """A split engine (mode split): SMs of the decode loop's partition, the prefill loop
-    getting the rest; 0: adaptive (engine/core/split_policy.py: the fewest SMs whose predicted
+    getting the rest; 0: adaptive (vocabulary/split_policy.py: the fewest SMs whose predicted
     decode step meets split_tpot_target_ms, every SM to the side that has work when the
     other is idle). The driver may grant fewer than asked (status shows what it did)."""
     split_tpot_target_ms: float = 20.0

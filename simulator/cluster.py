@@ -51,6 +51,8 @@ from router.placement import (
     place,
 )
 from router.prefill_cost import LocalPrefillPolicy
+from simulator.overlap import Lane, SharedDevice
+from simulator.split import SplitParams, SplitWorker
 from simulator.views import LoadViews
 from simulator.workers import (
     PrefixIndex,
@@ -63,6 +65,12 @@ from simulator.workers import (
 
 REJECTED = "RESOURCE_EXHAUSTED"
 DEFAULT_THRESHOLDS = AdmissionThresholds()
+DEFAULT_SPLIT = SplitParams()
+SHARED_DEVICE_SLOWDOWN = 2.0
+"""A step's time over alone while the other worker on its device runs a step: two processes
+on one GPU without MPS are time-sliced, so while both have work each gets about half the
+device. An assumption: no run has measured it (the one-GPU PD pair's runs in docs/benchmarks.md,
+"The three modes through the whole system, one H100", time its steps only as a whole)."""
 UNAVAILABLE = "UNAVAILABLE"
 
 
@@ -73,8 +81,10 @@ class ClusterShape:
     prefill: int = 1
     decode: int = 1
     colocated: int = 0
+    split: int = 0
+    """Split workers (simulator/split.py): prefill and decode loops on one device each."""
     kv_blocks: int = 0
-    """KV blocks per worker (0: the profile's)."""
+    """KV blocks per worker (0: the profile's; half of it for each worker of a shared device)."""
     thresholds: AdmissionThresholds = DEFAULT_THRESHOLDS
     transfer_budget_blocks: int = 4096
     """A decode worker's in-flight transfer budget (kv_transfer `max_inflight_blocks`)."""
@@ -88,14 +98,40 @@ class ClusterShape:
     chunk_tokens: int = 0
     """Every worker's prefill chunk, tokens per step (engine `max_num_batched_tokens`; 0: the
     profile's). At most the profile's largest prefill point: a step is never extrapolated."""
+    split_params: SplitParams = DEFAULT_SPLIT
+    """Every split worker's partitions and slowdowns."""
+    shared_device: bool = False
+    """Prefill worker i and decode worker i share one device (`benchmarks goodput
+    --gpu-fraction 0.5`): each has half the profile's KV pool, and a step of one that overlaps
+    a step of the other runs `shared_device_slowdown` times slower (simulator/overlap.py). The
+    hand-off between them is the profile's."""
+    shared_device_slowdown: float = SHARED_DEVICE_SLOWDOWN
+    """A shared device's step time over alone while the other worker steps."""
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated", "chunk_tokens"):
+        for name in ("prefill", "decode", "colocated", "split", "chunk_tokens"):
             if getattr(self, name) < 0:
                 flag = name.replace("_tokens", "").replace("_", "-")
                 raise ValueError(f"--{flag}: must be >= 0, got {getattr(self, name)}")
-        if self.decode + self.colocated == 0:
-            raise ValueError("--decode / --colocated: the cluster needs a worker that decodes")
+        if self.decode + self.colocated + self.split == 0:
+            raise ValueError(
+                "--decode / --colocated / --split: the cluster needs a worker that decodes"
+            )
+        if self.shared_device:
+            if self.colocated or self.split:
+                raise ValueError(
+                    "--shared-device: pairs a prefill and a decode worker on one device; not "
+                    "with --colocated or --split (a split worker is one device already)"
+                )
+            if self.prefill != self.decode or self.prefill < 1:
+                raise ValueError(
+                    "--shared-device: one prefill worker per decode worker (pairs), got "
+                    f"{self.prefill}P{self.decode}D"
+                )
+        if not self.shared_device_slowdown >= 1:
+            raise ValueError(
+                f"--shared-device-slowdown: must be >= 1, got {self.shared_device_slowdown}"
+            )
 
 
 class Simulation:
@@ -105,7 +141,10 @@ class Simulation:
         self.profile = profile
         self.shape = shape
         self.block_size = profile.header.block_size
-        blocks = shape.kv_blocks or profile.header.num_kv_blocks
+        blocks = profile.header.num_kv_blocks
+        if shape.shared_device:
+            blocks //= 2
+        blocks = shape.kv_blocks or blocks
         self.index = PrefixIndex()
         self._kv_blocks = blocks
         self._step_times = StepTimes(profile)
@@ -125,6 +164,15 @@ class Simulation:
         """The workers placement may choose (`serve`, `retire`)."""
         self.decode = workers("d", Role.DECODE, shape.decode)
         self.decode += workers("c", Role.COLOCATED, shape.colocated)
+        self.decode += [self._split_worker(f"s{i}") for i in range(shape.split)]
+        self._lanes: dict[str, Lane] = {}
+        """Workers that share a device with another: their step lanes (simulator/overlap.py)."""
+        if shape.shared_device:
+            for p, d in zip(self.prefill, self.decode, strict=True):
+                f = shape.shared_device_slowdown
+                lanes = (Lane(p.worker_id, f), Lane(d.worker_id, f))
+                SharedDevice(lanes, self.at, self._clock)
+                self._lanes[p.worker_id], self._lanes[d.worker_id] = lanes
         self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
         """Every worker that exists: serving, starting (`add_worker`) or retired."""
         self._next_id = {Role.PREFILL: shape.prefill, Role.DECODE: shape.decode}
@@ -168,6 +216,17 @@ class Simulation:
             worker_id, role, self.profile, self._kv_blocks, self.index, self._step_times,
             token_budget=self.token_budget,
         )  # fmt: skip
+
+    def _split_worker(self, worker_id: str) -> SplitWorker:
+        params = self.shape.split_params
+        device = SharedDevice(SplitWorker.make_lanes(params), self.at, self._clock)
+        return SplitWorker(
+            worker_id, self.profile, self._kv_blocks, params, device, self.index,
+            self._step_times, token_budget=self.token_budget,
+        )  # fmt: skip
+
+    def _clock(self) -> float:
+        return self.now
 
     def serve(self, worker: SimWorker) -> None:
         """Placement and admission may choose `worker` from now on."""
@@ -292,7 +351,7 @@ class Simulation:
         if r.remaining_prefill == 0:  # a fully cached prompt still computes its last token
             r.context -= 1
             r.remaining_prefill = 1
-        worker.allocate(worker.blocks_for(r.context))
+        worker.hold_prompt_blocks(r)
         # The live router counts a prompt sent to a prefill worker at once (`Orchestrator.
         # _prefill`), so requests placed within one hop see it; a local prefill it does not.
         dispatched = placement.uncached_tokens if placement.prefill_worker_id else 0
@@ -336,7 +395,11 @@ class Simulation:
     # ---- workers ----------------------------------------------------------------------------
 
     def _kick(self, worker: SimWorker) -> None:
-        """Start the worker's next step if it is idle and has work."""
+        """Start the worker's next step if it is idle and has work (a split worker's: each
+        idle loop's)."""
+        if isinstance(worker, SplitWorker):
+            self._kick_split(worker)
+            return
         if worker.busy or not worker.has_work():
             return
         seconds, chunks, decodes = worker.plan_step()
@@ -344,8 +407,47 @@ class Simulation:
         if not chunks and not decodes:
             return
         worker.busy = True
-        worker.busy_s += seconds
-        self.at(self.now + seconds, lambda: self._step_done(worker, chunks, decodes))
+        lane = self._lanes.get(worker.worker_id)
+        if lane is None:
+            worker.busy_s += seconds
+            self.at(self.now + seconds, lambda: self._step_done(worker, chunks, decodes))
+            return
+
+        def done() -> None:
+            worker.busy_s += self.now - lane.started_s
+            self._step_done(worker, chunks, decodes)
+
+        assert lane.device is not None
+        lane.device.start(lane, seconds, done)
+
+    def _kick_split(self, w: SplitWorker) -> None:
+        device = w.device
+        if not w.prefill_lane.busy:
+            seconds, chunks = w.plan_prefill(self.now)
+            if chunks:
+                device.start(w.prefill_lane, seconds, lambda: self._prefill_done(w, chunks))
+        if not w.decode_lane.busy:
+            seconds, decodes = w.plan_decode(self.now)
+            if decodes:
+                started = self.now
+                device.start(w.decode_lane, seconds,
+                             lambda: self._decode_done(w, decodes, self.now - started))  # fmt: skip
+        w.busy_s = device.busy_s
+        self.views.touch(w)
+
+    def _prefill_done(self, w: SplitWorker, chunks: list[tuple[SimRequest, int]]) -> None:
+        _, finished = w.finish_prefill(self.now, chunks)
+        self.views.touch(w)
+        for r in finished:
+            self._release(r)
+        self._kick_split(w)
+
+    def _decode_done(self, w: SplitWorker, decodes: list[SimRequest], seconds: float) -> None:
+        finished = w.finish_decode(self.now, decodes, seconds)
+        self.views.touch(w)
+        for r in finished:
+            self._release(r)
+        self._kick_split(w)
 
     def _step_done(
         self, worker: SimWorker, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]

@@ -1,24 +1,26 @@
 """`pdserve plan`: the cheapest clusters that meet a TTFT/TPOT SLO, searched in simulated time
 (simulator/cluster.py over a measured profile, planner/perf_profile.py).
 
-A configuration is a count of prefill and decode workers (xPyD) or of colocated workers
-(zC), one GPU each (TP 1: the profile's), with a prefill chunk (`chunks`: each size asked for
+A configuration is a count of prefill and decode workers (xPyD), of colocated workers (zC)
+or, when asked (`split`), of split workers (zS: prefill and decode loops in SM partitions of
+one GPU, simulator/split.py, at its default parameters), one GPU each (TP 1: the profile's),
+with a prefill chunk (`chunks`: each size asked for
 is a configuration of its own, labelled `c<tokens>`; default the profile's budget alone: a
 smaller chunk holds a colocated worker's TPOT down at the cost of its TTFT). Two questions:
 
 - `plan_for_rate` (`--rate R`): for 1, 2, ... `max_gpus` GPUs, every split of that many
-  (1P(g-1)D ... (g-1)P1D, and gC) is simulated at R req/s; the first GPU count at which one
-  meets the SLO (at least `attainment` of its requests meet every SLO) is the answer, its
-  configurations ranked by goodput per GPU. None up to `max_gpus`: the closest (highest
-  attainment at `max_gpus`) and by how much it misses.
+  (1P(g-1)D ... (g-1)P1D, gC, and gS when asked) is simulated at R req/s; the first GPU
+  count at which one meets the SLO (at least `attainment` of its requests meet every SLO) is
+  the answer, its configurations ranked by goodput per GPU. None up to `max_gpus`: the
+  closest (highest attainment at `max_gpus`) and by how much it misses.
 - `plan_for_gpus` (`--gpus N`): every split of N GPUs is swept over `rates`; its answer is
   the highest rate it serves meeting the SLO (`loadtests.goodput.max_rate_meeting`: rates
   scanned upward, the first that fails ends the scan), ranked by goodput per GPU. The
   sweep's points give the Pareto plot: output tokens/s per GPU against tokens/s per user
   (1000 / TPOT p50).
 
-What it does not search (the simulator does not model them yet, docs/operations.md
-"Planning a cluster"): TP per role (one profile per search), split workers.
+What it does not search (docs/operations.md "Planning a cluster"): TP per role (one profile
+per search), mixes of split and other workers, a split's parameters, PD pairs sharing a GPU.
 """
 
 from __future__ import annotations
@@ -35,29 +37,32 @@ from simulator.report import simulate
 
 
 def shapes_of(
-    gpus: int, thresholds: AdmissionThresholds, chunks: Sequence[int] = (0,)
+    gpus: int, thresholds: AdmissionThresholds, chunks: Sequence[int] = (0,), split: bool = False
 ) -> list[ClusterShape]:
-    """Every configuration of `gpus` one-GPU workers: xPyD with x, y >= 1, then gC; each with
-    every prefill chunk of `chunks` (0: the profile's)."""
-    counts = [(p, gpus - p, 0) for p in range(1, gpus)] + [(0, 0, gpus)]
+    """Every configuration of `gpus` one-GPU workers: xPyD with x, y >= 1, then gC, then gS
+    when `split`; each with every prefill chunk of `chunks` (0: the profile's)."""
+    counts = [(p, gpus - p, 0, 0) for p in range(1, gpus)] + [(0, 0, gpus, 0)]
+    counts += [(0, 0, 0, gpus)] if split else []
     return [
-        ClusterShape(p, d, c, thresholds=thresholds, chunk_tokens=chunk)
-        for p, d, c in counts
+        ClusterShape(p, d, c, s, thresholds=thresholds, chunk_tokens=chunk)
+        for p, d, c, s in counts
         for chunk in chunks
     ]
 
 
 def label(shape: ClusterShape) -> str:
-    if shape.colocated and not (shape.prefill or shape.decode):
-        name = f"{shape.colocated}C"
-    else:
-        name = f"{shape.prefill}P{shape.decode}D"
-        name += f"+{shape.colocated}C" if shape.colocated else ""
+    """`1P1D`, `2C`, `1S`, `1P2D+1C`, with ` shared` for PD pairs on one GPU each and
+    ` c<tokens>` for a chunk of its own."""
+    parts = [f"{shape.prefill}P{shape.decode}D"] if shape.prefill or shape.decode else []
+    parts += [f"{shape.colocated}C"] if shape.colocated else []
+    parts += [f"{shape.split}S"] if shape.split else []
+    name = "+".join(parts) + (" shared" if shape.shared_device else "")
     return name + (f" c{shape.chunk_tokens}" if shape.chunk_tokens else "")
 
 
 def gpus_of(shape: ClusterShape) -> int:
-    return shape.prefill + shape.decode + shape.colocated
+    pairs = shape.prefill if shape.shared_device else 0
+    return shape.prefill + shape.decode + shape.colocated + shape.split - pairs
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,7 @@ def plan_for_rate(
     attainment: float = 0.9,
     thresholds: AdmissionThresholds | None = None,
     chunks: Sequence[int] = (0,),
+    split: bool = False,
 ) -> Plan:
     """The fewest GPUs that serve `rate` within the SLO (module docstring)."""
     if rate <= 0:
@@ -162,7 +168,7 @@ def plan_for_rate(
         raise ValueError(f"--max-gpus: must be >= 1, got {max_gpus}")
     points: list[Point] = []
     for gpus in range(1, max_gpus + 1):
-        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks)
+        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks, split)
         here = [Point(s, rate, run(s, rate)) for s in shapes]
         points += here
         meeting = [p for p in here if p.meets(attainment)]
@@ -181,6 +187,7 @@ def plan_for_gpus(
     attainment: float = 0.9,
     thresholds: AdmissionThresholds | None = None,
     chunks: Sequence[int] = (0,),
+    split: bool = False,
 ) -> Plan:
     """Every configuration of `gpus` GPUs, swept over `rates` (module docstring)."""
     if gpus < 1:
@@ -190,7 +197,7 @@ def plan_for_gpus(
     points: list[Point] = []
     best: list[Point] = []
     max_rate: dict[str, float | None] = {}
-    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks):
+    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks, split):
         top: Point | None = None
         for rate in sorted(rates):
             point = Point(shape, rate, run(shape, rate))

@@ -170,7 +170,7 @@ class LoadViews:
             w.active_blocks,
             w.inflight_transfer_blocks,
             w.free_blocks,
-            prefills_locally=w.role is Role.COLOCATED,
+            prefills_locally=w.role in (Role.COLOCATED, Role.SPLIT),
             running_requests=len(w.running) + w.expected,
             queued_prefill_tokens=w.routed_prefill_tokens,
         )

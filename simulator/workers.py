@@ -7,7 +7,8 @@ A worker's role says which queues it serves:
   end and leaves for its decode worker (the hand-off, in simulator/cluster.py);
 - DECODE: continuous batching of the requests handed to it (up to `max_num_seqs`), one token
   each per step; a prompt placed here to prefill locally is chunked into the same steps;
-- COLOCATED: a DECODE worker that every prompt is placed on (no prefill pool).
+- COLOCATED: a DECODE worker that every prompt is placed on (no prefill pool);
+- SPLIT: a prefill loop and a decode loop at once on one device (simulator/split.py).
 
 Step time is `decode_step_s(batch, mean context)` plus `prefill_step_s(chunk tokens)` when the
 step carries prefill, with the profile's serving overheads (`serving.decode_step_s` added to
@@ -33,6 +34,7 @@ class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+    SPLIT = "split"
 
 
 @dataclass
@@ -247,6 +249,10 @@ class SimWorker:
         self.used_blocks += blocks
         if self.used_blocks > self.total_blocks:
             self.kv_overflows += 1
+
+    def hold_prompt_blocks(self, r: SimRequest) -> None:
+        """`r` was placed here to prefill: its cached prefix's blocks are held from now on."""
+        self.allocate(self.blocks_for(r.context))
 
     def blocks_for(self, tokens: int) -> int:
         return cdiv(tokens, self.block_size)

@@ -197,7 +197,7 @@ class SplitStatus:
     decode_slowdown: float = 1.0
     """The adaptive split's measured decode step time over its prediction from the bandwidth
     curve (measured alone) while the prefill loop runs beside: the contention it sizes the
-    decode partition for (engine/core/split_policy.py `StepCorrection`); 1.0 when unmeasured."""
+    decode partition for (vocabulary/split_policy.py `StepCorrection`); 1.0 when unmeasured."""
 
 
 @dataclass(frozen=True)

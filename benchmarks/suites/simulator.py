@@ -15,8 +15,13 @@ Writes OUT/profile.json, OUT/bench/ (the bench output, records per rate) and OUT
 Against a `python -m benchmarks goodput` run instead (the GPU's: `gpu_validate.sh trio_*`,
 whose profile `gpu_validate.sh profile8b` writes): `--goodput DIR --profile P --mode colocated
 --workload W --rates ...` reads DIR/records-MODE-W-RATE.jsonl (every rate ran with the same
-`--seed`) and simulates one worker of that mode (colocated: 1C; pd: 1P1D) on P, fitting the
-serving overheads at the first rate as above; `--chunk` is the run's token budget.
+`--seed`) and simulates one worker of that mode (colocated: 1C; pd: 1P1D; split: 1S, the
+split worker at its default parameters, simulator/split.py) on P, fitting the serving overheads
+at the first rate as above; `--chunk` is the run's token budget. `--mode pd --shared-device`
+is the run with `--gpu-fraction 0.5`: the pair on one GPU (ClusterShape.shared_device). Where
+the simulator scales the prefill step itself (split: its partition; shared device: the other
+worker's steps) the prefill factor is not fitted (1): the measured prefill already holds what
+the model adds, and fitting it would count that twice.
 
     python -m benchmarks simulator --goodput trio_ph --profile profile-llama3-8b.json \
         --mode colocated --workload prefill_heavy --rates 4 6 8 10 --duration 8 \
@@ -78,17 +83,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--records", action="store_true", help="reuse OUT's profile and records")
     parser.add_argument("--goodput", type=Path, default=None, help="a goodput run's output")
     parser.add_argument("--profile", type=Path, default=None, help="with --goodput: its profile")
-    parser.add_argument("--mode", choices=("colocated", "pd"), default="pd")
+    parser.add_argument("--mode", choices=("colocated", "pd", "split"), default="pd")
+    parser.add_argument(
+        "--shared-device", action="store_true",
+        help="--mode pd: the pair shared one GPU (the goodput run's --gpu-fraction 0.5)",
+    )  # fmt: skip
     parser.add_argument("--chunk", type=int, default=0, help="--goodput: the run's token budget")
     args = parser.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     slo = parse_slo(args.slo)
     profile_path = out / "profile.json"
+    if args.shared_device and args.mode != "pd":
+        raise SystemExit(f"--shared-device: a PD pair on one GPU (--mode pd), not {args.mode}")
     if args.goodput is not None:
         if args.profile is None:
             raise SystemExit("--goodput: give the run's --profile")
         profile_path = args.profile
+    elif args.mode == "split" or args.shared_device:
+        raise SystemExit("--mode split / --shared-device: against a goodput run (--goodput DIR)")
     elif not args.records:
         from deploy.checkpoints.make_model import cached_tiny_model
         from deploy.cli.profiling import ProfileGrid, measure
@@ -134,14 +147,17 @@ def measure_serving(
     """`profile` with the serving overheads measured in `records` (the run at `rate`):
     the prefill factor is the median of the worker's reported prefill time over the profiled
     step of that prompt; the request hop the median of TTFT minus that prefill time; the
-    decode step's cost the measured TPOT p50 minus the one simulated without it."""
+    decode step's cost the measured TPOT p50 minus the one simulated without it. Where the
+    simulator scales the prefill step itself (`_scales_prefill`) the factor stays 1."""
     ok = [r for r in records if r.ok and r.server_prefill_ms and r.ttft_ms is not None]
     if not ok:
         raise SystemExit(f"no record at {rate:g} req/s carries server timings")
-    factor = statistics.median(
-        r.server_prefill_ms / (profile.prefill_step_s(r.prompt_tokens) * 1000)  # type: ignore[operator]
-        for r in ok
-    )
+    factor = 1.0
+    if not _scales_prefill(args):
+        factor = statistics.median(
+            r.server_prefill_ms / (profile.prefill_step_s(r.prompt_tokens) * 1000)  # type: ignore[operator]
+            for r in ok
+        )
     hop_s = statistics.median(r.ttft_ms - r.server_prefill_ms for r in ok) / 1000  # type: ignore[operator]
     hop_s = max(0.0, hop_s)
     partial = replace(profile, serving=ServingOverhead(hop_s, factor))
@@ -150,6 +166,11 @@ def measure_serving(
     step_s = max(0.0, measured - simulated) / 1000
     source = f"measured at {rate:g} req/s (benchmarks simulator)"
     return replace(profile, serving=ServingOverhead(hop_s, factor, step_s, source))
+
+
+def _scales_prefill(args: argparse.Namespace) -> bool:
+    """The simulated shape scales its prefill steps by a model of its own (split, shared)."""
+    return args.goodput is not None and (args.mode == "split" or args.shared_device)
 
 
 def _records_path(args: argparse.Namespace, rate: float) -> Path:
@@ -172,11 +193,14 @@ def _simulate(
             kv_blocks=KV_BLOCKS,
             thresholds=AdmissionThresholds(local_prefill_threshold_tokens=0),
         )
-    else:  # the goodput suite's one colocated worker or PD pair, admitting as it does
+    else:  # the goodput suite's one colocated worker, PD pair or split worker, admitting as it does
         from benchmarks.suites.goodput import THRESHOLDS
 
-        workers = (0, 0, 1) if args.mode == "colocated" else (1, 1, 0)
-        shape = ClusterShape(*workers, thresholds=THRESHOLDS, chunk_tokens=args.chunk)
+        workers = {"colocated": (0, 0, 1, 0), "pd": (1, 1, 0, 0), "split": (0, 0, 0, 1)}
+        shape = ClusterShape(
+            *workers[args.mode], thresholds=THRESHOLDS, chunk_tokens=args.chunk,
+            shared_device=args.shared_device,
+        )  # fmt: skip
     seed = args.seed if args.goodput is not None else args.seed + index
     return simulate(profile, shape, args.workload, rate, args.duration, slo, seed).report
 

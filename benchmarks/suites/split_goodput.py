@@ -18,7 +18,7 @@ mean gap after that. Prompts are random token ids (no prefix-cache hits), greedy
 so output lengths are pinned. Goodput is the highest swept rate at which >= 90 % of requests
 meet both SLOs (loadtests/goodput.py); it is printed for each TPOT SLO given.
 A mode is `colocated:CHUNK` (max_num_batched_tokens CHUNK) or `split:DECODE_SMS[@TPOT_MS]`
-(split_decode_sms; 0: adaptive, engine/core/split_policy.py, sizing the decode partition for
+(split_decode_sms; 0: adaptive, vocabulary/split_policy.py, sizing the decode partition for
 split_tpot_target_ms, 20 unless @TPOT_MS says: `split:0@40` for the looser SLO).
 """
 

@@ -107,6 +107,27 @@ def simulate(
     prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
     decode: Annotated[int, typer.Option(help="Decode workers.")] = 1,
     colocated: Annotated[int, typer.Option(help="Colocated workers (prefill + decode).")] = 0,
+    split: Annotated[
+        int, typer.Option(help="Split workers: prefill and decode loops on one GPU's SMs.")
+    ] = 0,
+    split_decode_sms: Annotated[
+        int, typer.Option(help="Split: the decode partition's SMs, fixed (0: adaptive).")
+    ] = 0,
+    split_tpot_ms: Annotated[
+        float, typer.Option(help="Split, adaptive: the decode step the partition is sized for.")
+    ] = 20.0,
+    split_total_sms: Annotated[int, typer.Option(help="Split: the GPU's SMs.")] = 132,
+    shared_device: Annotated[
+        bool,
+        typer.Option(
+            help="Prefill worker i and decode worker i share one GPU: half the KV pool each, "
+            "overlapping steps slowed."
+        ),
+    ] = False,
+    shared_device_slowdown: Annotated[
+        float,
+        typer.Option(help="--shared-device: a step's time over alone while the other steps."),
+    ] = 2.0,
     workload: WorkloadOption = "synthetic",
     rate: Annotated[
         list[float] | None, typer.Option(help="Requests/s (repeatable: a sweep).")
@@ -137,7 +158,8 @@ def simulate(
 ) -> None:
     """Simulate a cluster of profiled workers under a workload (Poisson or the workload's own
     arrivals, seeded): admission and placement are the router's own; prints the table
-    `pdserve bench` prints, from simulated records."""
+    `pdserve bench` prints, from simulated records. Split workers and shared devices: see
+    "Simulator" in docs/benchmarks.md for their model and where its defaults come from."""
     from admission.config import AdmissionThresholds, InvalidAdmissionConfig
     from loadtests.bench import print_summary
     from loadtests.goodput import SLOError, parse_slo
@@ -147,6 +169,7 @@ def simulate(
     from simulator.cluster import ClusterShape
     from simulator.report import as_bench_summary
     from simulator.report import simulate as run_simulation
+    from simulator.split import SplitParams
 
     rates = rate or [1.0]
     if any(r <= 0 for r in rates):
@@ -167,10 +190,15 @@ def simulate(
         thresholds = AdmissionThresholds()
         if local_prefill_threshold is not None:
             thresholds = AdmissionThresholds(local_prefill_threshold_tokens=local_prefill_threshold)
+        params = SplitParams(
+            total_sms=split_total_sms, decode_sms=split_decode_sms,
+            tpot_target_s=split_tpot_ms / 1000,
+        )  # fmt: skip
         shape = ClusterShape(
-            prefill, decode, colocated, kv_blocks, thresholds,
+            prefill, decode, colocated, split, kv_blocks, thresholds,
             local_prefill=policies[local_prefill_policy], stall_weight=stall_weight,
-            chunk_tokens=chunk,
+            chunk_tokens=chunk, split_params=params, shared_device=shared_device,
+            shared_device_slowdown=shared_device_slowdown,
         )  # fmt: skip
         goal = parse_slo(slo or DEFAULT_SLO)
         results = [
@@ -179,8 +207,9 @@ def simulate(
         ]
     except (PerfProfileError, ProfileError, SLOError, InvalidAdmissionConfig, ValueError) as e:
         fail(str(e), 2)
-    where = f"simulated {prefill}P{decode}D" + (f"+{colocated}C" if colocated else "")
-    where += f", chunk {chunk}" if chunk else ""
+    from simulator.plan import label
+
+    where = "simulated " + label(shape)
     summary = as_bench_summary(where, str(workload), goal, duration, seed, results)
     print_summary(summary, console)
     console.print(f"local prefill: {local_prefill_policy}")
@@ -212,6 +241,9 @@ def plan(
             "profile's alone)."
         ),
     ] = None,
+    split: Annotated[
+        bool, typer.Option(help="Also search split workers (zS, their default parameters).")
+    ] = False,
     attainment: Annotated[
         float, typer.Option(help="Share of requests that must meet every SLO.")
     ] = 0.9,
@@ -225,9 +257,9 @@ def plan(
     dtype: ProfileDtype = None,
 ) -> None:
     """Search cluster configurations in simulated time (one GPU per worker: xPyD splits and
-    colocated, each at every --chunk) and print the cheapest that meet the SLOs, ranked by
-    goodput per GPU. Exit 1 when none does (the closest is printed, with by how much it
-    misses)."""
+    colocated, split workers with --split, each at every --chunk) and print the cheapest that
+    meet the SLOs, ranked by goodput per GPU. Exit 1 when none does (the closest is printed,
+    with by how much it misses)."""
     import time
 
     from loadtests.goodput import SLOError, parse_slo
@@ -254,11 +286,19 @@ def plan(
         if gpus is None:
             assert rate
             found = plan_for_rate(
-                run, rate[0], goal, max_gpus=max_gpus, attainment=attainment, chunks=chunks
+                run,
+                rate[0],
+                goal,
+                max_gpus=max_gpus,
+                attainment=attainment,
+                chunks=chunks,
+                split=split,
             )
         else:
             rates = rate or geometric_rates(0.5, 32.0, 8)
-            found = plan_for_gpus(run, gpus, rates, goal, attainment=attainment, chunks=chunks)
+            found = plan_for_gpus(
+                run, gpus, rates, goal, attainment=attainment, chunks=chunks, split=split
+            )
     except (PerfProfileError, ProfileError, SLOError, ValueError) as e:
         fail(str(e), 2)
     _print_plan(found, time.perf_counter() - started)

@@ -50,7 +50,13 @@ from engine.core.runner import ModelRunner
 from engine.core.sampler import Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.sm_split import SMSplit
-from engine.core.split_policy import (
+from engine.kv.block_pool import BlockPool
+from engine.kv.kv_cache import KVCache
+from engine.lora.lora_registry import LoraRegistry
+from engine.modeling.llama import LlamaModel
+from vocabulary.engine_io import RequestOutput, SplitStatus
+from vocabulary.model_config import ModelConfig
+from vocabulary.split_policy import (
     BandwidthCurve,
     DecodeLoad,
     SplitGovernor,
@@ -58,12 +64,6 @@ from engine.core.split_policy import (
     StepCorrection,
     choose_decode_sms,
 )
-from engine.kv.block_pool import BlockPool
-from engine.kv.kv_cache import KVCache
-from engine.lora.lora_registry import LoraRegistry
-from engine.modeling.llama import LlamaModel
-from vocabulary.engine_io import RequestOutput, SplitStatus
-from vocabulary.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class PrefillLane:
 
 @dataclass
 class Adaptive:
-    """The adaptive split (engine/core/split_policy.py) of a partitioned split engine."""
+    """The adaptive split (vocabulary/split_policy.py) of a partitioned split engine."""
 
     model: SplitModel
     kv_bytes_per_token: int

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vocabulary.engine_io import SplitStatus
+from vocabulary.split_policy import decode_shares
 
 log = logging.getLogger(__name__)
 
@@ -244,14 +245,6 @@ def hbm_bytes_per_s(device: torch.device, nbytes: int = 256 << 20) -> float:
     end.record()
     end.synchronize()
     return 4 * 2 * nbytes / (start.elapsed_time(end) / 1e3)
-
-
-def decode_shares(total_sms: int) -> tuple[int, ...]:
-    """The decode partitions an adaptive split chooses among: an eighth, a quarter, a third,
-    half and two thirds of the device, in whole groups of 8 SMs (the granularity Hopper's
-    driver splits SMs in)."""
-    shares = {max(8, round(total_sms * f / 8) * 8) for f in (1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3)}
-    return tuple(sorted(s for s in shares if s < total_sms))
 
 
 @contextlib.contextmanager

@@ -38,6 +38,16 @@ def test_simulate_prints_the_bench_tables(profile: Path) -> None:
     assert "p0" in out and "d0" in out
 
 
+def test_simulate_runs_split_workers_and_pd_pairs_sharing_a_gpu(profile: Path) -> None:
+    common = ("--profile", str(profile), "--rate", "2", "--duration", "3")
+    code, out = run(*common, "--prefill", "0", "--decode", "0", "--split", "1")
+    assert code == 0, out
+    assert "simulated 1S" in out and "s0" in out
+    code, out = run(*common, "--shared-device")
+    assert code == 0, out
+    assert "simulated 1P1D shared" in out
+
+
 def test_simulate_says_where_prompts_were_prefilled_and_why(profile: Path) -> None:
     args = ["--profile", str(profile), "--workload", "synthetic", "--rate", "2", "--duration", "5"]
     code, out = run(*args, "--local-prefill-policy", "cost")
@@ -60,6 +70,11 @@ def test_simulate_says_where_prompts_were_prefilled_and_why(profile: Path) -> No
         (["--slo", "ttft"], "ttft"),
         (["--local-prefill-policy", "fast"], "--local-prefill-policy: one of threshold, cost"),
         (["--stall-weight", "-1"], "--stall-weight: must be >= 0, got -1.0"),
+        (["--split", "-1"], "--split: must be >= 0"),
+        (["--split", "1", "--split-decode-sms", "132"], "--split-decode-sms: must be in"),
+        (["--split", "1", "--shared-device"], "--shared-device: pairs"),
+        (["--decode", "2", "--shared-device"], "--shared-device: one prefill worker per decode"),
+        (["--shared-device", "--shared-device-slowdown", "0.5"], "--shared-device-slowdown"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.split_policy import (
+from vocabulary.split_policy import (
     BandwidthCurve,
     DecodeLoad,
     SplitGovernor,

@@ -157,6 +157,17 @@ def test_the_plan_command_prints_the_cheapest_configuration_and_a_pareto_plot(
     assert plot.stat().st_size > 1000
 
 
+def test_the_plan_command_searches_split_workers_when_asked(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["plan", "--profile", str(_profile_file(tmp_path)), "--gpus", "1", "--rate", "1",
+         "--slo", "ttft:5000", "--slo", "tpot:200", "--duration", "4", "--split"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "1C" in said and "1S" in said
+
+
 def test_the_plan_command_exits_1_naming_the_closest_when_nothing_meets(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         app,

@@ -1,6 +1,8 @@
 """How many SMs a split engine's decode loop gets: the fewest whose predicted step time meets
 its TPOT target at the current batch and context, the rest to prefill; every SM to one side
-when the other has nothing to do. Pure, so it is tested exhaustively and can be replayed.
+when the other has nothing to do. Pure and torch-free, so it is tested exhaustively and the
+simulator's split worker (simulator/split.py) decides with the engine's own code
+(engine/core/prefill_lane.py).
 
 A decode step streams the weights and the batch's KV once, so its time is bytes over the
 bandwidth its SMs can draw (`BandwidthCurve`: measured per SM share by `python -m benchmarks
@@ -130,3 +132,11 @@ class SplitGovernor:
             return None
         self.current, self._changed_at = wanted, now_s
         return wanted
+
+
+def decode_shares(total_sms: int) -> tuple[int, ...]:
+    """The decode partitions an adaptive split chooses among: an eighth, a quarter, a third,
+    half and two thirds of the device, in whole groups of 8 SMs (the granularity Hopper's
+    driver splits SMs in)."""
+    shares = {max(8, round(total_sms * f / 8) * 8) for f in (1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3)}
+    return tuple(sorted(s for s in shares if s < total_sms))
