@@ -11,8 +11,11 @@ prints every step after the prompts are in:
 - its wall time between two device syncs, the batch it ran (prefill tokens, decode rows),
   the requests running and waiting;
 - its host phases (`engine_step.HostProfile`: schedule, launch, sample, wait, postprocess);
-- for the slowest steps of each scenario (over `--outlier` x the scenario's median), a
-  torch.profiler table of the ops that took the time, host and device.
+- on CUDA, what the caching allocator did in it (device allocations and frees, retries after
+  emptying its cache), when anything;
+- for a scenario with steps over `--outlier` x the steady scenario's median step (its own
+  median can be the slow step: on the H100 every step of `finishing` but one was slow), a
+  re-run under torch.profiler and the table of the ops that took the time, host and device.
 
 Scenarios: `steady` (8 x 3072, none finishing), `finishing` (8 x 3072, max_tokens 7: they
 finish one after another), `after_aborts` (64 x 3072 admitted, two steps, all aborted and
@@ -38,6 +41,8 @@ from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from vocabulary.sampling import SamplingParams
 
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+
 
 class StepRecorder:
     """Times single steps between device syncs, with their host phases and batch."""
@@ -58,9 +63,18 @@ class StepRecorder:
 
         engine.scheduler.schedule = schedule_and_note  # type: ignore[method-assign]
 
+    def _allocator(self) -> dict[str, int]:
+        """The CUDA caching allocator's counters: device allocations and frees it made, and
+        allocations it retried after freeing its cache (a step near the memory limit)."""
+        if self.engine.runner.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.engine.runner.device)
+        return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
     def step(self, profiler: torch.profiler.profile | None = None) -> dict[str, Any]:
         e = self.engine
         before = dict(self.prof.totals)
+        allocator = self._allocator()
         sync(e.runner.device)
         t0 = time.perf_counter()
         self.last_batch = (0, 0)
@@ -71,7 +85,9 @@ class StepRecorder:
             profiler.step()
         phases = {k: (self.prof.totals[k] - before[k]) * 1e3 for k in PHASES if k != "other"}
         phases["postprocess"] -= phases["wait"]  # `_complete` includes the wait
+        allocated = {k: v - allocator[k] for k, v in self._allocator().items()}
         return {
+            "allocator": {k: v for k, v in allocated.items() if v},
             "ms": wall * 1e3,
             "prefill_tokens": self.last_batch[0],
             "decode_rows": self.last_batch[1],
@@ -150,11 +166,15 @@ def scenarios(
 
 
 def profile_outliers(
-    rec: StepRecorder, name: str, rows: list[dict[str, Any]], factor: float, ctx: int
+    rec: StepRecorder,
+    name: str,
+    rows: list[dict[str, Any]],
+    limit_ms: float,
+    ctx: int,
+    small_ctx: int,
 ) -> str:
-    """Re-run one scenario under torch.profiler; the table of its steps over factor x median."""
-    med = statistics.median(r["ms"] for r in rows)
-    if not any(r["ms"] > factor * med for r in rows):
+    """Re-run one scenario under torch.profiler when a step of it took over `limit_ms`."""
+    if not any(r["ms"] > limit_ms for r in rows):
         return ""
     e = rec.engine
     rng = random.Random(1)
@@ -169,6 +189,8 @@ def profile_outliers(
             e.abort_request(rid)
         _timed(rec, None)
         ids = _add(e, rng, "p-after", 1, ctx, [12])
+    elif name == "finishing_small":
+        ids = _add(e, rng, "p-small", 32, small_ctx, [4 + i % 9 for i in range(32)])
     else:
         ids = _add(e, rng, "p-fin", 8, ctx, [7] * 8)
     _prefill_all(rec, ids)
@@ -206,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     parser.add_argument("--cpu", action="store_true", help="CPU, the tiny model")
     parser.add_argument("--model", type=Path, help="GPU: model folder (config.json; dummy weights)")
     parser.add_argument("--context", type=int, default=0, help="long prompts (GPU 3072, CPU 400)")
-    parser.add_argument("--outlier", type=float, default=3.0, help="outlier: x the median")
+    parser.add_argument(
+        "--outlier", type=float, default=3.0, help="outlier: x the steady scenario's median"
+    )
     parser.add_argument("--json", type=Path, help="write every step here")
     args = parser.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
@@ -216,23 +240,25 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     engine = build_engine(cpu, args.model)
     rec = StepRecorder(engine)
     try:
-        found = scenarios(rec, ctx, 64 if cpu else 256, 16 if cpu else 64)
+        small_ctx = 64 if cpu else 256
+        found = scenarios(rec, ctx, small_ctx, 16 if cpu else 64)
         report: dict[str, Any] = {"scenarios": found, "profiles": {}}
+        limit_ms = args.outlier * statistics.median(r["ms"] for r in found["steady"])
         for name, rows in found.items():
             if not rows:
                 continue
             med = statistics.median(r["ms"] for r in rows)
             print(f"== {name}: {len(rows)} steps, median {med:.2f} ms")
             for i, r in enumerate(rows):
-                mark = "  <-- outlier" if r["ms"] > args.outlier * med else ""
+                mark = "  <-- outlier" if r["ms"] > limit_ms else ""
                 ph = " ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items())
                 print(
                     f"  {i:3d} {r['ms']:8.2f} ms  prefill {r['prefill_tokens']:5d} decode "
                     f"{r['decode_rows']:3d} run {r['running']:3d} wait {r['waiting']:3d} "
-                    f"fin {r['finished']}  [{ph}]{mark}"
+                    f"fin {r['finished']}  [{ph}]{r['allocator'] or ''}{mark}"
                 )
-        for name in ("finishing", "after_aborts"):
-            text = profile_outliers(rec, name, found[name], args.outlier, ctx)
+        for name in ("finishing", "after_aborts", "finishing_small"):
+            text = profile_outliers(rec, name, found[name], limit_ms, ctx, small_ctx)
             if text:
                 report["profiles"][name] = text
                 print(text)
