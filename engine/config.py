@@ -123,7 +123,9 @@ class EngineConfig:
     """A prefill-only worker hands off a prompt's blocks that its host tier also holds from
     there (the decode worker reads them from pinned host memory over NIXL) and gives their
     device blocks back to its pool at once; off: every block is handed off from the device
-    (always on a pipeline worker, whose other stages do not register their host blocks)."""
+    (always on a pipeline worker, whose other stages do not register their host blocks; and
+    in a cluster with a worker of several ranks, TP or PP, whose hand-offs read KV pools
+    only: deploy/control/cluster_spec.py `ClusterSpec.host_kv_handoff`)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's context length."""
     attention_backend: str = "auto"

@@ -146,15 +146,25 @@ class ClusterSpec:
             return layout
         return "head_major" if self.prefill_tp != self.decode_tp else "block_major"
 
+    @property
+    def host_kv_handoff(self) -> bool:
+        """engine.host_kv_handoff where the cluster's hand-offs can read host-tier blocks:
+        only between two workers of one rank each (a worker of several ranks, TP or PP, on
+        either side reads or lends KV pools only, kv_transfer/plan.py), so a cluster with
+        one hands off from the device pools instead of failing its hand-offs. The same for
+        every role, since a worker may switch roles."""
+        single = self.ranks_for(WorkerRole.PREFILL) == 1 and self.ranks_for(self.decode_role) == 1
+        return self.engine.host_kv_handoff and (self.colocated or single)
+
     def engine_for(self, role: WorkerRole) -> EngineConfig:
-        """The engine of a worker of `role`: its mode, TP size, pipeline stages and the
-        cluster's KV layout."""
+        """The engine of a worker of `role`: its mode, TP size, pipeline stages, the
+        cluster's KV layout and whether it lends host-tier blocks to hand-offs."""
         mode = engine_mode(role)
         stages, layers = self.pp_for(role) if role is not WorkerRole.SPLIT else (1, ())
         return replace(
             self.engine, mode=mode, tensor_parallel_size=self.tp_for(role),
             pipeline_parallel_size=stages, pipeline_layer_partition=layers,
-            kv_layout=self.kv_layout,
+            kv_layout=self.kv_layout, host_kv_handoff=self.host_kv_handoff,
         )  # fmt: skip
 
     def tp_refusal(self, model: ModelConfig) -> tuple[str, str] | None:

@@ -52,6 +52,31 @@ def test_each_role_gets_its_tp_size_and_the_clusters_kv_layout() -> None:
         ClusterSpec(engine=EngineConfig(model_dir="m", tensor_parallel_size=2))
 
 
+@pytest.mark.parametrize(
+    ("fields", "lends"),
+    [
+        ({}, True),
+        ({"decode_tp": 2}, False),
+        ({"prefill_tp": 2}, False),
+        ({"prefill_tp": 2, "decode_tp": 2}, False),
+        ({"decode_pp": 2}, False),
+        ({"colocated": True, "decode_tp": 2}, True),  # nothing handed off
+    ],
+)
+def test_host_tier_hand_offs_only_between_single_rank_workers(
+    fields: dict[str, object], lends: bool
+) -> None:
+    """A hand-off reads host-tier blocks only between workers of one rank each (kv_transfer/
+    plan.py refuses them otherwise): a cluster with a TP or PP worker turns the lending off
+    in every role's engine rather than failing its hand-offs at transfer time."""
+    s = spec(**fields)
+    assert s.host_kv_handoff is lends
+    for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+        assert s.engine_for(role).host_kv_handoff is lends
+    off = ClusterSpec(engine=EngineConfig(model_dir="m", host_kv_handoff=False))
+    assert off.engine_for(WorkerRole.PREFILL).host_kv_handoff is False
+
+
 def test_capacity_counts_every_rank_of_a_tp_worker() -> None:
     s = spec(prefill_tp=2, decode_tp=4, placement=WorkerPlacement(default=GPU))
     asks = [(r.value, s.worker_asks(r)) for r in s.initial_roles()]
