@@ -5,7 +5,7 @@ Covers the adapter format (what loads, what is refused and how the error names i
 batched apply (three adapters of different ranks and targets plus base rows in one step, each
 row equal to its own reference; the graph kernels equal the grouped one), FP8 projections
 with an adapter, and the cache (LRU eviction, held slots, host hits vs disk reads, deferred
-unregister, failed reads).
+unregister, failed reads: test_lora_cache.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from lora_reference import ATTENTION, MLP, hf_base, make_adapter, peft_model
+from lora_cases import acquire_now, edited_copy, make_adapters, make_cache
+from lora_reference import ATTENTION, MLP, hf_base, peft_model
 from runner_factories import corpus_tokens, make_pool, prompt_tokens, scattered_blocks
 
 from engine.batch import ScheduledBatch, SeqChunk
@@ -31,31 +32,20 @@ from engine.loading.loaders import load_model
 from engine.lora.lora_adapter import WEIGHTS_FILE, read_adapter_spec
 from engine.lora.lora_apply import LoraWeights, eager_step, graph_step
 from engine.lora.lora_cache import (
-    AdapterState,
     LoraCache,
     LoraCacheConfig,
     LoraLoadError,
-    LoraNotFound,
 )
 from engine.modeling.llama import DecoderLayer, LlamaModel
 from vocabulary.model_config import ModelConfig
 from vocabulary.sampling import SamplingParams
 
 RTOL, ATOL = 1e-5, 1e-4
-ADAPTERS: dict[str, dict[str, object]] = {
-    "qv8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
-    "mlp4": {"r": 4, "lora_alpha": 8, "target_modules": MLP, "use_rslora": True},
-    "all16": {"r": 16, "lora_alpha": 32, "target_modules": ATTENTION + MLP},
-}
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora")
-    return {
-        name: make_adapter(tiny_model_dir, root / name, seed, **cfg)
-        for seed, (name, cfg) in enumerate(ADAPTERS.items())
-    }
+    return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")
@@ -74,20 +64,6 @@ def model(tiny_model_dir: Path) -> LlamaModel:
 @pytest.fixture(scope="module")
 def corpus(tiny_model_dir: Path) -> list[int]:
     return corpus_tokens(tiny_model_dir)
-
-
-def make_cache(model: LlamaModel, **config: object) -> LoraCache:
-    return LoraCache(model.cfg, LoraCacheConfig(**config), model.dtype, model.device)  # type: ignore[arg-type]
-
-
-def acquire_now(cache: LoraCache, name: str) -> int:
-    """Acquire, waiting for the disk read in between (what a waiting request sees over steps)."""
-    for _ in range(3):
-        slot = cache.acquire(name)
-        if slot is not None:
-            return slot
-        cache.wait_for_loads(timeout=30)
-    raise AssertionError(f"{name} never became resident")
 
 
 def lora_runner(model: LlamaModel, model_dir: Path, cache: LoraCache) -> ModelRunner:
@@ -113,16 +89,6 @@ def test_spec_reads_rank_scaling_and_targets(model: LlamaModel, adapters: dict[s
     assert qv.layers == (tuple(range(model.cfg.num_layers)),) * 2
     mlp = read_adapter_spec(adapters["mlp4"], model.cfg)
     assert (mlp.rank, mlp.scaling, mlp.modules) == (4, 4.0, tuple(MLP))  # rslora: 8 / sqrt(4)
-
-
-def edited_copy(src: Path, dst: Path, **fields: object) -> Path:
-    """A copy of an adapter folder with config fields replaced."""
-    dst.mkdir()
-    (dst / WEIGHTS_FILE).write_bytes((src / WEIGHTS_FILE).read_bytes())
-    raw = json.loads((src / "adapter_config.json").read_text())
-    raw.update(fields)
-    (dst / "adapter_config.json").write_text(json.dumps(raw))
-    return dst
 
 
 @pytest.mark.parametrize(
@@ -429,121 +395,6 @@ def test_fp8_projections_with_an_adapter_stay_close_to_the_dense_ones(
     step = eager_step(cache.weights, slots, fp8.device)
     assert layer._static_scale("down_proj") is not None  # the fused e4m3 input without LoRA
     assert layer._static_scale("down_proj", step) is None  # the adapter reads it unquantized
-
-
-# ---- the cache ------------------------------------------------------------------------------
-
-
-def test_more_adapters_than_slots_evict_the_least_recently_used(
-    model: LlamaModel, adapters: dict[str, Path]
-) -> None:
-    cache = make_cache(model, max_loras=2, max_cpu_loras=3)
-    for name, path in adapters.items():
-        cache.register(name, path)
-    assert cache.acquire("qv8") is None  # the disk read starts; the caller never waits
-    assert cache.state("qv8") in (AdapterState.LOADING, AdapterState.HOST)
-    assert (acquire_now(cache, "qv8"), acquire_now(cache, "mlp4")) == (0, 1)
-    cache.release("qv8")
-    cache.release("mlp4")
-    cache.acquire("mlp4")
-    cache.release("mlp4")  # mlp4 used last: qv8 is the LRU
-    assert acquire_now(cache, "all16") == 0
-    assert cache.slot_of("qv8") is None and cache.state("qv8") is AdapterState.HOST
-    assert cache.state("all16") is AdapterState.RESIDENT
-    stats = cache.stats
-    assert (stats.num_disk_loads, stats.num_host_loads, stats.num_evictions) == (3, 0, 1)
-    assert stats.num_resident == 2 and stats.disk_load_seconds > 0
-    assert acquire_now(cache, "qv8") == 1  # from the host cache into mlp4's slot (all16 held)
-    stats = cache.stats
-    assert (stats.num_disk_loads, stats.num_host_loads, stats.num_evictions) == (3, 1, 2)
-    assert cache.slot_of("mlp4") is None and cache.slot_of("all16") == 0
-
-
-def test_held_slots_are_never_evicted(model: LlamaModel, adapters: dict[str, Path]) -> None:
-    cache = make_cache(model, max_loras=1, max_cpu_loras=2)
-    cache.register("qv8", adapters["qv8"])
-    cache.register("mlp4", adapters["mlp4"])
-    assert acquire_now(cache, "qv8") == 0
-    assert cache.acquire("qv8") == 0 and cache.refs("qv8") == 2
-    cache.acquire("mlp4")
-    cache.wait_for_loads(timeout=30)
-    for _ in range(3):
-        assert cache.acquire("mlp4") is None
-    assert cache.state("mlp4") is AdapterState.HOST
-    cache.release("qv8")
-    assert cache.acquire("mlp4") is None  # one holder left
-    cache.release("qv8")
-    assert cache.acquire("mlp4") == 0 and cache.stats.num_evictions == 1
-    with pytest.raises(ValueError, match="not held"):
-        cache.release("qv8")
-
-
-def test_the_host_lru_drops_adapters_and_reads_them_again(
-    model: LlamaModel, adapters: dict[str, Path]
-) -> None:
-    cache = make_cache(model, max_loras=1, max_cpu_loras=1)
-    cache.register("qv8", adapters["qv8"])
-    cache.register("mlp4", adapters["mlp4"])
-    acquire_now(cache, "qv8")
-    cache.release("qv8")
-    acquire_now(cache, "mlp4")  # qv8's slot and host copy both go
-    cache.release("mlp4")
-    assert cache.state("qv8") is AdapterState.REGISTERED
-    acquire_now(cache, "qv8")
-    stats = cache.stats
-    assert (stats.num_disk_loads, stats.num_host_loads, stats.num_host_evictions) == (3, 0, 2)
-
-
-def test_unregister_while_held_is_deferred_to_the_last_release(
-    model: LlamaModel, adapters: dict[str, Path]
-) -> None:
-    cache = make_cache(model, max_loras=1)
-    cache.register("qv8", adapters["qv8"])
-    slot = acquire_now(cache, "qv8")
-    cache.unregister("qv8")
-    assert cache.names() == () and cache.refs("qv8") == 1
-    with pytest.raises(LoraNotFound, match="'qv8'"):
-        cache.acquire("qv8")
-    with pytest.raises(ValueError, match="still held by 1 requests"):
-        cache.register("qv8", adapters["qv8"])
-    cache.register("mlp4", adapters["mlp4"])
-    cache.acquire("mlp4")
-    cache.wait_for_loads(timeout=30)
-    assert cache.acquire("mlp4") is None  # the drained adapter still holds the only slot
-    cache.release("qv8")
-    assert cache.acquire("mlp4") == slot and cache.stats.num_evictions == 0
-    cache.register("qv8", adapters["qv8"])
-    assert cache.names() == ("mlp4", "qv8")
-
-
-def test_a_failed_disk_read_fails_the_acquire_until_registered_again(
-    model: LlamaModel, adapters: dict[str, Path], tmp_path: Path
-) -> None:
-    cache = make_cache(model)
-    folder = edited_copy(adapters["qv8"], tmp_path / "gone")
-    cache.register("gone", folder)
-    (folder / WEIGHTS_FILE).unlink()
-    assert cache.acquire("gone") is None
-    cache.wait_for_loads(timeout=30)
-    with pytest.raises(LoraLoadError, match="'gone'"):
-        cache.acquire("gone")
-    assert cache.state("gone") is AdapterState.FAILED
-    with pytest.raises(LoraNotFound):
-        cache.acquire("never-registered")
-    with pytest.raises(ValueError, match="not a directory"):
-        cache.register("bad", tmp_path / "missing")
-    cache.unregister("gone")
-    assert cache.names() == ()
-
-
-def test_cache_sizes_are_checked() -> None:
-    with pytest.raises(ValueError, match="max_cpu_loras"):
-        LoraCacheConfig(max_loras=4, max_cpu_loras=2)
-    with pytest.raises(ValueError, match="max_loras"):
-        LoraCacheConfig(max_loras=0)
-
-
-# ---- GPU: the CUDA-graph decode with adapters ------------------------------------------------
 
 
 def write_random_adapter(out: Path, cfg: ModelConfig, rank: int, modules: list[str]) -> Path:
