@@ -44,6 +44,7 @@ from benchmarks.harness.table import Table
 from loadtests.goodput import SLO, GoodputReport, parse_slo, summarize
 from loadtests.records import RequestRecord, read_records
 from planner.perf_profile import PerfProfile, ServingOverhead, load_perf_profile
+from planner.profile_checks import suspect_points
 from simulator.cluster import ClusterShape
 from simulator.report import simulate
 
@@ -112,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"profile written in {time.perf_counter() - t0:.1f} s")
         _run_cluster(args, out)
     engine_only = load_perf_profile(profile_path)
+    for line in suspect_points(engine_only):
+        log(f"warning: {profile_path}: suspect point (re-measure it): {line}")
     real = {rate: summarize(read_records(_records_path(args, rate)), slo) for rate in args.rates}
     first = read_records(_records_path(args, args.rates[0]))
     fitted = measure_serving(engine_only, args, args.rates[0], first, slo)

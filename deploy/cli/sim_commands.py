@@ -100,6 +100,17 @@ def profile(
         f"wrote {out}: {h.model_id} {h.dtype} TP{h.tensor_parallel_size} on {h.device}, "
         f"{len(result.prefill)} prefill and {len(result.decode)} decode points"
     )
+    warn_suspect(result, str(out))
+
+
+def warn_suspect(perf: object, where: str) -> None:
+    """Say which points of a profile cannot be the step they name (planner/profile_checks.py)."""
+    from planner.perf_profile import PerfProfile
+    from planner.profile_checks import suspect_points
+
+    assert isinstance(perf, PerfProfile)
+    for line in suspect_points(perf):
+        console.print(f"warning: {where}: suspect point (re-measure it): {line}", style="yellow")
 
 
 def simulate(
@@ -187,6 +198,7 @@ def simulate(
         fail(f"--stall-weight: must be >= 0, got {stall_weight}", 2)
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
+        warn_suspect(perf, str(profile))
         thresholds = AdmissionThresholds()
         if local_prefill_threshold is not None:
             thresholds = AdmissionThresholds(local_prefill_threshold_tokens=local_prefill_threshold)
@@ -281,6 +293,7 @@ def plan(
     started = time.perf_counter()
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
+        warn_suspect(perf, str(profile))
         goal = parse_slo(slo or DEFAULT_SLO)
         run = simulator_for(perf, workload, duration, goal, seed)
         if gpus is None:
