@@ -59,11 +59,20 @@ def profile(
     load_format: Annotated[
         str, typer.Option(help="auto: the checkpoint's weights; dummy: random, config.json only.")
     ] = "auto",
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            help="Tensor-parallel ranks of the profiled worker (CPU: gloo, each rank --threads; "
+            "CUDA: rank r on device r).",
+        ),
+    ] = 1,
 ) -> None:
-    """Time one worker's engine (in this process) through a grid of prefill and decode steps
-    and write the profile `pdserve simulate` reads. The tiny model on CPU takes ~10-15 s.
-    The serving overheads (default: none, the engine alone) are recorded as given: see
-    "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
+    """Time one worker's engine (rank 0 in this process; with --tp N, ranks 1..N-1 in
+    processes of their own, stopped when done) through a grid of prefill and decode steps
+    and write the profile `pdserve simulate` and `pdserve plan` read. The tiny model on CPU
+    takes ~10-15 s. The serving overheads (default: none, the engine alone) are recorded as
+    given: see "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
     from deploy.cli.profiling import ProfileGrid, measure
     from engine.config import LOAD_FORMATS
     from planner.perf_profile import PerfProfileError, ServingOverhead
@@ -76,6 +85,8 @@ def profile(
         fail(f"--handoff-ms: must be >= 0, got {handoff_ms}", 2)
     if load_format not in LOAD_FORMATS:
         fail(f"--load-format: one of {', '.join(LOAD_FORMATS)}, got {load_format!r}", 2)
+    if tp < 1:
+        fail(f"--tp: tensor-parallel ranks, must be >= 1, got {tp}", 2)
     try:
         given = (request_overhead_ms / 1000, prefill_factor, decode_step_overhead_ms / 1000)
         serving = ServingOverhead(*given, source="pdserve profile options")
@@ -87,10 +98,13 @@ def profile(
         model = cached_tiny_model()
     elif not (model / "config.json").is_file():
         fail(f"--model: {model} has no config.json", 2)
+    if tp > 1:
+        _check_tp(model, tp, device)
     grid = ProfileGrid.quick() if quick else ProfileGrid.gpu() if device != "cpu" else ProfileGrid()
     result = measure(
         model, grid, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
-        torch_threads=threads, handoff_ms=handoff_ms, load_format=load_format, say=console.print,
+        torch_threads=threads, handoff_ms=handoff_ms, load_format=load_format,
+        tensor_parallel_size=tp, say=console.print,
     )  # fmt: skip
     if given != (0.0, 1.0, 0.0):
         result = replace(result, serving=serving)
@@ -100,6 +114,25 @@ def profile(
         f"wrote {out}: {h.model_id} {h.dtype} TP{h.tensor_parallel_size} on {h.device}, "
         f"{len(result.prefill)} prefill and {len(result.decode)} decode points"
     )
+
+
+def _check_tp(model: Path, tp: int, device: str) -> None:
+    """Refuse (exit 2, nothing started) a TP size that does not split the model (the
+    engine's own check) or, on CUDA, one past the visible devices."""
+    from engine.tp.tp_shard import check_tp_size
+    from vocabulary.model_config import ModelConfig
+
+    try:
+        check_tp_size(ModelConfig.from_pretrained(str(model)), tp)
+    except ValueError as e:
+        fail(f"--tp: {e}", 2)
+    if device != "cpu":
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if tp > visible:
+            fail(f"--tp: {tp} ranks need {tp} CUDA devices (rank r on device r), "
+                 f"{visible} visible", 2)  # fmt: skip
 
 
 def simulate(
