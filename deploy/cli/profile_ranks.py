@@ -137,7 +137,9 @@ class FollowerRanks:
         if self._group is not None:
             self._group.close()
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for rank, (process, pipe) in enumerate(zip(self.processes, self._pipes), start=1):
+        for rank, (process, pipe) in enumerate(
+            zip(self.processes, self._pipes, strict=True), start=1
+        ):
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 log.warning("profile: TP rank %d did not return: killed", rank)

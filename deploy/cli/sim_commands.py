@@ -1,8 +1,10 @@
-"""`pdserve profile`, `pdserve simulate` and `pdserve plan`: measure a worker's engine into a
-profile file (deploy/cli/profiling.py, planner/perf_profile.py), run a cluster of such workers
-in simulated time (simulator/), and search the configurations that meet SLOs
+"""`pdserve profile`, `pdserve simulate` and `pdserve plan`: measure a worker's engine (one
+rank, or a TP group of ranks) into a profile file (deploy/cli/profiling.py,
+planner/perf_profile.py), run a cluster of such workers in simulated time (simulator/), and
+search the configurations that meet SLOs, each role at each TP size profiled
 (simulator/plan.py). Bad input (a profile that does not parse or was made for another
-model or dtype, an unknown workload, a bad count) is one line on stderr and exit code 2."""
+model or dtype, profiles of different models, an unknown workload, a bad count or TP size) is
+one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -188,6 +190,13 @@ def simulate(
     ] = 0,
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
+    prefill_profile: Annotated[
+        Path | None,
+        typer.Option(
+            help="Prefill workers step on this profile (another TP size of the model); "
+            "default: --profile."
+        ),
+    ] = None,
 ) -> None:
     """Simulate a cluster of profiled workers under a workload (Poisson or the workload's own
     arrivals, seeded): admission and placement are the router's own; prints the table
@@ -197,7 +206,7 @@ def simulate(
     from loadtests.bench import print_summary
     from loadtests.goodput import SLOError, parse_slo
     from loadtests.workload import ProfileError
-    from planner.perf_profile import PerfProfileError, load_perf_profile
+    from planner.perf_profile import PerfProfileError, check_same_worker, load_perf_profile
     from router.prefill_cost import LocalPrefillPolicy
     from simulator.cluster import ClusterShape
     from simulator.report import as_bench_summary
@@ -220,6 +229,10 @@ def simulate(
         fail(f"--stall-weight: must be >= 0, got {stall_weight}", 2)
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
+        prefill_perf = None
+        if prefill_profile is not None:
+            prefill_perf = load_perf_profile(prefill_profile, model_id=model, dtype=dtype)
+            check_same_worker(perf, prefill_perf)
         thresholds = AdmissionThresholds()
         if local_prefill_threshold is not None:
             thresholds = AdmissionThresholds(local_prefill_threshold_tokens=local_prefill_threshold)
@@ -227,17 +240,22 @@ def simulate(
             total_sms=split_total_sms, decode_sms=split_decode_sms,
             tpot_target_s=split_tpot_ms / 1000,
         )  # fmt: skip
+        tp_sizes = ((prefill_perf or perf).header.tensor_parallel_size,
+                    perf.header.tensor_parallel_size)  # fmt: skip
         shape = ClusterShape(
             prefill, decode, colocated, split, kv_blocks, thresholds,
             local_prefill=policies[local_prefill_policy], stall_weight=stall_weight,
             chunk_tokens=chunk, split_params=params, shared_device=shared_device,
-            shared_device_slowdown=shared_device_slowdown,
+            shared_device_slowdown=shared_device_slowdown, prefill_tp=tp_sizes[0],
+            decode_tp=tp_sizes[1],
         )  # fmt: skip
         goal = parse_slo(slo or DEFAULT_SLO)
-        results = [
-            (r, run_simulation(perf, shape, workload, r, duration, goal, seed, num_requests))
-            for r in rates
-        ]
+        results = []
+        for r in rates:
+            result = run_simulation(
+                perf, shape, workload, r, duration, goal, seed, num_requests, prefill_perf
+            )
+            results.append((r, result))
     except (PerfProfileError, ProfileError, SLOError, InvalidAdmissionConfig, ValueError) as e:
         fail(str(e), 2)
     from simulator.plan import label
@@ -253,7 +271,13 @@ def simulate(
 
 
 def plan(
-    profile: ProfileFile,
+    profile: Annotated[
+        list[Path],
+        typer.Option(
+            help="Profile file (pdserve profile); repeatable: one per TP size of one model, "
+            "dtype and card, each role searched at each."
+        ),
+    ],
     slo: SloOption = None,
     workload: WorkloadOption = "synthetic",
     rate: Annotated[
@@ -289,16 +313,23 @@ def plan(
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
 ) -> None:
-    """Search cluster configurations in simulated time (one GPU per worker: xPyD splits and
-    colocated, split workers with --split, each at every --chunk) and print the cheapest that
-    meet the SLOs, ranked by goodput per GPU. Exit 1 when none does (the closest is printed,
-    with by how much it misses)."""
+    """Search cluster configurations in simulated time (xPyD splits and colocated, split
+    workers with --split, each at every --chunk; each role at every TP size a --profile was
+    made for, a worker holding one GPU per rank) and print the cheapest that meet the SLOs,
+    ranked by goodput per GPU. Exit 1 when none does (the closest is printed, with by how
+    much it misses)."""
     import time
 
     from loadtests.goodput import SLOError, parse_slo
     from loadtests.workload import ProfileError
     from planner.perf_profile import PerfProfileError, load_perf_profile
-    from simulator.plan import geometric_rates, plan_for_gpus, plan_for_rate, simulator_for
+    from simulator.plan import (
+        geometric_rates,
+        plan_for_gpus,
+        plan_for_rate,
+        profiles_by_tp,
+        simulator_for,
+    )
 
     if gpus is None and not rate:
         fail("plan: give --rate (the fewest GPUs for it) or --gpus (the most from them)", 2)
@@ -313,9 +344,10 @@ def plan(
     chunks = sorted(set(chunk)) if chunk else [0]
     started = time.perf_counter()
     try:
-        perf = load_perf_profile(profile, model_id=model, dtype=dtype)
+        perfs = profiles_by_tp([load_perf_profile(p, model_id=model, dtype=dtype) for p in profile])
+        tp_sizes = tuple(perfs)
         goal = parse_slo(slo or DEFAULT_SLO)
-        run = simulator_for(perf, workload, duration, goal, seed)
+        run = simulator_for(perfs, workload, duration, goal, seed)
         if gpus is None:
             assert rate
             found = plan_for_rate(
@@ -326,12 +358,14 @@ def plan(
                 attainment=attainment,
                 chunks=chunks,
                 split=split,
+                tp_sizes=tp_sizes,
             )
         else:
             rates = rate or geometric_rates(0.5, 32.0, 8)
             found = plan_for_gpus(
-                run, gpus, rates, goal, attainment=attainment, chunks=chunks, split=split
-            )
+                run, gpus, rates, goal, attainment=attainment, chunks=chunks, split=split,
+                tp_sizes=tp_sizes,
+            )  # fmt: skip
     except (PerfProfileError, ProfileError, SLOError, ValueError) as e:
         fail(str(e), 2)
     _print_plan(found, time.perf_counter() - started)
