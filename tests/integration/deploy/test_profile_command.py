@@ -100,3 +100,18 @@ def test_a_tp_size_that_cannot_run_is_refused_before_anything_starts(
     assert result.exit_code == 2
     assert "--tp: " in result.output and why in result.output
     assert not out.exists() and children() == []
+
+
+def test_a_tp2_profile_that_fails_midway_still_stops_its_rank() -> None:
+    from deploy.checkpoints.make_model import cached_tiny_model
+    from deploy.cli.profiling import ProfileGrid, measure
+
+    def fail_after_the_first_point(line: str) -> None:
+        raise RuntimeError(f"failed after {line!r}")
+
+    with pytest.raises(RuntimeError, match="failed after 'prefill 16 tokens"):
+        measure(
+            cached_tiny_model(), ProfileGrid.quick(), num_kv_blocks=256, tensor_parallel_size=2,
+            say=fail_after_the_first_point,
+        )  # fmt: skip
+    assert children() == []
