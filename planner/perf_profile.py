@@ -275,6 +275,29 @@ def profile_from_dict(data: object) -> PerfProfile:
     )
 
 
+SAME_WORKER_FIELDS = (
+    "model_id", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size", "dtype",
+    "device", "block_size",
+)  # fmt: skip
+"""Header fields the profiles of one cluster share: one model, dtype, card and KV block size
+(their TP sizes, pools and budgets may differ)."""
+
+
+def check_same_worker(first: PerfProfile, *others: PerfProfile) -> None:
+    """Refuse profiles of different models, dtypes, cards or block sizes in one cluster (a
+    simulation stepping prefill workers on one and decode workers on another, a plan over
+    TP sizes): PerfProfileError naming the first field that differs."""
+    for other in others:
+        for name in SAME_WORKER_FIELDS:
+            mine, theirs = getattr(first.header, name), getattr(other.header, name)
+            if mine != theirs:
+                raise PerfProfileError(
+                    f"profile {name}: one cluster's profiles must agree, got {mine!r} (TP "
+                    f"{first.header.tensor_parallel_size}) and {theirs!r} (TP "
+                    f"{other.header.tensor_parallel_size})"
+                )
+
+
 def load_perf_profile(path: Path, **expected: object) -> PerfProfile:
     """The profile in `path`, checked against `expected` header fields (see
     `PerfProfile.check_matches`). Raises PerfProfileError with one line naming what is wrong."""

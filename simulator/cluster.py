@@ -19,7 +19,12 @@ Lifecycle of a request (times in seconds from the start of the run):
    prefill worker counts in that worker's queue from the decision on, as the live router
    counts what it dispatched, so a burst placed within one hop spreads over the workers;
 5. hand-off: `profile.handoff.seconds(blocks)` after the first token the request joins its
-   decode worker's batch (the decode blocks are allocated when it starts);
+   decode worker's batch (the decode blocks are allocated when it starts). Prefill workers
+   may step on a profile of their own (`prefill_profile`: another TP size of the model); the
+   hand-off is still the decode profile's, whatever the two TP sizes: a TP a → TP b pull
+   moves the same KV bytes (kv_transfer re-slices the heads between the layouts), and the
+   pulling side's measured cost stands for it (an assumption: no run has timed a pull
+   between unequal TP sizes against an equal one);
 6. decode, one token per step, until max_tokens (outputs are exact: ignore_eos workloads);
 7. release: the reservation returns, the admission queue is tried again.
 """
@@ -43,7 +48,7 @@ from admission.snapshot import (
     ClusterSnapshot,
 )
 from loadtests.workload import PlannedRequest
-from planner.perf_profile import PerfProfile
+from planner.perf_profile import PerfProfile, check_same_worker
 from router.placement import (
     NoWorkerError,
     Placement,
@@ -107,8 +112,21 @@ class ClusterShape:
     hand-off between them is the profile's."""
     shared_device_slowdown: float = SHARED_DEVICE_SLOWDOWN
     """A shared device's step time over alone while the other worker steps."""
+    prefill_tp: int = 1
+    """Ranks (GPUs) of each prefill worker: the TP size of the profile it steps on."""
+    decode_tp: int = 1
+    """Ranks of each decode, colocated or split worker: the TP size of `Simulation`'s
+    profile."""
 
     def __post_init__(self) -> None:
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError(f"TP sizes: must be >= 1, got {self.prefill_tp}, {self.decode_tp}")
+        if self.split and self.decode_tp > 1:
+            raise ValueError("--split: a split engine runs on one rank (no TP), got TP "
+                             f"{self.decode_tp}")  # fmt: skip
+        if self.shared_device and self.prefill_tp != self.decode_tp:
+            raise ValueError("--shared-device: a pair shares its devices, so both need one TP "
+                             f"size, got {self.prefill_tp} and {self.decode_tp}")  # fmt: skip
         for name in ("prefill", "decode", "colocated", "split", "chunk_tokens"):
             if getattr(self, name) < 0:
                 flag = name.replace("_tokens", "").replace("_", "-")
@@ -137,8 +155,20 @@ class ClusterShape:
 class Simulation:
     """One run of a workload through a cluster of simulated workers."""
 
-    def __init__(self, profile: PerfProfile, shape: ClusterShape) -> None:
+    def __init__(
+        self, profile: PerfProfile, shape: ClusterShape, prefill_profile: PerfProfile | None = None
+    ) -> None:
+        """Decode, colocated and split workers step on `profile`, prefill workers on
+        `prefill_profile` (None: `profile`); each profile's TP size must be the shape's for
+        its role, and the two must be of one model (`check_same_worker`)."""
         self.profile = profile
+        self.prefill_profile = prefill_profile or profile
+        check_same_worker(profile, self.prefill_profile)
+        for role, tp, made in (("prefill", shape.prefill_tp, self.prefill_profile),
+                               ("decode", shape.decode_tp, profile)):  # fmt: skip
+            if made.header.tensor_parallel_size != tp:
+                raise ValueError(f"{role} workers of TP {tp} cannot step on a profile of TP "
+                                 f"{made.header.tensor_parallel_size}")  # fmt: skip
         self.shape = shape
         self.block_size = profile.header.block_size
         blocks = profile.header.num_kv_blocks
@@ -148,9 +178,15 @@ class Simulation:
         self.index = PrefixIndex()
         self._kv_blocks = blocks
         self._step_times = StepTimes(profile)
+        self._prefill_kv_blocks, self._prefill_step_times = blocks, self._step_times
+        if prefill_profile is not None:
+            own = prefill_profile.header.num_kv_blocks // (2 if shape.shared_device else 1)
+            self._prefill_kv_blocks = shape.kv_blocks or own
+            self._prefill_step_times = StepTimes(prefill_profile)
         self.token_budget = shape.chunk_tokens or profile.header.max_num_batched_tokens
         """A worker's prefill tokens per step."""
-        largest = profile.largest_prefill_tokens()
+        largest = min(profile.largest_prefill_tokens(),
+                      self.prefill_profile.largest_prefill_tokens())  # fmt: skip
         if shape.chunk_tokens > largest:
             raise ValueError(
                 f"--chunk: {shape.chunk_tokens} tokens is past the profile's largest prefill "
@@ -176,8 +212,10 @@ class Simulation:
         self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
         """Every worker that exists: serving, starting (`add_worker`) or retired."""
         self._next_id = {Role.PREFILL: shape.prefill, Role.DECODE: shape.decode}
-        self.throughput = profile.prefill_tokens_per_s()
+        self.throughput = self.prefill_profile.prefill_tokens_per_s()
+        """Prefill workers' throughput (admission's prior)."""
         self.prefill_cost = profile.prefill_cost_model()
+        """The `cost` policy's model: the decode profile's (a live router holds one)."""
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.now = 0.0
@@ -212,10 +250,14 @@ class Simulation:
         return worker
 
     def _new_worker(self, worker_id: str, role: Role) -> SimWorker:
+        if role is Role.PREFILL:
+            profile, blocks = self.prefill_profile, self._prefill_kv_blocks
+            times = self._prefill_step_times
+        else:
+            profile, blocks, times = self.profile, self._kv_blocks, self._step_times
         return SimWorker(
-            worker_id, role, self.profile, self._kv_blocks, self.index, self._step_times,
-            token_budget=self.token_budget,
-        )  # fmt: skip
+            worker_id, role, profile, blocks, self.index, times, token_budget=self.token_budget
+        )
 
     def _split_worker(self, worker_id: str) -> SplitWorker:
         params = self.shape.split_params

@@ -1,15 +1,22 @@
 """`pdserve plan`: the cheapest clusters that meet a TTFT/TPOT SLO, searched in simulated time
-(simulator/cluster.py over a measured profile, planner/perf_profile.py).
+(simulator/cluster.py over measured profiles, planner/perf_profile.py).
 
-A configuration is a count of prefill and decode workers (xPyD), of colocated workers (zC)
-or, when asked (`split`), of split workers (zS: prefill and decode loops in SM partitions of
-one GPU, simulator/split.py, at its default parameters), one GPU each (TP 1: the profile's),
-with a prefill chunk (`chunks`: each size asked for
-is a configuration of its own, labelled `c<tokens>`; default the profile's budget alone: a
-smaller chunk holds a colocated worker's TPOT down at the cost of its TTFT). Two questions:
+The search is given one profile per TP size of one worker (same model, dtype, card and block
+size: `profiles_by_tp`). A configuration is a count of prefill and decode workers (xPyD), of
+colocated workers (zC) or, when asked (`split`), of split workers (zS: prefill and decode
+loops in SM partitions of one GPU, simulator/split.py, at its default parameters); each role
+at each TP size given, independently (prefill workers of TP a, decode workers of TP b, each
+stepping on its TP size's profile; labelled `1P(TP2)2D`, TP 1 unmarked), so a configuration
+spends x * a + y * b GPUs (colocated: z * b; a split worker runs on one GPU, TP 1 only). A
+hand-off between unequal TP sizes costs what the decode profile's hand-off model says
+(simulator/cluster.py). Each configuration comes with a prefill chunk (`chunks`: each size
+asked for is a configuration of its own, labelled `c<tokens>`; default the profile's budget
+alone: a smaller chunk holds a colocated worker's TPOT down at the cost of its TTFT). Two
+questions:
 
-- `plan_for_rate` (`--rate R`): for 1, 2, ... `max_gpus` GPUs, every split of that many
-  (1P(g-1)D ... (g-1)P1D, gC, and gS when asked) is simulated at R req/s; the first GPU
+- `plan_for_rate` (`--rate R`): for 1, 2, ... `max_gpus` GPUs, every configuration of that
+  many (1P(g-1)D ... (g-1)P1D at every pair of TP sizes, gC, and gS when asked) is
+  simulated at R req/s; the first GPU
   count at which one meets the SLO (at least `attainment` of its requests meet every SLO) is
   the answer, its configurations ranked by goodput per GPU. None up to `max_gpus`: the
   closest (highest attainment at `max_gpus`) and by how much it misses.
@@ -19,50 +26,87 @@ smaller chunk holds a colocated worker's TPOT down at the cost of its TTFT). Two
   sweep's points give the Pareto plot: output tokens/s per GPU against tokens/s per user
   (1000 / TPOT p50).
 
-What it does not search (docs/operations.md "Planning a cluster"): TP per role (one profile
-per search), mixes of split and other workers, a split's parameters, PD pairs sharing a GPU.
+What it does not search (docs/operations.md "Planning a cluster"): mixes of TP sizes within
+one role, pipeline parallelism, mixes of split and other workers, a split's parameters, PD
+pairs sharing a GPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from admission.config import AdmissionThresholds
 from loadtests.goodput import SLO, GoodputReport
-from planner.perf_profile import PerfProfile
+from planner.perf_profile import PerfProfile, PerfProfileError, check_same_worker
 from simulator.cluster import DEFAULT_THRESHOLDS, ClusterShape
 from simulator.report import simulate
 
 
+def profiles_by_tp(profiles: Sequence[PerfProfile]) -> dict[int, PerfProfile]:
+    """TP size → its profile; refuses (PerfProfileError, naming the field) profiles of
+    different models, dtypes, cards or block sizes, and two of one TP size."""
+    if not profiles:
+        raise PerfProfileError("--profile: give at least one")
+    check_same_worker(profiles[0], *profiles[1:])
+    out: dict[int, PerfProfile] = {}
+    for p in profiles:
+        tp = p.header.tensor_parallel_size
+        if tp in out:
+            raise PerfProfileError(f"--profile: two profiles of TP {tp} (one per TP size)")
+        out[tp] = p
+    return dict(sorted(out.items()))
+
+
 def shapes_of(
-    gpus: int, thresholds: AdmissionThresholds, chunks: Sequence[int] = (0,), split: bool = False
+    gpus: int,
+    thresholds: AdmissionThresholds,
+    chunks: Sequence[int] = (0,),
+    split: bool = False,
+    tp_sizes: Sequence[int] = (1,),
 ) -> list[ClusterShape]:
-    """Every configuration of `gpus` one-GPU workers: xPyD with x, y >= 1, then gC, then gS
-    when `split`; each with every prefill chunk of `chunks` (0: the profile's)."""
-    counts = [(p, gpus - p, 0, 0) for p in range(1, gpus)] + [(0, 0, gpus, 0)]
-    counts += [(0, 0, 0, gpus)] if split else []
+    """Every configuration of exactly `gpus` GPUs: xPyD with x, y >= 1 for every prefill TP
+    a and decode TP b of `tp_sizes` (x * a + y * b GPUs), then zC at each TP, then gS when
+    `split` (TP 1 only); each with every prefill chunk of `chunks` (0: the profile's)."""
+    counts = []
+    for a in tp_sizes:
+        for b in tp_sizes:
+            rest = [(p, gpus - p * a) for p in range(1, gpus)]
+            counts += [(p, r // b, 0, 0, a, b) for p, r in rest if r >= b and r % b == 0]
+    counts += [(0, 0, gpus // b, 0, b, b) for b in tp_sizes if gpus % b == 0]
+    counts += [(0, 0, 0, gpus, 1, 1)] if split and 1 in tp_sizes else []
     return [
-        ClusterShape(p, d, c, s, thresholds=thresholds, chunk_tokens=chunk)
-        for p, d, c, s in counts
+        ClusterShape(
+            p, d, c, s, thresholds=thresholds, chunk_tokens=chunk, prefill_tp=a, decode_tp=b
+        )
+        for p, d, c, s, a, b in counts
         for chunk in chunks
     ]
 
 
 def label(shape: ClusterShape) -> str:
-    """`1P1D`, `2C`, `1S`, `1P2D+1C`, with ` shared` for PD pairs on one GPU each and
-    ` c<tokens>` for a chunk of its own."""
-    parts = [f"{shape.prefill}P{shape.decode}D"] if shape.prefill or shape.decode else []
-    parts += [f"{shape.colocated}C"] if shape.colocated else []
+    """`1P1D`, `2C`, `1S`, `1P2D+1C`, with `(TP<n>)` after a role of n > 1 ranks per worker
+    (`1P(TP2)2D`, `2C(TP2)`), ` shared` for PD pairs on one GPU each and ` c<tokens>` for a
+    chunk of its own."""
+
+    def tp(n: int) -> str:
+        return f"(TP{n})" if n > 1 else ""
+
+    parts = []
+    if shape.prefill or shape.decode:
+        parts.append(f"{shape.prefill}P{tp(shape.prefill_tp)}{shape.decode}D{tp(shape.decode_tp)}")
+    parts += [f"{shape.colocated}C{tp(shape.decode_tp)}"] if shape.colocated else []
     parts += [f"{shape.split}S"] if shape.split else []
     name = "+".join(parts) + (" shared" if shape.shared_device else "")
     return name + (f" c{shape.chunk_tokens}" if shape.chunk_tokens else "")
 
 
 def gpus_of(shape: ClusterShape) -> int:
+    """GPUs the configuration holds: every worker's ranks (a shared pair counted once)."""
     pairs = shape.prefill if shape.shared_device else 0
-    return shape.prefill + shape.decode + shape.colocated + shape.split - pairs
+    decoding = shape.decode + shape.colocated + shape.split
+    return (shape.prefill - pairs) * shape.prefill_tp + decoding * shape.decode_tp
 
 
 @dataclass(frozen=True)
@@ -136,12 +180,27 @@ Simulate = Callable[[ClusterShape, float], GoodputReport]
 
 
 def simulator_for(
-    profile: PerfProfile, workload: str, duration_s: float, slo: SLO, seed: int
+    profiles: PerfProfile | Mapping[int, PerfProfile],
+    workload: str,
+    duration_s: float,
+    slo: SLO,
+    seed: int,
 ) -> Simulate:
-    """(shape, rate) → the simulated run's report: the same workload and seed every time."""
+    """(shape, rate) → the simulated run's report: the same workload and seed every time,
+    each role on its TP size's profile (`profiles`: TP size → profile, `profiles_by_tp`; or
+    one profile)."""
+    by_tp = (
+        {profiles.header.tensor_parallel_size: profiles}
+        if isinstance(profiles, PerfProfile)
+        else dict(profiles)
+    )
 
     def run(shape: ClusterShape, rate: float) -> GoodputReport:
-        return simulate(profile, shape, workload, rate, duration_s, slo, seed).report
+        decode, prefill = by_tp[shape.decode_tp], by_tp[shape.prefill_tp]
+        return simulate(
+            decode, shape, workload, rate, duration_s, slo, seed,
+            prefill_profile=prefill if prefill is not decode else None,
+        ).report  # fmt: skip
 
     return run
 
@@ -160,21 +219,24 @@ def plan_for_rate(
     thresholds: AdmissionThresholds | None = None,
     chunks: Sequence[int] = (0,),
     split: bool = False,
+    tp_sizes: Sequence[int] = (1,),
 ) -> Plan:
-    """The fewest GPUs that serve `rate` within the SLO (module docstring)."""
+    """The fewest GPUs that serve `rate` within the SLO (module docstring), every role at
+    every TP size of `tp_sizes`."""
     if rate <= 0:
         raise ValueError(f"--rate: must be > 0, got {rate}")
     if max_gpus < 1:
         raise ValueError(f"--max-gpus: must be >= 1, got {max_gpus}")
     points: list[Point] = []
     for gpus in range(1, max_gpus + 1):
-        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks, split)
+        shapes = shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks, split, tp_sizes)
         here = [Point(s, rate, run(s, rate)) for s in shapes]
         points += here
         meeting = [p for p in here if p.meets(attainment)]
         if meeting:
             return Plan(slo, attainment, ranked(meeting), tuple(points), {})
-    at_most = [p for p in points if p.gpus == max_gpus]
+    largest = max((p.gpus for p in points), default=0)  # max_gpus, unless no shape spends it
+    at_most = [p for p in points if p.gpus == largest]
     return Plan(slo, attainment, (), tuple(at_most), {})
 
 
@@ -188,8 +250,10 @@ def plan_for_gpus(
     thresholds: AdmissionThresholds | None = None,
     chunks: Sequence[int] = (0,),
     split: bool = False,
+    tp_sizes: Sequence[int] = (1,),
 ) -> Plan:
-    """Every configuration of `gpus` GPUs, swept over `rates` (module docstring)."""
+    """Every configuration of `gpus` GPUs (each role at every TP size of `tp_sizes`), swept
+    over `rates` (module docstring)."""
     if gpus < 1:
         raise ValueError(f"--gpus: must be >= 1, got {gpus}")
     if not rates or any(r <= 0 for r in rates):
@@ -197,7 +261,7 @@ def plan_for_gpus(
     points: list[Point] = []
     best: list[Point] = []
     max_rate: dict[str, float | None] = {}
-    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks, split):
+    for shape in shapes_of(gpus, thresholds or DEFAULT_THRESHOLDS, chunks, split, tp_sizes):
         top: Point | None = None
         for rate in sorted(rates):
             point = Point(shape, rate, run(shape, rate))

@@ -85,8 +85,10 @@ def simulate(
     slo: SLO,
     seed: int = 0,
     num_requests: int | None = None,
+    prefill_profile: PerfProfile | None = None,
 ) -> SimResult:
-    """`workload` (a load-driver profile) at `rate` req/s for `duration_s` through `shape`."""
+    """`workload` (a load-driver profile) at `rate` req/s for `duration_s` through `shape`
+    (prefill workers on `prefill_profile`, None: `profile`)."""
     planned = generate(
         load_profile(workload),
         rate=rate,
@@ -94,7 +96,7 @@ def simulate(
         seed=seed,
         num_requests=num_requests,
     )
-    sim = Simulation(profile, shape)
+    sim = Simulation(profile, shape, prefill_profile)
     requests = sim.run(planned)
     records = tuple(to_record(r, rate) for r in requests)
     report = summarize(records, slo, offered_rate=rate)

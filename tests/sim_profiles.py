@@ -4,6 +4,8 @@ model's on CPU (`tiny_cpu_profile`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.perf_profile import (
     DecodePoint,
     HandoffCost,
@@ -55,4 +57,17 @@ def tiny_cpu_profile() -> PerfProfile:
         ),
         handoff=HandoffCost(0.012),
         serving=ServingOverhead(request_s=0.0099, prefill_factor=1.41, decode_step_s=0.0016),
+    )
+
+
+def scaled_profile(
+    profile: PerfProfile, tp: int, step_factor: float, **header: object
+) -> PerfProfile:
+    """`profile` as if measured at TP `tp`: every prefill and decode step `step_factor` times
+    as long, header fields replaced by `header` (a TP size's profile made by hand)."""
+    return replace(
+        profile,
+        header=replace(profile.header, tensor_parallel_size=tp, **header),  # type: ignore[arg-type]
+        prefill=tuple(replace(p, step_s=p.step_s * step_factor) for p in profile.prefill),
+        decode=tuple(replace(p, step_s=p.step_s * step_factor) for p in profile.decode),
     )

@@ -10,7 +10,10 @@ written as a `planner/perf_profile.py:PerfProfile`.
 
 Each point is the median of `reps` timed steps. The engine runs with the worker's
 `torch_threads` (1 by default: workers share the cores), so the times are those a worker sees
-when it has a core to itself.
+when it has a core to itself. A tensor-parallel engine (`tensor_parallel_size` N > 1) is
+profiled whole: rank 0 here, ranks 1..N-1 following its steps in processes of their own
+(deploy/cli/profile_ranks.py; on CPU each with those threads, on CUDA rank r on device r),
+so a step's time includes its all-reduces.
 """
 
 from __future__ import annotations
@@ -70,8 +73,12 @@ def measure(
     torch_threads: int = 1,
     handoff_ms: float = DEFAULT_HANDOFF_MS,
     load_format: str = "auto",
+    tensor_parallel_size: int = 1,
     say: Callable[[str], None] = lambda _: None,
 ) -> PerfProfile:
+    """Time an engine of `tensor_parallel_size` ranks through `grid`: rank 0 in this
+    process, the others as processes of this machine (deploy/cli/profile_ranks.py), stopped
+    before this returns or raises."""
     import torch
 
     from engine.config import EngineConfig
@@ -87,8 +94,40 @@ def measure(
         attention_backend="torch" if device == "cpu" else "auto",
         cuda_graphs=device != "cpu",
         load_format=load_format,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    engine = LLMEngine(config)
+    if tensor_parallel_size == 1:
+        engine = LLMEngine(config)
+        try:
+            return _measure_engine(engine, grid, handoff_ms, say)
+        finally:
+            engine.close()
+    from deploy.cli.profile_ranks import FollowerRanks
+
+    ranks = FollowerRanks(config, torch_threads)
+    try:
+        with ranks:
+            engine = LLMEngine(config, tp=ranks.join())
+            try:
+                return _measure_engine(engine, grid, handoff_ms, say)
+            finally:
+                engine.close()
+    except Exception as e:
+        followers = ranks.failures()
+        if followers:
+            raise RuntimeError(f"{e}\n{followers}") from e
+        raise
+
+
+def _measure_engine(
+    engine: object, grid: ProfileGrid, handoff_ms: float, say: Callable[[str], None]
+) -> PerfProfile:
+    import torch
+
+    from engine.core.engine import LLMEngine
+
+    assert isinstance(engine, LLMEngine)
+    config = engine.config
     timer = _Timer(engine, random.Random(0))
     budget = config.max_num_batched_tokens
     prefill = []
@@ -108,6 +147,7 @@ def measure(
             decode.append(DecodePoint(b, c, timer.decode(b, c, grid.reps)))
             say(f"decode {b} x {c}: {decode[-1].step_s * 1000:.2f} ms")
     mc = engine.model_config
+    on_cpu = config.device == "cpu"
     header = ProfileHeader(
         model_id=engine.model_id,
         num_layers=mc.num_layers,
@@ -117,16 +157,15 @@ def measure(
         vocab_size=mc.vocab_size,
         dtype=str(engine.kv_cache.tensor.dtype).removeprefix("torch."),
         tensor_parallel_size=config.tensor_parallel_size,
-        device="cpu" if device == "cpu" else torch.cuda.get_device_name(),
+        device="cpu" if on_cpu else torch.cuda.get_device_name(),
         block_size=config.block_size,
         num_kv_blocks=engine.block_pool.num_blocks,
         max_num_batched_tokens=budget,
         max_num_seqs=config.max_num_seqs,
         pdserve_version=_pdserve_version(),
         torch_version=torch.__version__,
-        torch_threads=torch.get_num_threads() if device == "cpu" else 0,
+        torch_threads=torch.get_num_threads() if on_cpu else 0,
     )
-    engine.close()
     handoff = HandoffCost(
         fixed_s=handoff_ms / 1000.0,
         source="constant (--handoff-ms; docs/benchmarks.md, Workers)",

@@ -1,8 +1,10 @@
-"""`pdserve profile`, `pdserve simulate` and `pdserve plan`: measure a worker's engine into a
-profile file (deploy/cli/profiling.py, planner/perf_profile.py), run a cluster of such workers
-in simulated time (simulator/), and search the configurations that meet SLOs
+"""`pdserve profile`, `pdserve simulate` and `pdserve plan`: measure a worker's engine (one
+rank, or a TP group of ranks) into a profile file (deploy/cli/profiling.py,
+planner/perf_profile.py), run a cluster of such workers in simulated time (simulator/), and
+search the configurations that meet SLOs, each role at each TP size profiled
 (simulator/plan.py). Bad input (a profile that does not parse or was made for another
-model or dtype, an unknown workload, a bad count) is one line on stderr and exit code 2."""
+model or dtype, profiles of different models, an unknown workload, a bad count or TP size) is
+one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -59,11 +61,20 @@ def profile(
     load_format: Annotated[
         str, typer.Option(help="auto: the checkpoint's weights; dummy: random, config.json only.")
     ] = "auto",
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            help="Tensor-parallel ranks of the profiled worker (CPU: gloo, each rank --threads; "
+            "CUDA: rank r on device r).",
+        ),
+    ] = 1,
 ) -> None:
-    """Time one worker's engine (in this process) through a grid of prefill and decode steps
-    and write the profile `pdserve simulate` reads. The tiny model on CPU takes ~10-15 s.
-    The serving overheads (default: none, the engine alone) are recorded as given: see
-    "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
+    """Time one worker's engine (rank 0 in this process; with --tp N, ranks 1..N-1 in
+    processes of their own, stopped when done) through a grid of prefill and decode steps
+    and write the profile `pdserve simulate` and `pdserve plan` read. The tiny model on CPU
+    takes ~10-15 s. The serving overheads (default: none, the engine alone) are recorded as
+    given: see "Simulator" in docs/benchmarks.md for the values fitted on CPU."""
     from deploy.cli.profiling import ProfileGrid, measure
     from engine.config import LOAD_FORMATS
     from planner.perf_profile import PerfProfileError, ServingOverhead
@@ -76,6 +87,8 @@ def profile(
         fail(f"--handoff-ms: must be >= 0, got {handoff_ms}", 2)
     if load_format not in LOAD_FORMATS:
         fail(f"--load-format: one of {', '.join(LOAD_FORMATS)}, got {load_format!r}", 2)
+    if tp < 1:
+        fail(f"--tp: tensor-parallel ranks, must be >= 1, got {tp}", 2)
     try:
         given = (request_overhead_ms / 1000, prefill_factor, decode_step_overhead_ms / 1000)
         serving = ServingOverhead(*given, source="pdserve profile options")
@@ -87,10 +100,13 @@ def profile(
         model = cached_tiny_model()
     elif not (model / "config.json").is_file():
         fail(f"--model: {model} has no config.json", 2)
+    if tp > 1:
+        _check_tp(model, tp, device)
     grid = ProfileGrid.quick() if quick else ProfileGrid.gpu() if device != "cpu" else ProfileGrid()
     result = measure(
         model, grid, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
-        torch_threads=threads, handoff_ms=handoff_ms, load_format=load_format, say=console.print,
+        torch_threads=threads, handoff_ms=handoff_ms, load_format=load_format,
+        tensor_parallel_size=tp, say=console.print,
     )  # fmt: skip
     if given != (0.0, 1.0, 0.0):
         result = replace(result, serving=serving)
@@ -111,6 +127,25 @@ def warn_suspect(perf: object, where: str) -> None:
     assert isinstance(perf, PerfProfile)
     for line in suspect_points(perf):
         console.print(f"warning: {where}: suspect point (re-measure it): {line}", style="yellow")
+
+
+def _check_tp(model: Path, tp: int, device: str) -> None:
+    """Refuse (exit 2, nothing started) a TP size that does not split the model (the
+    engine's own check) or, on CUDA, one past the visible devices."""
+    from engine.tp.tp_shard import check_tp_size
+    from vocabulary.model_config import ModelConfig
+
+    try:
+        check_tp_size(ModelConfig.from_pretrained(str(model)), tp)
+    except ValueError as e:
+        fail(f"--tp: {e}", 2)
+    if device != "cpu":
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if tp > visible:
+            fail(f"--tp: {tp} ranks need {tp} CUDA devices (rank r on device r), "
+                 f"{visible} visible", 2)  # fmt: skip
 
 
 def simulate(
@@ -166,6 +201,13 @@ def simulate(
     ] = 0,
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
+    prefill_profile: Annotated[
+        Path | None,
+        typer.Option(
+            help="Prefill workers step on this profile (another TP size of the model); "
+            "default: --profile."
+        ),
+    ] = None,
 ) -> None:
     """Simulate a cluster of profiled workers under a workload (Poisson or the workload's own
     arrivals, seeded): admission and placement are the router's own; prints the table
@@ -175,7 +217,7 @@ def simulate(
     from loadtests.bench import print_summary
     from loadtests.goodput import SLOError, parse_slo
     from loadtests.workload import ProfileError
-    from planner.perf_profile import PerfProfileError, load_perf_profile
+    from planner.perf_profile import PerfProfileError, check_same_worker, load_perf_profile
     from router.prefill_cost import LocalPrefillPolicy
     from simulator.cluster import ClusterShape
     from simulator.report import as_bench_summary
@@ -199,6 +241,11 @@ def simulate(
     try:
         perf = load_perf_profile(profile, model_id=model, dtype=dtype)
         warn_suspect(perf, str(profile))
+        prefill_perf = None
+        if prefill_profile is not None:
+            prefill_perf = load_perf_profile(prefill_profile, model_id=model, dtype=dtype)
+            check_same_worker(perf, prefill_perf)
+            warn_suspect(prefill_perf, str(prefill_profile))
         thresholds = AdmissionThresholds()
         if local_prefill_threshold is not None:
             thresholds = AdmissionThresholds(local_prefill_threshold_tokens=local_prefill_threshold)
@@ -206,17 +253,22 @@ def simulate(
             total_sms=split_total_sms, decode_sms=split_decode_sms,
             tpot_target_s=split_tpot_ms / 1000,
         )  # fmt: skip
+        tp_sizes = ((prefill_perf or perf).header.tensor_parallel_size,
+                    perf.header.tensor_parallel_size)  # fmt: skip
         shape = ClusterShape(
             prefill, decode, colocated, split, kv_blocks, thresholds,
             local_prefill=policies[local_prefill_policy], stall_weight=stall_weight,
             chunk_tokens=chunk, split_params=params, shared_device=shared_device,
-            shared_device_slowdown=shared_device_slowdown,
+            shared_device_slowdown=shared_device_slowdown, prefill_tp=tp_sizes[0],
+            decode_tp=tp_sizes[1],
         )  # fmt: skip
         goal = parse_slo(slo or DEFAULT_SLO)
-        results = [
-            (r, run_simulation(perf, shape, workload, r, duration, goal, seed, num_requests))
-            for r in rates
-        ]
+        results = []
+        for r in rates:
+            result = run_simulation(
+                perf, shape, workload, r, duration, goal, seed, num_requests, prefill_perf
+            )
+            results.append((r, result))
     except (PerfProfileError, ProfileError, SLOError, InvalidAdmissionConfig, ValueError) as e:
         fail(str(e), 2)
     from simulator.plan import label
@@ -232,7 +284,13 @@ def simulate(
 
 
 def plan(
-    profile: ProfileFile,
+    profile: Annotated[
+        list[Path],
+        typer.Option(
+            help="Profile file (pdserve profile); repeatable: one per TP size of one model, "
+            "dtype and card, each role searched at each."
+        ),
+    ],
     slo: SloOption = None,
     workload: WorkloadOption = "synthetic",
     rate: Annotated[
@@ -268,16 +326,23 @@ def plan(
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
 ) -> None:
-    """Search cluster configurations in simulated time (one GPU per worker: xPyD splits and
-    colocated, split workers with --split, each at every --chunk) and print the cheapest that
-    meet the SLOs, ranked by goodput per GPU. Exit 1 when none does (the closest is printed,
-    with by how much it misses)."""
+    """Search cluster configurations in simulated time (xPyD splits and colocated, split
+    workers with --split, each at every --chunk; each role at every TP size a --profile was
+    made for, a worker holding one GPU per rank) and print the cheapest that meet the SLOs,
+    ranked by goodput per GPU. Exit 1 when none does (the closest is printed, with by how
+    much it misses)."""
     import time
 
     from loadtests.goodput import SLOError, parse_slo
     from loadtests.workload import ProfileError
     from planner.perf_profile import PerfProfileError, load_perf_profile
-    from simulator.plan import geometric_rates, plan_for_gpus, plan_for_rate, simulator_for
+    from simulator.plan import (
+        geometric_rates,
+        plan_for_gpus,
+        plan_for_rate,
+        profiles_by_tp,
+        simulator_for,
+    )
 
     if gpus is None and not rate:
         fail("plan: give --rate (the fewest GPUs for it) or --gpus (the most from them)", 2)
@@ -292,10 +357,13 @@ def plan(
     chunks = sorted(set(chunk)) if chunk else [0]
     started = time.perf_counter()
     try:
-        perf = load_perf_profile(profile, model_id=model, dtype=dtype)
-        warn_suspect(perf, str(profile))
+        loaded = [load_perf_profile(p, model_id=model, dtype=dtype) for p in profile]
+        for path, one in zip(profile, loaded, strict=True):
+            warn_suspect(one, str(path))
+        perfs = profiles_by_tp(loaded)
+        tp_sizes = tuple(perfs)
         goal = parse_slo(slo or DEFAULT_SLO)
-        run = simulator_for(perf, workload, duration, goal, seed)
+        run = simulator_for(perfs, workload, duration, goal, seed)
         if gpus is None:
             assert rate
             found = plan_for_rate(
@@ -306,12 +374,14 @@ def plan(
                 attainment=attainment,
                 chunks=chunks,
                 split=split,
+                tp_sizes=tp_sizes,
             )
         else:
             rates = rate or geometric_rates(0.5, 32.0, 8)
             found = plan_for_gpus(
-                run, gpus, rates, goal, attainment=attainment, chunks=chunks, split=split
-            )
+                run, gpus, rates, goal, attainment=attainment, chunks=chunks, split=split,
+                tp_sizes=tp_sizes,
+            )  # fmt: skip
     except (PerfProfileError, ProfileError, SLOError, ValueError) as e:
         fail(str(e), 2)
     _print_plan(found, time.perf_counter() - started)

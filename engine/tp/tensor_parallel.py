@@ -252,8 +252,12 @@ class TPGroup:
             work.wait(timeout=timedelta(seconds=timeout_s))
             return True
         except RuntimeError as e:
-            if work.is_completed():  # it failed: a peer is gone
-                raise self.fail(f"{what}: {e}") from e
+            if work.is_completed():  # it failed (a peer is gone), or completed since the timeout
+                try:  # a completed op's wait returns at once, or raises what failed it
+                    work.wait(timeout=timedelta(seconds=timeout_s))
+                    return True
+                except RuntimeError as failed:
+                    raise self.fail(f"{what}: {failed}") from failed
             if idle:
                 return False
             raise self.fail(f"{what}: no answer from every rank within {timeout_s:g} s") from e

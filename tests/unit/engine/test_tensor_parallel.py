@@ -113,3 +113,34 @@ def test_fp8_calibration_agrees_on_the_max_of_every_amax_over_the_ranks() -> Non
     out = agreed(mine, agree_max)
     assert out.activations == {"layers.0.fp8.o_proj": 7.0, "layers.0.fp8.down_proj": 5.0}
     assert out.kv == ((2.5, 3.0),)
+
+
+class LateWork:
+    """A pending collective whose first wait times out and which completes right after (as
+    gloo's does when the peer's message lands between the timeout and the check), with
+    `error` raised by every later wait (None: it succeeded)."""
+
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+        self.waits = 0
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waits += 1
+        if self.waits == 1 or self.error is not None:
+            raise RuntimeError("Operation timed out!" if self.waits == 1 else self.error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waits >= 1
+
+
+def test_an_op_completing_just_after_an_idle_wait_timed_out_is_received() -> None:
+    group = TPGroup(TPShard(2, 1), None, None, timeout_s=1.0)
+    what = "waiting for rank 0's next step"
+    late = LateWork(None)
+    assert group._wait(late, what, 0.5, idle=True)  # type: ignore[arg-type]
+    assert group.state is TPGroupState.OPEN and late.waits == 2
+    failed = LateWork("Connection closed by peer")
+    with pytest.raises(TPGroupError, match="waiting for rank 0's next step: Connection closed"):
+        group._wait(failed, what, 0.5, idle=True)  # type: ignore[arg-type]
+    assert group.state is TPGroupState.BROKEN
