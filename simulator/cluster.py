@@ -51,6 +51,7 @@ from router.placement import (
     place,
 )
 from router.prefill_cost import LocalPrefillPolicy
+from simulator.gaps import TokenGaps
 from simulator.overlap import Lane, SharedDevice
 from simulator.split import SplitParams, SplitWorker
 from simulator.views import LoadViews
@@ -137,7 +138,11 @@ class ClusterShape:
 class Simulation:
     """One run of a workload through a cluster of simulated workers."""
 
-    def __init__(self, profile: PerfProfile, shape: ClusterShape) -> None:
+    def __init__(
+        self, profile: PerfProfile, shape: ClusterShape, trace_tokens: bool = False
+    ) -> None:
+        """`trace_tokens`: keep every token's time on its request (`SimRequest.token_times`;
+        memory grows with the tokens, for tests and small runs)."""
         self.profile = profile
         self.shape = shape
         self.block_size = profile.header.block_size
@@ -146,6 +151,9 @@ class Simulation:
             blocks //= 2
         blocks = shape.kv_blocks or blocks
         self.index = PrefixIndex()
+        self.gaps = TokenGaps()
+        """Every inter-token gap of the run (the ITL samples)."""
+        self.trace_tokens = trace_tokens
         self._kv_blocks = blocks
         self._step_times = StepTimes(profile)
         self.token_budget = shape.chunk_tokens or profile.header.max_num_batched_tokens
@@ -214,7 +222,7 @@ class Simulation:
     def _new_worker(self, worker_id: str, role: Role) -> SimWorker:
         return SimWorker(
             worker_id, role, self.profile, self._kv_blocks, self.index, self._step_times,
-            token_budget=self.token_budget,
+            token_budget=self.token_budget, gaps=self.gaps,
         )  # fmt: skip
 
     def _split_worker(self, worker_id: str) -> SplitWorker:
@@ -222,7 +230,7 @@ class Simulation:
         device = SharedDevice(SplitWorker.make_lanes(params), self.at, self._clock)
         return SplitWorker(
             worker_id, self.profile, self._kv_blocks, params, device, self.index,
-            self._step_times, token_budget=self.token_budget,
+            self._step_times, token_budget=self.token_budget, gaps=self.gaps,
         )  # fmt: skip
 
     def _clock(self) -> float:
@@ -277,6 +285,8 @@ class Simulation:
 
     def _arrive(self, p: PlannedRequest) -> None:
         r = SimRequest(p, block_hashes(p.token_ids, self.block_size), sent_s=self.now)
+        if self.trace_tokens:
+            r.token_times = []
         self.requests.append(r)
         decision = self._evaluate(r, waiting_ahead=len(self.queue))
         if decision.kind is DecisionKind.ADMIT:
@@ -407,15 +417,17 @@ class Simulation:
         if not chunks and not decodes:
             return
         worker.busy = True
+        started = self.now
         lane = self._lanes.get(worker.worker_id)
         if lane is None:
             worker.busy_s += seconds
-            self.at(self.now + seconds, lambda: self._step_done(worker, chunks, decodes))
+            self.at(started + seconds,
+                    lambda: self._step_done(worker, chunks, decodes, started, seconds))  # fmt: skip
             return
 
         def done() -> None:
             worker.busy_s += self.now - lane.started_s
-            self._step_done(worker, chunks, decodes)
+            self._step_done(worker, chunks, decodes, started, self.now - started)
 
         assert lane.device is not None
         lane.device.start(lane, seconds, done)
@@ -450,10 +462,15 @@ class Simulation:
         self._kick_split(w)
 
     def _step_done(
-        self, worker: SimWorker, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]
+        self,
+        worker: SimWorker,
+        chunks: list[tuple[SimRequest, int]],
+        decodes: list[SimRequest],
+        started_s: float,
+        seconds: float,
     ) -> None:
         worker.busy = False
-        prefilled, finished = worker.finish_step(self.now, chunks, decodes)
+        prefilled, finished = worker.finish_step(self.now, chunks, decodes, started_s, seconds)
         self.views.touch(worker)
         for r in finished:
             self._release(r)

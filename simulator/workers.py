@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile
 from router.placement import PrefillReason
+from simulator.gaps import TokenGaps
 from vocabulary.numeric import cdiv, interpolate
 
 
@@ -58,7 +59,13 @@ class SimRequest:
     remaining_prefill: int = 0
     context: int = 0
     """Tokens in the KV cache (prompt + generated)."""
-    token_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    """Output tokens so far."""
+    first_token_s: float = 0.0
+    last_token_s: float = 0.0
+    token_times: list[float] | None = None
+    """Every token's time, kept only when the simulation was asked to trace them
+    (`Simulation(trace_tokens=True)`); the run's gaps are in `TokenGaps` either way."""
     handoff_s: float = 0.0
     status: str = "OK"
     done_s: float = 0.0
@@ -70,6 +77,17 @@ class SimRequest:
     @property
     def max_tokens(self) -> int:
         return self.planned.max_tokens
+
+    def emit_token(self, now: float, gaps: TokenGaps) -> None:
+        """A token at `now` (its gap from the one before added to `gaps`)."""
+        if self.tokens:
+            gaps.add(now - self.last_token_s)
+        else:
+            self.first_token_s = now
+        self.last_token_s = now
+        self.tokens += 1
+        if self.token_times is not None:
+            self.token_times.append(now)
 
 
 class PrefixIndex:
@@ -188,9 +206,12 @@ class SimWorker:
         index: PrefixIndex | None = None,
         step_times: StepTimes | None = None,
         token_budget: int = 0,
+        gaps: TokenGaps | None = None,
     ) -> None:
-        """`token_budget`: prefill tokens per step (0: the profile's max_num_batched_tokens)."""
+        """`token_budget`: prefill tokens per step (0: the profile's max_num_batched_tokens);
+        `gaps`: where its requests' inter-token gaps are counted (the simulation's)."""
         header = profile.header
+        self.gaps = gaps if gaps is not None else TokenGaps()
         self.worker_id = worker_id
         self.role = role
         self.profile = profile
@@ -297,11 +318,19 @@ class SimWorker:
         return seconds, chunks, decodes
 
     def finish_step(
-        self, now: float, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]
+        self,
+        now: float,
+        chunks: list[tuple[SimRequest, int]],
+        decodes: list[SimRequest],
+        started_s: float = -1.0,
+        seconds: float = 0.0,
     ) -> tuple[list[SimRequest], list[SimRequest]]:
-        """Apply a step that ended at `now`: (prompts whose prefill finished, requests that
-        finished decoding). A finished prompt has its first token; on a decode or colocated
-        worker it joins the batch here."""
+        """Apply a step that ran from `started_s` for `seconds` and ended at `now`: (prompts
+        whose prefill finished, requests that finished decoding). A finished prompt has its
+        first token; on a decode or colocated worker it joins the batch here. A request whose
+        last token came at `started_s` (it ran in the step before) has `seconds` as its gap.
+        """
+        gaps = self.gaps
         prefilled = []
         for r, n in chunks:
             r.remaining_prefill -= n
@@ -311,27 +340,42 @@ class SimWorker:
             r.context += n
             if r.remaining_prefill == 0:
                 self.prefill_queue.remove(r)
-                r.token_times.append(now)
+                r.emit_token(now, gaps)
                 self.cache.store(r.block_hashes)
                 prefilled.append(r)
         finished = []
         block_size = self.block_size
+        grow = 0
+        followed = 0  # requests whose gap is this step
         for r in decodes:
             context = r.context
             if context % block_size == 0:  # the next token starts a block
-                self.allocate(1)
+                grow += 1
             r.context = context + 1
-            times = r.token_times
-            times.append(now)
-            if len(times) >= r.planned.max_tokens:
+            if r.last_token_s == started_s:
+                followed += 1
+            else:
+                gaps.add(now - r.last_token_s)
+            r.last_token_s = now
+            r.tokens += 1
+            if r.token_times is not None:
+                r.token_times.append(now)
+            if r.tokens >= r.planned.max_tokens:
                 finished.append(r)
+        if grow:  # as `allocate` once per block: an overflow counted per block past the pool
+            over = self.used_blocks + grow - self.total_blocks
+            self.used_blocks += grow
+            if over > 0:
+                self.kv_overflows += min(grow, over)
+        if followed:
+            gaps.add_many(seconds, followed)
         for r in finished:
             self.running.remove(r)
             self.used_blocks -= self.blocks_for(r.context)
         if self.role is not Role.PREFILL:
             for r in prefilled:
                 self.expected -= 1
-                if len(r.token_times) >= r.max_tokens:
+                if r.tokens >= r.max_tokens:
                     self.used_blocks -= self.blocks_for(r.context)
                     finished.append(r)
                 else:
