@@ -392,6 +392,7 @@ class Simulation:
     def _end(self, r: SimRequest, status: str) -> None:
         r.status = status
         r.done_s = self.now
+        r.block_hashes = ()  # no cache reads them any more; a long run holds every request
         self.finished.append(r)
         for p in self._followers.pop(r.planned.index, []):
             self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
@@ -412,8 +413,9 @@ class Simulation:
             return
         if worker.busy or not worker.has_work():
             return
+        # planning changes nothing the router reads (a request joining the batch moves from
+        # `expected` to `running`): no touch
         seconds, chunks, decodes = worker.plan_step()
-        self.views.touch(worker)
         if not chunks and not decodes:
             return
         worker.busy = True
@@ -470,8 +472,12 @@ class Simulation:
         seconds: float,
     ) -> None:
         worker.busy = False
+        used = worker.used_blocks
         prefilled, finished = worker.finish_step(self.now, chunks, decodes, started_s, seconds)
-        self.views.touch(worker)
+        # most decode steps change nothing the router reads (`views._state`): a block fills
+        # every `block_size` tokens
+        if chunks or finished or worker.used_blocks != used:
+            self.views.touch(worker)
         for r in finished:
             self._release(r)
         if worker.role is Role.PREFILL:

@@ -21,6 +21,7 @@ so preemption is not modelled (an overflow is counted in `kv_overflows`).
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile
 from router.placement import PrefillReason
 from simulator.gaps import TokenGaps
-from vocabulary.numeric import cdiv, interpolate
+from vocabulary.numeric import cdiv
 
 
 class Role(enum.Enum):
@@ -44,6 +45,7 @@ class SimRequest:
 
     planned: PlannedRequest
     block_hashes: tuple[int, ...]
+    """The prompt's block hashes (`block_hashes`), () once the request ended."""
     sent_s: float = 0.0
     cached_tokens: int = 0
     """Prompt tokens the placed prefill (or local) worker already held."""
@@ -174,15 +176,26 @@ class StepTimes:
 
     def __init__(self, profile: PerfProfile) -> None:
         self.profile = profile
-        self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        self._curves: dict[int, tuple[list[int], list[float], float]] = {}
+        self._overhead_s = profile.serving.decode_step_s
         self._prefill: dict[tuple[int, int], float] = {}
 
     def decode_s(self, batch_size: int, context_tokens: float) -> float:
+        """`interpolate` along the batch size's curve, its arithmetic inlined (the simulator
+        reads it once a step)."""
         curve = self._curves.get(batch_size)
         if curve is None:
-            curve = self._curves[batch_size] = self.profile.decode_step_curve(batch_size)
-        step = interpolate(curve[0], curve[1], context_tokens)
-        return step + self.profile.serving.decode_step_s
+            xs, ys = self.profile.decode_step_curve(batch_size)
+            curve = self._curves[batch_size] = (xs, ys, min(ys))
+        xs, ys, floor = curve
+        last = len(xs) - 1
+        if last == 0:
+            return ys[0] + self._overhead_s
+        i = bisect_left(xs, context_tokens)
+        i = 1 if i < 1 else last if i > last else i
+        x0, y0 = xs[i - 1], ys[i - 1]
+        y = y0 + (ys[i] - y0) * (context_tokens - x0) / (xs[i] - x0)
+        return (y if y > floor else floor) + self._overhead_s
 
     def prefill_s(self, tokens: int, cached: int) -> float:
         seconds = self._prefill.get((tokens, cached))
@@ -295,21 +308,23 @@ class SimWorker:
     def plan_step(self) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
         """(step seconds, prefill chunks (request, tokens), decoding requests) of the next
         step; the chunks are taken from the queue when the step is applied."""
-        self.running.extend(self.arriving)
-        self.expected -= len(self.arriving)
-        self.arriving.clear()
+        if self.arriving:
+            self.running.extend(self.arriving)
+            self.expected -= len(self.arriving)
+            self.arriving.clear()
         decodes = self.running[: self.max_num_seqs]
-        budget = self.token_budget - len(decodes)
         chunks: list[tuple[SimRequest, int]] = []
-        for r in self.prefill_queue:
-            if budget <= 0 or len(decodes) + len(chunks) >= self.max_num_seqs:
-                break
-            n = min(r.remaining_prefill, budget)
-            chunks.append((r, n))
-            budget -= n
+        if self.prefill_queue:
+            budget = self.token_budget - len(decodes)
+            for r in self.prefill_queue:
+                if budget <= 0 or len(decodes) + len(chunks) >= self.max_num_seqs:
+                    break
+                n = min(r.remaining_prefill, budget)
+                chunks.append((r, n))
+                budget -= n
         seconds = 0.0
         if decodes:
-            context = sum(r.context for r in decodes) / len(decodes)
+            context = sum([r.context for r in decodes]) / len(decodes)
             seconds += self.step_times.decode_s(len(decodes), context)
         if chunks:
             tokens = sum(n for _, n in chunks)
