@@ -26,6 +26,7 @@ Lifecycle of a request (times in seconds from the start of the run):
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import heapq
@@ -56,6 +57,7 @@ from simulator.overlap import Lane, SharedDevice
 from simulator.split import SplitParams, SplitWorker
 from simulator.views import LoadViews
 from simulator.workers import (
+    DecodeRun,
     PrefixIndex,
     Role,
     SimRequest,
@@ -186,7 +188,12 @@ class Simulation:
         self._next_id = {Role.PREFILL: shape.prefill, Role.DECODE: shape.decode}
         self.throughput = profile.prefill_tokens_per_s()
         self.prefill_cost = profile.prefill_cost_model()
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._events: list[tuple[float, float, int, Callable[[], None]]] = []
+        """(time, when it was scheduled, sequence, action): the order of scheduling breaks
+        ties, and a decode run's step is scheduled as of when one event per step would have
+        scheduled it (`_schedule_run`)."""
+        self._scheduled_s = 0.0
+        """When the event being handled was scheduled."""
         self._seq = itertools.count()
         self.now = 0.0
         self.queue: deque[tuple[SimRequest, float]] = deque()
@@ -257,8 +264,10 @@ class Simulation:
 
     # ---- the event loop ---------------------------------------------------------------------
 
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), fn))
+    def at(self, t: float, fn: Callable[[], None], scheduled_s: float | None = None) -> None:
+        """Run `fn` at `t` (`scheduled_s`: as if scheduled then; default now)."""
+        when = self.now if scheduled_s is None else scheduled_s
+        heapq.heappush(self._events, (t, when, next(self._seq), fn))
 
     def run(self, planned: Sequence[PlannedRequest]) -> list[SimRequest]:
         for p in planned:
@@ -273,7 +282,7 @@ class Simulation:
         gc.disable()
         try:
             while self._events:
-                self.now, _, fn = heapq.heappop(self._events)
+                self.now, self._scheduled_s, _, fn = heapq.heappop(self._events)
                 self.events += 1
                 fn()
         finally:
@@ -408,6 +417,9 @@ class Simulation:
     def _kick(self, worker: SimWorker) -> None:
         """Start the worker's next step if it is idle and has work (a split worker's: each
         idle loop's)."""
+        if worker.run is not None:
+            self._cut_run(worker)
+            return
         if isinstance(worker, SplitWorker):
             self._kick_split(worker)
             return
@@ -423,8 +435,13 @@ class Simulation:
         lane = self._lanes.get(worker.worker_id)
         if lane is None:
             worker.busy_s += seconds
-            self.at(started + seconds,
-                    lambda: self._step_done(worker, chunks, decodes, started, seconds))  # fmt: skip
+            run = None if chunks else worker.plan_run(started, seconds, decodes)
+            if run is None:
+                step = functools.partial(self._step_done, worker, chunks, decodes, started, seconds)
+                self.at(started + seconds, step)
+            else:
+                worker.run = run
+                self._schedule_run(worker, run, len(run.ends))
             return
 
         def done() -> None:
@@ -433,6 +450,40 @@ class Simulation:
 
         assert lane.device is not None
         lane.device.start(lane, seconds, done)
+
+    # A decode run (simulator/workers.py `DecodeRun`): one event for steps that change nothing
+    # the router reads before the last. It ends when one event per step would have, in the
+    # same order among events at the same time (each scheduled as of its step's start), and
+    # work that reaches its worker cuts it at the step under way, as that step's end would
+    # have taken the work into the next.
+
+    def _schedule_run(self, worker: SimWorker, run: DecodeRun, steps: int) -> None:
+        run.token += 1
+        token = run.token
+        self.at(run.ends[steps - 1], lambda: self._run_done(worker, run, steps, token),
+                run.step_start(steps))  # fmt: skip
+
+    def _run_done(self, worker: SimWorker, run: DecodeRun, steps: int, token: int) -> None:
+        if run.token != token:  # cut: a later event applies it
+            return
+        worker.run = None
+        for seconds in run.seconds[1:steps]:
+            worker.busy_s += seconds
+        worker.advance_run(run, steps)
+        start = run.step_start(steps)
+        self._step_done(worker, [], run.decodes, start, run.seconds[steps - 1])
+
+    def _cut_run(self, worker: SimWorker) -> None:
+        """Work reached `worker` during its run: the run ends with the step under way now, as
+        one event per step orders this event and that step's end."""
+        run = worker.run
+        assert run is not None
+        ends = run.ends
+        steps = bisect.bisect_left(ends, self.now) + 1  # the first step ending now or later
+        if ends[steps - 1] == self.now and self._scheduled_s >= run.step_start(steps):
+            steps += 1  # that step's end would have come first: the next one is under way
+        if steps < len(ends):
+            self._schedule_run(worker, run, steps)
 
     def _kick_split(self, w: SplitWorker) -> None:
         device = w.device

@@ -31,6 +31,9 @@ from router.placement import PrefillReason
 from simulator.gaps import TokenGaps
 from vocabulary.numeric import cdiv
 
+RUN_STEPS = 64
+"""The most decode steps one event applies (`SimWorker.plan_run`)."""
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
@@ -90,6 +93,25 @@ class SimRequest:
         self.tokens += 1
         if self.token_times is not None:
             self.token_times.append(now)
+
+
+@dataclass
+class DecodeRun:
+    """Decode steps of one unchanged batch that one event applies: step i ends at `ends[i]`
+    after `seconds[i]`; none but the last takes a new block or finishes a request, so no step
+    before the last changes what the router reads. Work that reaches the worker during it cuts
+    it at the step under way (simulator/cluster.py `_cut_run`)."""
+
+    decodes: list[SimRequest]
+    started_s: float
+    seconds: list[float]
+    ends: list[float]
+    token: int = 0
+    """Which scheduled event applies it (a cut schedules another)."""
+
+    def step_start(self, steps: int) -> float:
+        """When its step `steps` (1-based) started: the end of the one before."""
+        return self.ends[steps - 2] if steps >= 2 else self.started_s
 
 
 class PrefixIndex:
@@ -244,6 +266,8 @@ class SimWorker:
         """Requests placed here to decode that are not running yet (as the router counts its
         reservations: a local prefill, or a prefill and hand-off elsewhere)."""
         self.busy = False
+        self.run: DecodeRun | None = None
+        """The decode steps under way when several were planned at once (`plan_run`)."""
         self.busy_s = 0.0
         self.cache = PrefixCache(kv_blocks, worker_id, index)
         self.queued_prefill_tokens = 0
@@ -396,6 +420,63 @@ class SimWorker:
                 else:
                     self.running.append(r)
         return prefilled, finished
+
+    def plan_run(
+        self, started_s: float, first_s: float, decodes: list[SimRequest]
+    ) -> DecodeRun | None:
+        """The steps from the one planned (`plan_step`: `decodes` alone, `first_s` long,
+        started at `started_s`) up to the first that finishes a request or takes a new block
+        (it included; at most `RUN_STEPS`), each timed as `plan_step` would time it; None when
+        that is the planned step alone, or the next steps may differ (a prompt queued here,
+        requests beyond `max_num_seqs`)."""
+        if self.role is Role.PREFILL or self.prefill_queue or len(decodes) < len(self.running):
+            return None
+        block_size = self.block_size
+        k = RUN_STEPS
+        for r in decodes:
+            left = r.planned.max_tokens - r.tokens  # its last token's step
+            block = -r.context % block_size + 1  # the step whose token starts a block
+            m = left if left < block else block
+            if m < k:
+                if m <= 1:
+                    return None
+                k = m
+        b = len(decodes)
+        total = sum([r.context for r in decodes])
+        decode_s = self.step_times.decode_s
+        t = started_s + first_s
+        seconds, ends = [first_s], [t]
+        for i in range(1, k):
+            step = decode_s(b, (total + i * b) / b)  # every context i tokens longer
+            t = t + step
+            seconds.append(step)
+            ends.append(t)
+        return DecodeRun(decodes, started_s, seconds, ends)
+
+    def advance_run(self, run: DecodeRun, steps: int) -> None:
+        """Apply the first `steps` - 1 steps of `run` (the last one is `finish_step`'s, with
+        what it may allocate or finish): as many tokens to each request, their gaps."""
+        n = steps - 1
+        if n < 1:
+            return
+        gaps = self.gaps
+        started, first, last = run.started_s, run.ends[0], run.ends[n - 1]
+        followed = 0
+        for r in run.decodes:
+            if r.last_token_s == started:
+                followed += 1
+            else:
+                gaps.add(first - r.last_token_s)
+            r.last_token_s = last
+            r.context += n
+            r.tokens += n
+            if r.token_times is not None:
+                r.token_times.extend(run.ends[:n])
+        if followed:
+            gaps.add_many(run.seconds[0], followed)
+        b = len(run.decodes)
+        for step in run.seconds[1:n]:
+            gaps.add_many(step, b)
 
     def release_prefill_blocks(self, r: SimRequest) -> None:
         """A prefill worker's blocks of `r` return once the decode worker pulled them."""
