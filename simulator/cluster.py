@@ -459,6 +459,7 @@ class Simulation:
 
     def _schedule_run(self, worker: SimWorker, run: DecodeRun, steps: int) -> None:
         run.token += 1
+        run.steps = steps
         token = run.token
         self.at(run.ends[steps - 1], lambda: self._run_done(worker, run, steps, token),
                 run.step_start(steps))  # fmt: skip
@@ -482,7 +483,7 @@ class Simulation:
         steps = bisect.bisect_left(ends, self.now) + 1  # the first step ending now or later
         if ends[steps - 1] == self.now and self._scheduled_s >= run.step_start(steps):
             steps += 1  # that step's end would have come first: the next one is under way
-        if steps < len(ends):
+        if steps < run.steps:  # never past an earlier cut: its work joins after that step
             self._schedule_run(worker, run, steps)
 
     def _kick_split(self, w: SplitWorker) -> None:

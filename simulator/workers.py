@@ -108,6 +108,8 @@ class DecodeRun:
     ends: list[float]
     token: int = 0
     """Which scheduled event applies it (a cut schedules another)."""
+    steps: int = 0
+    """The steps that event applies."""
 
     def step_start(self, steps: int) -> float:
         """When its step `steps` (1-based) started: the end of the one before."""
