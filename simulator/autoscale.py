@@ -197,7 +197,7 @@ class SimHost:
             record = to_record(r, None)
             if not record.ok or record.ttft_ms is None:
                 continue
-            ttft = TimedSample(r.prefill_worker, r.done_s, record.ttft_ms, len(r.token_times))
+            ttft = TimedSample(r.prefill_worker, r.done_s, record.ttft_ms, r.tokens)
             tpot = None
             if record.tpot_ms is not None:
                 tpot = TimedSample(r.decode_worker, r.done_s, record.tpot_ms)

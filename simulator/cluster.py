@@ -31,6 +31,7 @@ Lifecycle of a request (times in seconds from the start of the run):
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import heapq
@@ -56,10 +57,12 @@ from router.placement import (
     place,
 )
 from router.prefill_cost import LocalPrefillPolicy
+from simulator.gaps import TokenGaps
 from simulator.overlap import Lane, SharedDevice
 from simulator.split import SplitParams, SplitWorker
 from simulator.views import LoadViews
 from simulator.workers import (
+    DecodeRun,
     PrefixIndex,
     Role,
     SimRequest,
@@ -156,11 +159,17 @@ class Simulation:
     """One run of a workload through a cluster of simulated workers."""
 
     def __init__(
-        self, profile: PerfProfile, shape: ClusterShape, prefill_profile: PerfProfile | None = None
+        self,
+        profile: PerfProfile,
+        shape: ClusterShape,
+        prefill_profile: PerfProfile | None = None,
+        trace_tokens: bool = False,
     ) -> None:
         """Decode, colocated and split workers step on `profile`, prefill workers on
         `prefill_profile` (None: `profile`); each profile's TP size must be the shape's for
-        its role, and the two must be of one model (`check_same_worker`)."""
+        its role, and the two must be of one model (`check_same_worker`). `trace_tokens`:
+        keep every token's time on its request (`SimRequest.token_times`; memory grows with
+        the tokens, for tests and small runs)."""
         self.profile = profile
         self.prefill_profile = prefill_profile or profile
         check_same_worker(profile, self.prefill_profile)
@@ -176,6 +185,9 @@ class Simulation:
             blocks //= 2
         blocks = shape.kv_blocks or blocks
         self.index = PrefixIndex()
+        self.gaps = TokenGaps()
+        """Every inter-token gap of the run (the ITL samples)."""
+        self.trace_tokens = trace_tokens
         self._kv_blocks = blocks
         self._step_times = StepTimes(profile)
         self._prefill_kv_blocks, self._prefill_step_times = blocks, self._step_times
@@ -216,7 +228,12 @@ class Simulation:
         """Prefill workers' throughput (admission's prior)."""
         self.prefill_cost = profile.prefill_cost_model()
         """The `cost` policy's model: the decode profile's (a live router holds one)."""
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._events: list[tuple[float, float, int, Callable[[], None]]] = []
+        """(time, when it was scheduled, sequence, action): the order of scheduling breaks
+        ties, and a decode run's step is scheduled as of when one event per step would have
+        scheduled it (`_schedule_run`)."""
+        self._scheduled_s = 0.0
+        """When the event being handled was scheduled."""
         self._seq = itertools.count()
         self.now = 0.0
         self.queue: deque[tuple[SimRequest, float]] = deque()
@@ -256,15 +273,16 @@ class Simulation:
         else:
             profile, blocks, times = self.profile, self._kv_blocks, self._step_times
         return SimWorker(
-            worker_id, role, profile, blocks, self.index, times, token_budget=self.token_budget
-        )
+            worker_id, role, profile, blocks, self.index, times, token_budget=self.token_budget,
+            gaps=self.gaps,
+        )  # fmt: skip
 
     def _split_worker(self, worker_id: str) -> SplitWorker:
         params = self.shape.split_params
         device = SharedDevice(SplitWorker.make_lanes(params), self.at, self._clock)
         return SplitWorker(
             worker_id, self.profile, self._kv_blocks, params, device, self.index,
-            self._step_times, token_budget=self.token_budget,
+            self._step_times, token_budget=self.token_budget, gaps=self.gaps,
         )  # fmt: skip
 
     def _clock(self) -> float:
@@ -291,8 +309,10 @@ class Simulation:
 
     # ---- the event loop ---------------------------------------------------------------------
 
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), fn))
+    def at(self, t: float, fn: Callable[[], None], scheduled_s: float | None = None) -> None:
+        """Run `fn` at `t` (`scheduled_s`: as if scheduled then; default now)."""
+        when = self.now if scheduled_s is None else scheduled_s
+        heapq.heappush(self._events, (t, when, next(self._seq), fn))
 
     def run(self, planned: Sequence[PlannedRequest]) -> list[SimRequest]:
         for p in planned:
@@ -307,7 +327,7 @@ class Simulation:
         gc.disable()
         try:
             while self._events:
-                self.now, _, fn = heapq.heappop(self._events)
+                self.now, self._scheduled_s, _, fn = heapq.heappop(self._events)
                 self.events += 1
                 fn()
         finally:
@@ -319,6 +339,8 @@ class Simulation:
 
     def _arrive(self, p: PlannedRequest) -> None:
         r = SimRequest(p, block_hashes(p.token_ids, self.block_size), sent_s=self.now)
+        if self.trace_tokens:
+            r.token_times = []
         self.requests.append(r)
         decision = self._evaluate(r, waiting_ahead=len(self.queue))
         if decision.kind is DecisionKind.ADMIT:
@@ -424,6 +446,7 @@ class Simulation:
     def _end(self, r: SimRequest, status: str) -> None:
         r.status = status
         r.done_s = self.now
+        r.block_hashes = ()  # no cache reads them any more; a long run holds every request
         self.finished.append(r)
         for p in self._followers.pop(r.planned.index, []):
             self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
@@ -439,28 +462,74 @@ class Simulation:
     def _kick(self, worker: SimWorker) -> None:
         """Start the worker's next step if it is idle and has work (a split worker's: each
         idle loop's)."""
+        if worker.run is not None:
+            self._cut_run(worker)
+            return
         if isinstance(worker, SplitWorker):
             self._kick_split(worker)
             return
         if worker.busy or not worker.has_work():
             return
+        # planning changes nothing the router reads (a request joining the batch moves from
+        # `expected` to `running`): no touch
         seconds, chunks, decodes = worker.plan_step()
-        self.views.touch(worker)
         if not chunks and not decodes:
             return
         worker.busy = True
+        started = self.now
         lane = self._lanes.get(worker.worker_id)
         if lane is None:
             worker.busy_s += seconds
-            self.at(self.now + seconds, lambda: self._step_done(worker, chunks, decodes))
+            run = None if chunks else worker.plan_run(started, seconds, decodes)
+            if run is None:
+                step = functools.partial(self._step_done, worker, chunks, decodes, started, seconds)
+                self.at(started + seconds, step)
+            else:
+                worker.run = run
+                self._schedule_run(worker, run, len(run.ends))
             return
 
         def done() -> None:
             worker.busy_s += self.now - lane.started_s
-            self._step_done(worker, chunks, decodes)
+            self._step_done(worker, chunks, decodes, started, self.now - started)
 
         assert lane.device is not None
         lane.device.start(lane, seconds, done)
+
+    # A decode run (simulator/workers.py `DecodeRun`): one event for steps that change nothing
+    # the router reads before the last. It ends when one event per step would have, in the
+    # same order among events at the same time (each scheduled as of its step's start), and
+    # work that reaches its worker cuts it at the step under way, as that step's end would
+    # have taken the work into the next.
+
+    def _schedule_run(self, worker: SimWorker, run: DecodeRun, steps: int) -> None:
+        run.token += 1
+        run.steps = steps
+        token = run.token
+        self.at(run.ends[steps - 1], lambda: self._run_done(worker, run, steps, token),
+                run.step_start(steps))  # fmt: skip
+
+    def _run_done(self, worker: SimWorker, run: DecodeRun, steps: int, token: int) -> None:
+        if run.token != token:  # cut: a later event applies it
+            return
+        worker.run = None
+        for seconds in run.seconds[1:steps]:
+            worker.busy_s += seconds
+        worker.advance_run(run, steps)
+        start = run.step_start(steps)
+        self._step_done(worker, [], run.decodes, start, run.seconds[steps - 1])
+
+    def _cut_run(self, worker: SimWorker) -> None:
+        """Work reached `worker` during its run: the run ends with the step under way now, as
+        one event per step orders this event and that step's end."""
+        run = worker.run
+        assert run is not None
+        ends = run.ends
+        steps = bisect.bisect_left(ends, self.now) + 1  # the first step ending now or later
+        if ends[steps - 1] == self.now and self._scheduled_s >= run.step_start(steps):
+            steps += 1  # that step's end would have come first: the next one is under way
+        if steps < run.steps:  # never past an earlier cut: its work joins after that step
+            self._schedule_run(worker, run, steps)
 
     def _kick_split(self, w: SplitWorker) -> None:
         device = w.device
@@ -492,11 +561,20 @@ class Simulation:
         self._kick_split(w)
 
     def _step_done(
-        self, worker: SimWorker, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]
+        self,
+        worker: SimWorker,
+        chunks: list[tuple[SimRequest, int]],
+        decodes: list[SimRequest],
+        started_s: float,
+        seconds: float,
     ) -> None:
         worker.busy = False
-        prefilled, finished = worker.finish_step(self.now, chunks, decodes)
-        self.views.touch(worker)
+        used = worker.used_blocks
+        prefilled, finished = worker.finish_step(self.now, chunks, decodes, started_s, seconds)
+        # most decode steps change nothing the router reads (`views._state`): a block fills
+        # every `block_size` tokens
+        if chunks or finished or worker.used_blocks != used:
+            self.views.touch(worker)
         for r in finished:
             self._release(r)
         if worker.role is Role.PREFILL:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtests.bench import BenchSummary, RateResult
@@ -48,14 +48,16 @@ class SimResult:
 
 def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
     p = r.planned
-    if r.status != OK or not r.token_times:
+    if r.status != OK or not r.tokens:
         return RequestRecord(
             p.request_id, p.index, r.sent_s, p.send_at_s, p.prompt_tokens, p.max_tokens, 0,
             (r.done_s - r.sent_s) * 1000.0, status=r.status, offered_rate=rate,
             conversation=p.conversation, turn=p.turn,
         )  # fmt: skip
-    # one token per simulated message: the load driver's own arithmetic over them
-    timer = StreamTimer(r.sent_s, list(r.token_times), len(r.token_times))
+    # the load driver's own arithmetic over the first and last token (all TTFT, TPOT and E2E
+    # read); the gaps between are the run's (`Simulation.gaps`), not the record's
+    times = [r.first_token_s] if r.tokens == 1 else [r.first_token_s, r.last_token_s]
+    timer = StreamTimer(r.sent_s, times, r.tokens)
     return RequestRecord(
         request_id=p.request_id,
         index=p.index,
@@ -64,10 +66,9 @@ def to_record(r: SimRequest, rate: float | None) -> RequestRecord:
         prompt_tokens=p.prompt_tokens,
         max_tokens=p.max_tokens,
         output_tokens=timer.output_tokens,
-        e2e_ms=timer.e2e_ms(r.token_times[-1]),
+        e2e_ms=timer.e2e_ms(r.last_token_s),
         ttft_ms=timer.ttft_ms,
         tpot_ms=timer.tpot_ms,
-        itl_ms=timer.itl_ms,
         cached_prompt_tokens=r.cached_tokens,
         server_transfer_ms=r.handoff_s * 1000.0,
         offered_rate=rate,
@@ -99,7 +100,7 @@ def simulate(
     sim = Simulation(profile, shape, prefill_profile)
     requests = sim.run(planned)
     records = tuple(to_record(r, rate) for r in requests)
-    report = summarize(records, slo, offered_rate=rate)
+    report = summary(records, slo, sim, rate)
     span = max(sim.now, 1e-9)
     placed = Counter(r.placement for r in requests if r.placement is not None)
     return SimResult(
@@ -108,6 +109,14 @@ def simulate(
         tuple(_use(w, span) for w in sim.workers.values()),
         tuple(sorted(placed.items(), key=lambda kv: (-kv[1], kv[0].value))),
     )
+
+
+def summary(
+    records: Sequence[RequestRecord], slo: SLO, sim: Simulation, rate: float | None
+) -> GoodputReport:
+    """`summarize` over the run's records, its ITL over the run's gaps (a record carries no
+    gaps: `simulator/gaps.py`)."""
+    return replace(summarize(records, slo, offered_rate=rate), itl=sim.gaps.stats_ms())
 
 
 def _use(w: SimWorker, span: float) -> WorkerUse:

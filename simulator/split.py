@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from planner.perf_profile import PerfProfile
+from simulator.gaps import TokenGaps
 from simulator.overlap import Lane, SharedDevice
 from simulator.workers import PrefixIndex, Role, SimRequest, SimWorker, StepTimes
 from vocabulary.split_policy import (
@@ -179,10 +180,12 @@ class SplitWorker(SimWorker):
         index: PrefixIndex | None = None,
         step_times: StepTimes | None = None,
         token_budget: int = 0,
+        gaps: TokenGaps | None = None,
     ) -> None:
         """`device`: the lanes of `prefill_lane` and `decode_lane` (made with
         `make_lanes`)."""
-        super().__init__(worker_id, Role.SPLIT, profile, kv_blocks, index, step_times, token_budget)
+        super().__init__(worker_id, Role.SPLIT, profile, kv_blocks, index, step_times,
+                         token_budget, gaps)  # fmt: skip
         self.params = params
         self.device = device
         self.prefill_lane, self.decode_lane = device.lanes
@@ -286,12 +289,12 @@ class SplitWorker(SimWorker):
             if r.remaining_prefill == 0:
                 self.prefill_queue.remove(r)
                 self._holding.discard(r.planned.index)
-                r.token_times.append(now)
+                r.emit_token(now, self.gaps)
                 self.cache.store(r.block_hashes)
                 prefilled.append(r)
         for r in prefilled:
             self.expected -= 1
-            if len(r.token_times) >= r.max_tokens:
+            if r.tokens >= r.max_tokens:
                 self.used_blocks -= self.blocks_for(r.context)
                 finished.append(r)
             else:
@@ -355,8 +358,8 @@ class SplitWorker(SimWorker):
         finished = []
         for r in decodes:
             r.context += 1
-            r.token_times.append(now)
-            if len(r.token_times) >= r.max_tokens:
+            r.emit_token(now, self.gaps)
+            if r.tokens >= r.max_tokens:
                 finished.append(r)
         for r in finished:
             self.running.remove(r)

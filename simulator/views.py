@@ -25,12 +25,13 @@ from simulator.workers import Role, SimWorker
 @dataclass(frozen=True)
 class WorkerViews:
     """Every worker's load and candidate (no prefix hit), and the workers in the cores' own
-    order of preference among those without a hit (cluster order within ties)."""
+    order of preference among those without a hit (cluster order within ties). Read it at
+    once: `LoadViews` updates the sequences other than `decode_loads` in place."""
 
-    prefill_loads: tuple[PrefillWorkerLoad, ...]
+    prefill_loads: Sequence[PrefillWorkerLoad]
     decode_loads: tuple[DecodeWorkerLoad, ...]
-    prefill_candidates: tuple[PrefillCandidate, ...]
-    decode_candidates: tuple[DecodeCandidate, ...]
+    prefill_candidates: Sequence[PrefillCandidate]
+    decode_candidates: Sequence[DecodeCandidate]
     prefill_order: Sequence[tuple[int, str, int]]
     """(queued prefill tokens, worker id, position), ascending: placement's cost and
     admission's estimated TTFT both rise with the queue when nothing is cached. Read it at
@@ -135,10 +136,10 @@ class LoadViews:
         self._touched.clear()
         if changed or self._views is None:
             self._views = WorkerViews(
-                tuple(self._prefill_loads),
+                self._prefill_loads,
                 tuple(self._decode_loads),
-                tuple(self._prefill_candidates),
-                tuple(self._decode_candidates),
+                self._prefill_candidates,
+                self._decode_candidates,
                 self._prefill_sorted,
                 self._decode_sorted,
                 self._prefill_at,

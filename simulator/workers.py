@@ -21,13 +21,18 @@ so preemption is not modelled (an overflow is counted in `kv_overflows`).
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile
 from router.placement import PrefillReason
-from vocabulary.numeric import cdiv, interpolate
+from simulator.gaps import TokenGaps
+from vocabulary.numeric import cdiv
+
+RUN_STEPS = 64
+"""The most decode steps one event applies (`SimWorker.plan_run`)."""
 
 
 class Role(enum.Enum):
@@ -43,6 +48,7 @@ class SimRequest:
 
     planned: PlannedRequest
     block_hashes: tuple[int, ...]
+    """The prompt's block hashes (`block_hashes`), () once the request ended."""
     sent_s: float = 0.0
     cached_tokens: int = 0
     """Prompt tokens the placed prefill (or local) worker already held."""
@@ -58,7 +64,13 @@ class SimRequest:
     remaining_prefill: int = 0
     context: int = 0
     """Tokens in the KV cache (prompt + generated)."""
-    token_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    """Output tokens so far."""
+    first_token_s: float = 0.0
+    last_token_s: float = 0.0
+    token_times: list[float] | None = None
+    """Every token's time, kept only when the simulation was asked to trace them
+    (`Simulation(trace_tokens=True)`); the run's gaps are in `TokenGaps` either way."""
     handoff_s: float = 0.0
     status: str = "OK"
     done_s: float = 0.0
@@ -70,6 +82,38 @@ class SimRequest:
     @property
     def max_tokens(self) -> int:
         return self.planned.max_tokens
+
+    def emit_token(self, now: float, gaps: TokenGaps) -> None:
+        """A token at `now` (its gap from the one before added to `gaps`)."""
+        if self.tokens:
+            gaps.add(now - self.last_token_s)
+        else:
+            self.first_token_s = now
+        self.last_token_s = now
+        self.tokens += 1
+        if self.token_times is not None:
+            self.token_times.append(now)
+
+
+@dataclass
+class DecodeRun:
+    """Decode steps of one unchanged batch that one event applies: step i ends at `ends[i]`
+    after `seconds[i]`; none but the last takes a new block or finishes a request, so no step
+    before the last changes what the router reads. Work that reaches the worker during it cuts
+    it at the step under way (simulator/cluster.py `_cut_run`)."""
+
+    decodes: list[SimRequest]
+    started_s: float
+    seconds: list[float]
+    ends: list[float]
+    token: int = 0
+    """Which scheduled event applies it (a cut schedules another)."""
+    steps: int = 0
+    """The steps that event applies."""
+
+    def step_start(self, steps: int) -> float:
+        """When its step `steps` (1-based) started: the end of the one before."""
+        return self.ends[steps - 2] if steps >= 2 else self.started_s
 
 
 class PrefixIndex:
@@ -156,15 +200,26 @@ class StepTimes:
 
     def __init__(self, profile: PerfProfile) -> None:
         self.profile = profile
-        self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        self._curves: dict[int, tuple[list[int], list[float], float]] = {}
+        self._overhead_s = profile.serving.decode_step_s
         self._prefill: dict[tuple[int, int], float] = {}
 
     def decode_s(self, batch_size: int, context_tokens: float) -> float:
+        """`interpolate` along the batch size's curve, its arithmetic inlined (the simulator
+        reads it once a step)."""
         curve = self._curves.get(batch_size)
         if curve is None:
-            curve = self._curves[batch_size] = self.profile.decode_step_curve(batch_size)
-        step = interpolate(curve[0], curve[1], context_tokens)
-        return step + self.profile.serving.decode_step_s
+            xs, ys = self.profile.decode_step_curve(batch_size)
+            curve = self._curves[batch_size] = (xs, ys, min(ys))
+        xs, ys, floor = curve
+        last = len(xs) - 1
+        if last == 0:
+            return ys[0] + self._overhead_s
+        i = bisect_left(xs, context_tokens)
+        i = 1 if i < 1 else last if i > last else i
+        x0, y0 = xs[i - 1], ys[i - 1]
+        y = y0 + (ys[i] - y0) * (context_tokens - x0) / (xs[i] - x0)
+        return (y if y > floor else floor) + self._overhead_s
 
     def prefill_s(self, tokens: int, cached: int) -> float:
         seconds = self._prefill.get((tokens, cached))
@@ -188,9 +243,12 @@ class SimWorker:
         index: PrefixIndex | None = None,
         step_times: StepTimes | None = None,
         token_budget: int = 0,
+        gaps: TokenGaps | None = None,
     ) -> None:
-        """`token_budget`: prefill tokens per step (0: the profile's max_num_batched_tokens)."""
+        """`token_budget`: prefill tokens per step (0: the profile's max_num_batched_tokens);
+        `gaps`: where its requests' inter-token gaps are counted (the simulation's)."""
         header = profile.header
+        self.gaps = gaps if gaps is not None else TokenGaps()
         self.worker_id = worker_id
         self.role = role
         self.profile = profile
@@ -210,6 +268,8 @@ class SimWorker:
         """Requests placed here to decode that are not running yet (as the router counts its
         reservations: a local prefill, or a prefill and hand-off elsewhere)."""
         self.busy = False
+        self.run: DecodeRun | None = None
+        """The decode steps under way when several were planned at once (`plan_run`)."""
         self.busy_s = 0.0
         self.cache = PrefixCache(kv_blocks, worker_id, index)
         self.queued_prefill_tokens = 0
@@ -274,21 +334,23 @@ class SimWorker:
     def plan_step(self) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
         """(step seconds, prefill chunks (request, tokens), decoding requests) of the next
         step; the chunks are taken from the queue when the step is applied."""
-        self.running.extend(self.arriving)
-        self.expected -= len(self.arriving)
-        self.arriving.clear()
+        if self.arriving:
+            self.running.extend(self.arriving)
+            self.expected -= len(self.arriving)
+            self.arriving.clear()
         decodes = self.running[: self.max_num_seqs]
-        budget = self.token_budget - len(decodes)
         chunks: list[tuple[SimRequest, int]] = []
-        for r in self.prefill_queue:
-            if budget <= 0 or len(decodes) + len(chunks) >= self.max_num_seqs:
-                break
-            n = min(r.remaining_prefill, budget)
-            chunks.append((r, n))
-            budget -= n
+        if self.prefill_queue:
+            budget = self.token_budget - len(decodes)
+            for r in self.prefill_queue:
+                if budget <= 0 or len(decodes) + len(chunks) >= self.max_num_seqs:
+                    break
+                n = min(r.remaining_prefill, budget)
+                chunks.append((r, n))
+                budget -= n
         seconds = 0.0
         if decodes:
-            context = sum(r.context for r in decodes) / len(decodes)
+            context = sum([r.context for r in decodes]) / len(decodes)
             seconds += self.step_times.decode_s(len(decodes), context)
         if chunks:
             tokens = sum(n for _, n in chunks)
@@ -297,11 +359,19 @@ class SimWorker:
         return seconds, chunks, decodes
 
     def finish_step(
-        self, now: float, chunks: list[tuple[SimRequest, int]], decodes: list[SimRequest]
+        self,
+        now: float,
+        chunks: list[tuple[SimRequest, int]],
+        decodes: list[SimRequest],
+        started_s: float = -1.0,
+        seconds: float = 0.0,
     ) -> tuple[list[SimRequest], list[SimRequest]]:
-        """Apply a step that ended at `now`: (prompts whose prefill finished, requests that
-        finished decoding). A finished prompt has its first token; on a decode or colocated
-        worker it joins the batch here."""
+        """Apply a step that ran from `started_s` for `seconds` and ended at `now`: (prompts
+        whose prefill finished, requests that finished decoding). A finished prompt has its
+        first token; on a decode or colocated worker it joins the batch here. A request whose
+        last token came at `started_s` (it ran in the step before) has `seconds` as its gap.
+        """
+        gaps = self.gaps
         prefilled = []
         for r, n in chunks:
             r.remaining_prefill -= n
@@ -311,32 +381,104 @@ class SimWorker:
             r.context += n
             if r.remaining_prefill == 0:
                 self.prefill_queue.remove(r)
-                r.token_times.append(now)
+                r.emit_token(now, gaps)
                 self.cache.store(r.block_hashes)
                 prefilled.append(r)
         finished = []
         block_size = self.block_size
+        grow = 0
+        followed = 0  # requests whose gap is this step
         for r in decodes:
             context = r.context
             if context % block_size == 0:  # the next token starts a block
-                self.allocate(1)
+                grow += 1
             r.context = context + 1
-            times = r.token_times
-            times.append(now)
-            if len(times) >= r.planned.max_tokens:
+            if r.last_token_s == started_s:
+                followed += 1
+            else:
+                gaps.add(now - r.last_token_s)
+            r.last_token_s = now
+            r.tokens += 1
+            if r.token_times is not None:
+                r.token_times.append(now)
+            if r.tokens >= r.planned.max_tokens:
                 finished.append(r)
+        if grow:  # as `allocate` once per block: an overflow counted per block past the pool
+            over = self.used_blocks + grow - self.total_blocks
+            self.used_blocks += grow
+            if over > 0:
+                self.kv_overflows += min(grow, over)
+        if followed:
+            gaps.add_many(seconds, followed)
         for r in finished:
             self.running.remove(r)
             self.used_blocks -= self.blocks_for(r.context)
         if self.role is not Role.PREFILL:
             for r in prefilled:
                 self.expected -= 1
-                if len(r.token_times) >= r.max_tokens:
+                if r.tokens >= r.max_tokens:
                     self.used_blocks -= self.blocks_for(r.context)
                     finished.append(r)
                 else:
                     self.running.append(r)
         return prefilled, finished
+
+    def plan_run(
+        self, started_s: float, first_s: float, decodes: list[SimRequest]
+    ) -> DecodeRun | None:
+        """The steps from the one planned (`plan_step`: `decodes` alone, `first_s` long,
+        started at `started_s`) up to the first that finishes a request or takes a new block
+        (it included; at most `RUN_STEPS`), each timed as `plan_step` would time it; None when
+        that is the planned step alone, or the next steps may differ (a prompt queued here,
+        requests beyond `max_num_seqs`)."""
+        if self.role is Role.PREFILL or self.prefill_queue or len(decodes) < len(self.running):
+            return None
+        block_size = self.block_size
+        k = RUN_STEPS
+        for r in decodes:
+            left = r.planned.max_tokens - r.tokens  # its last token's step
+            block = -r.context % block_size + 1  # the step whose token starts a block
+            m = left if left < block else block
+            if m < k:
+                if m <= 1:
+                    return None
+                k = m
+        b = len(decodes)
+        total = sum([r.context for r in decodes])
+        decode_s = self.step_times.decode_s
+        t = started_s + first_s
+        seconds, ends = [first_s], [t]
+        for i in range(1, k):
+            step = decode_s(b, (total + i * b) / b)  # every context i tokens longer
+            t = t + step
+            seconds.append(step)
+            ends.append(t)
+        return DecodeRun(decodes, started_s, seconds, ends)
+
+    def advance_run(self, run: DecodeRun, steps: int) -> None:
+        """Apply the first `steps` - 1 steps of `run` (the last one is `finish_step`'s, with
+        what it may allocate or finish): as many tokens to each request, their gaps."""
+        n = steps - 1
+        if n < 1:
+            return
+        gaps = self.gaps
+        started, first, last = run.started_s, run.ends[0], run.ends[n - 1]
+        followed = 0
+        for r in run.decodes:
+            if r.last_token_s == started:
+                followed += 1
+            else:
+                gaps.add(first - r.last_token_s)
+            r.last_token_s = last
+            r.context += n
+            r.tokens += n
+            if r.token_times is not None:
+                r.token_times.extend(run.ends[:n])
+        if followed:
+            gaps.add_many(run.seconds[0], followed)
+        b = len(run.decodes)
+        for step in run.seconds[1:n]:
+            gaps.add_many(step, b)
 
     def release_prefill_blocks(self, r: SimRequest) -> None:
         """A prefill worker's blocks of `r` return once the decode worker pulled them."""

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from admission.config import AdmissionThresholds
-from loadtests.goodput import parse_slo, summarize
+from loadtests.goodput import parse_slo
 from loadtests.workload import generate, load_profile
 from planner.perf_profile import load_perf_profile
 from simulator.cluster import ClusterShape, Simulation
-from simulator.report import to_record
+from simulator.report import summary, to_record
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny-cpu-profile-fitted.json"
 HOUR_S = 3600.0
@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim_s, sim_cpu_s = time.perf_counter() - t0, time.process_time() - c0
 
     t0, c0 = time.perf_counter(), time.process_time()
-    report = summarize([to_record(r, args.rate) for r in requests], parse_slo("ttft:1000"))
+    records = [to_record(r, args.rate) for r in requests]
+    report = summary(records, parse_slo("ttft:1000"), sim, args.rate)
     report_s, report_cpu_s = time.perf_counter() - t0, time.process_time() - c0
 
     n = len(requests)

@@ -48,17 +48,18 @@ def outcome(r: SimRequest) -> dict[str, Any]:
         "decode_worker": r.decode_worker,
         "placement": None if r.placement is None else r.placement.value,
         "handoff_s": r.handoff_s,
-        "tokens": len(r.token_times),
-        "first_token_s": r.token_times[0] if r.token_times else None,
-        "last_token_s": r.token_times[-1] if r.token_times else None,
-        "token_times_sum": sum(r.token_times),
+        "tokens": r.tokens,
+        "first_token_s": r.first_token_s if r.tokens else None,
+        "last_token_s": r.last_token_s if r.tokens else None,
+        "token_times_sum": sum(r.token_times or ()),
     }
 
 
 def run(name: str) -> list[dict[str, Any]]:
     workload, rate, duration, shape = SCENARIOS[name]
     planned = generate(load_profile(workload), rate=rate, duration_s=duration, seed=0)
-    return [outcome(r) for r in Simulation(tiny_cpu_profile(), shape).run(planned)]
+    sim = Simulation(tiny_cpu_profile(), shape, trace_tokens=True)
+    return [outcome(r) for r in sim.run(planned)]
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def make_request(index: int, prompt: int, max_tokens: int, at: float = 0.0) -> P
 
 
 def run(shape: ClusterShape, planned: list[PlannedRequest]) -> list[SimRequest]:
-    return Simulation(make_profile(), shape).run(planned)
+    return Simulation(make_profile(), shape, trace_tokens=True).run(planned)
 
 
 def test_a_prompt_behind_a_long_prefill_is_prefilled_on_the_decode_worker() -> None:

@@ -51,7 +51,7 @@ def test_each_role_is_searched_at_every_tp_size_and_a_worker_holds_a_gpu_per_ran
 def test_prefill_workers_step_on_their_own_profile_the_handoff_is_the_decode_one() -> None:
     prompt = tuple(10 + i for i in range(100))
     shape = ClusterShape(1, 1, thresholds=NO_LOCAL, prefill_tp=2)
-    (r,) = Simulation(TP1, shape, prefill_profile=TP2).run(
+    (r,) = Simulation(TP1, shape, prefill_profile=TP2, trace_tokens=True).run(
         [PlannedRequest(0, "r0", 0.0, prompt, 3)]
     )
     record = to_record(r, None)

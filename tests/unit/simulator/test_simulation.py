@@ -26,7 +26,9 @@ DISAGGREGATED = ClusterShape(1, 1, thresholds=AdmissionThresholds(local_prefill_
 
 
 def test_one_request_alone_is_prefill_then_handoff_then_one_decode_step_per_token() -> None:
-    (r,) = Simulation(make_profile(), DISAGGREGATED).run([make_request(0, 100, 5)])
+    (r,) = Simulation(make_profile(), DISAGGREGATED, trace_tokens=True).run(
+        [make_request(0, 100, 5)]
+    )
     record = to_record(r, None)
     assert record.ok
     assert record.ttft_ms == pytest.approx(110.0)  # no queue; one prefill step (10 + 100 ms)
@@ -40,7 +42,7 @@ def test_one_request_alone_is_prefill_then_handoff_then_one_decode_step_per_toke
 def test_serving_overheads_add_a_router_hop_scale_prefill_and_lengthen_decode_steps() -> None:
     serving = ServingOverhead(request_s=0.002, prefill_factor=2.0, decode_step_s=0.001)
     profile = replace(make_profile(), serving=serving)
-    (r,) = Simulation(profile, DISAGGREGATED).run([make_request(0, 100, 3)])
+    (r,) = Simulation(profile, DISAGGREGATED, trace_tokens=True).run([make_request(0, 100, 3)])
     # hop 2 ms, prefill 2 x 110 ms; hand-off 5 ms; decode steps 10 + 1 ms
     assert r.token_times == pytest.approx([0.222, 0.238, 0.249])
 
@@ -52,7 +54,7 @@ def test_a_long_prompt_is_chunked_at_the_token_budget() -> None:
 
 
 def test_prompts_that_wait_for_a_busy_worker_share_its_next_step() -> None:
-    first, a, b = Simulation(make_profile(), DISAGGREGATED).run(
+    first, a, b = Simulation(make_profile(), DISAGGREGATED, trace_tokens=True).run(
         [make_request(0, 50, 1), make_request(1, 50, 1), make_request(2, 50, 1)]
     )
     assert first.token_times == pytest.approx([0.06])  # the worker was idle: it starts at once
@@ -82,7 +84,7 @@ def test_a_full_decode_pool_queues_the_next_request_until_the_first_finishes() -
     assert first.status == second.status == "OK"
     assert first.done_s == pytest.approx(0.11 + 0.005 + 99 * 0.01)
     # admitted when the first released its reservation: its prefill starts then
-    assert second.token_times[0] == pytest.approx(first.done_s + 0.11)
+    assert second.first_token_s == pytest.approx(first.done_s + 0.11)
 
 
 def test_a_full_decode_pool_rejects_when_queueing_is_off() -> None:
@@ -97,7 +99,7 @@ def test_a_full_decode_pool_rejects_when_queueing_is_off() -> None:
 
 def test_a_short_prompt_is_prefilled_on_the_decode_worker_without_a_handoff() -> None:
     shape = ClusterShape(1, 1, thresholds=AdmissionThresholds(local_prefill_threshold_tokens=64))
-    (r,) = Simulation(make_profile(), shape).run([make_request(0, 50, 3)])
+    (r,) = Simulation(make_profile(), shape, trace_tokens=True).run([make_request(0, 50, 3)])
     assert r.handoff_s == 0.0
     assert r.token_times == pytest.approx([0.06, 0.07, 0.08])
 

@@ -75,7 +75,7 @@ def test_every_split_decision_is_the_engines_choose_decode_sms_for_the_same_load
 
 
 def test_with_the_prefill_loop_idle_decode_runs_at_the_whole_devices_speed() -> None:
-    (r,) = Simulation(make_profile(), split_shape(resize_interval_s=0.0)).run(
+    (r,) = Simulation(make_profile(), split_shape(resize_interval_s=0.0), trace_tokens=True).run(
         [make_request(0, 100, 4)]
     )
     # prefill alone (nothing decodes: the smallest decode share, 16 SMs, is kept; prefill runs
@@ -85,7 +85,9 @@ def test_with_the_prefill_loop_idle_decode_runs_at_the_whole_devices_speed() -> 
 
 
 def test_the_governor_holds_the_split_for_its_interval_even_when_prefill_goes_idle() -> None:
-    (r,) = Simulation(make_profile(), split_shape()).run([make_request(0, 100, 3)])
+    (r,) = Simulation(make_profile(), split_shape(), trace_tokens=True).run(
+        [make_request(0, 100, 3)]
+    )
     # the split moved to 16 decode SMs at 0 s; within 1 s it stays, so decode draws 16 of
     # the 59 SMs the bandwidth needs: 10 ms x 59 / 16 a step
     first, step = 0.11 * 132 / 116, 0.01 * SATURATED / 16
@@ -93,13 +95,15 @@ def test_the_governor_holds_the_split_for_its_interval_even_when_prefill_goes_id
 
 
 def test_with_decode_idle_a_fixed_split_prefills_on_its_partition_without_a_slowdown() -> None:
-    (r,) = Simulation(make_profile(), split_shape(decode_sms=32)).run([make_request(0, 100, 1)])
+    (r,) = Simulation(make_profile(), split_shape(decode_sms=32), trace_tokens=True).run(
+        [make_request(0, 100, 1)]
+    )
     assert r.token_times == pytest.approx([0.11 * 132 / 100])
 
 
 def test_steps_that_overlap_run_at_their_measured_slowdowns() -> None:
     params = SplitParams(decode_sms=48, resize_interval_s=0.0)
-    sim = Simulation(make_profile(), replace(split_shape(), split_params=params))
+    sim = Simulation(make_profile(), replace(split_shape(), split_params=params), trace_tokens=True)
     a, b = sim.run([make_request(0, 16, 40), make_request(1, 100, 1, at=0.1)])
     # decode alone on 48 SMs: 10 ms x 59 / 48; beside the prefill x 1/0.74; the prefill on
     # 84 SMs, x 1/0.82 while decode steps (always, here)
@@ -138,7 +142,7 @@ def test_a_split_worker_prefills_fewer_prompts_a_second_than_colocated() -> None
     for name, shape in (("colocated", ClusterShape(0, 0, 1, thresholds=LOOSE)),
                         ("split", split_shape())):  # fmt: skip
         sim = Simulation(make_profile(), shape)
-        ends[name] = max(r.token_times[-1] for r in sim.run(planned))
+        ends[name] = max(r.last_token_s for r in sim.run(planned))
     assert ends["split"] == pytest.approx(ends["colocated"] * 132 / 116)
 
 
@@ -174,7 +178,7 @@ def test_the_pool_never_overflows_under_pressure_and_prefill_leaves_the_headroom
     assert headroom_kept and all(headroom_kept)
     assert worker.kv_overflows == 0
     assert worker.preemptions > 0  # the pool did run short: the decode loop gave blocks back
-    assert [len(r.token_times) for r in done] == [150] * 12
+    assert [r.tokens for r in done] == [150] * 12
     assert worker.used_blocks == 0
 
 
