@@ -26,7 +26,8 @@ def tp1_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def children() -> list[tuple[int, str, str]]:
     """This process's child processes: (pid, state, command line); multiprocessing's
-    resource tracker (it lives as long as this process) left out."""
+    resource tracker and fork server (they live as long as this process: another test of the
+    same pytest process may have started them) left out."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -37,7 +38,8 @@ def children() -> list[tuple[int, str, str]]:
         except OSError:
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and "resource_tracker" not in cmdline:
+        standing = "resource_tracker" in cmdline or "multiprocessing.forkserver" in cmdline
+        if int(ppid) == os.getpid() and not standing:
             found.append((int(entry.name), state, cmdline))
     return found
 

@@ -57,7 +57,9 @@ def test_json_schema_outputs_validate_over_seeds_streamed_or_not_pd_and_local(
             response_format=RESPONSE_FORMAT, temperature=1.0, seed=seed, max_tokens=100,
             extra_body=_salt(),
         )  # fmt: skip
-        client = clients[router]
+        # four at once on a loaded machine can be refused early (429, the router's estimated
+        # TTFT past its limit): retried as the SDK's users do, with its backoff
+        client = clients[router].with_options(max_retries=6)
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kwargs))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
