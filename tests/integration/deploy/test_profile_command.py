@@ -5,6 +5,7 @@ of its own, gone afterwards), and a `--tp` that cannot run refused before anythi
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,7 @@ def tp1_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def children() -> list[tuple[int, str, str]]:
-    """This process's child processes: (pid, state, command line); multiprocessing's
-    resource tracker and fork server (they live as long as this process: another test of the
-    same pytest process may have started them) left out."""
+    """This process's child processes: (pid, state, command line)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -38,10 +37,18 @@ def children() -> list[tuple[int, str, str]]:
         except OSError:
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        standing = "resource_tracker" in cmdline or "multiprocessing.forkserver" in cmdline
-        if int(ppid) == os.getpid() and not standing:
+        if int(ppid) == os.getpid():
             found.append((int(entry.name), state, cmdline))
     return found
+
+
+@pytest.fixture
+def new_children() -> Callable[[], list[tuple[int, str, str]]]:
+    """The child processes (zombies too) this test left that were not there when it began:
+    another test of the same pytest process may have left standing ones (a local Ray, a
+    multiprocessing fork server or resource tracker)."""
+    before = {pid for pid, _, _ in children()}
+    return lambda: [c for c in children() if c[0] not in before]
 
 
 def steps(profile: PerfProfile) -> list[float]:
@@ -71,13 +78,12 @@ def test_profile_of_the_tiny_model_is_read_back_and_simulated(tp1_profile: Path)
 
 
 def test_a_tp2_profile_runs_its_follower_rank_and_leaves_no_process(
-    tp1_profile: Path, tmp_path: Path
+    tp1_profile: Path, tmp_path: Path, new_children: Callable[[], list[tuple[int, str, str]]]
 ) -> None:
-    assert children() == []
     out = tmp_path / "tp2.json"
     result = CliRunner().invoke(app, ["profile", str(out), *QUICK, "--tp", "2"])
     assert result.exit_code == 0, result.output
-    assert children() == []  # the follower returned (or was killed) and was reaped
+    assert new_children() == []  # the follower returned (or was killed) and was reaped
     tp1 = load_perf_profile(tp1_profile)
     tp2 = load_perf_profile(out, tensor_parallel_size=2, model_id=tp1.header.model_id)
     assert tp2.header.device == "cpu" and tp2.header.torch_threads == 1
@@ -95,16 +101,18 @@ def test_a_tp2_profile_runs_its_follower_rank_and_leaves_no_process(
     [("0", "must be >= 1, got 0"), ("3", "4 attention heads are not divisible by 3")],
 )
 def test_a_tp_size_that_cannot_run_is_refused_before_anything_starts(
-    tmp_path: Path, tp: str, why: str
+    tmp_path: Path, tp: str, why: str, new_children: Callable[[], list[tuple[int, str, str]]]
 ) -> None:
     out = tmp_path / "never.json"
     result = CliRunner().invoke(app, ["profile", str(out), *QUICK, "--tp", tp])
     assert result.exit_code == 2
     assert "--tp: " in result.output and why in result.output
-    assert not out.exists() and children() == []
+    assert not out.exists() and new_children() == []
 
 
-def test_a_tp2_profile_that_fails_midway_still_stops_its_rank() -> None:
+def test_a_tp2_profile_that_fails_midway_still_stops_its_rank(
+    new_children: Callable[[], list[tuple[int, str, str]]],
+) -> None:
     from deploy.checkpoints.make_model import cached_tiny_model
     from deploy.cli.profiling import ProfileGrid, measure
 
@@ -116,4 +124,4 @@ def test_a_tp2_profile_that_fails_midway_still_stops_its_rank() -> None:
             cached_tiny_model(), ProfileGrid.quick(), num_kv_blocks=256, tensor_parallel_size=2,
             say=fail_after_the_first_point,
         )  # fmt: skip
-    assert children() == []
+    assert new_children() == []
