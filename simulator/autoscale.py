@@ -31,8 +31,9 @@ from planner.loop import PlannerLoop, PlannerSettings, WorkerSnapshot
 from planner.perf_profile import PerfProfile
 from router.metrics import Arrivals, RecentSamples, TimedSample
 from router.router_server import RouterSignals
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.report import to_record
+from simulator.shape import ClusterShape
 from simulator.workers import Role, SimRequest, SimWorker
 from vocabulary.engine_io import EngineLoad
 from vocabulary.transfer_load import TransferLoad

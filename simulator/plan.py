@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from admission.config import AdmissionThresholds
 from loadtests.goodput import SLO, GoodputReport
 from planner.perf_profile import PerfProfile, PerfProfileError, check_same_worker
-from simulator.cluster import DEFAULT_THRESHOLDS, ClusterShape
 from simulator.report import simulate
+from simulator.shape import DEFAULT_THRESHOLDS, ClusterShape
 
 
 def profiles_by_tp(profiles: Sequence[PerfProfile]) -> dict[int, PerfProfile]:

@@ -15,7 +15,8 @@ from loadtests.records import OK, RequestRecord, StreamTimer
 from loadtests.workload import generate, load_profile
 from planner.perf_profile import PerfProfile
 from router.placement import PrefillReason
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
+from simulator.shape import ClusterShape
 from simulator.workers import SimRequest, SimWorker
 
 

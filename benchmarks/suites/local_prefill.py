@@ -41,8 +41,8 @@ from loadtests.records import RecordSink, RequestRecord
 from loadtests.workload import PlannedRequest, generate, load_profile
 from planner.perf_profile import PerfProfile, ServingOverhead, load_perf_profile
 from router.prefill_cost import LocalPrefillPolicy
-from simulator.cluster import ClusterShape
 from simulator.report import simulate
+from simulator.shape import ClusterShape
 
 KV_BLOCKS = 1024
 ARMS = tuple(p.value for p in LocalPrefillPolicy)  # threshold, cost

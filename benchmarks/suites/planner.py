@@ -35,8 +35,8 @@ from planner.loop import PlannerSettings
 from planner.perf_profile import PerfProfile, load_perf_profile
 from planner.predictive import PlannerMode, PredictiveConfig
 from simulator.autoscale import ScalingRun, replay
-from simulator.cluster import ClusterShape
 from simulator.report import to_record
+from simulator.shape import ClusterShape
 from simulator.workers import Role
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny-cpu-profile-fitted.json"

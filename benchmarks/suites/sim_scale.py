@@ -29,8 +29,9 @@ from admission.config import AdmissionThresholds
 from loadtests.goodput import parse_slo
 from loadtests.workload import generate, load_profile
 from planner.perf_profile import load_perf_profile
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.report import summary, to_record
+from simulator.shape import ClusterShape
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny-cpu-profile-fitted.json"
 HOUR_S = 3600.0

@@ -45,8 +45,8 @@ from loadtests.goodput import SLO, GoodputReport, parse_slo, summarize
 from loadtests.records import RequestRecord, read_records
 from planner.perf_profile import PerfProfile, ServingOverhead, load_perf_profile
 from planner.profile_checks import suspect_points
-from simulator.cluster import ClusterShape
 from simulator.report import simulate
+from simulator.shape import ClusterShape
 
 KV_BLOCKS = 1024  # benchmarks/harness/cluster.py:tiny_disaggregated's pool
 

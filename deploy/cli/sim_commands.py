@@ -219,9 +219,9 @@ def simulate(
     from loadtests.workload import ProfileError
     from planner.perf_profile import PerfProfileError, check_same_worker, load_perf_profile
     from router.prefill_cost import LocalPrefillPolicy
-    from simulator.cluster import ClusterShape
     from simulator.report import as_bench_summary
     from simulator.report import simulate as run_simulation
+    from simulator.shape import ClusterShape
     from simulator.split import SplitParams
 
     rates = rate or [1.0]

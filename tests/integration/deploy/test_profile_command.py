@@ -46,9 +46,10 @@ def children() -> list[tuple[int, str, str]]:
 def new_children() -> Callable[[], list[tuple[int, str, str]]]:
     """The child processes (zombies too) this test left that were not there when it began:
     another test of the same pytest process may have left standing ones (a local Ray, a
-    multiprocessing fork server or resource tracker)."""
+    multiprocessing fork server); multiprocessing's resource tracker, which the first use of
+    multiprocessing starts and which lives as long as this process, is left out."""
     before = {pid for pid, _, _ in children()}
-    return lambda: [c for c in children() if c[0] not in before]
+    return lambda: [c for c in children() if c[0] not in before and "resource_tracker" not in c[2]]
 
 
 def steps(profile: PerfProfile) -> list[float]:

@@ -17,8 +17,8 @@ from benchmarks.suites.simulator import main
 from loadtests.goodput import parse_slo
 from loadtests.records import write_records
 from planner.perf_profile import load_perf_profile
-from simulator.cluster import ClusterShape
 from simulator.report import simulate
+from simulator.shape import ClusterShape
 
 RATES = (2.0, 4.0)
 SLO = "ttft:2000 tpot:200"

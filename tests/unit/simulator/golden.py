@@ -21,7 +21,8 @@ from sim_profiles import tiny_cpu_profile  # noqa: E402
 from admission.config import AdmissionThresholds  # noqa: E402
 from loadtests.workload import generate, load_profile  # noqa: E402
 from router.prefill_cost import LocalPrefillPolicy  # noqa: E402
-from simulator.cluster import ClusterShape, Simulation  # noqa: E402
+from simulator.cluster import Simulation  # noqa: E402
+from simulator.shape import ClusterShape  # noqa: E402
 from simulator.workers import SimRequest  # noqa: E402
 
 GOLDEN = HERE / "data" / "golden.json"

@@ -12,7 +12,8 @@ from sim_profiles import make_profile
 from admission.config import AdmissionThresholds
 from loadtests.workload import PlannedRequest
 from simulator.autoscale import SimHost
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
+from simulator.shape import ClusterShape
 from vocabulary.worker_api import WorkerRole
 
 

@@ -13,8 +13,9 @@ from loadtests.goodput import parse_slo
 from loadtests.workload import PlannedRequest
 from router.placement import PrefillReason
 from router.prefill_cost import LocalPrefillPolicy
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.report import simulate, to_record
+from simulator.shape import ClusterShape
 from simulator.workers import SimRequest
 
 THRESHOLD = ClusterShape(1, 1)  # admission's default threshold: 64 uncached tokens

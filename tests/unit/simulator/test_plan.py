@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from deploy.cli.app import app
 from loadtests.goodput import SLO as SLO_T
 from loadtests.goodput import max_rate_meeting, parse_slo
-from simulator.cluster import ClusterShape
 from simulator.plan import (
     Point,
     Simulate,
@@ -25,6 +24,7 @@ from simulator.plan import (
     shapes_of,
     simulator_for,
 )
+from simulator.shape import ClusterShape
 
 SLO = parse_slo("ttft:1500 tpot:30")
 

@@ -17,7 +17,7 @@ from deploy.cli.app import app
 from loadtests.goodput import parse_slo
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import PerfProfile, PerfProfileError
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.plan import (
     gpus_of,
     label,
@@ -27,6 +27,7 @@ from simulator.plan import (
     simulator_for,
 )
 from simulator.report import to_record
+from simulator.shape import ClusterShape
 
 TP1 = make_profile()
 TP2 = scaled_profile(TP1, 2, 0.6)

@@ -12,10 +12,11 @@ from sim_profiles import make_profile
 
 from admission.config import AdmissionThresholds
 from loadtests.goodput import parse_slo
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.overlap import Lane, SharedDevice
 from simulator.plan import gpus_of, label, shapes_of
 from simulator.report import simulate
+from simulator.shape import ClusterShape
 
 
 class Clock:

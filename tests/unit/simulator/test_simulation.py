@@ -13,8 +13,9 @@ from admission.config import AdmissionThresholds
 from loadtests.goodput import parse_slo
 from loadtests.workload import PlannedRequest
 from planner.perf_profile import ServingOverhead
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.report import simulate, to_record
+from simulator.shape import ClusterShape
 
 
 def make_request(index: int, prompt: int, max_tokens: int, at: float = 0.0) -> PlannedRequest:

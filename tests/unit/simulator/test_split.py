@@ -17,8 +17,9 @@ from sim_profiles import make_profile
 
 from admission.config import AdmissionThresholds
 from loadtests.workload import PlannedRequest
-from simulator.cluster import ClusterShape, Simulation
+from simulator.cluster import Simulation
 from simulator.report import to_record
+from simulator.shape import ClusterShape
 from simulator.split import SplitParams, SplitWorker, split_model
 from simulator.workers import SimRequest, block_hashes
 from vocabulary.split_policy import choose_decode_sms
