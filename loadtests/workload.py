@@ -20,16 +20,20 @@ alive at once: the working set the host KV tier is measured on). Arrivals: `pois
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from loadtests.token_stream import TokenStream
 
 
 class ProfileError(ValueError):
@@ -283,18 +287,30 @@ def arrival_times(
     arrival: Arrival, rate: float, duration_s: float, rng: random.Random
 ) -> list[float]:
     """Send offsets in [0, duration_s) of a process with mean `rate` requests/s."""
+    return list(iter_arrivals(arrival, rate, duration_s, rng))
+
+
+def iter_arrivals(
+    arrival: Arrival, rate: float, duration_s: float, rng: random.Random
+) -> Iterator[float]:
+    """`arrival_times`, one at a time (the draws made as they are pulled)."""
     if rate <= 0:
         raise ValueError(f"rate: must be > 0, got {rate}")
-    times: list[float] = []
+    return _arrivals(arrival, rate, duration_s, rng)
+
+
+def _arrivals(
+    arrival: Arrival, rate: float, duration_s: float, rng: random.Random
+) -> Iterator[float]:
     t = 0.0
     if arrival.process is ArrivalProcess.SCHEDULE:  # thinning at the schedule's peak
         peak = rate * max(m for _, m in arrival.schedule)
         while True:
             t += rng.expovariate(peak)
             if t >= duration_s:
-                return times
+                return
             if rng.random() * peak < rate * arrival.multiplier(t):
-                times.append(t)
+                yield t
     if arrival.process is ArrivalProcess.ON_OFF:
         high = rate * arrival.burst_multiplier
         burst_s = arrival.period_s * arrival.burst_fraction
@@ -311,17 +327,31 @@ def arrival_times(
             else:
                 t += step
                 if t < duration_s:
-                    times.append(t)
+                    yield t
             if t >= duration_s:
-                return times
+                return
     while True:
         if arrival.process is ArrivalProcess.GAMMA:
             t += rng.gammavariate(arrival.burstiness, 1.0 / (rate * arrival.burstiness))
         else:
             t += rng.expovariate(rate)
         if t >= duration_s:
-            return times
-        times.append(t)
+            return
+        yield t
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a workload one shard of a sharded simulation serves (simulator/shards.py):
+    of the requests in send order every `count`-th from the `index`-th; of a conversational
+    workload every `count`-th conversation, whole (its turns share their prefixes)."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard: need 0 <= index < count, got {self.index} of {self.count}")
 
 
 def generate(
@@ -332,43 +362,15 @@ def generate(
     seed: int | None = None,
     num_requests: int | None = None,
 ) -> list[PlannedRequest]:
-    """The workload's requests in send order. Pure: same arguments, same list."""
-    rate = profile.rate if rate is None else rate
-    duration_s = profile.duration_s if duration_s is None else duration_s
-    seed = profile.seed if seed is None else seed
-    key = f"{profile.name}:{seed}"
-    arrivals_rng = random.Random(f"{key}:arrivals")
-    lengths_rng = random.Random(f"{key}:lengths")
-    tokens_rng = random.Random(f"{key}:tokens")
-    span = profile.vocab_high - profile.vocab_low
-
-    def tokens(n: int) -> tuple[int, ...]:
-        return tuple(profile.vocab_low + int(tokens_rng.random() * span) for _ in range(n))
-
+    """The workload's requests in send order. Pure: same arguments, same list (`stream` yields
+    the same requests one by one)."""
+    rate, duration_s, seed = _defaults(profile, rate, duration_s, seed)
+    made = _Draws(profile, seed)
     if profile.kind is ProfileKind.MULTI_TURN:
-        planned = _conversations(profile, rate, duration_s, arrivals_rng, lengths_rng, tokens)
+        turns = _conversations(profile, rate, duration_s, made, None)
+        planned = [p for _, conversation in turns for _, p in conversation if p is not None]
     else:
-        prefixes: list[tuple[int, ...]] = []
-        if profile.shared_prefix is not None:
-            sp = profile.shared_prefix
-            prefixes = [tokens(sp.prefix_tokens) for _ in range(sp.num_prefixes)]
-        planned = []
-        for at in arrival_times(profile.arrival, rate, duration_s, arrivals_rng):
-            prompt = tokens(profile.prompt_tokens.draw(lengths_rng))
-            if prefixes:
-                prompt = prefixes[int(lengths_rng.random() * len(prefixes))] + prompt
-            out = profile.output_tokens.draw(lengths_rng)
-            planned.append(
-                PlannedRequest(
-                    index=len(planned),
-                    request_id="",
-                    send_at_s=at,
-                    token_ids=prompt,
-                    max_tokens=out,
-                    temperature=profile.temperature,
-                    tenant=profile.tenant,
-                )
-            )
+        planned = [p for p in _independent(profile, rate, duration_s, made, None) if p]
     # Final ids and indices in send order; `after` is remapped from generation order (a turn
     # always sorts after the one it follows, so truncating keeps every `after` target).
     order = sorted(range(len(planned)), key=lambda i: (planned[i].send_at_s, i))
@@ -383,37 +385,138 @@ def generate(
     return result
 
 
-def _conversations(
+def stream(
     profile: Profile,
-    rate: float,
-    duration_s: float,
-    arrivals_rng: random.Random,
-    lengths_rng: random.Random,
-    tokens: Callable[[int], tuple[int, ...]],
-) -> list[PlannedRequest]:
+    *,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    seed: int | None = None,
+    num_requests: int | None = None,
+    shard: Shard | None = None,
+) -> Iterator[PlannedRequest]:
+    """`generate`'s requests, in its order, made as they are pulled: memory holds the
+    requests not yet pulled of the conversations under way, not the workload. With `shard`,
+    only that shard's requests (their indices and ids the whole workload's; the others'
+    token ids never made)."""
+    rate, duration_s, seed = _defaults(profile, rate, duration_s, seed)
+    made = _Draws(profile, seed)
+    indexed: Iterator[PlannedRequest | None]
+    if profile.kind is ProfileKind.MULTI_TURN:
+        conversations = _conversations(profile, rate, duration_s, made, shard)
+        indexed = _merge_turns(conversations, f"{profile.name}-{seed}")
+    else:
+        indexed = _independent(profile, rate, duration_s, made, shard)
+    if num_requests is not None:
+        indexed = itertools.islice(indexed, num_requests)
+    return (p for p in indexed if p is not None)
+
+
+def _defaults(
+    profile: Profile, rate: float | None, duration_s: float | None, seed: int | None
+) -> tuple[float, float, int]:
+    return (
+        profile.rate if rate is None else rate,
+        profile.duration_s if duration_s is None else duration_s,
+        profile.seed if seed is None else seed,
+    )
+
+
+class _Draws:
+    """The workload's three random streams (arrivals, lengths and tokens apart, so a longer
+    run only appends requests), seeded by strings."""
+
+    def __init__(self, profile: Profile, seed: int) -> None:
+        key = f"{profile.name}:{seed}"
+        self.name = f"{profile.name}-{seed}"
+        self.arrivals = random.Random(f"{key}:arrivals")
+        self.lengths = random.Random(f"{key}:lengths")
+        self.tokens = TokenStream(f"{key}:tokens", profile.vocab_low, profile.vocab_high)
+
+
+def _independent(
+    profile: Profile, rate: float, duration_s: float, made: _Draws, keep: Shard | None
+) -> Iterator[PlannedRequest | None]:
+    """Synthetic and shared-prefix requests in send order (arrivals are increasing), final
+    indices and ids; None for a request `keep` leaves to another shard."""
+    tokens, lengths = made.tokens, made.lengths
+    prefixes: list[tuple[int, ...]] = []
+    if profile.shared_prefix is not None:
+        sp = profile.shared_prefix
+        prefixes = [tokens.take(sp.prefix_tokens) for _ in range(sp.num_prefixes)]
+    arrivals = iter_arrivals(profile.arrival, rate, duration_s, made.arrivals)
+    for index, at in enumerate(arrivals):
+        n = profile.prompt_tokens.draw(lengths)
+        kept = keep is None or index % keep.count == keep.index
+        if kept:
+            prompt = tokens.take(n)
+        else:
+            tokens.skip(n)
+            prompt = ()
+        if prefixes:
+            prompt = prefixes[int(lengths.random() * len(prefixes))] + prompt
+        out = profile.output_tokens.draw(lengths)
+        if not kept:
+            yield None
+            continue
+        yield PlannedRequest(
+            index=index,
+            request_id=f"{made.name}-{index}",
+            send_at_s=at,
+            token_ids=prompt,
+            max_tokens=out,
+            temperature=profile.temperature,
+            tenant=profile.tenant,
+        )
+
+
+Turn = tuple[float, "PlannedRequest | None"]
+"""A turn's send time and the turn (None: another shard's)."""
+
+
+def _conversations(
+    profile: Profile, rate: float, duration_s: float, made: _Draws, keep: Shard | None
+) -> Iterator[tuple[float, list[Turn]]]:
+    """Each conversation's start and turns, in start order. A turn's `index` and `after` are
+    its and its previous turn's places in generation order (`generate` and `_merge_turns`
+    make them send order); a conversation `keep` leaves to another shard has its turns'
+    lengths and times drawn, as the streams need, but not their token ids."""
     conv = profile.conversation
     assert conv is not None
+    tokens, lengths = made.tokens, made.lengths
     mean_turns = (conv.turns_min + conv.turns_max) / 2
-    planned: list[PlannedRequest] = []
     if conv.sessions:  # closed: N sessions, all alive at once
-        starts = [i * conv.start_window_s / conv.sessions for i in range(conv.sessions)]
+        starts = array("d", (i * conv.start_window_s / conv.sessions
+                             for i in range(conv.sessions)))  # fmt: skip
         mean_think = conv.sessions / rate
-    else:
-        starts = arrival_times(profile.arrival, rate / mean_turns, duration_s, arrivals_rng)
+    else:  # every start is drawn before the first think time, as the streams were always drawn
+        starts = array("d", iter_arrivals(profile.arrival, rate / mean_turns, duration_s,
+                                          made.arrivals))  # fmt: skip
         mean_think = conv.think_time_s
     floor = conv.think_time_min_s
     rest = mean_think - floor  # the exponential part's mean (none when the floor is longer)
+    made_turns = 0
     for number, start in enumerate(starts):
-        turns = conv.turns_min + int(lengths_rng.random() * (conv.turns_max - conv.turns_min + 1))
-        prompt = tokens(profile.prompt_tokens.draw(lengths_rng))
+        kept = keep is None or number % keep.count == keep.index
+
+        def draw(n: int, kept: bool = kept) -> tuple[int, ...]:
+            if kept:
+                return tokens.take(n)
+            tokens.skip(n)
+            return ()
+
+        turns = conv.turns_min + int(lengths.random() * (conv.turns_max - conv.turns_min + 1))
+        length = profile.prompt_tokens.draw(lengths)
+        prompt = draw(length)
         at, previous, think = start, None, 0.0
+        mine: list[Turn] = []
         for turn in range(turns):
-            if len(prompt) > conv.max_prompt_tokens or at >= duration_s:
+            if length > conv.max_prompt_tokens or at >= duration_s:
                 break
-            out = profile.output_tokens.draw(lengths_rng)
-            planned.append(
-                PlannedRequest(
-                    index=len(planned),
+            out = profile.output_tokens.draw(lengths)
+            planned = None
+            if kept:
+                planned = PlannedRequest(
+                    index=made_turns,
                     request_id="",
                     send_at_s=at,
                     token_ids=prompt,
@@ -425,13 +528,49 @@ def _conversations(
                     after=previous,
                     think_s=think,
                 )
-            )
-            previous = len(planned) - 1
+            mine.append((at, planned))
+            previous = made_turns
+            made_turns += 1
             # The next turn extends this one: prompt + a reply of the output length + a new
             # user message. The reply is synthetic so the whole sequence is known up front;
             # the server caches the real one, so the cache hit is this turn's prompt.
-            reply = tokens(out)
-            prompt = prompt + reply + tokens(conv.user_tokens.draw(lengths_rng))
-            think = floor + (arrivals_rng.expovariate(1.0 / rest) if rest > 0 else 0.0)
+            reply = draw(out)
+            user = conv.user_tokens.draw(lengths)
+            prompt = prompt + reply + draw(user)
+            length += out + user
+            think = floor + (made.arrivals.expovariate(1.0 / rest) if rest > 0 else 0.0)
             at = at + think
-    return planned
+        yield start, mine
+
+
+def _merge_turns(
+    conversations: Iterator[tuple[float, list[Turn]]], name: str
+) -> Iterator[PlannedRequest | None]:
+    """The turns of conversations (in start order) in send order, as `generate` sorts them
+    (by time, then generation order), with final indices, ids and `after`. A turn is out
+    once the next conversation starts at or after it: every later turn sorts after it."""
+    heap: list[tuple[float, int, bool, PlannedRequest | None]] = []
+    new_index: dict[int, int] = {}
+    """A turn's generation index → its final one, until its next turn is out."""
+    out = 0
+    made = 0
+
+    def emit() -> PlannedRequest | None:
+        nonlocal out
+        _, gen, last, p = heapq.heappop(heap)
+        index, out = out, out + 1
+        if p is None:
+            return None
+        if not last:
+            new_index[gen] = index
+        after = None if p.after is None else new_index.pop(p.after)
+        return replace(p, index=index, request_id=f"{name}-{index}", after=after)
+
+    for start, turns in conversations:
+        while heap and heap[0][0] <= start:
+            yield emit()
+        for k, (at, p) in enumerate(turns):
+            heapq.heappush(heap, (at, made, k == len(turns) - 1, p))
+            made += 1
+    while heap:
+        yield emit()

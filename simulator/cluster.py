@@ -37,7 +37,7 @@ import gc
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 from admission.decision import Decision, DecisionKind
 from admission.policy import evaluate
@@ -71,6 +71,9 @@ from simulator.workers import (
 
 REJECTED = "RESOURCE_EXHAUSTED"
 UNAVAILABLE = "UNAVAILABLE"
+ARRIVAL_SEQ = -(1 << 62)
+"""Planned arrivals' event sequence numbers start here (plus the request's index): below every
+other event's, as if all had been scheduled first."""
 
 
 class Simulation:
@@ -162,6 +165,13 @@ class Simulation:
         self.finished: list[SimRequest] = []
         """Requests in the order they ended (served or refused)."""
         self._followers: dict[int, list[PlannedRequest]] = {}
+        """A turn's index → the turns planned to follow it (its conversation's next)."""
+        self._turn_ends: dict[int, float] = {}
+        """A conversation turn that ended before its next turn was planned (its index → when):
+        a next turn is planned at its own send time, which may come after. A conversation's
+        last turn stays here (a float a conversation)."""
+        self._last_send_s = 0.0
+        self._on_end: Callable[[SimRequest], None] | None = None
         self.events = 0
         """Events processed (the scale benchmark's count)."""
         self.placement_config = PlacementConfig(
@@ -232,20 +242,35 @@ class Simulation:
         when = self.now if scheduled_s is None else scheduled_s
         heapq.heappush(self._events, (t, when, next(self._seq), fn))
 
-    def run(self, planned: Sequence[PlannedRequest]) -> list[SimRequest]:
-        for p in planned:
-            if p.after is None:
-                self.at(p.send_at_s, functools.partial(self._arrive, p))
-            else:
-                self._followers.setdefault(p.after, []).append(p)
+    def run(
+        self,
+        planned: Iterable[PlannedRequest],
+        on_end: Callable[[SimRequest], None] | None = None,
+    ) -> list[SimRequest]:
+        """Simulate `planned` (in send order, as `loadtests.workload.stream` and `generate`
+        give it) to the end; the requests by index. It is pulled as simulated time reaches
+        each send time, so a workload made lazily is never whole in memory. With `on_end`,
+        each request goes to it as it ends (served or refused) and none is kept: the run
+        returns [] and `requests` and `finished` stay empty."""
+        self._on_end = on_end
+        feed = iter(planned)
+        upcoming = next(feed, None)
+        events = self._events
         # The loop allocates many objects that live to the end of the run (requests, their
         # token times), and the collector's full passes over them cost more the longer the
         # run; it is back on afterwards.
         collecting = gc.isenabled()
         gc.disable()
         try:
-            while self._events:
-                self.now, self._scheduled_s, _, fn = heapq.heappop(self._events)
+            while True:
+                # every request due by the next event is in (a conversation's next turn
+                # before the turn it follows can end: `_arrive_later`)
+                while upcoming is not None and (not events or upcoming.send_at_s <= events[0][0]):
+                    self._plan_arrival(upcoming)
+                    upcoming = next(feed, None)
+                if not events:
+                    break
+                self.now, self._scheduled_s, _, fn = heapq.heappop(events)
                 self.events += 1
                 fn()
         finally:
@@ -253,13 +278,35 @@ class Simulation:
                 gc.enable()
         return sorted(self.requests, key=lambda r: r.planned.index)
 
+    def _plan_arrival(self, p: PlannedRequest) -> None:
+        if p.send_at_s < self._last_send_s:
+            raise ValueError(f"planned requests out of send order at index {p.index}")
+        self._last_send_s = p.send_at_s
+        if p.after is None:
+            # ordered as if every arrival had been scheduled at time 0 before any other event
+            arrive: Callable[[], None] = functools.partial(self._arrive, p)
+            heapq.heappush(self._events, (p.send_at_s, 0.0, ARRIVAL_SEQ + p.index, arrive))
+            return
+        ended = self._turn_ends.pop(p.after, None)
+        if ended is None:
+            self._followers.setdefault(p.after, []).append(p)
+        else:
+            self._arrive_later(p, ended)
+
+    def _arrive_later(self, p: PlannedRequest, ended_s: float) -> None:
+        """`p` follows a turn that ended at `ended_s`: it arrives its think time later (its
+        planned send time at the earliest), as the load driver sends it."""
+        at = max(p.send_at_s, ended_s + p.think_s)
+        self.at(at, functools.partial(self._arrive, p), ended_s)
+
     # ---- router -----------------------------------------------------------------------------
 
     def _arrive(self, p: PlannedRequest) -> None:
         r = SimRequest(p, block_hashes(p.token_ids, self.block_size), sent_s=self.now)
         if self.trace_tokens:
             r.token_times = []
-        self.requests.append(r)
+        if self._on_end is None:
+            self.requests.append(r)
         decision = self._evaluate(r, waiting_ahead=len(self.queue))
         if decision.kind is DecisionKind.ADMIT:
             self._admit(r)
@@ -365,9 +412,16 @@ class Simulation:
         r.status = status
         r.done_s = self.now
         r.block_hashes = ()  # no cache reads them any more; a long run holds every request
-        self.finished.append(r)
-        for p in self._followers.pop(r.planned.index, []):
-            self.at(max(p.send_at_s, self.now + p.think_s), functools.partial(self._arrive, p))
+        if self._on_end is None:
+            self.finished.append(r)
+        else:
+            self._on_end(r)
+        followers = self._followers.pop(r.planned.index, None)
+        if followers is not None:
+            for p in followers:
+                self._arrive_later(p, self.now)
+        elif r.planned.conversation is not None:  # its next turn, if any, is not planned yet
+            self._turn_ends[r.planned.index] = self.now
 
     def _release(self, r: SimRequest) -> None:
         self.admitted -= 1

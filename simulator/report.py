@@ -5,17 +5,18 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtests.bench import BenchSummary, RateResult
 from loadtests.goodput import SLO, GoodputReport, summarize
 from loadtests.records import OK, RequestRecord, StreamTimer
-from loadtests.workload import generate, load_profile
+from loadtests.workload import PlannedRequest, load_profile, stream
 from planner.perf_profile import PerfProfile
 from router.placement import PrefillReason
 from simulator.cluster import Simulation
+from simulator.columns import RecordColumns
 from simulator.shape import ClusterShape
 from simulator.workers import SimRequest, SimWorker
 
@@ -88,25 +89,50 @@ def simulate(
     seed: int = 0,
     num_requests: int | None = None,
     prefill_profile: PerfProfile | None = None,
+    keep_records: bool = True,
 ) -> SimResult:
     """`workload` (a load-driver profile) at `rate` req/s for `duration_s` through `shape`
-    (prefill workers on `prefill_profile`, None: `profile`)."""
-    planned = generate(
+    (prefill workers on `prefill_profile`, None: `profile`). The workload is made as the run
+    pulls it and each request is summarized as it ends (`RecordColumns`); `keep_records`
+    keeps its record too (`SimResult.records`; False: empty, and memory holds ~32 bytes a
+    request: an hour at 1,000 req/s fits)."""
+    planned = stream(
         load_profile(workload),
         rate=rate,
         duration_s=duration_s,
         seed=seed,
         num_requests=num_requests,
     )
-    sim = Simulation(profile, shape, prefill_profile)
-    requests = sim.run(planned)
-    records = tuple(to_record(r, rate) for r in requests)
-    report = summary(records, slo, sim, rate)
+    return run_summarized(Simulation(profile, shape, prefill_profile), planned, slo, rate,
+                          keep_records)  # fmt: skip
+
+
+def run_summarized(
+    sim: Simulation,
+    planned: Iterable[PlannedRequest],
+    slo: SLO,
+    rate: float | None,
+    keep_records: bool = False,
+) -> SimResult:
+    """`sim` over `planned` (pulled as the run goes: `Simulation.run`), each request
+    summarized as it ends (`RecordColumns`) and dropped, its record kept if `keep_records`."""
+    columns = RecordColumns(slo, rate)
+    kept: list[RequestRecord] = []
+    placed: Counter[PrefillReason] = Counter()
+
+    def ended(r: SimRequest) -> None:
+        record = to_record(r, rate)
+        columns.add(record)
+        if keep_records:
+            kept.append(record)
+        if r.placement is not None:
+            placed[r.placement] += 1
+
+    sim.run(planned, on_end=ended)
     span = max(sim.now, 1e-9)
-    placed = Counter(r.placement for r in requests if r.placement is not None)
     return SimResult(
-        records,
-        report,
+        tuple(sorted(kept, key=lambda record: record.index)),
+        columns.report(sim.gaps.stats_ms()),
         tuple(_use(w, span) for w in sim.workers.values()),
         tuple(sorted(placed.items(), key=lambda kv: (-kv[1], kv[0].value))),
     )

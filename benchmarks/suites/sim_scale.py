@@ -5,9 +5,11 @@ A cluster of `--prefill` + `--decode` one-GPU workers on a profile (default the 
 fitted CPU profile, docs/data/tiny-cpu-profile-fitted.json), the `synthetic` workload (Poisson
 arrivals) at `--rate` req/s for `--duration` simulated seconds. Prints the wall seconds (and the
 process's CPU seconds: on a shared machine the wall clock counts other work too) of the
-workload's generation and of the simulation apart, the requests simulated per wall second, the
-events the simulation processed, and the hour extrapolated from the simulation's rate (the cost
-is per request: a longer run is more of the same steady state).
+workload's generation, the simulation and the records' summary together (one loop: the workload
+is made as the run pulls it, each request summarized as it ends), the requests simulated per
+wall second, the events the simulation processed, the process's max RSS, and the hour
+extrapolated from the run's rate (the cost is per request: a longer run is more of the same
+steady state).
 
     taskset -c 0 python -m benchmarks sim_scale [--rate 1000] [--duration 5] \
         [--prefill 128 --decode 128] [--profile PATH] [--cprofile N]
@@ -27,10 +29,10 @@ from pathlib import Path
 
 from admission.config import AdmissionThresholds
 from loadtests.goodput import parse_slo
-from loadtests.workload import generate, load_profile
+from loadtests.workload import load_profile, stream
 from planner.perf_profile import load_perf_profile
 from simulator.cluster import Simulation
-from simulator.report import summary, to_record
+from simulator.report import run_summarized
 from simulator.shape import ClusterShape
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "data" / "tiny-cpu-profile-fitted.json"
@@ -55,44 +57,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     thresholds = AdmissionThresholds(max_inflight_requests=args.max_inflight)
     shape = ClusterShape(args.prefill, args.decode, thresholds=thresholds)
 
-    t0 = time.perf_counter()
-    planned = generate(
+    # The workload is made as the run pulls it and each request summarized as it ends
+    # (simulator/report.py:run_summarized): generation, simulation and records are one loop.
+    planned = stream(
         load_profile(args.workload), rate=args.rate, duration_s=args.duration, seed=args.seed
     )
-    gen_s = time.perf_counter() - t0
-
     sim = Simulation(profile, shape)
+    slo = parse_slo("ttft:1000")
     t0, c0 = time.perf_counter(), time.process_time()
     if args.cprofile:
         prof = cProfile.Profile()
-        requests = prof.runcall(sim.run, planned)
+        result = prof.runcall(run_summarized, sim, planned, slo, args.rate)
     else:
-        requests = sim.run(planned)
-    sim_s, sim_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        result = run_summarized(sim, planned, slo, args.rate)
+    run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    report = result.report
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    records = [to_record(r, args.rate) for r in requests]
-    report = summary(records, parse_slo("ttft:1000"), sim, args.rate)
-    report_s, report_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-
-    n = len(requests)
-    per_s = n / sim_s if sim_s > 0 else float("inf")
-    hour_s = (sim_s + report_s) * HOUR_S / args.duration
-    hour_cpu_s = (sim_cpu_s + report_cpu_s) * HOUR_S / args.duration
+    per_s = report.requests / run_s if run_s > 0 else float("inf")
+    hour_s = run_s * HOUR_S / args.duration
+    hour_cpu_s = run_cpu_s * HOUR_S / args.duration
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"cluster {args.prefill}P{args.decode}D ({args.prefill + args.decode} GPUs), "
           f"{args.workload} at {args.rate:g} req/s for {args.duration:g} simulated s, "
           f"profile {args.profile.name}")  # fmt: skip
-    print(f"requests {n} ({report.completed} completed), events {sim.events}, "
+    print(f"requests {report.requests} ({report.completed} completed), events {sim.events}, "
           f"TTFT p50 {report.ttft.p50:.1f} ms, TPOT p50 {report.tpot.p50:.2f} ms")  # fmt: skip
-    print(f"wall: generate {gen_s:.2f} s, simulate {sim_s:.2f} s (CPU {sim_cpu_s:.2f} s), "
-          f"records+summary {report_s:.2f} s (CPU {report_cpu_s:.2f} s)")  # fmt: skip
-    print(f"{per_s:,.0f} simulated requests per wall s, {sim.events / sim_s:,.0f} events per "
+    print(f"wall: generate + simulate + records + summary {run_s:.2f} s (CPU {run_cpu_s:.2f} s)")
+    print(f"{per_s:,.0f} simulated requests per wall s, {sim.events / run_s:,.0f} events per "
           f"wall s; max RSS {rss_mb:.0f} MB")  # fmt: skip
-    print(
-        f"an hour at this rate (simulate + summary, extrapolated): {hour_s:,.0f} s wall, "
-        f"{hour_cpu_s:,.0f} s CPU"
-    )
+    print(f"an hour at this rate (extrapolated): {hour_s:,.0f} s wall, {hour_cpu_s:,.0f} s CPU")
     if args.cprofile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
     return 0
