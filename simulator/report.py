@@ -18,6 +18,7 @@ from router.placement import PrefillReason
 from simulator.cluster import Simulation
 from simulator.columns import RecordColumns
 from simulator.shape import ClusterShape
+from simulator.shards import first_shard, scale_report, shard_shape
 from simulator.workers import SimRequest, SimWorker
 
 
@@ -90,21 +91,26 @@ def simulate(
     num_requests: int | None = None,
     prefill_profile: PerfProfile | None = None,
     keep_records: bool = True,
+    shards: int = 1,
 ) -> SimResult:
     """`workload` (a load-driver profile) at `rate` req/s for `duration_s` through `shape`
     (prefill workers on `prefill_profile`, None: `profile`). The workload is made as the run
     pulls it and each request is summarized as it ends (`RecordColumns`); `keep_records`
     keeps its record too (`SimResult.records`; False: empty, and memory holds ~32 bytes a
-    request: an hour at 1,000 req/s fits)."""
+    request: an hour at 1,000 req/s fits). `shards` > 1: one shard of the cluster serves its
+    share of the workload and the report is scaled back (simulator/shards.py: an
+    approximation; the records and workers are the shard's)."""
     planned = stream(
         load_profile(workload),
         rate=rate,
         duration_s=duration_s,
         seed=seed,
         num_requests=num_requests,
+        shard=first_shard(shards),
     )
-    return run_summarized(Simulation(profile, shape, prefill_profile), planned, slo, rate,
-                          keep_records)  # fmt: skip
+    sim = Simulation(profile, shard_shape(shape, shards), prefill_profile)
+    result = run_summarized(sim, planned, slo, rate, keep_records)
+    return replace(result, report=scale_report(result.report, shards))
 
 
 def run_summarized(
