@@ -42,6 +42,12 @@ from loadtests.goodput import SLO, GoodputReport
 from planner.perf_profile import PerfProfile, PerfProfileError, check_same_worker
 from simulator.report import simulate
 from simulator.shape import DEFAULT_THRESHOLDS, ClusterShape
+from simulator.shards import largest_shards
+
+MIN_SHARD_WORKERS = 4
+"""The fewest workers of each role a shard of a planned configuration keeps (`--shards`): the
+smallest shard measured ("Simulator", speed at scale, in docs/benchmarks.md: 4P4D shards of
+128P128D kept TTFT p50/p90 within 2 %)."""
 
 
 def profiles_by_tp(profiles: Sequence[PerfProfile]) -> dict[int, PerfProfile]:
@@ -185,10 +191,13 @@ def simulator_for(
     duration_s: float,
     slo: SLO,
     seed: int,
+    shards: int = 1,
 ) -> Simulate:
     """(shape, rate) → the simulated run's report: the same workload and seed every time,
     each role on its TP size's profile (`profiles`: TP size → profile, `profiles_by_tp`; or
-    one profile)."""
+    one profile). `shards` > 1: each configuration is simulated as the most shards up to
+    `shards` that divide its role counts and keep `MIN_SHARD_WORKERS` of each role a shard
+    (simulator/shards.py: an approximation; smaller configurations whole)."""
     by_tp = (
         {profiles.header.tensor_parallel_size: profiles}
         if isinstance(profiles, PerfProfile)
@@ -199,7 +208,8 @@ def simulator_for(
         decode, prefill = by_tp[shape.decode_tp], by_tp[shape.prefill_tp]
         return simulate(
             decode, shape, workload, rate, duration_s, slo, seed,
-            prefill_profile=prefill if prefill is not decode else None,
+            prefill_profile=prefill if prefill is not decode else None, keep_records=False,
+            shards=largest_shards(shape, shards, MIN_SHARD_WORKERS),
         ).report  # fmt: skip
 
     return run

@@ -100,6 +100,7 @@ def simulate(
     request: an hour at 1,000 req/s fits). `shards` > 1: one shard of the cluster serves its
     share of the workload and the report is scaled back (simulator/shards.py: an
     approximation; the records and workers are the shard's)."""
+    one_shard = shard_shape(shape, shards)
     planned = stream(
         load_profile(workload),
         rate=rate,
@@ -108,7 +109,7 @@ def simulate(
         num_requests=num_requests,
         shard=first_shard(shards),
     )
-    sim = Simulation(profile, shard_shape(shape, shards), prefill_profile)
+    sim = Simulation(profile, one_shard, prefill_profile)
     result = run_summarized(sim, planned, slo, rate, keep_records)
     return replace(result, report=scale_report(result.report, shards))
 

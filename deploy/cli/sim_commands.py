@@ -208,6 +208,14 @@ def simulate(
             "default: --profile."
         ),
     ] = None,
+    shards: Annotated[
+        int,
+        typer.Option(
+            help="Simulate one shard of 1/K of the workers on every K-th request, the report "
+            "scaled back: an approximation for large clusters (docs/benchmarks.md, "
+            '"Simulator"); K must divide every role\'s workers.'
+        ),
+    ] = 1,
 ) -> None:
     """Simulate a cluster of profiled workers under a workload (Poisson or the workload's own
     arrivals, seeded): admission and placement are the router's own; prints the table
@@ -266,14 +274,15 @@ def simulate(
         results = []
         for r in rates:
             result = run_simulation(
-                perf, shape, workload, r, duration, goal, seed, num_requests, prefill_perf
-            )
+                perf, shape, workload, r, duration, goal, seed, num_requests, prefill_perf,
+                keep_records=False, shards=shards,
+            )  # fmt: skip
             results.append((r, result))
     except (PerfProfileError, ProfileError, SLOError, InvalidAdmissionConfig, ValueError) as e:
         fail(str(e), 2)
     from simulator.plan import label
 
-    where = "simulated " + label(shape)
+    where = "simulated " + label(shape) + (f" as {shards} shards" if shards > 1 else "")
     summary = as_bench_summary(where, str(workload), goal, duration, seed, results)
     print_summary(summary, console)
     console.print(f"local prefill: {local_prefill_policy}")
@@ -325,6 +334,14 @@ def plan(
     ] = None,
     model: ProfileModel = None,
     dtype: ProfileDtype = None,
+    shards: Annotated[
+        int,
+        typer.Option(
+            help="At most K shards per configuration: the most that divide its role counts "
+            "and keep 4 workers of each role a shard (an approximation for large clusters: "
+            'docs/benchmarks.md, "Simulator"); 1: every configuration whole.'
+        ),
+    ] = 1,
 ) -> None:
     """Search cluster configurations in simulated time (xPyD splits and colocated, split
     workers with --split, each at every --chunk; each role at every TP size a --profile was
@@ -354,6 +371,8 @@ def plan(
         fail(f"--duration: must be > 0, got {duration}", 2)
     if chunk and any(c < 1 for c in chunk):
         fail(f"--chunk: tokens per step, each >= 1, got {chunk}", 2)
+    if shards < 1:
+        fail(f"--shards: must be >= 1, got {shards}", 2)
     chunks = sorted(set(chunk)) if chunk else [0]
     started = time.perf_counter()
     try:
@@ -363,7 +382,7 @@ def plan(
         perfs = profiles_by_tp(loaded)
         tp_sizes = tuple(perfs)
         goal = parse_slo(slo or DEFAULT_SLO)
-        run = simulator_for(perfs, workload, duration, goal, seed)
+        run = simulator_for(perfs, workload, duration, goal, seed, shards)
         if gpus is None:
             assert rate
             found = plan_for_rate(

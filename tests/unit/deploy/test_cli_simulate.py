@@ -48,6 +48,15 @@ def test_simulate_runs_split_workers_and_pd_pairs_sharing_a_gpu(profile: Path) -
     assert "simulated 1P1D shared" in out
 
 
+def test_simulate_runs_one_shard_and_scales_its_report(profile: Path) -> None:
+    args = ("--profile", str(profile), "--rate", "8", "--duration", "5", "--prefill", "2",
+            "--decode", "2")  # fmt: skip
+    code, out = run(*args, "--shards", "2")
+    assert code == 0, out
+    assert "simulated 2P2D as 2 shards" in out
+    assert "p0" in out and "p1" not in out  # the shard's workers alone
+
+
 def test_simulate_says_where_prompts_were_prefilled_and_why(profile: Path) -> None:
     args = ["--profile", str(profile), "--workload", "synthetic", "--rate", "2", "--duration", "5"]
     code, out = run(*args, "--local-prefill-policy", "cost")
@@ -75,6 +84,11 @@ def test_simulate_says_where_prompts_were_prefilled_and_why(profile: Path) -> No
         (["--split", "1", "--shared-device"], "--shared-device: pairs"),
         (["--decode", "2", "--shared-device"], "--shared-device: one prefill worker per decode"),
         (["--shared-device", "--shared-device-slowdown", "0.5"], "--shared-device-slowdown"),
+        (
+            ["--prefill", "4", "--decode", "6", "--shards", "4"],
+            "--shards: 4 does not divide every role's workers (prefill 4, decode 6)",
+        ),
+        (["--shards", "0"], "--shards: must be >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(
