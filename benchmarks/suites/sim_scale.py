@@ -122,8 +122,11 @@ def _diffs(report: GoodputReport, base: GoodputReport) -> str:
     def rel(a: float, b: float) -> str:
         return f"{100 * (a / b - 1):+.1f} %" if b else "-"
 
-    return (f"TTFT p50 {rel(report.ttft.p50, base.ttft.p50)}, p90 "
-            f"{rel(report.ttft.p90, base.ttft.p90)}; TPOT p50 {rel(report.tpot.p50, base.tpot.p50)}, "
-            f"p90 {rel(report.tpot.p90, base.tpot.p90)}; goodput "
-            f"{rel(report.goodput_rps, base.goodput_rps)}, attainment "
-            f"{100 * (report.attainment - base.attainment):+.1f} points")  # fmt: skip
+    new, old = report, base
+    parts = [
+        f"TTFT p50 {rel(new.ttft.p50, old.ttft.p50)}, p90 {rel(new.ttft.p90, old.ttft.p90)}",
+        f"TPOT p50 {rel(new.tpot.p50, old.tpot.p50)}, p90 {rel(new.tpot.p90, old.tpot.p90)}",
+        f"goodput {rel(report.goodput_rps, base.goodput_rps)}, attainment "
+        f"{100 * (report.attainment - base.attainment):+.1f} points",
+    ]
+    return "; ".join(parts)
