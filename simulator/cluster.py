@@ -68,6 +68,7 @@ from simulator.workers import (
     StepTimes,
     block_hashes,
 )
+from vocabulary.numeric import cdiv
 
 REJECTED = "RESOURCE_EXHAUSTED"
 UNAVAILABLE = "UNAVAILABLE"
@@ -370,7 +371,7 @@ class Simulation:
         r.placement = placement.reason
         r.cached_by = {}
         target = self.workers[r.decode_worker]
-        target.expected += 1
+        target.expect(r, cdiv(r.prompt_tokens + r.max_tokens, self.block_size))
         self.views.touch(target)
         worker = self.workers[placement.prefill_worker_id or placement.decode_worker_id]
         self.views.touch(worker)
@@ -560,7 +561,7 @@ class Simulation:
         self.views.touch(source)
         if r.max_tokens <= 1:
             source.release_prefill_blocks(r)
-            target.expected -= 1
+            target.started(r)
             self._release(r)
             return
         blocks = target.blocks_for(r.context)

@@ -293,7 +293,7 @@ class SplitWorker(SimWorker):
                 self.cache.store(r.block_hashes)
                 prefilled.append(r)
         for r in prefilled:
-            self.expected -= 1
+            self.started(r)
             if r.tokens >= r.max_tokens:
                 self.used_blocks -= self.blocks_for(r.context)
                 finished.append(r)
@@ -306,8 +306,9 @@ class SplitWorker(SimWorker):
     def plan_decode(self, now: float) -> tuple[float, list[SimRequest]]:
         """(seconds alone, decoding requests) of the decode loop's next step, their new blocks
         taken (preempting the newest requests when the pool is short)."""
+        for r in self.arriving:
+            self.started(r)
         self.running.extend(self.arriving)
-        self.expected -= len(self.arriving)
         self.arriving.clear()
         if not self.running:
             return 0.0, []

@@ -102,7 +102,7 @@ class LoadViews:
         # (sort key, position), ascending: placement's order among workers without a hit
         self._prefill_keys = [(w.routed_prefill_tokens, w.worker_id, i)
                               for i, w in enumerate(self._prefill)]  # fmt: skip
-        self._decode_keys = [(w.used_blocks + w.inflight_transfer_blocks, w.worker_id, i)
+        self._decode_keys = [(w.active_blocks + w.inflight_transfer_blocks, w.worker_id, i)
                              for i, w in enumerate(self._decode)]  # fmt: skip
         self._prefill_sorted = sorted(self._prefill_keys)
         self._decode_sorted = sorted(self._decode_keys)
@@ -131,7 +131,7 @@ class LoadViews:
             if i is not None:
                 self._decode_loads[i] = self._decode_load(w)
                 self._decode_candidates[i] = self._decode_candidate(w)
-                load = w.used_blocks + w.inflight_transfer_blocks
+                load = w.active_blocks + w.inflight_transfer_blocks
                 _move(self._decode_sorted, self._decode_keys, i, load)
         self._touched.clear()
         if changed or self._views is None:
@@ -177,10 +177,10 @@ class LoadViews:
         )
 
 
-def _state(w: SimWorker) -> tuple[int, int, int, int]:
+def _state(w: SimWorker) -> tuple[int, int, int, int, int]:
     """Everything the loads and candidates read of `w`."""
-    return (w.routed_prefill_tokens, w.used_blocks, w.inflight_transfer_blocks,
-            len(w.running) + w.expected)  # fmt: skip
+    return (w.routed_prefill_tokens, w.used_blocks, w.reserved_decode_blocks,
+            w.inflight_transfer_blocks, len(w.running) + w.expected)  # fmt: skip
 
 
 def _move(ordered: list[tuple[int, str, int]], keys: list[tuple[int, str, int]], i: int,

@@ -72,6 +72,9 @@ class SimRequest:
     """Every token's time, kept only when the simulation was asked to trace them
     (`Simulation(trace_tokens=True)`); the run's gaps are in `TokenGaps` either way."""
     handoff_s: float = 0.0
+    decode_reserved: int = 0
+    """Blocks its decode worker counts for it from placement until it runs there
+    (`SimWorker.expect`)."""
     status: str = "OK"
     done_s: float = 0.0
 
@@ -267,6 +270,12 @@ class SimWorker:
         self.expected = 0
         """Requests placed here to decode that are not running yet (as the router counts its
         reservations: a local prefill, or a prefill and hand-off elsewhere)."""
+        self.reserved_decode_blocks = 0
+        """The blocks of the requests in `expected` (each its prompt + max_tokens), counted in
+        its decode load until they run here, as the live router counts a reservation
+        (`router/cluster_view.py:DecodeReservation`) until the worker's reports show the
+        request: prompts placed while others prefill elsewhere spread over the decode workers
+        instead of all going to the one whose blocks the hand-offs have not reached yet."""
         self.busy = False
         self.run: DecodeRun | None = None
         """The decode steps under way when several were planned at once (`plan_run`)."""
@@ -301,7 +310,22 @@ class SimWorker:
 
     @property
     def active_blocks(self) -> int:
-        return self.used_blocks
+        """Blocks in use and reserved (the router's decode cost, with in-flight transfers)."""
+        return self.used_blocks + self.reserved_decode_blocks
+
+    def expect(self, r: SimRequest, blocks: int) -> None:
+        """`r` was placed here to decode: counted until it runs (`started`)."""
+        self.expected += 1
+        r.decode_reserved = blocks
+        self.reserved_decode_blocks += blocks
+
+    def started(self, r: SimRequest) -> None:
+        """`r` runs here (or ended before it could): no longer expected; its reservation goes
+        (once: a preempted request comes back expected without one, as the router knows
+        nothing of a preemption)."""
+        self.expected -= 1
+        self.reserved_decode_blocks -= r.decode_reserved
+        r.decode_reserved = 0
 
     # ---- blocks -----------------------------------------------------------------------------
 
@@ -335,8 +359,9 @@ class SimWorker:
         """(step seconds, prefill chunks (request, tokens), decoding requests) of the next
         step; the chunks are taken from the queue when the step is applied."""
         if self.arriving:
+            for r in self.arriving:
+                self.started(r)
             self.running.extend(self.arriving)
-            self.expected -= len(self.arriving)
             self.arriving.clear()
         decodes = self.running[: self.max_num_seqs]
         chunks: list[tuple[SimRequest, int]] = []
@@ -415,7 +440,7 @@ class SimWorker:
             self.used_blocks -= self.blocks_for(r.context)
         if self.role is not Role.PREFILL:
             for r in prefilled:
-                self.expected -= 1
+                self.started(r)
                 if r.tokens >= r.max_tokens:
                     self.used_blocks -= self.blocks_for(r.context)
                     finished.append(r)
