@@ -14,7 +14,8 @@ ceil(in / 8) words. The weight is
     CPU   dequantize W as above in float32, cast to x's dtype, then x @ W.T: what
           transformers + compressed-tensors compute on such a checkpoint (they decompress
           the weight the same way and run the Linear in the model dtype)
-    CUDA  bf16 inputs, group size 32/64/128/256, in a multiple of 128 and out of 8:
+    CUDA  `kernels="tinygemm"` (`INT4_KERNELS`), bf16 inputs, group size 32/64/128/256, in
+          a multiple of 128 and out of 8:
           PyTorch's tinygemm int4 GEMM (`torch._weight_int4pack_mm`, the weight repacked
           once at load by `_convert_weight_to_int4pack` with scales and zero offsets
           `[groups, out, 2]`, zeros 0); anything else: the CPU path on the device.
@@ -22,8 +23,14 @@ ceil(in / 8) words. The weight is
           from the repacked weight into a workspace shared by every layer and the bf16
           GEMM runs (engine/quantization/int4_kernels.py: tinygemm's time grows with the
           rows, the dequantize-then-GEMM's barely).
-          Once the repacked weight is made, the device holds only it: the packed weight
-          moves to host memory (the dequantized path, for inputs of another dtype, copies
+          `kernels="triton"`, bf16 inputs, in a multiple of 128, the group of 16: the weight
+          repacked once into engine/quantization/int4_gemm.py's layout, read by its Triton
+          GEMM below `large_m_rows` rows (one launch, W dequantized in registers exactly as
+          above, float32 accumulation; a row's numbers do not depend on the batch) and by its
+          dequantize into the same workspace from there on; where its once-per-device check
+          fails, tinygemm.
+          Once the repacked weight is made (either one), the device holds only it: the packed
+          weight moves to host memory (the dequantized path, for inputs of another dtype, copies
           it back for the call), so an INT4 model takes its int4 bytes of the card once
           (70B: ~35 GB) plus the workspace (its largest projection in bf16: 70B 0.9 GiB)
 
@@ -37,7 +44,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.quantization import int4_kernels
+from engine.quantization import int4_gemm, int4_kernels
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,11 @@ PACK = 8
 """int4 values per int32 word."""
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 _TINYGEMM_INNER_K_TILES = 8
+KERNELS = ("triton", "tinygemm")
+"""`Int4Linear.kernels`' choices on CUDA (module docstring)."""
+INT4_KERNELS = "tinygemm"
+"""What a new `Int4Linear` takes on CUDA: the faster in docs/benchmarks.md, "Quantized weights
+(INT8, INT4)" (`python -m benchmarks int --int4-kernels triton,tinygemm` times both)."""
 INT4_LARGE_M_ROWS = 32
 """Inputs of at least this many rows take the dequantize-then-bf16-GEMM path on CUDA (fewer:
 tinygemm). tinygemm's Llama-3-8B decode step on an H100 was 4.17 / 11.8 / 39.1 ms at B=1 /
@@ -139,20 +151,59 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
         self.bias = bias
         self.large_m_rows: int | None = None
-        """Rows from which a bf16 input dequantizes W into the workspace (None: tinygemm at
-        every size; set where the layout check passes, see `INT4_LARGE_M_ROWS`)."""
+        """Rows from which a bf16 input dequantizes W into the workspace (None: the small-M
+        kernel at every size; set where the layout check passes, see `INT4_LARGE_M_ROWS`)."""
         self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
-        if weight_packed.is_cuda and tinygemm_fits(rows, in_features, group_size):
+        self._interleaved: torch.Tensor | None = None
+        """int32 [out, in / 8] in int4_gemm.py's layout (kernels="triton")."""
+        if weight_packed.is_cuda:
+            self.use_kernels(INT4_KERNELS)
+
+    @property
+    def kernels(self) -> str:
+        """What a bf16 input runs on CUDA: 'triton', 'tinygemm' or 'dequantize' (neither fits:
+        the CPU arithmetic on the device)."""
+        if self._interleaved is not None:
+            return "triton"
+        return "dequantize" if self._tinygemm is None else "tinygemm"
+
+    def use_kernels(self, name: str) -> str:
+        """Hold the device copy of the weight that `name` (one of `KERNELS`) reads, in place
+        of the one held (the card holds one copy; the packed one lives on the host); returns
+        what the layer runs now (`kernels`: 'triton' falls back to tinygemm where its shape or
+        its check does not pass). Outside a CUDA-graph capture only."""
+        if name not in KERNELS:
+            raise ValueError(f"Int4Linear: kernels {name!r}, want one of {KERNELS}")
+        device = self.weight_scale.device
+        if device.type != "cuda":
+            return self.kernels
+        rows, cols, group = self.weight_scale.shape[0], self.in_features, self.group_size
+        packed = self.weight_packed.to(device)
+        self._tinygemm = self._interleaved = None
+        self.large_m_rows = None
+        if (
+            name == "triton"
+            and int4_gemm.fits(rows, cols, group)
+            and int4_gemm.triton_ready(device)
+        ):
+            self._interleaved = int4_gemm.interleave(packed, cols)
+            int4_gemm.reserve(device, rows, cols)
+            int4_kernels.reserve(device, rows * cols)
+            self.large_m_rows = INT4_LARGE_M_ROWS
+        elif tinygemm_fits(rows, cols, group):
             try:
-                self._tinygemm = self._tinygemm_weights()
+                self._tinygemm = self._tinygemm_weights(packed)
             except RuntimeError as e:  # a GPU tinygemm was not built for: the CPU arithmetic
                 log.warning("int4: PyTorch's int4 GEMM unavailable (%s); dequantizing", e)
-            else:  # one copy on the device (module docstring)
-                self.weight_packed = self.weight_packed.cpu()
-                device = self.weight_scale.device
-                if int4_kernels.fits(rows, in_features) and int4_kernels.layout_verified(device):
-                    int4_kernels.reserve(device, rows * in_features)
+            else:
+                if int4_kernels.fits(rows, cols) and int4_kernels.layout_verified(device):
+                    int4_kernels.reserve(device, rows * cols)
                     self.large_m_rows = INT4_LARGE_M_ROWS
+        if self.kernels != "dequantize":  # one copy on the device (module docstring)
+            self.weight_packed = self.weight_packed.cpu()
+        else:
+            self.weight_packed = packed
+        return self.kernels
 
     @property
     def nbytes(self) -> int:
@@ -172,9 +223,19 @@ class Int4Linear(torch.nn.Module):
         """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
         out_dtype = out_dtype or x.dtype
         rows = x.shape[0]
+        large = self.large_m_rows is not None and rows >= self.large_m_rows
+        if self._interleaved is not None and x.dtype == torch.bfloat16 and rows > 0:
+            words, scale = self._interleaved, self.weight_scale
+            if large:
+                w = int4_kernels.workspace(x.device, scale.shape[0], self.in_features)
+                out = F.linear(x, int4_gemm.dequantize(words, scale, self.group_size, w))
+            else:
+                out = int4_gemm.matmul(x, words, scale, self.group_size)
+            out = out.to(out_dtype)
+            return out if self.bias is None else out + self.bias
         if self._tinygemm is not None and x.dtype == torch.bfloat16 and rows > 0:
             packed, zeros = self._tinygemm
-            if self.large_m_rows is not None and rows >= self.large_m_rows:
+            if large:
                 out_features = self.weight_scale.shape[0]
                 w = int4_kernels.workspace(x.device, out_features, self.in_features)
                 int4_kernels.dequantize(packed, self.weight_scale, self.group_size, w)
@@ -187,11 +248,12 @@ class Int4Linear(torch.nn.Module):
             return x.new_empty((0, self.weight_scale.shape[0]), dtype=out_dtype)
         return F.linear(x, self.dequantized(x.dtype), self.bias).to(out_dtype)
 
-    def _tinygemm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """tinygemm's operands: the weight as `_convert_weight_to_int4pack` takes it (two
-        unsigned nibbles per byte, the even column in the high one: w = (u - 8) * scale +
-        zero), and bf16 scales with zero offsets [groups, out, 2]."""
-        u = (unpack_int4(self.weight_packed, self.in_features).to(torch.int32) + 8).to(torch.uint8)
+    def _tinygemm_weights(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tinygemm's operands from the packed weight on the device: the weight as
+        `_convert_weight_to_int4pack` takes it (two unsigned nibbles per byte, the even column
+        in the high one: w = (u - 8) * scale + zero), and bf16 scales with zero offsets
+        [groups, out, 2]."""
+        u = (unpack_int4(packed, self.in_features).to(torch.int32) + 8).to(torch.uint8)
         pairs = (u[:, ::2] << 4 | u[:, 1::2]).contiguous()
         packed = torch._convert_weight_to_int4pack(pairs, _TINYGEMM_INNER_K_TILES)
         scale = self.weight_scale.t().to(torch.bfloat16)

@@ -18,9 +18,12 @@ A call:
           int8 → int32; it wants more than 16 rows and both dims a multiple of 8: fewer rows
           are padded with zeros to 17; other dims run the CPU arithmetic) → int32 times the
           outer product of the scales, in float32, then the out dtype
-          (or, where `fused_ready` says so, the same numbers in three launches: the
-          quantization into a buffer already padded to 17 rows, `_int_mm`, the rescale:
-          engine/quantization/int8_kernels.py)
+          (`kernels="fused"`, where `fused_ready` says so: the same numbers in three
+          launches, the quantization into a buffer already padded to 17 rows, `_int_mm`, the
+          rescale: engine/quantization/int8_kernels.py;
+          `kernels="triton"`, where `triton_ready` says so: the same numbers from one Triton
+          GEMM with the rescale in its epilogue, the quantization fused into its prologue for
+          decode-sized inputs: engine/quantization/int8_gemm.py)
     CPU   the same quantization of x, `torch._int_mm` on the CPU (exact int32), the same
           rescale: the GPU's numbers exactly (integer sums have no order)
 
@@ -33,7 +36,7 @@ import logging
 
 import torch
 
-from engine.quantization import int8_kernels
+from engine.quantization import int8_gemm, int8_kernels
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,12 @@ HALF_RANGE = 127.5
 """compressed-tensors' symmetric int8 scale divisor: (127 - (-128)) / 2."""
 _MIN_SCALE = torch.finfo(torch.float32).eps  # compressed-tensors' stand-in for a zero scale
 _INT_MM_MIN_ROWS = 17
+KERNELS = ("triton", "fused", "torch")
+"""`Int8Linear.kernels`' choices on CUDA (module docstring); every one gives the same numbers."""
+INT8_KERNELS = "fused"
+"""What a new `Int8Linear` runs on CUDA: the faster in docs/benchmarks.md, "Quantized weights
+(INT8, INT4)" (`python -m benchmarks int --int8-kernels triton,fused,torch` times them side by
+side); a choice whose once-per-device check fails runs the torch ops."""
 
 
 def quantize_rows_int8(
@@ -80,9 +89,22 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().reshape(rows).contiguous())
         self.bias = bias
-        self.fused_kernels = True
-        """May run on CUDA through engine/quantization/int8_kernels.py where they are ready
-        (False: the torch ops; the INT benchmark times both)."""
+        self._kernels = "torch"
+        self.kernels = INT8_KERNELS
+
+    @property
+    def kernels(self) -> str:
+        """What runs on CUDA, one of `KERNELS` (module docstring); 'triton' and 'fused' only
+        where their once-per-device check passes, else the torch ops (the same numbers)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, name: str) -> None:
+        if name not in KERNELS:
+            raise ValueError(f"Int8Linear: kernels {name!r}, want one of {KERNELS}")
+        if name == "triton" and self.weight.is_cuda:  # its split-K workspace: never in a capture
+            int8_gemm.reserve(self.weight.device, self.weight.shape[0])
+        self._kernels = name
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +117,12 @@ class Int8Linear(torch.nn.Module):
         """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
         out_dtype = out_dtype or x.dtype
         n, k = self.weight.shape
-        if self.fused_kernels and x.is_cuda and not (k % 8 or n % 8) and fused_ready(x.device):
+        if self._kernels == "triton" and x.is_cuda and triton_ready(x.device):
+            out = int8_gemm.matmul(x, self.weight, self.weight_scale, out_dtype, HALF_RANGE,
+                                   _MIN_SCALE)  # fmt: skip
+            return out if self.bias is None else out + self.bias
+        fused = self._kernels == "fused" and x.is_cuda and not (k % 8 or n % 8)
+        if fused and fused_ready(x.device):
             rows = x.shape[0]
             q, scale = int8_kernels.quantize_rows(x, HALF_RANGE, _MIN_SCALE, _INT_MM_MIN_ROWS)
             acc = torch._int_mm(q, self.weight.t())
@@ -171,3 +198,51 @@ def fused_verified(device: torch.device) -> bool:
     if not same:
         log.warning("int8: the fused kernels differ from the torch ops here; torch ops")
     return same
+
+
+_TRITON_READY: dict[torch.device, bool] = {}
+
+
+def triton_ready(device: torch.device) -> bool:
+    """Whether `Int8Linear` may run engine/quantization/int8_gemm.py on `device`: decided
+    once, on the first call outside a CUDA-graph capture (a capture before it gets False, the
+    torch ops, whose numbers are the same)."""
+    decided = _TRITON_READY.get(device)
+    if decided is not None:
+        return decided
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    usable = int8_gemm.unavailable_reason(device) is None
+    _TRITON_READY[device] = usable and triton_verified(device)
+    return _TRITON_READY[device]
+
+
+def triton_verified(device: torch.device) -> bool:
+    """Whether the int8 GEMM gives the torch ops' numbers on `device`, bit for bit, in every
+    bucket's config, split-K and the fused quantization included (once per device, on a probe
+    with exact ties, a zero row and widths that are no multiple of a tile)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 200, 1064
+    x = torch.randn(300, k, generator=gen)
+    x[1] = 0.0
+    x[2, :4] = torch.tensor([127.5, 0.5, 1.5, -2.5])  # scale 1: the values tie at .5
+    x[2, 4:] = 0.25
+    x[3] *= 1000.0
+    w, ws = quantize_rows_int8(torch.randn(n, k, generator=gen), INT8_MAX)
+    try:
+        int8_gemm.reserve(device, n)
+        dev_w, dev_ws = w.to(device), ws.reshape(n).to(device)
+        for rows in (1, 5, 17, 80, 300):  # every bucket
+            xb = x[:rows].to(torch.bfloat16)
+            for dtype in (torch.bfloat16, torch.float32):
+                want_q, want_s = quantize_rows_int8(xb)
+                want = (int_matmul(want_q, w).float() * want_s * ws.reshape(n)).to(dtype)
+                got = int8_gemm.matmul(xb.to(device), dev_w, dev_ws, dtype, HALF_RANGE, _MIN_SCALE)
+                if not torch.equal(got.cpu(), want):
+                    log.warning("int8: the Triton GEMM differs from the torch ops here (%d rows,"
+                                " %s); torch ops", rows, dtype)  # fmt: skip
+                    return False
+    except Exception as e:  # a kernel that does not build here
+        log.warning("int8: no Triton GEMM (%s: %s); torch ops", type(e).__name__, e)
+        return False
+    return True

@@ -2,23 +2,33 @@
 `torch._int_mm` (padded below 17 rows; dims off the multiple of 8 in float64) is exact in
 int32, so only the bf16 output rounds; INT4's PyTorch int4 GEMM (`_weight_int4pack_mm`, bf16
 scales) and its dequantized fallback agree with the CPU's group-wise dequantized matmul to
-bf16 precision."""
+bf16 precision. The Triton kernels (engine/quantization/int8_gemm.py, int4_gemm.py): INT8 bit
+for bit with the torch ops, INT4 within bf16 GEMM precision of the exact product with a row's
+numbers independent of the batch, both replayed from a CUDA graph with eager's numbers."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from engine.quantization import int4_kernels
+from engine.quantization import int4_gemm, int4_kernels, int8_gemm
 from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
 from engine.quantization.int8_linear import (
     Int8Linear,
     fused_ready,
     fused_verified,
     quantize_rows_int8,
+    triton_ready,
+    triton_verified,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
@@ -134,9 +144,9 @@ def test_int8_fused_kernels_give_the_torch_ops_numbers_also_in_a_cuda_graph(m: i
     layer = Int8Linear(q.cuda(), scale.reshape(-1).cuda(), None)
     x = torch.randn(m, 512, generator=g).cuda().bfloat16()
     x[0] *= 1000.0
-    layer.fused_kernels = False
+    layer.kernels = "torch"
     want = layer(x)
-    layer.fused_kernels = True
+    layer.kernels = "fused"
     assert torch.equal(layer(x), want)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -149,3 +159,119 @@ def test_int8_fused_kernels_give_the_torch_ops_numbers_also_in_a_cuda_graph(m: i
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def _graphed(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, its output) of fn() captured after one warm call on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # the kernels build outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 300])
+@pytest.mark.parametrize("shape", [(1024, 512), (520, 264), (4096, 4096)])
+def test_int8_triton_gemm_gives_the_torch_ops_numbers_also_in_a_cuda_graph(
+    m: int, shape: tuple[int, int]
+) -> None:
+    """One launch (two from 17 rows) against the torch ops on the same device, bit for bit:
+    eager, then replayed twice from a CUDA graph over new inputs (the split-K counters and
+    partial sums reset by each call)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert triton_verified(device) and triton_ready(device)
+    g = torch.Generator().manual_seed(m)
+    q, scale = quantize_rows_int8(torch.randn(*shape, generator=g), 127.0)
+    layer = Int8Linear(q.cuda(), scale.reshape(-1).cuda(), None)
+    x = torch.randn(m, shape[1], generator=g).cuda().bfloat16()
+    x[0] *= 1000.0
+
+    def want() -> torch.Tensor:
+        layer.kernels = "torch"
+        out = layer(x)
+        layer.kernels = "triton"
+        return out
+
+    layer.kernels = "triton"
+    assert torch.equal(layer(x), want())
+    graph, out = _graphed(lambda: layer(x))
+    for _ in range(2):
+        x.copy_(torch.randn(m, shape[1], generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want())
+    acc, counters = int8_gemm._WORKSPACES[device]
+    assert not acc.any() and not counters.any()
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("shape", [(1024, 512), (4096, 4096), (520, 384)])
+def test_int4_triton_gemm_is_the_bf16_product_and_independent_of_the_batch(
+    group_size: int, shape: tuple[int, int]
+) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert int4_gemm.triton_ready(device)
+    g = torch.Generator().manual_seed(group_size)
+    q, scale = quantize_groups_int4(torch.randn(*shape, generator=g), group_size)
+    cpu = Int4Linear(pack_int4(q), scale, shape[1], group_size, None)
+    gpu = Int4Linear(pack_int4(q).cuda(), scale.cuda(), shape[1], group_size, None)
+    assert gpu.use_kernels("triton") == "triton"
+    w = cpu.dequantized(torch.bfloat16)
+    x = torch.randn(31, shape[1], generator=g).bfloat16()
+    x[2] *= 100.0
+    outs = {m: gpu(x[:m].cuda()).cpu() for m in (1, 7, 16, 31)}
+    for m, out in outs.items():
+        assert torch.equal(out[0], outs[1][0])  # row 0 whatever the batch, bit for bit
+        assert torch.equal(out, outs[31][:m])  # every row
+        assert int4_gemm.within_tolerance(out, x[:m], w)
+    assert torch.equal(gpu(x.cuda()).cpu(), outs[31])  # run to run
+    # tinygemm rounds the scales to bf16: near, not equal
+    assert gpu.use_kernels("tinygemm") == "tinygemm"
+    _close(gpu(x[:7].cuda()).cpu(), outs[7], 2e-2)
+
+
+def test_int4_triton_path_replays_in_a_cuda_graph_and_keeps_one_weight_copy() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(9)
+    q, scale = quantize_groups_int4(torch.randn(4096, 4096, generator=g), 128)
+    packed = pack_int4(q).cuda()
+    torch.cuda.synchronize()
+    spare = int4_kernels.workspace_bytes(device) + int4_gemm.workspace_bytes(device)
+    before = torch.cuda.memory_allocated() - spare
+    gpu = Int4Linear(packed, scale.cuda(), 4096, 128, None)
+    assert gpu.use_kernels("triton") == "triton"
+    del packed
+    torch.cuda.synchronize()
+    spare = int4_kernels.workspace_bytes(device) + int4_gemm.workspace_bytes(device)
+    held = torch.cuda.memory_allocated() - spare - before
+    assert gpu.weight_packed.device.type == "cpu" and gpu._tinygemm is None
+    assert held <= gpu.nbytes + scale.numel() * 4 + 2**16  # the layout + float32 scales
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.shape[0] < 32:  # the Triton GEMM: bit for bit
+            assert torch.equal(got, want)
+        else:  # the large-M path: cuBLAS may pick another algorithm in the capture
+            _close(got.float(), want.float(), 1e-2)
+
+    for m in (1, 16, 64):  # 64: the large-M path (dequantize, cuBLAS) reads the same layout
+        x = torch.randn(m, 4096, generator=g).bfloat16().cuda()
+        eager = gpu(x)
+        graph, out = _graphed(functools.partial(gpu, x))
+        graph.replay()
+        torch.cuda.synchronize()
+        same(out, eager)
+        x.copy_(torch.randn(m, 4096, generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        same(out, gpu(x))
+    words = gpu._interleaved
+    assert words is not None
+    out = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    int4_gemm.dequantize(words, gpu.weight_scale, 128, out)
+    cpu = Int4Linear(pack_int4(q), scale, 4096, 128, None)
+    assert torch.equal(out.cpu(), cpu.dequantized(torch.bfloat16))  # bit for bit
+    assert not int4_gemm._WORKSPACES[device][1].any()

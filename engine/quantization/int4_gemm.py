@@ -1,0 +1,284 @@
+"""INT4 W4A16 in Triton: a GEMM for decode-sized inputs that reads the int4 weight once and
+multiplies in bf16, and the dequantize of the same layout for the large-M path: `Int4Linear`'s
+`kernels="triton"` (engine/quantization/int4_linear.py).
+
+The layout (`interleave`, made once at load from compressed-tensors' pack-quantized words):
+int32 [N, K / 8] like the checkpoint's, row n's words K-major, but within each span of 128
+columns (16 words) word j holds the columns 16 i + j in its nibbles i = 0..7 (bits 4i .. 4i+3,
+stored as q + 8). A program loads a [BLOCK_N, 16] tile of words per span (64 contiguous bytes
+a row: 128-bit loads, coalesced), and nibble i of every word is the contiguous 16-column chunk
+16 i .. 16 i + 15: eight `tl.dot`s of K 16 with no shuffle of registers. K must be a multiple
+of 128 and the group a multiple of 16 (a chunk never straddles two groups).
+
+    matmul      y = x @ W.T for bf16 x [M, K]: each chunk dequantized in registers as the CPU
+                path does (q * scale in float32, rounded to bf16 nearest even), `tl.dot` with
+                float32 accumulation (rows padded to BLOCK_M in the tile), bf16 out. One
+                config for every M (`CONFIG`): a row's numbers do not depend on how many rows
+                share the call. Split-K where the column tiles do not fill the SMs: each K
+                slice writes its float32 partial to a per-device workspace [splits, M, N], the
+                last slice of a tile to arrive (a counter, reset by it) sums the partials in
+                slice order: deterministic, no float atomics. Fixed grid per shape, no host
+                sync, no allocation but the output: a CUDA graph replays it. (Under Triton's
+                interpreter, the CPU tests, the dot takes the bf16 operands widened to float32,
+                exactly: its own bf16 dot multiplies the raw bits.)
+    dequantize  W [N, K] = q * scale in float32, rounded to the output's dtype: the CPU path's
+                dequantized weight exactly (the large-M path's bf16 GEMM operand)
+
+The default of `Int4Linear` is chosen by the measurement in docs/benchmarks.md, "Quantized
+weights (INT8, INT4)" (`python -m benchmarks int --int4-kernels triton,tinygemm`; `--tune`
+sweeps `GemmConfig`s). `triton_ready(device)` checks both kernels once per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from engine.quantization.triton_device import triton_unavailable_reason
+
+log = logging.getLogger(__name__)
+
+SPAN = 128
+"""Columns per interleaved block (16 int32 words)."""
+_WORDS = SPAN // 8
+_CHUNK = SPAN // 8
+"""Columns per nibble position in a span: one `tl.dot` of this K."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One tiling of the W4A16 GEMM."""
+
+    block_m: int
+    block_n: int
+    spans: int
+    """Spans (128 columns) per loop iteration."""
+    split_k: int
+    """K slices per column tile (1: none; 0: as many as fill the SMs, at most `MAX_SPLIT_K`)."""
+    num_warps: int
+    num_stages: int
+
+
+MAX_SPLIT_K = 16
+MAX_ROWS = 64
+"""Rows the split-K workspace holds (more rows: one slice)."""
+CONFIG = GemmConfig(32, 64, 1, 0, 4, 4)
+"""The tiling of every call (a fixed one: the rows of a batch never change a row's result)."""
+
+
+def fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether this weight can take the layout (module docstring)."""
+    return in_features % SPAN == 0 and group_size % _CHUNK == 0 and out_features > 0
+
+
+def interleave(packed: torch.Tensor, in_features: int, rows_at_once: int = 2048) -> torch.Tensor:
+    """The layout of compressed-tensors' pack-quantized words [N, K / 8] (column 8 j + i in
+    nibble i of word j): int32 [N, K / 8] (module docstring), on packed's device, made
+    `rows_at_once` rows at a time (the int64 temporaries of a whole 70B projection: ~2 GB)."""
+    n = packed.shape[0]
+    out = torch.empty((n, in_features // 8), dtype=torch.int32, device=packed.device)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * 4
+    for lo in range(0, n, rows_at_once):
+        part = packed[lo : lo + rows_at_once]
+        u = ((part.unsqueeze(-1) >> shifts) & 0xF).reshape(-1, in_features // SPAN, 8, _WORDS)
+        # u[n, s, i, j] is column 128 s + 16 i + j: word j of span s gets it in nibble i
+        words = (u.transpose(2, 3).to(torch.int64) << shifts.to(torch.int64)).sum(dim=-1)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+        out[lo : lo + rows_at_once] = words.reshape(part.shape[0], -1)
+    return out
+
+
+def deinterleave(words: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] in [-8, 7] of `interleave`'s layout."""
+    n, k = words.shape[0], words.shape[1] * 8
+    shifts = torch.arange(8, device=words.device, dtype=torch.int32) * 4
+    u = (words.view(n, k // SPAN, _WORDS).unsqueeze(-1) >> shifts) & 0xF  # [n, s, j, i]
+    return (u.transpose(2, 3).reshape(n, k) - 8).to(torch.int8)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run for tensors on `device`, or None."""
+    return triton_unavailable_reason(device, "the int4 GEMM kernels")
+
+
+def splits(config: GemmConfig, n: int, k: int, device: torch.device) -> int:
+    """K slices of `config` for a weight [n, k]: fixed per shape and device, never per M."""
+    if config.split_k == 1:
+        return 1
+    most = max(1, min(MAX_SPLIT_K, k // (2 * SPAN * config.spans)))
+    if config.split_k:
+        return min(config.split_k, most)
+    tiles = -(-n // config.block_n)
+    sms = _sm_count(device)
+    split = 1
+    while tiles * split < sms and split * 2 <= most:
+        split *= 2
+    return split
+
+
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def reserve(device: torch.device, n: int, k: int, config: GemmConfig | None = None) -> None:
+    """Make `device`'s split-K workspace hold the partials of `MAX_ROWS` rows of a weight
+    [n, k] under `config` (default `CONFIG`) and a counter per tile."""
+    config = config or CONFIG
+    split = splits(config, n, k, device)
+    if split == 1:
+        return
+    partials = split * MAX_ROWS * n
+    counters = -(-MAX_ROWS // config.block_m) * -(-n // config.block_n)
+    have = _WORKSPACES.get(device)
+    if have is not None:
+        if have[0].numel() >= partials and have[1].numel() >= counters:
+            return
+        partials, counters = max(partials, have[0].numel()), max(counters, have[1].numel())
+    _WORKSPACES.pop(device, None)
+    _WORKSPACES[device] = (
+        torch.empty(partials, dtype=torch.float32, device=device),
+        torch.zeros(counters, dtype=torch.int32, device=device),  # zero between calls
+    )
+
+
+def workspace_bytes(device: torch.device) -> int:
+    have = _WORKSPACES.get(device)
+    return 0 if have is None else sum(t.numel() * 4 for t in have)
+
+
+def matmul(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """bf16 [M, N] = x [M, K] (bf16) @ W.T, W in `interleave`'s layout with float32 group
+    scales [N, K / group_size] (module docstring). Split-K needs `reserve` for this weight
+    (without it, one slice)."""
+    rows, k = x.shape
+    n = words.shape[0]
+    if words.shape[1] * 8 != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"int4 matmul: want bf16 x of {words.shape[1] * 8} columns, got "
+                         f"{x.dtype} [{rows}, {k}]")  # fmt: skip
+    out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
+    if rows == 0:
+        return out
+    config = config or CONFIG
+    split = splits(config, n, k, x.device)
+    tiles_m, tiles_n = -(-rows // config.block_m), -(-n // config.block_n)
+    ws = _WORKSPACES.get(x.device)
+    if split > 1 and (
+        ws is None or ws[0].numel() < split * rows * n or ws[1].numel() < tiles_m * tiles_n
+    ):
+        split = 1
+    if split == 1:
+        ws = (out, out)  # not read: the kernel's split-K branch is compiled out
+    assert ws is not None
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _kernels()[0][(tiles_n, split, tiles_m)](
+        x, words, scale, out, ws[0], ws[1], rows, n, k, x.stride(0), scale.shape[1], group_size,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPANS=config.spans, SPLIT_K=split,
+        DOT_F32=x.device.type != "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+_DEQUANT_BLOCK_N = 32
+
+
+def dequantize(
+    words: torch.Tensor, scale: torch.Tensor, group_size: int, out: torch.Tensor
+) -> torch.Tensor:
+    """W [N, K] = q * scale (float32 scale [N, K / group_size]) in out's dtype, written into
+    `out` (contiguous [N, K]); returns out. Torch ops where Triton cannot run."""
+    n, k = words.shape[0], words.shape[1] * 8
+    if out.shape != (n, k) or not out.is_contiguous():
+        raise ValueError(f"dequantize: want a contiguous [{n}, {k}] output, got {out.shape}")
+    if unavailable_reason(words.device) is not None:
+        q = deinterleave(words).float().view(n, -1, group_size)
+        return out.copy_((q * scale.unsqueeze(-1)).view(n, k))
+    grid = (-(-n // _DEQUANT_BLOCK_N), k // SPAN)
+    _kernels()[1][grid](
+        words, scale, out, n, k, scale.shape[1], group_size, BLOCK_N=_DEQUANT_BLOCK_N,
+        BF16_OUT=out.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter: a few slices, so the CPU tests run the split-K branch
+
+
+def _kernels() -> tuple[Any, Any]:
+    from engine.quantization import int_gemm_kernels  # imports triton: only where it runs
+
+    return int_gemm_kernels.int4_gemm_kernel, int_gemm_kernels.int4_dequant_kernel
+
+
+_READY: dict[torch.device, bool] = {}
+
+
+def triton_ready(device: torch.device) -> bool:
+    """Whether `Int4Linear` may take this layout on `device`: decided once per device, outside
+    a CUDA-graph capture (a capture before it gets False)."""
+    decided = _READY.get(device)
+    if decided is not None:
+        return decided
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    _READY[device] = unavailable_reason(device) is None and verified(device)
+    return _READY[device]
+
+
+def verified(device: torch.device) -> bool:
+    """Whether, on `device`, the dequantize kernel writes the CPU path's bf16 weight bit for
+    bit and the GEMM lies within `tolerance` of a float64 product of the same bf16 operands,
+    with row 0 identical at 1 and 7 rows and from one call to the next (a probe whose columns
+    are no multiple of the tile, split-K and not)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = 200, 1024, 128
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=gen) / 50 + 1e-3
+    x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
+    w = (q.float().view(n, -1, group) * scale.unsqueeze(-1)).view(n, k).to(torch.bfloat16)
+    try:
+        from engine.quantization.int4_linear import pack_int4
+
+        words = interleave(pack_int4(q), k).to(device)
+        dev_scale = scale.to(device)
+        out = torch.empty(n, k, dtype=torch.bfloat16, device=device)
+        if not torch.equal(dequantize(words, dev_scale, group, out).cpu(), w):
+            log.warning("int4: the Triton dequantize differs from the CPU weight; tinygemm")
+            return False
+        for config in (CONFIG, dataclasses.replace(CONFIG, split_k=1)):
+            reserve(device, n, k, config)
+            one = matmul(x[:1].to(device), words, dev_scale, group, config).cpu()
+            seven = matmul(x.to(device), words, dev_scale, group, config).cpu()
+            again = matmul(x.to(device), words, dev_scale, group, config).cpu()
+            if not (torch.equal(one[0], seven[0]) and torch.equal(seven, again)):
+                log.warning("int4: the Triton GEMM's rows depend on the batch or the run")
+                return False
+            if not within_tolerance(seven, x, w):
+                log.warning("int4: the Triton GEMM is off the bf16 product; tinygemm")
+                return False
+    except Exception as e:  # a kernel that does not build here
+        log.warning("int4: no Triton GEMM (%s: %s); tinygemm", type(e).__name__, e)
+        return False
+    return True
+
+
+def within_tolerance(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether bf16 `got` = x @ w.T to bf16 GEMM precision: |got - exact| <= 2^-8 |exact| (the
+    output's rounding, half an ulp being 2^-9) + K 2^-24 (|x| @ |w|.T) (float32 accumulation's
+    error bound), exact being the float64 product of the same bf16 operands."""
+    xd, wd = x.double().cpu(), w.double().cpu()
+    exact = xd @ wd.t()
+    bound = exact.abs() * 2**-8 + xd.shape[1] * 2**-24 * (xd.abs() @ wd.abs().t())
+    return bool(((got.double().cpu() - exact).abs() <= bound).all())
