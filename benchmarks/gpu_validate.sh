@@ -14,8 +14,10 @@
 #   fp8      the FP8 GPU tests, then python -m benchmarks fp8 (bf16 vs FP8 weights, one run)
 #   fp8t     the FP8 GPU tests alone
 #   fp8big   python -m benchmarks fp8 --shape llama3-70b (FP8 dummy weights + FP8 KV)
-#   int      the INT GPU tests, then python -m benchmarks int (bf16 vs INT8 W8A8 vs INT4 W4A16
-#            projections: decode B=1/16/64, prefill, logits), then its Llama-3-70B INT4 shape
+#   int      the INT GPU tests, then python -m benchmarks int --tune (the Triton GEMMs' tilings
+#            per M bucket, then bf16 vs INT8 W8A8 (Triton GEMM, fused) vs INT4 W4A16 (Triton,
+#            tinygemm) projections: decode B=1/16/64, prefill, logits); ~10 min on a fresh card
+#   int70    python -m benchmarks int --shape llama3-70b (INT4 Triton and tinygemm)
 #   e2e70i4  the Llama-3-70B shape, INT4 W4A16 dummy weights (config.json declares the scheme),
 #            one colocated worker on one GPU, two rates: client TPOT vs engine step
 #   kv       python -m benchmarks kv_transfer --gpu (needs 2 GPUs for the VRAM->VRAM figure)
@@ -113,10 +115,13 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
   attention) step bench_attention 240 python -m benchmarks attention --dtypes e4m3,bf16 \
     --kernels fi-tc,triton --block-n 64,128 --stages 2,3 --warps 4 --splits 1,2 \
     --kv-first 0,1 --prefetch 0,1 ;;
-  int) step int_tests 150 python -m pytest tests/gpu/test_int_gpu.py -q -rA -p no:cacheprovider
-    TAILN=${TAILN:-60} step bench_int 300 python -m benchmarks int --int4-large-m 32,off
-    TAILN=${TAILN:-25} step bench_int_70b 240 python -m benchmarks int --shape llama3-70b \
-      --iters 15 ;;
+  int) step int_tests 200 python -m pytest tests/gpu/test_int_gpu.py -q -rA -p no:cacheprovider
+    # the Triton GEMMs' tilings tuned first, then bf16 / INT8 Triton and fused / INT4 Triton
+    # and tinygemm side by side (the torch ops and tinygemm-only prefill: measured, slower)
+    TAILN=${TAILN:-90} step bench_int 380 python -m benchmarks int --tune --int4-large-m 32 \
+      --int8-kernels triton,fused --int4-kernels triton,tinygemm ;;
+  int70) TAILN=${TAILN:-25} step bench_int_70b 300 python -m benchmarks int --shape llama3-70b \
+      --iters 15 --int4-kernels triton,tinygemm ;;
   e2e70i4) [ -f /tmp/cfg-70b-int4/config.json ] || python -m deploy.cli make-model \
       /tmp/cfg-70b-int4 --preset llama3-70b --config-only --quantization int4 \
       > "$OUT/make_cfg_70b_int4.log" 2>&1

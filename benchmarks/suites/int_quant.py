@@ -9,7 +9,8 @@ attention over a bf16 KV pool, timed three ways, the projections swapped in plac
   scale per row, each input token quantized to int8 at run time, `torch._int_mm` (cuBLASLt int8
   → int32) and the rescale;
 - int4: compressed-tensors' W4A16 (engine/quantization/int4_linear.py), groups of
-  `--group-size` columns: PyTorch's tinygemm int4 GEMM over bf16 inputs;
+  `--group-size` columns: PyTorch's tinygemm int4 GEMM or the Triton W4A16 GEMM over bf16
+  inputs;
 each quantized from the same bf16 weights as a checkpoint writer would
 (engine/loading/dummy_weights.py `int_linear`). Measured: decode step at batch 1, 16, 64
 with 2048 tokens of context per sequence against each format's HBM floor (its weight bytes +
@@ -23,12 +24,21 @@ stays near its one-layer figure; this says the path is sound, not how a trained 
 quality moves). The full-depth rows need room for the float32 copy (the 8B shape: 32 GB).
 
 `--int4-large-m 16,32,64,off`: INT4 once per threshold (rows from which a projection
-dequantizes W to bf16 and runs the bf16 GEMM instead of tinygemm; off: tinygemm at every size;
-engine/quantization/int4_linear.py `INT4_LARGE_M_ROWS`, the default run's).
+dequantizes W to bf16 and runs the bf16 GEMM instead of its small-M kernel; off: tinygemm at
+every size, not timed for Triton; engine/quantization/int4_linear.py `INT4_LARGE_M_ROWS`, the
+default run's).
 
-`--int8-kernels fused,torch`: INT8 once through the fused quantize and rescale kernels
-(engine/quantization/int8_kernels.py: three launches a projection) and once through the
+`--int4-kernels triton,tinygemm`: INT4 once per small-M kernel (the layers hold the weight
+layout each reads, one at a time): the Triton W4A16 GEMM (engine/quantization/int4_gemm.py)
+and PyTorch's tinygemm.
+
+`--int8-kernels triton,fused,torch`: INT8 once through the one-kernel Triton GEMM
+(engine/quantization/int8_gemm.py: one or two launches a projection), once through the fused
+quantize and rescale kernels around `_int_mm` (int8_kernels.py: three) and once through the
 torch ops (about sixteen), the same numbers.
+
+`--tune`: first a few tilings of both Triton GEMMs per M bucket on the 8B projection shapes
+(benchmarks/suites/int_tune.py), the fastest installed for the rest of the run.
 
 `--shape llama3-70b`: the Llama-3-70B shape with INT4 dummy weights made layer by layer
 (~35 GB; its bf16 weights would not fit one GPU), INT4 only, with an e.g. `--layers 40`
@@ -37,7 +47,8 @@ for a card that cannot hold all 80 beside its pool. The KV pool is sized to the 
 does, and the output says so.
 
     python -m benchmarks int [--batches 1,16,64] [--group-size 128] [--int4-large-m 16,32,64,off]
-                             [--int8-kernels fused,torch]
+                             [--int8-kernels triton,fused,torch] [--int4-kernels triton,tinygemm]
+                             [--tune]
     python -m benchmarks int --shape llama3-70b
 """
 
@@ -69,7 +80,7 @@ from engine.loading.int_checkpoint import IntScheme
 from engine.modeling.llama import DecoderLayer, LlamaModel
 from engine.quantization import int4_kernels
 from engine.quantization.int4_linear import INT4_LARGE_M_ROWS, Int4Linear
-from engine.quantization.int8_linear import Int8Linear, fused_ready
+from engine.quantization.int8_linear import Int8Linear, fused_ready, triton_ready
 from vocabulary.model_config import ModelConfig
 from vocabulary.numeric import cdiv
 
@@ -149,25 +160,38 @@ def reference_logits(model: LlamaModel, ids: torch.Tensor) -> dict[int, torch.Te
 
 
 def set_int4_large_m(model: LlamaModel, rows: int | None) -> int:
-    """Every INT4 projection with the large-M path dequantizes from `rows` rows on (None:
-    tinygemm at every size); returns how many took it."""
+    """Every INT4 projection with a large-M path dequantizes from `rows` rows on (None: its
+    small-M kernel, tinygemm or Triton, at every size); returns how many took it."""
     took = 0
     for module in model.modules():
-        if (
-            isinstance(module, Int4Linear)
-            and module._tinygemm is not None
-            and int4_kernels.layout_verified(module.weight_scale.device)
+        if isinstance(module, Int4Linear) and (
+            module.kernels == "triton"
+            or (
+                module.kernels == "tinygemm"
+                and int4_kernels.layout_verified(module.weight_scale.device)
+            )
         ):
             module.large_m_rows = rows
             took += 1
     return took
 
 
-def set_int8_kernels(model: LlamaModel, fused: bool) -> None:
-    """Every INT8 projection runs the fused kernels where they are ready (else torch ops)."""
+def set_int4_kernels(model: LlamaModel, name: str) -> int:
+    """Every INT4 projection holds the weight copy `name` reads; returns how many run it."""
+    took = 0
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            took += module.use_kernels(name) == name
+    torch.cuda.empty_cache()
+    return took
+
+
+def set_int8_kernels(model: LlamaModel, name: str) -> None:
+    """Every INT8 projection runs `name` (int8_linear.KERNELS) where its check passes (else
+    the torch ops)."""
     for module in model.modules():
         if isinstance(module, Int8Linear):
-            module.fused_kernels = fused
+            module.kernels = name
 
 
 def fitting_batches(
@@ -208,12 +232,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--int4-large-m", default=str(INT4_LARGE_M_ROWS),
         help="INT4 once per threshold, comma separated: rows from which a projection "
-        "dequantizes to bf16 for the bf16 GEMM ('off': tinygemm at every size)",
+        "dequantizes to bf16 for the bf16 GEMM ('off': the small-M kernel at every size)",
     )  # fmt: skip
     parser.add_argument(
-        "--int8-kernels", default="fused,torch",
-        help="INT8 once per kernel choice, comma separated: 'fused' (engine/quantization/"
-        "int8_kernels.py, where its check passes) or 'torch' (the torch ops)",
+        "--int8-kernels", default="triton,fused,torch",
+        help="INT8 once per kernel choice, comma separated: 'triton' (engine/quantization/"
+        "int8_gemm.py), 'fused' (int8_kernels.py), each where its check passes, or 'torch' "
+        "(the torch ops)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--int4-kernels", default="triton,tinygemm",
+        help="INT4 once per kernel choice, comma separated: 'triton' (engine/quantization/"
+        "int4_gemm.py, where its check passes) or 'tinygemm' (PyTorch's int4 GEMM)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tune", action="store_true",
+        help="first time a few tilings of the Triton GEMMs per M bucket on the 8B projection "
+        "shapes, print them and run the rest with the fastest (benchmarks/suites/int_tune.py)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -229,6 +264,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         functools.partial(llama3_70b_int4, args.layers, args.group_size) if big
         else random_llama3_8b
     )  # fmt: skip
+    if args.tune:
+        from benchmarks.suites.int_tune import tune
+
+        tuned = log.step("tune the Triton GEMMs' tilings", functools.partial(tune, args.group_size))
+        for row in tuned or []:
+            log.add(*row)
     model = log.step(f"build the {args.shape} shape", build)
     if model is None:
         log.print_table()
@@ -307,13 +348,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.cuda.empty_cache()
 
     def bench_int4() -> None:
-        """INT4 once per threshold (the logits once: every path computes the same weight)."""
-        for rows in thresholds:
-            took = set_int4_large_m(model, rows)
-            if rows is not None and not took:
-                print("   int4: no large-M path here (the layout check failed: see the log)")
-            m = "tinygemm" if rows is None else f"m>={rows}"
-            bench(f"int4 g{args.group_size} {m}")
+        """INT4 once per kernel choice and threshold (the logits once: every path computes
+        the same weight)."""
+        for kernels in args.int4_kernels.split(","):
+            if not set_int4_kernels(model, kernels):
+                print(f"   int4: no projection runs {kernels} here (see the log)")
+                continue
+            for rows in thresholds:
+                if rows is None and kernels == "triton":
+                    continue  # its small-M kernel for a 4096-token prefill: not a path
+                took = set_int4_large_m(model, rows)
+                if rows is not None and not took:
+                    print("   int4: no large-M path here (the layout check failed: see the log)")
+                m = kernels if rows is None else f"{kernels} m>={rows}"
+                bench(f"int4 g{args.group_size} {m}")
         if refs:
             logit_rows(f"int4 g{args.group_size}")
 
@@ -334,9 +382,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 bench_int4()
             else:
                 for kernels in args.int8_kernels.split(","):
-                    set_int8_kernels(model, kernels == "fused")
-                    if kernels == "fused" and not fused_ready(torch.device("cuda")):
-                        print("   int8: the fused kernels are not ready here (see the log)")
+                    set_int8_kernels(model, kernels)
+                    ready = {"fused": fused_ready, "triton": triton_ready}.get(kernels)
+                    if ready is not None and not ready(torch.device("cuda")):
+                        print(f"   int8: the {kernels} kernels are not ready here (see the log)")
                     bench(f"{label} {kernels}")
                 logit_rows(label)
             dense_again(model)

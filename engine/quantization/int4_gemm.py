@@ -84,12 +84,19 @@ def interleave(packed: torch.Tensor, in_features: int, rows_at_once: int = 2048)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * 4
     for lo in range(0, n, rows_at_once):
         part = packed[lo : lo + rows_at_once]
-        u = ((part.unsqueeze(-1) >> shifts) & 0xF).reshape(-1, in_features // SPAN, 8, _WORDS)
-        # u[n, s, i, j] is column 128 s + 16 i + j: word j of span s gets it in nibble i
-        words = (u.transpose(2, 3).to(torch.int64) << shifts.to(torch.int64)).sum(dim=-1)
-        words = torch.where(words >= 1 << 31, words - (1 << 32), words)
-        out[lo : lo + rows_at_once] = words.reshape(part.shape[0], -1)
+        nibbles = ((part.unsqueeze(-1) >> shifts) & 0xF).reshape(part.shape[0], in_features)
+        out[lo : lo + rows_at_once] = interleave_nibbles(nibbles)
     return out
+
+
+def interleave_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """The layout of unsigned nibbles u = q + 8 [N, K]: int32 [N, K / 8]."""
+    n, k = u.shape
+    shifts = torch.arange(8, device=u.device, dtype=torch.int64) * 4
+    # u[n, s, i, j] is column 128 s + 16 i + j: word j of span s gets it in nibble i
+    spans = u.to(torch.int64).reshape(n, k // SPAN, 8, _WORDS).transpose(2, 3)
+    words = (spans << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).view(n, -1)
 
 
 def deinterleave(words: torch.Tensor) -> torch.Tensor:
@@ -249,9 +256,7 @@ def verified(device: torch.device) -> bool:
     x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
     w = (q.float().view(n, -1, group) * scale.unsqueeze(-1)).view(n, k).to(torch.bfloat16)
     try:
-        from engine.quantization.int4_linear import pack_int4
-
-        words = interleave(pack_int4(q), k).to(device)
+        words = interleave_nibbles(q + 8).to(device)
         dev_scale = scale.to(device)
         out = torch.empty(n, k, dtype=torch.bfloat16, device=device)
         if not torch.equal(dequantize(words, dev_scale, group, out).cpu(), w):
@@ -275,10 +280,15 @@ def verified(device: torch.device) -> bool:
 
 
 def within_tolerance(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether bf16 `got` = x @ w.T to bf16 GEMM precision: |got - exact| <= 2^-8 |exact| (the
-    output's rounding, half an ulp being 2^-9) + K 2^-24 (|x| @ |w|.T) (float32 accumulation's
-    error bound), exact being the float64 product of the same bf16 operands."""
-    xd, wd = x.double().cpu(), w.double().cpu()
-    exact = xd @ wd.t()
-    bound = exact.abs() * 2**-8 + xd.shape[1] * 2**-24 * (xd.abs() @ wd.abs().t())
+    """Whether bf16 `got` = x @ w.T to bf16 GEMM precision (`product_bound`)."""
+    exact, bound = product_bound(x.cpu(), w.cpu())
     return bool(((got.double().cpu() - exact).abs() <= bound).all())
+
+
+def product_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, bound) of x @ w.T for bf16 operands, on their device: the float64 product and
+    how far a bf16 GEMM's output may lie from it, 2^-8 |exact| (the output's rounding, half an
+    ulp being 2^-9) + K 2^-24 (|x| @ |w|.T) (float32 accumulation's error bound)."""
+    xd, wd = x.double(), w.double()
+    exact = xd @ wd.t()
+    return exact, exact.abs() * 2**-8 + xd.shape[1] * 2**-24 * (xd.abs() @ wd.abs().t())
