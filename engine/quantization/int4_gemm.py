@@ -61,11 +61,15 @@ class GemmConfig:
     """K slices per column tile (1: none; 0: as many as fill the SMs, at most `MAX_SPLIT_K`)."""
     num_warps: int
     num_stages: int
+    swap_ab: bool = False
+    """Compute out.T = W @ x.T: W's rows fill the MMA instruction's M (Hopper's wgmma wants
+    64, and takes A from registers: the dequantized tile goes straight in), x's its N."""
 
 
 MAX_SPLIT_K = 16
 MAX_ROWS = 64
-"""Rows the split-K workspace holds (more rows: one slice)."""
+"""Rows the split-K workspace holds (more rows: one slice, so a row's numbers are the same at
+every batch up to this many rows; `Int4Linear` runs the kernel below `INT4_LARGE_M_ROWS`)."""
 CONFIG = GemmConfig(32, 64, 1, 0, 4, 4)
 """The tiling of every call (a fixed one: the rows of a batch never change a row's result)."""
 
@@ -178,8 +182,14 @@ def matmul(
     split = splits(config, n, k, x.device)
     tiles_m, tiles_n = -(-rows // config.block_m), -(-n // config.block_n)
     ws = _WORKSPACES.get(x.device)
+    # whether the workspace fits is asked for MAX_ROWS rows, never for this call's: a row's
+    # numbers must not depend on the batch
+    most_tiles = -(-MAX_ROWS // config.block_m) * tiles_n
     if split > 1 and (
-        ws is None or ws[0].numel() < split * rows * n or ws[1].numel() < tiles_m * tiles_n
+        rows > MAX_ROWS
+        or ws is None
+        or ws[0].numel() < split * MAX_ROWS * n
+        or ws[1].numel() < most_tiles
     ):
         split = 1
     if split == 1:
@@ -187,9 +197,10 @@ def matmul(
     assert ws is not None
     x = x if x.stride(1) == 1 else x.contiguous()
     _kernels()[0][(tiles_n, split, tiles_m)](
-        x, words, scale, out, ws[0], ws[1], rows, n, k, x.stride(0), scale.shape[1], group_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPANS=config.spans, SPLIT_K=split,
-        DOT_F32=x.device.type != "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
+        x, words, scale, out, ws[0], ws[1], rows, n, k, x.stride(0), scale.shape[1],
+        GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPANS=config.spans,
+        SPLIT_K=split, SWAP_AB=config.swap_ab, INTERPRET=x.device.type != "cuda",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

@@ -62,6 +62,9 @@ class GemmConfig:
     num_stages: int
     quantize_in_prologue: bool
     """Quantize x inside the GEMM (one launch) instead of a quantize launch first."""
+    swap_ab: bool = False
+    """Compute out.T = W @ x.T: W's rows fill the MMA instruction's M (Hopper's wgmma wants
+    64), the few rows of x its N (the same integer sums)."""
 
 
 MAX_SPLIT_K = 16
@@ -167,6 +170,7 @@ def matmul(
         rows, n, k, q.stride(0), weight.stride(0), divisor, min_scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, GROUP_M=config.group_m, QUANTIZE=config.quantize_in_prologue,
+        SWAP_AB=config.swap_ab,
         EVEN_K=k % (config.block_k * split) == 0, BF16_OUT=out_dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -40,7 +40,7 @@ def int8_gemm_kernel(
     M, N, K, stride_xm, stride_wn, divisor, min_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, QUANTIZE: tl.constexpr,
-    EVEN_K: tl.constexpr, BF16_OUT: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BF16_OUT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,6 +59,7 @@ def int8_gemm_kernel(
     col_ok = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
 
     if QUANTIZE:  # the token scales first: every program reads its rows' amax
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -72,7 +73,10 @@ def int8_gemm_kernel(
 
     k_span = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_span
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(k_lo, k_lo + k_span, BLOCK_K):
         kk = k0 + rk
         if EVEN_K:
@@ -86,9 +90,15 @@ def int8_gemm_kernel(
             a = quantize_tile(xt, x_scale[:, None])
         else:
             a = tl.load(x_rows + kk[None, :], mask=xm, other=0)
-        b = tl.load(w_cols + kk[:, None], mask=wm, other=0)  # [BK, BN], K-major
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        if SWAP_AB:  # W [BN, BK] is the MMA's A operand, x^T its B: decode's rows are few
+            b = tl.load(w_rows + kk[None, :], mask=tl.trans(wm), other=0)
+            acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
+        else:
+            b = tl.load(w_cols + kk[:, None], mask=wm, other=0)  # [BK, BN], K-major
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
     offs = rm[:, None] * N + rn[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     ws = tl.load(ws_ptr + rn, mask=col_ok, other=0.0)
@@ -106,12 +116,23 @@ def int8_gemm_kernel(
             tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
+@triton.jit
+def nibble_weight(words, i: tl.constexpr, scale, INTERPRET: tl.constexpr):
+    """bf16 (q * scale in float32, nearest even) of nibble i of int32 words [BN, 16] (q + 8
+    stored) by float32 scale [BN, 1]: the CPU path's weight. The nibble becomes a float by its
+    bits (2^23 + u, then less 2^23 + 8: exact, two full-rate ops instead of a conversion)."""
+    u = ((words >> (4 * i)) & 0xF) | 0x4B000000
+    w = (u.to(tl.float32, bitcast=True) - 8388616.0) * scale
+    if INTERPRET:  # the interpreter's own conversion truncates
+        return rne_bf16(w)
+    return w.to(tl.bfloat16)
+
+
 @triton.jit(do_not_specialize=["M"])
 def int4_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, K, stride_xm, groups, group_size,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, groups,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,23 +149,33 @@ def int4_gemm_kernel(
     per_split = tl.cdiv(n_spans, SPLIT_K * SPANS) * SPANS
     lo = pid_k * per_split
     hi = tl.minimum(lo + per_split, n_spans)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # W is the MMA's A operand (its rows fill the instruction's M), x^T its B
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for first in range(lo, hi, SPANS):
         for t in tl.static_range(SPANS):
             span = first + t
             live = span < hi
             # [BLOCK_N, 16] words: 64 contiguous bytes a row; nibble i = columns 16 i .. 16 i + 15
             words = tl.load(w_rows + span * 16 + rj[None, :], mask=col_ok[:, None] & live, other=0)
+            if GROUP % 128 == 0:  # one group a span
+                sc = tl.load(s_rows + (span * 128) // GROUP, mask=col_ok & live, other=0.0)
             for i in tl.static_range(8):
                 k0 = span * 128 + 16 * i
-                sc = tl.load(s_rows + k0 // group_size, mask=col_ok & live, other=0.0)
-                q = ((words >> (4 * i)) & 0xF) - 8
-                w = rne_bf16(q.to(tl.float32) * sc[:, None])  # the CPU path's bf16 weight
+                if GROUP % 128 != 0:
+                    sc = tl.load(s_rows + k0 // GROUP, mask=col_ok & live, other=0.0)
+                w = nibble_weight(words, i, sc[:, None], INTERPRET)
                 xt = tl.load(x_rows + k0 + rj[None, :], mask=row_ok[:, None] & live, other=0.0)
-                if DOT_F32:  # the interpreter: its dot multiplies bf16's raw bits
-                    acc = tl.dot(xt.to(tl.float32), tl.trans(w).to(tl.float32), acc)
+                if INTERPRET:  # the interpreter's bf16 dot multiplies the raw bits: widen
+                    w = w.to(tl.float32)
+                    xt = xt.to(tl.float32)
+                if SWAP_AB:
+                    acc = tl.dot(w, tl.trans(xt), acc)
                 else:
                     acc = tl.dot(xt, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     offs = rm[:, None] * N + rn[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:

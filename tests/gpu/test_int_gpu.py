@@ -275,3 +275,51 @@ def test_int4_triton_path_replays_in_a_cuda_graph_and_keeps_one_weight_copy() ->
     cpu = Int4Linear(pack_int4(q), scale, 4096, 128, None)
     assert torch.equal(out.cpu(), cpu.dequantized(torch.bfloat16))  # bit for bit
     assert not int4_gemm._WORKSPACES[device][1].any()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        int8_gemm.GemmConfig(16, 64, 256, 0, 1, 4, 4, True, swap_ab=True),
+        int8_gemm.GemmConfig(16, 64, 256, 4, 1, 4, 4, False),
+        int8_gemm.GemmConfig(64, 64, 128, 0, 1, 4, 4, False, swap_ab=True),
+        int8_gemm.GemmConfig(128, 256, 128, 1, 8, 8, 3, False),
+    ],
+)
+def test_int8_triton_tilings_the_tune_may_pick_are_bit_exact(config: int8_gemm.GemmConfig) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(1)
+    q, scale = quantize_rows_int8(torch.randn(4096, 1536, generator=g), 127.0)
+    layer = Int8Linear(q.cuda(), scale.reshape(-1).cuda(), None)
+    layer.kernels = "torch"
+    for m in (1, 16, 64, 300):
+        x = torch.randn(m, 1536, generator=g).bfloat16().cuda()
+        got = int8_gemm.matmul(x, layer.weight, layer.weight_scale, torch.bfloat16, 127.5,
+                               torch.finfo(torch.float32).eps, config)  # fmt: skip
+        assert torch.equal(got, layer(x)), m
+    assert not int8_gemm._WORKSPACES[device][0].any()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        int4_gemm.GemmConfig(32, 64, 1, 0, 4, 4, swap_ab=True),
+        int4_gemm.GemmConfig(16, 64, 1, 1, 4, 4, swap_ab=True),
+        int4_gemm.GemmConfig(32, 128, 2, 0, 8, 3),
+    ],
+)
+def test_int4_triton_tilings_the_tune_may_pick_are_near_and_batch_independent(
+    config: int4_gemm.GemmConfig,
+) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(2)
+    q, scale = quantize_groups_int4(torch.randn(4096, 2048, generator=g), 128)
+    words = int4_gemm.interleave(pack_int4(q).cuda(), 2048)
+    int4_gemm.reserve(device, 4096, 2048, config)
+    w = (q.float().view(4096, -1, 128) * scale.unsqueeze(-1)).view(4096, 2048).bfloat16()
+    x = torch.randn(31, 2048, generator=g).bfloat16()
+    wide = int4_gemm.matmul(x.cuda(), words, scale.cuda(), 128, config).cpu()
+    assert int4_gemm.within_tolerance(wide, x, w)
+    for m in (1, 5, 16):
+        assert torch.equal(int4_gemm.matmul(x[:m].cuda(), words, scale.cuda(), 128, config).cpu(),
+                           wide[:m])  # fmt: skip

@@ -22,7 +22,8 @@ from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_grou
 CPU = torch.device("cpu")
 SPLIT = dataclasses.replace(int4_gemm.CONFIG, split_k=3)
 WHOLE_K = dataclasses.replace(int4_gemm.CONFIG, split_k=1, spans=2)
-TILINGS = (None, SPLIT, WHOLE_K)
+SWAPPED = dataclasses.replace(int4_gemm.CONFIG, split_k=3, swap_ab=True)
+TILINGS = (None, SPLIT, WHOLE_K, SWAPPED)
 
 
 def _layer(n: int, k: int, group: int, seed: int = 0) -> Int4Linear:

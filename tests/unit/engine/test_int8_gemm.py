@@ -31,6 +31,7 @@ TILINGS = (
     GemmConfig(16, 32, 64, 3, 1, 4, 2, True),  # split-K in three, quantized in the prologue
     GemmConfig(16, 16, 128, 0, 1, 4, 2, False),  # split to fill the SMs, x quantized first
     GemmConfig(32, 32, 64, 1, 2, 4, 2, False),  # swizzled row tiles, no split
+    GemmConfig(16, 32, 64, 3, 1, 4, 2, True, swap_ab=True),  # out.T = W @ x.T
 )
 
 
