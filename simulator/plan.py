@@ -45,9 +45,10 @@ from simulator.shape import DEFAULT_THRESHOLDS, ClusterShape
 from simulator.shards import largest_shards
 
 MIN_SHARD_WORKERS = 4
-"""The fewest workers of each role a shard of a planned configuration keeps (`--shards`): the
-smallest shard measured ("Simulator", speed at scale, in docs/benchmarks.md: 4P4D shards of
-128P128D kept TTFT p50/p90 within 2 %)."""
+"""The fewest workers of each role a shard of a planned configuration keeps (`--shards`):
+shards of 4P4D (128P128D at 1,000 req/s) and 4P4D (32P32D at 480) agreed with the whole
+simulation within 5.1 %; shards of one or two prefill workers near their capacity queued far
+more than the whole pool ("Simulator", speed at scale, in docs/benchmarks.md)."""
 
 
 def profiles_by_tp(profiles: Sequence[PerfProfile]) -> dict[int, PerfProfile]:

@@ -19,6 +19,12 @@ from deploy.cli.command_support import console, fail
 if TYPE_CHECKING:
     from simulator.plan import Plan, Point
 
+PLAN_SHARDS = 32
+"""`pdserve plan --shards`' default: at most 32 shards a configuration, 4 workers of each role
+a shard at least (`simulator/plan.py:MIN_SHARD_WORKERS`): 128P128D at 1,000 req/s as 32 shards
+agreed with the whole simulation within 5.1 % on TTFT, TPOT and goodput and simulates an hour
+in ~40 CPU s (docs/benchmarks.md, "Simulator", speed at scale)."""
+
 
 ProfileModel = Annotated[
     str | None, typer.Option(help="Refuse a profile of another model id (folder name).")
@@ -341,7 +347,7 @@ def plan(
             "and keep 4 workers of each role a shard (an approximation for large clusters: "
             'docs/benchmarks.md, "Simulator"); 1: every configuration whole.'
         ),
-    ] = 1,
+    ] = PLAN_SHARDS,
 ) -> None:
     """Search cluster configurations in simulated time (xPyD splits and colocated, split
     workers with --split, each at every --chunk; each role at every TP size a --profile was
