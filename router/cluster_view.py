@@ -10,7 +10,7 @@ admission ledger covers what this router itself admitted meanwhile). A worker th
 `failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
 at once. Between polls the router adds what it dispatched itself (prompt tokens sent to a
 prefill worker, not yet reported back; KV blocks of requests placed on a decode worker until
-their first chunk), so a burst does not pile onto one worker. Draining workers stay in the
+a report asked for after their first chunk answers), so a burst does not pile onto one worker. Draining workers stay in the
 view (their streams go on; placement skips them) until the controller stops them. A worker
 that switched role (deploy/control/role_switch.py) is taken as its new role from its first
 load report that says so (or the registry's listing, unless the worker's last report says
@@ -31,8 +31,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from admission.snapshot import ClusterSnapshot, DecodeWorkerLoad, PrefillWorkerLoad
@@ -114,6 +115,11 @@ class WorkerEntry:
     reports do not show yet (reserved at placement, released at the request's first chunk)."""
     reserved_decode_requests: int = 0
     """Those requests (streams the worker will run that it does not report yet)."""
+    started_decode: deque[tuple[float, int]] = field(default_factory=deque)
+    """(monotonic time, blocks) of requests whose reservation ended at their first chunk:
+    still counted until a load report asked for after that time answers (the last report
+    may predate the request's start: without this, every request started within a poll
+    interval would vanish from the worker's load until the next report)."""
     avoid_until: float = 0.0
     """Monotonic time before which placement skips the worker (it missed a stage deadline)."""
     dead_at: float = -float("inf")
@@ -133,6 +139,22 @@ class WorkerEntry:
             and self.load.state is WorkerState.READY
             and time.monotonic() >= self.avoid_until
         )
+
+    @property
+    def unreported_decode_blocks(self) -> int:
+        """Blocks of the requests placed here that its last report may not show: reserved,
+        or started after that report was asked for."""
+        return self.reserved_decode_blocks + sum(blocks for _, blocks in self.started_decode)
+
+    @property
+    def unreported_decode_requests(self) -> int:
+        return self.reserved_decode_requests + len(self.started_decode)
+
+    def reported_at(self, sent: float) -> None:
+        """A load report asked for at `sent` answered: it shows the requests started before."""
+        started = self.started_decode
+        while started and started[0][0] <= sent:
+            started.popleft()
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -162,11 +184,21 @@ class DecodeReservation:
             entry.reserved_decode_requests += 1
 
     def release(self) -> None:
+        """The request will not run there (it failed or moved before its first chunk), or
+        `started` came first."""
         if self._entry is not None:
             entry = self._entry
             entry.reserved_decode_blocks = max(entry.reserved_decode_blocks - self._blocks, 0)
             entry.reserved_decode_requests = max(entry.reserved_decode_requests - 1, 0)
             self._entry = None
+
+    def started(self) -> None:
+        """Its first chunk came: the worker runs it, and the next report asked for from now
+        on shows it (`WorkerEntry.started_decode` counts it until then)."""
+        entry = self._entry
+        if entry is not None:
+            self.release()
+            entry.started_decode.append((time.monotonic(), self._blocks))
 
 
 @dataclass(frozen=True)
@@ -313,6 +345,7 @@ class ClusterView:
                 self._switched(entry, result.role)
             entry.load = result
             entry.dispatched_prefill_tokens = 0
+            entry.reported_at(sent)
             if self.metrics is not None:
                 self.metrics.observe_load(result)
         self._changed.set()
@@ -428,12 +461,12 @@ class ClusterView:
                     cached_blocks=match.blocks_cached(e.worker_id),
                     active_kv_blocks=eng.num_total_blocks
                     - eng.num_free_blocks
-                    + e.reserved_decode_blocks,
+                    + e.unreported_decode_blocks,
                     inflight_transfer_blocks=e.load.transfer.pending_blocks,
                     free_kv_blocks=eng.num_free_blocks,
                     cold_lora=_cold(e, lora),
                     prefills_locally=e.info.role is WorkerRole.SPLIT,
-                    running_requests=eng.num_running + e.reserved_decode_requests,
+                    running_requests=eng.num_running + e.unreported_decode_requests,
                     queued_prefill_tokens=e.queued_prefill_tokens,
                 )
             )

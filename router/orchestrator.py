@@ -530,7 +530,7 @@ class Orchestrator:
                 )
                 if stage == "hand-off":
                     phase = tracing.first_chunk(phase, span, chunk)
-                reservation.release()  # the worker's own load reports count it from here
+                reservation.started()  # its load reports count it from the next one on
                 timeout, stage = self.config.token_gap_timeout_s, "token stream"
                 progress.chunk(chunk)
                 if chunk.transfer_s:

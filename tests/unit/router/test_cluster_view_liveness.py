@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from ray.exceptions import RayActorError
 
+from prefix_index.types import PrefixMatch
 from router.cluster_view import ClusterView, StaticDirectory
 from router.errors import WorkerLost
 from vocabulary.engine_io import EngineLoad
@@ -81,3 +82,71 @@ def test_a_poll_answered_after_the_channel_saw_the_death_does_not_revive_the_wor
         return entry.alive
 
     assert asyncio.run(body()) is False
+
+
+class Reporter:
+    """A decode actor whose load report shows `running` requests of `blocks` blocks each, as
+    of when the report was asked for (`asked`), answered when `answer` is set."""
+
+    def __init__(self, info: WorkerInfo) -> None:
+        self.info = info
+        self.used_blocks = 0
+        self.running = 0
+        self.answer: asyncio.Future[None] | None = None
+        self.load = _Method(self._load)
+
+    def _load(self) -> Any:
+        fields = {f.name: 0 for f in dataclasses.fields(EngineLoad)}
+        fields.update(num_total_blocks=512, num_free_blocks=512 - self.used_blocks,
+                      num_running=self.running)  # fmt: skip
+        asked = EngineLoad(**fields)  # the worker's state when the call reached it
+        answer = self.answer
+
+        async def report() -> WorkerLoad:
+            if answer is not None:
+                await answer
+            return WorkerLoad(self.info.worker_id, WorkerRole.DECODE, WorkerState.READY, asked,
+                              0, 0)  # fmt: skip
+
+        return report()
+
+
+def test_a_started_request_counts_until_a_report_asked_for_after_its_start_answers() -> None:
+    """A request's blocks count on its decode worker from placement (reserved) through its
+    first chunk (started) until a load report asked for after that answers: the report asked
+    for before the start does not show it, and one asked for after does, once."""
+    info = WorkerInfo("d0", WorkerRole.DECODE, "a", "n", "cpu", "tiny", 16, 512, 512, 64)
+
+    async def body() -> list[tuple[int, int]]:
+        worker = Reporter(info)
+        view = ClusterView(StaticDirectory([(info, worker)]))
+        await view.refresh_registry()
+        await view.poll_loads()
+        entry = view.entries["d0"]
+
+        def seen() -> tuple[int, int]:
+            (cand,) = view.decode_candidates(PrefixMatch(0))
+            return cand.active_kv_blocks, cand.running_requests
+
+        out = [seen()]
+        reservation = view.reserve_decode("d0", 8)
+        out.append(seen())  # reserved
+        worker.answer = asyncio.get_running_loop().create_future()
+        before = asyncio.create_task(view.poll_loads())  # asked for before the start
+        await asyncio.sleep(0)
+        worker.used_blocks, worker.running = 8, 1  # the worker runs it
+        reservation.started()  # its first chunk
+        reservation.release()  # the attempt's exit: a no-op after started
+        worker.answer.set_result(None)
+        await before
+        out.append(seen())  # that report does not show it: still counted once
+        worker.answer = None
+        await view.poll_loads()  # asked for after the start
+        out.append(seen())  # the report shows it; nothing added on top
+        assert not entry.started_decode
+        failed = view.reserve_decode("d0", 4)
+        failed.release()  # never ran: nothing left counted
+        out.append(seen())
+        return out
+
+    assert asyncio.run(body()) == [(0, 0), (8, 1), (8, 1), (8, 1), (8, 1)]
