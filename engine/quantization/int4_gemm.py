@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from engine.quantization.triton_device import triton_unavailable_reason
+from engine.quantization import triton_device
+from engine.quantization.triton_device import DecidedOnce, triton_unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,7 @@ def reserve(device: torch.device, n: int, k: int, config: GemmConfig | None = No
 
 
 def workspace_bytes(device: torch.device) -> int:
-    have = _WORKSPACES.get(device)
-    return 0 if have is None else sum(t.numel() * 4 for t in have)
+    return triton_device.workspace_bytes(_WORKSPACES, device)
 
 
 def matmul(
@@ -240,21 +240,6 @@ def _kernels() -> tuple[Any, Any]:
     return int_gemm_kernels.int4_gemm_kernel, int_gemm_kernels.int4_dequant_kernel
 
 
-_READY: dict[torch.device, bool] = {}
-
-
-def triton_ready(device: torch.device) -> bool:
-    """Whether `Int4Linear` may take this layout on `device`: decided once per device, outside
-    a CUDA-graph capture (a capture before it gets False)."""
-    decided = _READY.get(device)
-    if decided is not None:
-        return decided
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    _READY[device] = unavailable_reason(device) is None and verified(device)
-    return _READY[device]
-
-
 def verified(device: torch.device) -> bool:
     """Whether, on `device`, the dequantize kernel writes the CPU path's bf16 weight bit for
     bit and the GEMM lies within `tolerance` of a float64 product of the same bf16 operands,
@@ -303,3 +288,7 @@ def product_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
     xd, wd = x.double(), w.double()
     exact = xd @ wd.t()
     return exact, exact.abs() * 2**-8 + xd.shape[1] * 2**-24 * (xd.abs() @ wd.abs().t())
+
+
+triton_ready = DecidedOnce(lambda device: unavailable_reason(device) is None and verified(device))
+"""Whether `Int4Linear` may take this layout on a device (`DecidedOnce`)."""

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engine.quantization import int8_kernels
+from engine.quantization import int8_kernels, triton_device
 from engine.quantization.triton_device import triton_unavailable_reason
 
 
@@ -125,8 +125,7 @@ def reserve(device: torch.device, n: int) -> None:
 
 
 def workspace_bytes(device: torch.device) -> int:
-    have = _WORKSPACES.get(device)
-    return 0 if have is None else sum(t.numel() * 4 for t in have)
+    return triton_device.workspace_bytes(_WORKSPACES, device)
 
 
 def matmul(

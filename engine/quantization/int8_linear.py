@@ -37,6 +37,7 @@ import logging
 import torch
 
 from engine.quantization import int8_gemm, int8_kernels
+from engine.quantization.triton_device import DecidedOnce
 
 log = logging.getLogger(__name__)
 
@@ -150,23 +151,6 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a.contiguous(), b.t())
 
 
-_FUSED_READY: dict[torch.device, bool] = {}
-
-
-def fused_ready(device: torch.device) -> bool:
-    """Whether `Int8Linear` may run engine/quantization/int8_kernels.py on `device`: decided
-    once, on the first call outside a CUDA-graph capture (the probe synchronises; a capture
-    before it gets False, the torch ops, whose numbers are the same)."""
-    decided = _FUSED_READY.get(device)
-    if decided is not None:
-        return decided
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    usable = int8_kernels.unavailable_reason(device) is None
-    _FUSED_READY[device] = usable and fused_verified(device)
-    return _FUSED_READY[device]
-
-
 def fused_verified(device: torch.device) -> bool:
     """Whether both kernels give the torch ops' numbers on `device` (once per device, on a
     probe with exact ties, a zero row and a width that is no power of two)."""
@@ -200,23 +184,6 @@ def fused_verified(device: torch.device) -> bool:
     return same
 
 
-_TRITON_READY: dict[torch.device, bool] = {}
-
-
-def triton_ready(device: torch.device) -> bool:
-    """Whether `Int8Linear` may run engine/quantization/int8_gemm.py on `device`: decided
-    once, on the first call outside a CUDA-graph capture (a capture before it gets False, the
-    torch ops, whose numbers are the same)."""
-    decided = _TRITON_READY.get(device)
-    if decided is not None:
-        return decided
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    usable = int8_gemm.unavailable_reason(device) is None
-    _TRITON_READY[device] = usable and triton_verified(device)
-    return _TRITON_READY[device]
-
-
 def triton_verified(device: torch.device) -> bool:
     """Whether the int8 GEMM gives the torch ops' numbers on `device`, bit for bit, in every
     bucket's config, split-K and the fused quantization included (once per device, on a probe
@@ -246,3 +213,13 @@ def triton_verified(device: torch.device) -> bool:
         log.warning("int8: no Triton GEMM (%s: %s); torch ops", type(e).__name__, e)
         return False
     return True
+
+
+fused_ready = DecidedOnce(
+    lambda device: int8_kernels.unavailable_reason(device) is None and fused_verified(device)
+)
+"""Whether `Int8Linear` may run engine/quantization/int8_kernels.py on a device (`DecidedOnce`)."""
+triton_ready = DecidedOnce(
+    lambda device: int8_gemm.unavailable_reason(device) is None and triton_verified(device)
+)
+"""Whether `Int8Linear` may run engine/quantization/int8_gemm.py on a device (`DecidedOnce`)."""

@@ -4,6 +4,7 @@ int8_kernels.py): on CUDA, or anywhere under Triton's interpreter (the CPU tests
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -17,3 +18,30 @@ def triton_unavailable_reason(device: torch.device, kernel: str) -> str | None:
     except ImportError as e:
         return f"triton does not import: {e}"
     return None
+
+
+class DecidedOnce:
+    """Whether a kernel may run on a device: `usable(device)` (it builds, and gives the
+    numbers it must), decided once per device on the first call outside a CUDA-graph capture
+    (the check synchronises; a call inside a capture before it gets False: the caller's
+    fallback, whose numbers are the same)."""
+
+    def __init__(self, usable: Callable[[torch.device], bool]) -> None:
+        self._usable = usable
+        self._decided: dict[torch.device, bool] = {}
+
+    def __call__(self, device: torch.device) -> bool:
+        decided = self._decided.get(device)
+        if decided is not None:
+            return decided
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        self._decided[device] = self._usable(device)
+        return self._decided[device]
+
+
+def workspace_bytes(workspaces: Mapping[torch.device, Sequence[torch.Tensor]],
+                    device: torch.device) -> int:  # fmt: skip
+    """Bytes of a kernel's workspace tensors (4-byte elements) on `device`."""
+    have = workspaces.get(device)
+    return 0 if have is None else sum(t.numel() * 4 for t in have)
