@@ -8,9 +8,10 @@ what polling an idle cluster at the busy rate cost). The first request after a q
 the poller at once (it is admitted on the last poll, at most `idle_poll_interval_s` old; the
 admission ledger covers what this router itself admitted meanwhile). A worker that fails
 `failure_threshold` polls in a row, or whose call died with an actor error, leaves placement
-at once. Between polls the router adds what it dispatched itself (prompt tokens sent to a
-prefill worker, not yet reported back; KV blocks of requests placed on a decode worker until
-a report asked for after their first chunk answers), so a burst does not pile onto one worker. Draining workers stay in the
+at once. Between polls the router adds what it dispatched itself, until a report asked for
+after the dispatch answers (prompt tokens sent to a prefill worker, also until the prefill
+returns; KV blocks of requests placed on a decode worker), so a burst does not pile onto one
+worker, nor do the requests sent while a poll is out. Draining workers stay in the
 view (their streams go on; placement skips them) until the controller stops them. A worker
 that switched role (deploy/control/role_switch.py) is taken as its new role from its first
 load report that says so (or the registry's listing, unless the worker's last report says
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -99,6 +101,9 @@ class ControllerDirectory:
         return list(self._listing.workers) if self._listing is not None else []
 
 
+_DISPATCH_KEYS = itertools.count()
+
+
 @dataclass
 class WorkerEntry:
     info: WorkerInfo
@@ -106,8 +111,10 @@ class WorkerEntry:
     load: WorkerLoad | None = None
     alive: bool = True
     failures: int = 0
-    dispatched_prefill_tokens: int = 0
-    """Prompt tokens this router sent to the worker that its last report may not show."""
+    dispatches: dict[int, tuple[float, int]] = field(default_factory=dict)
+    """Prompts this router sent to the worker (prefill roles) that its last report may not
+    show: key → (monotonic time sent, uncached tokens); dropped when the prefill call ends or
+    a report asked for after the send answers (`dispatch`, `undispatch`, `reported_at`)."""
     channel: DecodeChannel | None = None
     """This router's token channel to the worker (decode roles; opened on first use)."""
     reserved_decode_blocks: int = 0
@@ -151,10 +158,28 @@ class WorkerEntry:
         return self.reserved_decode_requests + len(self.started_decode)
 
     def reported_at(self, sent: float) -> None:
-        """A load report asked for at `sent` answered: it shows the requests started before."""
+        """A load report asked for at `sent` answered: it shows the requests started and the
+        prompts sent before."""
         started = self.started_decode
         while started and started[0][0] <= sent:
             started.popleft()
+        for key in [k for k, (when, _) in self.dispatches.items() if when <= sent]:
+            del self.dispatches[key]
+
+    @property
+    def dispatched_prefill_tokens(self) -> int:
+        """Prompt tokens this router sent to the worker that its last report may not show."""
+        return sum(tokens for _, tokens in self.dispatches.values())
+
+    def dispatch(self, tokens: int) -> int:
+        """A prompt of `tokens` uncached tokens is sent to the worker: counted until its
+        prefill call ends (`undispatch` with the key returned) or a later report shows it."""
+        key = next(_DISPATCH_KEYS)
+        self.dispatches[key] = (time.monotonic(), tokens)
+        return key
+
+    def undispatch(self, key: int) -> None:
+        self.dispatches.pop(key, None)
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -344,7 +369,6 @@ class ClusterView:
             if result.role is not entry.info.role:  # it switched role, before the registry said
                 self._switched(entry, result.role)
             entry.load = result
-            entry.dispatched_prefill_tokens = 0
             entry.reported_at(sent)
             if self.metrics is not None:
                 self.metrics.observe_load(result)

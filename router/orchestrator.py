@@ -421,7 +421,7 @@ class Orchestrator:
                 req, handoff_sampling(req.sampling), deadline, progress.prior(with_last=False),
                 trace,
             )  # fmt: skip
-        entry.dispatched_prefill_tokens += placement.uncached_tokens
+        dispatched = entry.dispatch(placement.uncached_tokens)
         ref = entry.handle.prefill.remote(preq)
         try:
             result: PrefillResult = await self._within(
@@ -438,9 +438,7 @@ class Orchestrator:
                 self.view.mark_dead(worker_id)
             raise
         finally:
-            entry.dispatched_prefill_tokens = max(
-                entry.dispatched_prefill_tokens - placement.uncached_tokens, 0
-            )
+            entry.undispatch(dispatched)
         progress.prefilled(worker_id, result)
         computed = result.num_prompt_tokens - result.num_cached_prompt_tokens
         self.admission.throughput.observe(worker_id, computed, result.prefill_s)

@@ -150,3 +150,61 @@ def test_a_started_request_counts_until_a_report_asked_for_after_its_start_answe
         return out
 
     assert asyncio.run(body()) == [(0, 0), (8, 1), (8, 1), (8, 1), (8, 1)]
+
+
+class PrefillReporter:
+    """A prefill actor whose report shows the prompt tokens queued when it was asked for."""
+
+    def __init__(self, info: WorkerInfo) -> None:
+        self.info = info
+        self.queued = 0
+        self.answer: asyncio.Future[None] | None = None
+        self.load = _Method(self._load)
+
+    def _load(self) -> Any:
+        fields = {f.name: 0 for f in dataclasses.fields(EngineLoad)}
+        fields.update(num_total_blocks=512, num_free_blocks=512,
+                      num_waiting_prefill_tokens=self.queued)  # fmt: skip
+        asked = EngineLoad(**fields)
+        answer = self.answer
+
+        async def report() -> WorkerLoad:
+            if answer is not None:
+                await answer
+            return WorkerLoad(self.info.worker_id, WorkerRole.PREFILL, WorkerState.READY, asked,
+                              0, 0)  # fmt: skip
+
+        return report()
+
+
+def test_a_prompt_sent_while_a_poll_is_out_counts_until_a_later_report_or_its_prefill_ends() -> (
+    None
+):
+    info = WorkerInfo("p0", WorkerRole.PREFILL, "a", "n", "cpu", "tiny", 16, 512, 512, 64)
+
+    async def body() -> list[int]:
+        worker = PrefillReporter(info)
+        view = ClusterView(StaticDirectory([(info, worker)]))
+        await view.refresh_registry()
+        await view.poll_loads()
+        entry = view.entries["p0"]
+        out = [entry.queued_prefill_tokens]
+        worker.answer = asyncio.get_running_loop().create_future()
+        before = asyncio.create_task(view.poll_loads())  # asked for before the send
+        await asyncio.sleep(0)
+        first = entry.dispatch(300)  # sent while the poll is out
+        worker.queued = 300  # it reaches the worker
+        worker.answer.set_result(None)
+        await before
+        out.append(entry.queued_prefill_tokens)  # that report does not show it: still counted
+        worker.answer = None
+        await view.poll_loads()  # asked for after the send: shows it, nothing added on top
+        out.append(entry.queued_prefill_tokens)
+        second = entry.dispatch(100)
+        out.append(entry.queued_prefill_tokens)
+        entry.undispatch(second)  # its prefill ended before any report
+        entry.undispatch(first)  # already dropped by the report: a no-op
+        out.append(entry.queued_prefill_tokens)
+        return out
+
+    assert asyncio.run(body()) == [0, 300, 300, 400, 300]
