@@ -18,6 +18,7 @@ from deploy.cli.command_support import console, fail
 
 if TYPE_CHECKING:
     from simulator.plan import Plan, Point
+    from simulator.shape import ClusterShape
 
 PLAN_SHARDS = 32
 """`pdserve plan --shards`' default: at most 32 shards a configuration, 4 workers of each role
@@ -277,6 +278,7 @@ def simulate(
             decode_tp=tp_sizes[1],
         )  # fmt: skip
         goal = parse_slo(slo or DEFAULT_SLO)
+        hint_shards(shape, num_requests or max(rates) * duration, shards)
         results = []
         for r in rates:
             result = run_simulation(
@@ -493,3 +495,23 @@ def _plot_plan(found: Plan, path: Path) -> None:
 
 COMMANDS = (profile, simulate, plan)
 """This module's commands, in the order `pdserve --help` lists them."""
+
+
+SHARD_HINT_REQUESTS = 200_000
+"""Requests over which `simulate` on a cluster that shards well suggests `--shards`."""
+
+
+def hint_shards(shape: ClusterShape, requests: float, shards: int) -> None:
+    """Say how `--shards` would shorten a long whole simulation of a large cluster."""
+    from simulator.plan import MIN_SHARD_WORKERS, label
+    from simulator.shards import largest_shards
+
+    if shards > 1 or requests < SHARD_HINT_REQUESTS:
+        return
+    k = largest_shards(shape, PLAN_SHARDS, MIN_SHARD_WORKERS)
+    if k > 1:
+        console.print(
+            f"[dim]{requests:,.0f} requests over {label(shape)} simulated whole; "
+            f"--shards {k} simulates 1/{k} of them, within a few % at scale "
+            '(docs/benchmarks.md, "Simulator", speed at scale)[/dim]'
+        )

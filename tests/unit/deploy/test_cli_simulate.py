@@ -57,6 +57,22 @@ def test_simulate_runs_one_shard_and_scales_its_report(profile: Path) -> None:
     assert "p0" in out and "p1" not in out  # the shard's workers alone
 
 
+def test_simulate_suggests_shards_for_a_long_run_of_a_large_cluster(
+    profile: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deploy.cli import sim_commands
+
+    monkeypatch.setattr(sim_commands, "SHARD_HINT_REQUESTS", 30)  # so a short run counts as long
+    args = ("--profile", str(profile), "--rate", "8", "--duration", "5", "--decode", "8")
+    code, out = run(*args, "--prefill", "8")
+    assert code == 0, out
+    assert "--shards 2 simulates 1/2" in out  # the most that keep 4 of each role a shard
+    for more in (("--prefill", "8", "--shards", "2"), ("--prefill", "4")):
+        code, out = run(*args, *more)  # sharded already; a pool too small to shard
+        assert code == 0, out
+        assert "simulated whole" not in out
+
+
 def test_simulate_says_where_prompts_were_prefilled_and_why(profile: Path) -> None:
     args = ["--profile", str(profile), "--workload", "synthetic", "--rate", "2", "--duration", "5"]
     code, out = run(*args, "--local-prefill-policy", "cost")
