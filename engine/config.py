@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from vocabulary.lora_names import check_lora_name
 
+PIPELINE_SCHEDULES = ("cross_step", "within_step")
+"""`EngineConfig.pipeline_schedule`'s values."""
+
 
 class EngineMode(enum.Enum):
     """What an engine instance does with a request.
@@ -215,7 +218,13 @@ class EngineConfig:
     layers); empty: equal stages."""
     pipeline_micro_batches: int = 0
     """Micro-batches one step's batch is cut into (engine/pp/micro_batches.py: by tokens, a
-    long prompt chunk cut too); 0: twice pipeline_parallel_size."""
+    long prompt chunk cut too); 0: twice pipeline_parallel_size (within_step) or
+    pipeline_parallel_size (cross_step, which also keeps that many decode groups in flight)."""
+    pipeline_schedule: str = "cross_step"
+    """How a pipeline keeps its stages busy: cross_step (decode requests in groups, each
+    group's step in flight on the stages while the others' run: engine/pp/decode_groups.py;
+    needs overlap_scheduling, else within_step runs) or within_step (one step at a time, its
+    batch cut into micro-batches: GPipe within the step, engine/core/pp_runner.py)."""
 
     def __post_init__(self) -> None:
         if self.grammar_cache_size < 1:
@@ -297,6 +306,11 @@ class EngineConfig:
 
     def _check_pipeline(self) -> None:
         size = self.pipeline_parallel_size
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule: one of {', '.join(PIPELINE_SCHEDULES)}, got "
+                f"{self.pipeline_schedule!r}"
+            )
         if size < 1 or self.pipeline_micro_batches < 0:
             raise ValueError(
                 "pipeline_parallel_size must be >= 1 and pipeline_micro_batches >= 0, got "
@@ -322,9 +336,20 @@ class EngineConfig:
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
+    def cross_step_pipeline(self) -> bool:
+        """Decode groups stay in flight across steps (`pipeline_schedule`)."""
+        return (
+            self.pipeline_parallel_size > 1
+            and self.pipeline_schedule == "cross_step"
+            and self.overlap_scheduling
+        )
+
+    @property
     def micro_batches(self) -> int:
-        """Micro-batches per step (`pipeline_micro_batches`, 0: twice the stages)."""
-        return self.pipeline_micro_batches or 2 * self.pipeline_parallel_size
+        """Micro-batches per step, and with the cross-step schedule the decode groups
+        (`pipeline_micro_batches`; 0: twice the stages, or the stages across steps)."""
+        stages = self.pipeline_parallel_size
+        return self.pipeline_micro_batches or (stages if self.cross_step_pipeline else 2 * stages)
 
     @property
     def lora_enabled(self) -> bool:

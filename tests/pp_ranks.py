@@ -49,7 +49,7 @@ def _rank_main(
                 loop = prepare_stage(run_config, group)
                 if i == 0 and rank == fault_rank:
                     _fail_stage_after(loop, 3)
-                if i == 0 and slow is not None and slow[0] == rank:
+                if i == 0 and slow is not None and slow[0] in (rank, -1):
                     _slow_stage(loop, slow[1])
                 if i == 0:
                     conn.send("built")
@@ -57,7 +57,7 @@ def _rank_main(
                 outs.append((steps, list(loop.trace), loop.runner.kv_cache.spec, _kept(loop)))
                 continue
             engine = LLMEngine(run_config, pp=group)
-            if slow is not None and slow[0] == 0:
+            if slow is not None and slow[0] in (0, -1):
                 _slow_stage(engine.step_runner.loop, slow[1])
             assert scenario is not None
             result = scenario(engine, conn)
@@ -122,7 +122,8 @@ class PPRanks(TPRanks):
     fault_rank: int = -1
     """A rank > 0 whose stage raises from its 4th step on; -1: none."""
     slow: tuple[int, float] | None = None
-    """(rank, seconds): that rank's stage sleeps that long in each micro-batch; None: none."""
+    """(rank, seconds): that rank's stage (-1: every rank's) sleeps that long in each
+    micro-batch; None: none."""
     processes: list[BaseProcess] = field(default_factory=list)
     pipes: list[Connection] = field(default_factory=list)
 

@@ -50,6 +50,7 @@ from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep, sampling_rows
 from engine.core.pp_runner import PPLeader, step_runner
+from engine.core.pp_steps import PipelinedSteps
 from engine.core.prefill_lane import PrefillLane
 from engine.core.prompt_logprobs import PromptLogprobsStep
 from engine.core.rank_setup import build_rank, serving_max_model_len
@@ -138,6 +139,10 @@ class LLMEngine:
             HostTier(num_host, self.kv_cache.tensor, per_step, spec.block_dim) if num_host else None
         )
         self.step_runner = step_runner(self.runner, tp, pp, self.loras.cache, self.host_tier)
+        self.pipelined = None
+        """A cross-step pipeline's steps in flight (engine/core/pp_steps.py); None otherwise."""
+        if isinstance(self.step_runner, PPLeader) and self.step_runner.cross_step:
+            self.pipelined = PipelinedSteps(self.step_runner, config.micro_batches)
         self.block_pool = BlockPool(
             num_blocks, config.enable_prefix_caching, host_tier=self.host_tier
         )
@@ -246,6 +251,7 @@ class LLMEngine:
             self.scheduler.has_unfinished()
             or bool(self._ready)
             or (lane is not None and lane.has_work())
+            or (self.pipelined is not None and self.pipelined.busy)
         )
 
     # ---- the loop -------------------------------------------------------------------------
@@ -258,6 +264,8 @@ class LLMEngine:
         """
         started = time.perf_counter()
         outputs, self._ready = self._ready, []
+        if self.pipelined is not None:  # a cross-step pipeline (engine/core/pp_steps.py)
+            return outputs + self.pipelined.step(self, started)
         lane = self.prefill_lane
         prefilled = lane.advance(self) if lane is not None else None
         if prefilled is not None:
@@ -412,6 +420,8 @@ class LLMEngine:
             # The transfer writes the pool from outside the device stream, and the step in
             # flight may still write a block one of its requests gave back: let it finish.
             self._inflight.wait_device()
+        if self.pipelined is not None and self.pipelined.released_blocks():
+            self._ready += self.pipelined.drain(self)  # (its steps may write such a block)
         extra = hash_extra(self.model_id, cache_salt, lora_name)
         reserved = self.scheduler.reserve_transfer(
             request_id, prompt_token_ids, block_hashes, extra, lora_name
@@ -565,6 +575,8 @@ class LLMEngine:
         """Tell the other ranks of a TP or pipeline engine to return (their group stays the
         caller's to close); nothing to do with one rank. Stops the grammar compiles."""
         self.constrained.close()
+        if self.pipelined is not None:
+            self.pipelined.close(self)
         if not isinstance(self.step_runner, ModelRunner):
             self.step_runner.close()
 

@@ -62,6 +62,8 @@ def set_mode(engine: LLMEngine, mode: EngineMode) -> None:
     if engine._inflight is not None:  # a step of requests that have all ended: wait for it
         engine._complete(engine._inflight)
         engine._inflight = None
+    if engine.pipelined is not None:  # (likewise, a pipeline's steps in flight)
+        engine.pipelined.drain(engine)
     leaving_split = engine.prefill_lane is not None
     engine.config = config
     prefill_only = mode is EngineMode.PREFILL_ONLY

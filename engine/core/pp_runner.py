@@ -27,8 +27,12 @@ cut too: engine/pp/micro_batches.py):
 So stage s works on micro-batch k while stage s + 1 works on k - 1 (GPipe's forward
 schedule): of the M + S - 1 slots of a step each stage is busy M, and the bubble is (S - 1) /
 (M + S - 1) of the step; `EngineConfig.pipeline_micro_batches` trades it against smaller
-micro-batches. Decode micro-batches of one step are in flight together in the same way; the
-next step's decodes wait for this step's sampled ids. The logits never leave the last stage:
+micro-batches. That is the whole schedule with `pipeline_schedule` = within_step: the next
+step's decodes wait for this step's sampled ids. With cross_step (the default) the engine
+keeps up to G steps of disjoint requests in flight (`launch` returns before the last stage has
+sampled, `PendingStep.receive` reads the tokens in launch order: engine/core/pp_steps.py,
+engine/pp/decode_groups.py), so while stage 1 runs one group's step stage 0 runs another's; a
+decode-only step is then one micro-batch. The logits never leave the last stage:
 rank 0 sends what sampling needs with the step (it keeps the requests, the grammar matchers
 and the scheduler) and gets back only what was sampled (engine/core/pp_sampling.py says why
 the draws are one rank's). `execute` (rank 0 gets the logits themselves, the last stage
@@ -65,7 +69,7 @@ import torch.distributed as dist
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.core.pp_sampling import StageSampler, StageSampling, unpack
-from engine.core.prompt_logprobs import PromptLogprobsStep
+from engine.core.prompt_logprobs import PromptLogprobsStep, PromptSpan
 from engine.core.rank_setup import build_rank
 from engine.core.request import Request
 from engine.core.runner import ModelRunner, resolve_device, resolve_dtype
@@ -116,6 +120,8 @@ class StageSpan:
     stage: int
     start: float
     end: float
+    num_tokens: int = 0
+    num_seqs: int = 0
 
 
 class StageLoop:
@@ -159,11 +165,16 @@ class StageLoop:
             self.host.apply(message.host_copies)
 
     def run(
-        self, seq: int, batches: Sequence[ScheduledBatch], sampling: StageSampling | None = None
-    ) -> None:
+        self,
+        seq: int,
+        batches: Sequence[ScheduledBatch],
+        sampling: StageSampling | None = None,
+        wait: bool = True,
+    ) -> list[tuple[dist.Work, torch.Tensor]]:
         """Run this rank's part of step `seq` (`sampling`: the last stage samples the step
         and sends rank 0 the result; None: it sends rank 0 each micro-batch's logits); raises
-        `TPGroupError` (the group broken) on any failure."""
+        `TPGroupError` (the group broken) on any failure. `wait` False: return with the sends
+        in flight (rank 0 of a cross-step pipeline waits once it has the step's tokens)."""
         group, stage = self.group, self.group.stage
         sent: list[tuple[dist.Work, torch.Tensor]] = []
         logits: list[torch.Tensor] = []
@@ -173,7 +184,8 @@ class StageLoop:
                 carried = group.receive_activations(batch.num_tokens, self._hidden, dtype, device)
                 start = time.perf_counter()
                 out = self.runner.execute_stage(batch, carried)
-                self.trace.append(StageSpan(seq, k, stage.rank, start, time.perf_counter()))
+                end, n = time.perf_counter(), len(batch.chunks)
+                self.trace.append(StageSpan(seq, k, stage.rank, start, end, batch.num_tokens, n))
                 if not stage.is_last:
                     sent.append((group.isend(out, group.next_rank), out))
                 elif group.tp_rank == 0 and sampling is not None:
@@ -184,11 +196,13 @@ class StageLoop:
                 for t in self.sampler.sample(torch.cat(logits), sampling):
                     if t is not None and t.numel():  # (rank 0 knows the sizes: `sizes`)
                         sent.append((group.isend(t, 0), t))
-            group.wait_sent([work for work, _ in sent])
+            if wait:
+                group.wait_sent([work for work, _ in sent])
         except TPGroupError:
             raise
         except Exception as e:
             raise group.fail(f"step {seq} failed: {e!r}") from e
+        return [] if wait else sent
 
     def logits_buffer(self, batch: ScheduledBatch) -> torch.Tensor:
         """Where rank 0 receives a micro-batch's logits (`PPLeader.execute`)."""
@@ -209,7 +223,10 @@ class PPLeader:
         num_micro_batches: int,
         loras: LoraCache | None = None,
         host_tier: HostTier | None = None,
+        cross_step: bool = False,
     ) -> None:
+        """`cross_step`: the engine keeps steps in flight (`launch`, engine/core/pp_steps.py):
+        a decode-only step then runs as one micro-batch (its group is one)."""
         if group.rank != 0 or group.stage.size < 2:
             raise ValueError(
                 f"PPLeader runs on rank 0 of a pipeline of >= 2 stages, not rank {group.rank} "
@@ -219,6 +236,7 @@ class PPLeader:
         self.runner = runner
         self.loop = StageLoop(group, runner)
         self.num_micro_batches = num_micro_batches
+        self.cross_step = cross_step
         self.num_steps = 0
         self.loras = loras
         self.host_tier = host_tier
@@ -239,7 +257,8 @@ class PPLeader:
         group broke."""
         if not batch.chunks:
             return torch.empty((0, self.runner.model.cfg.vocab_size), device=self.runner.device)
-        batches = self._run(batch, None)
+        batches = micro_batches(batch, self.num_micro_batches)
+        self._run(batch, None)
         logits = []
         src = self.group.last_stage_rank
         for b in batches:
@@ -261,30 +280,38 @@ class PPLeader:
         on one rank. `requests`: the batch's, chunk by chunk (read only for prompt logprobs);
         `rows`: the sampled chunks' (`sampling_rows`), with `mask` over them. Raises as
         `execute`."""
+        return self.launch(batch, requests, rows, mask, wait=True).receive()
+
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        requests: Sequence[Request],
+        rows: Sequence[SamplingRow],
+        mask: TokenMask | None,
+        wait: bool = False,
+    ) -> PendingStep:
+        """Send a step down the pipeline and run stage 0's part of it, as `execute_sampled`,
+        but return before the last stage has sampled it: `PendingStep.receive` gets what it
+        sampled (every launched step's, in launch order). `wait` False: the step message and
+        stage 0's activations are still being sent when this returns (the stages take them
+        when they are ready)."""
         planned = PromptLogprobsStep.plan(batch, requests)
         sampled_ids = [c.request_id for c in batch.chunks if c.sample]
         plan = planned[0] if planned is not None else None
         sampling = StageSampling.of(sampled_ids, rows, mask, plan)
-        self._run(batch, sampling)
-        ints_n, floats_n = sampling.sizes()
-        device = self.runner.device
-        ints = torch.empty(ints_n, dtype=torch.int64, device=device)
-        floats = torch.empty(floats_n, dtype=torch.float32, device=device) if floats_n else None
-        for t in (ints, floats):
-            if t is not None and t.numel():
-                self.group.recv(t, self.group.last_stage_rank)
-        tokens, prompt_values = unpack(sampling, ints, floats)
-        if planned is None or prompt_values is None:
-            return tokens, None
-        return tokens, PromptLogprobsStep(planned[1], *prompt_values)
+        posted, sent = self._run(batch, sampling, wait)
+        spans = planned[1] if planned is not None else None
+        return PendingStep(self.group, sampling, spans, self.runner.device, posted, sent)
 
     def _run(
-        self, batch: ScheduledBatch, sampling: StageSampling | None
-    ) -> tuple[ScheduledBatch, ...]:
-        """Send step `batch` to every rank and run stage 0's part; its micro-batches."""
+        self, batch: ScheduledBatch, sampling: StageSampling | None, wait: bool = True
+    ) -> tuple[list[dist.Work], list[tuple[dist.Work, torch.Tensor]]]:
+        """Send step `batch` to every rank and run stage 0's part; with `wait` False, (the
+        step message's broadcasts, stage 0's sends) still in flight."""
         self.group.check()
         self.runner.check(batch)
-        batches = micro_batches(batch, self.num_micro_batches)
+        one = self.cross_step and batch.is_decode_only
+        batches = micro_batches(batch, 1 if one else self.num_micro_batches)
         sampled_for: tuple[str, ...] = ()
         ids: tuple[int, ...] = ()
         placeholders = any(c.placeholder for c in batch.chunks)
@@ -295,9 +322,9 @@ class PPLeader:
         seq = self.num_steps
         fills = self.loras.take_fills() if self.loras is not None else ()
         copies = self.host_tier.take_copies() if self.host_tier is not None else ()
-        self.group.send_step(PPStepMessage(seq, batches, sampling, sampled_for, ids, fills, copies))
-        self.loop.run(seq, batches, sampling)
-        return batches
+        message = PPStepMessage(seq, batches, sampling, sampled_for, ids, fills, copies)
+        posted = self.group.send_step(message, wait)
+        return posted, self.loop.run(seq, batches, sampling, wait)
 
     def keep_sampled(self, token_ids: torch.Tensor, request_ids: Sequence[str]) -> None:
         """As `ModelRunner.keep_sampled`; stage 0's other TP ranks get the ids with the next
@@ -309,6 +336,45 @@ class PPLeader:
         """Tell the other ranks to return (idempotent; nothing to tell a broken group)."""
         if self.group.state is TPGroupState.OPEN:
             self.group.send_step(StopMessage())
+
+
+class PendingStep:
+    """A step rank 0 launched down the pipeline whose sampled tokens it has not received yet
+    (`PPLeader.launch`); the last stage sends them in launch order, so `receive` them in it."""
+
+    def __init__(
+        self,
+        group: PPGroup,
+        sampling: StageSampling,
+        prompt_spans: list[PromptSpan] | None,
+        device: torch.device,
+        posted: list[dist.Work],
+        sent: list[tuple[dist.Work, torch.Tensor]],
+    ) -> None:
+        self.group = group
+        self.sampling = sampling
+        self._prompt_spans = prompt_spans
+        self.device = device
+        self._posted = posted
+        self._sent = sent  # (the tensors stay alive until their sends are waited for)
+
+    def receive(self) -> tuple[SampledTokens, PromptLogprobsStep | None]:
+        """What the last stage sampled (`execute_sampled`'s result); waits for it, within the
+        deadline. The step's own sends are certainly done then (the last stage had them)."""
+        ints_n, floats_n = self.sampling.sizes()
+        device = self.device
+        ints = torch.empty(ints_n, dtype=torch.int64, device=device)
+        floats = torch.empty(floats_n, dtype=torch.float32, device=device) if floats_n else None
+        for t in (ints, floats):
+            if t is not None and t.numel():
+                self.group.recv(t, self.group.last_stage_rank)
+        self.group.wait_step_sent(self._posted)
+        self.group.wait_sent([work for work, _ in self._sent])
+        self._posted, self._sent = [], []
+        tokens, prompt_values = unpack(self.sampling, ints, floats)
+        if self._prompt_spans is None or prompt_values is None:
+            return tokens, None
+        return tokens, PromptLogprobsStep(self._prompt_spans, *prompt_values)
 
 
 def step_runner(
@@ -324,7 +390,9 @@ def step_runner(
     if tp is not None:
         return TPLeader(tp, runner)
     if pp is not None:
-        return PPLeader(pp, runner, runner.config.micro_batches, loras, host_tier)
+        config = runner.config
+        cross = config.cross_step_pipeline
+        return PPLeader(pp, runner, config.micro_batches, loras, host_tier, cross)
     return runner
 
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -199,7 +199,7 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Container[str] | None = None) -> SchedulerOutput:
         now = time.time()
         budget = self.max_num_batched_tokens
         self._onboard_left = self._onboard_budget()
@@ -210,7 +210,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            pending = self._num_schedulable(request)
+            pending = self._num_schedulable(request, only)
             num_new = min(pending, budget)
             if num_new == 0 or (num_new < pending and not self.enable_chunked_prefill):
                 i += 1
@@ -259,13 +259,13 @@ class Scheduler:
         chunks.sort(key=lambda c: c.num_tokens == 1)  # stable: prefill chunks first
         return SchedulerOutput(ScheduledBatch(tuple(chunks)), tuple(preempted), tuple(finished))
 
-    def _num_schedulable(self, request: Request) -> int:
+    def _num_schedulable(self, request: Request, only: Container[str] | None = None) -> int:
         """Tokens a running request can compute now: its pending ones (a placeholder
-        included), or none when its pending token is a placeholder whose sample certainly
-        ends the request (that KV would never be read)."""
-        if self._finishes_in_flight(request):
+        included); none when `only` (a pipeline's groups, engine/pp/decode_groups.py) leaves
+        it out, or its placeholder's sample certainly ends it (that KV would never be read)."""
+        if only is not None and request.request_id not in only:
             return 0
-        return request.num_pending_tokens
+        return 0 if self._finishes_in_flight(request) else request.num_pending_tokens
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """A sample still in flight certainly ends the request: the first token of a

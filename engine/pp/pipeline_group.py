@@ -7,10 +7,12 @@ group: one worker per process) and returns a `PPGroup` over:
 
 - the world (every rank): the device group (NCCL on GPUs, gloo on CPU) carries the activations
   from (stage s, tp rank t) to (s + 1, t) and what the last stage's tp rank 0 sampled back
-  to rank 0 (`isend` / `recv`, point to point); a gloo control group carries rank 0's step
-  messages (`send_step` / `receive_step`) and the start-up agreement on the KV pool's block
-  count (`reduce_min`), through a `TPGroup` over every rank (engine/tp/tensor_parallel.py: its
-  bounded control ops);
+  to rank 0 (`isend` / `recv`, point to point); a gloo control group carries the start-up
+  agreement on the KV pool's block count (`reduce_min`), through a `TPGroup` over every rank
+  (engine/tp/tensor_parallel.py: its bounded control ops);
+- rank 0's step messages (`send_step` / `receive_step`): a gloo group of two ranks, rank 0
+  and each other rank (`links`), so no stage relays another's steps and each takes its next
+  step when it is ready while rank 0 goes on (a cross-step pipeline, engine/core/pp_steps.py);
 - with `tp_size` > 1, each stage's TP group (`tp`: a `TPGroup` over that stage's ranks, whose
   all-reduces its model's layers use).
 
@@ -46,15 +48,24 @@ class PPGroup:
     """This process's rank of a PP x TP worker (see the module docstring)."""
 
     def __init__(
-        self, stage: PPStage, tp_rank: int, tp_size: int, world: TPGroup, tp: TPGroup | None
+        self,
+        stage: PPStage,
+        tp_rank: int,
+        tp_size: int,
+        world: TPGroup,
+        tp: TPGroup | None,
+        links: tuple[TPGroup, ...] = (),
     ) -> None:
         """`world`: the bounded control ops over every rank; `tp`: this stage's TP group
-        (None when `tp_size` is 1). Use `init_pp_group` rather than this."""
+        (None when `tp_size` is 1); `links`: the step messages' groups of two ranks (rank 0
+        and each other rank: rank 0 holds every one, another rank its own; none: they go
+        over `world`). Use `init_pp_group` rather than this."""
         self.stage = stage
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.world = world
         self.tp = tp
+        self.links = links
         self.rank = stage.rank * tp_size + tp_rank
         self.size = stage.size * tp_size
         self.timeout_s = world.timeout_s
@@ -71,14 +82,34 @@ class PPGroup:
 
     # ---- control (rank 0 → every rank) ----------------------------------------------------
 
-    def send_step(self, message: object) -> None:
-        """Rank 0: hand `message` (picklable) to every other rank's `receive_step`."""
-        self.world.send(message)
+    def send_step(self, message: object, wait: bool = True) -> list[dist.Work]:
+        """Rank 0: hand `message` (picklable) to every other rank's `receive_step`, over each
+        rank's link (a broadcast over every rank would pass through other stages, gloo's
+        tree, so a stage could take a step only once the stages it relays to are ready for
+        it); `wait` False: return with the sends in flight (their works, for `wait_sent`)."""
+        if not self.links:
+            return self.world.send(message, wait)
+        self.check()
+        try:
+            return [w for link in self.links for w in link.send(message, wait)]
+        except TPGroupError as e:
+            raise self.fail(f"sending a step: {e}") from e
+
+    def wait_step_sent(self, works: Sequence[dist.Work]) -> None:
+        """Wait for the sends of `send_step(..., wait=False)` (within the deadline)."""
+        for work in works:
+            self._wait(work, "sending a step")
 
     def receive_step(self, stop: Callable[[], bool] | None = None) -> object | None:
         """Ranks > 0: the next message of rank 0, waiting as long as rank 0 lives (None once
         `stop()` is true)."""
-        return self.world.receive(stop)
+        if not self.links:
+            return self.world.receive(stop)
+        self.check()
+        try:
+            return self.links[0].receive(stop)
+        except TPGroupError as e:
+            raise self.fail(f"receiving a step: {e}") from e
 
     def reduce_min(self, value: int) -> int:
         """The smallest `value` over every rank (the KV pool's block count: the block ids are
@@ -165,16 +196,18 @@ class PPGroup:
         """Break the group (peers blocked on this rank fail at once, gloo); the error to
         raise."""
         error = self.world.fail(f"pipeline stage {self.stage.rank}: {reason}")
-        if self.tp is not None and self.tp.state is TPGroupState.OPEN:
-            self.tp.state = TPGroupState.BROKEN
-            self.tp.failure = self.world.failure
+        for sub in (self.tp, *self.links):
+            if sub is not None and sub.state is TPGroupState.OPEN:
+                sub.state = TPGroupState.BROKEN
+                sub.failure = self.world.failure
         return error
 
     def close(self) -> None:
         """Leave the group (idempotent); its peers' pending ops then fail."""
         self.world.close()
-        if self.tp is not None:
-            self.tp.state = TPGroupState.CLOSED
+        for sub in (self.tp, *self.links):
+            if sub is not None:
+                sub.state = TPGroupState.CLOSED
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -217,6 +250,11 @@ def init_pp_group(
         stage_control = dist.new_group(ranks, backend="gloo", timeout=CONTROL_OP_LIMIT)
         if s == stage.rank:
             tp = TPGroup(TPShard(tp_size, tp_rank), device, stage_control, timeout_s)
+    links = []
+    for other in range(1, size):  # every rank makes every link, in the same order
+        link = dist.new_group([0, other], backend="gloo", timeout=CONTROL_OP_LIMIT)
+        if rank in (0, other):
+            links.append(TPGroup(TPShard(2, int(rank > 0)), None, link, timeout_s))
     world = TPGroup(TPShard(size, rank), None, control, timeout_s)
     if backend == "nccl":  # communicators made at the first collective, before any capture
         warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
@@ -225,4 +263,4 @@ def init_pp_group(
             tp.all_reduce(warm)
         torch.cuda.synchronize()
     log.info("pipeline rank %d of %d (stage %d, TP rank %d)", rank, size, stage.rank, tp_rank)
-    return PPGroup(stage, tp_rank, tp_size, world, tp)
+    return PPGroup(stage, tp_rank, tp_size, world, tp, tuple(links))

@@ -95,6 +95,8 @@ class TPGroup:
         """Device all-reduces issued from Python so far (captured graphs' replays excluded)."""
         self._device = device_group
         self._control = control_group
+        self._next_head: tuple[torch.Tensor, dist.Work] | None = None
+        """A follower: the next message's first part, posted (a `receive` that `stop` ended)."""
 
     # ---- device group ---------------------------------------------------------------------
 
@@ -116,28 +118,40 @@ class TPGroup:
 
     # ---- control group --------------------------------------------------------------------
 
-    def send(self, message: object) -> None:
-        """Rank 0: hand `message` (picklable) to every follower's `receive`."""
+    def send(self, message: object, wait: bool = True) -> list[dist.Work]:
+        """Rank 0: hand `message` (picklable) to every follower's `receive`. `wait` False:
+        return at once, the broadcasts in flight (their works, for `wait_sent`)."""
         self.check()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         head = bytearray(INLINE_BYTES)
         inline = min(len(payload), INLINE_BYTES - 8)
         head[:8] = struct.pack("<q", len(payload))
         head[8 : 8 + inline] = payload[:inline]
-        self._wait(self._broadcast(_bytes_tensor(head)), "sending a step", self.timeout_s)
+        works = [self._broadcast(_bytes_tensor(head))]
         if inline < len(payload):
-            rest = _bytes_tensor(bytearray(payload[inline:]))
-            self._wait(self._broadcast(rest), "sending a step", self.timeout_s)
+            works.append(self._broadcast(_bytes_tensor(bytearray(payload[inline:]))))
+        if wait:
+            self.wait_sent(works)
+        return works
+
+    def wait_sent(self, works: list[dist.Work]) -> None:
+        """Wait for the broadcasts of `send(..., wait=False)` (within the deadline)."""
+        for work in works:
+            self._wait(work, "sending a step", self.timeout_s)
 
     def receive(self, stop: Callable[[], bool] | None = None) -> object | None:
         """A follower: the next message `send` hands out; waits as long as rank 0 lives
-        (None once `stop()` is true, looked at every IDLE_POLL_S)."""
+        (None once `stop()` is true, looked at every IDLE_POLL_S; the receive stays posted
+        for the next call)."""
         self.check()
-        head = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
-        work = self._broadcast(head)
+        if self._next_head is None:
+            head = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+            self._next_head = (head, self._broadcast(head))
+        head, work = self._next_head
         while not self._wait(work, "waiting for rank 0's next step", IDLE_POLL_S, idle=True):
             if stop is not None and stop():
                 return None
+        self._next_head = None
         raw = head.numpy().tobytes()
         (length,) = struct.unpack("<q", raw[:8])
         inline = min(length, INLINE_BYTES - 8)

@@ -140,8 +140,17 @@ def test_engine_config_takes_fp8_lora_and_the_host_tier_with_pp_and_refuses_the_
         EngineConfig("m", pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_layer_partition: 2 positive layer counts"):
         EngineConfig("m", pipeline_parallel_size=2, pipeline_layer_partition=(4,))
-    assert EngineConfig("m", pipeline_parallel_size=3).micro_batches == 6
-    assert EngineConfig("m", pipeline_parallel_size=3, pipeline_micro_batches=2).micro_batches == 2
+    # the cross-step schedule (the default) keeps S groups in flight; within a step, 2S
+    three = EngineConfig("m", pipeline_parallel_size=3)
+    assert three.pipeline_schedule == "cross_step" and three.cross_step_pipeline
+    assert three.micro_batches == 3
+    assert replace(three, pipeline_schedule="within_step").micro_batches == 6
+    assert not replace(three, overlap_scheduling=False).cross_step_pipeline  # within_step
+    assert replace(three, overlap_scheduling=False).micro_batches == 6
+    assert replace(three, pipeline_micro_batches=2).micro_batches == 2
+    assert not EngineConfig("m").cross_step_pipeline  # (one stage)
+    with pytest.raises(ValueError, match=r"^pipeline_schedule: one of cross_step, within_step"):
+        EngineConfig("m", pipeline_parallel_size=2, pipeline_schedule="gpipe")
     # a pipeline worker's stages hold the tier together, sized by the whole model's blocks
     two = EngineConfig("m", pipeline_parallel_size=2, host_kv_gb=1.0)
     assert decide_num_host_blocks(two, 2**20, 100) == 1024
