@@ -45,11 +45,23 @@ from typing import Any
 from benchmarks.harness.table import Table
 from benchmarks.suites.tp.rank_rpc import free_port
 
-LAYOUTS = {"one": (1, 1), "tp2": (1, 2), "pp2": (2, 1)}
-"""Layout name → (pipeline stages, TP ranks)."""
+LAYOUTS = {
+    "one": (1, 1, ""),
+    "tp2": (1, 2, ""),
+    "pp2": (2, 1, ""),
+    "pp2-cross": (2, 1, "cross_step"),
+    "pp2-within": (2, 1, "within_step"),
+}
+"""Layout name → (pipeline stages, TP ranks, `pipeline_schedule`; "": the default)."""
 TIMEOUT_S = 900.0
-GPU_DEFAULTS = {"prefill_tokens": "8192,32768", "batches": "1,16,64", "context": 2048, "repeats": 5}
-CPU_DEFAULTS = {"prefill_tokens": "256", "batches": "1,4", "context": 64, "repeats": 2}
+GPU_DEFAULTS = {
+    "prefill_tokens": "8192,32768", "batches": "1,16,64", "context": 2048, "repeats": 5,
+    "serve_batches": "8,32", "serve_tokens": 128,
+}  # fmt: skip
+CPU_DEFAULTS = {
+    "prefill_tokens": "256", "batches": "1,4", "context": 64, "repeats": 2,
+    "serve_batches": "8", "serve_tokens": 16,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,29 +75,36 @@ class Setup:
     context: int
     repeats: int
     micro_batches: int
+    serve_batches: tuple[int, ...] = ()
+    serve_tokens: int = 0
+    graphs: bool = False
     block_size: int = 16
 
-    def engine(self, pp: int, tp: int) -> Any:
+    def engine(self, pp: int, tp: int, schedule: str = "") -> Any:
         from engine.config import EngineConfig
         from vocabulary.numeric import cdiv
 
-        longest = max(self.prefill_tokens)
-        blocks = max(
-            cdiv(longest, self.block_size), max(self.batches) * cdiv(self.context, self.block_size)
-        )
+        longest = max((*self.prefill_tokens, self.context))
+        seqs = max((*self.batches, *self.serve_batches))
+        per_seq = cdiv(self.context + self.serve_tokens, self.block_size)
+        blocks = max(cdiv(longest, self.block_size), seqs * per_seq)
         return EngineConfig(
             model_dir=self.model_dir, device="cuda" if self.cuda else "cpu",
             dtype="bfloat16" if self.cuda else "float32", load_format="dummy",
-            attention_backend="flashinfer" if self.cuda else "torch", cuda_graphs=False,
-            max_num_seqs=max(self.batches), max_num_batched_tokens=longest,
-            max_model_len=max(longest, self.context), num_kv_blocks=blocks + 8,
-            block_size=self.block_size, host_kv_gb=0, pipeline_parallel_size=pp,
-            tensor_parallel_size=tp, pipeline_micro_batches=self.micro_batches,
-            tp_timeout_s=TIMEOUT_S,
+            attention_backend="flashinfer" if self.cuda else "torch",
+            cuda_graphs=self.graphs, max_num_seqs=seqs,
+            max_num_batched_tokens=max(longest, seqs),
+            max_model_len=max(longest, self.context + self.serve_tokens),
+            num_kv_blocks=blocks + 8, block_size=self.block_size, host_kv_gb=0,
+            pipeline_parallel_size=pp, tensor_parallel_size=tp,
+            pipeline_micro_batches=self.micro_batches, tp_timeout_s=TIMEOUT_S,
+            **({"pipeline_schedule": schedule} if schedule else {}),
         )  # fmt: skip
 
 
-def _rank_main(rank: int, pp: int, tp: int, port: int, setup: Setup, conn: Connection) -> None:
+def _rank_main(
+    rank: int, layout: tuple[int, int, str], port: int, setup: Setup, conn: Connection
+) -> None:
     import torch
 
     from engine.core.engine import LLMEngine
@@ -94,12 +113,13 @@ def _rank_main(rank: int, pp: int, tp: int, port: int, setup: Setup, conn: Conne
     from engine.pp.pipeline_group import init_pp_group
     from engine.tp.tensor_parallel import init_tp_group
 
+    pp, tp, schedule = layout
     try:
         if setup.cuda:
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(1)
-        config = setup.engine(pp, tp)
+        config = setup.engine(pp, tp, schedule)
         if pp * tp == 1:
             conn.send(("ok", _time_rank0(LLMEngine(config), setup)))
             return
@@ -174,18 +194,45 @@ def _time_rank0(engine: Any, setup: Setup) -> dict[str, float]:
             out[f"decode B={b}, rank 0 samples"] = median(
                 functools.partial(sampled, on_rank0=True), batch
             )
+    for b in setup.serve_batches:
+        out[f"serve B={b}, ms per output token"] = _serve(engine, setup, b)
     return out
+
+
+def _serve(engine: Any, setup: Setup, batch: int) -> float:
+    """Seconds per output token of steady decoding through `LLMEngine.step` (the engine's
+    schedule: a pipeline's groups in flight, or not): `batch` greedy requests of a
+    `context`-token prompt each decode `serve_tokens`; timed from the step after the last
+    first token to the end, over the tokens those steps gave."""
+    from vocabulary.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=setup.serve_tokens, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        prompt = [(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(setup.context)]
+        engine.add_request(f"serve-{batch}-{i}", prompt, params)
+    started: set[str] = set()
+    t0, tokens = 0.0, 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        if len(started) == batch:
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+            continue
+        started.update(o.request_id for o in outputs if o.new_token_ids)
+        if len(started) == batch:
+            t0 = time.perf_counter()
+    return (time.perf_counter() - t0) / max(tokens, 1)
 
 
 def run_layout(name: str, setup: Setup) -> dict[str, float] | str:
     """Rank 0's timings of one layout, or why it failed."""
-    pp, tp = LAYOUTS[name]
+    pp, tp, _ = layout = LAYOUTS[name]
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes, procs = [], []
     for rank in range(pp * tp):
         ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_rank_main, args=(rank, pp, tp, port, setup, theirs), daemon=True)
+        p = ctx.Process(target=_rank_main, args=(rank, layout, port, setup, theirs), daemon=True)
         p.start()
         pipes.append(ours)
         procs.append(p)
@@ -212,7 +259,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--batches", help="[1,16,64; --cpu: 1,4]")
     ap.add_argument("--context", type=int, help="[2048; --cpu: 64]")
     ap.add_argument("--repeats", type=int, help="[5; --cpu: 2]")
-    ap.add_argument("--micro-batches", type=int, default=4, help="PP=2's per step [4]")
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=0,
+        help="PP=2's per step (and cross_step's groups) [0: the engine's]",
+    )
+    ap.add_argument(
+        "--serve-batches",
+        help="requests decoding at once through the engine's "
+        "steps, per layout [8,32; --cpu: 8]; '' for none",
+    )
+    ap.add_argument("--serve-tokens", type=int, help="tokens each decodes [128; --cpu: 16]")
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="CUDA graphs on (a PP stage captures its layers' decode) [off]",
+    )
     args = ap.parse_args(argv)
     # the tiny model's context is short: --cpu is a check unless told more
     defaults = CPU_DEFAULTS if args.cpu else GPU_DEFAULTS
@@ -233,16 +296,21 @@ def main(argv: Sequence[str]) -> int:
         print("pp: needs 2 CUDA GPUs (device kind nvidia-h200-x2), nothing run; --cpu checks "
               "the script itself on the CPU")  # fmt: skip
         return 2
-    prefill = tuple(int(x) for x in args.prefill_tokens.split(","))
+    prefill = _ints(args.prefill_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         setup = Setup(
-            model_dir=_model_dir(Path(tmp), args.cpu, max(*prefill, args.context)),
-            cuda=not args.cpu, prefill_tokens=prefill,
-            batches=tuple(int(x) for x in args.batches.split(",")), context=args.context,
-            repeats=args.repeats, micro_batches=args.micro_batches,
+            model_dir=_model_dir(Path(tmp), args.cpu, max((*prefill, args.context))),
+            cuda=not args.cpu, prefill_tokens=prefill, batches=_ints(args.batches),
+            context=args.context, repeats=args.repeats, micro_batches=args.micro_batches,
+            serve_batches=_ints(args.serve_batches), serve_tokens=args.serve_tokens,
+            graphs=args.graphs and not args.cpu,
         )  # fmt: skip
         results = {name: run_layout(name, setup) for name in args.layouts}
     return report(results)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def _model_dir(tmp: Path, cpu: bool, max_len: int) -> str:
