@@ -1,10 +1,10 @@
 """TEST-ONLY: a pipeline-parallel engine in real processes (one per rank, gloo on CPU).
 
 `PPRanks` spawns rank 0 (an `LLMEngine` that runs a scenario and sends its results back, with
-its stage spans) and the other ranks (`serve_stage`, sending back their step count and stage
-spans when rank 0 closes), and bounds every wait on them. Scenarios are tests/tp_ranks.py's
-and `serve` / `serve_rounds` here (module level, run in rank 0's process; a one-rank engine
-runs them too, for the reference).
+its stage spans) and the other ranks (`serve_stage`, sending back their step count, stage
+spans, pool spec and `_kept` counters when rank 0 closes), and bounds every wait on them.
+Scenarios are tests/tp_ranks.py's and `serve` / `serve_rounds` / `one_at_a_time` here
+(module level, run in rank 0's process; a one-rank engine runs them too, for the reference).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _rank_main(
             engine.close()
         group.close()
         if len(runs) == 1:
-            conn.send(("ok", outs[0] if rank == 0 else outs[0][:3]))
+            conn.send(("ok", outs[0]))
         else:
             conn.send(("ok", outs))
     except BaseException as e:
@@ -74,8 +74,9 @@ def _rank_main(
 
 def _kept(loop: Any) -> dict[str, Any]:
     """What a stage holds beside its pool: its host tier's and LoRA slots' counters."""
-    host, loras = loop.host, loop.loras
+    host, loras, graphs = loop.host, loop.loras, loop.runner.graphs
     return {
+        "graph_replays": graphs.num_replays if graphs is not None else 0,
         "host_offloaded": host.num_offloaded if host is not None else 0,
         "host_onboarded": host.num_onboarded if host is not None else 0,
         "lora_disk_loads": loras.num_disk_loads if loras is not None else 0,
@@ -196,6 +197,14 @@ def serve(jobs: list[Job], engine: Any, conn: Any) -> dict[str, Any]:
         "weights": engine.model.quantization,
         "lora_host_loads": cache.stats.num_host_loads if cache is not None else 0,
     }
+
+
+def one_at_a_time(prompts: list[list[int]], params: Any, engine: Any, conn: Any) -> dict[str, Any]:
+    """Each prompt alone, to completion (every step's batch has the shapes of one rank's):
+    the tokens of each, and rank 0's decode-graph replays."""
+    tokens = [engine.generate([prompt], params)[0] for prompt in prompts]
+    graphs = engine.runner.graphs
+    return {"tokens": tokens, "graph_replays": graphs.num_replays if graphs is not None else 0}
 
 
 def serve_rounds(rounds: list[list[Job]], engine: Any, conn: Any) -> dict[str, Any]:

@@ -16,14 +16,20 @@ engine/core/tp_runner.py; NCCL, flashinfer attention). Per layout:
               model; PP=2: on the last stage, which sends rank 0 only the token ids); PP=2
               also the arrangement it replaced ("rank 0 samples": the last stage sends the
               logits, rank 0 samples)
+    serve     B requests (`--serve-batches`, 8 and 32) of a `--context`-token prompt decode
+              `--serve-tokens` each through `LLMEngine.step`: milliseconds per output token
+              of steady decoding, so a pipeline's schedule counts (pp2: the default,
+              pp2-cross / pp2-within: `pipeline_schedule` named)
 
-PP=2 stages run eager (no CUDA graphs on a stage yet) and so do the TP=2 and one-GPU steps
-here (`cuda_graphs` off for all three), so the comparison is of the split, not of graphs.
+Without `--graphs` every layout runs eager (`cuda_graphs` off for all), so the comparison is
+of the split; with it, one GPU and TP=2 replay their decode graphs and each PP=2 stage its own
+(engine/core/cuda_graphs.py), as they serve.
 Exit status: 0 when every layout ran; 1 when one failed (the others still run); 2 with fewer
 than two CUDA GPUs (nothing run) or bad arguments.
 
     python -m benchmarks pp                       # 2 GPUs
     python -m benchmarks pp --prefill-tokens 8192 --batches 1,64
+    python -m benchmarks pp --graphs --layouts one,tp2,pp2-cross,pp2-within
     python -m benchmarks pp --cpu                 # the plumbing, no GPU
 """
 
@@ -98,7 +104,7 @@ class Setup:
             num_kv_blocks=blocks + 8, block_size=self.block_size, host_kv_gb=0,
             pipeline_parallel_size=pp, tensor_parallel_size=tp,
             pipeline_micro_batches=self.micro_batches, tp_timeout_s=TIMEOUT_S,
-            **({"pipeline_schedule": schedule} if schedule else {}),
+            pipeline_schedule=schedule or EngineConfig.pipeline_schedule,
         )  # fmt: skip
 
 

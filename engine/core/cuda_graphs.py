@@ -19,6 +19,15 @@ above, and a LoRA graph whose region has a seventh row field, each row's LoRA sl
 padding rows -1), read by the graph's LoRA kernel. `run` replays the base graph when no row
 reads a slot, so a step without adapters costs what it did without LoRA.
 
+A pipeline stage's model (`LlamaModel.pp_stage`, engine/core/pp_runner.py) is captured the
+same way over its own layers (`LlamaModel.forward_stage`): a stage after the first reads the
+stage before's pair (h, residual) from a fixed input buffer [2, max_batch, hidden], which `run`
+fills from what the stage received (`carried`), and a stage before the last returns its pair
+[2, n, hidden] (a copy: the graph's output buffer is rewritten by the next replay while the
+send may still read it); the last stage returns logits as a whole model does. The sends and
+receives between stages stay outside the graphs. Padding rows of the input buffer hold an
+earlier step's rows: their outputs are dropped, and their k/v writes are row 0's (above).
+
 Invariant: capture runs the model eagerly once per size to warm up, which writes into slot 0
 of block 0; capture before any sequence holds KV.
 """
@@ -110,6 +119,14 @@ class DecodeGraphs:
         per decode partition), keyed by the stream's handle."""
         self._first: _GraphSet | None = None
         self._pool = torch.cuda.graph_pool_handle()
+        stage = model.pp_stage
+        self._carried: torch.Tensor | None = None
+        """A pipeline stage after the first: the graphs' input pair (module docstring)."""
+        if stage is not None and not stage.is_first:
+            shape = (2, self.max_batch, model.cfg.hidden_size)
+            self._carried = torch.zeros(shape, dtype=model.dtype, device=device)
+        self._passes_on = stage is not None and not stage.is_last
+        """The graphs' outputs are the pair for the next stage, not logits."""
         self.num_replays = 0
         backend.init_decode_graphs(self.max_batch, self.max_pages)
         self.rope_in_attention = backend.graph_rope(model.rotary)
@@ -203,10 +220,20 @@ class DecodeGraphs:
         if with_lora:
             assert self.lora is not None
             lora = graph_step(self.lora, self._lora_slots(step.input_ids.shape[0]))
-        hidden = self.model(
-            step.input_ids, step.positions, self.backend.forward, self.ops, lora,
-            rope_in_attention=self.rope_in_attention,
-        )  # fmt: skip
+        if self.model.pp_stage is None:
+            hidden = self.model(
+                step.input_ids, step.positions, self.backend.forward, self.ops, lora,
+                rope_in_attention=self.rope_in_attention,
+            )  # fmt: skip
+        else:
+            size = step.input_ids.shape[0]
+            carried = None if self._carried is None else self._carried[:, :size]
+            hidden = self.model.forward_stage(
+                step.input_ids, carried, step.positions, self.backend.forward, self.ops, lora,
+                rope_in_attention=self.rope_in_attention,
+            )  # fmt: skip
+            if self._passes_on:
+                return hidden
         return self.model.compute_logits(hidden, self.ops)
 
     @torch.inference_mode()
@@ -263,20 +290,28 @@ class DecodeGraphs:
         size: int,
         fill: Callable[[torch.Tensor], None] | None = None,
         lora_slots: np.ndarray | None = None,
+        carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Float32 logits of the sampled rows of a decode-only layout (replays graph `size`;
         queued, no host sync). `fill` writes placeholder ids into the staged input ids;
         `lora_slots` (one per sequence, -1 for base; None: every row is base) picks the
-        LoRA graph."""
+        LoRA graph. A pipeline stage (module docstring): `carried` is the stage before's
+        pair [2, n, hidden] (None on stage 0); a stage before the last returns its pair."""
         with_lora = lora_slots is not None
         if with_lora and self.lora is None:
             raise ValueError("LoRA slots for decode graphs captured without LoRA weights")
+        if (carried is None) != (self._carried is None):
+            raise ValueError("decode graphs: the stage before's pair is for a later stage only")
         step = self._stage(layout, size, lora_slots)
         if fill is not None:
             fill(step.input_ids)
+        if self._carried is not None and carried is not None:
+            self._carried[:, : layout.num_seqs].copy_(carried)
         self._plan(step, size)
         self.replay(size, with_lora)
         logits = self._variant(with_lora)[1][size]
+        if self._passes_on:
+            return logits[:, : layout.num_seqs].clone()
         if layout.samples_every_row:
             return logits[: layout.num_seqs].clone()
         return logits.index_select(0, step.sample_rows)

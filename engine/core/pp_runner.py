@@ -257,7 +257,7 @@ class PPLeader:
         group broke."""
         if not batch.chunks:
             return torch.empty((0, self.runner.model.cfg.vocab_size), device=self.runner.device)
-        batches = micro_batches(batch, self.num_micro_batches)
+        batches = self._cut(batch)
         self._run(batch, None)
         logits = []
         src = self.group.last_stage_rank
@@ -310,8 +310,7 @@ class PPLeader:
         step message's broadcasts, stage 0's sends) still in flight."""
         self.group.check()
         self.runner.check(batch)
-        one = self.cross_step and batch.is_decode_only
-        batches = micro_batches(batch, 1 if one else self.num_micro_batches)
+        batches = self._cut(batch)
         sampled_for: tuple[str, ...] = ()
         ids: tuple[int, ...] = ()
         placeholders = any(c.placeholder for c in batch.chunks)
@@ -325,6 +324,11 @@ class PPLeader:
         message = PPStepMessage(seq, batches, sampling, sampled_for, ids, fills, copies)
         posted = self.group.send_step(message, wait)
         return posted, self.loop.run(seq, batches, sampling, wait)
+
+    def _cut(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, ...]:
+        """The step's micro-batches (cross-step: a decode-only step is one)."""
+        one = self.cross_step and batch.is_decode_only
+        return micro_batches(batch, 1 if one else self.num_micro_batches)
 
     def keep_sampled(self, token_ids: torch.Tensor, request_ids: Sequence[str]) -> None:
         """As `ModelRunner.keep_sampled`; stage 0's other TP ranks get the ids with the next

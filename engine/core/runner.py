@@ -4,7 +4,8 @@ The runner owns tensors, never decisions: the scheduler says which tokens to com
 where their KV lives (block tables), the runner stages that on the device (one host→device
 copy per step), runs the model with the chosen attention backend (which writes the step's
 KV into the pool and attends over the cached context) and computes logits only for chunks
-with sample=True. Decode-only steps replay CUDA graphs on GPU when enabled.
+with sample=True. Decode-only steps replay CUDA graphs on GPU when enabled (a pipeline stage's
+too: its layers' part, `execute_stage`).
 
 Overlap scheduling (engine/core/overlap.py): `execute` only queues work on the device and returns
 (no host sync). A chunk marked `placeholder` is the decode of a token the previous step is
@@ -126,12 +127,8 @@ class ModelRunner:
         self._sampled: torch.Tensor | None = None  # `keep_sampled`: the latest step's ids
         self._sampled_rows: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None
-        whole = model.pp_stage is None  # a pipeline stage runs eager (engine/core/pp_runner.py)
-        if (
-            config.cuda_graphs
-            and whole
-            and self.device.type == "cuda"
-            and self.backend.supports_cuda_graphs
+        if (  # (a pipeline stage captures its layers' part: engine/core/cuda_graphs.py)
+            config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs
         ):
             max_len = config.max_model_len or model.cfg.max_model_len
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
@@ -206,18 +203,15 @@ class ModelRunner:
         if stage is None or not batch.chunks:
             raise ValueError("execute_stage runs a pipeline stage's model on a non-empty batch")
         layout, fill, seq_slots = self._check(batch, tokens=stage.is_first)
+        if self.graphs is not None and batch.is_decode_only and not batch.has_all_logits:
+            size = self.graphs.batch_size_for(layout)
+            if size is not None:  # (the stage's graph: `carried` in, the next pair out)
+                return self.graphs.run(layout, size, fill, seq_slots, carried)
         step, lora = self._stage(layout, fill, seq_slots)
-        if carried is None:
-            h, residual = self.model.embed(step.input_ids), None
-        else:
-            h, residual = carried[0], carried[1]
-        h, residual = self.model.run_layers(
-            h, residual, step.positions, self.backend.forward, self.layer_ops, lora
+        out = self.model.forward_stage(
+            step.input_ids, carried, step.positions, self.backend.forward, self.layer_ops, lora
         )
-        assert residual is not None  # a stage holds at least one layer
-        if not stage.is_last:
-            return torch.stack((h, residual))
-        return self._logits(batch, layout, step, residual + h)
+        return out if not stage.is_last else self._logits(batch, layout, step, out)
 
     def check(self, batch: ScheduledBatch) -> None:
         """Raise ValueError where `execute` would for a malformed batch (its bounds, its

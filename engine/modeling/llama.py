@@ -356,6 +356,30 @@ class LlamaModel(nn.Module):
         )
         return h if residual is None else residual + h
 
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        carried: torch.Tensor | None,
+        positions: torch.Tensor,
+        attend: Attend,
+        ops: LayerOps = TORCH_OPS,
+        lora: LoraStep | None = None,
+        rope_in_attention: bool = False,
+    ) -> torch.Tensor:
+        """A pipeline stage's part of `forward` (eager, or inside a stage's CUDA graph):
+        from `carried`, the stage before's pair (h, residual) stacked [2, T, hidden] (None:
+        embed `input_ids`, stage 0), through this model's layers; the pair stacked for the
+        next stage, or on the last stage the hidden states `forward` returns."""
+        if carried is None:
+            h, residual = self.embed(input_ids), None
+        else:
+            h, residual = carried[0], carried[1]
+        h, residual = self.run_layers(h, residual, positions, attend, ops, lora, rope_in_attention)
+        assert residual is not None  # a stage holds at least one layer
+        if self.pp_stage is not None and not self.pp_stage.is_last:
+            return torch.stack((h, residual))
+        return residual + h
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings [T, hidden] (zeros on a pipeline stage without the embedding:
         its real input comes from the stage before; only memory profiling runs it so)."""

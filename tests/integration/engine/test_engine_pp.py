@@ -100,7 +100,7 @@ def check_greedy_rounds(
         for r, w in zip(got["rounds"], want, strict=True):
             assert all(g >= c for (_, g), (_, c) in zip(r, w, strict=True)), (r, w)
     per_stage = 4 // stages
-    specs = [got["spec"]] + [spec for _, (_, _, spec) in results[1:]]
+    specs = [got["spec"]] + [spec for _, (_, _, spec, _) in results[1:]]
     for rank, spec in enumerate(specs):
         stage = rank // tp
         assert (spec.pp_size, spec.pp_rank, spec.layer_start, spec.num_layers) == (
@@ -108,7 +108,7 @@ def check_greedy_rounds(
         )  # fmt: skip
         assert (spec.model_layers, spec.tp_size, spec.tp_rank) == (4, tp, rank % tp)
         assert spec.num_blocks == 128
-    assert all(steps > 0 for _, (steps, _, _) in results[1:])  # every rank ran, returned on close
+    assert all(steps > 0 for _, (steps, *_) in results[1:])  # every rank ran, returned on close
 
 
 def prefill_one(prompt: list[int], engine: Any, conn: Any) -> list[int]:
@@ -133,7 +133,7 @@ def test_micro_batches_keep_both_stages_busy(
     leader, follower = run_ranks(config, scenario, slow=(slow_stage, 0.2))
     assert leader[0] == "ok" and follower[0] == "ok", (leader, follower)
     tokens, stage0 = leader[1]
-    _, stage1, _ = follower[1]
+    _, stage1, *_ = follower[1]
     assert tokens == hf_greedy(prompt, 4)
     first = [s for s in stage0 if s.step == 1], [s for s in stage1 if s.step == 1]
     assert [s.micro_batch for s in first[0]] == [s.micro_batch for s in first[1]] == [0, 1, 2, 3]
