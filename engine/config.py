@@ -222,7 +222,7 @@ class EngineConfig:
     pipeline_parallel_size (cross_step, which also keeps that many decode groups in flight)."""
     pipeline_schedule: str = "cross_step"
     """How a pipeline keeps its stages busy: cross_step (decode requests in groups, each
-    group's step in flight on the stages while the others' run: engine/pp/decode_groups.py;
+    group's step in flight on the stages while the others' run: engine/core/decode_groups.py;
     needs overlap_scheduling, else within_step runs) or within_step (one step at a time, its
     batch cut into micro-batches: GPipe within the step, engine/core/pp_runner.py)."""
 

@@ -31,7 +31,7 @@ micro-batches. That is the whole schedule with `pipeline_schedule` = within_step
 step's decodes wait for this step's sampled ids. With cross_step (the default) the engine
 keeps up to G steps of disjoint requests in flight (`launch` returns before the last stage has
 sampled, `PendingStep.receive` reads the tokens in launch order: engine/core/pp_steps.py,
-engine/pp/decode_groups.py), so while stage 1 runs one group's step stage 0 runs another's; a
+engine/core/decode_groups.py), so while stage 1 runs one group's step stage 0 runs another's; a
 decode-only step is then one micro-batch. The logits never leave the last stage:
 rank 0 sends what sampling needs with the step (it keeps the requests, the grammar matchers
 and the scheduler) and gets back only what was sampled (engine/core/pp_sampling.py says why

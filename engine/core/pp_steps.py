@@ -2,7 +2,7 @@
 
 With `EngineConfig.pipeline_schedule` = cross_step (and overlap scheduling on) `LLMEngine.step`
 runs `PipelinedSteps.step`: read the oldest step in flight once G are, schedule the requests
-that are not in flight (engine/pp/decode_groups.py states the schedule: groups, admission,
+that are not in flight (engine/core/decode_groups.py states the schedule: groups, admission,
 prompt chunks, rebalancing, abort and preemption), launch the batch down the pipeline without
 waiting for its tokens (`PPLeader.launch`: stage 0's part runs here, the step message and the
 activations are left in flight), and read the oldest step when nothing could be launched.
@@ -29,13 +29,13 @@ from typing import Protocol
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
+from engine.core.decode_groups import schedulable
 from engine.core.overlap import InflightStep, sampling_rows
 from engine.core.pp_runner import PendingStep, PPLeader
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.tracking import RequestTracking
 from engine.kv.block_pool import BlockPool
-from engine.pp.decode_groups import schedulable
 from engine.structured.constrained import ConstrainedRequests
 from engine.tp.tensor_parallel import TPGroupError, TPGroupState
 from vocabulary.engine_io import RequestOutput

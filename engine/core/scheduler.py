@@ -261,7 +261,7 @@ class Scheduler:
 
     def _num_schedulable(self, request: Request, only: Container[str] | None = None) -> int:
         """Tokens a running request can compute now: its pending ones (a placeholder
-        included); none when `only` (a pipeline's groups, engine/pp/decode_groups.py) leaves
+        included); none when `only` (a pipeline's groups, engine/core/decode_groups.py) leaves
         it out, or its placeholder's sample certainly ends it (that KV would never be read)."""
         if only is not None and request.request_id not in only:
             return 0

@@ -1,4 +1,4 @@
-"""The cross-step pipeline schedule on CPU (engine/pp/decode_groups.py, engine/core/pp_steps.py):
+"""The cross-step pipeline schedule on CPU (engine/core/decode_groups.py, engine/core/pp_steps.py):
 the tiny model cut into 2 and 4 stages, real processes over gloo.
 
 - requests arriving at different steps and finishing at different lengths, one aborted while

@@ -1,4 +1,4 @@
-"""The cross-step pipeline's groups (engine/pp/decode_groups.py): which running requests a
+"""The cross-step pipeline's groups (engine/core/decode_groups.py): which running requests a
 step computes, and how the groups form, settle and rebalance over a real `Scheduler` driven
 as `PipelinedSteps` drives it (G steps in flight, the oldest read first)."""
 
@@ -9,9 +9,9 @@ from collections import deque
 import pytest
 from scheduler_factories import make_request, make_scheduler
 
+from engine.core.decode_groups import is_decoding, schedulable
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.pp.decode_groups import is_decoding, schedulable
 
 
 def test_schedulable_leaves_out_requests_in_flight_and_decodes_past_the_share() -> None:
