@@ -61,8 +61,9 @@
 #            .whl/bench-tokenizer.tar.xz (scripts/make-bench-tokenizer.py) over its 128,000
 #            tokens instead of the 512-token tokenizer
 #   tp       NEEDS 2 GPUS (device kind nvidia-h200-x2; on fewer it skips what it cannot run and
-#            says why): python -m benchmarks tp_gpu --parts handoff (hand-off GB/s per TP pair
-#            1->1, 1->2, 2->1, 2->2 between VRAM pools over NIXL), tests/gpu/test_tp_gpu.py (NCCL,
+#            says why): python -m benchmarks tp_gpu --parts handoff (hand-off GB/s per pair of
+#            layouts 1->1, 1->2, 2->1, 2->2 and PP=2 prefill pp2tp1->pp1tp1, pp2tp1->pp1tp2
+#            between VRAM pools over NIXL), tests/gpu/test_tp_gpu.py (NCCL,
 #            CUDA graphs with the all-reduces inside), then python -m benchmarks tp_gpu --parts
 #            decode (TP=1 vs TP=2 decode step of the Llama-3-8B shape vs its HBM floor). ~6 min
 #            on a warm machine: on a fresh one run `jit` in a call of its own first
@@ -196,7 +197,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
       --model /tmp/cfg-llama3-8b --load-format dummy --tiers $t --out /tmp/ht; done
     tar czf "$OUT/host_tier.tgz" -C /tmp ht ;;
   tp) config_model llama3-8b  # the bench's exit: 0 ran (or skipped), 1 a check failed, 2 no GPU
-    TAILN=${TAILN:-30} step tp_handoff 240 python -m benchmarks tp_gpu --parts handoff \
+    TAILN=${TAILN:-40} step tp_handoff 330 python -m benchmarks tp_gpu --parts handoff \
     --model /tmp/cfg-llama3-8b --part-timeout 100
     step tp_tests 200 python -m pytest tests/gpu/test_tp_gpu.py -q -rA -p no:cacheprovider
     TAILN=${TAILN:-30} step tp_decode 420 python -m benchmarks tp_gpu --parts decode \

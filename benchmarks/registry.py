@@ -103,7 +103,7 @@ SUITES = (
           Device.GPU, "--cpu"),
     Suite("tp", "tp.overhead", "tensor-parallel step overhead on gloo (control, all-reduce)",
           Device.CPU),
-    Suite("tp_gpu", "tp.gpu", "TP=2 decode vs TP=1 and hand-offs between TP layouts",
+    Suite("tp_gpu", "tp.gpu", "TP=2 decode vs TP=1 and hand-offs between PP x TP layouts",
           Device.GPU, "--cpu"),
     Suite("tp_handoff", "tp.handoff_plan",
           "hand-off descriptors and bytes between TP layouts (NIXL with --measure)", Device.CPU),

@@ -1,6 +1,6 @@
 """Tensor parallelism on GPUs: the TP=2 decode step vs TP=1, and KV hand-off GB/s
-between TP layouts. Needs two GPUs (device kind nvidia-h200-x2); four let every hand-off rank
-have a GPU of its own.
+between pipeline- and tensor-parallel layouts. Needs two GPUs (device kind nvidia-h200-x2);
+four let every hand-off rank have a GPU of its own.
 
 decode (benchmarks/suites/tp/gpu_decode.py): a Llama-3-8B-shaped model from its config alone (dummy
 bf16 weights made on the device, as `--load-format dummy`), TP=1 on GPU 0, then TP=N (`--tp`,
@@ -13,17 +13,23 @@ slowest rank's). Also one eager all-reduce of [B, hidden], and the logits of one
 dummy weights: they agree to bf16 rounding, or the part fails: its times would be of a model
 that computes something else).
 
-handoff (benchmarks/suites/tp/gpu_handoff.py): one hand-off of a 2048-token prompt of the same shape
-per prefill → decode TP pair (1→1 the reference, 1→2, 2→1, 2→2), head-major pools in VRAM,
-every rank its own process and NIXL agent (UCX picks cuda_ipc: UCX_TLS is never set here),
-pulled by decode rank 0's transfer manager as a worker does: bytes, descriptors (checked
-against kv_transfer/tp_plan.py's count), ms and GB/s (median and best of `--repeats`), against
-a plain copy of the same bytes between the same two GPUs in the same run; every decode rank
-checks that each head it holds arrived intact. Placement (`--placement`): spread (each rank
-its own GPU: a pair needs P + D GPUs), packed (prefill ranks on GPU 0, decode ranks on GPU 1:
-every byte crosses the same link, so the pairs differ only by descriptors and ranks), auto
-(spread when every pair fits, else packed), single (every rank on GPU 0: on a one-GPU machine,
-a check of the VRAM path whose GB/s are a copy inside one GPU; only when asked for).
+handoff (benchmarks/suites/tp/gpu_handoff.py): one hand-off of a 2048-token prompt of the same
+shape per prefill → decode pair of layouts (`--pairs`, also spelt `--handoff-pairs`: `P-D`
+for TP sizes with one stage each side, `ppAtpB:ppCtpD` for PP stages x TP ranks each side;
+default 1-1 the reference, 1-2, 2-1, 2-2, pp2tp1:pp1tp1, pp2tp1:pp1tp2), every rank its own
+process and NIXL agent with its pool in VRAM (a prefill stage's rank holds only its stage's
+layers, a TP rank only its heads), pools in the layout `pdserve up` gives the pair (head-major
+when the TP sizes differ, else block-major), UCX picking cuda_ipc (UCX_TLS is never set here),
+pulled by decode rank 0's transfer manager as a worker does (each decode rank reads each layer
+range of its stage from the prefill stage holding it, its heads from the TP ranks holding
+them): bytes, descriptors (checked against a count from kv_transfer/tp_plan.py's plan), ms
+and GB/s (median and best of `--repeats`), against a plain copy of the same bytes between the
+same two GPUs in the same run; every decode rank checks that each head and layer it holds
+arrived intact. Placement (`--placement`): spread (each rank its own GPU: a pair needs as many
+as its ranks, PP x TP each side), packed (prefill ranks on GPU 0, decode ranks on GPU 1: every
+byte crosses the same link, so the pairs differ only by descriptors and ranks), auto (spread
+when every pair fits, else packed), single (every rank on GPU 0: on a one-GPU machine, a check
+of the VRAM path whose GB/s are a copy inside one GPU; only when asked for).
 
 A part the machine has too few GPUs for prints what it skips and why. Exit status: 0 when
 every part that could run ran and passed its checks; 1 when one failed (the others still
@@ -33,6 +39,7 @@ that the script works, on a machine without a GPU; its figures mean nothing.
 
     python -m benchmarks tp_gpu                      # both parts (2 GPUs)
     python -m benchmarks tp_gpu --parts handoff --placement spread   # 4 GPUs
+    python -m benchmarks tp_gpu --parts handoff --pairs pp2tp1:pp1tp1,pp2tp1:pp1tp2,2-1
     python -m benchmarks tp_gpu --cpu                # the plumbing, no GPU
 """
 
@@ -51,9 +58,12 @@ import torch
 
 from benchmarks.harness.table import Table
 from benchmarks.suites.tp.gpu_plan import (
+    DEFAULT_PAIRS,
     LOGITS_REL_TOL,
+    HandoffPair,
     PairPlacement,
     Skip,
+    expected_reads,
     floor_s,
     logits_rel_diff,
     parse_ints,
@@ -128,9 +138,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add(
         "--pairs",
+        "--handoff-pairs",
         type=typed(parse_pairs),
-        default=((1, 1), (1, 2), (2, 1), (2, 2)),
-        help="hand-off pairs PREFILL_TP-DECODE_TP (default 1-1,1-2,2-1,2-2)",
+        default=DEFAULT_PAIRS,
+        help="hand-off pairs, comma-separated: PREFILL_TP-DECODE_TP (one stage each side) or "
+        "PREFILL:DECODE layouts ppSTAGEStpRANKS (default "
+        "1-1,1-2,2-1,2-2,pp2tp1:pp1tp1,pp2tp1:pp1tp2)",
     )
     add("--placement", default="auto", choices=PLACEMENTS)
     add("--prompt-tokens", type=int, default=2048, help="tokens handed off per pull")
@@ -291,18 +304,17 @@ def handoff_part(
 ) -> tuple[list[str], list[Skip]]:
     """Run and print the hand-off part; (failures, skips)."""
     from benchmarks.suites.tp.gpu_handoff import PoolShape, run_pair
-    from benchmarks.suites.tp.handoff_plan import Shape, hand_off
     from kv_transfer.config import KVTransferConfig
-    from kv_transfer.tp_plan import HEAD_MAJOR, KVSplit, UnsupportedSplit, plan_split
+    from kv_transfer.tp_plan import HeadPlan
 
     placed, skips = plan_pairs(args.pairs, num_devices, args.placement)
-    for p, d in list(placed):
+    plans: dict[HandoffPair, HeadPlan] = {}
+    for pair in list(placed):
         try:
-            k = cfg.num_kv_heads
-            plan_split(KVSplit(p, k, HEAD_MAJOR), KVSplit(d, k, HEAD_MAJOR))
-        except UnsupportedSplit as e:
-            del placed[(p, d)]
-            skips.append(Skip(f"hand-off {p}->{d}", str(e)))
+            plans[pair] = pair.plan(cfg.num_layers, cfg.num_kv_heads)
+        except ValueError as e:  # (UnsupportedSplit is one)
+            del placed[pair]
+            skips.append(Skip(f"hand-off {pair.name}", str(e)))
     for s in skips:
         print(f"-- skipped {s.what}: {s.why}")
     blocks = -(-args.prompt_tokens // args.block_size)
@@ -315,7 +327,6 @@ def handoff_part(
         "float32" if args.cpu else "bfloat16",
         blocks,
     )
-    shape = Shape("model", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, es)
     config = KVTransferConfig(capture_telemetry=True, busy_poll_s=args.busy_poll_us * 1e-6)
     failures: list[str] = []
     rows = []
@@ -323,16 +334,20 @@ def handoff_part(
     def dev(i: int) -> str:
         return "cpu" if args.cpu else f"cuda:{i}"
 
-    for (p, d), where in placed.items():
+    for pair, where in placed.items():
+        plan = plans[pair]
         print(
-            f"\n== hand-off P TP={p} -> D TP={d}: prefill on {[dev(i) for i in where.prefill]}, "
-            f"decode on {[dev(i) for i in where.decode]} ({where.mode})",
+            f"\n== hand-off {pair.name}: prefill {plan.prefill.describe()} on "
+            f"{[dev(i) for i in where.prefill]} -> decode {plan.decode.describe()} on "
+            f"{[dev(i) for i in where.decode]} ({where.mode})",
             flush=True,
         )
         t0 = time.perf_counter()
         try:
             result = run_pair(
                 pool,
+                plan.prefill,
+                plan.decode,
                 [dev(i) for i in where.prefill],
                 [dev(i) for i in where.decode],
                 config,
@@ -340,17 +355,25 @@ def handoff_part(
                 args.part_timeout,
             )
         except Exception as e:
-            print(f"!! hand-off {p}->{d} FAILED after {time.perf_counter() - t0:.0f} s: {e}")
-            failures.append(f"hand-off {p}->{d}: {str(e).splitlines()[0]}")
+            print(f"!! hand-off {pair.name} FAILED after {time.perf_counter() - t0:.0f} s: {e}")
+            failures.append(f"hand-off {pair.name}: {str(e).splitlines()[0]}")
             continue
         print(f"   done in {time.perf_counter() - t0:.0f} s")
-        expected = hand_off(shape, p, d, HEAD_MAJOR, blocks, args.block_size)
+        # the prompt's blocks [0, n) into [n, 2n): one run adjacent on both sides
+        unit = 2 * args.block_size * cfg.head_dim * es  # one head's K and V of one layer
+        expected = expected_reads(plan, blocks, 1, unit)
         pull = result.pulls[0]
         problems = []
-        if pull.descriptors != expected.contiguous or pull.nbytes != expected.nbytes:
+        if (
+            pull.descriptors != expected.descriptors
+            or pull.rank_descriptors != expected.per_rank
+            or pull.nbytes != expected.nbytes
+        ):
             problems.append(
-                f"plan posts {pull.descriptors} descriptors of {pull.nbytes} bytes, "
-                f"tp_plan counts {expected.contiguous} of {expected.nbytes}"
+                f"plan posts {pull.descriptors} descriptors "
+                f"({'/'.join(map(str, pull.rank_descriptors))}) of {pull.nbytes} bytes, "
+                f"tp_plan's pieces count {expected.descriptors} "
+                f"({'/'.join(map(str, expected.per_rank))}) of {expected.nbytes}"
             )
         if pull.posted is not None and pull.posted != pull.descriptors:
             problems.append(f"NIXL posted {pull.posted} descriptors, the plan {pull.descriptors}")
@@ -359,29 +382,29 @@ def handoff_part(
         if result.mem_type != ("DRAM" if args.cpu else "VRAM"):
             problems.append(f"the pools were registered as {result.mem_type}")
         for problem in problems:
-            failures.append(f"hand-off {p}->{d}: {problem}")
+            failures.append(f"hand-off {pair.name}: {problem}")
             print(f"!! {failures[-1]}")
-        rows.append((p, d, where, result))
+        rows.append((pair, where, result))
     _print_handoff_table(args, rows)
     return failures, skips
 
 
 def _print_handoff_table(
-    args: argparse.Namespace, rows: list[tuple[int, int, PairPlacement, PairResult]]
+    args: argparse.Namespace, rows: list[tuple[HandoffPair, PairPlacement, PairResult]]
 ) -> None:
     if not rows:
         return
     print(
-        f"\nhand-off of a {args.prompt_tokens}-token prompt, head-major, median / best of "
-        f"{args.repeats} pulls (ms, GB/s: start_read called to the outcome; mgr ms: the "
+        f"\nhand-off of a {args.prompt_tokens}-token prompt (KV: the pools' layout), median / "
+        f"best of {args.repeats} pulls (ms, GB/s: start_read called to the outcome; mgr ms: the "
         "manager's transfer_s, which starts after start_read returned; wall: submit to outcome; "
         f"the transfer loops poll every {args.busy_poll_us:g} us, which each may add; copy: a "
         "plain copy of the same bytes from prefill rank 0's GPU to decode rank 0's)"
     )
-    header = ("P->D", "GPUs P/D", "MiB", "descriptors", "posted", "ms", "GB/s", "best", "mgr ms",
-              "wall ms", "copy GB/s", "intact")  # fmt: skip
+    header = ("P->D", "KV", "GPUs P/D", "MiB", "descriptors", "posted", "ms", "GB/s", "best",
+              "mgr ms", "wall ms", "copy GB/s", "intact")  # fmt: skip
     lines = []
-    for p, d, where, result in rows:
+    for pair, where, result in rows:
         pulls = result.pulls
         t = statistics.median(x.read_s for x in pulls)
         best = min(x.read_s for x in pulls)
@@ -397,7 +420,8 @@ def _print_handoff_table(
         )
         posted = "-" if pulls[0].posted is None else str(pulls[0].posted)
         lines.append((
-            f"{p}->{d}", gpus, f"{n / 2**20:.1f}", desc, posted, f"{t * 1e3:.3f}",
+            pair.name, pair.kv_layout.removesuffix("_major_v1"), gpus, f"{n / 2**20:.1f}", desc,
+            posted, f"{t * 1e3:.3f}",
             f"{n / t / 1e9:.1f}", f"{n / best / 1e9:.1f}", f"{mgr * 1e3:.3f}", f"{wall * 1e3:.3f}",
             f"{n / copy / 1e9:.1f}", "yes" if result.mismatched == 0 else "NO",
         ))  # fmt: skip

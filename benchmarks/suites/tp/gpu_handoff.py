@@ -1,29 +1,37 @@
 """The hand-off part of the tp_gpu suite (benchmarks/suites/tp/gpu.py): KV hand-offs between
-tensor-parallel layouts, every rank in its own process with its pool on its own device, over NIXL
-(VRAM on GPUs: UCX picks cuda_ipc; host memory over UCX shm/tcp in a `--cpu` run).
+pipeline- and tensor-parallel layouts, every rank in its own process with its pool on its own
+device, over NIXL (VRAM on GPUs: UCX picks cuda_ipc; host memory over UCX shm/tcp in a `--cpu`
+run).
 
-One pair, prefill TP=p → decode TP=d, head-major pools of the model's shape:
-- prefill rank r (`PrefillRank`): rank 0 holds the `PrefillEndpoint` (leases, notices), the
-  others a `RankEndpoint` that exposes their pool, as in a TP prefill worker;
-- decode followers (`DecodeFollower`): a `RankEndpoint` that runs its rank's part of a pull;
+One pair, a prefill worker of PP x TP ranks → a decode worker of PP x TP ranks (each side a
+`KVSplit`: ranks stage-major, stage s holding layers [b[s], b[s+1]), TP rank t its KV heads;
+kv_transfer/tp_plan.py), every rank's pool that rank's part of the model's KV (its stage's
+layers, its heads: the `KVCacheSpec` a worker's rank builds, engine/kv/kv_sizing.py) in the
+layout `pdserve up` gives the pair (benchmarks/suites/tp/gpu_plan.py `HandoffPair.kv_layout`):
+- prefill rank r (`PrefillRank`): rank 0 holds the `PrefillEndpoint` (leases, notices; it
+  passes the worker's stage bounds), the others a `RankEndpoint` that exposes their pool, as
+  in a PP / TP prefill worker;
+- decode followers (`DecodeFollower`): a `RankEndpoint` that runs its rank's part of a pull
+  (each layer range of its stage from the prefill stage holding it, its heads from the TP
+  ranks holding them);
 - decode rank 0 (`DecodeRank0`): the `DecodeEndpoint` (the transfer manager), whose backend
   is a `TPBackend` over its own NIXL agent and one `FollowerBackend` per follower. Here rank
   0 reaches a follower over a pipe (benchmarks/suites/tp/rank_rpc.py); a worker does it with
   Ray calls (worker_runtime/tp_ranks.py), which add a round trip (~0.2-1 ms) per follower per
   pull.
 
-Every pool holds a pattern of (block, model KV head, offset) (`fill_pattern`), so after the
-pulls each decode rank checks that each head it holds of each pulled block has the bytes of
-that head and block (`count_mismatches`). Per pair: one warm-up pull (NIXL preps its
-descriptor lists on first use), then `repeats` pulls of the same blocks: prefill rank 0
-`hand_off` → decode rank 0 `submit` → the outcome → the lease released (the completion
-notice arrived) before the next. A pull's time is from the manager's call of `start_read`
-(which posts every rank's part) to the outcome (`Pull.read_s`), stamped here around the
-backend: the manager's own `transfer_s` starts once `start_read` has returned, which leaves
-out whatever the post does itself (a host-memory read over cma is done inside it: 0.7 ms
-"transfer" for 512 MiB read at 6 GB/s on the CPU; on GPUs, the post's own cost).
-Last, one plain copy of the same bytes from prefill rank 0's device to decode rank 0's, timed
-in decode rank 0's process: the reference the GB/s are read against.
+Every pool holds a pattern of (block, model KV head, model layer, offset) (`fill_pattern`), so
+after the pulls each decode rank checks that each head and layer it holds of each pulled block
+has the bytes of that head, layer and block (`count_mismatches`), whichever prefill rank they
+came from. Per pair: one warm-up pull (NIXL preps its descriptor lists on first use), then
+`repeats` pulls of the same blocks: prefill rank 0 `hand_off` → decode rank 0 `submit` → the
+outcome → the lease released (the completion notice arrived) before the next. A pull's time
+is from the manager's call of `start_read` (which posts every rank's part) to the outcome
+(`Pull.read_s`), stamped here around the backend: the manager's own `transfer_s` starts once
+`start_read` has returned, which leaves out whatever the post does itself (a host-memory read
+over cma is done inside it: 0.7 ms "transfer" for 512 MiB read at 6 GB/s on the CPU; on GPUs,
+the post's own cost). Last, one plain copy of the same bytes from prefill rank 0's device to
+decode rank 0's, timed in decode rank 0's process: the reference the GB/s are read against.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from kv_transfer.prefill_endpoint import PrefillEndpoint
 from kv_transfer.protocol import HandshakeInfo, RankAgent
 from kv_transfer.rank_endpoint import RankEndpoint
 from kv_transfer.tp_backend import FollowerBackend, TPBackend
-from kv_transfer.tp_plan import kv_heads_of
+from kv_transfer.tp_plan import KVSplit, kv_heads_of
 from kv_transfer.types import TransferPlan
 from vocabulary.kv_handle import KVHandle
 
@@ -59,8 +67,8 @@ PATTERN_MOD = 251
 
 @dataclass(frozen=True)
 class PoolShape:
-    """The model's KV shape and the prompt handed off; every rank's pool (head-major) holds
-    the prompt's blocks at [0, n) (prefill) or receives them at [n, 2n) (decode)."""
+    """The model's KV shape and the prompt handed off; every rank's pool holds the prompt's
+    blocks at [0, n) (prefill) or receives them at [n, 2n) (decode)."""
 
     num_layers: int
     num_kv_heads: int
@@ -73,51 +81,68 @@ class PoolShape:
     def num_blocks(self) -> int:
         return 2 * self.prompt_blocks
 
-    def spec(self, tp_size: int, rank: int) -> KVCacheSpec:
-        heads = kv_heads_of(self.num_kv_heads, tp_size, rank)
+    def spec(self, split: KVSplit, rank: int) -> KVCacheSpec:
+        """The pool of rank `rank` of a worker split as `split` (of this shape's model): its
+        stage's layers, its TP rank's heads, in `split.layout`."""
+        stage, tp_rank = split.position(rank)
+        bounds = split.layer_bounds or (0, self.num_layers)
+        heads = split.heads_of(tp_rank)
         return KVCacheSpec(
             self.num_blocks,
-            self.num_layers,
+            bounds[stage + 1] - bounds[stage],
             self.block_size,
             len(heads),
             self.head_dim,
             self.dtype,
-            layout=HEAD_MAJOR,
-            tp_size=tp_size,
-            tp_rank=rank,
-            model_kv_heads=self.num_kv_heads if tp_size > 1 else 0,
+            layout=split.layout,
+            tp_size=split.tp_size,
+            tp_rank=tp_rank,
+            model_kv_heads=self.num_kv_heads if split.tp_size > 1 else 0,
+            pp_size=split.pp_size,
+            pp_rank=stage,
+            layer_start=bounds[stage],
+            model_layers=self.num_layers if split.pp_size > 1 else 0,
         )
 
 
-def _pattern(cache: KVCache, block: int, heads: range, num_kv_heads: int) -> torch.Tensor:
-    """[len(heads), head elements]: ((block * K + head) * 7 + offset) mod PATTERN_MOD."""
-    n = cache.tensor[0, 0].numel()
-    head = torch.tensor(list(heads), dtype=torch.int64, device=cache.device)
-    base = (block * num_kv_heads + head) * 7
-    offsets = torch.arange(n, dtype=torch.int64, device=cache.device)
-    return ((base[:, None] + offsets[None, :]) % PATTERN_MOD).to(cache.tensor.dtype)
+def _pattern(cache: KVCache, block: int) -> torch.Tensor:
+    """Block `block` of the pool as the pattern fills it, in the pool's layout: element e of
+    (K/V, token, dim) of model head h and model layer l is ((block * K + h) * L + l) * 7 + e
+    mod PATTERN_MOD (K, L: the model's KV heads and layers)."""
+    spec, device = cache.spec, cache.device
+    heads = kv_heads_of(spec.total_kv_heads, spec.tp_size, spec.tp_rank)
+    head = torch.arange(heads.start, heads.stop, dtype=torch.int64, device=device)
+    first = spec.layer_start
+    layer = torch.arange(first, first + spec.num_layers, dtype=torch.int64, device=device)
+    base = ((block * spec.total_kv_heads + head[:, None]) * spec.total_layers + layer) * 7
+    offsets = torch.arange(2 * spec.block_size * spec.head_dim, dtype=torch.int64, device=device)
+    values = ((base[:, :, None] + offsets) % PATTERN_MOD).view(
+        len(heads), spec.num_layers, 2, spec.block_size, spec.head_dim
+    )  # [heads, layers, 2, page, dim]: a head-major block
+    if spec.layout != HEAD_MAJOR:  # a block-major block, a layer-major one's layers
+        values = values.permute(1, 2, 3, 0, 4)  # [layers, 2, page, heads, dim]
+    return values.to(cache.tensor.dtype)
 
 
-def fill_pattern(cache: KVCache, num_kv_heads: int) -> None:
-    """Every block of a head-major pool gets its heads' pattern (module docstring)."""
-    spec = cache.spec
-    heads = kv_heads_of(num_kv_heads, spec.tp_size, spec.tp_rank)
-    flat = cache.tensor.view(spec.num_blocks, len(heads), -1)
-    for b in range(spec.num_blocks):
-        flat[b] = _pattern(cache, b, heads, num_kv_heads)
+def _blocks(cache: KVCache) -> torch.Tensor:
+    """The pool with block ids first (a view: writes land in the pool)."""
+    return cache.tensor.movedim(cache.spec.block_dim, 0)
 
 
-def count_mismatches(
-    cache: KVCache, num_kv_heads: int, src_blocks: list[int], dst_blocks: list[int]
-) -> int:
+def fill_pattern(cache: KVCache) -> None:
+    """Every block of the pool gets its heads' and layers' pattern (module docstring)."""
+    blocks = _blocks(cache)
+    for b in range(cache.spec.num_blocks):
+        blocks[b] = _pattern(cache, b)
+
+
+def count_mismatches(cache: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> int:
     """Elements of `dst_blocks` that differ from the pattern of the `src_blocks` they were
-    pulled from (0: every head this rank holds arrived intact)."""
-    spec = cache.spec
-    heads = kv_heads_of(num_kv_heads, spec.tp_size, spec.tp_rank)
-    flat = cache.tensor.view(spec.num_blocks, len(heads), -1)
+    pulled from (0: every head and layer this rank holds arrived intact)."""
+    blocks = _blocks(cache)
     bad = 0
     for src, dst in zip(src_blocks, dst_blocks, strict=True):
-        bad += int((flat[dst] != _pattern(cache, src, heads, num_kv_heads)).sum())
+        bad += int((blocks[dst] != _pattern(cache, src)).sum())
     return bad
 
 
@@ -136,10 +161,11 @@ class PrefillRank:
     """One rank of the prefill worker (module docstring)."""
 
     def __init__(
-        self, shape: PoolShape, tp_size: int, rank: int, device: str, config: KVTransferConfig
+        self, shape: PoolShape, split: KVSplit, rank: int, device: str, config: KVTransferConfig
     ) -> None:
-        self.cache = KVCache(shape.spec(tp_size, rank), _use(device))
-        fill_pattern(self.cache, shape.num_kv_heads)
+        self.cache = KVCache(shape.spec(split, rank), _use(device))
+        fill_pattern(self.cache)
+        self.split = split
         self.config = config
         self.endpoint: PrefillEndpoint | None = None
         self.rank_endpoint: RankEndpoint | None = None
@@ -157,8 +183,9 @@ class PrefillRank:
     def start(self, followers: list[RankAgent]) -> HandshakeInfo:
         """Rank 0: the endpoint over this pool, listing the other ranks' agents."""
         self.endpoint = PrefillEndpoint(
-            self.cache, MODEL_ID, "p0", self._release, self.config, followers=followers
-        )
+            self.cache, MODEL_ID, "p0", self._release, self.config, followers=followers,
+            layer_bounds=self.split.layer_bounds,
+        )  # fmt: skip
         return self.endpoint.start()
 
     def _release(self, request_id: str, block_ids: tuple[int, ...]) -> None:
@@ -186,10 +213,9 @@ class DecodeFollower:
     """A decode worker's rank > 0: its pool and agent; runs its part of each pull."""
 
     def __init__(
-        self, shape: PoolShape, tp_size: int, rank: int, device: str, config: KVTransferConfig
+        self, shape: PoolShape, split: KVSplit, rank: int, device: str, config: KVTransferConfig
     ) -> None:
-        self.shape = shape
-        self.cache = KVCache(shape.spec(tp_size, rank), _use(device))
+        self.cache = KVCache(shape.spec(split, rank), _use(device))
         self.endpoint = RankEndpoint(self.cache, "d0", rank, "decode", config)
         self._agent = self.endpoint.start()
 
@@ -209,7 +235,7 @@ class DecodeFollower:
         return self.endpoint.abort(request_id)
 
     def mismatches(self, src_blocks: list[int], dst_blocks: list[int]) -> int:
-        return count_mismatches(self.cache, self.shape.num_kv_heads, src_blocks, dst_blocks)
+        return count_mismatches(self.cache, src_blocks, dst_blocks)
 
     def close(self) -> None:
         self.endpoint.close()
@@ -279,7 +305,7 @@ class DecodeRank0:
     def __init__(
         self,
         shape: PoolShape,
-        tp_size: int,
+        split: KVSplit,
         device: str,
         config: KVTransferConfig,
         agents: list[RankAgent],
@@ -287,9 +313,8 @@ class DecodeRank0:
     ) -> None:
         from kv_transfer.nixl_backend import NixlBackend
 
-        self.shape = shape
-        self.tp_size = tp_size
-        self.cache = KVCache(shape.spec(tp_size, 0), _use(device))
+        self.split = split
+        self.cache = KVCache(shape.spec(split, 0), _use(device))
         self._outcomes: queue.Queue[tuple[TransferOutcome, float]] = queue.Queue()
         read_timeout = config.transfer_timeout_s + config.call_timeout_s
         links: list[TransferBackend] = [
@@ -305,8 +330,9 @@ class DecodeRank0:
             return cast(TransferBackend, _StampedBackend(inner, self._started))
 
         self.endpoint = DecodeEndpoint(
-            self.cache, MODEL_ID, "d0", self._outcome, self._outcome, config, factory
-        )
+            self.cache, MODEL_ID, "d0", self._outcome, self._outcome, config, factory,
+            layer_bounds=split.layer_bounds,
+        )  # fmt: skip
         self.endpoint.start()
 
     def _outcome(self, outcome: TransferOutcome) -> None:
@@ -325,7 +351,7 @@ class DecodeRank0:
             raise TimeoutError(f"pull {handle.request_id}: no outcome in {timeout_s} s") from None
         if outcome.state is not TransferState.DONE:
             raise RuntimeError(f"pull {handle.request_id}: {outcome.state.value}: {outcome.error}")
-        ranks = range(self.tp_size) if plan.slices else range(1)
+        ranks = range(self.split.num_ranks) if plan.slices else range(1)
         return Pull(
             plan.nbytes,
             plan.num_descriptors,
@@ -340,7 +366,7 @@ class DecodeRank0:
         )
 
     def mismatches(self, src_blocks: list[int], dst_blocks: list[int]) -> int:
-        return count_mismatches(self.cache, self.shape.num_kv_heads, src_blocks, dst_blocks)
+        return count_mismatches(self.cache, src_blocks, dst_blocks)
 
     def peer_copy_s(self, src_device: str, nbytes: int, repeats: int) -> list[float]:
         """Seconds of each of `repeats` plain copies of `nbytes` from `src_device` here."""
@@ -368,8 +394,8 @@ class DecodeRank0:
 
 @dataclass(frozen=True)
 class PairResult:
-    prefill_tp: int
-    decode_tp: int
+    prefill: KVSplit
+    decode: KVSplit
     prefill_devices: tuple[str, ...]
     decode_devices: tuple[str, ...]
     pulls: tuple[Pull, ...]
@@ -382,16 +408,24 @@ class PairResult:
 
 def run_pair(
     shape: PoolShape,
+    prefill_split: KVSplit,
+    decode_split: KVSplit,
     prefill_devices: list[str],
     decode_devices: list[str],
     config: KVTransferConfig,
     repeats: int,
     timeout_s: float,
 ) -> PairResult:
-    """One pair's processes, pulls and checks (module docstring); every wait within
-    `timeout_s` in all. Raises RuntimeError / RemoteError naming what failed."""
+    """One pair's processes (rank r of a side on that side's `devices[r]`), pulls and checks
+    (module docstring); every wait within `timeout_s` in all. Raises RuntimeError /
+    RemoteError naming what failed."""
     ctx = mp.get_context("spawn")
     p, d = len(prefill_devices), len(decode_devices)
+    if (p, d) != (prefill_split.num_ranks, decode_split.num_ranks):
+        raise ValueError(
+            f"{p} prefill and {d} decode devices for {prefill_split.ranks_text} → "
+            f"{decode_split.ranks_text}"
+        )
     deadline = time.monotonic() + timeout_s
     prefill: list[Child] = []
     followers: list[Child] = []
@@ -400,21 +434,21 @@ def run_pair(
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"pair {p}->{d}: past its {timeout_s:g} s")
+            raise TimeoutError(f"pair of {p}->{d} ranks: past its {timeout_s:g} s")
         return remaining
 
     try:
         for r, dev in enumerate(prefill_devices):
-            args = (shape, p, r, dev, config)
+            args = (shape, prefill_split, r, dev, config)
             prefill.append(start_child(ctx, f"prefill-rank{r}", PrefillRank, args))
         links = [ctx.Pipe() for _ in range(d - 1)]
         for r, dev in enumerate(decode_devices[1:], 1):
-            args = (shape, d, r, dev, config)
+            args = (shape, decode_split, r, dev, config)
             link = [links[r - 1][0]]
             followers.append(start_child(ctx, f"decode-rank{r}", DecodeFollower, args, link))
         f_calls = [f.ready(left()) for f in followers]
         agents = [c.call("agent", timeout_s=left()) for c in f_calls]
-        rank0_args = (shape, d, decode_devices[0], config, agents)
+        rank0_args = (shape, decode_split, decode_devices[0], config, agents)
         calls = [b for _, b in links]
         rank0.append(start_child(ctx, "decode-rank0", DecodeRank0, rank0_args, calls=calls))
         for a, b in links:  # the children hold them now: a dead child's pipe then ends
@@ -440,8 +474,8 @@ def run_pair(
         nbytes = pulls[0].nbytes if pulls else 0
         copies = d0.call("peer_copy_s", prefill_devices[0], nbytes, repeats, timeout_s=left())
         return PairResult(
-            p, d, tuple(prefill_devices), tuple(decode_devices), tuple(pulls), bad, tuple(copies),
-            info.region.mem_type,
+            prefill_split, decode_split, tuple(prefill_devices), tuple(decode_devices),
+            tuple(pulls), bad, tuple(copies), info.region.mem_type,
         )  # fmt: skip
     finally:  # the reader first: its reads end before the pools they read go
         for child in (*rank0, *followers, *prefill):

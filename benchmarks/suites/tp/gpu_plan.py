@@ -1,11 +1,12 @@
 """The arithmetic and the plan of the tp_gpu suite (benchmarks/suites/tp/gpu.py), as pure
-functions: what one TP
-rank reads in a decode step (the HBM floor's numerator), how far two logit vectors are apart,
-which TP sizes and hand-off pairs a machine of N GPUs runs and where each rank goes.
+functions: what one TP rank reads in a decode step (the HBM floor's numerator), how far two
+logit vectors are apart, which TP sizes and hand-off pairs (prefill PP x TP → decode PP x TP)
+a machine of N GPUs runs and where each rank goes, and what a pair's hand-off posts and moves.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,13 @@ import numpy as np
 
 from engine.loading.hf_checkpoint import projection_shapes
 from engine.tp.tp_shard import TPShard, local_config
+from kv_transfer.tp_plan import (
+    BLOCK_MAJOR,
+    HEAD_MAJOR,
+    LAYER_MAJOR,
+    HeadPlan,
+    check_handoff_layouts,
+)
 from vocabulary.model_config import ModelConfig
 
 LOGITS_REL_TOL = 0.1
@@ -80,8 +88,68 @@ class Skip:
 
 
 @dataclass(frozen=True)
+class WorkerLayout:
+    """One side of a hand-off pair: a worker of `pp` pipeline stages x `tp` TP ranks (ranks
+    stage-major, kv_transfer/tp_plan.py; equal stages)."""
+
+    pp: int
+    tp: int
+
+    @property
+    def num_ranks(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def name(self) -> str:
+        return f"pp{self.pp}tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class HandoffPair:
+    """A prefill worker's layout → a decode worker's."""
+
+    prefill: WorkerLayout
+    decode: WorkerLayout
+
+    @property
+    def name(self) -> str:
+        """`P->D` (TP sizes) between workers of one stage each, else `ppAtpB->ppCtpD`."""
+        if self.prefill.pp == self.decode.pp == 1:
+            return f"{self.prefill.tp}->{self.decode.tp}"
+        return f"{self.prefill.name}->{self.decode.name}"
+
+    @property
+    def kv_layout(self) -> str:
+        """The pools' layout `pdserve up` gives such a pair (engine.kv_layout auto,
+        deploy/control/cluster_spec.py `kv_layout`): head-major when the TP sizes differ (a
+        decode rank reads part of a block's heads), else block-major."""
+        return HEAD_MAJOR if self.prefill.tp != self.decode.tp else BLOCK_MAJOR
+
+    def plan(self, num_layers: int, num_kv_heads: int) -> HeadPlan:
+        """kv_transfer/tp_plan.py's plan of this pair's hand-off for a model of these layers
+        and KV heads; raises UnsupportedSplit (a ValueError) saying why there is none (stages
+        that do not divide the layers, TP sizes that do not split the heads)."""
+        p, d = self.prefill, self.decode
+        return check_handoff_layouts(
+            p.pp, p.tp, d.pp, d.tp, num_layers, num_kv_heads, self.kv_layout
+        )
+
+
+def tp_pair(prefill_tp: int, decode_tp: int) -> HandoffPair:
+    """The pair of workers of one stage each, of these TP sizes."""
+    return HandoffPair(WorkerLayout(1, prefill_tp), WorkerLayout(1, decode_tp))
+
+
+DEFAULT_PAIRS = (
+    tp_pair(1, 1), tp_pair(1, 2), tp_pair(2, 1), tp_pair(2, 2),
+    HandoffPair(WorkerLayout(2, 1), WorkerLayout(1, 1)),
+    HandoffPair(WorkerLayout(2, 1), WorkerLayout(1, 2)),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class PairPlacement:
-    """The device index of each prefill and decode rank of one hand-off pair."""
+    """The device index of each prefill and decode rank of one hand-off pair (stage-major)."""
 
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
@@ -105,15 +173,23 @@ def plan_decode(tp_size: int, num_devices: int) -> tuple[list[int], list[Skip]]:
 
 
 def plan_pairs(
-    pairs: Sequence[tuple[int, int]], num_devices: int, placement: str
-) -> tuple[dict[tuple[int, int], PairPlacement], list[Skip]]:
+    pairs: Sequence[HandoffPair], num_devices: int, placement: str
+) -> tuple[dict[HandoffPair, PairPlacement], list[Skip]]:
     """Where each pair's ranks go, and the pairs skipped. `placement`: spread (each rank its
-    own GPU: P + D of them), packed (prefill ranks on GPU 0, decode ranks on GPU 1), auto
-    (spread when every pair fits, else packed), single (every rank on GPU 0: a check of the
-    VRAM path on one GPU, whose GB/s are a copy inside one GPU, not over a link; only when
-    asked for)."""
+    own GPU: as many as the pair's ranks), packed (prefill ranks on GPU 0, decode ranks on
+    GPU 1), auto (spread when every pair fits, else packed), single (every rank on GPU 0: a
+    check of the VRAM path on one GPU, whose GB/s are a copy inside one GPU, not over a
+    link; only when asked for)."""
+
+    def ranks(pair: HandoffPair) -> tuple[int, int]:
+        return pair.prefill.num_ranks, pair.decode.num_ranks
+
     if placement == "single" and num_devices >= 1:
-        return {(p, d): PairPlacement((0,) * p, (0,) * d, "single") for p, d in pairs}, []
+        placed = {}
+        for pair in pairs:
+            p, d = ranks(pair)
+            placed[pair] = PairPlacement((0,) * p, (0,) * d, "single")
+        return placed, []
     if num_devices < 2:
         why = (
             f"needs 2 GPUs (the prefill pool and the decode pool on different GPUs), "
@@ -121,20 +197,21 @@ def plan_pairs(
         )
         if num_devices == 1:
             why += " (--placement single runs it inside the one GPU: a check, not the figure)"
-        return {}, [Skip(f"hand-off {p}->{d}", why) for p, d in pairs]
+        return {}, [Skip(f"hand-off {pair.name}", why) for pair in pairs]
     mode = placement
     if mode == "auto":
-        mode = "spread" if all(p + d <= num_devices for p, d in pairs) else "packed"
+        mode = "spread" if all(sum(ranks(pair)) <= num_devices for pair in pairs) else "packed"
     placed, skips = {}, []
-    for p, d in pairs:
+    for pair in pairs:
+        p, d = ranks(pair)
         if mode == "packed":
-            placed[(p, d)] = PairPlacement((0,) * p, (1,) * d, mode)
+            placed[pair] = PairPlacement((0,) * p, (1,) * d, mode)
         elif p + d <= num_devices:
-            placed[(p, d)] = PairPlacement(tuple(range(p)), tuple(range(p, p + d)), mode)
+            placed[pair] = PairPlacement(tuple(range(p)), tuple(range(p, p + d)), mode)
         else:
             skips.append(
                 Skip(
-                    f"hand-off {p}->{d}",
+                    f"hand-off {pair.name}",
                     f"spread placement needs {p + d} GPUs (one "
                     f"per rank), this machine has {num_devices}; --placement packed "
                     "puts prefill ranks on GPU 0 and decode ranks on GPU 1",
@@ -143,14 +220,29 @@ def plan_pairs(
     return placed, skips
 
 
-def parse_pairs(text: str) -> tuple[tuple[int, int], ...]:
-    """`1-1,1-2` → ((1, 1), (1, 2)); ValueError naming a bad pair."""
+_SIDE = re.compile(r"pp(\d+)tp(\d+)")
+PAIR_SYNTAX = (
+    "PREFILL_TP-DECODE_TP (workers of one stage, e.g. 2-1) or PREFILL:DECODE with each side "
+    "ppSTAGEStpRANKS (e.g. pp2tp1:pp1tp2)"
+)
+
+
+def parse_pairs(text: str) -> tuple[HandoffPair, ...]:
+    """`1-1,pp2tp1:pp1tp2` → the pairs; ValueError naming a bad one (`PAIR_SYNTAX`)."""
     out = []
     for item in text.split(","):
         p, sep, d = item.strip().partition("-")
-        if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
-            raise ValueError(f"pair {item!r}: PREFILL_TP-DECODE_TP, e.g. 2-1")
-        out.append((int(p), int(d)))
+        if sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1:
+            out.append(tp_pair(int(p), int(d)))
+            continue
+        sides = []
+        for side in item.strip().split(":"):
+            m = _SIDE.fullmatch(side.strip())
+            if m is not None and int(m[1]) >= 1 and int(m[2]) >= 1:
+                sides.append(WorkerLayout(int(m[1]), int(m[2])))
+        if len(sides) != 2 or item.count(":") != 1:
+            raise ValueError(f"pair {item!r}: {PAIR_SYNTAX}")
+        out.append(HandoffPair(*sides))
     return tuple(out)
 
 
@@ -159,3 +251,33 @@ def parse_ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise ValueError(f"{text!r}: positive integers, comma-separated")
     return values
+
+
+# ---- what a hand-off posts and moves ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpectedReads:
+    descriptors: int
+    """Over every decode rank."""
+    per_rank: tuple[int, ...]
+    nbytes: int
+    """Over every decode rank."""
+
+
+def expected_reads(plan: HeadPlan, blocks: int, runs: int, unit_nbytes: int) -> ExpectedReads:
+    """What a hand-off planned as `plan` of `blocks` blocks, in `runs` runs adjacent on both
+    sides, posts and moves, counted from kv_transfer/tp_plan.py's table of regions (not from
+    kv_transfer/plan.py, which the benchmark checks against it): a piece that is whole
+    segments on both sides (a whole block; whole layers of a layer-major pool) costs its
+    regions once per run, any other piece its regions once per block. `unit_nbytes`: one KV
+    head's K and V of one layer of one block."""
+    per_rank, nbytes = [], 0
+    for d in range(plan.decode.num_ranks):
+        n = 0
+        for _, r, s in plan.pieces(d):
+            whole = plan.decode.layout == LAYER_MAJOR or (plan.whole_layers(r) and plan.is_whole(s))
+            n += plan.regions(r, s) * (runs if whole else blocks)
+            nbytes += blocks * r.num_layers * s.num_heads * unit_nbytes
+        per_rank.append(n)
+    return ExpectedReads(sum(per_rank), tuple(per_rank), nbytes)

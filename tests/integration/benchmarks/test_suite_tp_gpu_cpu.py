@@ -2,8 +2,10 @@
 tiny model; TP ranks over gloo; every hand-off rank its own process with a host pool and a
 NIXL agent over UCX shm/tcp), so the script a two-GPU machine runs has run somewhere: both
 decode runs report, TP=2's logits agree with TP=1's, the floors' arithmetic matches the
-models built, every pulled head arrives intact, descriptors match kv_transfer/tp_plan.py's
-count, and the script exits 0. Its figures are not measurements."""
+models built, every pulled head and layer arrives intact (TP pairs, and a PP=2 prefill worker
+to a TP=2 decode worker: each decode rank reads each stage's layers from the rank holding
+them), descriptors match kv_transfer/tp_plan.py's count, and the script exits 0. Its figures
+are not measurements."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def run_bench(args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cpu_run_of_both_parts_passes_its_checks() -> None:
-    args = "--cpu --batches 1,2 --context 64 --iters 2 --pairs 1-2,2-1 --repeats 2"
+    args = "--cpu --batches 1,2 --context 64 --iters 2 --pairs 1-2,2-1,pp2tp1:pp1tp2 --repeats 2"
     done = run_bench(args + " --prompt-tokens 256 --part-timeout 300")
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-4000:]
@@ -40,8 +42,12 @@ def test_cpu_run_of_both_parts_passes_its_checks() -> None:
                         re.M)  # fmt: skip
     assert decode == ["1", "2"]  # a row per batch with TP=1 and TP=2 columns
     # 256 tokens = 16 blocks; head-major: one descriptor per block per decode rank's slice
-    assert re.search(r"^1->2 +cpu +[0-9.]+ +32 \(16/16\) +- .* yes$", out, re.M), out
-    assert re.search(r"^2->1 +cpu +[0-9.]+ +32 \(32\) +32 .* yes$", out, re.M), out
+    assert re.search(r"^1->2 +head +cpu +[0-9.]+ +32 \(16/16\) +- .* yes$", out, re.M), out
+    assert re.search(r"^2->1 +head +cpu +[0-9.]+ +32 \(32\) +32 .* yes$", out, re.M), out
+    # 2 stages of 2 layers: each decode rank reads its head of each stage's layers, one
+    # descriptor per block per stage
+    assert "prefill PP=2 over 4 layers (bounds 0,2,4) x TP=1" in out
+    assert re.search(r"^pp2tp1->pp1tp2 +head +cpu +[0-9.]+ +64 \(32/32\) +- .* yes$", out, re.M)
 
 
 def test_one_device_runs_tp1_and_skips_tp2_saying_why() -> None:

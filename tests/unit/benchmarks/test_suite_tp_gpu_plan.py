@@ -1,7 +1,8 @@
 """The tp_gpu suite's arithmetic and plan (benchmarks/suites/tp/gpu_plan.py): the bytes one TP
 rank reads in a decode step (the HBM floor's numerator) against the parameters of the model a
-rank actually builds, the floor itself, the logits comparison, and which TP sizes and hand-off
-pairs a machine of 0..4 GPUs runs, skips (with the reason) and where each rank goes."""
+rank actually builds, the floor itself, the logits comparison, which TP sizes and hand-off
+pairs (TP and PP x TP layouts) a machine of 0..4 GPUs runs, skips (with the reason) and where
+each rank goes, and the descriptors and bytes a pair's hand-off posts."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import torch
 
 from benchmarks.harness.decode_model import weight_read_bytes
 from benchmarks.suites.tp.gpu_plan import (
+    DEFAULT_PAIRS,
     LOGITS_REL_TOL,
+    HandoffPair,
     PairPlacement,
     Skip,
+    WorkerLayout,
+    expected_reads,
     floor_s,
     logits_rel_diff,
     parse_ints,
@@ -21,6 +26,7 @@ from benchmarks.suites.tp.gpu_plan import (
     plan_decode,
     plan_pairs,
     rank_step_bytes,
+    tp_pair,
 )
 from deploy.checkpoints.make_model import PRESETS, hf_config
 from engine.kv.kv_sizing import kv_cache_spec
@@ -28,7 +34,9 @@ from engine.modeling.llama import LlamaModel
 from engine.tp.tp_shard import TPShard, local_config
 from vocabulary.model_config import ModelConfig
 
-PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
+PAIRS = (tp_pair(1, 1), tp_pair(1, 2), tp_pair(2, 1), tp_pair(2, 2))
+PP2 = WorkerLayout(2, 1)
+PP2_TO_TP2 = HandoffPair(PP2, WorkerLayout(1, 2))
 
 
 def preset(name: str, **overrides: object) -> ModelConfig:
@@ -118,8 +126,8 @@ def test_one_gpu_runs_pairs_inside_it_only_when_asked() -> None:
     for num_devices in (1, 2):
         placed, skips = plan_pairs(PAIRS, num_devices, "single")
         assert skips == []
-        assert placed[(2, 2)] == PairPlacement((0, 0), (0, 0), "single")
-        assert placed[(1, 2)] == PairPlacement((0,), (0, 0), "single")
+        assert placed[tp_pair(2, 2)] == PairPlacement((0, 0), (0, 0), "single")
+        assert placed[tp_pair(1, 2)] == PairPlacement((0,), (0, 0), "single")
     placed, skips = plan_pairs(PAIRS, 0, "single")
     assert placed == {} and all("has 0" in s.why for s in skips)
 
@@ -128,19 +136,19 @@ def test_two_gpus_pack_every_pair_across_the_one_link() -> None:
     for placement in ("auto", "packed"):
         placed, skips = plan_pairs(PAIRS, 2, placement)
         assert skips == []
-        assert placed[(1, 1)] == PairPlacement((0,), (1,), "packed")
-        assert placed[(1, 2)] == PairPlacement((0,), (1, 1), "packed")
-        assert placed[(2, 1)] == PairPlacement((0, 0), (1,), "packed")
-        assert placed[(2, 2)] == PairPlacement((0, 0), (1, 1), "packed")
+        assert placed[tp_pair(1, 1)] == PairPlacement((0,), (1,), "packed")
+        assert placed[tp_pair(1, 2)] == PairPlacement((0,), (1, 1), "packed")
+        assert placed[tp_pair(2, 1)] == PairPlacement((0, 0), (1,), "packed")
+        assert placed[tp_pair(2, 2)] == PairPlacement((0, 0), (1, 1), "packed")
 
 
 def test_four_gpus_spread_every_rank_to_its_own_gpu() -> None:
     placed, skips = plan_pairs(PAIRS, 4, "auto")
     assert skips == []
-    assert placed[(1, 1)] == PairPlacement((0,), (1,), "spread")
-    assert placed[(1, 2)] == PairPlacement((0,), (1, 2), "spread")
-    assert placed[(2, 1)] == PairPlacement((0, 1), (2,), "spread")
-    assert placed[(2, 2)] == PairPlacement((0, 1), (2, 3), "spread")
+    assert placed[tp_pair(1, 1)] == PairPlacement((0,), (1,), "spread")
+    assert placed[tp_pair(1, 2)] == PairPlacement((0,), (1, 2), "spread")
+    assert placed[tp_pair(2, 1)] == PairPlacement((0, 1), (2,), "spread")
+    assert placed[tp_pair(2, 2)] == PairPlacement((0, 1), (2, 3), "spread")
 
 
 def test_auto_packs_when_one_pair_does_not_spread() -> None:
@@ -151,7 +159,7 @@ def test_auto_packs_when_one_pair_does_not_spread() -> None:
 
 def test_spread_asked_for_skips_the_pairs_that_do_not_fit() -> None:
     placed, skips = plan_pairs(PAIRS, 3, "spread")
-    assert sorted(placed) == [(1, 1), (1, 2), (2, 1)]
+    assert [pair.name for pair in placed] == ["1->1", "1->2", "2->1"]
     assert skips == [
         Skip(
             "hand-off 2->2",
@@ -161,12 +169,71 @@ def test_spread_asked_for_skips_the_pairs_that_do_not_fit() -> None:
     ]
 
 
+def test_pp_pairs_place_every_stage_s_ranks() -> None:
+    pairs = (HandoffPair(PP2, WorkerLayout(1, 1)), PP2_TO_TP2)
+    placed, skips = plan_pairs(pairs, 2, "auto")
+    assert skips == []
+    assert placed[pairs[0]] == PairPlacement((0, 0), (1,), "packed")
+    assert placed[PP2_TO_TP2] == PairPlacement((0, 0), (1, 1), "packed")
+    placed, skips = plan_pairs(pairs, 3, "spread")
+    assert placed == {pairs[0]: PairPlacement((0, 1), (2,), "spread")}
+    assert skips == [
+        Skip(
+            "hand-off pp2tp1->pp1tp2",
+            "spread placement needs 4 GPUs (one per rank), this machine has 3; "
+            "--placement packed puts prefill ranks on GPU 0 and decode ranks on GPU 1",
+        )
+    ]
+    placed, _ = plan_pairs(pairs, 4, "auto")
+    assert placed[PP2_TO_TP2] == PairPlacement((0, 1), (2, 3), "spread")
+
+
 def test_parse_pairs_and_ints() -> None:
-    assert parse_pairs("1-1, 2-4") == ((1, 1), (2, 4))
-    for bad in ("2", "1-x", "0-1", "1-1,", "-1-2"):
-        with pytest.raises(ValueError, match="PREFILL_TP-DECODE_TP"):
+    assert parse_pairs("1-1, 2-4") == (tp_pair(1, 1), tp_pair(2, 4))
+    assert parse_pairs("pp2tp1:pp1tp2,pp1tp2:pp1tp1 , 2-1") == (
+        PP2_TO_TP2, tp_pair(2, 1), tp_pair(2, 1)
+    )  # fmt: skip
+    assert parse_pairs("1-1,1-2,2-1,2-2,pp2tp1:pp1tp1,pp2tp1:pp1tp2") == DEFAULT_PAIRS
+    for bad in ("2", "1-x", "0-1", "1-1,", "-1-2", "pp2tp1", "pp2:pp1tp1", "pp0tp1:pp1tp1",
+                "pp2tp1:pp1tp1:pp1tp1", "pp2tp1-pp1tp1", "tp1pp2:pp1tp1"):  # fmt: skip
+        with pytest.raises(ValueError, match=r"PREFILL_TP-DECODE_TP .* ppSTAGEStpRANKS"):
             parse_pairs(bad)
     assert parse_ints("1,16,64") == (1, 16, 64)
     for bad in ("0,1", "a", ""):
         with pytest.raises(ValueError):
             parse_ints(bad)
+
+
+def test_pair_names_layouts_and_plans() -> None:
+    assert [p.name for p in DEFAULT_PAIRS] == [
+        "1->1", "1->2", "2->1", "2->2", "pp2tp1->pp1tp1", "pp2tp1->pp1tp2"
+    ]  # fmt: skip
+    layouts = [p.kv_layout.removesuffix("_v1") for p in DEFAULT_PAIRS]
+    assert layouts == ["block_major", "head_major", "head_major", "block_major",
+                       "block_major", "head_major"]  # fmt: skip
+    plan = PP2_TO_TP2.plan(32, 8)
+    assert plan.prefill.layer_bounds == (0, 16, 32) and plan.decode.tp_size == 2
+    with pytest.raises(ValueError, match="3 pipeline stages do not divide the model's 4 layers"):
+        HandoffPair(WorkerLayout(3, 1), WorkerLayout(1, 1)).plan(4, 2)
+
+
+@pytest.mark.parametrize(
+    ("pair", "per_rank"),
+    [
+        (tp_pair(1, 1), (1,)),  # whole blocks: one run
+        (tp_pair(1, 2), (128, 128)),  # a head range of a head-major block: one a block
+        (tp_pair(2, 1), (256,)),
+        (tp_pair(2, 2), (1, 1)),
+        (HandoffPair(PP2, WorkerLayout(1, 1)), (256,)),  # a stage's layers: one a block each
+        (PP2_TO_TP2, (1024, 1024)),  # 2 stages x 4 heads (one region each) a block
+        (HandoffPair(WorkerLayout(1, 1), PP2), (128, 128)),
+        (HandoffPair(PP2, PP2), (1, 1)),  # the same stages: whole blocks
+    ],
+)
+def test_expected_reads_llama3_8b_shape(pair: HandoffPair, per_rank: tuple[int, ...]) -> None:
+    """128 blocks of 16 tokens, 32 layers, 8 KV heads of 128, bf16: every pair moves the
+    prompt's 256 MiB once (no head is replicated), in the descriptors of tp_plan's table."""
+    unit = 2 * 16 * 128 * 2
+    got = expected_reads(pair.plan(32, 8), 128, 1, unit)
+    assert got.per_rank == per_rank and got.descriptors == sum(per_rank)
+    assert got.nbytes == 128 * 32 * 8 * unit == 256 * 2**20
