@@ -38,9 +38,9 @@ def test_fewer_devices_than_a_part_needs_skip_it_saying_why_and_exit_0() -> None
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     summary = done.stdout.split("======== summary")[1]
-    for pair in ("1->1", "1->2", "2->1", "2->2"):
+    for pair in ("1->1", "1->2", "2->1", "2->2", "pp2tp1->pp1tp1", "pp2tp1->pp1tp2"):
         assert f"skipped hand-off {pair}: needs 2 GPUs" in summary
-    assert "every part that ran passed its checks (4 skipped)" in summary
+    assert "every part that ran passed its checks (6 skipped)" in summary
     assert "FAILED" not in done.stdout and "== hand-off" not in done.stdout
 
 
@@ -49,6 +49,7 @@ def test_fewer_devices_than_a_part_needs_skip_it_saying_why_and_exit_0() -> None
     [
         (["--parts", "decode,nope"], "unknown part 'nope'"),
         (["--pairs", "2"], "PREFILL_TP-DECODE_TP"),
+        (["--handoff-pairs", "pp2tp1-pp1tp1"], "--pairs/--handoff-pairs: pair 'pp2tp1-pp1tp1'"),
         (["--batches", "1,0"], "positive integers"),
         (["--iters", "0"], "--iters: must be >= 1"),
         (["--placement", "everywhere"], "invalid choice"),
@@ -69,7 +70,9 @@ def test_defaults_gpu_and_cpu() -> None:
     assert (gpu.parts, gpu.tp, gpu.batches, gpu.context, gpu.iters) == (
         ("decode", "handoff"), 2, (1, 16, 64), 2048, 30,
     )  # fmt: skip
-    assert gpu.pairs == ((1, 1), (1, 2), (2, 1), (2, 2))
+    assert [p.name for p in gpu.pairs] == [
+        "1->1", "1->2", "2->1", "2->2", "pp2tp1->pp1tp1", "pp2tp1->pp1tp2"
+    ]  # fmt: skip
     assert (gpu.prompt_tokens, gpu.repeats, gpu.placement) == (2048, 10, "auto")
     cpu = parse_args(["--cpu"])
     assert (cpu.batches, cpu.context, cpu.iters, cpu.repeats) == ((1, 4), 256, 3, 3)
