@@ -60,7 +60,11 @@ def quantize_rows_int8(
     """(int8 [rows, cols], float32 scales [rows, 1]): each row by its own amax / `divisor`,
     rounded half-to-even and clamped to [-128, 127]."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / divisor).clamp(min=_MIN_SCALE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # a tensor divisor, not a Python float: on CUDA torch divides by a CPU scalar as a times
+    # the scalar's reciprocal, a bit off the IEEE quotient the CPU, the kernels and
+    # compressed-tensors' CPU emulation compute (the GPU tests caught it)
+    scale = (amax / torch.full_like(amax, divisor)).clamp(min=_MIN_SCALE)
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
 
 
