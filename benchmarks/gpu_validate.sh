@@ -164,7 +164,7 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     --model /tmp/cfg-llama3-8b --device cuda --dtype bfloat16 --load-format dummy ;;
   outliers) config_model llama3-8b  # issue 49's slow engine steps, every step timed
     TAILN=${TAILN:-200} step step_outliers 240 python -m benchmarks step_outliers \
-    --model /tmp/cfg-llama3-8b --json "$OUT/step_outliers.json" ;;
+    --model /tmp/cfg-llama3-8b --json "$OUT/step_outliers.json" ${OUTLIERS_ARGS:-} ;;
   trio_ph|trio_bal|trio_dh) config_model llama3-8b  # issue 42's table through the whole system
     # one GPU, one cluster per mode in turn: one colocated worker, the PD pair sharing the GPU,
     # one split worker (each sized from half the card); ~3-4 min per workload on a warm machine

@@ -203,7 +203,7 @@ def profile_outliers(
     return f"profiled re-run of {name}: steps {steps} ms\n{table}\n{cpu_table}"
 
 
-def build_engine(cpu: bool, model_dir: Path | None) -> LLMEngine:
+def build_engine(cpu: bool, model_dir: Path | None, host_kv_gb: float = -1.0) -> LLMEngine:
     if cpu:
         from deploy.checkpoints.make_model import cached_tiny_model
 
@@ -218,7 +218,7 @@ def build_engine(cpu: bool, model_dir: Path | None) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model_dir=str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy",
-            num_kv_blocks=0, attention_backend="auto", cuda_graphs=True,
+            num_kv_blocks=0, attention_backend="auto", cuda_graphs=True, host_kv_gb=host_kv_gb,
         )
     )  # fmt: skip
 
@@ -232,12 +232,16 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         "--outlier", type=float, default=3.0, help="outlier: x the steady scenario's median"
     )
     parser.add_argument("--json", type=Path, help="write every step here")
+    parser.add_argument(
+        "--host-kv-gb", type=float, default=-1.0,
+        help="GPU: EngineConfig.host_kv_gb (-1 its default, 0 the host KV tier off)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
     if not cpu and args.model is None:
         parser.error("--model is needed on the GPU")
     ctx = args.context or (400 if cpu else 3072)
-    engine = build_engine(cpu, args.model)
+    engine = build_engine(cpu, args.model, args.host_kv_gb)
     rec = StepRecorder(engine)
     try:
         small_ctx = 64 if cpu else 256
