@@ -32,7 +32,6 @@ sweeps `GemmConfig`s). `triton_ready(device)` checks both kernels once per devic
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any
 
@@ -125,7 +124,7 @@ def splits(config: GemmConfig, n: int, k: int, device: torch.device) -> int:
     if config.split_k:
         return min(config.split_k, most)
     tiles = -(-n // config.block_n)
-    sms = _sm_count(device)
+    sms = triton_device.sm_count(device)
     split = 1
     while tiles * split < sms and split * 2 <= most:
         split *= 2
@@ -225,13 +224,6 @@ def dequantize(
         BF16_OUT=out.dtype == torch.bfloat16,
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: a few slices, so the CPU tests run the split-K branch
 
 
 def _kernels() -> tuple[Any, Any]:

@@ -38,7 +38,6 @@ checks the kernel against the torch ops once per device and keeps them where it 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -101,7 +100,7 @@ def splits(config: GemmConfig, rows: int, n: int, k: int, device: torch.device) 
     if config.split_k:
         return min(config.split_k, most)
     tiles = -(-rows // config.block_m) * -(-n // config.block_n)
-    sms = _sm_count(device)
+    sms = triton_device.sm_count(device)
     split = 1
     while tiles * split < sms and split * 2 <= most:
         split *= 2
@@ -174,13 +173,6 @@ def matmul(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: a few slices, so the CPU tests run the split-K branch
 
 
 def _kernel() -> Any:

@@ -3,6 +3,7 @@ int8_kernels.py): on CUDA, or anywhere under Triton's interpreter (the CPU tests
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -45,3 +46,12 @@ def workspace_bytes(workspaces: Mapping[torch.device, Sequence[torch.Tensor]],
     """Bytes of a kernel's workspace tensors (4-byte elements) on `device`."""
     have = workspaces.get(device)
     return 0 if have is None else sum(t.numel() * 4 for t in have)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors a split-K kernel fills on `device` (under the interpreter a
+    few, so the CPU tests run the split-K branch)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
