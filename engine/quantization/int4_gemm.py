@@ -124,11 +124,7 @@ def splits(config: GemmConfig, n: int, k: int, device: torch.device) -> int:
     if config.split_k:
         return min(config.split_k, most)
     tiles = -(-n // config.block_n)
-    sms = triton_device.sm_count(device)
-    split = 1
-    while tiles * split < sms and split * 2 <= most:
-        split *= 2
-    return split
+    return triton_device.fill_split(tiles, most, device)
 
 
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -55,3 +55,13 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
+
+
+def fill_split(tiles: int, most: int, device: torch.device) -> int:
+    """The split-K of a grid of `tiles` output tiles: the smallest power of two, up to `most`,
+    whose slices give every SM of `device` a program (`sm_count`)."""
+    sms = sm_count(device)
+    split = 1
+    while tiles * split < sms and split * 2 <= most:
+        split *= 2
+    return split
