@@ -85,27 +85,29 @@ def test_a_poll_answered_after_the_channel_saw_the_death_does_not_revive_the_wor
 
 
 class Reporter:
-    """A decode actor whose load report shows `running` requests of `blocks` blocks each, as
-    of when the report was asked for (`asked`), answered when `answer` is set."""
+    """A worker whose load report shows its used blocks, running requests and queued prompt
+    tokens as of when the report was asked for, answered when `answer` is set."""
 
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
         self.used_blocks = 0
         self.running = 0
+        self.queued = 0
         self.answer: asyncio.Future[None] | None = None
         self.load = _Method(self._load)
 
     def _load(self) -> Any:
         fields = {f.name: 0 for f in dataclasses.fields(EngineLoad)}
         fields.update(num_total_blocks=512, num_free_blocks=512 - self.used_blocks,
-                      num_running=self.running)  # fmt: skip
+                      num_running=self.running,
+                      num_waiting_prefill_tokens=self.queued)  # fmt: skip
         asked = EngineLoad(**fields)  # the worker's state when the call reached it
         answer = self.answer
 
         async def report() -> WorkerLoad:
             if answer is not None:
                 await answer
-            return WorkerLoad(self.info.worker_id, WorkerRole.DECODE, WorkerState.READY, asked,
+            return WorkerLoad(self.info.worker_id, self.info.role, WorkerState.READY, asked,
                               0, 0)  # fmt: skip
 
         return report()
@@ -152,38 +154,13 @@ def test_a_started_request_counts_until_a_report_asked_for_after_its_start_answe
     assert asyncio.run(body()) == [(0, 0), (8, 1), (8, 1), (8, 1), (8, 1)]
 
 
-class PrefillReporter:
-    """A prefill actor whose report shows the prompt tokens queued when it was asked for."""
-
-    def __init__(self, info: WorkerInfo) -> None:
-        self.info = info
-        self.queued = 0
-        self.answer: asyncio.Future[None] | None = None
-        self.load = _Method(self._load)
-
-    def _load(self) -> Any:
-        fields = {f.name: 0 for f in dataclasses.fields(EngineLoad)}
-        fields.update(num_total_blocks=512, num_free_blocks=512,
-                      num_waiting_prefill_tokens=self.queued)  # fmt: skip
-        asked = EngineLoad(**fields)
-        answer = self.answer
-
-        async def report() -> WorkerLoad:
-            if answer is not None:
-                await answer
-            return WorkerLoad(self.info.worker_id, WorkerRole.PREFILL, WorkerState.READY, asked,
-                              0, 0)  # fmt: skip
-
-        return report()
-
-
 def test_a_prompt_sent_while_a_poll_is_out_counts_until_a_later_report_or_its_prefill_ends() -> (
     None
 ):
     info = WorkerInfo("p0", WorkerRole.PREFILL, "a", "n", "cpu", "tiny", 16, 512, 512, 64)
 
     async def body() -> list[int]:
-        worker = PrefillReporter(info)
+        worker = Reporter(info)
         view = ClusterView(StaticDirectory([(info, worker)]))
         await view.refresh_registry()
         await view.poll_loads()
