@@ -5,11 +5,15 @@
     python -m benchmarks host_tier chat --model DIR --out OUT  # TTFT, tier on vs off
 
 `copy`: a Llama-3-8B-shaped pool (32 layers, 8 KV heads, head dim 128, block 16, bf16: 2 MiB a
-block) and a host tier; times `HostTier.onboard` of a session's blocks (host slots and device
-blocks each ascending, as a returning session's are, and scattered) and the offload of the
-same number of blocks on the side stream, against one plain pinned host→device (and
-device→host) copy of the same bytes measured in the same run. On CPU the same code runs
-(host memory both sides) as a smoke check.
+block) in each of `--layouts` (block-major; layer-major, a GPU's default: a block is 32
+pieces) and a host tier; times `HostTier.onboard` of a session's blocks (host slots and
+device blocks each ascending, as a returning session's are, and scattered) and the offload of
+the same number of scattered device blocks (as a step's given-back blocks are) on the side
+stream, against one plain pinned host→device (and device→host) copy of the same bytes
+measured in the same run; and the offload's copies and host time (what the engine's thread
+spends queueing them before a step) against the piece-by-piece copies the tier made before
+its staging buffer (engine/kv/block_mover.py). On CPU the same code runs (host memory both
+sides) as a smoke check.
 
 `plan` (CPU, no cluster): what the chat workload asks of the tier, before any run: requests,
 first vs returning turns, the prompt tokens a returning turn can reuse at best (its previous
@@ -59,48 +63,74 @@ GIB = 2**30
 # ---- copy -----------------------------------------------------------------------------------
 
 
-def bench_copy(args: argparse.Namespace) -> dict[str, float]:
+def bench_copy(args: argparse.Namespace) -> dict[str, Any]:
+    """`copy` in each of `--layouts` (module docstring)."""
+    layouts = [x for x in args.layouts.split(",") if x]
+    return {layout: copy_in_layout(args, layout) for layout in layouts}
+
+
+def copy_in_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     import torch
 
     from benchmarks.harness.cuda_timing import median_seconds
     from engine.kv.host_tier import HostTier
+    from engine.kv.kv_cache import block_segments
     from vocabulary.block_hash import BlockHash
 
     device = torch.device(args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
     layers, heads, hd = (32, 8, 128) if not args.smoke else (2, 2, 16)
-    shape = (layers, 2, 16, heads, hd)
     n = args.blocks
-    device_kv = torch.zeros((2 * n, *shape), dtype=torch.bfloat16, device=device)
-    tier = HostTier(2 * n, device_kv, max_blocks_per_step=n)
+    page = (2, 16, heads, hd)
+    block_dim = 1 if layout == "layer_major" else 0
+    shape = (layers, 2 * n, *page) if block_dim else (2 * n, layers, *page)
+    device_kv = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    tier = HostTier(2 * n, device_kv, max_blocks_per_step=n, block_dim=block_dim)
     nbytes = n * tier.block_nbytes
-    # fill the host slots 0..n-1 from device blocks 0..n-1 (offers, one flush: the side stream)
-    for b in range(n):
-        tier.offer(b, BlockHash(b.to_bytes(16, "little")))
+    g = torch.Generator().manual_seed(0)
+    scattered_blocks = torch.randperm(2 * n, generator=g)[:n].tolist()  # a step's freed blocks
 
-    def offload() -> None:
+    def num_copies() -> int:
+        return sum(m.num_copies for m in tier._movers)
+
+    def offload() -> None:  # n scattered device blocks into fresh host slots (side stream)
         tier._slots.clear()
         tier._hash_of = [None] * tier.num_blocks
         tier._free.clear()
         tier._free.extend(range(tier.num_blocks))
-        for b in range(n):
+        for b in scattered_blocks:
             tier.offer(b, BlockHash(b.to_bytes(16, "little")))
         tier.flush()
         if device.type == "cuda":
             torch.cuda.current_stream().wait_stream(tier._stream)  # type: ignore[arg-type]
 
+    host_segments = block_segments(tier.tensor, block_dim)
+    device_segments = block_segments(device_kv, block_dim)
+
+    def piecewise() -> None:  # the copies before the staging buffer: a segment of a block each
+        for slot, b in enumerate(scattered_blocks):
+            for host, dev in zip(host_segments, device_segments, strict=True):
+                host[slot].copy_(dev[b], non_blocking=True)
+
+    copies = num_copies()
     t_off = median_seconds(offload, device, args.reps)
+    copies_per_offload = (num_copies() - copies) // (args.reps + 1)
+    t_piece = median_seconds(piecewise, device, args.reps)
+    host_off, host_piece = (
+        host_seconds(offload, device, args.reps),
+        host_seconds(piecewise, device, args.reps),
+    )
     ascending = [(s, n + s) for s in range(n)]
-    g = torch.Generator().manual_seed(0)
-    scattered = list(zip(range(n), (n + torch.randperm(n, generator=g)).tolist(), strict=True))
+    scattered = list(zip(range(n), scattered_blocks, strict=True))
     t_on = median_seconds(lambda: tier.onboard(ascending), device, args.reps)
     t_on_scattered = median_seconds(lambda: tier.onboard(scattered), device, args.reps)
     pinned = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
     flat = device_kv.view(-1)[: nbytes // 2]
     t_h2d = median_seconds(lambda: flat.copy_(pinned, non_blocking=True), device, args.reps)
     t_d2h = median_seconds(lambda: pinned.copy_(flat, non_blocking=True), device, args.reps)
-    out = {
+    out: dict[str, Any] = {
         "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+        "layout": layout,
         "blocks": n,
         "block_mib": tier.block_nbytes / 2**20,
         "bytes": nbytes,
@@ -109,18 +139,42 @@ def bench_copy(args: argparse.Namespace) -> dict[str, float]:
         "pinned_h2d_gbps": nbytes / t_h2d / 1e9,
         "offload_gbps": nbytes / t_off / 1e9,
         "pinned_d2h_gbps": nbytes / t_d2h / 1e9,
+        "offload_copies": copies_per_offload,
+        "offload_host_ms": host_off * 1e3,
+        "piecewise_gbps": nbytes / t_piece / 1e9,
+        "piecewise_copies": n * len(device_segments),
+        "piecewise_host_ms": host_piece * 1e3,
     }
     out["onboard_vs_copy"] = out["onboard_gbps"] / out["pinned_h2d_gbps"]
     out["onboard_scattered_vs_copy"] = out["onboard_scattered_gbps"] / out["pinned_h2d_gbps"]
     out["offload_vs_copy"] = out["offload_gbps"] / out["pinned_d2h_gbps"]
     log(
-        f"copy {n} blocks x {out['block_mib']:.2f} MiB on {out['device']}: onboard "
+        f"copy {n} blocks x {out['block_mib']:.2f} MiB, {layout}, on {out['device']}: onboard "
         f"{out['onboard_gbps']:.1f} GB/s ({out['onboard_vs_copy']:.0%} of the pinned copy's "
         f"{out['pinned_h2d_gbps']:.1f}), scattered {out['onboard_scattered_gbps']:.1f} GB/s "
-        f"({out['onboard_scattered_vs_copy']:.0%}); offload {out['offload_gbps']:.1f} GB/s "
-        f"({out['offload_vs_copy']:.0%} of {out['pinned_d2h_gbps']:.1f})"
+        f"({out['onboard_scattered_vs_copy']:.0%}); offload of scattered blocks "
+        f"{out['offload_gbps']:.1f} GB/s ({out['offload_vs_copy']:.0%} of "
+        f"{out['pinned_d2h_gbps']:.1f}) in {copies_per_offload} copies, "
+        f"{out['offload_host_ms']:.2f} ms of host time; piecewise "
+        f"{out['piecewise_gbps']:.1f} GB/s in {out['piecewise_copies']} copies, "
+        f"{out['piecewise_host_ms']:.2f} ms of host time"
     )
     return out
+
+
+def host_seconds(fn: Any, device: Any, reps: int) -> float:
+    """Median seconds the calling thread spends in `fn` (queueing its copies; the device
+    finishes them after, outside the figure)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return statistics.median(times)
 
 
 # ---- plan -----------------------------------------------------------------------------------
@@ -379,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=1024, help="copy: blocks per copy")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="copy: a tiny block shape")
+    ap.add_argument("--layouts", default="block_major,layer_major", help="copy: pool layouts")
     ap.add_argument("--model", default="/tmp/llama3-8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="auto")

@@ -431,7 +431,10 @@ def prepare_stage(config: EngineConfig, group: PPGroup) -> StageLoop:
     host = None
     if parts.num_host_blocks:
         spec = parts.kv_cache.spec
-        host = StageHostTier(parts.num_host_blocks, parts.kv_cache.tensor, spec.block_dim)
+        host = StageHostTier(
+            parts.num_host_blocks, parts.kv_cache.tensor, spec.block_dim,
+            config.host_kv_max_blocks_per_step,
+        )  # fmt: skip
     log.info("pipeline rank %d of %d: ready", group.rank, group.size)
     return StageLoop(group, parts.runner, loras, host)
 

@@ -23,18 +23,32 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv.host_tier import HostCopy, copy_runs, host_blocks, offload_beside
+from engine.kv.block_mover import BlockMover, staging_blocks_for
+from engine.kv.host_tier import HostCopy, host_blocks, offload_beside
 
 
 class StageHostTier:
     """A stage's host blocks, written and read only by replayed copies (module docstring)."""
 
-    def __init__(self, num_blocks: int, device_kv: torch.Tensor, block_dim: int = 0) -> None:
-        """`device_kv`: the stage's pool tensor, its block ids indexing `block_dim`."""
+    def __init__(
+        self,
+        num_blocks: int,
+        device_kv: torch.Tensor,
+        block_dim: int = 0,
+        max_blocks_per_step: int = 256,
+    ) -> None:
+        """`device_kv`: the stage's pool tensor, its block ids indexing `block_dim`;
+        `max_blocks_per_step`: rank 0's (a move's largest size: the staging buffers')."""
         if num_blocks <= 0:
             raise ValueError(f"host tier num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.tensor, self._host, self._device = host_blocks(device_kv, num_blocks, block_dim)
+        self.tensor = host_blocks(device_kv, num_blocks, block_dim)
+        block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
+        staging = staging_blocks_for(block_nbytes, max_blocks_per_step)
+        self._movers = (  # the step stream's (onboards), the side stream's (offloads)
+            BlockMover(device_kv, self.tensor, block_dim, staging),
+            BlockMover(device_kv, self.tensor, block_dim, staging),
+        )
         device = device_kv.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending: list[torch.cuda.Event] = []  # side-stream offloads of earlier messages
@@ -51,12 +65,12 @@ class StageHostTier:
             if copy.offload:
                 self._offload(copy.pairs)
             else:
-                copy_runs(self._device, self._host, [(slot, b) for b, slot in copy.pairs])
+                self._movers[0].to_device([(slot, b) for b, slot in copy.pairs])
                 self.num_onboarded += len(copy.pairs)
 
     def _offload(self, pairs: tuple[tuple[int, int], ...]) -> None:
         self.num_offloaded += len(pairs)
         if self._stream is None:
-            copy_runs(self._host, self._device, pairs)
+            self._movers[0].to_host(pairs)
             return
-        self._pending.append(offload_beside(self._stream, self._host, self._device, pairs))
+        self._pending.append(offload_beside(self._stream, self._movers[1], pairs))

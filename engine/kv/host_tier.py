@@ -18,9 +18,11 @@ Layout: one host tensor in the device pool's layout with `num_blocks` blocks (en
 [num_blocks, ...] for a block-first pool, [num_layers, num_blocks, ...] for a layer-major
 one), pinned when CUDA is present (the device's copy engine reads and writes it directly, and
 NIXL can register it). So a host block has the device block's segments (one, or one per
-layer), a peer reading it over NIXL pairs them up with its own pool's, and a copy is one
-`copy_` per segment and run of adjacent blocks, contiguous on both sides (torch would stage a
-strided copy between host and device through a temporary). The tier is LRU over its slots; a
+layer), and a peer reading it over NIXL pairs them up with its own pool's. A move's blocks go
+through a staging buffer on the device (engine/kv/block_mover.py): gathered there in one
+kernel, then one copy per segment and run of adjacent host slots, not one per segment and
+block (a few hundred copies where a layer-major pool's scattered blocks made thousands a
+step). The tier is LRU over its slots; a
 slot is taken out of the LRU while something reads it (`pin`, e.g. a transfer lease), so it
 is never overwritten under a reader.
 
@@ -59,7 +61,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kv.kv_cache import block_segments
+from engine.kv.block_mover import BlockMover, staging_blocks_for
 from vocabulary.block_hash import BlockHash
 from vocabulary.engine_io import HostTierStats, TierMoveStats
 from vocabulary.kv_events import TierMove
@@ -133,11 +135,16 @@ class HostTier:
         self.max_blocks_per_step = max_blocks_per_step
         self.device_kv = device_kv
         cuda = device_kv.device.type == "cuda"
-        self.tensor, self._host_segments, self._device_segments = host_blocks(
-            device_kv, num_blocks, block_dim
-        )
+        self.tensor = host_blocks(device_kv, num_blocks, block_dim)
         """The host blocks, in the device pool's layout (module docstring)."""
         self.block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
+        staging = staging_blocks_for(self.block_nbytes, max_blocks_per_step)
+        self._movers = (
+            BlockMover(device_kv, self.tensor, block_dim, staging),
+            BlockMover(device_kv, self.tensor, block_dim, staging),
+        )
+        """(the step stream's: onboards and evictions' copies; the side stream's: offloads)
+        (engine/kv/block_mover.py: a staging buffer is used on one stream only)."""
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._pins = [0] * num_blocks
@@ -291,7 +298,7 @@ class HostTier:
                 event = self._slot_events.pop(slot, None)
                 if event is not None and not event.query():
                     stream.wait_event(event)
-        copy_runs(self._device_segments, self._host_segments, pairs)
+        self._movers[0].to_device(pairs)
         if self._log is not None:
             self._log.append(HostCopy(False, tuple((b, slot) for slot, b in pairs)))
         ticket.event = self._record(None)
@@ -354,10 +361,10 @@ class HostTier:
         if self._log is not None:
             self._log.append(HostCopy(True, tuple(pairs)))
         if self._stream is None or not side_stream:
-            self._copy_runs(pairs)
+            self._movers[0].to_host(pairs)
             ticket.event = self._record(None)
         else:
-            event = offload_beside(self._stream, self._host_segments, self._device_segments, pairs)
+            event = offload_beside(self._stream, self._movers[1], pairs)
             ticket.event = event
             self._forget_completed()
             for block_id, slot in pairs:
@@ -365,10 +372,6 @@ class HostTier:
                 self._slot_events[slot] = event
         self.num_offloaded += len(pairs)
         return len(pairs)
-
-    def _copy_runs(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Device blocks into host slots, `(block_id, slot)` pairs."""
-        copy_runs(self._host_segments, self._device_segments, pairs)
 
     def _forget_completed(self) -> None:
         if len(self._copy_events) > 4 * self.max_blocks_per_step:
@@ -473,59 +476,24 @@ class HostTier:
         return None
 
 
-def host_blocks(
-    device_kv: torch.Tensor, num_blocks: int, block_dim: int
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """(a host tensor of `num_blocks` blocks in the layout of the device pool `device_kv`,
-    pinned when it is on a GPU; each segment of it, and of the pool, as a [blocks, one
-    segment's elements] view: a run of blocks of one segment is a contiguous slice on
-    either side)."""
+def host_blocks(device_kv: torch.Tensor, num_blocks: int, block_dim: int) -> torch.Tensor:
+    """A host tensor of `num_blocks` blocks in the layout of the device pool `device_kv`,
+    pinned when it is on a GPU."""
     shape = list(device_kv.shape)
     shape[block_dim] = num_blocks
     pin = device_kv.device.type == "cuda"
-    host = torch.zeros(shape, dtype=device_kv.dtype, pin_memory=pin)
-    segments = (
-        block_segments(host, block_dim).unbind(),
-        block_segments(device_kv, block_dim).unbind(),
-    )
-    return host, *segments
+    return torch.zeros(shape, dtype=device_kv.dtype, pin_memory=pin)
 
 
 def offload_beside(
-    stream: torch.cuda.Stream,
-    host: Sequence[torch.Tensor],
-    device: Sequence[torch.Tensor],
-    pairs: Sequence[tuple[int, int]],
+    stream: torch.cuda.Stream, mover: BlockMover, pairs: Sequence[tuple[int, int]]
 ) -> torch.cuda.Event:
-    """Copy device blocks into host slots (`(block, slot)` pairs, `copy_runs` segments) on the
-    side `stream`, after everything queued so far on the current stream (the steps that wrote
+    """Copy device blocks into host slots (`(block, slot)` pairs) with `mover` on the side
+    `stream`, after everything queued so far on the current stream (the steps that wrote
     the blocks); the event of their completion."""
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
-        copy_runs(host, device, pairs)
+        mover.to_host(pairs)
         event = torch.cuda.Event()
         event.record(stream)
     return event
-
-
-def copy_runs(
-    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
-) -> None:
-    """Block `b` of every segment of `dst` = block `a` of the same segment of `src`, for
-    `(a, b)` pairs (segments: `block_segments` views); one copy per segment and run, queued
-    on the current stream."""
-    for a, b, n in _runs(pairs):
-        for d, s in zip(dst, src, strict=True):
-            d[b : b + n].copy_(s[a : a + n], non_blocking=True)
-
-
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """`(a, b)` pairs as maximal runs `(a0, b0, n)` adjacent on both sides: one copy each."""
-    runs: list[tuple[int, int, int]] = []
-    for a, b in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
-            a0, b0, n = runs[-1]
-            runs[-1] = (a0, b0, n + 1)
-        else:
-            runs.append((a, b, 1))
-    return runs

@@ -2,13 +2,15 @@
 host tier is [layers, host blocks, ...] too, every layer of a block goes out and comes back
 (runs of adjacent blocks and scattered ones), and nothing else is written on either side. A
 pipeline stage replaying rank 0's logged copies (engine/kv/host_mirror.py) holds its own
-pool's part of the same blocks in the same slots."""
+pool's part of the same blocks in the same slots. The copies go through a staging buffer
+(engine/kv/block_mover.py): a layer of a chunk's run of host slots is one copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.kv.block_mover import STAGING_BYTES, BlockMover, staging_blocks_for
 from engine.kv.host_mirror import StageHostTier
 from engine.kv.host_tier import HostCopy, HostTier
 from engine.kv.kv_cache import BLOCK_MAJOR, HEAD_MAJOR, LAYER_MAJOR, KVCache, KVCacheSpec
@@ -89,3 +91,43 @@ def test_a_stage_replaying_rank_0s_copies_holds_its_pools_part_of_the_same_slots
     blocks = stage.tensor.movedim(dim, 0)
     assert torch.equal(blocks[9], before[4]) and torch.equal(blocks[10], before[6])
     assert (mirror.num_offloaded, mirror.num_onboarded) == (tier.num_offloaded, 2)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Compared as bytes: exact for every element type (e4m3 NaNs included)."""
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_the_mover_copies_scattered_blocks_in_chunks_with_one_copy_per_layer_and_run(
+    dtype: torch.dtype,
+) -> None:
+    """A layer-major pool's scattered blocks go out through a 4-block staging buffer: one
+    copy per layer and run of adjacent host slots (not per layer and block), every byte
+    exact (e4m3 too), and nothing else written on either side; and back the same way."""
+    values = pool(LAYER_MAJOR).tensor
+    device = (values.remainder(200) - 100).to(dtype)  # [layers, blocks, ...]
+    host = torch.zeros_like(device[:, :HOST_BLOCKS])
+    mover = BlockMover(device, host, block_dim=1, staging_blocks=4)
+    pairs = [(13, 2), (1, 0), (7, 1), (9, 3), (3, 6), (15, 7)]  # slots 0-3 and 6-7: two runs
+    mover.to_host(pairs)
+    for b, slot in pairs:
+        assert torch.equal(as_bytes(host[:, slot]), as_bytes(device[:, b]))
+    assert not as_bytes(host[:, [4, 5]]).any()
+    # chunks by slot: [0, 1, 2, 3] (one run) and [6, 7] (one run): a copy per layer each
+    assert mover.num_copies == 2 * LAYERS
+    back = torch.zeros_like(device)
+    BlockMover(back, host, block_dim=1, staging_blocks=4).to_device(
+        [(slot, b) for b, slot in pairs]
+    )
+    moved = [b for b, _ in pairs]
+    assert torch.equal(as_bytes(back[:, moved]), as_bytes(device[:, moved]))
+    assert not as_bytes(back[:, [b for b in range(BLOCKS) if b not in moved]]).any()
+
+
+def test_a_staging_buffer_holds_what_fits_in_its_bytes_and_a_moves_largest_size() -> None:
+    assert staging_blocks_for(2 << 20, 256) == STAGING_BYTES // (2 << 20) == 32
+    assert staging_blocks_for(1024, 8) == 8
+    assert staging_blocks_for(STAGING_BYTES * 2, 256) == 1
+    with pytest.raises(ValueError, match="staging_blocks"):
+        BlockMover(torch.zeros(4, 2), torch.zeros(2, 2), 0, 0)

@@ -1,0 +1,120 @@
+"""Blocks between a device pool and host blocks of the same layout, in few copies.
+
+The host tier (engine/kv/host_tier.py) moves blocks between a device pool and host slots.
+A block of a layer-major pool (the default on a GPU) is one piece per layer, and the blocks
+of one move are scattered over the pool, so copying them piece by piece is `num_layers`
+copies a block: ~4,900 `cudaMemcpyAsync` of 64 KiB a step for Llama-3-8B when finishing
+requests give back their blocks, ~2.5 µs of host time each on the engine's thread before the
+step is launched, and the step waiting on the device for the ones it fences on
+(docs/benchmarks.md, "Slow engine steps").
+
+`BlockMover` gathers a move's blocks on the device into a staging buffer first (one
+`index_select` kernel over every segment), so the device side of each copy is contiguous,
+and orders them by host slot, so a run of adjacent slots is one copy per segment: the copies
+of a chunk of blocks are `segments x runs of slots` (`segments` for the usual run of fresh
+slots) instead of `segments x blocks`. The way back (onboard) is the mirror image: one copy
+per segment and run of slots into the staging buffer, then one `index_copy_` scatters the
+chunk into its device blocks.
+
+The staging buffer holds `staging_blocks` blocks (`staging_blocks_for`: at most
+`STAGING_BYTES`), on the pool's device, and a move of more blocks goes through it in chunks.
+Everything is queued on the current stream and a buffer is only ever used on one stream (the
+host tier has one mover for its side stream and one for the step stream), so a chunk's
+gather never overwrites a staging buffer an earlier copy still reads. Bytes are moved as
+bytes (uint8 views), whatever the pool's element type (e4m3 too). On CPU the same steps run
+synchronously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv.kv_cache import block_segments
+
+STAGING_BYTES = 64 << 20
+"""At most this much device memory per staging buffer (the host tier has two)."""
+
+
+def staging_blocks_for(block_nbytes: int, max_blocks: int) -> int:
+    """Blocks a staging buffer holds: `max_blocks` (a move's largest size) or as many as fit
+    in `STAGING_BYTES`, whichever is less, and at least one."""
+    return max(1, min(max_blocks, STAGING_BYTES // max(1, block_nbytes)))
+
+
+class BlockMover:
+    """Copies blocks between a device pool and host blocks in the pool's layout through a
+    staging buffer on the pool's device (module docstring)."""
+
+    def __init__(
+        self, device_kv: torch.Tensor, host: torch.Tensor, block_dim: int, staging_blocks: int
+    ) -> None:
+        """`device_kv` and `host`: contiguous tensors of one layout whose block ids index
+        `block_dim`; `staging_blocks`: the staging buffer's size in blocks."""
+        if staging_blocks <= 0:
+            raise ValueError(f"staging_blocks must be positive, got {staging_blocks}")
+        self._device = block_segments(device_kv, block_dim).view(torch.uint8)  # [S, B, bytes]
+        self._host = block_segments(host, block_dim).view(torch.uint8)
+        segments, _, nbytes = self._device.shape
+        self.staging_blocks = staging_blocks
+        self._staging = torch.empty(
+            segments * staging_blocks * nbytes, dtype=torch.uint8, device=device_kv.device
+        )
+        self.num_copies = 0
+        """Host <-> device copies queued so far (the figure this module exists to keep low)."""
+
+    def to_host(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device block `b` into host slot `s` for `(b, s)` pairs, queued on the current
+        stream."""
+        for chunk in self._chunks(pairs, slot_at=1):
+            stage = self._stage(len(chunk))
+            blocks = self._index([b for b, _ in chunk])
+            torch.index_select(self._device, 1, blocks, out=stage)
+            for i, slot, n in _slot_runs([s for _, s in chunk]):
+                for host, staged in zip(self._host, stage, strict=True):
+                    host[slot : slot + n].copy_(staged[i : i + n], non_blocking=True)
+                self.num_copies += len(stage)
+
+    def to_device(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Host slot `s` into device block `b` for `(s, b)` pairs, queued on the current
+        stream."""
+        for chunk in self._chunks(pairs, slot_at=0):
+            stage = self._stage(len(chunk))
+            for i, slot, n in _slot_runs([s for s, _ in chunk]):
+                for host, staged in zip(self._host, stage, strict=True):
+                    staged[i : i + n].copy_(host[slot : slot + n], non_blocking=True)
+                self.num_copies += len(stage)
+            self._device.index_copy_(1, self._index([b for _, b in chunk]), stage)
+
+    def _chunks(
+        self, pairs: Sequence[tuple[int, int]], slot_at: int
+    ) -> list[Sequence[tuple[int, int]]]:
+        """The pairs ordered by host slot (adjacent slots make one copy), in chunks that fit
+        the staging buffer."""
+        ordered = sorted(pairs, key=lambda pair: pair[slot_at])
+        k = self.staging_blocks
+        return [ordered[i : i + k] for i in range(0, len(ordered), k)]
+
+    def _stage(self, n: int) -> torch.Tensor:
+        """The staging buffer's first `n` blocks as a contiguous [segments, n, bytes]."""
+        segments, _, nbytes = self._device.shape
+        return self._staging[: segments * n * nbytes].view(segments, n, nbytes)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids as an index on the pool's device (a small copy from pageable memory,
+        which the host may reuse as soon as it is queued)."""
+        index = torch.tensor(ids, dtype=torch.long)
+        return index.to(self._device.device, non_blocking=True)
+
+
+def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Ascending host slots as runs `(first position, first slot, length)` of adjacent slots."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
