@@ -40,9 +40,17 @@ FP8_MAX = 448.0
 _MIN_SCALE = 1e-12  # an all-zero tensor still gets a usable scale
 
 
+def ieee_divide(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """`t / divisor` as the IEEE quotient on every device: on CUDA torch divides a tensor by
+    a Python-float scalar as a times the scalar's reciprocal, a bit off the quotient the CPU,
+    the kernels and compressed-tensors' CPU emulation compute (the INT8 GPU tests caught it);
+    divided by a tensor it is exact."""
+    return t / torch.full_like(t, divisor)
+
+
 def quantize_per_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 tensor, float32 scale of shape []) with t ≈ q.float() * scale."""
-    scale = (t.detach().abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = ieee_divide(t.detach().abs().amax().float(), FP8_MAX).clamp(min=_MIN_SCALE)
     q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -135,7 +143,7 @@ class Fp8Linear(torch.nn.Module):
         # one reduction for the scale; x / scale stays in x's dtype (a 0-dim float32 tensor
         # does not promote it), e4m3 saturates in the clamp
         amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
-        x_scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+        x_scale = ieee_divide(amax, FP8_MAX).clamp(min=_MIN_SCALE)
         return (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -177,7 +185,7 @@ class Fp8Linear(torch.nn.Module):
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, float32 scales [rows, 1]): each row of x [rows, cols] by its own amax."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = ieee_divide(amax, FP8_MAX).clamp(min=_MIN_SCALE)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -37,6 +37,7 @@ import logging
 import torch
 
 from engine.quantization import int8_gemm, int8_kernels
+from engine.quantization.fp8_linear import ieee_divide
 from engine.quantization.triton_device import DecidedOnce
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,7 @@ def quantize_rows_int8(
     rounded half-to-even and clamped to [-128, 127]."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    # a tensor divisor, not a Python float: on CUDA torch divides by a CPU scalar as a times
-    # the scalar's reciprocal, a bit off the IEEE quotient the CPU, the kernels and
-    # compressed-tensors' CPU emulation compute (the GPU tests caught it)
-    scale = (amax / torch.full_like(amax, divisor)).clamp(min=_MIN_SCALE)
+    scale = ieee_divide(amax, divisor).clamp(min=_MIN_SCALE)  # (not amax / divisor: CUDA)
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
 
 
