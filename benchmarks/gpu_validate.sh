@@ -17,6 +17,8 @@
 #   int      the INT GPU tests, then python -m benchmarks int --tune (the Triton GEMMs' tilings
 #            per M bucket, then bf16 vs INT8 W8A8 (Triton GEMM, fused) vs INT4 W4A16 (Triton,
 #            tinygemm) projections: decode B=1/16/64, prefill, logits); ~10 min on a fresh card
+#   int8x    INT8 alone (auto, Triton, fused) over batches 1-64 and prompts 512-4096: where
+#            int8_linear.py's `auto_kernels` thresholds come from
 #   int70    python -m benchmarks int --shape llama3-70b (INT4 Triton and tinygemm)
 #   e2e70i4  the Llama-3-70B shape, INT4 W4A16 dummy weights (config.json declares the scheme),
 #            one colocated worker on one GPU, two rates: client TPOT vs engine step
@@ -120,7 +122,10 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     # the Triton GEMMs' tilings tuned first, then bf16 / INT8 Triton and fused / INT4 Triton
     # and tinygemm side by side (the torch ops and tinygemm-only prefill: measured, slower)
     TAILN=${TAILN:-90} step bench_int 380 python -m benchmarks int --tune --int4-large-m 32 \
-      --int8-kernels triton,fused --int4-kernels triton,tinygemm ;;
+      --int8-kernels auto,triton,fused --int4-kernels triton,tinygemm ;;
+  int8x) TAILN=${TAILN:-70} step bench_int8_cross 300 python -m benchmarks int --tune \
+      --int8-kernels auto,triton,fused --int4-kernels none --batches 1,4,8,16,32,64 \
+      --prefill-tokens 512,1024,2048,4096 ;;  # where INT8's Triton GEMM and fused kernels cross
   int70) TAILN=${TAILN:-25} step bench_int_70b 300 python -m benchmarks int --shape llama3-70b \
       --iters 15 --int4-kernels triton,tinygemm ;;
   e2e70i4) [ -f /tmp/cfg-70b-int4/config.json ] || python -m deploy.cli make-model \

@@ -32,10 +32,12 @@ default run's).
 layout each reads, one at a time): the Triton W4A16 GEMM (engine/quantization/int4_gemm.py)
 and PyTorch's tinygemm.
 
-`--int8-kernels triton,fused,torch`: INT8 once through the one-kernel Triton GEMM
+`--int8-kernels auto,triton,fused,torch`: INT8 once through the layer's default 'auto' (one of
+the next two by rows: int8_linear.py `auto_kernels`), once through the one-kernel Triton GEMM
 (engine/quantization/int8_gemm.py: one or two launches a projection), once through the fused
 quantize and rescale kernels around `_int_mm` (int8_kernels.py: three) and once through the
-torch ops (about sixteen), the same numbers.
+torch ops (about sixteen), the same numbers. `--batches 1,4,8,16,32,64 --prefill-tokens
+512,1024,2048,4096` finds where the Triton GEMM and the fused kernels cross.
 
 `--tune`: first a few tilings of both Triton GEMMs per M bucket on the 8B projection shapes
 (benchmarks/suites/int_tune.py), the fastest installed for the rest of the run.
@@ -223,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--prefill-tokens", default="4096", help="prompt lengths timed, comma separated"
+    )
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
@@ -235,15 +239,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dequantizes to bf16 for the bf16 GEMM ('off': the small-M kernel at every size)",
     )  # fmt: skip
     parser.add_argument(
-        "--int8-kernels", default="triton,fused,torch",
+        "--int8-kernels", default="auto,triton,fused",
         help="INT8 once per kernel choice, comma separated: 'triton' (engine/quantization/"
-        "int8_gemm.py), 'fused' (int8_kernels.py), each where its check passes, or 'torch' "
-        "(the torch ops)",
+        "int8_gemm.py), 'fused' (int8_kernels.py), each where its check passes, 'auto' (the "
+        "default: one of the two by rows), or 'torch' (the torch ops)",
     )  # fmt: skip
     parser.add_argument(
         "--int4-kernels", default="triton,tinygemm",
         help="INT4 once per kernel choice, comma separated: 'triton' (engine/quantization/"
-        "int4_gemm.py, where its check passes) or 'tinygemm' (PyTorch's int4 GEMM)",
+        "int4_gemm.py, where its check passes) or 'tinygemm' (PyTorch's int4 GEMM); 'none': "
+        "no INT4",
     )  # fmt: skip
     parser.add_argument(
         "--tune", action="store_true",
@@ -274,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if model is None:
         log.print_table()
         return
-    cfg, bs, context, prompt = model.cfg, args.block_size, args.context, args.prefill_tokens
+    prompts = sorted(int(p) for p in args.prefill_tokens.split(","))
+    cfg, bs, context, prompt = model.cfg, args.block_size, args.context, prompts[-1]
     thresholds = [None if t == "off" else int(t) for t in args.int4_large_m.split(",")]
     ids = torch.randint(1, cfg.vocab_size, (256,), device="cuda")
     refs: dict[int, torch.Tensor] = {}
@@ -329,20 +335,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             floor = (weights + b * context * kv_per_token) / hbm
             log.add(f"decode B={b} ctx {context} {label}", f"{sec * 1e3:.2f} ms",
                     f"floor {floor * 1e3:.2f} ms", f"{sec / floor:.2f}x")  # fmt: skip
-        blocks = tuple(range(pages, pages + cdiv(prompt, bs)))
-        toks = tuple(int(t) for t in torch.randint(1, cfg.vocab_size, (prompt,)))
-        pre = ScheduledBatch((SeqChunk("prefill", toks, 0, blocks, sample=True),))
-        sec = log.step(f"{label}: prefill {prompt} tokens", functools.partial(
-            seconds_per_call, functools.partial(runner.execute, pre), 5, CUDA))  # fmt: skip
-        if sec is not None:
-            secs[-1] = sec
-            rate = matmul_flops(model, prompt) / sec
-            log.add(
-                f"prefill {prompt} tokens {label}",
-                f"{sec * 1e3:.1f} ms",
-                f"{rate / 1e12:.0f} TFLOP/s",
-                f"{rate / (bf16_rate or 1):.0%} of bf16 mm",
-            )
+        for p in prompts:
+            blocks = tuple(range(pages, pages + cdiv(p, bs)))
+            toks = tuple(int(t) for t in torch.randint(1, cfg.vocab_size, (p,)))
+            pre = ScheduledBatch((SeqChunk("prefill", toks, 0, blocks, sample=True),))
+            sec = log.step(f"{label}: prefill {p} tokens", functools.partial(
+                seconds_per_call, functools.partial(runner.execute, pre), 5, CUDA))  # fmt: skip
+            if sec is not None:
+                secs[-p] = sec  # (prefills by minus their length, beside the batch sizes)
+                rate = matmul_flops(model, p) / sec
+                log.add(
+                    f"prefill {p} tokens {label}",
+                    f"{sec * 1e3:.1f} ms",
+                    f"{rate / 1e12:.0f} TFLOP/s",
+                    f"{rate / (bf16_rate or 1):.0%} of bf16 mm",
+                )
         print(f"   {label}: weights read per decode step {weights / 2**30:.2f} GiB")
         runner.graphs = None
         torch.cuda.empty_cache()
@@ -369,7 +376,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_int4()
     else:
         bench("bf16")
-        for scheme in (IntScheme(8), IntScheme(4, args.group_size)):
+        schemes = [IntScheme(8), IntScheme(4, args.group_size)]
+        if args.int4_kernels in ("", "none"):  # INT8 alone
+            schemes.pop()
+        for scheme in schemes:
             label = scheme.name + (f" g{scheme.group_size}" if scheme.group_size else "")
             if (
                 log.step(
@@ -390,9 +400,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 logit_rows(label)
             dense_again(model)
         for label, secs in results.items():
-            for b in [*batches, -1]:
+            for b in [*batches, *(-p for p in prompts)]:
                 if label != "bf16" and b in secs and b in results["bf16"]:
-                    what = "prefill" if b < 0 else f"decode B={b}"
+                    what = f"prefill {-b}" if b < 0 else f"decode B={b}"
                     log.add(f"{what}: {label} / bf16 time", f"{secs[b] / results['bf16'][b]:.2f}x")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     log.print_table()

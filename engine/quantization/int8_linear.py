@@ -47,12 +47,27 @@ HALF_RANGE = 127.5
 """compressed-tensors' symmetric int8 scale divisor: (127 - (-128)) / 2."""
 _MIN_SCALE = torch.finfo(torch.float32).eps  # compressed-tensors' stand-in for a zero scale
 _INT_MM_MIN_ROWS = 17
-KERNELS = ("triton", "fused", "torch")
-"""`Int8Linear.kernels`' choices on CUDA (module docstring); every one gives the same numbers."""
-INT8_KERNELS = "fused"
-"""What a new `Int8Linear` runs on CUDA: the faster in docs/benchmarks.md, "Quantized weights
-(INT8, INT4)" (`python -m benchmarks int --int8-kernels triton,fused,torch` times them side by
-side); a choice whose once-per-device check fails runs the torch ops."""
+KERNELS = ("auto", "triton", "fused", "torch")
+"""`Int8Linear.kernels`' choices on CUDA (module docstring); every one gives the same numbers,
+so 'auto' may pick by the input's rows without a request's tokens depending on its batch."""
+INT8_KERNELS = "auto"
+"""What a new `Int8Linear` runs on CUDA: 'auto', the faster of the Triton GEMM and the fused
+kernels for the input's rows (`auto_kernels`; `python -m benchmarks int --int8-kernels
+auto,triton,fused` times them side by side); a choice whose once-per-device check fails runs
+the torch ops."""
+TRITON_MAX_DECODE_ROWS = 8
+TRITON_MIN_PREFILL_ROWS = 1024
+"""'auto' runs the Triton GEMM up to the first and from the second row count, the fused
+kernels between: on an H100 (docs/benchmarks.md, "Quantized weights (INT8, INT4)") the Triton
+GEMM's decode step at B=1 was 0.84x bf16's time against the fused kernels' 0.88x, at B=16 and
+64 0.91x / 1.07x against 0.89x / 0.94x, and a 4096-token prefill 0.78x against 0.98x."""
+
+
+def auto_kernels(rows: int) -> str:
+    """What 'auto' runs for an input of `rows` rows (`TRITON_MAX_DECODE_ROWS`)."""
+    if rows <= TRITON_MAX_DECODE_ROWS or rows >= TRITON_MIN_PREFILL_ROWS:
+        return "triton"
+    return "fused"
 
 
 def quantize_rows_int8(
@@ -98,14 +113,16 @@ class Int8Linear(torch.nn.Module):
     @property
     def kernels(self) -> str:
         """What runs on CUDA, one of `KERNELS` (module docstring); 'triton' and 'fused' only
-        where their once-per-device check passes, else the torch ops (the same numbers)."""
+        where their once-per-device check passes, else the torch ops (the same numbers);
+        'auto' picks one of the two by the input's rows (`auto_kernels`)."""
         return self._kernels
 
     @kernels.setter
     def kernels(self, name: str) -> None:
         if name not in KERNELS:
             raise ValueError(f"Int8Linear: kernels {name!r}, want one of {KERNELS}")
-        if name == "triton" and self.weight.is_cuda:  # its split-K workspace: never in a capture
+        if name in ("triton", "auto") and self.weight.is_cuda:  # split-K workspace: not in
+            # a capture
             int8_gemm.reserve(self.weight.device, self.weight.shape[0])
         self._kernels = name
 
@@ -120,11 +137,13 @@ class Int8Linear(torch.nn.Module):
         """x @ W.T + b in `out_dtype` (default x's dtype); x [tokens, in] in a float dtype."""
         out_dtype = out_dtype or x.dtype
         n, k = self.weight.shape
-        if self._kernels == "triton" and x.is_cuda and triton_ready(x.device):
+        kernels = auto_kernels(x.shape[0]) if self._kernels == "auto" else self._kernels
+        if kernels == "triton" and x.is_cuda and triton_ready(x.device):
             out = int8_gemm.matmul(x, self.weight, self.weight_scale, out_dtype, HALF_RANGE,
                                    _MIN_SCALE)  # fmt: skip
             return out if self.bias is None else out + self.bias
-        fused = self._kernels == "fused" and x.is_cuda and not (k % 8 or n % 8)
+        # (auto: the fused kernels also where the Triton GEMM's check failed)
+        fused = self._kernels in ("fused", "auto") and x.is_cuda and not (k % 8 or n % 8)
         if fused and fused_ready(x.device):
             rows = x.shape[0]
             q, scale = int8_kernels.quantize_rows(x, HALF_RANGE, _MIN_SCALE, _INT_MM_MIN_ROWS)

@@ -18,6 +18,7 @@ from engine.quantization import int4_gemm, int4_kernels, int8_gemm
 from engine.quantization.int4_linear import Int4Linear, pack_int4, quantize_groups_int4
 from engine.quantization.int8_linear import (
     Int8Linear,
+    auto_kernels,
     fused_ready,
     fused_verified,
     quantize_rows_int8,
@@ -323,3 +324,20 @@ def test_int4_triton_tilings_the_tune_may_pick_are_near_and_batch_independent(
     for m in (1, 5, 16):
         assert torch.equal(int4_gemm.matmul(x[:m].cuda(), words, scale.cuda(), 128, config).cpu(),
                            wide[:m])  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 64, 1023, 1024, 1500])
+def test_int8_auto_gives_the_torch_ops_numbers_on_either_side_of_its_row_thresholds(m: int) -> None:
+    """'auto' (the default) runs the Triton GEMM or the fused kernels by the rows
+    (`auto_kernels`): the same numbers as the torch ops either way, so a request's tokens do
+    not depend on its batch."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert triton_ready(device) and fused_ready(device)
+    g = torch.Generator().manual_seed(m)
+    q, scale = quantize_rows_int8(torch.randn(1024, 512, generator=g), 127.0)
+    layer = Int8Linear(q.cuda(), scale.reshape(-1).cuda(), None)
+    assert layer.kernels == "auto"
+    x = torch.randn(m, 512, generator=g).cuda().bfloat16()
+    got = layer(x)
+    layer.kernels = "torch"
+    assert torch.equal(got, layer(x)), auto_kernels(m)

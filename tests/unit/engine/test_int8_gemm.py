@@ -21,6 +21,7 @@ from engine.quantization.int8_linear import (
     HALF_RANGE,
     INT8_MAX,
     Int8Linear,
+    auto_kernels,
     quantize_rows_int8,
     triton_ready,
 )
@@ -119,3 +120,13 @@ def test_the_kernel_choice_is_checked_and_cpu_keeps_the_torch_ops() -> None:
     assert torch.equal(layer(x), want)  # CPU: the torch ops whatever the choice
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not triton_ready(torch.device("cpu"))
+
+
+def test_auto_is_the_default_and_runs_triton_for_decode_and_long_prefills_fused_between() -> None:
+    """Every choice gives the same numbers (the GPU test checks both sides of each
+    threshold), so 'auto' picks by rows: decode-sized and long inputs on the Triton GEMM, the
+    fused kernels between (the H100 figures in int8_linear.TRITON_MIN_PREFILL_ROWS)."""
+    assert Int8Linear(torch.ones(8, 16, dtype=torch.int8), torch.ones(8), None).kernels == "auto"
+    picks = {rows: auto_kernels(rows) for rows in (1, 8, 9, 64, 1023, 1024, 4096)}
+    assert picks == {1: "triton", 8: "triton", 9: "fused", 64: "fused", 1023: "fused",
+                     1024: "triton", 4096: "triton"}  # fmt: skip
