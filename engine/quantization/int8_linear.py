@@ -56,11 +56,13 @@ kernels for the input's rows (`auto_kernels`; `python -m benchmarks int --int8-k
 auto,triton,fused` times them side by side); a choice whose once-per-device check fails runs
 the torch ops."""
 TRITON_MAX_DECODE_ROWS = 8
-TRITON_MIN_PREFILL_ROWS = 1024
+TRITON_MIN_PREFILL_ROWS = 256
 """'auto' runs the Triton GEMM up to the first and from the second row count, the fused
 kernels between: on an H100 (docs/benchmarks.md, "Quantized weights (INT8, INT4)") the Triton
 GEMM's decode step at B=1 was 0.84x bf16's time against the fused kernels' 0.88x, at B=16 and
-64 0.91x / 1.07x against 0.89x / 0.94x, and a 4096-token prefill 0.78x against 0.98x."""
+64 0.91x / 1.07x against 0.89x / 0.94x; a layer's projections at M = 32-64 took 355 µs against
+280, at M = 256 191 against 255, and a 4096-token prefill 0.78x bf16's time against 0.98x
+(between 64 and 256 rows not measured yet: `gpu_validate.sh int8x`)."""
 
 
 def auto_kernels(rows: int) -> str:

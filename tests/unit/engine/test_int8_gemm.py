@@ -127,6 +127,6 @@ def test_auto_is_the_default_and_runs_triton_for_decode_and_long_prefills_fused_
     threshold), so 'auto' picks by rows: decode-sized and long inputs on the Triton GEMM, the
     fused kernels between (the H100 figures in int8_linear.TRITON_MIN_PREFILL_ROWS)."""
     assert Int8Linear(torch.ones(8, 16, dtype=torch.int8), torch.ones(8), None).kernels == "auto"
-    picks = {rows: auto_kernels(rows) for rows in (1, 8, 9, 64, 1023, 1024, 4096)}
-    assert picks == {1: "triton", 8: "triton", 9: "fused", 64: "fused", 1023: "fused",
-                     1024: "triton", 4096: "triton"}  # fmt: skip
+    picks = {rows: auto_kernels(rows) for rows in (1, 8, 9, 64, 255, 256, 4096)}
+    assert picks == {1: "triton", 8: "triton", 9: "fused", 64: "fused", 255: "fused",
+                     256: "triton", 4096: "triton"}  # fmt: skip
