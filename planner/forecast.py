@@ -9,12 +9,16 @@ per second. An observation `x` taken `dt` seconds after the last one updates the
 and the forecast `h` seconds ahead is `level + trend * h` (never below 0). The first
 observation sets the level, with no trend. Each later one also updates the residual spread, the
 smoothed square of the error of the forecast it was taken against (`x - (level + trend * dt)`,
-weighted `alpha` as the level is): the forecast's own measure of how far off it runs.
+weighted `alpha` as the level is): the forecast's own measure of how far off it runs. A damped
+forecast (`damping_s`) lets the trend fade with the horizon (Gardner and McKenzie's damped
+trend, in continuous time, applied to the forecast only): a trend is trusted near at hand, and
+a step in the series, which Holt reads as a steep trend, is not carried far.
 Pure: frozen states in, frozen states out.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -44,9 +48,12 @@ class HoltState:
         var = alpha * (value - expected) ** 2 + (1 - alpha) * self.residual_var
         return HoltState(level, trend, at_s, var)
 
-    def forecast(self, ahead_s: float) -> float:
-        """The value `ahead_s` seconds after the last observation (>= 0)."""
-        return max(0.0, self.level + self.trend * ahead_s)
+    def forecast(self, ahead_s: float, damping_s: float = math.inf) -> float:
+        """The value `ahead_s` seconds after the last observation (>= 0); with `damping_s`, a
+        damped trend: `level + trend * damping_s * (1 - exp(-ahead_s / damping_s))`, the
+        trend counting in full at first and fading past about `damping_s`."""
+        reach = ahead_s if math.isinf(damping_s) else damping_s * -math.expm1(-ahead_s / damping_s)
+        return max(0.0, self.level + self.trend * reach)
 
     def spread(self) -> float:
         """The residual spread: the root of `residual_var`, in the series' units."""

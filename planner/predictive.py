@@ -14,13 +14,14 @@ Each tick:
    within `target_ratio` of the SLO (and, for prefill, whose utilization is within
    `max_utilization` and whose steps recover from a step of `burst_prompts` prompts), at the
    larger of the forecast `startup_s` + one tick ahead (a worker asked for now serves from
-   then) and the load now; decode at that arrival rate plus `headroom_z` times the forecast's
-   error a lead ahead (the arrival series' residual spread, grown as a random walk's by the
-   root of the ticks in the lead), since a decode worker short of streams or KV stalls
-   admission for every request, not only its own;
+   then; the trend damped over `trend_damping_s`) and the load now; decode, besides, must not
+   saturate at that arrival rate plus `headroom_z` times the forecast's error a lead ahead (the
+   arrival series' residual spread, grown as a random walk's by the root of the ticks in the
+   lead), since a decode worker short of streams or KV stalls admission for every request, not
+   only its own, where a TPOT over the target costs only the SLO;
 4. decide: the reactive rules run as they would alone (`plan`); when they add workers (an SLO
    breach, a queue, the bounds) the larger add wins; otherwise the role grows to its target at
-   once, or drains down towards it by at most `max_step` workers, not within `cooldown_ticks`
+   once, or drains down towards it by at most `drain_step` workers, not within `cooldown_ticks`
    of the role's last change; decode only once its target has stayed below its count for
    `startup_s` (a worker drained now takes that long to come back and one too few stalls
    admission, so a shorter dip is ridden out; a prefill shortfall is a queue the guard sees).
@@ -96,8 +97,24 @@ class PredictiveConfig:
     `CapacityModel.recovers`)."""
 
     headroom_z: float = 1.64
-    """Decode is sized for the arrival forecast plus this many of its standard errors a lead
-    ahead (1.64: the one-sided 95% point of a normal error)."""
+    """Decode must not saturate (its streams past `max_num_seqs` or the KV pool) at the
+    arrival forecast plus this many of its standard errors a lead ahead (1.64: the one-sided
+    95% point of a normal error). Only saturation, not the TPOT target, carries the margin: a
+    saturated decode worker stalls admission for every request until a start-up brings
+    another, while a TPOT past the target at a load above the forecast costs those requests'
+    SLO, which the correction and the guard then see."""
+    trend_damping_s: float = 30.0
+    """The forecast's trend fades over this many seconds ahead (a damped trend,
+    planner/forecast.py; `inf`: Holt's straight line). A trend seen over the last few ticks
+    holds near at hand; a step in the load (a burst), which Holt reads as a steep trend, would
+    otherwise be carried a whole lead ahead, and the workers asked for on it serve a start-up
+    later, often once the step has passed. 30 s (the default start-up): a trend still carries
+    59% of a 35 s lead."""
+    drain_step: int = 4
+    """Most workers a role drains at one tick towards its target. The reactive rules' step
+    (`max_step`, 2) is a blind rule's; the target here is the model's, and every tick a role
+    waits over it costs the extra workers' seconds. 4 bounds what one tick's noisy forecast can
+    take from a role at once (the guard adds back what a queue or a breach shows)."""
 
     def __post_init__(self) -> None:
         if self.headroom_z < 0:
@@ -112,6 +129,10 @@ class PredictiveConfig:
             raise ValueError("target_ratio: must be in (0, 1]; max_utilization in (0, 1)")
         if self.burst_prompts < 1:
             raise ValueError(f"burst_prompts: must be >= 1, got {self.burst_prompts}")
+        if not self.trend_damping_s > 0:
+            raise ValueError(f"trend_damping_s: must be > 0, got {self.trend_damping_s}")
+        if self.drain_step < 1:
+            raise ValueError(f"drain_step: must be >= 1, got {self.drain_step}")
 
 
 @dataclass(frozen=True)
@@ -155,17 +176,15 @@ def plan_predictive(
     now_load = LoadForecast(memory.arrival.level, memory.prompt.level, memory.output.level)
     memory = _correct(tick, config, predictive, model, memory, now_load)
     lead = predictive.startup_s + interval
+    damping = predictive.trend_damping_s
     ahead = LoadForecast(
-        max(memory.arrival.forecast(lead), now_load.arrival_rps),
-        max(memory.prompt.forecast(lead), 1.0),
-        max(memory.output.forecast(lead), 1.0),
+        max(memory.arrival.forecast(lead, damping), now_load.arrival_rps),
+        max(memory.prompt.forecast(lead, damping), 1.0),
+        max(memory.output.forecast(lead, damping), 1.0),
     )
     ticks_ahead = lead / interval if interval > 0 else 1.0
     headroom = predictive.headroom_z * memory.arrival.spread() * math.sqrt(ticks_ahead)
-    sized = {
-        Role.PREFILL: ahead,
-        Role.DECODE: replace(ahead, arrival_rps=ahead.arrival_rps + headroom),
-    }
+    margin = {Role.PREFILL: 0.0, Role.DECODE: headroom}
     guard = plan(tick, config, memory.reactive)
     reactive = memory.reactive
     decisions: dict[Role, RoleDecision] = {}
@@ -174,7 +193,7 @@ def plan_predictive(
     for i, (role, guarded) in enumerate(
         ((Role.PREFILL, guard.prefill), (Role.DECODE, guard.decode))
     ):
-        targets[role], why = _target(role, sized[role], config, predictive, model, memory)
+        targets[role], why = _target(role, ahead, margin[role], config, predictive, model, memory)
         active = sum(1 for w in tick.workers(role) if not w.draining)
         since = memory.below_since_s[i] if targets[role] < active else None
         since = tick.now_s if since is None and targets[role] < active else since
@@ -182,7 +201,9 @@ def plan_predictive(
         settled = role is Role.PREFILL or (
             since is not None and tick.now_s - since >= predictive.startup_s
         )
-        decision = _decide(role, tick, config, reactive, guarded, targets[role], why, settled)
+        decision = _decide(
+            role, tick, config, predictive, reactive, guarded, targets[role], why, settled
+        )
         if decision.changes:
             reactive = reactive.changed(role, tick.tick)
         decisions[role] = decision
@@ -243,12 +264,18 @@ def _correct(
 
 
 def _holds(
-    role: Role, model: CapacityModel, load: LoadForecast, workers: int, p: PredictiveConfig
+    role: Role,
+    model: CapacityModel,
+    load: LoadForecast,
+    workers: int,
+    p: PredictiveConfig,
+    margin_rps: float = 0.0,
 ) -> bool:
     """`workers` of `role` keep up with `load` (prefill: within `max_utilization`, and back
-    from a step of `burst_prompts` prompts; decode: not saturated)."""
+    from a step of `burst_prompts` prompts; decode: not saturated at `margin_rps` more)."""
     if role is Role.DECODE:
-        return not math.isinf(model.decode_streams(load, workers))
+        over = replace(load, arrival_rps=load.arrival_rps + margin_rps)
+        return not math.isinf(model.decode_streams(over, workers))
     burst = p.burst_prompts * load.mean_prompt_tokens
     return model.prefill_utilization(load, workers) <= p.max_utilization and model.recovers(
         load, workers, burst
@@ -262,13 +289,15 @@ def _latency_s(role: Role, model: CapacityModel, load: LoadForecast, workers: in
 def _target(
     role: Role,
     load: LoadForecast,
+    margin_rps: float,
     config: PlannerConfig,
     p: PredictiveConfig,
     model: CapacityModel,
     memory: PredictiveMemory,
 ) -> tuple[int, str]:
     """The fewest workers of `role` within its bounds that hold the corrected latency within
-    `target_ratio` of the SLO at `load` (its bound's maximum when none does), and why."""
+    `target_ratio` of the SLO at `load` and keep up with `margin_rps` more (its bound's
+    maximum when none does), and why."""
     bounds = config.bounds(role)
     correction = memory.ttft_correction if role is Role.PREFILL else memory.tpot_correction
     budget_s = config.slo_ms(role) / 1000.0 * p.target_ratio
@@ -276,14 +305,15 @@ def _target(
     n = max(bounds.min_workers, 1 if load.arrival_rps > 0 else 0)
     while n < bounds.max_workers:
         fits = _latency_s(role, model, load, n) * correction <= budget_s
-        if fits and _holds(role, model, load, n, p):
+        if fits and _holds(role, model, load, n, p, margin_rps):
             break
         n += 1
     n = min(n, bounds.max_workers)
     predicted = _latency_s(role, model, load, n) * correction * 1000.0
+    extra = f" + {margin_rps:.1f} margin" if margin_rps > 0 else ""
     why = (
-        f"forecast {load.arrival_rps:.1f} req/s (prompt {load.mean_prompt_tokens:.0f}, output "
-        f"{load.mean_output_tokens:.0f} tok): target {n}, {metric} {predicted:.0f} ms "
+        f"forecast {load.arrival_rps:.1f}{extra} req/s (prompt {load.mean_prompt_tokens:.0f}, "
+        f"output {load.mean_output_tokens:.0f} tok): target {n}, {metric} {predicted:.0f} ms "
         f"(x{correction:.2f})"
     )
     return n, why
@@ -293,6 +323,7 @@ def _decide(
     role: Role,
     tick: TickInput,
     config: PlannerConfig,
+    p: PredictiveConfig,
     memory: PlannerMemory,
     guard: RoleDecision,
     target: int,
@@ -317,7 +348,7 @@ def _decide(
         elif not settled:
             reasons.append("hold: the target below the count for less than a start-up")
         else:
-            drain = pick_drain(active, min(n - target, config.max_step))
+            drain = pick_drain(active, min(n - target, p.drain_step))
             return RoleDecision(role, drain=drain, stop=guard.stop, reasons=tuple(reasons))
     return RoleDecision(role, stop=guard.stop, reasons=tuple(reasons))
 

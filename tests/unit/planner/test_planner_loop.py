@@ -443,6 +443,16 @@ def test_settings_from_a_config_mapping() -> None:
     assert settings.config.prefill == RoleBounds(1, 3)
 
 
+def test_the_predictive_knobs_come_from_the_config_mapping() -> None:
+    settings = settings_from_dict(
+        {"mode": "predictive", "predictive": {"trend_damping_s": float("inf"), "drain_step": 2}}
+    )
+    assert settings.predictive.trend_damping_s == float("inf")
+    assert settings.predictive.drain_step == 2
+    with pytest.raises(ValueError, match="drain_step"):
+        settings_from_dict({"predictive": {"drain_step": 0}})
+
+
 def test_unknown_planner_field_is_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown fields.*ttft_slo"):
         settings_from_dict({"ttft_slo": 800})

@@ -16,6 +16,7 @@ from planner.capacity import CapacityModel
 from planner.core import LatencySample, PlannerConfig, RoleBounds, TickInput, WorkerView, plan
 from planner.forecast import HoltState, LoadForecast
 from planner.loop import PlannerLoop, PlannerSettings
+from planner.perf_profile import DecodePoint
 from planner.predictive import (
     PlannerMode,
     PredictiveConfig,
@@ -142,11 +143,16 @@ def test_the_first_tick_observes_nothing_it_has_no_rate_since_a_last_one() -> No
 
 
 def test_a_rising_rate_adds_prefill_before_the_reactive_rules_see_a_breach() -> None:
-    ticks = [make_tick(i, rate) for i, rate in enumerate([1.0, 2.0, 3.0, 4.0, 5.0])]
-    results, _ = run_ticks(ticks)
+    ticks = [make_tick(i, rate) for i, rate in enumerate([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]
+    results, memory = run_ticks(ticks)
     last = results[-1]
-    # 5/s now and rising: 8.2/s 35 s ahead, past what one worker takes at 80 % busy (7.3/s)
-    assert last.forecast.arrival_rps == pytest.approx(8.194875)
+    # 6/s now and rising: 8.4/s 35 s ahead (the trend damped over 30 s), past what one worker
+    # takes at 80 % busy (7.3/s)
+    reach = 30.0 * (1.0 - math.exp(-35.0 / 30.0))
+    assert last.forecast.arrival_rps == pytest.approx(
+        memory.arrival.level + memory.arrival.trend * reach
+    )
+    assert last.forecast.arrival_rps == pytest.approx(8.4089, abs=1e-4)
     assert last.targets[0] == 2 and last.decision.prefill.add == 1
     assert "forecast" in last.decision.prefill.reasons[0]
     assert plan(ticks[-1], CONFIG).prefill.add == 0  # no samples, no queue: nothing to react to
@@ -162,14 +168,18 @@ def test_the_reactive_rules_guard_a_breach_the_forecast_does_not_see() -> None:
     assert any(r.startswith("guard: TTFT p90 2000 ms > SLO 500 ms") for r in decision.reasons)
 
 
-def test_a_role_over_its_target_drains_towards_it_by_max_step_outside_its_cooldown() -> None:
-    ticks = [make_tick(i, 1.0, prefill=5) for i in range(3)]
+def test_a_role_over_its_target_drains_towards_it_by_drain_step_outside_its_cooldown() -> None:
+    ticks = [make_tick(i, 1.0, prefill=7) for i in range(3)]
     results, _ = run_ticks(ticks)
     assert [r.targets[0] for r in results] == [1, 1, 1]
-    assert len(results[0].decision.prefill.drain) == 2  # max_step
+    assert len(results[0].decision.prefill.drain) == 4  # drain_step, not max_step (2)
     assert results[1].decision.prefill.drain == ()  # cooldown: changed at tick 0
     assert "cooldown: changed at tick 0" in results[1].decision.prefill.reasons[-1]
-    assert len(results[2].decision.prefill.drain) == 2
+    assert len(results[2].decision.prefill.drain) == 4
+    memory = PredictiveMemory()
+    for t in ticks[:1]:
+        one = plan_predictive(t, CONFIG, replace(PREDICTIVE, drain_step=1), MODEL, memory)
+    assert len(one.decision.prefill.drain) == 1
 
 
 def decode_ticks(rates: Sequence[float], decode: int = 2) -> list[TickInput]:
@@ -194,11 +204,56 @@ def test_decode_is_sized_for_the_forecast_plus_its_residual_spread_a_lead_ahead(
     assert result.targets[1] < last.targets[1]
 
 
+def test_decode_meets_its_tpot_target_at_the_forecast_and_carries_the_margin_as_streams() -> None:
+    # a decode step of 5 ms at one stream, 40 ms at 64: TPOT 20 ms (0.8 x 25) holds about 28
+    # streams a worker; saturation is 64
+    profile = replace(make_profile(), decode=(DecodePoint(1, 100, 0.005),
+                                              DecodePoint(64, 100, 0.04)))  # fmt: skip
+    model = CapacityModel(profile)
+    config = replace(CONFIG, tpot_slo_ms=25.0)
+    memory = PredictiveMemory()
+    for t in decode_ticks([40.0, 40.0, 24.0, 40.0, 24.0]):
+        result = plan_predictive(t, config, PREDICTIVE, model, memory)
+        memory = result.memory
+    ahead = result.forecast
+    margin = 1.64 * memory.arrival.spread() * math.sqrt(35.0 / 5.0)
+
+    def fewest(load: LoadForecast, fits: bool) -> int:
+        """The fewest workers whose TPOT fits 20 ms (`fits`), or that do not saturate."""
+        ok = (lambda n: model.tpot_s(load, n) <= 0.02) if fits else (
+            lambda n: not math.isinf(model.tpot_s(load, n)))  # fmt: skip
+        return next(n for n in range(1, 9) if ok(n))
+
+    over = replace(ahead, arrival_rps=ahead.arrival_rps + margin)
+    target = max(fewest(ahead, fits=True), fewest(over, fits=False))
+    assert result.targets[1] == target
+    assert target < fewest(over, fits=True)  # the margin in the TPOT fit would ask for more
+    assert f"+ {margin:.1f} margin" in result.decision.decode.reasons[-1]
+
+
+def test_a_damped_forecast_trusts_a_trend_near_at_hand_and_fades_it_far_ahead() -> None:
+    s = HoltState(10.0, 1.0, 0.0)
+    assert s.forecast(35.0) == pytest.approx(45.0)  # Holt's straight line
+    assert s.forecast(35.0, 30.0) == pytest.approx(10.0 + 30.0 * (1.0 - math.exp(-35.0 / 30.0)))
+    assert s.forecast(1.0, 30.0) == pytest.approx(11.0, abs=0.02)  # nearly in full at first
+    assert s.forecast(1e6, 30.0) == pytest.approx(40.0)  # never past level + trend x 30 s
+    # a step in the rate (10/s to 40/s) is not carried a whole lead ahead
+    step = [make_tick(i, r) for i, r in enumerate([10.0, 10.0, 10.0, 40.0])]
+    straight = PredictiveMemory()
+    for t in step:
+        line = plan_predictive(t, CONFIG, replace(PREDICTIVE, trend_damping_s=math.inf), MODEL,
+                               straight)  # fmt: skip
+        straight = line.memory
+    damped, _ = run_ticks(step)
+    assert damped[-1].forecast.arrival_rps < line.forecast.arrival_rps
+    assert damped[-1].targets[0] < line.targets[0]
+
+
 def test_decode_drains_only_once_its_target_has_been_lower_for_a_start_up() -> None:
     results, _ = run_ticks(decode_ticks([10.0] * 8, decode=4))
     assert [r.targets[1] for r in results] == [1] * 8
     drains = [len(r.decision.decode.drain) for r in results]
-    assert drains == [0, 0, 0, 0, 0, 0, 2, 0]  # below since 0 s; 30 s later, tick 6
+    assert drains == [0, 0, 0, 0, 0, 0, 3, 0]  # below since 0 s; 30 s later, tick 6: to 1
     assert (
         "hold: the target below the count for less than a start-up"
         in (results[5].decision.decode.reasons[-1])
@@ -236,10 +291,10 @@ def test_plan_predictive_is_pure() -> None:
     "kwargs",
     [{"alpha": 0.0}, {"beta": 1.5}, {"startup_s": -1.0}, {"min_correction": 2.0},
      {"target_ratio": 0.0}, {"max_utilization": 1.0}, {"burst_prompts": 0.5},
-     {"headroom_z": -1.0}],
+     {"headroom_z": -1.0}, {"trend_damping_s": 0.0}, {"drain_step": 0}],
 )  # fmt: skip
 def test_an_invalid_predictive_config_is_refused(kwargs: dict) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="|".join(kwargs)):
         PredictiveConfig(**kwargs)
 
 
