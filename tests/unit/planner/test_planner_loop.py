@@ -232,6 +232,11 @@ class FakeHost:
         self.workers.append(snap(worker_id, role, ready_at=None))
         return worker_id
 
+    def begin_switch(self, worker_id: str, role: WorkerRole) -> bool:
+        """The controller's role switch (these tests never reach one: refused)."""
+        self.calls.append(("switch", worker_id))
+        return False
+
     def begin_drain(self, worker_id: str) -> None:
         self.calls.append(("drain", worker_id))
 
