@@ -49,6 +49,10 @@ def test_offload_and_onboard_move_every_layer_of_each_block_in_the_pools_layout(
     host = tier.tensor.movedim(dim, 0)
     slots = [tier.lookup(h(b)) for b in offered]
     assert slots == [0, 1, 2, 3, 4]
+    # scattered device blocks into one run of slots: one copy per segment (a layer-major
+    # pool's layers; a block-first pool's block), not one per segment and block
+    segments = LAYERS if layout == LAYER_MAJOR else 1
+    assert sum(m.num_copies for m in tier._movers) == segments
     for b, slot in zip(offered, slots, strict=True):
         assert torch.equal(host[slot], before[b])
     assert not host[len(offered) :].any()  # the free slots were not written
