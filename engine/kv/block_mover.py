@@ -102,10 +102,14 @@ class BlockMover:
         return self._staging[: segments * n * nbytes].view(segments, n, nbytes)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        """Block ids as an index on the pool's device (a small copy from pageable memory,
-        which the host may reuse as soon as it is queued)."""
+        """Block ids as an index on the pool's device. On a GPU the ids go through pinned
+        memory: a copy from pageable memory may make the driver wait for the stream first
+        (the side stream waits for the running step: the engine's thread would too), and
+        torch's pinned-memory cache keeps the block until the copy has read it."""
         index = torch.tensor(ids, dtype=torch.long)
-        return index.to(self._device.device, non_blocking=True)
+        if self._device.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self._device.device, non_blocking=True)
 
 
 def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
