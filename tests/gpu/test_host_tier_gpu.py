@@ -9,6 +9,7 @@ evicts (greedy, bf16), with the returning prompt's full blocks onboarded, not re
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from engine.core.engine import LLMEngine
 from engine.kv.host_tier import HostTier
 from engine.loading.loaders import load_model
 from engine.modeling.llama import LlamaModel
+from vocabulary.block_hash import BlockHash
 from vocabulary.sampling import SamplingParams
 from vocabulary.tokenizer import Tokenizer
 
@@ -28,8 +30,8 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def block_hash(i: int) -> bytes:
-    return i.to_bytes(16, "little")
+def block_hash(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(16, "little"))
 
 
 @pytest.mark.parametrize("block_dim", [0, 1], ids=["block_major", "layer_major"])
@@ -55,6 +57,38 @@ def test_blocks_come_back_bit_exact_from_either_offload_path(block_dim: int) -> 
     torch.cuda.synchronize()
     assert torch.equal(device_kv[40], original[3]) and torch.equal(device_kv[41], original[12])
     assert tier.stats().num_offloaded == 9  # 8 flushed + 1 at eviction
+
+
+@pytest.mark.parametrize("block_dim", [0, 1], ids=["block_major", "layer_major"])
+def test_a_flush_queues_its_copies_without_waiting_for_the_running_step(block_dim: int) -> None:
+    """The engine flushes just before it launches a step, while the previous one may still
+    run: queueing the offload (the gather, its index through pinned memory, the copies to
+    pinned memory) must not wait for the device. With a ~200 ms kernel on the step stream the
+    flush returns long before it ends, and the blocks arrive once it has."""
+    shape = [256, 32, 2, 16, 8, 128]  # Llama-3-8B-shaped blocks (2 MiB)
+    shape[0], shape[block_dim] = shape[block_dim], shape[0]
+    pool = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    blocks = pool.movedim(block_dim, 0)
+    tier = HostTier(128, pool, max_blocks_per_step=128, block_dim=block_dim)
+    g = torch.Generator().manual_seed(block_dim)
+    for round_ in range(2):  # the first flush builds what it needs; the second is timed
+        offered = torch.randperm(256, generator=g)[:128].tolist()
+        for b in offered:
+            tier.offer(b, block_hash(1000 * round_ + b))
+        if round_ == 0:
+            tier.flush()
+            torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~200 ms of cycles on the step stream
+    t0 = time.perf_counter()
+    tier.flush()
+    queued_s = time.perf_counter() - t0
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running and queued_s < 0.05, f"the flush took {queued_s * 1e3:.1f} ms"
+    host = tier.tensor.movedim(block_dim, 0)
+    for b in offered:
+        slot = tier.lookup(block_hash(1000 + b))
+        assert slot is not None and torch.equal(host[slot], blocks[b].cpu())
 
 
 @pytest.fixture(scope="module")
