@@ -42,6 +42,9 @@
 #   trio_ph / trio_bal / trio_dh  issue 42's modes through the whole system on ONE GPU, one
 #            workload each (prefill-heavy, balanced, decode-heavy): one colocated worker, the
 #            one-GPU PD pair, one split worker; goodput at TPOT 20 and 40 ms (a call each)
+#   tiercheck  the host tier's copies (engine/kv/block_mover.py): outliers at the default config,
+#            the tier's GPU tests, and the copy bench (both layouts, scattered offload vs the
+#            piecewise copies: copies, GB/s, host ms); ~4 min with jit on a fresh machine
 #   hosttier the host KV tier: its GPU tests, python -m benchmarks host_tier copy
 #            (onboard/offload GB/s vs a pinned copy) and chat (multi-turn sessions, Llama-3-8B
 #            shape with dummy weights, one colocated worker, a 1536-block device pool, 24 closed
@@ -195,6 +198,11 @@ print(f'fused layer-ops kernels ready in {time.time() - t:.0f} s')" ;;
     # four slots (a cluster serving four adapters): the dense kernels read every slot
     TAILN=${TAILN:-30} step bench_lora4 200 python -m benchmarks lora --adapters 1,4 \
     --kernels triton-dot,triton-dot-serial,torch ;;
+  tiercheck) config_model llama3-8b  # issue 49: the host tier's copies in bulk, checked
+    TAILN=${TAILN:-200} step step_outliers 240 python -m benchmarks step_outliers \
+    --model /tmp/cfg-llama3-8b --json "$OUT/step_outliers.json"
+    step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
+    step host_tier_copy 120 python -m benchmarks host_tier copy --blocks 1024 --reps 5 --out /tmp/htc ;;
   hosttier) config_model llama3-8b
     step host_tier_tests 120 python -m pytest tests/gpu/test_host_tier_gpu.py -q -rA -p no:cacheprovider
     step host_tier_copy 90 python -m benchmarks host_tier copy --blocks 1024 --out /tmp/ht
