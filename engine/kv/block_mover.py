@@ -43,6 +43,18 @@ def staging_blocks_for(block_nbytes: int, max_blocks: int) -> int:
     return max(1, min(max_blocks, STAGING_BYTES // max(1, block_nbytes)))
 
 
+def stream_movers(
+    device_kv: torch.Tensor, host: torch.Tensor, block_dim: int, max_blocks: int
+) -> tuple[BlockMover, BlockMover]:
+    """A host tier's two movers between `device_kv` and `host` (module docstring): the step
+    stream's (onboards, copies at eviction) and the side stream's (offloads), each with its
+    own staging buffer of `staging_blocks_for` a move of at most `max_blocks` blocks."""
+    block_nbytes = host.numel() // host.shape[block_dim] * host.element_size()
+    staging = staging_blocks_for(block_nbytes, max_blocks)
+    step = BlockMover(device_kv, host, block_dim, staging)
+    return step, BlockMover(device_kv, host, block_dim, staging)
+
+
 class BlockMover:
     """Copies blocks between a device pool and host blocks in the pool's layout through a
     staging buffer on the pool's device (module docstring)."""

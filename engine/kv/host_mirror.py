@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv.block_mover import BlockMover, staging_blocks_for
+from engine.kv.block_mover import stream_movers
 from engine.kv.host_tier import HostCopy, host_blocks, offload_beside
 
 
@@ -43,12 +43,8 @@ class StageHostTier:
             raise ValueError(f"host tier num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tensor = host_blocks(device_kv, num_blocks, block_dim)
-        block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
-        staging = staging_blocks_for(block_nbytes, max_blocks_per_step)
-        self._movers = (  # the step stream's (onboards), the side stream's (offloads)
-            BlockMover(device_kv, self.tensor, block_dim, staging),
-            BlockMover(device_kv, self.tensor, block_dim, staging),
-        )
+        # the step stream's mover (onboards), the side stream's (offloads)
+        self._movers = stream_movers(device_kv, self.tensor, block_dim, max_blocks_per_step)
         device = device_kv.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending: list[torch.cuda.Event] = []  # side-stream offloads of earlier messages

@@ -61,7 +61,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kv.block_mover import BlockMover, staging_blocks_for
+from engine.kv.block_mover import BlockMover, stream_movers
 from vocabulary.block_hash import BlockHash
 from vocabulary.engine_io import HostTierStats, TierMoveStats
 from vocabulary.kv_events import TierMove
@@ -138,11 +138,7 @@ class HostTier:
         self.tensor = host_blocks(device_kv, num_blocks, block_dim)
         """The host blocks, in the device pool's layout (module docstring)."""
         self.block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
-        staging = staging_blocks_for(self.block_nbytes, max_blocks_per_step)
-        self._movers = (
-            BlockMover(device_kv, self.tensor, block_dim, staging),
-            BlockMover(device_kv, self.tensor, block_dim, staging),
-        )
+        self._movers = stream_movers(device_kv, self.tensor, block_dim, max_blocks_per_step)
         """(the step stream's: onboards and evictions' copies; the side stream's: offloads)
         (engine/kv/block_mover.py: a staging buffer is used on one stream only)."""
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
