@@ -271,7 +271,9 @@ class LLMEngine:
         if prefilled is not None:
             outputs += prefilled
         previous, self._inflight = self._inflight, None
-        decision = self.scheduler.schedule()
+        on_decode_stream = lane.streams.decode if lane is not None else contextlib.nullcontext
+        with on_decode_stream():  # its host-tier copies in order with the step (prefill_lane.py)
+            decision = self.scheduler.schedule()
         if lane is not None:
             lane.take_back(self.scheduler)  # preempted decodes are recomputed by the lane
         shape = decision.batch.shape(self.scheduler.requests)
@@ -279,7 +281,7 @@ class LLMEngine:
             outputs.append(self._final_output(request))
         launched = None
         if decision.batch.chunks:
-            with lane.streams.decode() if lane is not None else contextlib.nullcontext():
+            with on_decode_stream():
                 launched = self._launch(decision.batch, previous)
         if previous is not None:
             outputs += self._complete(previous)
@@ -294,9 +296,7 @@ class LLMEngine:
             self.step_meter.record(*shape, elapsed)
             if lane is not None:
                 lane.observe_decode_step(elapsed)
-        self.last_step_idle = (
-            launched is None and previous is None and not outputs and not prefilled
-        )
+        self.last_step_idle = not (launched or previous or outputs or prefilled)
         return outputs
 
     def _launch(
@@ -309,8 +309,7 @@ class LLMEngine:
         runner = lane.runner if lane is not None else self.step_runner
         sampler = lane.sampler if lane is not None else self.sampler
         requests = tuple(scheduler.requests[c.request_id] for c in batch.chunks)
-        if lane is None:
-            self.block_pool.flush_host_tier()  # offloads queued beside this step (host_tier.py)
+        self.block_pool.flush_host_tier(offload=lane is None)  # fence, offload (host_tier.py)
         # a pipeline samples on its last stage: the rows and mask go with the step
         executed = None if isinstance(runner, PPLeader) else runner.execute(batch)
         chunks = [(r, c) for r, c in zip(requests, batch.chunks, strict=True) if c.sample]

@@ -30,6 +30,9 @@ by that step, so when the decode loop's latest step has given blocks back, the p
 waits (on the device, not the host) for it before the next prefill step (an unconditional
 wait idled the prefill partition for half a decode step per prefill step); the lane's own
 frees (an abort of a request in its step in flight) wait until that step has completed.
+Each loop schedules on its own stream, so the host tier's copies a schedule makes (onboards
+into fresh blocks, copies out of blocks it evicts) run in order with the step that reads or
+overwrites those blocks.
 """
 
 from __future__ import annotations
@@ -176,15 +179,18 @@ class PrefillLane:
             if not self.step_done():
                 return outputs
             outputs += self._read(engine)
-        decision = self.scheduler.schedule()
+        with self.streams.prefill():
+            # the schedule's host-tier copies (onboards, copies at eviction) are queued on the
+            # prefill stream, after a decode step that may still write a block given back and
+            # before the step that reads or overwrites their blocks
+            self.wait_for(engine._latest_launch)
+            decision = self.scheduler.schedule()
+            if decision.batch.chunks:
+                self.inflight = engine._launch(decision.batch, None, self)
         for request in decision.finished:
             outputs.append(engine._final_output(request))
-        if decision.batch.chunks:
-            with self.streams.prefill():
-                self.wait_for(engine._latest_launch)
-                self.inflight = engine._launch(decision.batch, None, self)
-            if self.step_done():
-                outputs += self._read(engine)
+        if decision.batch.chunks and self.step_done():
+            outputs += self._read(engine)
         return outputs
 
     def _read(self, engine: LaneHost) -> list[RequestOutput]:
@@ -218,10 +224,11 @@ class PrefillLane:
         self.pending_aborts.clear()
 
     def wait_for(self, decode_step: InflightStep | None) -> None:
-        """Order the next prefill step after the decode loop's latest step on the device when
-        that step may still write a block one of its requests gave back (finished, aborted,
-        preempted), which the lane may now be given; otherwise the prefill partition starts
-        at once (every earlier decode step has been read, so has finished)."""
+        """Order the prefill stream's next work (the schedule's copies, the step) after the
+        decode loop's latest step on the device when that step may still write a block one
+        of its requests gave back (finished, aborted, preempted), which the lane may now be
+        given; otherwise the prefill partition starts at once (every earlier decode step has
+        been read, so has finished)."""
         if decode_step is not None and decode_step.released_blocks():
             decode_step.order_before_current_stream()
 

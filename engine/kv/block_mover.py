@@ -18,9 +18,11 @@ chunk into its device blocks.
 
 The staging buffer holds `staging_blocks` blocks (`staging_blocks_for`: at most
 `STAGING_BYTES`), on the pool's device, and a move of more blocks goes through it in chunks.
-Everything is queued on the current stream and a buffer is only ever used on one stream (the
-host tier has one mover for its side stream and one for the step stream), so a chunk's
-gather never overwrites a staging buffer an earlier copy still reads. Bytes are moved as
+Everything is queued on the current stream, so a chunk's gather never overwrites a staging
+buffer an earlier copy on that stream still reads. The host tier has one mover for its side
+stream and one for the steps' streams; a split engine's two loops step on two streams, so a
+move queued on another stream than the mover's last one first waits (on the device) for that
+last move. Bytes are moved as
 bytes (uint8 views), whatever the pool's element type (e4m3 too). On CPU the same steps run
 synchronously.
 """
@@ -75,10 +77,13 @@ class BlockMover:
         )
         self.num_copies = 0
         """Host <-> device copies queued so far (the figure this module exists to keep low)."""
+        self._last: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        """The stream of the latest move and an event after it (CUDA only)."""
 
     def to_host(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device block `b` into host slot `s` for `(b, s)` pairs, queued on the current
         stream."""
+        self._after_last_move()
         for chunk in self._chunks(pairs, slot_at=1):
             stage = self._stage(len(chunk))
             blocks = self._index([b for b, _ in chunk])
@@ -87,10 +92,12 @@ class BlockMover:
                 for host, staged in zip(self._host, stage, strict=True):
                     host[slot : slot + n].copy_(staged[i : i + n], non_blocking=True)
                 self.num_copies += len(stage)
+        self._mark_move()
 
     def to_device(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host slot `s` into device block `b` for `(s, b)` pairs, queued on the current
         stream."""
+        self._after_last_move()
         for chunk in self._chunks(pairs, slot_at=0):
             stage = self._stage(len(chunk))
             for i, slot, n in _slot_runs([s for s, _ in chunk]):
@@ -98,6 +105,24 @@ class BlockMover:
                     staged[i : i + n].copy_(host[slot : slot + n], non_blocking=True)
                 self.num_copies += len(stage)
             self._device.index_copy_(1, self._index([b for _, b in chunk]), stage)
+        self._mark_move()
+
+    def _after_last_move(self) -> None:
+        """Make the current stream wait for the latest move when that was queued on another
+        stream (its copies may still read or write the staging buffer)."""
+        if self._last is None:
+            return
+        stream, done = self._last
+        current = torch.cuda.current_stream(self._device.device)
+        if current != stream:
+            current.wait_event(done)
+
+    def _mark_move(self) -> None:
+        if self._device.device.type == "cuda":
+            stream = torch.cuda.current_stream(self._device.device)
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._last = (stream, done)
 
     def _chunks(
         self, pairs: Sequence[tuple[int, int]], slot_at: int

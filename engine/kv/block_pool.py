@@ -217,12 +217,15 @@ class BlockPool:
         self.cache_blocks(block_ids, block_hashes)
         return block_ids
 
-    def flush_host_tier(self) -> None:
-        """Before a step: fence it behind offloads it may overwrite, and copy out offered
-        blocks (engine/kv/host_tier.py). Hashes the host LRU let go of leave as REMOVED."""
+    def flush_host_tier(self, offload: bool = True) -> None:
+        """Before a step, on its stream: fence it behind offloads it may overwrite, and (with
+        `offload`; a split engine's decode loop's steps only) copy out offered blocks
+        (engine/kv/host_tier.py). Hashes the host LRU let go of leave as REMOVED."""
         if self.host_tier is None:
             return
         self.host_tier.fence()
+        if not offload:
+            return
         self.host_tier.flush()
         dropped = self._host_dropped()
         if dropped:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineMode
 from engine.core.engine import LLMEngine
 from engine.kv.host_tier import HostTier
 from engine.loading.loaders import load_model
@@ -91,6 +91,32 @@ def test_a_flush_queues_its_copies_without_waiting_for_the_running_step(block_di
         assert slot is not None and torch.equal(host[slot], blocks[b].cpu())
 
 
+def test_a_mover_used_from_a_second_stream_waits_for_its_last_move() -> None:
+    """A split engine's two loops share the step mover's staging buffer from two streams:
+    a move on the second stream waits (on the device) for the first's, whose copies may
+    still use the buffer, and both land bit-exact."""
+    from engine.kv.block_mover import BlockMover
+
+    pool = torch.randn([64, 4, 2, 16, 2, 64], device="cuda").to(torch.bfloat16)
+    host = torch.zeros([32, 4, 2, 16, 2, 64], dtype=torch.bfloat16).pin_memory()
+    host[16:] = torch.randn([16, 4, 2, 16, 2, 64]).to(torch.bfloat16)
+    mover = BlockMover(pool, host, 0, staging_blocks=8)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(400_000_000)  # ~200 ms before the first move
+        mover.to_host([(b, b) for b in range(8)])
+    with torch.cuda.stream(second):
+        mover.to_device([(16 + i, 40 + i) for i in range(8)])
+        done = torch.cuda.Event()
+        done.record()
+    time.sleep(0.02)
+    waited = not done.query()
+    torch.cuda.synchronize()
+    assert waited, "the second stream's move did not wait for the first's"
+    assert torch.equal(host[:8], pool[:8].cpu())
+    assert torch.equal(pool[40:48].cpu(), host[16:24])
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from deploy.checkpoints.make_model import make_model
@@ -124,9 +150,12 @@ def run(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], int]
     return tokens, cached
 
 
+@pytest.mark.parametrize("mode", [EngineMode.COLOCATED, EngineMode.SPLIT])
 def test_a_cycled_device_pool_onboards_and_gives_the_tokens_of_one_that_never_evicts(
-    model_dir: Path, model: LlamaModel
+    model_dir: Path, model: LlamaModel, mode: EngineMode
 ) -> None:
+    """A split engine's onboards run on its prefill stream, in order with the prefill step
+    that reads them (engine/core/prefill_lane.py)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 500, (100,), generator=g).tolist() for _ in range(6)]
     # the roomy engine's second round hits its device prefix cache: the same computation
@@ -134,14 +163,30 @@ def test_a_cycled_device_pool_onboards_and_gives_the_tokens_of_one_that_never_ev
     roomy = engine_with(model_dir, model, num_kv_blocks=256, host_kv_gb=0)
     expected = [[run(roomy, f"r{rnd}-{i}", p) for i, p in enumerate(prompts)] for rnd in (0, 1)]
     assert [cached for _, cached in expected[1]] == [96] * 6
-    small = engine_with(model_dir, model, num_kv_blocks=16, host_kv_gb=0.01)
-    assert small.host_tier is not None and small.host_tier.tensor.is_pinned()
+    split = {} if mode is EngineMode.COLOCATED else {"split_decode_sms": 32}  # (one stream)
+    blocks = 24 if split else 16  # (the split's decode headroom)
+    small = engine_with(model_dir, model, num_kv_blocks=blocks, host_kv_gb=0.01, mode=mode, **split)
+    tier = small.host_tier
+    assert tier is not None and tier.tensor.is_pinned()
+    onboard_streams: list[torch.cuda.Stream] = []
+    onboard = tier.onboard
+
+    def onboard_on_stream(pairs: list[tuple[int, int]]) -> None:
+        onboard_streams.append(torch.cuda.current_stream())
+        onboard(pairs)
+
+    tier.onboard = onboard_on_stream  # type: ignore[method-assign]
     for rnd in range(2):  # the second round finds every prompt evicted from the device
         for i, prompt in enumerate(prompts):
             assert run(small, f"s{rnd}-{i}", prompt) == expected[rnd][i]
     load = small.load()
     assert load.host_tier is not None and load.host_tier.num_onboarded >= 6 * 6
     assert small.block_pool.num_free == small.block_pool.num_blocks
+    lane = small.prefill_lane
+    if lane is not None:
+        with lane.streams.prefill():
+            prefill_stream = torch.cuda.current_stream()
+        assert onboard_streams and set(onboard_streams) == {prefill_stream}
 
 
 @pytest.mark.parametrize("layout", ["block_major_v1", "layer_major_v1"])
