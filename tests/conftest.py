@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 from directory_scope import stop_finished_directories
-from references import LogprobsReference, Reference, greedy_reference, logprobs_reference
+from references import (
+    LogitsReference,
+    LogprobsReference,
+    Reference,
+    greedy_reference,
+    logits_reference,
+    logprobs_reference,
+)
 
 from vocabulary.tokenizer import Tokenizer
 
@@ -204,6 +211,12 @@ def hf_greedy_to_eos(tiny_model_dir: Path) -> Reference:
 def hf_logprobs(tiny_model_dir: Path) -> LogprobsReference:
     """transformers float32 log-softmax at every position of a sequence."""
     return logprobs_reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_logits(tiny_model_dir: Path) -> LogitsReference:
+    """transformers float32 logits at every position of a sequence."""
+    return logits_reference(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

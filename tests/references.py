@@ -70,3 +70,26 @@ def logprobs_reference(model_dir: Path) -> LogprobsReference:
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
     return logprobs
+
+
+LogitsReference = Callable[[list[int]], "torch.Tensor"]
+"""(token ids) -> [len, vocab] float32 logits at every position."""
+
+
+def logits_reference(model_dir: Path) -> LogitsReference:
+    """transformers' float32 logits over a whole sequence (one forward pass, memoized): row p
+    scores the token after position p (what pdserve's sampler penalizes and draws from)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def logits(ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in memo:
+            memo[key] = hf(torch.tensor([ids])).logits[0].float()
+        return memo[key]
+
+    return logits

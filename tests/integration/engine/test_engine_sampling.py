@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_factories import greedy, make_engine, run_to_completion, text_of, tokens_of
-from references import Reference
+from references import LogitsReference, Reference
+from sampling_ties import assert_same_or_near_tie, draw_keys
 
 from engine.config import EngineMode
 from engine.core.engine import LLMEngine
@@ -153,3 +154,31 @@ def test_logit_bias_steers_its_request_and_leaves_its_neighbours_alone(
     assert banned not in tokens_of(outputs["banned"])
     with pytest.raises(ValueError, match=r"logit_bias: token id \d+ is outside"):
         engine.add_request("x", prompts[0], greedy(2, logit_bias={10**6: 1.0}))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0.9, top_k=50, seed=1234,
+                       repetition_penalty=1.2, presence_penalty=0.3, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True),
+    ],
+    ids=["penalties-top-k", "top-p"],
+)  # fmt: skip
+def test_the_near_tie_rule_keys_give_the_engine_s_seeded_tokens(
+    engine: LLMEngine, prompts: list[list[int]], hf_logits: LogitsReference,
+    params: SamplingParams,
+) -> None:  # fmt: skip
+    """tests/sampling_ties.py's keys, from transformers' logits, pick every token a seeded
+    request draws (the rule the migration tests part streams by), and the rule refuses a
+    stream that parts where the keys are far apart."""
+    prompt = prompts[3]
+    engine.add_request("seeded", prompt, params)
+    got = tokens_of(run_to_completion(engine)["seeded"])
+    logits = hf_logits([*prompt, *got])
+    for t, token in enumerate(got):
+        keys = draw_keys(logits[len(prompt) + t - 1], params, prompt, got[:t])
+        assert int(keys.argmax()) == token, t
+    other = int(draw_keys(logits[len(prompt) + 9], params, prompt, got[:10]).topk(2).indices[1])
+    with pytest.raises(AssertionError, match="token 10"):
+        assert_same_or_near_tie([*got[:10], other], got[:11], prompt, params, hf_logits)

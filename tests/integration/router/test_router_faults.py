@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import ray
-from references import Reference
+from references import LogitsReference, Reference
 from router_client import generate, greedy_request, raw_generate, rpc_error
-from router_harness import RouterCluster
+from router_harness import MAX_MODEL_LEN, RouterCluster
+from sampling_ties import assert_same_or_near_tie
 
 from pdserve.v1 import serving_pb2 as pb
+from router.validation import ValidationLimits, validate
 from vocabulary.tokenizer import Tokenizer
 from vocabulary.worker_api import WorkerRole
 
@@ -411,15 +413,19 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
     spare_decode: str,
     corpus_ids: list[int],
     hf_greedy: Reference,
+    hf_logits: LogitsReference,
     tokenizer: Tokenizer,
 ) -> None:
     """ray.kill breaks the token channel at once: the streams move without waiting for the
     token gap. A greedy stream equals transformers; a seeded one with penalties equals the
     same request served undisturbed (its random stream goes on where it was), and so does a
     seeded one killed mid-JSON under a schema (its matcher resumes from the tokens so far on
-    the new worker): its JSON validates. The kill comes once every stream has tokens from
-    the spare and the own worker is back (480 tokens each leave the undrain's seconds to
-    spare: every stream is still running then)."""
+    the new worker): its JSON validates. A seeded stream may part from the undisturbed one
+    only at a near tie, which the migration's recomputed KV may flip (tests/sampling_ties.py;
+    seen under load at token 133 of the first seeded stream, its two keys 4e-6 apart). The
+    kill comes once every stream has a token and the own worker is back (a stream still in
+    its hand-off to the spare then, as under load, is prefilled again; 480 tokens each leave
+    the undrain's seconds to spare: every stream is still running then)."""
     import json
 
     import jsonschema
@@ -434,6 +440,7 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
     fields = [greedy_request(p, n) for p in prompts[:2]]
     fields += [dict(token_ids=p, max_tokens=n, **seeded) for p in prompts[2:4]]
     fields.append(dict(token_ids=prompts[4], max_tokens=800, **mid_json))
+    limits = ValidationLimits(max_model_len=MAX_MODEL_LEN, vocab_size=tokenizer.vocab_size)
     with ThreadPoolExecutor(3) as pool:  # (seeded streams do not depend on their batch)
         undisturbed = list(pool.map(lambda f: generate(stub, **f).token_ids, fields[2:]))
     own = _isolate(router_cluster, spare_decode)
@@ -462,11 +469,14 @@ def test_streams_on_a_killed_decode_worker_migrate_greedy_and_seeded_exactly(
     for i, prompt in enumerate(prompts):
         got = results[i]
         assert isinstance(got, list), got.details()  # type: ignore[union-attr]
-        expected = hf_greedy(prompt, n) if i < 2 else undisturbed[i - 2]
-        assert got == expected, i
+        if i < 2:
+            assert got == hf_greedy(prompt, n), i
+        else:
+            params = validate(pb.GenerateRequest(**fields[i]), tokenizer, limits).sampling  # type: ignore[arg-type]
+            assert_same_or_near_tie(got, undisturbed[i - 2], prompt, params, hf_logits)
         final = finals[i]
         assert final is not None and final.timings.decode_worker == own
-        assert final.usage.completion_tokens == len(expected)
+        assert final.usage.completion_tokens == len(got)
     assert finals[4] is not None and finals[4].finish_reason == pb.FINISH_REASON_STOP
     text = tokenizer.decode(results[4])  # type: ignore[arg-type]
     jsonschema.validate(json.loads(text), MID_JSON)
