@@ -529,20 +529,19 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         s, lane = self.scheduler, self.prefill_lane
-        p = lane.scheduler if lane is not None else None
+        both = (s,) if lane is None else (s, lane.scheduler)  # (a split engine admits in its lane)
         return EngineLoad(
-            num_waiting=s.num_waiting + (p.num_waiting if p else 0),
-            num_running=s.num_running + (p.num_running if p else 0),
-            num_waiting_prefill_tokens=s.num_pending_prefill_tokens()
-            + (p.num_pending_prefill_tokens() if p else 0),
+            num_waiting=sum(x.num_waiting for x in both),
+            num_running=sum(x.num_running for x in both),
+            num_waiting_prefill_tokens=sum(x.num_pending_prefill_tokens() for x in both),
             num_free_blocks=self.block_pool.num_free,
             num_total_blocks=self.block_pool.num_blocks,
             num_handoff_blocks=s.num_handoff_blocks(),
             num_transfer_blocks=s.num_transfer_blocks(),
-            num_cache_query_tokens=s.num_cache_query_tokens,
-            num_cache_hit_tokens=s.num_cache_hit_tokens,
-            num_preemptions=s.num_preemptions,
-            num_host_hit_tokens=s.num_host_hit_tokens,
+            num_cache_query_tokens=sum(x.num_cache_query_tokens for x in both),
+            num_cache_hit_tokens=sum(x.num_cache_hit_tokens for x in both),
+            num_preemptions=sum(x.num_preemptions for x in both),
+            num_host_hit_tokens=sum(x.num_host_hit_tokens for x in both),
             host_tier=self.host_tier.stats() if self.host_tier is not None else None,
             steps=self.step_meter.snapshot(),
             loras=self.loras.held(),

@@ -74,10 +74,16 @@ def assert_idle(engine: LLMEngine) -> None:
     assert tier is not None and not any(tier._pins)
 
 
+@pytest.mark.parametrize(
+    "split",
+    [{}, {"mode": EngineMode.SPLIT, "split_decode_headroom_blocks": 1}],
+    ids=["colocated", "split"],
+)
 def test_an_evicted_prefix_is_onboarded_from_the_host_tier_token_exact(
-    make, prompts: list[list[int]], hf_greedy: Reference
+    make, prompts: list[list[int]], hf_greedy: Reference, split: dict[str, object]
 ) -> None:
-    engine = make(host_blocks=64)
+    """(A split engine onboards in its prefill lane's schedule, on the lane's stream.)"""
+    engine = make(host_blocks=64, **split)
     first = prompts[2]  # 58 tokens: 3 full blocks
     assert run(engine, "a", first) == hf_greedy(first, 10)
     for i, other in enumerate((prompts[3], prompts[4], prompts[7], prompts[0])):
