@@ -517,8 +517,10 @@ class LLMEngine:
         if not self.loras.unregister(name):
             return False
         reason = LoraNotFound(f"lora adapter {name!r} was unloaded before it ran")
-        for request in self.scheduler.abort_without_slot(name, reason):
-            self._ready.append(self._final_output(request))
+        lane = self.prefill_lane
+        for scheduler in (self.scheduler,) if lane is None else (self.scheduler, lane.scheduler):
+            for request in scheduler.abort_without_slot(name, reason):
+                self._ready.append(self._final_output(request))
         return True
 
     def list_loras(self) -> tuple[LoraInfo, ...]:

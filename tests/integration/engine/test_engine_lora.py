@@ -273,10 +273,12 @@ def test_adapters_load_and_unload_while_requests_run(
     ]
 
 
+@pytest.mark.parametrize("mode", [EngineMode.COLOCATED, EngineMode.SPLIT])
 def test_unloading_an_adapter_ends_the_requests_waiting_for_it(
-    make: EngineFactory, prompts: list[list[int]]
+    make: EngineFactory, prompts: list[list[int]], mode: EngineMode
 ) -> None:
-    engine = make("qv8", "mlp4")
+    """(A split engine's waiting requests are its prefill lane's.)"""
+    engine = make("qv8", "mlp4", mode=mode)
     engine.add_request("cold", prompts[0], greedy(8), lora_name="qv8")  # not read yet
     engine.add_request("base", prompts[1], greedy(8))
     assert engine.unload_lora("qv8")
