@@ -239,7 +239,8 @@ class EngineDriver:
             self.engine.runner.clear_device_error()
         except Exception:
             log.exception("clearing the device error after a failed step failed")
-        request_ids = list(self.engine.scheduler.requests)
+        lane = self.engine.prefill_lane  # (a split engine's prompts wait and prefill there)
+        request_ids = [*self.engine.scheduler.requests, *(lane.scheduler.requests if lane else ())]
         for rid in request_ids:
             try:
                 self.engine.abort_request(rid)

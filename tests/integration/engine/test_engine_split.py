@@ -4,6 +4,7 @@ keeps its decode loop room to grow at pool exhaustion, and frees everything at t
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -173,4 +174,49 @@ def test_a_first_token_that_ends_the_request_finishes_it_in_the_lane(
     assert outputs["one"][-1].finish_reason is FinishReason.LENGTH
     lane = engine.prefill_lane
     assert lane is not None and lane.num_handoffs == 0
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+def test_a_failed_prefill_step_aborts_the_lane_s_requests_and_the_worker_goes_on(
+    split_args, prompts: list[list[int]], hf_greedy: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EngineDriver's recovery from a step that raises aborts the requests of both loops
+    (those in the lane were left waiting before) and frees their blocks."""
+    from engine.core.driver import EngineDriver
+
+    engine = make_engine(*split_args)
+    lane = engine.prefill_lane
+    assert lane is not None
+    real_execute, calls = lane.runner.execute, {"n": 0}
+
+    def execute_failing_once(batch):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected prefill step failure")
+        return real_execute(batch)
+
+    monkeypatch.setattr(lane.runner, "execute", execute_failing_once)
+    done: dict[str, list[int]] = {}
+    failed: list[list[str]] = []
+
+    def on_outputs(outs) -> None:  # type: ignore[no-untyped-def]
+        for out in outs:
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    driver = EngineDriver(engine, on_outputs, on_step_error=lambda e, ids: failed.append(ids))
+    driver.start()
+    try:
+        driver.call(lambda e: e.add_request("doomed", prompts[0], greedy(8))).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while failed != [["doomed"]]:
+            assert time.monotonic() < deadline, f"no abort of the lane's request: {failed}"
+            time.sleep(0.01)
+        driver.call(lambda e: e.add_request("after", prompts[1], greedy(8))).result(timeout=10)
+        while len(done.get("after", [])) < 8:
+            assert time.monotonic() < deadline + 10, "the request after the failure never ended"
+            time.sleep(0.01)
+        idle = driver.call(lambda e: not e.has_unfinished()).result(timeout=10)
+    finally:
+        driver.stop()
+    assert done["after"] == hf_greedy(prompts[1], 8) and idle
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
