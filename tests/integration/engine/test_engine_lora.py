@@ -18,6 +18,7 @@ from engine_factories import greedy, make_engine, record_batches, tokens_of
 from lora_reference import ATTENTION, MLP, make_adapter, peft_model
 from lora_reference import greedy as peft_greedy_tokens
 from references import Reference
+from step_faults import fail_first_execute
 
 from engine.config import EngineMode
 from engine.core.driver import EngineDriver
@@ -371,16 +372,7 @@ def test_a_failed_step_gives_back_the_slots_of_the_requests_it_aborts(
 ) -> None:  # fmt: skip
     engine = make("qv8")
     warm(engine, "qv8")
-    real_execute = engine.runner.execute
-    calls = {"n": 0}
-
-    def execute_failing_once(batch):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected step failure")
-        return real_execute(batch)
-
-    monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
+    fail_first_execute(monkeypatch, engine.runner)
     finished: dict[str, RequestOutput] = {}
     failed: list[list[str]] = []
     driver = EngineDriver(

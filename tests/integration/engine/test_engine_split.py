@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from engine_factories import greedy, make_engine, run_to_completion, tokens_of
 from references import Reference
+from step_faults import fail_first_execute
 
 from engine.config import EngineMode
 from engine.modeling.llama import LlamaModel
@@ -187,15 +188,7 @@ def test_a_failed_prefill_step_aborts_the_lane_s_requests_and_the_worker_goes_on
     engine = make_engine(*split_args)
     lane = engine.prefill_lane
     assert lane is not None
-    real_execute, calls = lane.runner.execute, {"n": 0}
-
-    def execute_failing_once(batch):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected prefill step failure")
-        return real_execute(batch)
-
-    monkeypatch.setattr(lane.runner, "execute", execute_failing_once)
+    fail_first_execute(monkeypatch, lane.runner, "injected prefill step failure")
     done: dict[str, list[int]] = {}
     failed: list[list[str]] = []
 

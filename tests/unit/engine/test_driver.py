@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from step_faults import fail_first_execute
 
 from engine.config import EngineConfig
 from engine.core.driver import EngineDriver
@@ -40,16 +41,7 @@ def test_a_failed_step_aborts_its_requests_clears_the_device_and_serving_goes_on
         if "after" in finished:
             done.set()
 
-    real_execute = engine.runner.execute
-    calls = {"n": 0}
-
-    def execute_failing_once(batch):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("CUDA error: invalid argument")
-        return real_execute(batch)
-
-    monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
+    fail_first_execute(monkeypatch, engine.runner, "CUDA error: invalid argument")
     monkeypatch.setattr(engine.runner, "clear_device_error", lambda: cleared.append(1))
     driver = EngineDriver(
         engine, on_outputs, on_step_error=lambda e, ids: failed.append((str(e), ids))
