@@ -17,7 +17,8 @@ own 127.5 and 7.5), so each row's or group's largest weight is stored exactly an
 clipped; a reader needs only the stored scales. A scale is stored in the checkpoint's dtype,
 and the weight is rounded with the stored scale. Only the decoder's Linear modules are
 quantized; the head, embeddings and norms stay dense (`ignore: [lm_head]`).
-`pdserve make-model --quantization int8|int4` writes one.
+`pdserve make-model --quantization int8|int4` writes one; `--quantization gptq` writes the
+INT4 one in the GPTQ format instead (`gptq_tensors`: the same integers and scales).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from deploy.checkpoints.fp8_writer import popped
+from engine.loading.gptq_checkpoint import SYMMETRIC_ZERO, ZERO_OFFSET
 from engine.loading.int_checkpoint import IntScheme
 from engine.quantization.int4_linear import INT4_MAX, INT4_MIN, pack_int4
 
@@ -52,10 +54,33 @@ def quantize_int_tensors(
             raise ValueError(f"{name}: {cols} columns are not a multiple of group_size {size}")
         groups = t.float().reshape(rows * cols // size, size)
         q, scale = _quantized(groups, INT4_MAX, INT4_MIN, INT4_MAX, t.dtype)
-        out[f"{module}.weight_packed"] = pack_int4(q.reshape(rows, cols))
-        out[f"{module}.weight_scale"] = scale.reshape(rows, cols // size)
+        packed, scale = pack_int4(q.reshape(rows, cols)), scale.reshape(rows, cols // size)
+        if scheme.source:  # GPTQ: the same integers and scales in its layout
+            out |= gptq_tensors(module, packed, scale, size, scheme.source)
+            continue
+        out[f"{module}.weight_packed"] = packed
+        out[f"{module}.weight_scale"] = scale
         out[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
     return out
+
+
+def gptq_tensors(
+    module: str, packed: torch.Tensor, scale: torch.Tensor, group_size: int, fmt: str
+) -> dict[str, torch.Tensor]:
+    """A projection's pack-quantized INT4 (`packed` int32 [out, in / 8], `scale` [out,
+    in / G]) as a GPTQ checkpoint stores it (engine/loading/gptq_checkpoint.py): qweight
+    [in / 8, out], symmetric zero points (8; "gptq" stores 7), scales [in / G, out], g_idx."""
+    out, words = packed.shape
+    zero = SYMMETRIC_ZERO - ZERO_OFFSET[fmt]
+    word = sum(zero << (4 * i) for i in range(8))  # eight nibbles of the zero point
+    word -= (word >> 31) << 32  # as a signed int32
+    groups = scale.shape[1]
+    return {
+        f"{module}.qweight": packed.t().contiguous(),
+        f"{module}.qzeros": torch.full((groups, -(-out // 8)), word, dtype=torch.int32),
+        f"{module}.scales": scale.t().contiguous(),
+        f"{module}.g_idx": (torch.arange(words * 8) // group_size).to(torch.int32),
+    }
 
 
 def _quantized(

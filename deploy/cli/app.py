@@ -80,7 +80,8 @@ def make_model_cmd(
         str,
         typer.Option(
             help="none; fp8: compressed-tensors FP8; int8: W8A8 (int-quantized); int4: W4A16 "
-            "(pack-quantized): llm-compressor's formats."
+            "(pack-quantized): llm-compressor's formats; gptq: the int4 weights in the GPTQ "
+            "format (AutoGPTQ / GPTQModel, symmetric, no act-order)."
         ),
     ] = "none",
     group_size: Annotated[int, typer.Option(help="int4: input columns per weight scale.")] = 128,
@@ -149,13 +150,13 @@ def _int_scheme(quantization: str, group_size: int) -> IntScheme | None:
     """make-model's INT options as a scheme (None: not an INT quantization)."""
     from engine.loading.int_checkpoint import IntScheme
 
-    if quantization not in ("int8", "int4"):
+    if quantization not in ("int8", "int4", "gptq"):
         return None
     if quantization == "int8":
         return IntScheme(8)
     if group_size <= 0:
         raise typer.BadParameter(f"--group-size: a positive number, got {group_size}")
-    return IntScheme(4, group_size)
+    return IntScheme(4, group_size, source="gptq" if quantization == "gptq" else "")
 
 
 def _fp8_scheme(quantization: str, weight_scales: str, activations: str) -> Fp8Scheme | None:
@@ -164,7 +165,9 @@ def _fp8_scheme(quantization: str, weight_scales: str, activations: str) -> Fp8S
     from engine.loading.fp8_checkpoint import WEIGHT_STRATEGIES, Fp8Scheme
 
     if quantization not in ("none", "fp8"):
-        raise typer.BadParameter(f"--quantization: none, fp8, int8 or int4, got {quantization!r}")
+        raise typer.BadParameter(
+            f"--quantization: none, fp8, int8, int4 or gptq, got {quantization!r}"
+        )
     if weight_scales not in WEIGHT_STRATEGIES:
         raise typer.BadParameter(f"--weight-scales: channel or tensor, got {weight_scales!r}")
     if activations not in ("dynamic", "static", "none"):

@@ -23,7 +23,8 @@ type, asymmetric weights (zero points), activation ordering (`actorder`, or a
 `weight_g_idx` tensor), static or other activation strategies, INT4 with quantized
 activations, a KV-cache scheme, a group size that does not divide the module's columns; and
 a missing, misshapen or unexpected tensor (a dense projection among quantized ones: `ignore`
-may hold the head only). GPTQ- and AWQ-format checkpoints (`quant_method` gptq / awq) are
+may hold the head only). GPTQ-format INT4 checkpoints (`quant_method: gptq`) are read by
+engine/loading/gptq_checkpoint.py into the same `pack-quantized` tensors; AWQ-format ones are
 not read: convert them to compressed-tensors (llm-compressor) first.
 
 q/k/v and gate/up are separate modules in the checkpoint and one fused projection here: their
@@ -57,6 +58,10 @@ from vocabulary.model_config import ModelConfig
 INT_QUANTIZED = "int-quantized"
 PACK_QUANTIZED = "pack-quantized"
 INT_FORMATS = (INT_QUANTIZED, PACK_QUANTIZED)
+GPTQ = "gptq"
+"""`quant_method` of GPTQ-format checkpoints (AutoGPTQ, GPTQModel)."""
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+"""Their `checkpoint_format`s: zero points stored as z - 1 (the default) or as z."""
 
 _KINDS = {8: ("weight", "weight_scale"), 4: ("weight_packed", "weight_scale", "weight_shape")}
 """The tensors a module stores, per bit width."""
@@ -77,8 +82,14 @@ class IntScheme:
     weights per group, activations in the model dtype (W4A16)."""
     group_size: int = 0
     """INT4: input columns per weight scale (0 for INT8: one scale per row)."""
+    source: str = ""
+    """The checkpoint's layout: "" compressed-tensors; a GPTQ `checkpoint_format` ("gptq",
+    "gptq_v2": INT4 only, read through engine/loading/gptq_checkpoint.py)."""
 
     def __post_init__(self) -> None:
+        if self.source not in ("", *GPTQ_FORMATS) or (self.source and self.bits != 4):
+            raise ValueError(f"int schemes: source '' or one of {GPTQ_FORMATS} (int4), got "
+                             f"{self.source!r}")  # fmt: skip
         if self.bits == 8 and self.group_size != 0:
             raise ValueError("int8 weights have one scale per row (group_size 0)")
         if self.bits == 4 and self.group_size <= 0:
@@ -92,6 +103,8 @@ class IntScheme:
         return f"int{self.bits}"
 
     def __str__(self) -> str:
+        if self.source:
+            return f"GPTQ INT4 W4A16, symmetric, weights per group of {self.group_size}"
         if self.bits == 8:
             return (
                 "compressed-tensors INT8 W8A8, per-channel weights, dynamic per-token activations"
@@ -100,7 +113,14 @@ class IntScheme:
 
     def quantization_config(self) -> dict[str, Any]:
         """The config.json `quantization_config` of a checkpoint in this scheme (the head
-        left dense), as llm-compressor writes its W8A8 and W4A16 presets."""
+        left dense), as llm-compressor writes its W8A8 and W4A16 presets (GPTQ: as
+        AutoGPTQ / GPTQModel write theirs)."""
+        if self.source:
+            return {
+                "quant_method": GPTQ, "bits": 4, "group_size": self.group_size,
+                "desc_act": False, "sym": True, "checkpoint_format": self.source,
+                "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+            }  # fmt: skip
         base = {"type": "int", "symmetric": True, "observer": "minmax"}
         if self.bits == 8:
             weights = base | {"num_bits": 8, "strategy": "channel", "dynamic": False}

@@ -4,7 +4,9 @@ tokens equal transformers + compressed-tensors (which emulates the scheme) on th
 checkpoint under the margin rule of tests/fp8_reference.py; a request's INT8 tokens do not
 depend on its batch neighbours' activations; a prefill-only → decode-only hand-off on an INT
 checkpoint gives the colocated tokens, and pools of different weight formats refuse each
-other; schemes not computed are refused at load naming the config key.
+other; schemes not computed are refused at load naming the config key. The GPTQ-format INT4
+checkpoint (`--quantization gptq`) loads into its pack-quantized twin's weights, by the format's
+own dequantization formula too, and its refusals name the key or tensor.
 
 INT4 dequantizes in float32 as compressed-tensors does, so its logits equal the reference's
 (measured: 0.0). INT8 accumulates in int32 and rescales once (what the GPU computes), where
@@ -79,6 +81,11 @@ def int8_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def int4_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_int(tmp_path_factory.mktemp("int4") / "int4", "int4", "group of 128")
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_int(tmp_path_factory.mktemp("gptq") / "gptq", "gptq", "GPTQ INT4")
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +193,8 @@ def _weights(qc: dict) -> dict:
         ("int8", lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(
             dynamic=False, strategy="tensor"), None,
          "input_activations: dynamic=False strategy 'tensor' is not supported"),
-        ("int8", lambda qc: qc.update(quant_method="gptq"), None,
-         "quant_method 'gptq' is not supported"),
+        ("int8", lambda qc: qc.update(quant_method="awq"), None,
+         "quant_method 'awq' is not supported"),
         ("int8", None, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"),
          "missing model.layers.1.mlp.up_proj.weight_scale"),
         ("int4", None, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_g_idx":
@@ -258,3 +265,94 @@ def test_int8_stages_of_a_pipeline_chain_to_the_whole_int8_model(int8_dir: Path)
     assert residual is not None
     want = whole.compute_logits(whole(ids, positions, attend))
     assert torch.equal(stages[1].compute_logits(residual + h), want)
+
+
+# ---- GPTQ ----------------------------------------------------------------------------------
+
+
+def _gptq_dequantized(checkpoint: Path, module: str, group_size: int) -> torch.Tensor:
+    """W [out, in] of a GPTQ module by the format's own formula (AutoGPTQ's v1 layout:
+    qweight packs 8 input rows a word, the lowest nibble first; zero points stored as z - 1),
+    independent of engine/loading/gptq_checkpoint.py."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(checkpoint / "model.safetensors"))
+    qweight, qzeros, scales = (t[f"{module}.{k}"] for k in ("qweight", "qzeros", "scales"))
+    shifts = torch.arange(8) * 4
+    u = ((qweight.long()[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, qweight.shape[1])
+    z = ((qzeros.long()[:, :, None] >> shifts) & 0xF).reshape(qzeros.shape[0], -1) + 1
+    group = torch.arange(u.shape[0]) // group_size
+    return (scales.float()[group] * (u - z[group]).float()).t()
+
+
+def test_a_gptq_checkpoint_computes_what_its_pack_quantized_twin_does(
+    gptq_dir: Path, int4_dir: Path, tokenizer: Tokenizer, corpus_prompts: list[list[int]]
+) -> None:
+    """make-model writes the same integers and scales in both formats: the GPTQ one loads
+    into the same Int4Linear weights (the format's own dequantization formula agrees), gives
+    the same greedy tokens, and those hold against transformers + compressed-tensors on the
+    twin under the margin rule."""
+    gptq, twin = load_model(gptq_dir, torch.float32), load_model(int4_dir, torch.float32)
+    assert gptq.quantization == "int4"
+    for a, b in zip(gptq.layers, twin.layers, strict=True):
+        for name, linear in a.quantized.items():  # type: ignore[union-attr]
+            other = b.quantized[name]  # type: ignore[index]
+            assert torch.equal(linear.weight_packed, other.weight_packed), name
+            assert torch.equal(linear.weight_scale, other.weight_scale), name
+    q_proj = gptq.layers[1].quantized["qkv_proj"].dequantized(torch.float32)  # type: ignore[index]
+    want = _gptq_dequantized(gptq_dir, "model.layers.1.self_attn.q_proj", 128)
+    assert torch.equal(q_proj[: want.shape[0]], want)
+    prompts, params = corpus_prompts[::4], greedy(MAX_TOKENS, ignore_eos=True)
+    got = make_engine(gptq_dir, gptq, tokenizer).generate(prompts, params)
+    assert got == make_engine(int4_dir, twin, tokenizer).generate(prompts, params)
+    report = margin_check_against_transformers(hf_on(int4_dir), gptq, prompts, got)
+    assert report.exact >= len(prompts) - 2, report
+
+
+def _gptq_tensor(module: str, kind: str) -> str:
+    return f"model.layers.0.{module}.{kind}"
+
+
+@pytest.mark.parametrize(
+    ("edit_config", "edit_tensors", "message"),
+    [
+        (lambda qc: qc.update(bits=8), None, r"quantization_config.bits: 8 is not supported"),
+        (lambda qc: qc.update(desc_act=True), None, "desc_act: true"),
+        (lambda qc: qc.update(sym=False), None, r"sym: false \(zero points\)"),
+        (lambda qc: qc.update(group_size=-1), None, "group_size: -1 is not supported"),
+        (lambda qc: qc.update(checkpoint_format="marlin"), None,
+         "checkpoint_format: 'marlin' is not supported"),
+        (lambda qc: qc.update(checkpoint_format="gptq_v2"), None,
+         "a zero point of 7: asymmetric"),  # v1's stored 7 read as z = 7
+        (None, lambda t: t.update({_gptq_tensor("mlp.up_proj", "qzeros"):
+                                   t[_gptq_tensor("mlp.up_proj", "qzeros")] + 1}),
+         "mlp.up_proj.qzeros: a zero point of 9"),
+        (None, lambda t: t.update({_gptq_tensor("mlp.down_proj", "g_idx"):
+                                   t[_gptq_tensor("mlp.down_proj", "g_idx")].flip(0)}),
+         "down_proj.g_idx: not each row's k // 128"),
+        (None, lambda t: t.pop(_gptq_tensor("self_attn.k_proj", "qzeros")),
+         "missing model.layers.0.self_attn.k_proj.qzeros"),
+        (None, lambda t: t.update({_gptq_tensor("self_attn.o_proj", "scales"):
+                                   t[_gptq_tensor("self_attn.o_proj", "scales")][:, :7]}),
+         r"o_proj.scales is torch.float32 \[1, 7\]"),
+    ],
+)  # fmt: skip
+def test_gptq_schemes_not_computed_are_refused_at_load_naming_the_key(
+    edit_config,
+    edit_tensors,
+    message: str,
+    gptq_dir: Path,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    bad = _edited(gptq_dir, tmp_path / "bad", edit_config, edit_tensors)
+    with pytest.raises(ValueError, match=message):
+        load_model(bad, torch.float32)
+
+
+def test_a_gptq_checkpoint_at_tensor_parallelism_is_refused_naming_the_field(
+    gptq_dir: Path,
+) -> None:
+    from engine.tp.tp_shard import TPShard
+
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with a GPTQ checkpoint"):
+        load_model(gptq_dir, torch.float32, shard=TPShard(2, 0))

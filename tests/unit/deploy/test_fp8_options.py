@@ -97,7 +97,7 @@ def test_up_takes_a_config_only_folder_with_dummy_weights_and_refuses_it_without
 def test_make_model_refuses_fp8_options_that_do_not_fit(tmp_path: Path) -> None:
     out = str(tmp_path / "x")
     cases = [
-        (["--quantization", "int2"], "--quantization: none, fp8, int8 or int4, got 'int2'"),
+        (["--quantization", "int2"], "--quantization: none, fp8, int8, int4 or gptq, got 'int2'"),
         (["--quantization", "int4", "--group-size", "0"], "--group-size: a positive number"),
         (["--quantization", "int8", "--from", out], "--from: only with --quantization fp8"),
         (["--quantization", "fp8", "--weight-scales", "block"], "--weight-scales: channel or"),
