@@ -27,8 +27,8 @@ runs them.
 Refused, naming the key or tensor: another bit width, `desc_act: true` or a `g_idx` that is not
 `k // G` (activation ordering), `sym: false` or any zero point other than 8 (asymmetric),
 `group_size` -1 (one group per row) or one that does not divide a module's rows, an unknown
-`checkpoint_format`, a missing or misshapen tensor, and tensor parallelism (the packed words are
-sliced by compressed-tensors' names: convert the checkpoint with llm-compressor to shard it).
+`checkpoint_format`, a missing or misshapen tensor. A tensor-parallel rank reads the whole
+tensors and cuts the converted ones (engine/loading/loaders.py `LoadSpec.tensors`).
 """
 
 from __future__ import annotations

@@ -14,16 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.modeling.llama import DecoderLayer, LlamaModel, Rotary
-from engine.tp.tp_shard import FUSED_MODULES, WHOLE, TPShard, tensor_slice
+from engine.tp.tp_shard import FUSED_MODULES, WHOLE, Slice, TPShard, tensor_slice
 from vocabulary.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -168,14 +169,28 @@ def iter_checkpoint(
                 assert cfg is not None, "a sharded read needs the model's config"
                 view = f.get_slice(name)
                 part = tensor_slice(name, tuple(view.get_shape()), cfg, shard)
-                if part.zeros:
-                    yield name, torch.zeros_like(f.get_tensor(name))
-                elif part == WHOLE:
-                    yield name, f.get_tensor(name)
-                elif part.dim == 0:
-                    yield name, view[part.start : part.stop]
-                else:
-                    yield name, view[:, part.start : part.stop]
+                yield name, _part(part, view, partial(f.get_tensor, name))
+
+
+def shard_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig, shard: TPShard
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank `shard.rank`'s part of each whole checkpoint tensor (as `iter_checkpoint` reads
+    it with `shard`; for tensors made at load from others, e.g. a GPTQ checkpoint's)."""
+    for name, tensor in tensors:
+        part = tensor_slice(name, tuple(tensor.shape), cfg, shard)
+        yield name, _part(part, tensor, tensor)
+
+
+def _part(part: Slice, view: Any, whole: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`part` of a tensor, read through `view` (a tensor or a safetensors slice); `whole`:
+    the whole tensor, or how to read it."""
+    if part.zeros or part == WHOLE:
+        tensor = whole if isinstance(whole, torch.Tensor) else whole()
+        return torch.zeros_like(tensor) if part.zeros else tensor
+    if part.dim == 0:
+        return view[part.start : part.stop]
+    return view[:, part.start : part.stop]
 
 
 def copy_tensor(model: LlamaModel, name: str, tensor: torch.Tensor) -> str | None:

@@ -46,7 +46,12 @@ from engine.loading.checkpoint_scheme import read_checkpoint_scheme
 from engine.loading.dummy_weights import dummy_model
 from engine.loading.fp8_checkpoint import Fp8Scheme, load_fp8_weights
 from engine.loading.gptq_checkpoint import pack_quantized_tensors
-from engine.loading.hf_checkpoint import empty_model, iter_checkpoint, load_weights
+from engine.loading.hf_checkpoint import (
+    empty_model,
+    iter_checkpoint,
+    load_weights,
+    shard_tensors,
+)
 from engine.loading.int_checkpoint import IntScheme, load_int_weights
 from engine.modeling.llama import LlamaModel
 from engine.pp.pp_stage import PPStage, stage_config, stage_tensors
@@ -77,9 +82,18 @@ class LoadSpec:
     """The pipeline stage whose layers the model holds (None: every layer)."""
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors this rank reads (its TP part, its stage's layers)."""
-        tensors = iter_checkpoint(self.model_dir, self.cfg, self.shard)
-        return tensors if self.stage is None else stage_tensors(tensors, self.stage)
+        """The checkpoint's tensors this rank reads (its TP part, its stage's layers); a GPTQ
+        checkpoint's as the pack-quantized tensors they equal, cut for the rank after."""
+        gptq = self.int_scheme is not None and bool(self.int_scheme.source)
+        tensors = iter_checkpoint(self.model_dir, self.cfg, None if gptq else self.shard)
+        if self.stage is not None:
+            tensors = stage_tensors(tensors, self.stage)
+        if gptq:
+            assert self.int_scheme is not None
+            tensors = pack_quantized_tensors(tensors, self.int_scheme)
+            if self.shard is not None:
+                tensors = shard_tensors(tensors, self.cfg, self.shard)
+        return tensors
 
 
 Loader = Callable[[LoadSpec], LlamaModel]
@@ -100,10 +114,7 @@ def _load_fp8(spec: LoadSpec) -> LlamaModel:
 def _load_int(spec: LoadSpec) -> LlamaModel:
     assert spec.int_scheme is not None
     model = empty_model(spec.local_cfg, spec.dtype, spec.device)
-    tensors = spec.tensors()
-    if spec.int_scheme.source:  # GPTQ: its tensors as the pack-quantized ones they equal
-        tensors = pack_quantized_tensors(tensors, spec.int_scheme)
-    load_int_weights(model, tensors, spec.int_scheme, spec.cfg)
+    load_int_weights(model, spec.tensors(), spec.int_scheme, spec.cfg)
     return model
 
 
@@ -169,12 +180,6 @@ def load_model(
         log.info("%s is an FP8 checkpoint (%s): loading FP8 weights", model_dir, scheme)
     if int_scheme is not None:
         log.info("%s is an INT checkpoint (%s): loading it as declared", model_dir, scheme)
-        if int_scheme.source and shard is not None and load_format != "dummy":
-            raise ValueError(
-                f"tensor_parallel_size: {shard.size} with a GPTQ checkpoint is not supported "
-                "(its packed words are sharded in compressed-tensors' layout: convert it with "
-                "llm-compressor, or serve it at tensor_parallel_size 1)"
-            )
     fp8 = int_scheme is None and (quantization == "fp8" or fp8_scheme is not None)
     spec = LoadSpec(
         model_dir=Path(model_dir),

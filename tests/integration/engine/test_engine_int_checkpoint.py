@@ -349,10 +349,25 @@ def test_gptq_schemes_not_computed_are_refused_at_load_naming_the_key(
         load_model(bad, torch.float32)
 
 
-def test_a_gptq_checkpoint_at_tensor_parallelism_is_refused_naming_the_field(
-    gptq_dir: Path,
+def test_a_gptq_checkpoint_shards_for_tensor_parallelism_as_its_twin_does(
+    trained_once: None, tmp_path: Path
 ) -> None:
+    """TP ranks cut the converted tensors (whole groups: G = 32 lets the tiny model split in
+    two): each rank holds what it holds of the pack-quantized twin."""
     from engine.tp.tp_shard import TPShard
 
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with a GPTQ checkpoint"):
-        load_model(gptq_dir, torch.float32, shard=TPShard(2, 0))
+    pairs = []
+    for fmt in ("gptq", "int4"):
+        args = ["make-model", str(tmp_path / fmt), "--quantization", fmt, "--group-size", "32"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        pairs.append(
+            [load_model(tmp_path / fmt, torch.float32, shard=TPShard(2, r)) for r in (0, 1)]
+        )
+    for gptq, twin in zip(*pairs, strict=True):
+        assert gptq.quantization == "int4" and gptq.tp_shard == twin.tp_shard
+        for a, b in zip(gptq.layers, twin.layers, strict=True):
+            for name, linear in a.quantized.items():  # type: ignore[union-attr]
+                other = b.quantized[name]  # type: ignore[index]
+                assert torch.equal(linear.weight_packed, other.weight_packed), name
+                assert torch.equal(linear.weight_scale, other.weight_scale), name
