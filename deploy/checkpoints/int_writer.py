@@ -11,10 +11,12 @@ as llm-compressor's W8A8 and W4A16 presets lay them out:
         <module>.weight_scale   [out, in / G]       amax of each group / 7
         <module>.weight_shape   int64 [2]           out, in
 
-Round-to-nearest, no calibration: INT8 activations are dynamic per token (nothing to observe)
-and INT4 leaves them in the model dtype. Scales divide by 127 and 7 (not compressed-tensors'
-own 127.5 and 7.5), so each row's or group's largest weight is stored exactly and none is
-clipped; a reader needs only the stored scales. A scale is stored in the checkpoint's dtype,
+Round-to-nearest by default: INT8 activations are dynamic per token (nothing to observe) and
+INT4 leaves them in the model dtype; INT4 with `--calibrate` rounds by GPTQ against each
+projection's inputs on the bundled corpus instead (deploy/checkpoints/gptq_calibration.py).
+Scales divide by 127 and 7 (not compressed-tensors' own 127.5 and 7.5), so each row's or
+group's largest weight is stored exactly (round to nearest) and none is clipped; a reader
+needs only the stored scales. A scale is stored in the checkpoint's dtype,
 and the weight is rounded with the stored scale. Only the decoder's Linear modules are
 quantized; the head, embeddings and norms stay dense (`ignore: [lm_head]`).
 `pdserve make-model --quantization int8|int4` writes one; `--quantization gptq` writes the
@@ -23,9 +25,12 @@ INT4 one in the GPTQ format instead (`gptq_tensors`: the same integers and scale
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from deploy.checkpoints.fp8_writer import popped
+from deploy.checkpoints.gptq_calibration import gptq_round
 from engine.loading.gptq_checkpoint import SYMMETRIC_ZERO, ZERO_OFFSET
 from engine.loading.int_checkpoint import IntScheme
 from engine.quantization.int4_linear import INT4_MAX, INT4_MIN, pack_int4
@@ -34,10 +39,13 @@ _MIN_SCALE = 1e-12
 
 
 def quantize_int_tensors(
-    tensors: dict[str, torch.Tensor], scheme: IntScheme
+    tensors: dict[str, torch.Tensor],
+    scheme: IntScheme,
+    hessians: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint `tensors` (HF names, dense) in `scheme`. Empties `tensors` as it goes
-    (one copy of the weights at a time)."""
+    """The checkpoint `tensors` (HF names, dense) in `scheme`; INT4 with `hessians` (by module:
+    deploy/checkpoints/gptq_calibration.py) rounded by GPTQ, else to nearest. Empties `tensors`
+    as it goes (one copy of the weights at a time)."""
     out: dict[str, torch.Tensor] = {}
     for name, t, module in popped(tensors):
         if module is None:
@@ -52,8 +60,11 @@ def quantize_int_tensors(
         size = scheme.group_size
         if cols % size:
             raise ValueError(f"{name}: {cols} columns are not a multiple of group_size {size}")
-        groups = t.float().reshape(rows * cols // size, size)
-        q, scale = _quantized(groups, INT4_MAX, INT4_MIN, INT4_MAX, t.dtype)
+        if hessians is not None:
+            q, scale = gptq_round(t, hessians[module], size)
+        else:
+            groups = t.float().reshape(rows * cols // size, size)
+            q, scale = _quantized(groups, INT4_MAX, INT4_MIN, INT4_MAX, t.dtype)
         packed, scale = pack_int4(q.reshape(rows, cols)), scale.reshape(rows, cols // size)
         if scheme.source:  # GPTQ: the same integers and scales in its layout
             out |= gptq_tensors(module, packed, scale, size, scheme.source)

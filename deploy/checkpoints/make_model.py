@@ -33,6 +33,7 @@ import torch
 
 from deploy.checkpoints.checkpoint_files import CORPUS, save_shards, staged_dir
 from deploy.checkpoints.fp8_writer import corpus_ids, observe_input_amax, quantize_tensors
+from deploy.checkpoints.gptq_calibration import input_hessians
 from deploy.checkpoints.int_writer import quantize_int_tensors
 from engine.loading.fp8_checkpoint import Fp8Scheme
 from engine.loading.int_checkpoint import IntScheme
@@ -334,6 +335,7 @@ def make_model(
     *,
     fp8: Fp8Scheme | None = None,
     int_scheme: IntScheme | None = None,
+    calibrate: bool = False,
     config_only: bool = False,
     **overrides: object,
 ) -> Path:
@@ -342,7 +344,9 @@ def make_model(
     `overrides`: options of the preset's ModelShape (`ModelShape.with_options`, e.g.
     num_layers=2, torch_dtype="bfloat16").
     `fp8`: the weights in that compressed-tensors FP8 scheme; `int_scheme`: in that INT8 or
-    INT4 scheme (not with `fp8`); `config_only`: no weights.
+    INT4 scheme (not with `fp8`); `calibrate`: INT4 rounded by GPTQ against the bundled
+    corpus (deploy/checkpoints/gptq_calibration.py), not to nearest; `config_only`: no
+    weights.
     The folder is written under a temporary name and renamed into place, so concurrent
     writers never see a half-written checkpoint.
     """
@@ -369,8 +373,14 @@ def make_model(
     if fp8 is not None:
         tensors = _quantized(tensors, ModelConfig.from_dict(cfg_dict), fp8, tok)
         cfg_dict["quantization_config"] = fp8.quantization_config()
+    if calibrate and (int_scheme is None or int_scheme.bits != 4):
+        raise ValueError("calibrate: GPTQ rounding is for int4 weights (int4 or gptq)")
     if int_scheme is not None:
-        tensors = quantize_int_tensors(tensors, int_scheme)
+        hessians = None
+        if calibrate and tensors:
+            ids = corpus_ids(None, tok)
+            hessians = input_hessians(tensors, ModelConfig.from_dict(cfg_dict), ids)
+        tensors = quantize_int_tensors(tensors, int_scheme, hessians)
         cfg_dict["quantization_config"] = int_scheme.quantization_config()
     with staged_dir(out) as tmp:
         if tensors:
@@ -386,6 +396,8 @@ def make_model(
         recipe = {"preset": preset, "seed": seed, **asdict(shape)}
         recipe |= {"fp8": asdict(fp8) if fp8 else None, "config_only": config_only}
         recipe |= {"int": asdict(int_scheme) if int_scheme else None}
+        if calibrate:
+            recipe["calibrate"] = "gptq"
         (tmp / "pdserve_recipe.json").write_text(json.dumps(recipe, indent=2))
     return out
 

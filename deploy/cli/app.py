@@ -95,6 +95,14 @@ def make_model_cmd(
             "corpus) or none (weights only)."
         ),
     ] = "dynamic",
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="int4 / gptq: round by GPTQ against each projection's inputs on the bundled "
+            "corpus (default: to nearest).",
+        ),
+    ] = False,
     config_only: Annotated[
         bool, typer.Option("--config-only", help="Only config.json and tokenizer (no weights).")
     ] = False,
@@ -112,6 +120,8 @@ def make_model_cmd(
         fp8 = None if int_scheme else _fp8_scheme(quantization, weight_scales, activations)
         if source is not None and (fp8 is None or config_only):
             raise typer.BadParameter("--from: only with --quantization fp8 (and weights)")
+        if calibrate and (int_scheme is None or int_scheme.bits != 4):
+            raise typer.BadParameter("--calibrate: only with --quantization int4 or gptq")
     if source is not None and fp8 is not None:
         try:
             path = quantize_checkpoint(source, out_dir, fp8)
@@ -137,13 +147,14 @@ def make_model_cmd(
     try:
         path = make_model(
             out_dir, preset=preset, seed=seed, device=device, fp8=fp8, int_scheme=int_scheme,
-            config_only=config_only, **overrides,
+            calibrate=calibrate, config_only=config_only, **overrides,
         )  # fmt: skip
     except ValueError as e:
         fail(str(e), 2)
     what = "config and tokenizer" if config_only else "checkpoint"
     scheme = fp8 or int_scheme
-    console.print(f"wrote {preset} {what}{f' ({scheme})' if scheme else ''} to [bold]{path}[/bold]")
+    label = f" ({scheme}{', GPTQ-rounded on the corpus' if calibrate else ''})" if scheme else ""
+    console.print(f"wrote {preset} {what}{label} to [bold]{path}[/bold]")
 
 
 def _int_scheme(quantization: str, group_size: int) -> IntScheme | None:

@@ -89,6 +89,16 @@ def gptq_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
+def gptq_calibrated_dir(trained_once: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gptq-calibrated") / "gptq"
+    args = ["make-model", str(out), "--quantization", "gptq", "--calibrate"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "GPTQ-rounded on the corpus" in " ".join(result.output.split())
+    return out
+
+
+@pytest.fixture(scope="module")
 def int8_model(int8_dir: Path) -> LlamaModel:
     return load_model(int8_dir, torch.float32, quantization="fp8")  # the checkpoint decides
 
@@ -371,3 +381,31 @@ def test_a_gptq_checkpoint_shards_for_tensor_parallelism_as_its_twin_does(
                 other = b.quantized[name]  # type: ignore[index]
                 assert torch.equal(linear.weight_packed, other.weight_packed), name
                 assert torch.equal(linear.weight_scale, other.weight_scale), name
+
+
+def test_gptq_rounding_on_the_corpus_cuts_the_output_error_of_round_to_nearest(
+    tiny_model_dir: Path, gptq_dir: Path, gptq_calibrated_dir: Path, tokenizer: Tokenizer
+) -> None:
+    """make-model --calibrate (deploy/checkpoints/gptq_calibration.py): the model's output
+    (final hidden states) over the calibration tokens (the corpus' first 256) and over the
+    256 after them is closer to the dense model's than round-to-nearest's of the same scheme
+    (measured: 0.049 vs 0.096 relative on the calibration tokens, 0.088 vs 0.093 after)."""
+    from deploy.checkpoints.checkpoint_files import CORPUS
+
+    ids = tokenizer.encode(CORPUS.read_text())
+    dense = load_model(tiny_model_dir, torch.float32)
+    rtn, gptq = (load_model(d, torch.float32) for d in (gptq_dir, gptq_calibrated_dir))
+    assert gptq.quantization == "int4"
+
+    def error(model: LlamaModel, tokens: list[int]) -> float:
+        def out(m: LlamaModel) -> torch.Tensor:
+            attend = causal_attend(1, len(tokens), m.cfg.num_heads, m.cfg.num_kv_heads)
+            with torch.no_grad():
+                return m(torch.tensor(tokens), torch.arange(len(tokens)), attend)
+
+        ref = out(dense)
+        return float((out(model) - ref).norm() / ref.norm())
+
+    calibration, after = ids[:256], ids[256:512]
+    assert error(gptq, calibration) < 0.75 * error(rtn, calibration)
+    assert error(gptq, after) < error(rtn, after)
