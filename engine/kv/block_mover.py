@@ -22,9 +22,8 @@ Everything is queued on the current stream, so a chunk's gather never overwrites
 buffer an earlier copy on that stream still reads. The host tier has one mover for its side
 stream and one for the steps' streams; a split engine's two loops step on two streams, so a
 move queued on another stream than the mover's last one first waits (on the device) for that
-last move. Bytes are moved as
-bytes (uint8 views), whatever the pool's element type (e4m3 too). On CPU the same steps run
-synchronously.
+last move. Bytes are moved as bytes (uint8 views), whatever the pool's element type (e4m3
+too). On CPU the same steps run synchronously.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def pack_quantized_tensors(
     converted: dict[str, int] = {}  # module -> its input rows, for a g_idx that comes later
     for name, tensor in tensors:
         m = LAYER_TENSOR.match(name)
-        module, kind = name.rsplit(".", 1)
+        module, _, kind = name.rpartition(".")
         if m is None or kind not in _KINDS + _OPTIONAL:
             if kind == "weight" and m is not None and not tensor.is_floating_point():
                 raise ValueError(f"tensor {name}: int weights in a GPTQ checkpoint (qweight)")
