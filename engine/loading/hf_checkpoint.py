@@ -190,7 +190,7 @@ def _part(part: Slice, view: Any, whole: torch.Tensor | Callable[[], torch.Tenso
         return torch.zeros_like(tensor) if part.zeros else tensor
     if part.dim == 0:
         return view[part.start : part.stop]
-    return view[:, part.start : part.stop]
+    return view[:, part.start : part.stop].contiguous()  # (a tensor's column slice is a view)
 
 
 def copy_tensor(model: LlamaModel, name: str, tensor: torch.Tensor) -> str | None:
