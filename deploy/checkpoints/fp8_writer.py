@@ -23,6 +23,7 @@ import re
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,9 +142,18 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Fp8Scheme) -> 
         amax = observe_input_amax(tensors, cfg, corpus_ids(src))
     quantized = quantize_tensors(tensors, scheme, amax)
     raw["quantization_config"] = scheme.quantization_config()
+    return write_quantized_copy(src, out, quantized, raw)
+
+
+def write_quantized_copy(
+    src: Path, out: Path, tensors: dict[str, torch.Tensor], raw_config: dict[str, Any]
+) -> Path:
+    """`out`: checkpoint folder `src` with `tensors` for its weights and `raw_config` for its
+    config.json (tokenizer and other files copied), written under a temporary name and
+    renamed into place."""
     with staged_dir(out) as tmp:
-        save_shards(quantized, tmp, 5 << 30)
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        save_shards(tensors, tmp, 5 << 30)
+        (tmp / "config.json").write_text(json.dumps(raw_config, indent=2))
         for f in src.iterdir():
             weights = f.suffix == ".safetensors" or f.name == "model.safetensors.index.json"
             if f.is_file() and not weights and f.name != "config.json":

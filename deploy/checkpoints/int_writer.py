@@ -20,20 +20,24 @@ needs only the stored scales. A scale is stored in the checkpoint's dtype,
 and the weight is rounded with the stored scale. Only the decoder's Linear modules are
 quantized; the head, embeddings and norms stay dense (`ignore: [lm_head]`).
 `pdserve make-model --quantization int8|int4` writes one; `--quantization gptq` writes the
-INT4 one in the GPTQ format instead (`gptq_tensors`: the same integers and scales).
+INT4 one in the GPTQ format instead (`gptq_tensors`: the same integers and scales); with
+`--from DIR` any of them from a dense checkpoint on disk (`quantize_int_checkpoint`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
-from deploy.checkpoints.fp8_writer import popped
-from deploy.checkpoints.gptq_calibration import gptq_round
+from deploy.checkpoints.fp8_writer import corpus_ids, popped, write_quantized_copy
+from deploy.checkpoints.gptq_calibration import gptq_round, input_hessians
 from engine.loading.gptq_checkpoint import SYMMETRIC_ZERO, ZERO_OFFSET
 from engine.loading.int_checkpoint import IntScheme
 from engine.quantization.int4_linear import INT4_MAX, INT4_MIN, pack_int4
+from vocabulary.model_config import ModelConfig
 
 _MIN_SCALE = 1e-12
 
@@ -101,3 +105,28 @@ def _quantized(
     float32 `w` by amax / `top`, rounded with the scale as stored."""
     scale = (w.abs().amax(dim=1, keepdim=True) / top).clamp(min=_MIN_SCALE).to(dtype)
     return (w / scale.float()).round().clamp(lo, hi), scale
+
+
+def quantize_int_checkpoint(
+    src: str | Path, out: str | Path, scheme: IntScheme, calibrate: bool = False
+) -> Path:
+    """Write the dense checkpoint folder `src` to `out` in `scheme` (config.json gains its
+    `quantization_config`; tokenizer and other files are copied); INT4 with `calibrate`
+    rounded by GPTQ against the first corpus tokens in `src`'s tokenizer."""
+    from engine.loading.checkpoint_scheme import read_checkpoint_scheme
+    from engine.loading.hf_checkpoint import iter_checkpoint
+
+    src, out = Path(src), Path(out)
+    raw = json.loads((src / "config.json").read_text())
+    declared = read_checkpoint_scheme(raw)
+    if declared is not None:
+        raise ValueError(f"{src} is already quantized ({declared}): --from takes a dense one")
+    if calibrate and scheme.bits != 4:
+        raise ValueError("calibrate: GPTQ rounding is for int4 weights (int4 or gptq)")
+    tensors = dict(iter_checkpoint(src))
+    hessians = None
+    if calibrate:
+        hessians = input_hessians(tensors, ModelConfig.from_dict(raw), corpus_ids(src))
+    quantized = quantize_int_tensors(tensors, scheme, hessians)
+    raw["quantization_config"] = scheme.quantization_config()
+    return write_quantized_copy(src, out, quantized, raw)

@@ -108,26 +108,33 @@ def make_model_cmd(
     ] = False,
     source: Annotated[
         Path | None,
-        typer.Option("--from", help="With --quantization fp8: quantize this checkpoint folder."),
+        typer.Option("--from", help="Quantize this dense checkpoint folder (any --quantization)."),
     ] = None,
 ) -> None:
     """Write a Llama-architecture checkpoint in Hugging Face format (no download)."""
     from deploy.checkpoints.fp8_writer import quantize_checkpoint
+    from deploy.checkpoints.int_writer import quantize_int_checkpoint
     from deploy.checkpoints.make_model import make_model
 
     with checked_options():
         int_scheme = _int_scheme(quantization, group_size)
         fp8 = None if int_scheme else _fp8_scheme(quantization, weight_scales, activations)
-        if source is not None and (fp8 is None or config_only):
-            raise typer.BadParameter("--from: only with --quantization fp8 (and weights)")
+        if source is not None and ((fp8 is None and int_scheme is None) or config_only):
+            raise typer.BadParameter("--from: only with a --quantization (and weights)")
         if calibrate and (int_scheme is None or int_scheme.bits != 4):
             raise typer.BadParameter("--calibrate: only with --quantization int4 or gptq")
-    if source is not None and fp8 is not None:
+    if source is not None:
         try:
-            path = quantize_checkpoint(source, out_dir, fp8)
+            if fp8 is not None:
+                path = quantize_checkpoint(source, out_dir, fp8)
+            else:
+                assert int_scheme is not None
+                path = quantize_int_checkpoint(source, out_dir, int_scheme, calibrate)
         except (ValueError, FileNotFoundError) as e:
             fail(f"--from {source}: {e}", 2)
-        console.print(f"wrote {fp8} checkpoint of {source} to [bold]{path}[/bold]")
+        rounded = ", GPTQ-rounded on the corpus" if calibrate else ""
+        console.print(f"wrote {fp8 or int_scheme}{rounded} checkpoint of {source} to "
+                      f"[bold]{path}[/bold]")  # fmt: skip
         return
 
     overrides: dict[str, Any] = {

@@ -409,3 +409,30 @@ def test_gptq_rounding_on_the_corpus_cuts_the_output_error_of_round_to_nearest(
     calibration, after = ids[:256], ids[256:512]
     assert error(gptq, calibration) < 0.75 * error(rtn, calibration)
     assert error(gptq, after) < error(rtn, after)
+
+
+@pytest.mark.parametrize("calibrate", [False, True], ids=["round-to-nearest", "gptq-rounded"])
+def test_make_model_from_a_dense_checkpoint_writes_what_make_model_writes(
+    calibrate: bool, tiny_model_dir: Path, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`make-model --quantization gptq --from DIR` (the tiny model's own trained checkpoint)
+    writes the tensors and config make-model writes for that model: the same integers and
+    scales, calibrated or not; a quantized source is refused."""
+    from safetensors.torch import load_file
+
+    args = ["make-model", str(tmp_path / "q"), "--quantization", "gptq", "--from",
+            str(tiny_model_dir), *(["--calibrate"] if calibrate else [])]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    made: Path = request.getfixturevalue("gptq_calibrated_dir" if calibrate else "gptq_dir")
+    got, want = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "q", made))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert (
+        config["quantization_config"]
+        == json.loads((made / "config.json").read_text())["quantization_config"]
+    )
+    again = CliRunner().invoke(app, ["make-model", str(tmp_path / "r"), "--quantization", "int4",
+                                     "--from", str(tmp_path / "q")])  # fmt: skip
+    assert again.exit_code == 2 and "is already quantized" in " ".join(again.output.split())

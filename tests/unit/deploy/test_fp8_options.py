@@ -99,13 +99,13 @@ def test_make_model_refuses_fp8_options_that_do_not_fit(tmp_path: Path) -> None:
     cases = [
         (["--quantization", "int2"], "--quantization: none, fp8, int8, int4 or gptq, got 'int2'"),
         (["--quantization", "int4", "--group-size", "0"], "--group-size: a positive number"),
-        (["--quantization", "int8", "--from", out], "--from: only with --quantization fp8"),
+        (["--quantization", "int8", "--from", out, "--config-only"], "--from: only with a"),
         (["--quantization", "fp8", "--weight-scales", "block"], "--weight-scales: channel or"),
         (
             ["--quantization", "fp8", "--activations", "token"],
             "--activations: dynamic, static or none",
         ),
-        (["--from", out], "--from: only with --quantization fp8"),
+        (["--from", out], "--from: only with a --quantization (and weights)"),
     ]
     for args, message in cases:
         result = run(tmp_path, "make-model", out, *args)
