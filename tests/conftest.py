@@ -208,9 +208,9 @@ def hf_greedy_to_eos(tiny_model_dir: Path) -> Reference:
 
 
 @pytest.fixture(scope="session")
-def hf_logprobs(tiny_model_dir: Path) -> LogprobsReference:
+def hf_logprobs(hf_logits: LogitsReference) -> LogprobsReference:
     """transformers float32 log-softmax at every position of a sequence."""
-    return logprobs_reference(tiny_model_dir)
+    return logprobs_reference(hf_logits)
 
 
 @pytest.fixture(scope="session")

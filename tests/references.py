@@ -53,43 +53,32 @@ def greedy_reference(model_dir: Path, stop_at_eos: bool) -> Reference:
     return greedy
 
 
-LogprobsReference = Callable[[list[int]], "torch.Tensor"]
-"""(token ids) -> [len, vocab] float32 log-softmax of the logits at every position."""
-
-
-def logprobs_reference(model_dir: Path) -> LogprobsReference:
-    """transformers' float32 log-probabilities over a whole sequence (one forward pass): row p
-    is the distribution of the token after position p, the raw one pdserve's logprobs use."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return logprobs
-
-
 LogitsReference = Callable[[list[int]], "torch.Tensor"]
 """(token ids) -> [len, vocab] float32 logits at every position."""
 
 
 def logits_reference(model_dir: Path) -> LogitsReference:
-    """transformers' float32 logits over a whole sequence (one forward pass, memoized): row p
-    scores the token after position p (what pdserve's sampler penalizes and draws from)."""
+    """transformers' float32 logits over a whole sequence (one forward pass): row p scores
+    the token after position p (what pdserve's sampler penalizes and draws from)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    memo: dict[tuple[int, ...], torch.Tensor] = {}
 
     @torch.inference_mode()
     def logits(ids: list[int]) -> torch.Tensor:
-        key = tuple(ids)
-        if key not in memo:
-            memo[key] = hf(torch.tensor([ids])).logits[0].float()
-        return memo[key]
+        return hf(torch.tensor([ids])).logits[0].float()
 
     return logits
+
+
+LogprobsReference = Callable[[list[int]], "torch.Tensor"]
+"""(token ids) -> [len, vocab] float32 log-softmax of the logits at every position."""
+
+
+def logprobs_reference(logits: LogitsReference) -> LogprobsReference:
+    """The log-probabilities of `logits`' rows: row p is the distribution of the token after
+    position p, the raw one pdserve's logprobs use."""
+    import torch
+
+    return lambda ids: torch.log_softmax(logits(ids), dim=-1)
