@@ -239,8 +239,10 @@ class EngineDriver:
             self.engine.runner.clear_device_error()
         except Exception:
             log.exception("clearing the device error after a failed step failed")
-        lane = self.engine.prefill_lane  # (a split engine's prompts wait and prefill there)
-        request_ids = [*self.engine.scheduler.requests, *(lane.scheduler.requests if lane else ())]
+        from engine.core.prefill_lane import schedulers  # (not at import: see TYPE_CHECKING)
+
+        both = schedulers(self.engine.scheduler, self.engine.prefill_lane)
+        request_ids = [rid for scheduler in both for rid in scheduler.requests]
         for rid in request_ids:
             try:
                 self.engine.abort_request(rid)

@@ -51,7 +51,7 @@ from engine.config import EngineConfig, EngineMode
 from engine.core.overlap import InflightStep, sampling_rows
 from engine.core.pp_runner import PPLeader, step_runner
 from engine.core.pp_steps import PipelinedSteps
-from engine.core.prefill_lane import PrefillLane
+from engine.core.prefill_lane import PrefillLane, schedulers
 from engine.core.prompt_logprobs import PromptLogprobsStep
 from engine.core.rank_setup import build_rank, serving_max_model_len
 from engine.core.request import Request, RequestStatus
@@ -517,8 +517,7 @@ class LLMEngine:
         if not self.loras.unregister(name):
             return False
         reason = LoraNotFound(f"lora adapter {name!r} was unloaded before it ran")
-        lane = self.prefill_lane
-        for scheduler in (self.scheduler,) if lane is None else (self.scheduler, lane.scheduler):
+        for scheduler in schedulers(self.scheduler, self.prefill_lane):
             for request in scheduler.abort_without_slot(name, reason):
                 self._ready.append(self._final_output(request))
         return True
@@ -531,7 +530,7 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         s, lane = self.scheduler, self.prefill_lane
-        both = (s,) if lane is None else (s, lane.scheduler)  # (a split engine admits in its lane)
+        both = schedulers(s, lane)
         return EngineLoad(
             num_waiting=sum(x.num_waiting for x in both),
             num_running=sum(x.num_running for x in both),

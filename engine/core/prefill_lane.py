@@ -275,6 +275,11 @@ class PrefillLane:
         return status
 
 
+def schedulers(decode: Scheduler, lane: PrefillLane | None) -> tuple[Scheduler, ...]:
+    """An engine's schedulers: its own, and a split engine's lane's (which admits prompts)."""
+    return (decode,) if lane is None else (decode, lane.scheduler)
+
+
 @dataclass
 class Adaptive:
     """The adaptive split (vocabulary/split_policy.py) of a partitioned split engine."""

@@ -139,8 +139,9 @@ class HostTier:
         """The host blocks, in the device pool's layout (module docstring)."""
         self.block_nbytes = self.tensor.numel() // num_blocks * self.tensor.element_size()
         self._movers = stream_movers(device_kv, self.tensor, block_dim, max_blocks_per_step)
-        """(the step stream's: onboards and evictions' copies; the side stream's: offloads)
-        (engine/kv/block_mover.py: a staging buffer is used on one stream only)."""
+        """(the steps' streams': onboards and evictions' copies; the side stream's: offloads)
+        (engine/kv/block_mover.py: a move on another stream than its buffer's last one waits
+        for that one)."""
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._pins = [0] * num_blocks

@@ -84,13 +84,12 @@ class LoadSpec:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors this rank reads (its TP part, its stage's layers); a GPTQ
         checkpoint's as the pack-quantized tensors they equal, cut for the rank after."""
-        gptq = self.int_scheme is not None and bool(self.int_scheme.source)
+        gptq = self.int_scheme if self.int_scheme is not None and self.int_scheme.source else None
         tensors = iter_checkpoint(self.model_dir, self.cfg, None if gptq else self.shard)
         if self.stage is not None:
             tensors = stage_tensors(tensors, self.stage)
-        if gptq:
-            assert self.int_scheme is not None
-            tensors = pack_quantized_tensors(tensors, self.int_scheme)
+        if gptq is not None:
+            tensors = pack_quantized_tensors(tensors, gptq)
             if self.shard is not None:
                 tensors = shard_tensors(tensors, self.cfg, self.shard)
         return tensors
