@@ -71,9 +71,8 @@ def input_hessians(
 
     model = LlamaModel(cfg, dtype=torch.float32)
     load_weights(model, ((k, v.float()) for k, v in tensors.items()))
-    for module in model.layers:
-        layer = module if isinstance(module, DecoderLayer) else None
-        assert layer is not None
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
         layer.quantized = nn.ModuleDict({
             "qkv_proj": _Recorder(layer.qkv_proj, layer.qkv_bias),
             "o_proj": _Recorder(layer.o_proj, layer.o_bias),
@@ -84,10 +83,10 @@ def input_hessians(
     attend = causal_attend(1, len(ids), cfg.num_heads, cfg.num_kv_heads)
     model(ids, torch.arange(len(ids)), attend)
     out: dict[str, torch.Tensor] = {}
-    for i, module in enumerate(model.layers):
-        assert isinstance(module, DecoderLayer) and module.quantized is not None
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer) and layer.quantized is not None
         for projection, modules in FUSED_MODULES.items():
-            recorder = module.quantized[projection]
+            recorder = layer.quantized[projection]
             assert isinstance(recorder, _Recorder)
             h = 2 * recorder.xtx / max(recorder.rows, 1)
             for name in modules:

@@ -86,13 +86,11 @@ def gptq_tensors(
     in / G]) as a GPTQ checkpoint stores it (engine/loading/gptq_checkpoint.py): qweight
     [in / 8, out], symmetric zero points (8; "gptq" stores 7), scales [in / G, out], g_idx."""
     out, words = packed.shape
-    zero = SYMMETRIC_ZERO - ZERO_OFFSET[fmt]
-    word = sum(zero << (4 * i) for i in range(8))  # eight nibbles of the zero point
-    word -= (word >> 31) << 32  # as a signed int32
-    groups = scale.shape[1]
+    stored = SYMMETRIC_ZERO - ZERO_OFFSET[fmt]
+    zeros = torch.full((scale.shape[1], out), stored - 8)  # pack_int4 stores q + 8
     return {
         f"{module}.qweight": packed.t().contiguous(),
-        f"{module}.qzeros": torch.full((groups, -(-out // 8)), word, dtype=torch.int32),
+        f"{module}.qzeros": pack_int4(zeros),
         f"{module}.scales": scale.t().contiguous(),
         f"{module}.g_idx": (torch.arange(words * 8) // group_size).to(torch.int32),
     }
@@ -105,6 +103,12 @@ def _quantized(
     float32 `w` by amax / `top`, rounded with the scale as stored."""
     scale = (w.abs().amax(dim=1, keepdim=True) / top).clamp(min=_MIN_SCALE).to(dtype)
     return (w / scale.float()).round().clamp(lo, hi), scale
+
+
+def check_calibration(scheme: IntScheme | None) -> None:
+    """ValueError unless `scheme` quantizes to INT4 (what GPTQ rounding is for)."""
+    if scheme is None or scheme.bits != 4:
+        raise ValueError("calibrate: GPTQ rounding is for int4 weights (int4 or gptq)")
 
 
 def quantize_int_checkpoint(
@@ -121,8 +125,8 @@ def quantize_int_checkpoint(
     declared = read_checkpoint_scheme(raw)
     if declared is not None:
         raise ValueError(f"{src} is already quantized ({declared}): --from takes a dense one")
-    if calibrate and scheme.bits != 4:
-        raise ValueError("calibrate: GPTQ rounding is for int4 weights (int4 or gptq)")
+    if calibrate:
+        check_calibration(scheme)
     tensors = dict(iter_checkpoint(src))
     hessians = None
     if calibrate:

@@ -34,7 +34,7 @@ import torch
 from deploy.checkpoints.checkpoint_files import CORPUS, save_shards, staged_dir
 from deploy.checkpoints.fp8_writer import corpus_ids, observe_input_amax, quantize_tensors
 from deploy.checkpoints.gptq_calibration import input_hessians
-from deploy.checkpoints.int_writer import quantize_int_tensors
+from deploy.checkpoints.int_writer import check_calibration, quantize_int_tensors
 from engine.loading.fp8_checkpoint import Fp8Scheme
 from engine.loading.int_checkpoint import IntScheme
 from vocabulary.model_config import ModelConfig, RopeConfig
@@ -354,6 +354,8 @@ def make_model(
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if fp8 is not None and int_scheme is not None:
         raise ValueError("one quantization: fp8 or an int scheme, not both")
+    if calibrate:
+        check_calibration(int_scheme)
     shape = PRESETS[preset].with_options(**overrides)
     arch = shape.config
     if arch.hidden_size % arch.num_heads or arch.num_heads % arch.num_kv_heads:
@@ -373,8 +375,6 @@ def make_model(
     if fp8 is not None:
         tensors = _quantized(tensors, ModelConfig.from_dict(cfg_dict), fp8, tok)
         cfg_dict["quantization_config"] = fp8.quantization_config()
-    if calibrate and (int_scheme is None or int_scheme.bits != 4):
-        raise ValueError("calibrate: GPTQ rounding is for int4 weights (int4 or gptq)")
     if int_scheme is not None:
         hessians = None
         if calibrate and tensors:

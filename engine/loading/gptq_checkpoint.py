@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.loading.int_checkpoint import GPTQ, GPTQ_FORMATS, IntScheme
+from engine.quantization.int4_linear import unpack_int4
 from engine.tp.tp_shard import LAYER_TENSOR
 
 WHERE = "config.json: quantization_config"
@@ -126,7 +127,7 @@ def _converted(
     if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, -(-out // 8)):
         raise ValueError(f"tensor {module}.qzeros is {qzeros.dtype} {list(qzeros.shape)}, "
                          f"want int32 [{groups}, {-(-out // 8)}]")  # fmt: skip
-    zeros = _nibbles(qzeros)[:, :out] + offset
+    zeros = unpack_int4(qzeros, out).long() + 8 + offset  # the stored nibbles (q + 8), + offset
     if bool((zeros != SYMMETRIC_ZERO).any()):
         bad = int(zeros[zeros != SYMMETRIC_ZERO][0])
         raise ValueError(f"tensor {module}.qzeros: a zero point of {bad}: asymmetric "
@@ -143,9 +144,3 @@ def _check_g_idx(module: str, g_idx: torch.Tensor, rows: int, size: int) -> None
     if tuple(g_idx.shape) != (rows,) or not torch.equal(g_idx.long().cpu(), want):
         raise ValueError(f"tensor {module}.g_idx: not each row's k // {size} (activation "
                          "ordering is not supported)")  # fmt: skip
-
-
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int64 [r, 8 c] of the unsigned 4-bit values in int32 [r, c], the lowest nibble first."""
-    shifts = torch.arange(8, dtype=torch.int64) * 4
-    return ((words.long()[..., None] >> shifts) & 0xF).reshape(words.shape[0], -1)
